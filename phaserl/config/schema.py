@@ -1,0 +1,201 @@
+"""The typed config tree: one dataclass per section, with units in the field comments.
+
+This module only declares fields, defaults and per-field ranges (`meta`). Loading YAML, applying
+`key=value` overrides and checking cross-field rules live in `load.py` and `validate.py`.
+Every batch size says what it counts (prompts or responses), and whether it is global (the whole
+job) or per rank (one GPU / one process).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def spec(default, help: str, *, choices=None, min=None, max=None, factory=None):
+    """A dataclass field that carries its help text and allowed range for validation/--explain."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = spec("tiny", "policy init: a Hugging Face model directory, or 'tiny' for the built-in tiny world model")
+    tokenizer_path: Optional[str] = spec(None, "tokenizer directory; null means model.path")
+    dtype: str = spec("float32", "parameter dtype for training", choices=["float32", "bfloat16", "float16"])
+    trust_remote_code: bool = spec(False, "allow code from the model directory (off unless you turn it on)")
+
+
+@dataclass
+class DataConfig:
+    train_files: list = spec(None, "prompt files (.parquet or .jsonl, verl schema); 'tiny' = built-in task", factory=lambda: ["tiny"])
+    val_files: list = spec(None, "held-out prompt files; 'tiny' = built-in task", factory=lambda: ["tiny"])
+    prompt_key: str = spec("prompt", "column holding the prompt (a string or a list of chat messages)")
+    max_prompt_length: int = spec(128, "tokens; prompts longer than this follow data.overlong_prompts", min=1)
+    overlong_prompts: str = spec("error", "what to do with a prompt over max_prompt_length",
+                                 choices=["error", "drop", "truncate_left", "truncate_right"])
+    apply_chat_template: bool = spec(True, "format prompts with the tokenizer's chat template (with generation prompt)")
+    shuffle: bool = spec(True, "reshuffle the training prompts every epoch (seeded by trainer.seed)")
+    val_max_prompts: Optional[int] = spec(None, "use at most this many held-out prompts; null = all", min=1)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = spec(32, "prompts per RL step, GLOBAL (all ranks together)", min=1)
+    n: int = spec(4, "responses sampled per prompt", min=1)
+    batch_size: int = spec(32, "prompts per GPU (rank) per generate call", min=1)
+    max_new_tokens: int = spec(64, "tokens per response, at most", min=1)
+    temperature: float = spec(1.0, "sampling temperature (0 = greedy)", min=0.0)
+    top_p: float = spec(1.0, "nucleus sampling mass (1 = off)", min=0.0, max=1.0)
+    top_k: int = spec(0, "sample among the k most likely tokens (0 = off)", min=0)
+    engine: str = spec("auto", "rollout engine: builtin (our KV-cache engine), hf (transformers generate), auto",
+                        choices=["auto", "builtin", "hf"])
+    val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
+    val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
+
+
+@dataclass
+class RewardFunctionConfig:
+    name: str = spec("tiny_exact", "built-in rule name or 'path/to/file.py:function'")
+    weight: float = spec(1.0, "weight of this function in the summed reward")
+    kwargs: dict = spec(None, "extra keyword arguments passed to the function", factory=dict)
+
+
+@dataclass
+class RewardConfig:
+    functions: list = spec(None, "rule reward functions (list of {name, weight, kwargs})",
+                           factory=lambda: [RewardFunctionConfig()])
+    reward_model_weight: float = spec(1.0, "weight of the reward model's score when reward_model.enable")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = spec(False, "score responses with a sequence-classification reward model")
+    path: Optional[str] = spec(None, "reward model directory (Hugging Face format)")
+    tokenizer_path: Optional[str] = spec(None, "the reward model's own tokenizer; null means reward_model.path")
+    batch_size: int = spec(16, "sequences per GPU (rank) per scoring call", min=1)
+    max_length: int = spec(512, "tokens of prompt+response the reward model sees, at most", min=8)
+    truncation: bool = spec(True, "truncate inputs over max_length (false: error on overlong input)")
+    truncation_side: str = spec("left", "which end to cut when truncating (left keeps the response end)",
+                                choices=["left", "right"])
+    apply_chat_template: bool = spec(True, "format (prompt, response) with a chat template before scoring")
+    chat_template: Optional[str] = spec(None, "a Jinja chat template overriding the RM tokenizer's own")
+    response_key: str = spec("response", "field of a row that holds the response to score")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = spec("grpo", "advantage estimator",
+                              choices=["gae", "grpo", "rloo", "reinforce_plus_plus",
+                                       "reinforce_plus_plus_baseline", "remax"])
+    norm_adv_by_std: bool = spec(True, "GRPO: divide by the group std (false = Dr.GRPO)")
+    gamma: float = spec(1.0, "discount factor", min=0.0, max=1.0)
+    lam: float = spec(1.0, "GAE lambda", min=0.0, max=1.0)
+    kl_placement: str = spec("loss", "where the KL to the reference goes", choices=["loss", "reward", "none"])
+    kl_estimator: str = spec("k3", "KL estimator", choices=["k1", "k2", "k3"])
+    kl_coef: float = spec(0.001, "KL coefficient (initial value when adaptive)", min=0.0)
+    kl_target: Optional[float] = spec(None, "adaptive KL controller target (null = fixed coefficient)", min=0.0)
+    kl_horizon: int = spec(10000, "adaptive KL controller horizon, in responses", min=1)
+
+
+@dataclass
+class FSDPConfig:
+    sharding_strategy: str = spec("FULL_SHARD", "FSDP2 sharding of this role",
+                                  choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    cpu_offload: bool = spec(False, "keep parameters on the CPU between uses")
+    param_dtype: Optional[str] = spec(None, "mixed precision compute dtype (null = parameter dtype)",
+                                      choices=[None, "float32", "bfloat16", "float16"])
+    reshard_after_forward: bool = spec(True, "free gathered parameters after forward")
+
+
+@dataclass
+class HybridEngineConfig:
+    enable_rollout_optimization_switch: bool = spec(True, "switch between rollout and training modes (actor only)")
+    offload_optimizer: bool = spec(False, "move optimizer state to CPU while in rollout mode")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = spec(1e-6, "learning rate", min=0.0)
+    weight_decay: float = spec(0.0, "AdamW weight decay", min=0.0)
+    betas: list = spec(None, "AdamW betas", factory=lambda: [0.9, 0.999])
+    grad_clip: float = spec(1.0, "max gradient norm (0 = off)", min=0.0)
+    warmup_steps: int = spec(0, "linear warmup, in optimizer steps", min=0)
+    lr_schedule: str = spec("constant", "after warmup", choices=["constant", "cosine"])
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = spec(None, "optimizer", factory=OptimConfig)
+    policy_loss: str = spec("ppo", "ppo (token ratio) or gspo (sequence-level ratio)", choices=["ppo", "gspo"])
+    clip_ratio_low: float = spec(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", min=0.0)
+    clip_ratio_high: float = spec(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (clip-higher when > low)", min=0.0)
+    dual_clip_c: Optional[float] = spec(3.0, "dual-clip constant for negative advantages (null = off)", min=1.0)
+    loss_agg_mode: str = spec("token-mean", "how per-token losses become one number",
+                              choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                       "seq-mean-token-sum-norm"])
+    entropy_coef: float = spec(0.0, "entropy bonus coefficient", min=0.0)
+    gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
+    fsdp: FSDPConfig = spec(None, "parallel settings of the actor", factory=FSDPConfig)
+    hybrid_engine: HybridEngineConfig = spec(None, "rollout/training mode switch", factory=HybridEngineConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = spec(None, "train a value model (null = only when algorithm.adv_estimator is gae)")
+    path: Optional[str] = spec(None, "critic init directory (null = model.path, with a fresh value head)")
+    optim: OptimConfig = spec(None, "optimizer", factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: float = spec(0.5, "value clipping around the old values", min=0.0)
+    loss_coef: float = spec(0.5, "value loss coefficient", min=0.0)
+    fsdp: FSDPConfig = spec(None, "parallel settings of the critic (never switches modes)", factory=FSDPConfig)
+    hybrid_engine: Optional[HybridEngineConfig] = spec(None, "must stay null: only the actor switches modes")
+
+
+@dataclass
+class RefConfig:
+    enable: Optional[bool] = spec(None, "keep a frozen reference policy (null = when algorithm.kl_placement != none)")
+    path: Optional[str] = spec(None, "reference init directory (null = model.path)")
+    fsdp: FSDPConfig = spec(None, "parallel settings of the reference", factory=FSDPConfig)
+
+
+@dataclass
+class PPOConfig:
+    mini_batch_size: Optional[int] = spec(None, "responses per optimizer step, GLOBAL (null = derived from num_mini_batches)", min=1)
+    num_mini_batches: int = spec(1, "optimizer steps per epoch over one RL step's responses", min=1)
+    epochs: int = spec(1, "passes over one RL step's responses", min=1)
+    micro_batch_tokens: int = spec(16384, "tokens per training micro-batch, per rank (forward+backward)", min=1)
+    forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = spec(10, "RL steps to run", min=1)
+    seed: int = spec(0, "seed for data order, sampling and init")
+    device: str = spec("auto", "cpu, cuda, or auto (cuda when available)", choices=["auto", "cpu", "cuda"])
+    checkpoint_path: str = spec("runs/default/checkpoints", "where step_{N}/ checkpoints go (shared storage on several nodes)")
+    log_dir: str = spec("runs/default", "metrics.jsonl, TensorBoard events and the report go here")
+    save_interval: int = spec(0, "save every this many steps (0 = only at the end)", min=0)
+    keep_checkpoint_num: int = spec(3, "keep the newest N complete checkpoints", min=1)
+    val_interval: int = spec(0, "validate every this many steps (0 = only before and after training)", min=0)
+    val_before_train: bool = spec(True, "validate at step 0")
+    resume: str = spec("auto", "auto (newest complete checkpoint), never, or a checkpoint path")
+    export_hf: bool = spec(False, "also export the actor in Hugging Face format at each save")
+    loggers: list = spec(None, "console, jsonl, tensorboard, wandb", factory=lambda: ["console", "jsonl", "tensorboard"])
+    on_nonfinite: str = spec("stop", "non-finite advantages/loss/grad norm: stop the run or skip the step",
+                             choices=["stop", "skip"])
+
+
+@dataclass
+class Config:
+    model: ModelConfig = spec(None, "the policy model", factory=ModelConfig)
+    data: DataConfig = spec(None, "prompt data", factory=DataConfig)
+    rollout: RolloutConfig = spec(None, "generation", factory=RolloutConfig)
+    reward: RewardConfig = spec(None, "rule rewards", factory=RewardConfig)
+    reward_model: RewardModelConfig = spec(None, "reward model", factory=RewardModelConfig)
+    algorithm: AlgorithmConfig = spec(None, "advantages and KL", factory=AlgorithmConfig)
+    actor: ActorConfig = spec(None, "the policy's training settings", factory=ActorConfig)
+    critic: CriticConfig = spec(None, "the value model (PPO)", factory=CriticConfig)
+    ref: RefConfig = spec(None, "the frozen reference policy", factory=RefConfig)
+    ppo: PPOConfig = spec(None, "update-phase batch sizes", factory=PPOConfig)
+    trainer: TrainerConfig = spec(None, "run length, seeds, paths, logging", factory=TrainerConfig)
