@@ -1,0 +1,93 @@
+"""Typed data that travels between the phases of one RL step.
+
+Layout (as in verl): every response row is `prompt (left-padded to P) + response (right-padded to R)`.
+Legend: B = responses in the batch (prompts × n), P = padded prompt width, R = padded response width,
+S = P + R. Response-aligned tensors are [B, R]; sequence tensors are [B, S].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """What the rollout phase produces: token ids and the sampler's log-probs."""
+
+    input_ids: torch.Tensor        # [B, S] prompt (left-padded) + response (right-padded)
+    attention_mask: torch.Tensor   # [B, S] 1 = real token
+    position_ids: torch.Tensor     # [B, S]
+    response_mask: torch.Tensor    # [B, R] 1 = response token (EOS included)
+    prompt_width: int              # P
+    group_ids: torch.Tensor        # [B] responses of one prompt share an id
+    rollout_logprobs: torch.Tensor  # [B, R] log-probs reported by the sampler
+    prompts: list                  # [B] the prompt (str or chat messages) of each response
+    response_texts: list           # [B] decoded responses, special tokens stripped
+    rows: list                     # [B] the PromptRow each response answers
+    finish_reasons: list           # [B] "stop" | "length"
+
+    @property
+    def num_responses(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_ids(self) -> torch.Tensor:  # [B, R]
+        return self.input_ids[:, self.prompt_width:]
+
+    def response_lengths(self) -> torch.Tensor:  # [B]
+        return self.response_mask.sum(dim=1)
+
+    def select(self, index: torch.Tensor) -> "RolloutBatch":
+        """Rows `index` (a 1-D long tensor) of every field."""
+        idx = index.tolist()
+        return replace(
+            self,
+            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
+            position_ids=self.position_ids[index], response_mask=self.response_mask[index],
+            group_ids=self.group_ids[index], rollout_logprobs=self.rollout_logprobs[index],
+            prompts=[self.prompts[i] for i in idx], response_texts=[self.response_texts[i] for i in idx],
+            rows=[self.rows[i] for i in idx], finish_reasons=[self.finish_reasons[i] for i in idx],
+        )
+
+
+@dataclass
+class Scores:
+    """What the score phase produces."""
+
+    total: torch.Tensor            # [B] float32 weighted sum of every reward source
+    by_source: dict = field(default_factory=dict)  # name -> [B] float32 raw score of one function / the RM
+
+
+@dataclass
+class ForwardResults:
+    """What the forward-only phase produces (no gradients)."""
+
+    old_logprobs: torch.Tensor             # [B, R] actor log-probs before the update
+    ref_logprobs: Optional[torch.Tensor]   # [B, R] or None when no reference policy
+    values: Optional[torch.Tensor]         # [B, R] or None when no critic
+
+
+@dataclass
+class TrainBatch:
+    """Everything the update phase needs, one row per response."""
+
+    rollout: RolloutBatch
+    old_logprobs: torch.Tensor             # [B, R]
+    ref_logprobs: Optional[torch.Tensor]   # [B, R]
+    advantages: torch.Tensor               # [B, R]
+    returns: torch.Tensor                  # [B, R]
+    old_values: Optional[torch.Tensor]     # [B, R]
+
+    @property
+    def num_responses(self) -> int:
+        return self.rollout.num_responses
+
+    def select(self, index: torch.Tensor) -> "TrainBatch":
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return TrainBatch(
+            rollout=self.rollout.select(index), old_logprobs=self.old_logprobs[index],
+            ref_logprobs=pick(self.ref_logprobs), advantages=self.advantages[index],
+            returns=self.returns[index], old_values=pick(self.old_values),
+        )

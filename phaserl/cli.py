@@ -1,0 +1,133 @@
+"""The `phaserl` command line: quickstart, train, config --explain, sft, and the commands still to land.
+
+Each subcommand parses its arguments and calls one library function; nothing imports this module.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("phaserl")
+
+NOT_YET = {
+    "doctor": "preflight checks for the five classic mistakes (issue: `phaserl doctor`)",
+    "export": "export a checkpoint as a Hugging Face model directory (issue: checkpoints and resume)",
+    "report": "plot a run's metrics to report.png (issue: checkpoints and resume)",
+    "train-rm": "train a reward model on preference pairs (issue: reward models end to end)",
+}
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+
+
+def cmd_config(args) -> int:
+    from .config import explain, load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    print(explain(cfg, world_size=args.world_size) if args.explain else to_yaml(cfg))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .config import dump_yaml, load_config
+    from .parallel import rank_and_world
+    from .trainer import RLTrainer
+
+    cfg = load_config(args.config, args.overrides, world_size=rank_and_world()[1])
+    os.makedirs(cfg.trainer.log_dir, exist_ok=True)
+    dump_yaml(cfg, os.path.join(cfg.trainer.log_dir, "config.yaml"))
+    RLTrainer.from_config(cfg).fit()
+    return 0
+
+
+def cmd_quickstart(args) -> int:
+    from .config import dump_yaml, load_config
+    from .trainer import RLTrainer
+    from .world import QUICKSTART_CONFIG, prepare_tiny_world
+
+    t0 = time.perf_counter()
+    prepare_tiny_world()
+    out = args.out
+    overrides = [f"trainer.log_dir={out}", f"trainer.checkpoint_path={os.path.join(out, 'checkpoints')}",
+                 f"trainer.device={args.device}", *args.overrides]
+    cfg = load_config(QUICKSTART_CONFIG, overrides)
+    if os.path.exists(os.path.join(out, "metrics.jsonl")) and not args.overrides:
+        log.info(f"{out} holds an earlier quickstart run; its metrics.jsonl gets appended to")
+    os.makedirs(out, exist_ok=True)
+    dump_yaml(cfg, os.path.join(out, "config.yaml"))
+    log.info(f"phaserl quickstart: GRPO on the built-in tiny arithmetic task, {cfg.trainer.total_steps} steps "
+             f"on {args.device}; resolved config in {os.path.join(out, 'config.yaml')}")
+    trainer = RLTrainer.from_config(cfg)
+    trainer.fit()
+    before, after = trainer.val_history[0][1]["val/score_mean"], trainer.val_history[-1][1]["val/score_mean"]
+    minutes = (time.perf_counter() - t0) / 60
+    log.info(f"held-out score (greedy, {len(trainer.run.val_prompts)} prompts): "
+             f"before {before:.3f} -> after {after:.3f} ({after - before:+.3f}) in {minutes:.1f} min; "
+             f"metrics in {os.path.join(out, 'metrics.jsonl')}")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from .world.build import regenerate_assets
+
+    regenerate_assets()
+    return 0
+
+
+def cmd_not_yet(name: str):
+    def run(args) -> int:
+        print(f"phaserl {name}: {NOT_YET[name]} — not available in this version yet.", file=sys.stderr)
+        return 2
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phaserl", description="RL post-training for LLMs, phase by phase.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quickstart", help="GRPO on the built-in tiny task; prints the held-out score before/after")
+    q.add_argument("--out", default="runs/quickstart", help="run directory (metrics.jsonl, config.yaml)")
+    q.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    q.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    q.set_defaults(fn=cmd_quickstart)
+
+    t = sub.add_parser("train", help="run RL training from a YAML config")
+    t.add_argument("config")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ppo.mini_batch_size=16 rollout.n=8")
+    t.set_defaults(fn=cmd_train)
+
+    c = sub.add_parser("config", help="print the resolved config; --explain adds the batch arithmetic")
+    c.add_argument("config", nargs="?", default=None)
+    c.add_argument("overrides", nargs="*")
+    c.add_argument("--explain", action="store_true", help="print derived batch sizes and what each means")
+    c.add_argument("--world-size", type=int, default=1, help="number of ranks to explain for")
+    c.set_defaults(fn=cmd_config)
+
+    s = sub.add_parser("sft", help="rebuild the tiny world's warm-started model (supervised) from scratch")
+    s.set_defaults(fn=cmd_sft)
+
+    for name, what in NOT_YET.items():
+        n = sub.add_parser(name, help=f"{what} [not yet available]")
+        n.add_argument("args", nargs="*")
+        n.set_defaults(fn=cmd_not_yet(name))
+    return p
+
+
+def main(argv=None) -> int:
+    from .errors import PhaserlError
+
+    _setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except PhaserlError as exc:
+        print(f"phaserl {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

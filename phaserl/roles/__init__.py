@@ -1,0 +1,7 @@
+"""The roles of HybridFlow, with the seed's names: actor, critic, reference policy, reward model."""
+from .actor import HybridActor
+from .critic import Critic
+from .reference import ReferencePolicy
+from .reward_model import RewardModelWrapper
+
+__all__ = ["HybridActor", "Critic", "ReferencePolicy", "RewardModelWrapper"]

@@ -1,0 +1,159 @@
+"""HybridActor: the policy, switching between rollout mode and training mode.
+
+The actor is the only role that switches. Rollout mode: eval(), optimizer state optionally moved to
+the CPU, the rollout engine's KV cache allocated by the engine. Training mode: the cache is gone,
+optimizer state is back. Each switch logs one `[HybridEngine]` line with its duration and memory.
+The update follows BRIEF §2 step 6: epochs × mini-batches, micro-batches by token budget, losses
+normalized by the mini-batch's global token / sequence counts so the split never changes the gradient.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..algo import aggregate, kl_penalty
+from ..batch import TrainBatch
+from ..batching import split_by_tokens, trim_padding
+from ..errors import ConfigError
+from ..rollout import GenerationResult, SamplingParams, generate
+from .forward import batch_logprobs, micro_logprobs
+from .models import as_causal_lm
+from .optim import Optimizer, OptimSettings
+from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
+
+log = logging.getLogger("phaserl")
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    loss_fn: Callable                 # algo.POLICY_LOSSES[name]
+    clip_low: float
+    clip_high: float
+    dual_clip_c: Optional[float]
+    agg_mode: str
+    entropy_coef: float
+    kl_loss_coef: float               # 0 unless algorithm.kl_placement == "loss"
+    kl_estimator: str
+    temperature: float                # the rollout temperature: log-probs are of the sampled distribution
+
+
+class HybridActor:
+    """The policy role (seed name).  `model` is our CausalLM or any transformers causal LM."""
+
+    role = "actor"
+
+    def __init__(self, model, tokenizer=None, *, fsdp_config=None, hybrid_engine_config=None):
+        self.model = as_causal_lm(model)
+        self.tokenizer = tokenizer
+        self.fsdp = FSDPSettings.from_any(fsdp_config, role="actor")
+        self.hybrid = HybridSettings.from_any(hybrid_engine_config)
+        self.optimizer: Optional[Optimizer] = None
+        self.loss: Optional[PolicyLossSettings] = None
+        self.mode = "training"
+        self.last_switch: dict = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.output_weight.device
+
+    def setup_training(self, optim: OptimSettings, loss: PolicyLossSettings) -> None:
+        self.optimizer = Optimizer(self.model.parameters(), optim)
+        self.loss = loss
+
+    # ----- mode switching ---------------------------------------------------------------------
+    @contextmanager
+    def rollout_mode(self):
+        """Training → rollout on entry, rollout → training on exit, each switch logged."""
+        self._switch("rollout")
+        try:
+            yield self
+        finally:
+            self._switch("training")
+
+    def _switch(self, target: str) -> None:
+        source = self.mode
+        if source == target:
+            return
+        t0, before = time.perf_counter(), device_memory_gb(self.device)
+        if target == "rollout":
+            self.model.eval()
+            if self.hybrid.offload_optimizer and self.optimizer is not None and self.device.type == "cuda":
+                self.optimizer.offload_state("cpu")
+        else:
+            self.model.train()
+            if self.hybrid.offload_optimizer and self.optimizer is not None and self.device.type == "cuda":
+                self.optimizer.offload_state(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self.mode = target
+        after = device_memory_gb(self.device)
+        seconds = time.perf_counter() - t0
+        self.last_switch = {"to": target, "seconds": seconds, "memory_before_gb": before, "memory_after_gb": after}
+        if self.hybrid.enable_rollout_optimization_switch:
+            mem = "n/a on cpu" if before is None else f"{before:.2f} GB -> {after:.2f} GB allocated"
+            log.info(f"[HybridEngine] Switching actor from {source} to {target} mode "
+                     f"({seconds * 1000:.1f} ms, memory {mem})")
+
+    # ----- rollout ----------------------------------------------------------------------------
+    def generate(self, prompts: list, params: SamplingParams, *, eos_token_ids: list, pad_token_id: int,
+                 batch_size: int, generator: Optional[torch.Generator] = None) -> GenerationResult:
+        if self.mode != "rollout" and self.hybrid.enable_rollout_optimization_switch:
+            raise RuntimeError("HybridActor.generate called in training mode: wrap it in `with actor.rollout_mode():`")
+        return generate(self.model, prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                        batch_size=batch_size, generator=generator)
+
+    # ----- forward-only -----------------------------------------------------------------------
+    def compute_logprobs(self, batch, *, token_budget: int) -> torch.Tensor:
+        """Old log-probs of the responses.  [B, R]"""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return batch_logprobs(self.model, batch, temperature=self.loss.temperature, token_budget=token_budget)
+        finally:
+            self.model.train(was_training)
+
+    # ----- update -----------------------------------------------------------------------------
+    def update_mini_batch(self, mb: TrainBatch, *, token_budget: int, global_tokens: float,
+                          global_seqs: float) -> dict:
+        """One optimizer step on mini-batch `mb` (this rank's share).  Returns summed stats."""
+        if self.optimizer is None:
+            raise ConfigError("HybridActor.setup_training(...) must be called before update (RLTrainer does it)")
+        s = self.loss
+        max_len = mb.rollout.response_mask.shape[1]
+        stats = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0,
+                 "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+        for idx in split_by_tokens(mb.rollout, token_budget):
+            micro = mb.select(idx)
+            rb = trim_padding(micro.rollout)
+            R = rb.response_mask.shape[1]
+            mask = rb.response_mask.float()                                   # [b, R]
+            logp, ent = micro_logprobs(self.model, rb, temperature=s.temperature,
+                                       with_entropy=True)
+            old = micro.old_logprobs[:, :R]
+            adv = micro.advantages[:, :R]
+            pg_mat, pg_stats = s.loss_fn(logp, old, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high,
+                                         dual_clip_c=s.dual_clip_c)           # [b, R]
+            norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
+            pg_loss = aggregate(pg_mat, mask, s.agg_mode, **norm)
+            entropy = aggregate(ent, mask, "token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
+            loss = pg_loss - s.entropy_coef * entropy
+            if s.kl_loss_coef > 0:
+                kl_mat = kl_penalty(logp, micro.ref_logprobs[:, :R], s.kl_estimator)  # [b, R]
+                kl_loss = aggregate(kl_mat, mask, s.agg_mode, **norm)
+                loss = loss + s.kl_loss_coef * kl_loss
+                stats["actor/kl_loss"] += float(kl_loss)
+            loss.backward()
+            tokens = float(mask.sum())
+            stats["actor/pg_loss"] += float(pg_loss)
+            stats["actor/entropy"] += float(entropy)
+            stats["actor/pg_clipfrac"] += float(pg_stats["clipfrac"]) * tokens / global_tokens
+            stats["actor/ppo_kl"] += float(pg_stats["approx_kl"]) * tokens / global_tokens
+        stats["actor/grad_norm"] = self.optimizer.step()
+        stats["actor/lr"] = self.optimizer.lr
+        return stats

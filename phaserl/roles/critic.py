@@ -1,0 +1,63 @@
+"""Critic: the value model.  Forward, backward, step — it never takes part in rollout or resharding."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..algo import aggregate, clipped_value_loss
+from ..batch import TrainBatch
+from ..batching import split_by_tokens, trim_padding
+from ..errors import ConfigError
+from .forward import batch_values, micro_values
+from .optim import Optimizer, OptimSettings
+from .parallel_settings import FSDPSettings, reject_hybrid_config
+
+
+class Critic:
+    """The value role (seed name).  `model` maps (input_ids, position_ids, attention_mask) → values [B, S]."""
+
+    role = "critic"
+
+    def __init__(self, model: torch.nn.Module, *, fsdp_config=None, hybrid_engine_config=None):
+        reject_hybrid_config("Critic", hybrid_engine_config)
+        self.model = model
+        self.fsdp = FSDPSettings.from_any(fsdp_config, role="critic")
+        self.optimizer: Optional[Optimizer] = None
+        self.cliprange_value = 0.5
+        self.loss_coef = 0.5
+
+    def setup_training(self, optim: OptimSettings, *, cliprange_value: float, loss_coef: float) -> None:
+        self.optimizer = Optimizer(self.model.parameters(), optim)
+        self.cliprange_value = cliprange_value
+        self.loss_coef = loss_coef
+
+    def compute_values(self, batch, *, token_budget: int) -> torch.Tensor:
+        """Values of the positions predicting each response token.  [B, R]"""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return batch_values(self.model, batch, token_budget=token_budget)
+        finally:
+            self.model.train(was_training)
+
+    def update_mini_batch(self, mb: TrainBatch, *, token_budget: int, global_tokens: float,
+                          global_seqs: float) -> dict:
+        if self.optimizer is None:
+            raise ConfigError("Critic.setup_training(...) must be called before update (RLTrainer does it)")
+        stats = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0}
+        for idx in split_by_tokens(mb.rollout, token_budget):
+            micro = mb.select(idx)
+            rb = trim_padding(micro.rollout)
+            R = rb.response_mask.shape[1]
+            mask = rb.response_mask.float()                               # [b, R]
+            values = micro_values(self.model, rb)                          # [b, R]
+            vf_mat, clipfrac = clipped_value_loss(values, micro.old_values[:, :R], micro.returns[:, :R], mask,
+                                                  cliprange=self.cliprange_value)
+            vf_loss = aggregate(vf_mat, mask, "token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
+            (self.loss_coef * vf_loss).backward()
+            stats["critic/vf_loss"] += float(vf_loss)
+            stats["critic/vf_clipfrac"] += float(clipfrac) * float(mask.sum()) / global_tokens
+        stats["critic/grad_norm"] = self.optimizer.step()
+        stats["critic/lr"] = self.optimizer.lr
+        return stats

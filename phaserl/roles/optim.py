@@ -1,0 +1,66 @@
+"""Optimizer, learning-rate schedule and the clipped step shared by the trainable roles."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    grad_clip: float = 1.0          # 0 = off
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"   # constant | cosine
+    total_steps: int = 1            # optimizer steps over the whole run (for cosine)
+
+
+def _lr_factor(step: int, s: OptimSettings) -> float:
+    if s.warmup_steps and step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.lr_schedule == "cosine":
+        span = max(s.total_steps - s.warmup_steps, 1)
+        progress = min((step - s.warmup_steps) / span, 1.0)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+class Optimizer:
+    """AdamW + LambdaLR + gradient clipping: `step()` returns the pre-clip gradient norm."""
+
+    def __init__(self, params, settings: OptimSettings):
+        self.params = [p for p in params if p.requires_grad]
+        self.settings = settings
+        self.opt = torch.optim.AdamW(self.params, lr=settings.lr, betas=tuple(settings.betas),
+                                     weight_decay=settings.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: _lr_factor(i, settings))
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def step(self) -> float:
+        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        if torch.isfinite(grad_norm):
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+
+    def offload_state(self, device) -> None:
+        """Move AdamW moments to `device` (CPU while the actor is in rollout mode)."""
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and k != "step":
+                    st[k] = v.to(device, non_blocking=True)

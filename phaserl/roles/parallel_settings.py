@@ -1,0 +1,79 @@
+"""Per-role parallel settings (seed mistake 1: one FSDP config for every role).
+
+Each role owns an `FSDPSettings`; only the actor owns `HybridSettings`. The settings accept the
+seed's plain dicts (`fsdp_config=dict(sharding_strategy="FULL_SHARD")`) or config dataclasses, and
+reject unknown keys by name. Applying them to a device mesh lives in `phaserl.parallel`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+def _from_any(cls, value, what: str):
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a dict or {cls.__name__}, got {type(value).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in value:
+        if key not in names:
+            hint = difflib.get_close_matches(key, names, n=1)
+            fix = f"; did you mean {hint[0]!r}?" if hint else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"{what}: unknown key {key!r}{fix}")
+    return cls(**value)
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    sharding_strategy: str = "FULL_SHARD"
+    cpu_offload: bool = False
+    param_dtype: Optional[str] = None
+    reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        if self.sharding_strategy not in SHARDING_STRATEGIES:
+            raise ConfigError(f"fsdp sharding_strategy={self.sharding_strategy!r}: expected one of "
+                              f"{', '.join(SHARDING_STRATEGIES)}")
+
+    @classmethod
+    def from_any(cls, value, *, role: str) -> "FSDPSettings":
+        return _from_any(cls, value, f"{role} fsdp_config")
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    enable_rollout_optimization_switch: bool = True
+    offload_optimizer: bool = False
+
+    @classmethod
+    def from_any(cls, value) -> "HybridSettings":
+        return _from_any(cls, value, "actor hybrid_engine_config")
+
+
+def reject_hybrid_config(role: str, hybrid_engine_config) -> None:
+    """Only the actor switches between rollout and training (seed mistake 1)."""
+    if hybrid_engine_config:
+        raise ConfigError(
+            f"{role}: hybrid_engine_config={hybrid_engine_config!r} is not allowed. Only HybridActor switches "
+            f"between rollout and training mode; a {role} that joined the switch would be resharded with the "
+            f"actor (the seed's OOM / all_reduce failure). Remove hybrid_engine_config from the {role}.")
+
+
+def device_memory_gb(device: torch.device) -> Optional[float]:
+    """Allocated accelerator memory in GB, or None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device) / 2**30

@@ -1,0 +1,45 @@
+"""ReferencePolicy: the frozen policy that KL is measured against.
+
+Frozen by construction (seed mistake 3): parameters get `requires_grad_(False)`, the module is put in
+eval mode, and every forward runs under `torch.inference_mode()`. `check_frozen()` runs every step;
+a parameter that became trainable is an error naming it, never a warning.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import PreflightError
+from .forward import batch_logprobs
+from .models import as_causal_lm
+from .parallel_settings import FSDPSettings, reject_hybrid_config
+
+
+class ReferencePolicy:
+    role = "ref"
+
+    def __init__(self, model: torch.nn.Module, *, fsdp_config=None, hybrid_engine_config=None):
+        reject_hybrid_config("ReferencePolicy", hybrid_engine_config)
+        self.model = as_causal_lm(model)
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self.fsdp = FSDPSettings.from_any(fsdp_config, role="ref")
+
+    def check_frozen(self) -> None:
+        trainable = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        if trainable:
+            shown = ", ".join(trainable[:5]) + (f" and {len(trainable) - 5} more" if len(trainable) > 5 else "")
+            raise PreflightError(
+                f"ReferencePolicy has {len(trainable)} trainable parameter(s) ({shown}). The reference must stay "
+                "frozen: a trainable reference drifts with the actor (KL collapses to 0) and its graph gets "
+                "back-propagated twice ('Trying to backward through the graph a second time'). Something "
+                "called requires_grad_(True) on it, or the same module is shared with the actor: give the "
+                "reference its own copy of the weights.")
+        if self.model.training:
+            self.model.eval()
+
+    def compute_logprobs(self, batch, *, temperature: float, token_budget: int) -> torch.Tensor:
+        """Reference log-probs of the responses.  [B, R]"""
+        self.check_frozen()
+        with torch.inference_mode():
+            logprobs = batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget)
+        return logprobs.clone()  # a normal tensor: inference tensors cannot be saved for the actor's backward

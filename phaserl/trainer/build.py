@@ -1,0 +1,221 @@
+"""The builder: where the Config dies.  Config → models, roles and plain `RunSettings`.
+
+Below this module nothing reads the config; roles and the loop take explicit arguments. The
+estimator, policy loss and KL placement are picked here, once, from dicts of functions.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import torch
+
+from ..algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdaptiveKLController, FixedKLController
+from ..config import Config, check_context_length, derive, load_config, to_dict
+from ..data import build_prompt_dataset, load_prompt_rows
+from ..metrics import MetricsLogger
+from ..models import ValueModel, load_pretrained, load_tokenizer
+from ..rewards import RuleRewards
+from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
+from ..roles.actor import PolicyLossSettings
+from ..roles.optim import OptimSettings
+from ..rollout import SamplingParams
+from .advantage_phase import AdvantageSettings
+from .guard import RuntimeGuard
+from .prompt_stream import PromptStream
+from .scoring import RewardSources
+from .settings import RunSettings
+
+log = logging.getLogger("phaserl")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        from ..errors import ConfigError
+
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+    if name == "cuda":
+        from ..parallel import rank_and_world
+
+        return torch.device("cuda", rank_and_world()[0] % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def resolve_model_path(path: str) -> str:
+    """'tiny' names the built-in tiny world's warm-started model."""
+    if path == "tiny":
+        from ..world import prepare_tiny_world
+
+        return prepare_tiny_world().model_dir
+    return path
+
+
+def resolve_data_files(files: list, split: str) -> list:
+    out = []
+    for f in files:
+        if f == "tiny":
+            from ..world import prepare_tiny_world
+
+            world = prepare_tiny_world()
+            out.append(world.train_file if split == "train" else world.val_file)
+        else:
+            out.append(f)
+    return out
+
+
+def build_roles(cfg: Config):
+    """Load the models the config names and wrap them in roles.  Returns (actor, critic, ref, reward, tokenizer)."""
+    torch.manual_seed(cfg.trainer.seed)
+    device, dtype = resolve_device(cfg.trainer.device), DTYPES[cfg.model.dtype]
+    derived = derive(cfg, _world_size())
+    model_dir = resolve_model_path(cfg.model.path)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
+    load = lambda path: load_pretrained(resolve_model_path(path), dtype=dtype, device=device,  # noqa: E731
+                                        trust_remote_code=cfg.model.trust_remote_code)
+    policy = load(model_dir)
+    check_context_length(cfg, policy.config.max_position_embeddings, source=os.path.join(model_dir, "config.json"))
+    actor = HybridActor(policy, tokenizer, fsdp_config=cfg.actor.fsdp, hybrid_engine_config=cfg.actor.hybrid_engine)
+    ref = ReferencePolicy(load(cfg.ref.path or model_dir), fsdp_config=cfg.ref.fsdp) if derived.ref_enabled else None
+    critic = None
+    if derived.critic_enabled:
+        critic = Critic(ValueModel(load(cfg.critic.path or model_dir)), fsdp_config=cfg.critic.fsdp,
+                        hybrid_engine_config=cfg.critic.hybrid_engine)
+    return actor, critic, ref, build_reward_sources(cfg, device), tokenizer
+
+
+def build_reward_sources(cfg: Config, device) -> RewardSources:
+    rules = None
+    if cfg.reward.functions:
+        rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions])
+    rm = None
+    if cfg.reward_model.enable:
+        rc = cfg.reward_model
+        rm = RewardModelWrapper.from_pretrained(
+            rc.path, tokenizer_path=rc.tokenizer_path, apply_chat_template=rc.apply_chat_template,
+            chat_template=rc.chat_template, response_key=rc.response_key, max_length=rc.max_length,
+            truncation=rc.truncation, truncation_side=rc.truncation_side, batch_size=rc.batch_size, device=device)
+    return RewardSources(rules=rules, reward_model=rm, reward_model_weight=cfg.reward.reward_model_weight)
+
+
+def as_reward_sources(reward, cfg: Config, device) -> RewardSources:
+    """Accept what the seed API passes as `reward=`: a RewardModelWrapper, RuleRewards, RewardSources or None."""
+    if reward is None:
+        return build_reward_sources(cfg, device)
+    if isinstance(reward, RewardSources):
+        return reward
+    if isinstance(reward, RewardModelWrapper):
+        return RewardSources(reward_model=reward, reward_model_weight=cfg.reward.reward_model_weight)
+    if isinstance(reward, RuleRewards):
+        return RewardSources(rules=reward)
+    raise TypeError(f"reward= must be a RewardModelWrapper, RuleRewards or RewardSources, got {type(reward).__name__}")
+
+
+def _world_size() -> int:
+    from ..parallel import rank_and_world
+
+    return rank_and_world()[1]
+
+
+def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> RunSettings:
+    """Resolve the config into RunSettings and set up the roles' optimizers (called by RLTrainer)."""
+    cfg = copy.deepcopy(cfg) if cfg is not None else load_config(None)
+    for key, value in trainer_overrides.items():
+        if value is not None:
+            setattr(cfg.trainer, key, value)
+    rank, world = trainer.rank, trainer.world_size
+    d = derive(cfg, world)
+    actor = trainer.actor
+    device = actor.device
+    tokenizer = tokenizer or actor.tokenizer or load_tokenizer(resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
+    actor.tokenizer = tokenizer
+    a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
+    total_optim_steps = cfg.trainer.total_steps * d.optimizer_steps_per_rl_step
+    temperature = r.temperature if r.temperature > 0 else 1.0
+    actor.setup_training(
+        _optim(a.optim, total_optim_steps),
+        PolicyLossSettings(loss_fn=POLICY_LOSSES[a.policy_loss], clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+                           dual_clip_c=a.dual_clip_c, agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef,
+                           kl_loss_coef=alg.kl_coef if alg.kl_placement == "loss" and trainer.ref_policy else 0.0,
+                           kl_estimator=alg.kl_estimator, temperature=temperature))
+    if trainer.critic is not None:
+        trainer.critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
+                                      cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef)
+    if alg.adv_estimator == "gae" and trainer.critic is None:
+        from ..errors import ConfigError
+
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic: pass critic=Critic(...) or set critic.enable=true")
+    model_gradient_checkpointing(actor.model, a.gradient_checkpointing)
+    kl_ctl = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_target is not None
+              else FixedKLController(alg.kl_coef))
+    train_ds = _prompt_dataset(cfg, cfg.data.train_files, "train", tokenizer)
+    val_items = None
+    if cfg.data.val_files:
+        items = _prompt_dataset(cfg, cfg.data.val_files, "val", tokenizer).items
+        if cfg.data.val_max_prompts:
+            items = items[: cfg.data.val_max_prompts]
+        val_items = items[rank::world]
+    eos = _eos_ids(tokenizer, actor.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    gen = torch.Generator(device=device).manual_seed(cfg.trainer.seed * 7919 + rank)
+    return RunSettings(
+        tokenizer=tokenizer,
+        train_prompts=PromptStream(train_ds, r.prompts_per_step, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle,
+                                   rank=rank, world_size=world),
+        val_prompts=val_items, n=r.n, val_n=r.val_n,
+        sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        greedy=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0),
+        val_sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.val_temperature,
+                                    top_p=r.top_p if r.val_temperature > 0 else 1.0,
+                                    top_k=r.top_k if r.val_temperature > 0 else 0),
+        temperature=temperature, needs_greedy_baseline=alg.adv_estimator == "remax",
+        generate_batch_size=r.batch_size, eos_token_ids=eos, pad_token_id=pad, sampling_generator=gen,
+        reward=as_reward_sources(reward, cfg, device),
+        advantage=AdvantageSettings(estimator=ADVANTAGE_ESTIMATORS[alg.adv_estimator], estimator_name=alg.adv_estimator,
+                                    gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std,
+                                    kl_in_reward=alg.kl_placement == "reward" and trainer.ref_policy is not None,
+                                    kl_estimator=alg.kl_estimator),
+        kl_controller=kl_ctl, epochs=cfg.ppo.epochs, mini_batch_per_rank=d.mini_batch_per_rank,
+        responses_per_step=d.responses_per_step, forward_tokens=cfg.ppo.forward_micro_batch_tokens,
+        train_tokens=cfg.ppo.micro_batch_tokens, guard=RuntimeGuard(cfg.trainer.on_nonfinite),
+        seed=cfg.trainer.seed, total_steps=cfg.trainer.total_steps, val_before_train=cfg.trainer.val_before_train,
+        val_interval=cfg.trainer.val_interval, save_interval=cfg.trainer.save_interval,
+        checkpoint_path=cfg.trainer.checkpoint_path, log_dir=cfg.trainer.log_dir,
+        keep_checkpoint_num=cfg.trainer.keep_checkpoint_num,
+        metrics_logger=MetricsLogger(cfg.trainer.log_dir, cfg.trainer.loggers, rank=rank, config=to_dict(cfg)),
+        show_progress=rank == 0 and "console" in cfg.trainer.loggers,
+    )
+
+
+def _optim(o, total_steps: int) -> OptimSettings:
+    return OptimSettings(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), grad_clip=o.grad_clip,
+                         warmup_steps=o.warmup_steps, lr_schedule=o.lr_schedule, total_steps=total_steps)
+
+
+def _prompt_dataset(cfg: Config, files: list, split: str, tokenizer):
+    rows = load_prompt_rows(resolve_data_files(files, split), prompt_key=cfg.data.prompt_key)
+    return build_prompt_dataset(rows, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                                overlong=cfg.data.overlong_prompts, apply_chat_template=cfg.data.apply_chat_template)
+
+
+def _eos_ids(tokenizer, model) -> list:
+    ids = []
+    cfg_eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, cfg_eos):
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None and v not in ids:
+                ids.append(int(v))
+    if not ids:
+        from ..errors import ConfigError
+
+        raise ConfigError("neither the tokenizer nor the model config defines an EOS token; responses would never stop")
+    return ids
+
+
+def model_gradient_checkpointing(model, enabled: bool) -> None:
+    if hasattr(model, "gradient_checkpointing"):
+        model.gradient_checkpointing = enabled

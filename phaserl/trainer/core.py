@@ -1,0 +1,227 @@
+"""RLTrainer: the controller.  One RL step reads top to bottom, phase by phase (BRIEF §2).
+
+The trainer holds the roles and plain settings built once (`trainer/build.py` turns a Config into
+them); it never reads the config inside the loop. Data between phases travels as the dataclasses of
+`phaserl.batch`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from ..algo import kl_penalty, masked_mean
+from ..batch import TrainBatch
+from ..parallel import all_reduce_sum, rank_and_world
+from .advantage_phase import compute_advantages
+from .hooks import HookRunner
+from .rollout_phase import build_rollout_batch, repeat_prompts
+from .settings import RunSettings
+
+log = logging.getLogger("phaserl")
+
+
+class RLTrainer:
+    """Runs RL steps with the given roles.  Build one with `RLTrainer.from_config(cfg)` or by hand (seed API)."""
+
+    def __init__(self, actor, critic=None, ref_policy=None, reward=None, config=None, *, tokenizer=None,
+                 checkpoint_path=None, log_dir=None, save_interval=None, keep_checkpoint_num=None):
+        from .build import assemble  # local: build imports the role modules, which import this package
+
+        self.rank, self.world_size = rank_and_world()
+        self.actor, self.critic, self.ref_policy = actor, critic, ref_policy
+        overrides = dict(checkpoint_path=checkpoint_path, log_dir=log_dir, save_interval=save_interval,
+                         keep_checkpoint_num=keep_checkpoint_num)
+        run = assemble(self, config, reward=reward, tokenizer=tokenizer, trainer_overrides=overrides)
+        self.run: RunSettings = run
+        self.step_num = 0
+        self.metrics: dict = {}
+        self.val_history: list = []   # (step, validation metrics), in order
+        self.hooks = HookRunner()
+
+    # Names the seed's hooks read.
+    @property
+    def step(self) -> int:
+        return self.step_num
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.run.checkpoint_path
+
+    @property
+    def log_dir(self) -> str:
+        return self.run.log_dir
+
+    @classmethod
+    def from_config(cls, cfg) -> "RLTrainer":
+        from .build import build_roles
+
+        actor, critic, ref, reward, tokenizer = build_roles(cfg)
+        return cls(actor=actor, critic=critic, ref_policy=ref, reward=reward, config=cfg, tokenizer=tokenizer)
+
+    def add_hook(self, event: str, fn) -> None:
+        self.hooks.add(event, fn)
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        run = self.run
+        self.hooks.fire("on_train_start", self)
+        if run.val_before_train and self.step_num == 0:
+            self._log(self.step_num, self.validate())
+        progress = run.progress_bar(self.step_num)
+        while self.step_num < run.total_steps:
+            metrics = self.train_step()
+            self.step_num += 1
+            if run.val_interval and self.step_num % run.val_interval == 0 or self.step_num == run.total_steps:
+                metrics.update(self.validate())
+            self._log(self.step_num, metrics)
+            self.hooks.fire("on_step_end", self)
+            if run.save_interval and self.step_num % run.save_interval == 0 or self.step_num == run.total_steps:
+                self.save_checkpoint()
+            progress.update(1)
+        progress.close()
+        self.hooks.fire("on_train_end", self)
+        run.metrics_logger.close()
+        return self.metrics
+
+    def train_step(self) -> dict:
+        run, timings = self.run, {}
+        clock = _phase_clock(timings)
+        with clock("step"):
+            # 1. prompts: this rank's share of the global batch
+            with clock("prompts"):
+                items = run.train_prompts.next_items()
+            # 2. rollout: the actor switches to rollout mode and samples n responses per prompt
+            with clock("rollout"), self.actor.rollout_mode():
+                batch = self._generate(items, run.sampling, run.n)
+                baseline = self._generate(items, run.greedy, 1) if run.needs_greedy_baseline else None
+            # 3. score
+            with clock("score"):
+                scores = run.reward.score(batch)
+                baseline_scores = None
+                if baseline is not None:
+                    baseline_scores = run.reward.score(baseline).total.repeat_interleave(run.n)  # [B]
+            # 4. forward-only passes: old log-probs, reference log-probs, values
+            with clock("forward"):
+                old_logprobs = self.actor.compute_logprobs(batch, token_budget=run.forward_tokens)
+                ref_logprobs = values = None
+                if self.ref_policy is not None:
+                    ref_logprobs = self.ref_policy.compute_logprobs(
+                        batch, temperature=run.temperature, token_budget=run.forward_tokens)
+                if self.critic is not None:
+                    values = self.critic.compute_values(batch, token_budget=run.forward_tokens)
+            # 5. advantages (KL in the reward, when chosen)
+            with clock("advantage"):
+                advantages, returns, token_rewards, _ = compute_advantages(
+                    batch, scores.total, run.advantage, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                    values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores)
+            # 6. update: epochs × mini-batches, micro-batches by token budget
+            with clock("update"):
+                train = TrainBatch(batch, old_logprobs, ref_logprobs, advantages, returns, values)
+                update_stats = self.update(train)
+        # 7. metrics (checkpoint and logging happen in fit)
+        metrics = self._step_metrics(batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats)
+        metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
+        tokens = all_reduce_sum(batch.attention_mask.sum().float())
+        metrics["perf/tokens_per_s"] = float(tokens) / max(timings["step"], 1e-9)
+        metrics["perf/rollout_tokens_per_s"] = float(all_reduce_sum(batch.response_mask.sum().float())) / max(
+            timings["rollout"], 1e-9)
+        run.kl_controller.update(metrics.get("train/kl", 0.0), run.responses_per_step)
+        metrics["train/kl_coef"] = run.kl_controller.value
+        return metrics
+
+    def update(self, train: TrainBatch) -> dict:
+        """ppo.epochs × ppo.num_mini_batches optimizer steps for the actor (and the critic)."""
+        run = self.run
+        sums, count = defaultdict(float), 0
+        gen = torch.Generator().manual_seed(run.seed * 1_000_003 + self.step_num)
+        for _ in range(run.epochs):
+            order = torch.randperm(train.num_responses, generator=gen).to(train.advantages.device)
+            for idx in order.split(run.mini_batch_per_rank):
+                mb = train.select(idx)
+                global_tokens = float(all_reduce_sum(mb.rollout.response_mask.sum().float()))
+                global_seqs = float(all_reduce_sum(torch.tensor(float(len(idx)))))
+                norm = dict(token_budget=run.train_tokens, global_tokens=global_tokens, global_seqs=global_seqs)
+                stats = self.actor.update_mini_batch(mb, **norm)
+                if self.critic is not None:
+                    stats.update(self.critic.update_mini_batch(mb, **norm))
+                for k, v in stats.items():
+                    sums[k] += v
+                count += 1
+                run.guard.check_update(stats, self.step_num)
+        return {k: v / count for k, v in sums.items()}
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Score held-out prompts (greedy by default) → `val/score_mean` and per data source."""
+        run = self.run
+        if run.val_prompts is None:
+            return {}
+        with self.actor.rollout_mode():
+            batch = self._generate(run.val_prompts, run.val_sampling, run.val_n)
+        scores = run.reward.score(batch).total                                      # [B]
+        metrics = {"val/score_mean": float(all_reduce_sum(scores.sum()) / all_reduce_sum(torch.tensor(float(len(scores))))),
+                   "val/response_length_mean": float(batch.response_lengths().float().mean())}
+        by_source = defaultdict(list)
+        for row, s in zip(batch.rows, scores.tolist()):
+            by_source[row.data_source or "unknown"].append(s)
+        if len(by_source) > 1:
+            metrics.update({f"val/score_mean/{k}": sum(v) / len(v) for k, v in by_source.items()})
+        self.metrics = {**self.metrics, **metrics}
+        self.val_history.append((self.step_num, metrics))
+        self.hooks.fire("on_validation_end", self)
+        return metrics
+
+    def save_checkpoint(self) -> None:
+        if self.run.checkpointer is None:
+            return
+        self.run.checkpointer.save(self)
+        self.hooks.fire("on_save_checkpoint", self)
+
+    # ------------------------------------------------------------------------------------------
+    def _generate(self, items: list, params, n: int):
+        run = self.run
+        prompts = [list(item.prompt_ids) for item in repeat_prompts(items, n)]
+        result = self.actor.generate(prompts, params, eos_token_ids=run.eos_token_ids, pad_token_id=run.pad_token_id,
+                                     batch_size=run.generate_batch_size * n, generator=run.sampling_generator)
+        group_offset = (self.rank * 1_000_000) + self.step_num * 10_000
+        return build_rollout_batch(items, n, result, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
+                                   group_offset=group_offset, device=self.actor.device)
+
+    def _step_metrics(self, batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats) -> dict:
+        mask = batch.response_mask.float()
+        lengths = batch.response_lengths().float()
+        m = {"train/reward_mean": float(scores.total.mean()), "train/reward_std": float(scores.total.std(unbiased=False)),
+             "train/response_length_mean": float(lengths.mean()), "train/response_length_max": float(lengths.max()),
+             "train/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
+             "train/advantage_mean": float(masked_mean(advantages, mask)),
+             "train/advantage_max": float(advantages[mask.bool()].max()),
+             "train/advantage_min": float(advantages[mask.bool()].min()),
+             "train/return_mean": float(masked_mean(returns, mask))}
+        m.update({f"train/reward/{k}": float(v.mean()) for k, v in scores.by_source.items()})
+        if ref_logprobs is not None:
+            m["train/kl"] = float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask))
+        m.update(update_stats)
+        self.run.guard.check_rewards(scores.total, self.step_num)
+        self.metrics = m
+        return m
+
+    def _log(self, step: int, metrics: dict) -> None:
+        self.metrics = metrics
+        self.run.metrics_logger.log(step, metrics)
+
+
+@contextmanager
+def _timed(timings: dict, name: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _phase_clock(timings: dict):
+    return lambda name: _timed(timings, name)

@@ -1,0 +1,43 @@
+"""Runtime guards checked every step: non-finite losses / gradients, and rewards stuck at one value."""
+from __future__ import annotations
+
+import logging
+import math
+
+from ..errors import PreflightError
+
+log = logging.getLogger("phaserl")
+
+
+class NonFiniteStep(Exception):
+    """Raised inside a step that should be skipped (trainer.on_nonfinite = skip)."""
+
+
+class RuntimeGuard:
+    def __init__(self, on_nonfinite: str = "stop", constant_reward_steps: int = 5):
+        self.on_nonfinite = on_nonfinite
+        self.constant_reward_steps = constant_reward_steps
+        self._constant_run = 0
+
+    def check_update(self, stats: dict, step: int) -> None:
+        bad = {k: v for k, v in stats.items() if k.endswith(("loss", "grad_norm")) and not math.isfinite(v)}
+        if not bad:
+            return
+        what = ", ".join(f"{k}={v}" for k, v in bad.items())
+        cause = ("a non-finite loss usually comes from non-finite advantages or rewards (reward-model input "
+                 "format, see `phaserl doctor`), or a learning rate too high for this model (lower actor.optim.lr)")
+        if self.on_nonfinite == "skip":
+            log.warning(f"step {step + 1}: {what}; the optimizer step was skipped (trainer.on_nonfinite=skip). {cause}")
+            return
+        raise PreflightError(f"step {step + 1}: {what}. {cause}. Set trainer.on_nonfinite=skip to skip such steps.")
+
+    def check_rewards(self, scores, step: int) -> None:
+        if float(scores.max() - scores.min()) > 1e-6:
+            self._constant_run = 0
+            return
+        self._constant_run += 1
+        if self._constant_run == self.constant_reward_steps:
+            log.warning(
+                f"step {step + 1}: every response of the last {self._constant_run} steps got the same reward "
+                f"({float(scores[0]):.4g}); group advantages are all zero and nothing is learned. Check the reward "
+                "function / reward-model input format (`phaserl doctor CONFIG`) or the task difficulty.")
