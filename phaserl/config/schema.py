@@ -12,7 +12,10 @@ from typing import Optional
 
 
 def spec(default, help: str, *, choices=None, min=None, max=None, factory=None):
-    """A dataclass field that carries its help text and allowed range for validation/--explain."""
+    """A dataclass field that carries its help text and allowed range for validation/--explain.
+
+    On a list field, `choices`/`min`/`max` apply to each item.
+    """
     meta = {"help": help, "choices": choices, "min": min, "max": max}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -29,8 +32,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list = spec(None, "prompt files (.parquet or .jsonl, verl schema); 'tiny' = built-in task", factory=lambda: ["tiny"])
-    val_files: list = spec(None, "held-out prompt files; 'tiny' = built-in task", factory=lambda: ["tiny"])
+    train_files: list[str] = spec(None, "prompt files (.parquet or .jsonl, verl schema); 'tiny' = built-in task", factory=lambda: ["tiny"])
+    val_files: list[str] = spec(None, "held-out prompt files; 'tiny' = built-in task", factory=lambda: ["tiny"])
     prompt_key: str = spec("prompt", "column holding the prompt (a string or a list of chat messages)")
     max_prompt_length: int = spec(128, "tokens; prompts longer than this follow data.overlong_prompts", min=1)
     overlong_prompts: str = spec("error", "what to do with a prompt over max_prompt_length",
@@ -64,7 +67,7 @@ class RewardFunctionConfig:
 
 @dataclass
 class RewardConfig:
-    functions: list = spec(None, "rule reward functions (list of {name, weight, kwargs})",
+    functions: list[RewardFunctionConfig] = spec(None, "rule reward functions (list of {name, weight, kwargs}, or plain names)",
                            factory=lambda: [RewardFunctionConfig()])
     reward_model_weight: float = spec(1.0, "weight of the reward model's score when reward_model.enable")
 
@@ -119,7 +122,7 @@ class HybridEngineConfig:
 class OptimConfig:
     lr: float = spec(1e-6, "learning rate", min=0.0)
     weight_decay: float = spec(0.0, "AdamW weight decay", min=0.0)
-    betas: list = spec(None, "AdamW betas", factory=lambda: [0.9, 0.999])
+    betas: list[float] = spec(None, "AdamW betas", factory=lambda: [0.9, 0.999])
     grad_clip: float = spec(1.0, "max gradient norm (0 = off)", min=0.0)
     warmup_steps: int = spec(0, "linear warmup, in optimizer steps", min=0)
     lr_schedule: str = spec("constant", "after warmup", choices=["constant", "cosine"])
@@ -181,7 +184,8 @@ class TrainerConfig:
     val_before_train: bool = spec(True, "validate at step 0")
     resume: str = spec("auto", "auto (newest complete checkpoint), never, or a checkpoint path")
     export_hf: bool = spec(False, "also export the actor in Hugging Face format at each save")
-    loggers: list = spec(None, "console, jsonl, tensorboard, wandb", factory=lambda: ["console", "jsonl", "tensorboard"])
+    loggers: list[str] = spec(None, "where metrics go (rank 0 only)", choices=["console", "jsonl", "tensorboard", "wandb"],
+                              factory=lambda: ["console", "jsonl", "tensorboard"])
     on_nonfinite: str = spec("stop", "non-finite advantages/loss/grad norm: stop the run or skip the step",
                              choices=["stop", "skip"])
 

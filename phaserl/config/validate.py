@@ -1,0 +1,225 @@
+"""Cross-field rules of a config, and the batch quantities derived from it.
+
+`validate(cfg, world_size)` checks what no single field can check alone: batch arithmetic across
+phases, which roles an algorithm needs, token budgets. It raises one ConfigError that lists every
+broken rule with its arithmetic and the fix, and warns (`warnings.warn`) about settings that are
+valid but ignored. `derive(cfg, world_size)` resolves the null/"auto" conveniences into a frozen
+`Derived` instead of mutating the config. `check_context_length` runs later, once the model's
+context size is known. Per-field checks (types, ranges, unknown keys) happen while loading (`load.py`).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+from phaserl.config.schema import Config
+from phaserl.errors import ConfigError
+
+# Estimators whose baseline is built from the other responses to the same prompt.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+_RESUME_LOOKALIKES = ("none", "no", "false", "off", "true", "yes", "on", "latest", "last", "always")
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Quantities resolved from a validated config and a world size (see `explain` for the formulas)."""
+
+    world_size: int
+    prompts_per_rank: int  # prompts each rank generates for, per RL step
+    responses_per_step: int  # GLOBAL responses per RL step (prompts_per_step * n)
+    responses_per_rank: int
+    generate_calls_per_rank: int  # rollout engine calls per rank per RL step
+    mini_batch_size: int  # GLOBAL responses per optimizer step (ppo.mini_batch_size, resolved)
+    mini_batch_per_rank: int
+    num_mini_batches: int
+    optimizer_steps_per_rl_step: int  # ppo.epochs * num_mini_batches
+    critic_enabled: bool
+    ref_enabled: bool
+    reward_model_scoring_calls_per_rank: int  # 0 when the reward model is off
+    total_responses: int  # over the whole run
+    max_sequence_tokens: int  # prompt + response, at most
+    sequences_per_micro_batch: int  # full-length sequences that fit ppo.micro_batch_tokens
+    max_grad_accum_steps: int  # micro-batches per optimizer step per rank when every sequence is full length
+
+
+def _multiples(x: int, m: int) -> str:
+    """Nearest multiples of m around x, as a fix suggestion ('28 or 32')."""
+    low = x // m * m
+    return f"{low} or {low + m}" if low > 0 else str(m)
+
+
+def _divisors(x: int) -> str:
+    """The first few divisors of x, as a fix suggestion."""
+    return ", ".join([str(d) for d in range(1, x + 1) if x % d == 0][:8])
+
+
+def _batch_errors(cfg: Config, world_size: int) -> list[str]:
+    """Broken batch arithmetic (prompts -> ranks -> responses -> mini-batches), one message per rule."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        return [f"world_size = {world_size!r}: expected an integer >= 1"]
+    ws, P, n = world_size, cfg.rollout.prompts_per_step, cfg.rollout.n
+    mbs, nmb, R = cfg.ppo.mini_batch_size, cfg.ppo.num_mini_batches, P * n
+    responses = f"rollout.prompts_per_step × rollout.n = {P} × {n} = {R} responses per step"
+    errs = []
+    if P % ws:
+        errs.append(f"rollout.prompts_per_step = {P} is not divisible by world_size = {ws} (prompts per rank = "
+                    f"{P} / {ws} = {P / ws:g}); use a multiple of {ws}, e.g. {_multiples(P, ws)}")
+    if mbs is None and R % nmb:
+        errs.append(f"{responses} do not split into ppo.num_mini_batches = {nmb} equal mini-batches "
+                    f"({R} / {nmb} = {R / nmb:g}); use a divisor of {R}, e.g. {_divisors(R)}")
+    elif mbs is not None and mbs * nmb != R:
+        fixes = [f"ppo.mini_batch_size = {R // nmb} ({R} / {nmb})"] if R % nmb == 0 else []
+        fixes += [f"ppo.num_mini_batches = {R // mbs} ({R} / {mbs})"] if R % mbs == 0 else []
+        fixes += ["ppo.mini_batch_size = null (derived from num_mini_batches)"]
+        errs.append(f"ppo.mini_batch_size × ppo.num_mini_batches = {mbs} × {nmb} = {mbs * nmb} responses, but "
+                    f"{responses}; every response must be used exactly once per epoch. "
+                    f"Set {' or '.join(fixes)}, or change rollout.prompts_per_step / rollout.n")
+    resolved = mbs if mbs is not None else R // nmb
+    if resolved * nmb == R and resolved % ws:  # only once the mini-batch itself is right
+        what = "ppo.mini_batch_size" if mbs is not None else f"ppo.mini_batch_size (derived: {R} / {nmb})"
+        errs.append(f"{what} = {resolved} responses per optimizer step (global) is not divisible by world_size = "
+                    f"{ws} ({resolved} / {ws} = {resolved / ws:g} per rank); use a multiple of {ws}, "
+                    f"e.g. {_multiples(resolved, ws)}")
+    return errs
+
+
+def _rule_errors(cfg: Config) -> list[str]:
+    """Broken rules between sections that do not involve the world size."""
+    a, r, errs = cfg.algorithm, cfg.rollout, []
+    if a.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
+        errs.append(f"algorithm.adv_estimator = {a.adv_estimator} needs rollout.n >= 2, got rollout.n = {r.n}: its "
+                    "baseline comes from the other responses to the same prompt, and a group of one has none. "
+                    "Set rollout.n to 4-16, or use reinforce_plus_plus, remax or gae with n = 1")
+    if r.temperature == 0 and a.adv_estimator in GROUP_ESTIMATORS + ("remax",):
+        errs.append(f"rollout.temperature = 0 (greedy) with algorithm.adv_estimator = {a.adv_estimator}: every "
+                    "response equals its baseline, so all advantages are 0 and nothing is learned; "
+                    "set rollout.temperature > 0 (e.g. 1.0)")
+    if a.adv_estimator == "gae" and cfg.critic.enable is False:
+        errs.append("algorithm.adv_estimator = gae needs value estimates, but critic.enable = false; set "
+                    "critic.enable to true (or null), or use a critic-free estimator (grpo, rloo, remax, ...)")
+    if cfg.critic.hybrid_engine is not None:
+        errs.append("critic.hybrid_engine must be null: only the actor generates, so only the actor switches "
+                    "between rollout and training modes; resharding the critic like the actor is how a shared FSDP "
+                    "config ends in OOM or 'all_reduce failed' (seed mistake 1). Delete critic.hybrid_engine; "
+                    "set the critic's sharding in critic.fsdp and mode switching in actor.hybrid_engine")
+    if a.kl_placement != "none" and cfg.ref.enable is False:
+        errs.append(f"algorithm.kl_placement = {a.kl_placement} measures the KL to the reference policy, but "
+                    "ref.enable = false; set ref.enable to true (or null), or algorithm.kl_placement = none")
+    rm = cfg.reward_model
+    if not cfg.reward.functions and not rm.enable:
+        errs.append("no reward: reward.functions is empty and reward_model.enable = false; add a rule function "
+                    "(e.g. reward.functions=[tiny_exact]) or set reward_model.enable = true with reward_model.path")
+    if rm.enable and not rm.path:
+        errs.append("reward_model.enable = true needs reward_model.path (a Hugging Face sequence-classification "
+                    "model directory)")
+    for i, fn in enumerate(cfg.reward.functions):
+        if not fn.name.strip():
+            errs.append(f"reward.functions[{i}].name is empty; give a built-in rule name or 'file.py:function'")
+    if cfg.actor.clip_ratio_low >= 1:
+        low = cfg.actor.clip_ratio_low
+        errs.append(f"actor.clip_ratio_low = {low}: the lower clip bound 1 - clip_ratio_low = 1 - {low} = "
+                    f"{1 - low:g} is not positive, so the ratio is never clipped from below; "
+                    "expected < 1 (usually 0.2)")
+    p, t = cfg.data.max_prompt_length, r.max_new_tokens
+    for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):
+        budget = getattr(cfg.ppo, key)
+        if budget < p + t:
+            errs.append(f"ppo.{key} = {budget} cannot hold one full sequence: data.max_prompt_length + "
+                        f"rollout.max_new_tokens = {p} + {t} = {p + t} tokens, and a sequence is never split "
+                        f"across micro-batches; set ppo.{key} >= {p + t}")
+    if r.val_n > 1 and r.val_temperature == 0:
+        errs.append(f"rollout.val_n = {r.val_n} with rollout.val_temperature = 0: greedy decoding gives the same "
+                    f"response {r.val_n} times, so validation costs {r.val_n}× for nothing; set rollout.val_n = 1, "
+                    "or rollout.val_temperature > 0 (e.g. 1.0) to measure mean@k / pass@k")
+    for role in ("actor", "critic"):
+        betas = getattr(cfg, role).optim.betas
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            errs.append(f"{role}.optim.betas = {betas}: expected two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if not cfg.data.train_files:
+        errs.append("data.train_files is empty; give at least one .parquet/.jsonl file (or 'tiny')")
+    resume = cfg.trainer.resume
+    word = resume.strip().lower()
+    if not word or word in _RESUME_LOOKALIKES or (word in ("auto", "never") and resume != word):
+        errs.append(f"trainer.resume = {resume!r}: expected auto (newest complete checkpoint), never, or a "
+                    "checkpoint path (write ./name for a directory whose name looks like a keyword)")
+    return errs
+
+
+def _warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but will be ignored or wasted."""
+    a, out = cfg.algorithm, []
+    if cfg.critic.enable is True and a.adv_estimator != "gae":
+        out.append(f"critic.enable = true but algorithm.adv_estimator = {a.adv_estimator} does not use values: the "
+                   "critic is trained every step and its values are ignored; set critic.enable = null")
+    if cfg.ref.enable is True and a.kl_placement == "none":
+        out.append("ref.enable = true but algorithm.kl_placement = none: the reference forward runs every step "
+                   "and its log-probs are unused; set ref.enable = null")
+    rm, L = cfg.reward_model, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if rm.path and not rm.enable:
+        out.append(f"reward_model.path = {rm.path!r} is ignored because reward_model.enable = false")
+    if rm.enable and not rm.truncation and rm.max_length < L:
+        out.append(f"reward_model.max_length = {rm.max_length} < data.max_prompt_length + rollout.max_new_tokens "
+                   f"= {L} with reward_model.truncation = false: long responses will fail to score")
+    return out
+
+
+def _raise(errs: list[str], source: str) -> None:
+    if len(errs) == 1:
+        raise ConfigError(f"{source}: {errs[0]}")
+    if errs:
+        raise ConfigError(f"{source}: {len(errs)} problems:\n" + "\n".join(f"  - {e}" for e in errs))
+
+
+def validate(cfg: Config, world_size: int = 1, *, source: str = "config") -> None:
+    """Raise one ConfigError listing every broken cross-field rule; warn about ignored settings."""
+    _raise(_batch_errors(cfg, world_size) + _rule_errors(cfg), source)
+    for message in _warnings(cfg):
+        warnings.warn(f"{source}: {message}", stacklevel=2)
+
+
+def derive(cfg: Config, world_size: int = 1) -> Derived:
+    """The resolved batch arithmetic and role switches of `cfg` on `world_size` ranks (config untouched)."""
+    _raise(_batch_errors(cfg, world_size), "config")
+    r, ppo, rm = cfg.rollout, cfg.ppo, cfg.reward_model
+    prompts_per_rank = r.prompts_per_step // world_size
+    responses_per_step = r.prompts_per_step * r.n
+    responses_per_rank = prompts_per_rank * r.n
+    mini_batch_size = ppo.mini_batch_size
+    if mini_batch_size is None:
+        mini_batch_size = responses_per_step // ppo.num_mini_batches
+    mini_batch_per_rank = mini_batch_size // world_size
+    max_sequence_tokens = cfg.data.max_prompt_length + r.max_new_tokens
+    # validate() guarantees one full sequence fits; max() keeps derive total on unvalidated configs
+    sequences_per_micro_batch = max(1, ppo.micro_batch_tokens // max_sequence_tokens)
+    return Derived(
+        world_size=world_size,
+        prompts_per_rank=prompts_per_rank,
+        responses_per_step=responses_per_step,
+        responses_per_rank=responses_per_rank,
+        generate_calls_per_rank=math.ceil(prompts_per_rank / r.batch_size),
+        mini_batch_size=mini_batch_size,
+        mini_batch_per_rank=mini_batch_per_rank,
+        num_mini_batches=ppo.num_mini_batches,
+        optimizer_steps_per_rl_step=ppo.epochs * ppo.num_mini_batches,
+        critic_enabled=cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae",
+        ref_enabled=cfg.ref.enable if cfg.ref.enable is not None else cfg.algorithm.kl_placement != "none",
+        reward_model_scoring_calls_per_rank=math.ceil(responses_per_rank / rm.batch_size) if rm.enable else 0,
+        total_responses=cfg.trainer.total_steps * responses_per_step,
+        max_sequence_tokens=max_sequence_tokens,
+        sequences_per_micro_batch=sequences_per_micro_batch,
+        max_grad_accum_steps=math.ceil(mini_batch_per_rank / sequences_per_micro_batch),
+    )
+
+
+def check_context_length(cfg: Config, max_position_embeddings: int, source: str) -> None:
+    """Fail when the longest prompt + response does not fit the model's context (`source` names the model)."""
+    p, t = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    if p + t <= max_position_embeddings:
+        return
+    fix = (f"e.g. rollout.max_new_tokens = {max_position_embeddings - p}" if p < max_position_embeddings
+           else f"e.g. data.max_prompt_length = {max_position_embeddings // 2} and rollout.max_new_tokens = "
+                f"{max_position_embeddings - max_position_embeddings // 2}")
+    raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {p} + {t} = {p + t} tokens, but the model "
+                      f"({source}) has max_position_embeddings = {max_position_embeddings}; lower them so the sum is "
+                      f"at most {max_position_embeddings} ({fix})")
