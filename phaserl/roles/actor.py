@@ -147,11 +147,11 @@ class HybridActor:
                 kl_mat = kl_penalty(logp, micro.ref_logprobs[:, :R], s.kl_estimator)  # [b, R]
                 kl_loss = aggregate(kl_mat, mask, s.agg_mode, **norm)
                 loss = loss + s.kl_loss_coef * kl_loss
-                stats["actor/kl_loss"] += float(kl_loss)
+                stats["actor/kl_loss"] += float(kl_loss.detach())
             loss.backward()
             tokens = float(mask.sum())
-            stats["actor/pg_loss"] += float(pg_loss)
-            stats["actor/entropy"] += float(entropy)
+            stats["actor/pg_loss"] += float(pg_loss.detach())
+            stats["actor/entropy"] += float(entropy.detach())
             stats["actor/pg_clipfrac"] += float(pg_stats["clipfrac"]) * tokens / global_tokens
             stats["actor/ppo_kl"] += float(pg_stats["approx_kl"]) * tokens / global_tokens
         stats["actor/grad_norm"] = self.optimizer.step()

@@ -52,12 +52,12 @@ class Critic:
             R = rb.response_mask.shape[1]
             mask = rb.response_mask.float()                               # [b, R]
             values = micro_values(self.model, rb)                          # [b, R]
-            vf_mat, clipfrac = clipped_value_loss(values, micro.old_values[:, :R], micro.returns[:, :R], mask,
-                                                  cliprange=self.cliprange_value)
+            vf_mat, vf_stats = clipped_value_loss(values, micro.old_values[:, :R], micro.returns[:, :R], mask,
+                                                  clip_range=self.cliprange_value)
             vf_loss = aggregate(vf_mat, mask, "token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
             (self.loss_coef * vf_loss).backward()
-            stats["critic/vf_loss"] += float(vf_loss)
-            stats["critic/vf_clipfrac"] += float(clipfrac) * float(mask.sum()) / global_tokens
+            stats["critic/vf_loss"] += float(vf_loss.detach())
+            stats["critic/vf_clipfrac"] += float(vf_stats["clipfrac"]) * float(mask.sum()) / global_tokens
         stats["critic/grad_norm"] = self.optimizer.step()
         stats["critic/lr"] = self.optimizer.lr
         return stats

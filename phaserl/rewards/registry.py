@@ -1,0 +1,203 @@
+"""Turn `reward.functions` entries into callables and score responses with their weighted sum.
+
+A name is a built-in (`rules.BUILTIN_REWARDS`) or `path/to/file.py:function` (relative paths are
+relative to the working directory). `RuleRewards` calls every function on every response and checks
+what comes back: a real number (bool counts as 0/1; int, float, numpy scalar, one-element tensor)
+that is finite. Anything else, or an exception, is a `RewardError` naming the function, the row and
+the response. This module does not batch across processes or run the reward model.
+
+Calling convention: `fn(prompt, response, ground_truth, **kwargs, **row)`, where `kwargs` are the
+config's and `row` the dataset record's other fields (minus `prompt`, `response`, `ground_truth` and
+internal `__...__` keys; config kwargs win over a row field of the same name). A function without
+`**row` receives only the row fields it names as parameters.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from phaserl.errors import ConfigError, RewardError
+from phaserl.rewards.rules import BUILTIN_REWARDS
+
+_RESERVED_ROW_KEYS = ("prompt", "response", "ground_truth")
+_loaded_modules: dict[str, object] = {}  # absolute file path -> module, so a file runs only once
+
+
+def resolve_reward_fn(name: str) -> Callable:
+    """A built-in reward by name, or `function` from `path/to/file.py:function`."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    path, sep, fn_name = name.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown reward function {name!r}.{hint} Built-ins: {', '.join(BUILTIN_REWARDS)}; "
+                          f"your own function is written 'path/to/file.py:function_name'.")
+    module = _load_file(path, name)
+    if not hasattr(module, fn_name):
+        defined = [n for n, obj in vars(module).items()
+                   if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not n.startswith("_")]
+        raise ConfigError(f"reward function {name!r}: {path} defines no {fn_name!r}. "
+                          f"Functions defined there: {', '.join(defined) or '(none)'}.")
+    fn = getattr(module, fn_name)
+    if not callable(fn):
+        raise ConfigError(f"reward function {name!r}: {fn_name} in {path} is a {type(fn).__name__}, not a "
+                          f"function; point the name at a def fn(prompt, response, ground_truth, **row).")
+    return fn
+
+
+def _load_file(path: str, name: str):
+    full = os.path.abspath(path)
+    if full in _loaded_modules:
+        return _loaded_modules[full]
+    if not os.path.isfile(full):
+        raise ConfigError(f"reward function {name!r}: file {path} not found (looked at {full}; relative paths "
+                          f"are relative to the working directory {os.getcwd()}).")
+    stem = os.path.splitext(os.path.basename(full))[0]
+    module_name = f"phaserl_user_reward_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(module_name, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise ConfigError(f"reward function {name!r}: importing {path} failed with "
+                          f"{type(exc).__name__}: {exc}") from exc
+    _loaded_modules[full] = module
+    return module
+
+
+@dataclass
+class WeightedReward:
+    name: str        # metric name: reward/<name>
+    fn: Callable
+    weight: float
+    kwargs: dict
+    spec: str = ""   # the name as written in the config
+    row_keys: Optional[frozenset] = field(default=None)  # row fields the fn accepts; None = all (**row)
+
+
+class RuleRewards:
+    """The configured rule functions, called on every response and summed with their weights."""
+
+    def __init__(self, specs: list[tuple[str, float, dict]]):
+        self.rewards: list[WeightedReward] = []
+        taken: set[str] = set()
+        for i, (spec_name, weight, kwargs) in enumerate(specs):
+            where = f"reward.functions[{i}] ({spec_name!r})"
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+                raise ConfigError(f"{where}: weight must be a finite number, got {weight!r}.")
+            kwargs = {} if kwargs is None else kwargs
+            if not isinstance(kwargs, dict):
+                raise ConfigError(f"{where}: kwargs must be a mapping, got {type(kwargs).__name__} {kwargs!r}.")
+            fn = resolve_reward_fn(spec_name)
+            row_keys = _check_signature(fn, kwargs, where, builtin=spec_name in BUILTIN_REWARDS)
+            metric = spec_name if spec_name in BUILTIN_REWARDS else spec_name.rpartition(":")[2]
+            base, n = metric, 2
+            while metric in taken:  # the same function twice (e.g. different kwargs) gets name_2, name_3
+                metric, n = f"{base}_{n}", n + 1
+            taken.add(metric)
+            self.rewards.append(WeightedReward(metric, fn, float(weight), dict(kwargs), spec_name, row_keys))
+
+    def score(self, prompts: list, responses: list[str], ground_truths: list,
+              rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
+        """Weighted total per response, and each function's raw scores by metric name."""
+        n = len(responses)
+        if not (len(prompts) == len(ground_truths) == len(rows) == n):
+            raise ValueError(f"RuleRewards.score: {len(prompts)} prompts, {n} responses, "
+                             f"{len(ground_truths)} ground truths and {len(rows)} rows must be equally many")
+        totals = [0.0] * n
+        raw: dict[str, list[float]] = {}
+        for reward in self.rewards:
+            values = [self._call(reward, i, prompts[i], responses[i], ground_truths[i], rows[i]) for i in range(n)]
+            raw[reward.name] = values
+            for i, value in enumerate(values):
+                totals[i] += reward.weight * value
+        return totals, raw
+
+    def smoke_test(self, prompt, ground_truth, row: dict) -> None:
+        """Call every function on an empty and on a plausible dummy response; raises RewardError on failure."""
+        dummy = f"The answer is \\boxed{{{ground_truth}}}.\n#### {ground_truth}"
+        self.score([prompt, prompt], ["", dummy], [ground_truth, ground_truth], [row, row])
+
+    def _call(self, reward: WeightedReward, i: int, prompt, response: str, ground_truth, row: dict) -> float:
+        extra = {k: v for k, v in row.items()
+                 if k not in _RESERVED_ROW_KEYS and not (k.startswith("__") and k.endswith("__"))
+                 and (reward.row_keys is None or k in reward.row_keys)}
+        extra.update(reward.kwargs)
+        try:
+            value = reward.fn(prompt, response, ground_truth, **extra)
+        except Exception as exc:
+            raise RewardError(f"reward function {reward.spec!r} raised {type(exc).__name__} on {_where(i, row)}, "
+                              f"response {_shorten(response)}, ground truth {ground_truth!r}: {exc}") from exc
+        number = _to_float(value)
+        if number is None:
+            raise RewardError(f"reward function {reward.spec!r} returned {type(value).__name__} "
+                              f"{_shorten(repr(value))} on {_where(i, row)}; it must return one number (a float).")
+        if not math.isfinite(number):
+            raise RewardError(f"reward function {reward.spec!r} returned {number} on {_where(i, row)}, response "
+                              f"{_shorten(response)}; rewards must be finite or the advantages become NaN.")
+        return number
+
+
+def _check_signature(fn: Callable, kwargs: dict, where: str, builtin: bool) -> Optional[frozenset]:
+    """Check that fn takes (prompt, response, ground_truth) and the config kwargs; the row keys it accepts."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have no signature: trust them
+        return None
+    params = sig.parameters.values()
+    try:
+        sig.bind_partial("prompt", "response", "ground_truth")  # further parameters may come from the row
+    except TypeError as exc:
+        raise ConfigError(f"{where}: the function must accept (prompt, response, ground_truth, **row); "
+                          f"its signature is {sig} ({exc}).") from exc
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][3:]
+    # A built-in's **row is for dataset fields only, so a misspelt config kwarg must not vanish into it.
+    if builtin or not has_var_kw:
+        for key in kwargs:
+            if key not in named:
+                close = difflib.get_close_matches(key, named, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{where}: unknown kwarg {key!r}.{hint} "
+                                  f"The function accepts: {', '.join(named) or '(no kwargs)'}.")
+    return None if has_var_kw else frozenset(named)
+
+
+def _to_float(value) -> Optional[float]:
+    """float(value) for a real number or one-element tensor/array; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value.item())
+    if isinstance(value, numbers.Real):  # includes bool (0/1) and numpy scalars
+        return float(value)
+    size = getattr(value, "size", None)
+    if size == 1 and callable(getattr(value, "item", None)):  # a one-element numpy array
+        item = value.item()
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None
+
+
+def _where(i: int, row: dict) -> str:
+    source = row.get("__source__") if isinstance(row, dict) else None
+    return f"row {i} of the batch" + (f" ({source})" if source is not None else "")
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:70]!r} ... {text[-40:]!r} ({len(text)} chars)"
