@@ -1,0 +1,249 @@
+"""The Llama / Qwen2 / Qwen3 decoder: one readable implementation for training and rollout.
+
+`CausalLM(cfg)(input_ids, ...)` returns the final-normed hidden states, not logits: callers project to
+the vocabulary in chunks (`model.output_weight`) so that a [B, T, V] tensor never has to exist.
+Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...), so safetensors
+files load by name. Attention is `scaled_dot_product_attention` with an explicit boolean mask (causal
+AND key-is-not-padding), which handles left- and right-padded batches and the KV cache alike.
+Not here: loading weights (hf_io.py), sampling (phaserl/rollout), fused GPU kernels, paged caches.
+
+Legend: B batch, T new tokens, S key slots (cache prefix + T), H hidden, D head_dim,
+Hq query heads, Hkv key/value heads, V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from phaserl.models.config import DecoderConfig
+from phaserl.models.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values for every layer, filled left to right.
+
+    All rows share one write offset (`length`); a row whose prompt was left-padded simply has invalid
+    slots at the front, recorded in `key_valid` and excluded by the attention mask.
+    """
+    keys: list[torch.Tensor]      # per layer [B, Hkv, max_len, D]
+    values: list[torch.Tensor]    # per layer [B, Hkv, max_len, D]
+    key_valid: torch.Tensor       # [B, max_len] bool: the slot holds a real (non-padding) token
+    length: int = 0               # slots [0, length) are filled
+
+    @classmethod
+    def allocate(cls, cfg: DecoderConfig, batch_size: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str) -> "KVCache":
+        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        layers = range(cfg.num_hidden_layers)
+        return cls(keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
+                   values=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
+                   key_valid=torch.zeros(batch_size, max_len, dtype=torch.bool, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.key_valid.shape[1]
+
+    def record_tokens(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Mark the validity of the T tokens about to be written; returns key_valid [B, S] for them."""
+        end = self.length + attention_mask.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KVCache overflow: {end} slots needed, {self.max_len} allocated")
+        self.key_valid[:, self.length:end] = attention_mask.bool()
+        return self.key_valid[:, :end]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hkv, T, D] at the current offset; return all keys/values so far [B, Hkv, S, D]."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length:end] = k
+        self.values[layer][:, :, self.length:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+
+def build_attention_mask(key_valid: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
+    """Boolean mask [B, 1, T, S], True = may attend: causal by slot index and the key is not padding.
+
+    Query i sits in slot start + i. Every query may also see its own slot: a padding query would
+    otherwise have no visible key, and softmax over nothing is NaN. Padding outputs are garbage
+    by design (finite), and no real token ever sees a padding key.
+    """
+    num_slots = key_valid.shape[1]
+    query_slot = torch.arange(start, start + num_queries, device=key_valid.device)[:, None]  # [T, 1]
+    key_slot = torch.arange(num_slots, device=key_valid.device)[None, :]  # [1, S]
+    causal = key_slot <= query_slot  # [T, S]
+    mask = (causal[None] & key_valid[:, None, :]) | (key_slot == query_slot)[None]  # [B, T, S]
+    return mask[:, None]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, with the statistics in float32 (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=cfg.o_proj_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: normalize each head of q and k before RoPE
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                kv_cache: Optional[KVCache]) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, Hq, D]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # [B, Hkv, S, D]
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # grouped-query attention: each kv head serves `groups` consecutive query heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, Hq, S, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, layers and final norm: the `model.` prefix of every parameter name.
+
+    Shared by CausalLM (adds the vocabulary projection) and ValueModel (adds a scalar head).
+    """
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """input_ids [B, T] -> final-normed hidden states [B, T, H].
+
+        attention_mask [B, T]: 1 = real token, 0 = padding (either side). position_ids [B, T]: when None,
+        each real token's position is the number of real tokens before it in its row (cache included).
+        With `kv_cache`, the T tokens are appended after the cached prefix and the cache advances by T.
+        """
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+        start = 0 if kv_cache is None else kv_cache.length
+        key_valid = attention_mask.bool() if kv_cache is None else kv_cache.record_tokens(attention_mask)  # [B, S]
+        if position_ids is None:
+            before = key_valid[:, :start].sum(-1, keepdim=True)  # [B, 1] real tokens already cached
+            position_ids = (before + attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        mask = build_attention_mask(key_valid, start, T)  # [B, 1, T, S]
+
+        h = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rotary_emb(position_ids, h.dtype)  # [B, T, D]
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and kv_cache is None:
+                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        return self.norm(h)
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Random init for models trained from scratch: normal(0, std) weights, zero biases, unit norms."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        # Tied models have no lm_head at all, like the checkpoints transformers writes for them.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        init_weights(self)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The vocabulary projection [V, H]: lm_head.weight, or the embedding when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V], in the parameter dtype."""
+        return F.linear(hidden, self.output_weight)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """input_ids [B, T] -> hidden [B, T, H]; see DecoderModel.forward for the arguments."""
+        return self.model(input_ids, position_ids, attention_mask, kv_cache)

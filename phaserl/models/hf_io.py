@@ -1,0 +1,226 @@
+"""Reading and writing Hugging Face model directories (config.json + safetensors + tokenizer files).
+
+Every directory written here loads in transformers (`AutoModelForCausalLM`, or
+`AutoModelForSequenceClassification` for value models) with the same outputs, and every
+llama/qwen2/qwen3 directory transformers writes loads here into our own decoder. Other architectures
+load through transformers itself (hf_fallback.HFCausalLM, slow path). Writes are atomic: a reader
+never sees a half-written directory. Not here: sharded (FSDP/DCP) checkpoints, the hub (local only).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from phaserl.errors import ConfigError
+from phaserl.models.config import NATIVE_MODEL_TYPES, DecoderConfig
+from phaserl.models.decoder import CausalLM
+from phaserl.models.hf_fallback import HFCausalLM
+from phaserl.models.rope import RotaryEmbedding
+from phaserl.models.value import ValueModel
+
+log = logging.getLogger("phaserl")
+
+_SINGLE_FILE, _INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# Old checkpoints carry derived rotary tables; they are recomputed from the config, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_CLASSIFIER = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+               "qwen3": "Qwen3ForSequenceClassification"}
+
+PathLike = Union[str, os.PathLike]
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def _read_config(path: PathLike) -> tuple[Path, dict]:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(f"model directory {str(directory)!r} does not exist (or is not a directory)")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file}: missing; a Hugging Face model directory needs config.json")
+    try:
+        return directory, json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_file}: not valid JSON ({e})") from None
+
+
+def _weight_locations(directory: Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file holding it (single file or sharded index)."""
+    index = directory / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / _SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ConfigError(f"{directory}: no {_SINGLE_FILE} or {_INDEX_FILE} found (only safetensors weights "
+                      "are supported; convert .bin checkpoints with transformers' save_pretrained)")
+
+
+def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device, ignore: tuple[str, ...] = ()):
+    """Fill `module` (built on the meta device) with the tensors of `directory`, checking names and shapes."""
+    locations = {name: file for name, file in _weight_locations(directory).items()
+                 if not name.endswith(_IGNORED_SUFFIXES) and name not in ignore}
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(locations))
+    unexpected = sorted(set(locations) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(f"{directory}: the weights do not match config.json's architecture; "
+                          f"missing {len(missing)} tensor(s) {missing[:5]}, unexpected {len(unexpected)} "
+                          f"tensor(s) {unexpected[:5]}")
+    state = {}
+    for file in sorted(set(locations.values())):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in expected:
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise ConfigError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
+                                      f"implies {tuple(expected[name].shape)}")
+                state[name] = tensor.to(device=device, dtype=dtype)
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def _build_on_meta(cfg: DecoderConfig, factory):
+    # The meta device skips random init of weights that are about to be overwritten.
+    with torch.device("meta"):
+        module = factory(CausalLM(cfg))
+    return module
+
+
+def _restore_rotary(module: nn.Module, cfg: DecoderConfig, device) -> None:
+    module.model.rotary_emb = RotaryEmbedding(cfg).to(device)  # its buffer was built on meta
+
+
+def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, device="cpu",
+                    trust_remote_code: bool = False) -> Union[CausalLM, HFCausalLM]:
+    """A causal LM from a Hugging Face directory: our CausalLM for llama/qwen2/qwen3, else HFCausalLM."""
+    directory, hf_config = _read_config(path)
+    model_type = hf_config.get("model_type")
+    if model_type not in NATIVE_MODEL_TYPES:
+        return _load_fallback(directory, model_type, dtype, device, trust_remote_code)
+    cfg = DecoderConfig.from_hf_dict(hf_config, source=str(directory / "config.json"))
+    model = _build_on_meta(cfg, lambda lm: lm)
+    # Some exports store lm_head.weight even for tied models; the embedding is the one that counts.
+    _load_weights(model, directory, dtype, device, ignore=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+    _restore_rotary(model, cfg, device)
+    return model
+
+
+def _load_fallback(directory: Path, model_type, dtype, device, trust_remote_code: bool) -> HFCausalLM:
+    from transformers import AutoModelForCausalLM
+
+    log.info("model_type %s is not implemented natively; using transformers' AutoModelForCausalLM (slow path)",
+             model_type)
+    _weight_locations(directory)  # the same clear error as the native path when weights are missing
+    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{directory / 'config.json'}: transformers cannot build model_type {model_type!r}: "
+                          f"{e}") from None
+    return HFCausalLM(hf_model.to(device))
+
+
+def load_value_model(path: PathLike, *, dtype: torch.dtype = torch.float32, device="cpu") -> ValueModel:
+    """A ValueModel from a `*ForSequenceClassification` directory written by save_value_model (or transformers)."""
+    directory, hf_config = _read_config(path)
+    source = str(directory / "config.json")
+    num_labels = len(hf_config["id2label"]) if "id2label" in hf_config else hf_config.get("num_labels", 2)
+    if num_labels != 1:
+        raise ConfigError(f"{source}: a value model has one output (num_labels=1), this one has {num_labels}; "
+                          "to start a critic from a policy checkpoint use ValueModel(load_pretrained(path))")
+    cfg = DecoderConfig.from_hf_dict(hf_config, source=source)
+    model = _build_on_meta(cfg, ValueModel)
+    _load_weights(model, directory, dtype, device)
+    _restore_rotary(model, cfg, device)
+    return model
+
+
+def load_tokenizer(path: PathLike, *, trust_remote_code: bool = False):
+    """transformers' AutoTokenizer from a local directory (never the hub)."""
+    from transformers import AutoTokenizer
+
+    directory = Path(path)
+    if not directory.is_dir() or not any((directory / f).is_file() for f in _TOKENIZER_FILES):
+        raise ConfigError(f"tokenizer directory {str(directory)!r} has none of {list(_TOKENIZER_FILES)}; "
+                          "point model.tokenizer_path at a directory saved with tokenizer.save_pretrained")
+    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _write_atomically(out_dir: PathLike, write) -> Path:
+    """Run write(tmp_dir), then swap tmp_dir into out_dir; a crash leaves out_dir as it was."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = (out_dir.with_name(f".{out_dir.name}.{tag}-{os.getpid()}") for tag in ("tmp", "old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if out_dir.exists():
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _cpu_state(module: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    return {name: (t if dtype is None else t.to(dtype)).detach().cpu().contiguous()
+            for name, t in module.state_dict().items()}
+
+
+def _write_common(directory: Path, config: dict, state: dict, cfg: DecoderConfig, tokenizer) -> None:
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(state, directory / _SINGLE_FILE, metadata={"format": "pt"})
+    generation = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id),
+                                    ("pad_token_id", cfg.pad_token_id)) if v is not None}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def save_pretrained(model: Union[CausalLM, HFCausalLM], out_dir: PathLike, *, tokenizer=None,
+                    dtype: Optional[torch.dtype] = None) -> Path:
+    """Write `model` as a Hugging Face directory; `dtype` converts the weights (None keeps theirs)."""
+    if isinstance(model, HFCausalLM):
+        def write_hf(tmp: Path):
+            state = None if dtype is None else _cpu_state(model.hf_model, dtype)
+            model.hf_model.save_pretrained(tmp, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        return _write_atomically(out_dir, write_hf)
+    state = _cpu_state(model, dtype)  # tied models have no lm_head.weight: the HF layout for tied weights
+    config = model.config.to_hf_dict(_dtype_name(dtype or model.output_weight.dtype))
+    return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, model.config, tokenizer))
+
+
+def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
+                     dtype: Optional[torch.dtype] = None) -> Path:
+    """Write a `*ForSequenceClassification` directory (num_labels=1, `score.weight`)."""
+    cfg = model.config
+    state = _cpu_state(model, dtype)
+    config = cfg.to_hf_dict(_dtype_name(dtype or model.score.weight.dtype))
+    config.update(architectures=[_CLASSIFIER[cfg.model_type]], id2label={"0": "LABEL_0"},
+                  label2id={"LABEL_0": 0}, num_labels=1)
+    return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, cfg, tokenizer))

@@ -1,0 +1,41 @@
+"""ValueModel: a decoder backbone with a scalar head, the critic of PPO (and the shape of a reward model).
+
+Parameter names follow transformers' `*ForSequenceClassification` (`model.*`, `score.weight`), so a saved
+critic loads in `AutoModelForSequenceClassification` with num_labels=1. The backbone's vocabulary
+projection is dropped: a critic never needs it. Not here: saving/loading (hf_io.py).
+
+Legend: B batch, T tokens, H hidden.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from phaserl.models.decoder import CausalLM, KVCache
+
+
+class ValueModel(nn.Module):
+    def __init__(self, backbone: CausalLM):
+        super().__init__()
+        self.config = backbone.config
+        self.model = backbone.model  # shares the decoder weights; backbone.lm_head is not kept
+        self.score = nn.Linear(self.config.hidden_size, 1, bias=False)
+        # Zero init: every value starts at 0, so the first advantages are driven by rewards alone.
+        nn.init.zeros_(self.score.weight)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.model.gradient_checkpointing = enabled
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """input_ids [B, T] -> values [B, T] float32 (one per token: the value of the prefix ending there)."""
+        hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)  # [B, T, H]
+        return self.score(hidden).squeeze(-1).float()  # [B, T]
