@@ -1,0 +1,213 @@
+"""Advantage estimators: GAE, GRPO (+ Dr.GRPO), RLOO, REINFORCE++ (+ baseline) and ReMax.
+
+Each estimator takes one `AdvantageInputs` and returns `(advantages [B, T], returns [B, T])`, both 0
+beyond the response mask. The trainer picks one from `ADVANTAGE_ESTIMATORS` when the run is built.
+`returns` is the critic's regression target for GAE; the critic-free estimators return the
+quantity their advantage was built from (see each docstring) so that it can be logged.
+
+A response's *score* is the sum of its real token rewards: the reward placed on its last real
+token, minus the per-token KL when the KL is shaped into the reward (`kl.apply_kl_to_rewards`).
+Pure tensor math under no_grad; no I/O, no distributed.
+
+Legend: B = responses, T = response tokens (right-padded), G = groups (prompts),
+mask = response_mask [B, T] (1 = real token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from phaserl.algo.masked import masked_sum, masked_whiten, upcast
+from phaserl.errors import ConfigError
+
+
+@dataclass
+class AdvantageInputs:
+    """Everything an advantage estimator may read; each estimator uses the fields it needs."""
+
+    token_rewards: Tensor  # [B, T] reward per token (score on the last real token, minus KL if KL is in the reward)
+    response_mask: Tensor  # [B, T] 1 = real response token
+    group_ids: Tensor  # [B] int: responses of the same prompt share an id
+    values: Optional[Tensor] = None  # [B, T] critic values (gae)
+    baseline_scores: Optional[Tensor] = None  # [B] greedy-response scores (remax)
+    gamma: float = 1.0  # discount per token (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE lambda
+    norm_by_std: bool = True  # grpo: divide by the group std; False = Dr.GRPO
+    eps: float = 1e-6  # grpo: added to the group std
+
+
+def _check(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """(rewards with 0 beyond the mask, mask), at least float32, after shape checks (wiring mistakes)."""
+    rewards, mask = inputs.token_rewards, inputs.response_mask
+    if rewards.dim() != 2 or rewards.shape != mask.shape:
+        raise ValueError(f"token_rewards {tuple(rewards.shape)} and response_mask {tuple(mask.shape)} "
+                         "must both be [B, T]")
+    if inputs.group_ids.shape != rewards.shape[:1]:
+        raise ValueError(f"group_ids must be [B] = [{rewards.shape[0]}], got {tuple(inputs.group_ids.shape)}")
+    return _zero_padding(rewards, mask), mask.float()
+
+
+def _zero_padding(x: Tensor, mask: Tensor) -> Tensor:
+    # where() rather than x * mask: padding holding inf/nan must not become nan.
+    return torch.where(mask.bool(), upcast(x), torch.zeros((), device=x.device))
+
+
+def _scores(rewards: Tensor, mask: Tensor) -> Tensor:
+    return masked_sum(rewards, mask, dim=-1)  # [B] sum of the real token rewards
+
+
+def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-response view of its group: (group index [B], size [B], mean [B], unbiased std [B])."""
+    uniq, index = torch.unique(group_ids, return_inverse=True)  # index: [B] values in [0, G)
+    size = torch.zeros(uniq.numel(), dtype=scores.dtype, device=scores.device)
+    size.index_add_(0, index, torch.ones_like(scores))  # [G] responses per group
+    total = torch.zeros_like(size).index_add_(0, index, scores)  # [G]
+    mean = (total / size)[index]  # [B]
+    sq_dev = torch.zeros_like(size).index_add_(0, index, (scores - mean) ** 2)  # [G]
+    std = (sq_dev / (size - 1).clamp(min=1)).sqrt()[index]  # [B]; 0 for a group of one
+    return index, size[index], mean, std
+
+
+def _broadcast(per_response: Tensor, mask: Tensor) -> Tensor:
+    return per_response.unsqueeze(-1) * mask  # [B] -> [B, T], 0 beyond the mask
+
+
+def _reverse_scan(rewards: Tensor, mask: Tensor, gamma: float, values: Optional[Tensor], lam: float) -> Tensor:
+    """Backward recursion over tokens shared by GAE and the discounted return-to-go.
+
+    With `values`: A_t = delta_t + gamma * lam * A_{t+1}, delta_t = r_t + gamma * V_{t+1} - V_t.
+    Without: G_t = r_t + gamma * G_{t+1}. Tokens with mask 0 are skipped (the running value is
+    carried across them), so right padding contributes nothing and V after the last token is 0.
+    """
+    running = torch.zeros_like(rewards[:, 0])  # [B] A_{t+1} or G_{t+1}
+    next_value = torch.zeros_like(running)  # [B] V_{t+1}
+    out = torch.zeros_like(rewards)  # [B, T]
+    for t in reversed(range(rewards.shape[1])):
+        real = mask[:, t] > 0
+        if values is None:
+            step = rewards[:, t] + gamma * running
+        else:
+            delta = rewards[:, t] + gamma * next_value - values[:, t]
+            step = delta + gamma * lam * running
+            next_value = torch.where(real, values[:, t], next_value)
+        running = torch.where(real, step, running)
+        out[:, t] = torch.where(real, step, torch.zeros_like(step))
+    return out
+
+
+@torch.no_grad()
+def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016), as used by PPO for RLHF.
+
+    returns = A_GAE + V (the critic's target, before whitening); advantages = A_GAE whitened over
+    every real token of the batch (`masked_whiten`, unbiased variance).
+    Needs `values` [B, T]. Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    if inputs.values is None:
+        raise ConfigError("algorithm.adv_estimator=gae needs critic values; enable the critic "
+                          "(critic.enable: true) or pick a critic-free estimator such as grpo")
+    if inputs.values.shape != rewards.shape:
+        raise ValueError(f"values must be [B, T] = {tuple(rewards.shape)}, got {tuple(inputs.values.shape)}")
+    values = _zero_padding(inputs.values, mask)  # [B, T]; padding may hold anything
+    raw = _reverse_scan(rewards, mask, inputs.gamma, values, inputs.lam)  # [B, T]
+    returns = (raw + values) * mask
+    return masked_whiten(raw, mask), returns
+
+
+@torch.no_grad()
+def compute_grpo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """GRPO (Shao et al. 2024, DeepSeekMath) outcome advantage, and Dr.GRPO (Liu et al. 2025).
+
+    A_i = (s_i - mean_group(s)) / (std_group(s) + eps), with the *unbiased* group std (torch.std's
+    default, as verl); `norm_by_std=False` gives Dr.GRPO's A_i = s_i - mean_group(s). A_i is
+    broadcast to every real token. A group of one response is its own mean, so its advantage is 0
+    (verl instead passes its raw score through). returns = advantages. Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    scores = _scores(rewards, mask)  # [B]
+    _, _, mean, std = _group_stats(scores, inputs.group_ids)
+    adv = scores - mean  # [B]
+    if inputs.norm_by_std:
+        adv = adv / (std + inputs.eps)
+    adv = _broadcast(adv, mask)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_rloo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """RLOO, REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024).
+
+    A_i = s_i - mean of the other responses' scores in its group = (s_i - mean) * n / (n - 1),
+    broadcast to tokens. Every group needs at least 2 responses. returns = advantages.
+    Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    scores = _scores(rewards, mask)  # [B]
+    _, size, mean, _ = _group_stats(scores, inputs.group_ids)
+    if bool((size < 2).any()):
+        lonely = inputs.group_ids[size < 2].tolist()
+        raise ConfigError(f"rloo needs at least 2 responses per prompt, but group id(s) {lonely[:5]} "
+                          "have 1; set rollout.n >= 2 (or pick algorithm.adv_estimator=grpo)")
+    adv = _broadcast((scores - mean) * size / (size - 1), mask)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go, whitened over the batch.
+
+    G_t = sum_{k >= t} gamma^(k - t) r_k over real tokens; advantages = G whitened over every real
+    token of the batch; returns = G. Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    returns = _reverse_scan(rewards, mask, inputs.gamma, None, 1.0)  # [B, T]
+    return masked_whiten(returns, mask), returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline (Hu 2025): group-mean baseline, then whitened over the batch.
+
+    A_i = s_i - mean_group(s), broadcast to tokens, then whitened over every real token of the
+    batch (the batch std replaces GRPO's group std). returns = the broadcast A_i before whitening.
+    Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    scores = _scores(rewards, mask)  # [B]
+    _, _, mean, _ = _group_stats(scores, inputs.group_ids)
+    centered = _broadcast(scores - mean, mask)  # [B, T]
+    return masked_whiten(centered, mask), centered
+
+
+@torch.no_grad()
+def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """ReMax (Li et al. 2024): the greedy response's score is the baseline.
+
+    A_i = s_i - baseline_scores_i, broadcast to tokens. Needs `baseline_scores` [B] (the score of
+    the greedy response to the same prompt). returns = advantages. Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    if inputs.baseline_scores is None:
+        raise ConfigError("algorithm.adv_estimator=remax needs the greedy responses' scores "
+                          "(baseline_scores); the trainer must run the greedy rollout")
+    if inputs.baseline_scores.shape != rewards.shape[:1]:
+        raise ValueError(f"baseline_scores must be [B] = [{rewards.shape[0]}], "
+                         f"got {tuple(inputs.baseline_scores.shape)}")
+    adv = _broadcast(_scores(rewards, mask) - upcast(inputs.baseline_scores), mask)
+    return adv, adv
+
+
+AdvantageEstimator = Callable[[AdvantageInputs], "tuple[Tensor, Tensor]"]
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": compute_gae_advantages,
+    "grpo": compute_grpo_advantages,
+    "rloo": compute_rloo_advantages,
+    "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
+    "remax": compute_remax_advantages,
+}

@@ -1,0 +1,105 @@
+"""Chunked log-probs from hidden states: same values and gradients as the naive path, without [N, V]."""
+import math
+
+import pytest
+import torch
+
+from phaserl.algo import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
+from phaserl.algo.logprobs import _ChunkedLinearLogprobs
+
+
+def test_logprobs_and_entropy_from_logits_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # softmax = [1/4, 3/4]
+    assert torch.allclose(token_logprobs_from_logits(logits, torch.tensor([1])), torch.tensor([math.log(0.75)]))
+    entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert torch.allclose(entropy_from_logits(logits), torch.tensor([entropy]))
+    # temperature 0.5 doubles the logits: softmax = [1/10, 9/10]
+    assert torch.allclose(token_logprobs_from_logits(logits, torch.tensor([0]), temperature=0.5),
+                          torch.tensor([math.log(0.1)]))
+
+
+def _inputs(n, h, v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=dtype).requires_grad_()
+    weight = torch.randn(v, h, generator=g, dtype=dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_matches_naive_values_and_gradients_float64(with_entropy):
+    hidden, weight, targets = _inputs(n=7, h=5, v=11, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    up_logp, up_ent = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+
+    logp, ent = token_logprobs_from_hidden(hidden, weight, targets, temperature=0.7, chunk_size=3,
+                                           with_entropy=with_entropy)  # chunks of 3, 3, 1
+    out = (logp * up_logp).sum() + ((ent * up_ent).sum() if with_entropy else 0.0)
+    grad_h, grad_w = torch.autograd.grad(out, (hidden, weight))
+
+    logits = hidden @ weight.t()
+    naive_logp = token_logprobs_from_logits(logits, targets, temperature=0.7)
+    naive = (naive_logp * up_logp).sum()
+    if with_entropy:
+        naive_ent = entropy_from_logits(logits, temperature=0.7)
+        naive = naive + (naive_ent * up_ent).sum()
+        assert torch.allclose(ent, naive_ent, atol=1e-12)
+    else:
+        assert ent is None
+    naive_h, naive_w = torch.autograd.grad(naive, (hidden, weight))
+    assert torch.allclose(logp, naive_logp, atol=1e-12)
+    assert torch.allclose(grad_h, naive_h, atol=1e-10)
+    assert torch.allclose(grad_w, naive_w, atol=1e-10)
+
+
+def test_gradcheck_of_the_autograd_function():
+    hidden, weight, targets = _inputs(n=4, h=3, v=5, dtype=torch.float64, seed=2)
+    assert torch.autograd.gradcheck(
+        lambda h, w: _ChunkedLinearLogprobs.apply(h, w, targets, 1.3, 3, True), (hidden, weight))
+
+
+def test_no_float32_n_by_v_tensor_is_saved_for_backward():
+    n, h, v = 64, 8, 100
+    hidden, weight, targets = _inputs(n, h, v, dtype=torch.float32)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs_from_hidden(hidden, weight, targets, chunk_size=16, with_entropy=True)
+    assert saved and max(saved) < n * v  # hidden, weight, targets, logsumexp only
+
+    saved.clear()  # the naive path does keep [N, V]: the check above can fail
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs_from_logits(hidden @ weight.t(), targets)
+    assert max(saved) >= n * v
+
+
+def test_bfloat16_inputs_give_float32_outputs_close_to_float32_math():
+    hidden, weight, targets = _inputs(n=10, h=16, v=32, dtype=torch.float32)
+    hb, wb = hidden.detach().bfloat16().requires_grad_(), weight.detach().bfloat16().requires_grad_()
+    logp, ent = token_logprobs_from_hidden(hb, wb, targets, chunk_size=4, with_entropy=True)
+    assert logp.dtype == ent.dtype == torch.float32
+    ref = token_logprobs_from_logits(hb.float() @ wb.float().t(), targets)
+    assert torch.allclose(logp, ref, atol=0.1)
+    logp.sum().backward()
+    assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+
+
+def test_frozen_weight_gets_no_gradient_and_inference_mode_works():
+    hidden, weight, targets = _inputs(n=5, h=3, v=6, dtype=torch.float32)
+    frozen = weight.detach()
+    logp, _ = token_logprobs_from_hidden(hidden, frozen, targets, chunk_size=2)
+    logp.sum().backward()
+    assert hidden.grad is not None and frozen.grad is None
+    with torch.inference_mode():
+        again, _ = token_logprobs_from_hidden(hidden, weight, targets, chunk_size=2)
+    assert torch.allclose(again, logp)
+
+
+def test_bad_shapes_are_reported():
+    hidden, weight, targets = _inputs(n=5, h=3, v=6, dtype=torch.float32)
+    with pytest.raises(ValueError, match="targets"):
+        token_logprobs_from_hidden(hidden, weight, targets[:4])
