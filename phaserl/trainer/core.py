@@ -69,7 +69,7 @@ class RLTrainer:
     def fit(self) -> dict:
         run = self.run
         self.hooks.fire("on_train_start", self)
-        if run.val_before_train and self.step_num == 0:
+        if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
             self._log(self.step_num, self.validate())
         progress = run.progress_bar(self.step_num)
         while self.step_num < run.total_steps:
