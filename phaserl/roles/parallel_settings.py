@@ -16,6 +16,7 @@ import torch
 from ..errors import ConfigError
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+_ONLY_ACTOR = "Only HybridActor switches between rollout and training mode;"
 
 
 def _from_any(cls, value, what: str):
@@ -50,6 +51,8 @@ class FSDPSettings:
 
     @classmethod
     def from_any(cls, value, *, role: str) -> "FSDPSettings":
+        if isinstance(value, dict):
+            _reject_hybrid_keys(role, value)
         return _from_any(cls, value, f"{role} fsdp_config")
 
 
@@ -63,13 +66,28 @@ class HybridSettings:
         return _from_any(cls, value, "actor hybrid_engine_config")
 
 
+def _reject_hybrid_keys(role: str, fsdp_config: dict) -> None:
+    """The seed's mistake 1 written as one dict: mode-switch keys inside a role's fsdp_config."""
+    mixed = [key for key in fsdp_config if key in {f.name for f in dataclasses.fields(HybridSettings)}]
+    if not mixed:
+        return
+    if role == "actor":
+        raise ConfigError(f"actor fsdp_config has hybrid-engine key(s) {', '.join(mixed)}: pass them separately, "
+                          f"HybridActor(model, fsdp_config=..., hybrid_engine_config=dict({mixed[0]}=...))")
+    name = {"critic": "Critic", "ref": "ReferencePolicy"}.get(role, role)
+    raise ConfigError(f"{name}: fsdp_config has the actor's hybrid-engine key(s) {', '.join(mixed)}. {_ONLY_ACTOR} "
+                      f"a {name} given the actor's config would be resharded with the actor (the seed's OOM / "
+                      f"all_reduce failure). Give the {name} its own fsdp_config, e.g. "
+                      f"dict(sharding_strategy=\"FULL_SHARD\"), without {mixed[0]}.")
+
+
 def reject_hybrid_config(role: str, hybrid_engine_config) -> None:
     """Only the actor switches between rollout and training (seed mistake 1)."""
     if hybrid_engine_config:
         raise ConfigError(
-            f"{role}: hybrid_engine_config={hybrid_engine_config!r} is not allowed. Only HybridActor switches "
-            f"between rollout and training mode; a {role} that joined the switch would be resharded with the "
-            f"actor (the seed's OOM / all_reduce failure). Remove hybrid_engine_config from the {role}.")
+            f"{role}: hybrid_engine_config={hybrid_engine_config!r} is not allowed. {_ONLY_ACTOR} a {role} that "
+            f"joined the switch would be resharded with the actor (the seed's OOM / all_reduce failure). Remove "
+            f"hybrid_engine_config from the {role}.")
 
 
 def device_memory_gb(device: torch.device) -> Optional[float]:

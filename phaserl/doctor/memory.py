@@ -1,0 +1,228 @@
+"""Memory estimate of one RL step per rank, and the per-phase batch sizes that fit this machine.
+
+Seed mistake 4 is one batch size for every phase. Each phase has its own memory shape, so each gets
+its own size: rollout holds a KV cache per sequence, scoring runs the reward model forward-only, and
+the update keeps activations per token for backward. This module turns model shapes and sizes
+into bytes and suggests `rollout.batch_size`, `reward_model.batch_size` and `ppo.micro_batch_tokens`
+that fit the free memory of the device (CUDA free memory, or available RAM on the CPU).
+
+The estimates are deliberately rough (within ~2×): they decide "fits / does not fit / leaves the GPU
+idle", not allocator details. Formulas, per rank (b = bytes per parameter element, T = tokens):
+  resident state  actor: params + grads + AdamW (two moments in the param dtype) = 4 × b per param;
+                  critic the same; reference and reward model: params only. FULL_SHARD divides all of
+                  it by world_size, SHARD_GRAD_OP divides grads and AdamW only, cpu_offload keeps it off
+                  the device.
+  KV cache        2 × layers × kv_heads × head_dim × b × T per sequence
+  rollout         per sequence: KV cache + prefill temporaries (2h + 2I) × b × prompt tokens
+                  + two float32 rows of vocabulary logits
+  scoring         per sequence: the RM's KV cache + (2h + 2I) × b × max_length
+  update          per token: layers × (8h + 4I + 2 × kv_heads × head_dim) × b of saved activations
+                  (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits
+                  × 3 for the log-prob projection of up to 1024 tokens at a time.
+Not here: reading the config or loading models (`checks.py` does that and calls these functions).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+HEADROOM = 0.85          # use at most this fraction of the free memory (allocator slack, CUDA context)
+LOGPROB_CHUNK = 1024     # tokens per vocabulary-projection chunk (roles/forward.py)
+IDLE_FRACTION = 0.25     # a configured size under a quarter of what fits leaves the GPU mostly idle
+GB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a decoder."""
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    param_bytes: int  # bytes per parameter element (2 for bf16/fp16, 4 for fp32)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelShape":
+        """Read the shape of a loaded model (ours, a transformers model, or a wrapper with `.config`)."""
+        c = model.config
+        heads = c.num_attention_heads
+        first = next(model.parameters())
+        return cls(num_params=sum(p.numel() for p in model.parameters()), num_layers=c.num_hidden_layers,
+                   hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                   num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   vocab_size=c.vocab_size, param_bytes=first.element_size())
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Bytes one rank holds for one role between phases."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class PhaseSizes:
+    """The configured sizes and the most each phase can use on one rank (more is never needed)."""
+
+    n: int                       # rollout.n
+    prompt_tokens: int           # data.max_prompt_length
+    sequence_tokens: int         # prompt + response, at most
+    rollout_batch_size: int      # prompts per generate call (configured)
+    prompts_per_rank: int        # rollout's cap
+    rm_batch_size: int           # sequences per scoring call (configured)
+    rm_max_length: int
+    responses_per_rank: int      # scoring's cap
+    micro_batch_tokens: int      # configured
+    mini_batch_per_rank: int     # the update's cap, in sequences
+    gradient_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    key: str          # the config key
+    configured: int
+    fits: int         # the largest value that fits (capped at what the phase can use)
+    cap: int          # what the phase can use at most, in the key's units
+    per_item: int     # bytes per unit of the key (per prompt / sequence / token)
+
+
+def role_memory(num_params: int, param_bytes: int, *, trainable: bool, strategy: str, world_size: int,
+                cpu_offload: bool) -> RoleMemory:
+    """Device bytes per rank for one role's parameters, gradients and AdamW state."""
+    if cpu_offload:
+        return RoleMemory(0, 0, 0)
+    params = num_params * param_bytes
+    grads, optimizer = (params, 2 * params) if trainable else (0, 0)
+    if strategy == "FULL_SHARD":
+        return RoleMemory(params // world_size, grads // world_size, optimizer // world_size)
+    if strategy == "SHARD_GRAD_OP":
+        return RoleMemory(params, grads // world_size, optimizer // world_size)
+    return RoleMemory(params, grads, optimizer)
+
+
+def kv_cache_bytes_per_sequence(shape: ModelShape, tokens: int) -> int:
+    """2 (K and V) × layers × kv_heads × head_dim × bytes × tokens."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.param_bytes * tokens
+
+
+def rollout_bytes_per_sequence(shape: ModelShape, sizes: PhaseSizes) -> int:
+    prefill = (2 * shape.hidden_size + 2 * shape.intermediate_size) * shape.param_bytes * sizes.prompt_tokens
+    return kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens) + prefill + 2 * shape.vocab_size * 4
+
+
+def scoring_bytes_per_sequence(rm: ModelShape, max_length: int) -> int:
+    forward = (2 * rm.hidden_size + 2 * rm.intermediate_size) * rm.param_bytes * max_length
+    return kv_cache_bytes_per_sequence(rm, max_length) + forward
+
+
+def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool) -> int:
+    """Activations saved for backward, per token of a micro-batch."""
+    per_layer = 8 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.num_kv_heads * shape.head_dim
+    if gradient_checkpointing:
+        return (shape.num_layers * shape.hidden_size + per_layer) * shape.param_bytes
+    return shape.num_layers * per_layer * shape.param_bytes
+
+
+def logprob_chunk_bytes(shape: ModelShape, tokens: int) -> int:
+    """The chunked vocabulary projection: logits, log-softmax and their gradient in float32."""
+    return 3 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
+
+
+def _largest_micro_batch(budget: int, shape: ModelShape, per_token: int, sizes: PhaseSizes) -> int:
+    """Whole sequences per update micro-batch that fit `budget` (activations + the log-prob chunk)."""
+    T, chunk_per_token = sizes.sequence_tokens, logprob_chunk_bytes(shape, 1)
+    small = _largest(budget, T * (per_token + chunk_per_token), sizes.mini_batch_per_rank)
+    if small * T < LOGPROB_CHUNK:  # the chunk grows with the micro-batch up to LOGPROB_CHUNK tokens
+        return small
+    return _largest(budget - logprob_chunk_bytes(shape, LOGPROB_CHUNK), T * per_token, sizes.mini_batch_per_rank)
+
+
+def _largest(budget: int, per_item: int, cap: int) -> int:
+    """How many items of `per_item` bytes fit in `budget`, between 0 and `cap`."""
+    if budget <= 0:
+        return 0
+    return min(cap, budget // max(per_item, 1))
+
+
+def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, *, resident: int,
+                  update_extra: int, free_bytes: int) -> list[Suggestion]:
+    """For each phase, the largest size that fits `free_bytes` × HEADROOM after the `resident` roles.
+
+    `update_extra` is what only the update phase adds to the resident state (the actor's gradients).
+    A `fits` of 0 means not even one item fits.
+    """
+    usable = int(free_bytes * HEADROOM)
+    out = []
+    per_prompt = sizes.n * rollout_bytes_per_sequence(policy, sizes)
+    out.append(Suggestion("rollout.batch_size", sizes.rollout_batch_size,
+                          _largest(usable - resident, per_prompt, sizes.prompts_per_rank),
+                          sizes.prompts_per_rank, per_prompt))
+    if rm is not None:
+        per_seq = scoring_bytes_per_sequence(rm, sizes.rm_max_length)
+        out.append(Suggestion("reward_model.batch_size", sizes.rm_batch_size,
+                              _largest(usable - resident, per_seq, sizes.responses_per_rank),
+                              sizes.responses_per_rank, per_seq))
+    per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing)
+    seqs = _largest_micro_batch(usable - resident - update_extra, policy, per_token, sizes)
+    out.append(Suggestion("ppo.micro_batch_tokens", sizes.micro_batch_tokens, seqs * sizes.sequence_tokens,
+                          sizes.mini_batch_per_rank * sizes.sequence_tokens, per_token))
+    return out
+
+
+def effective(s: Suggestion, sizes: PhaseSizes) -> int:
+    """What the configured value actually uses: never more than the phase's cap; whole sequences for tokens."""
+    if s.key == "ppo.micro_batch_tokens":
+        return min(s.configured // sizes.sequence_tokens, sizes.mini_batch_per_rank) * sizes.sequence_tokens
+    return min(s.configured, s.cap)
+
+
+def judge(s: Suggestion, sizes: PhaseSizes, *, device_type: str) -> str:
+    """'' when the configured size is sensible; else why not (does not fit / leaves the GPU idle)."""
+    used = effective(s, sizes)
+    if used > s.fits:
+        return (f"{s.key} = {s.configured} likely does not fit: its phase needs ~{fmt_bytes(used * s.per_item)} "
+                f"on top of the weights; {s.fits} fit")
+    if device_type == "cuda" and used < s.cap and used <= IDLE_FRACTION * s.fits:
+        return (f"{s.key} = {s.configured} uses under {IDLE_FRACTION:.0%} of what fits ({s.fits}): the GPU "
+                f"stays mostly idle in that phase")
+    return ""
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of the device: CUDA free memory, or the RAM the OS says is available."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", GB), ("MB", 2**20), ("KB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

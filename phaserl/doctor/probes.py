@@ -1,0 +1,251 @@
+"""The doctor's checks that run things on real rows: data, chat template, rule rewards, the reward
+model's input format (seed mistake 2), the frozen reference (mistake 3) and memory (mistake 4).
+
+Each builds what `train` would build, from the same builder functions, and tries it on a few real
+training rows. Nothing is trained. `Context` and the `check` decorator come from `checks.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
+from ..errors import PreflightError, RewardError
+from ..models import load_pretrained
+from ..rewards import RuleRewards
+from ..roles import ReferencePolicy
+from ..trainer.build import DTYPES, build_reward_sources, resolve_data_files, resolve_model_path
+from .checks import Context, check, roles_enabled, short
+from .memory import (ModelShape, PhaseSizes, RoleMemory, ceil_div, fmt_bytes, judge, kv_cache_bytes_per_sequence,
+                     role_memory, suggest_sizes)
+from .report import FAIL, OK, WARN, CheckResult
+
+PROBE_ROWS = 4  # real training rows the reward model and the rule functions are tried on
+
+
+@check("data", needs=("tokenizer",))
+def check_data(ctx: Context) -> CheckResult:
+    """Schema of every row, and what the overlong policy does to the prompts."""
+    d, tok = ctx.cfg.data, ctx.tokenizer
+    splits = [("train", d.train_files)] + ([("val", d.val_files)] if d.val_files else [])
+    parts, cut = [], 0
+    for split, files in splits:
+        rows = load_prompt_rows(resolve_data_files(files, split), prompt_key=d.prompt_key)
+        if split == "train":
+            ctx.train_rows = rows
+        if d.apply_chat_template and not tok.chat_template:
+            parts.append(f"{split}: {len(rows)} rows")
+            continue
+        ds = build_prompt_dataset(rows, tok, max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,
+                                  apply_chat_template=d.apply_chat_template)
+        longest = max(len(item.prompt_ids) for item in ds.items)
+        cut += ds.dropped + ds.truncated
+        parts.append(f"{split}: {len(rows)} rows, longest prompt {longest} tokens, {ds.dropped} dropped, "
+                     f"{ds.truncated} truncated")
+    message = "; ".join(parts) + f" (data.max_prompt_length = {d.max_prompt_length})"
+    if d.apply_chat_template and not tok.chat_template:
+        return CheckResult("data", WARN, f"{message}; prompt lengths not checked: no chat template (see below)")
+    if cut > 0.1 * len(ctx.train_rows):
+        return CheckResult("data", WARN, message, fix=f"over 10% of prompts are cut or dropped by data.overlong_"
+                           f"prompts = {d.overlong_prompts}: raise data.max_prompt_length")
+    return CheckResult("data", OK, message)
+
+
+@check("chat template", needs=("tokenizer",))
+def check_chat_template(ctx: Context) -> CheckResult:
+    tok = ctx.tokenizer
+    if not ctx.cfg.data.apply_chat_template:
+        return CheckResult("chat template", OK, "off: prompts are tokenized as plain text "
+                                                "(data.apply_chat_template = false)")
+    if not tok.chat_template:
+        return CheckResult("chat template", FAIL, "data.apply_chat_template = true but the tokenizer "
+                           f"({getattr(tok, 'name_or_path', '')}) has no chat template",
+                           fix="set data.apply_chat_template=false to feed plain text, or model.tokenizer_path to "
+                               "a tokenizer whose tokenizer_config.json has a chat_template (an -Instruct model's)")
+    if not ctx.train_rows:
+        return CheckResult("chat template", OK, "the tokenizer has a chat template")
+    text = format_prompt(ctx.train_rows[0], tok, apply_chat_template=True)
+    return CheckResult("chat template", OK, f"the first prompt renders as {short(text)}")
+
+
+@check("reward functions", needs=("train_rows",))
+def check_reward_functions(ctx: Context) -> CheckResult:
+    specs = ctx.cfg.reward.functions
+    if not specs:
+        return CheckResult("reward functions", OK, "none configured (the reward model scores alone)")
+    rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in specs])
+    rows = ctx.train_rows[:PROBE_ROWS]
+    for row in rows:
+        rules.smoke_test(row.prompt, row.ground_truth, dict(row.raw, __source__=row.source))
+    names = ", ".join(r.spec for r in rules.rewards)
+    return CheckResult("reward functions", OK, f"{names}: a finite number for an empty and a plausible response "
+                                               f"on {len(rows)} real rows")
+
+
+def probe_batch(rows: list, response_key: str) -> tuple[list, list]:
+    """Real prompts with plausible responses: the row's response field, its ground truth, or the prompt."""
+    prompts, responses = [], []
+    for i, row in enumerate(rows):
+        prompt_text = row.prompt if isinstance(row.prompt, str) else row.prompt[-1]["content"]
+        if isinstance(row.raw.get(response_key), str):
+            response = row.raw[response_key]
+        elif row.ground_truth is not None and i % 2 == 0:
+            response = f"The answer is {row.ground_truth}."
+        else:
+            response = prompt_text
+        prompts.append(row.prompt)
+        responses.append(response)
+    return prompts, responses
+
+
+@check("reward model", needs=("device",))
+def check_reward_model(ctx: Context) -> CheckResult:
+    """Seed mistake 2: score a real batch in the configured format; FAIL on non-finite/constant/wrong shape."""
+    rc = ctx.cfg.reward_model
+    if not rc.enable:
+        return CheckResult("reward model", OK, "no reward model (reward_model.enable = false)")
+    if not ctx.train_rows:
+        return CheckResult("reward model", WARN, "skipped: needs the training rows (see data)")
+    rm_only = dataclasses.replace(ctx.cfg, reward=dataclasses.replace(ctx.cfg.reward, functions=[]))
+    try:
+        wrapper = build_reward_sources(rm_only, ctx.device).reward_model
+    except RewardError as exc:
+        return CheckResult("reward model", FAIL, str(exc), fix="in the config: reward_model.path / tokenizer_path "
+                           "(the RM's own directory), reward_model.chat_template or apply_chat_template=false")
+    ctx.rm_shape = ModelShape.of(wrapper.model)
+    rows = ctx.train_rows[:PROBE_ROWS]
+    prompts, responses = probe_batch(rows, rc.response_key)
+    report = wrapper.probe(prompts, responses)
+    try:
+        seen = short(wrapper.format(prompts[0], responses[0]), 160)
+    except Exception as exc:  # the probe's reason already says why formatting failed
+        seen = f"nothing ({type(exc).__name__})"
+    template = "custom" if rc.chat_template else "the RM tokenizer's own"
+    format_line = (f"format: apply_chat_template = {rc.apply_chat_template}, chat_template = {template}, "
+                   f"truncation_side = {rc.truncation_side}; the RM saw {seen}")
+    if not report.ok:
+        return CheckResult("reward model", FAIL, report.reason, details=(format_line,))
+    scores = ", ".join(f"{s:.4g}" for s in report.scores)
+    message = (f"probe of {len(rows)} real prompts: scores [{scores}], finite, shape [{len(rows)}], "
+               f"not constant")
+    limit = getattr(wrapper.model.config, "max_position_embeddings", None)
+    if limit is not None and rc.max_length > limit:
+        return CheckResult("reward model", WARN, f"{message}; but reward_model.max_length = {rc.max_length} is over "
+                           f"the reward model's max_position_embeddings = {limit}: longer inputs would sit at "
+                           f"positions it never saw", fix=f"set reward_model.max_length <= {limit}",
+                           details=(format_line,))
+    if rc.response_key != "response" and not any(rc.response_key in row.raw for row in rows):
+        return CheckResult("reward model", WARN, f"{message}; reward_model.response_key = {rc.response_key!r} is "
+                           "in none of the training rows", fix="in RL the reward model scores the actor's "
+                           "responses; response_key only names the field of preference rows (prompt, "
+                           "chosen_response, ...): leave it at 'response' here", details=(format_line,))
+    return CheckResult("reward model", OK, message, details=(format_line,))
+
+
+def shared_parameter_names(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """Names (in `a`) of parameters whose storage `b` also holds."""
+    held = {p.data_ptr() for p in b.parameters() if p.numel()}
+    return [name for name, p in a.named_parameters() if p.numel() and p.data_ptr() in held]
+
+
+def check_reference_frozen(ref: ReferencePolicy, actor_model=None) -> CheckResult:
+    """Seed mistake 3 for built roles: nothing in the reference trains, and it shares no weights with the actor."""
+    try:
+        ref.check_frozen()
+    except PreflightError as exc:
+        return CheckResult("reference frozen", FAIL, str(exc))
+    if actor_model is not None:
+        shared = shared_parameter_names(ref.model, actor_model)
+        if shared:
+            return CheckResult("reference frozen", FAIL, f"the reference shares {len(shared)} parameter(s) with "
+                               f"the actor ({', '.join(shared[:3])}, ...): freezing the reference froze the actor",
+                               fix="give ReferencePolicy its own copy: ReferencePolicy(model=load_pretrained(path))")
+    n = sum(p.numel() for p in ref.model.parameters())
+    return CheckResult("reference frozen", OK, f"{n / 1e6:.2f}M parameters, none requires grad; eval mode; "
+                                               "forward under torch.inference_mode()")
+
+
+@check("reference frozen", needs=("policy",))
+def check_reference(ctx: Context) -> CheckResult:
+    cfg = ctx.cfg
+    if not roles_enabled(cfg)[1]:
+        return CheckResult("reference frozen", OK, f"no reference policy (algorithm.kl_placement = "
+                                                   f"{cfg.algorithm.kl_placement}, ref.enable = {cfg.ref.enable})")
+    path = cfg.ref.path or cfg.model.path
+    model = ctx.policy if path == cfg.model.path else load_pretrained(
+        resolve_model_path(path), dtype=DTYPES[cfg.model.dtype], device=ctx.device,
+        trust_remote_code=cfg.model.trust_remote_code)
+    ref = ReferencePolicy(model, fsdp_config=cfg.ref.fsdp)  # the doctor never trains: freezing the policy is fine
+    vocab, policy_vocab = ref.model.output_weight.shape[0], ctx.policy.output_weight.shape[0]
+    if vocab != policy_vocab:
+        return CheckResult("reference frozen", FAIL, f"the reference ({path}) has a {vocab}-token vocabulary, the "
+                           f"policy {policy_vocab}: the KL compares their log-probs token by token",
+                           fix="start the reference from the policy's initial checkpoint (ref.path = null)")
+    return check_reference_frozen(ref)
+
+
+def phase_sizes(ctx: Context) -> PhaseSizes:
+    """The configured per-phase sizes and what each phase can use at most on one rank."""
+    cfg, ws = ctx.cfg, ctx.world_size
+    r, ppo, rm = cfg.rollout, cfg.ppo, cfg.reward_model
+    prompts_per_rank = ceil_div(r.prompts_per_step, ws)
+    mini = ppo.mini_batch_size or ceil_div(r.prompts_per_step * r.n, ppo.num_mini_batches)
+    return PhaseSizes(n=r.n, prompt_tokens=cfg.data.max_prompt_length,
+                      sequence_tokens=cfg.data.max_prompt_length + r.max_new_tokens,
+                      rollout_batch_size=r.batch_size, prompts_per_rank=prompts_per_rank,
+                      rm_batch_size=rm.batch_size, rm_max_length=rm.max_length,
+                      responses_per_rank=prompts_per_rank * r.n, micro_batch_tokens=ppo.micro_batch_tokens,
+                      mini_batch_per_rank=ceil_div(mini, ws), gradient_checkpointing=cfg.actor.gradient_checkpointing)
+
+
+@check("memory", needs=("policy", "free_bytes"))
+def check_memory(ctx: Context) -> CheckResult:
+    """Seed mistake 4: estimate each phase's memory and suggest the sizes that fit this machine."""
+    cfg, shape, sizes = ctx.cfg, ModelShape.of(ctx.policy), phase_sizes(ctx)
+    critic_on, ref_on = roles_enabled(cfg)
+
+    def state(fsdp, trainable: bool) -> RoleMemory:
+        return role_memory(shape.num_params, shape.param_bytes, trainable=trainable, strategy=fsdp.sharding_strategy,
+                           world_size=ctx.world_size, cpu_offload=fsdp.cpu_offload)
+
+    roles = {"actor": state(cfg.actor.fsdp, True)}
+    roles.update({"critic": state(cfg.critic.fsdp, True)} if critic_on else {})
+    roles.update({"ref": state(cfg.ref.fsdp, False)} if ref_on else {})
+    if ctx.rm_shape is not None:
+        roles["reward model"] = RoleMemory(ctx.rm_shape.num_params * ctx.rm_shape.param_bytes, 0, 0)
+    resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
+    suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads,
+                                free_bytes=ctx.free_bytes)
+    details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
+                                                             f"{fmt_bytes(m.optimizer)}" if m.grads else "")
+               + " per rank" for name, m in roles.items()]
+    kv = kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens)
+    details.append(f"KV cache     2 × {shape.num_layers} layers × {shape.num_kv_heads} kv heads × {shape.head_dim} "
+                   f"head dim × {shape.param_bytes} B × {sizes.sequence_tokens} tokens = {fmt_bytes(kv)} per "
+                   "sequence")
+    details += [f"{s.key:<24} {fmt_bytes(s.per_item)} per {_unit(s.key)}; configured {s.configured}, fits "
+                f"{s.fits}, the phase uses at most {s.cap}" for s in suggestions]
+    suggested = " ".join(f"{s.key}={s.fits}" if s.fits else f"{s.key}={_smallest(s.key, sizes)} (does not fit "
+                         "either)" for s in suggestions)
+    details.append(f"suggested for this machine: {suggested}")
+    usable = fmt_bytes(ctx.free_bytes)
+    problems = [p for p in (judge(s, sizes, device_type=ctx.device.type) for s in suggestions) if p]
+    if resident > ctx.free_bytes:
+        problems.insert(0, f"the weights and optimizer state alone need {fmt_bytes(resident)} per rank, more than "
+                           f"the {usable} free")
+    fix = (f"{suggested}; or shard over more ranks (FULL_SHARD), turn on actor.gradient_checkpointing, or use "
+           "model.dtype=bfloat16")
+    if problems:
+        return CheckResult("memory", WARN, "; ".join(problems), fix=fix, details=tuple(details))
+    return CheckResult("memory", OK, f"~{fmt_bytes(resident)} of weights and optimizer state per rank; every phase "
+                                     f"fits the {usable} free on {ctx.device}", details=tuple(details))
+
+
+def _smallest(key: str, sizes: PhaseSizes) -> int:
+    return sizes.sequence_tokens if key == "ppo.micro_batch_tokens" else 1
+
+
+def _unit(key: str) -> str:
+    return {"rollout.batch_size": "prompt (× rollout.n sequences)", "reward_model.batch_size": "sequence"}.get(
+        key, "token")

@@ -1,0 +1,252 @@
+"""`phaserl doctor`: one line per check, OK / WARN / FAIL with the fix, on tiny CPU setups.
+
+The memory arithmetic is checked against hand-worked numbers; every other check is run on a real
+tiny model, tokenizer and prompt files (tests/_tiny_run.py) with one thing broken at a time.
+"""
+import pytest
+import torch
+
+from _tiny_rm import make_reward_model_dir
+from _tiny_run import make_run_dir
+from _tiny_tokenizer import build_tiny_tokenizer
+from phaserl.doctor import (FAIL, OK, WARN, CheckResult, any_failed, format_report, load_doctor_config,
+                            run_doctor)
+from phaserl.doctor import memory
+from phaserl.doctor.memory import ModelShape, PhaseSizes, Suggestion
+from phaserl.errors import ConfigError
+
+torch.set_num_threads(1)
+
+CHECK_NAMES = ["config rules", "parallel settings", "batch sizes", "shared paths", "device", "model",
+               "tokenizer/model", "context length", "data", "chat template", "reward functions", "reward model",
+               "reference frozen", "memory"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("doctor"))
+    return {"root": root, "overrides": make_run_dir(root)}
+
+
+def doctor(run, *extra, world_size=1) -> dict:
+    results = run_doctor(load_doctor_config(None, run["overrides"] + list(extra)), world_size=world_size)
+    assert [r.name for r in results] == CHECK_NAMES
+    return {r.name: r for r in results}
+
+
+# ---- report formatting ---------------------------------------------------------------------------
+
+def test_report_has_one_line_per_check_with_the_fix_after_an_arrow():
+    results = [CheckResult("data", OK, "64 rows"),
+               CheckResult("reward model", FAIL, "scores are NaN", fix="check the chat template"),
+               CheckResult("memory", WARN, "2 problems:\n- a\n- b", fix="smaller batches", details=("x = 1",))]
+    assert format_report(results).splitlines() == [
+        "OK   data          64 rows",
+        "FAIL reward model  scores are NaN → check the chat template",
+        "WARN memory        2 problems:",
+        "                   - a",
+        "                   - b",
+        "                   → smaller batches",
+        "                   x = 1",
+        "3 checks: 1 OK, 1 WARN, 1 FAIL; the run would fail or waste GPU time: fix the FAIL lines first",
+    ]
+    assert any_failed(results) and not any_failed(results[:1] + results[2:])
+
+
+def test_an_ok_line_never_shows_a_fix():
+    assert format_report([CheckResult("x", OK, "fine", fix="unused")]).splitlines()[0] == "OK   x  fine"
+
+
+# ---- memory arithmetic (hand-worked) ----------------------------------------------------------------
+# A 2-layer model: hidden 32, MLP 64, 2 KV heads of dim 8, vocabulary 100, float32.
+SHAPE = ModelShape(num_params=1000, num_layers=2, hidden_size=32, intermediate_size=64, num_kv_heads=2, head_dim=8,
+                   vocab_size=100, param_bytes=4)
+SIZES = PhaseSizes(n=2, prompt_tokens=32, sequence_tokens=36, rollout_batch_size=4, prompts_per_rank=4,
+                   rm_batch_size=16, rm_max_length=64, responses_per_rank=8, micro_batch_tokens=64,
+                   mini_batch_per_rank=8, gradient_checkpointing=False)
+
+
+def test_kv_cache_is_two_times_layers_heads_dim_bytes_tokens():
+    assert memory.kv_cache_bytes_per_sequence(SHAPE, 36) == 2 * 2 * 2 * 8 * 4 * 36 == 9216
+
+
+def test_role_memory_per_sharding_strategy():
+    # 1000 params × 4 B = 4000 B; grads 4000; AdamW two moments 8000.
+    kw = dict(trainable=True, world_size=2, cpu_offload=False)
+    assert memory.role_memory(1000, 4, strategy="FULL_SHARD", **kw) == memory.RoleMemory(2000, 2000, 4000)
+    assert memory.role_memory(1000, 4, strategy="SHARD_GRAD_OP", **kw) == memory.RoleMemory(4000, 2000, 4000)
+    assert memory.role_memory(1000, 4, strategy="NO_SHARD", **kw) == memory.RoleMemory(4000, 4000, 8000)
+    frozen = memory.role_memory(1000, 4, trainable=False, strategy="FULL_SHARD", world_size=2, cpu_offload=False)
+    assert frozen == memory.RoleMemory(2000, 0, 0)
+    assert memory.role_memory(1000, 4, strategy="NO_SHARD", trainable=True, world_size=1, cpu_offload=True).total == 0
+
+
+def test_per_item_costs_of_each_phase():
+    # update: per layer 8·32 + 4·64 + 2·2·8 = 544 values per token; × 2 layers × 4 B = 4352
+    assert memory.train_bytes_per_token(SHAPE, gradient_checkpointing=False) == 4352
+    # checkpointing keeps one hidden state per layer plus one layer's worth: (2·32 + 544) × 4 = 2432
+    assert memory.train_bytes_per_token(SHAPE, gradient_checkpointing=True) == 2432
+    # rollout: KV 9216 + prefill (2·32 + 2·64) × 4 B × 32 prompt tokens = 24576 + two float32 vocab rows 800
+    assert memory.rollout_bytes_per_sequence(SHAPE, SIZES) == 9216 + 24576 + 800
+    # log-probs: logits, log-softmax and gradient, float32, for at most 1024 tokens at a time
+    assert memory.logprob_chunk_bytes(SHAPE, 36) == 3 * 36 * 100 * 4
+    assert memory.logprob_chunk_bytes(SHAPE, 5000) == 3 * 1024 * 100 * 4
+
+
+def test_suggestions_fill_the_free_memory_up_to_what_each_phase_uses():
+    # usable = 0.85 × 1_000_000 = 850_000. rollout: 2 × 34_592 B per prompt → 12 fit, capped at 4 prompts.
+    # update: one 36-token sequence costs 36 × (4352 + 1200 log-prob bytes) = 199_872 B → 4 sequences = 144 tokens.
+    rollout, update = memory.suggest_sizes(SHAPE, None, SIZES, resident=0, update_extra=0, free_bytes=1_000_000)
+    assert (rollout.key, rollout.fits, rollout.cap) == ("rollout.batch_size", 4, 4)
+    assert (update.key, update.fits, update.cap) == ("ppo.micro_batch_tokens", 144, 8 * 36)
+    assert memory.judge(rollout, SIZES, device_type="cuda") == memory.judge(update, SIZES, device_type="cpu") == ""
+
+
+def test_a_size_that_does_not_fit_is_named_with_what_fits():
+    # 1_500_000 B of resident weights leave 200_000: 200_000 // 69_184 = 2 prompts per generate call.
+    rollout, update = memory.suggest_sizes(SHAPE, None, SIZES, resident=1_500_000, update_extra=0,
+                                           free_bytes=2_000_000)
+    # update: 200_000 // 199_872 = 1 sequence = 36 tokens, and 64 configured tokens hold just one sequence.
+    assert rollout.fits == 2 and update.fits == 36
+    assert memory.judge(update, SIZES, device_type="cpu") == ""
+    assert memory.judge(rollout, SIZES, device_type="cpu").startswith("rollout.batch_size = 4 likely does not fit")
+    assert "; 2 fit" in memory.judge(rollout, SIZES, device_type="cpu")
+
+
+def test_a_tiny_size_on_a_big_gpu_is_called_idle_but_not_on_the_cpu():
+    s = Suggestion("rollout.batch_size", configured=1, fits=4, cap=4, per_item=10)
+    assert "uses under 25% of what fits (4)" in memory.judge(s, SIZES, device_type="cuda")
+    assert memory.judge(s, SIZES, device_type="cpu") == ""
+
+
+# ---- the doctor on a real tiny run -----------------------------------------------------------------
+
+def test_a_good_tiny_config_passes_every_check(run):
+    results = doctor(run)
+    assert not any_failed(results.values())
+    assert all(r.status == OK for name, r in results.items() if name != "shared paths"), format_report(
+        list(results.values()))
+    assert results["shared paths"].status == WARN  # the tiny run writes under /tmp: node-local
+    assert "train: 64 rows, longest prompt 19 tokens, 0 dropped, 0 truncated; val: 8 rows" in results["data"].message
+    assert results["tokenizer/model"].message.startswith("100 tokens ≤ 100 embedding rows; eos '<|im_end|>' (id 1)")
+    assert results["context length"].message.startswith("prompt + response ≤ 32 + 4 = 36 tokens of the model's 256")
+    assert "'<|im_start|>user\\n" in results["chat template"].message
+    assert results["reward model"].message == "no reward model (reward_model.enable = false)"
+    details = "\n".join(results["memory"].details)
+    assert "2 × 2 layers × 2 kv heads × 8 head dim × 4 B × 36 tokens = 9.0 KB per sequence" in details
+    assert "suggested for this machine: rollout.batch_size=4 ppo.micro_batch_tokens=" in details
+    assert "actor   FULL_SHARD" in "\n".join(results["parallel settings"].details)
+
+
+def test_each_broken_rule_is_reported_once_under_the_check_that_owns_it(run):
+    results = doctor(run, "critic.hybrid_engine={enable_rollout_optimization_switch: true}",
+                     "rollout.prompts_per_step=5", "ppo.num_mini_batches=4", "rollout.val_n=2")
+    assert results["parallel settings"].status == FAIL
+    assert results["parallel settings"].message.startswith("critic.hybrid_engine must be null: only the actor")
+    assert results["batch sizes"].status == FAIL
+    assert "5 × 2 = 10 responses per step do not split into ppo.num_mini_batches = 4" in results["batch sizes"].message
+    assert results["config rules"].status == FAIL
+    assert results["config rules"].message.startswith("rollout.val_n = 2 with rollout.val_temperature = 0")
+    assert "critic.hybrid_engine" not in results["config rules"].message
+    assert "suggested for this machine" in "\n".join(results["memory"].details)
+
+
+def test_ignored_settings_are_a_warning(run):
+    results = doctor(run, "critic.enable=true")
+    assert results["config rules"].status == WARN
+    assert "critic.enable = true but algorithm.adv_estimator = grpo" in results["config rules"].details[0]
+
+
+def test_overlong_prompts_fail_with_the_row_or_are_counted(run):
+    failed = doctor(run, "data.max_prompt_length=18")["data"]
+    assert failed.status == FAIL and "train.jsonl" in failed.message
+    assert "over data.max_prompt_length=18" in failed.message
+    # Every tiny prompt is 19 tokens: all of them are cut or dropped.
+    cut = doctor(run, "data.max_prompt_length=18", "data.overlong_prompts=truncate_left")["data"]
+    assert cut.status == WARN and "train: 64 rows, longest prompt 18 tokens, 0 dropped, 64 truncated" in cut.message
+    assert "raise data.max_prompt_length" in cut.fix
+    dropped = doctor(run, "data.max_prompt_length=18", "data.overlong_prompts=drop")["data"]
+    assert dropped.status == FAIL and dropped.message.startswith("all 64 prompts")
+
+
+def test_a_tokenizer_without_chat_template_fails_the_template_check(run, tmp_path):
+    build_tiny_tokenizer(chat_template=None).save_pretrained(tmp_path)
+    results = doctor(run, f"model.tokenizer_path={tmp_path}")
+    assert results["chat template"].status == FAIL
+    assert "data.apply_chat_template=false" in results["chat template"].fix
+    assert results["data"].status == WARN and "not checked" in results["data"].message
+    assert results["reward functions"].status == OK  # rows still load and are scored
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_fails(run, tmp_path):
+    tok = build_tiny_tokenizer()
+    tok.add_tokens(["<extra_0>", "<extra_1>"])
+    tok.save_pretrained(tmp_path)
+    result = doctor(run, f"model.tokenizer_path={tmp_path}")["tokenizer/model"]
+    assert result.status == FAIL
+    assert "the tokenizer has 102 tokens but the model's vocabulary has 100 rows" in result.message
+
+
+def test_prompt_plus_response_over_the_context_fails(run):
+    result = doctor(run, "rollout.max_new_tokens=300", "ppo.micro_batch_tokens=400",
+                    "ppo.forward_micro_batch_tokens=400")["context length"]
+    assert result.status == FAIL and "32 + 300 = 332 tokens" in result.message
+    assert "max_position_embeddings = 256" in result.message
+
+
+def test_a_reward_function_that_returns_nan_fails_with_its_name(run, tmp_path):
+    (tmp_path / "my_reward.py").write_text("def bad(prompt, response, ground_truth, **row):\n"
+                                           "    return float('nan')\n")
+    result = doctor(run, f"reward.functions=[{tmp_path}/my_reward.py:bad]")["reward functions"]
+    assert result.status == FAIL and "my_reward.py:bad" in result.message and "returned nan" in result.message
+
+
+@pytest.mark.parametrize("broken, expected", [
+    (dict(), "probe of 4 real prompts: scores ["),
+    (dict(head="zero"), "the reward model gave the same score 0 to all 4 responses"),
+    (dict(head="nan"), "the reward model produced non-finite scores for rows [0, 1, 2, 3]"),
+    (dict(vocab_size=50), "outside the reward model's vocabulary (50 ids): the tokenizer is not the RM's own"),
+    (dict(chat_template=None), "apply_chat_template=True but the reward model's tokenizer has no chat template"),
+])
+def test_the_reward_model_probe_names_the_cause(run, tmp_path, broken, expected):
+    path = make_reward_model_dir(str(tmp_path), **broken)
+    result = doctor(run, "reward_model.enable=true", f"reward_model.path={path}", "reward_model.max_length=128")
+    rm = result["reward model"]
+    assert expected in rm.message
+    assert rm.status == (OK if not broken else FAIL)
+    if broken.get("head"):
+        assert "'<|im_start|>user\\n" in rm.details[0]  # the doctor shows what the RM saw
+    if "chat_template" not in broken:  # the RM loaded: its scoring phase is in the memory estimate
+        assert "reward_model.batch_size=" in "\n".join(result["memory"].details)
+
+
+def test_little_free_memory_gives_a_warning_with_sizes_that_fit(run, monkeypatch):
+    # 612_000 B free: 0.85 × 612_000 − 350_720 B of actor + reference weights and AdamW = 169_480 B, and a prompt
+    # with its 2 samples needs 69_184 B (the model has the shape of SHAPE above): 2 prompts fit, not 4.
+    monkeypatch.setattr("phaserl.doctor.checks.free_memory_bytes", lambda device: 612_000)
+    result = doctor(run)["memory"]
+    assert result.status == WARN and "rollout.batch_size = 4 likely does not fit" in result.message
+    assert result.fix.startswith("rollout.batch_size=2 ppo.micro_batch_tokens=36 (does not fit either)")
+
+
+def test_shared_paths_in_one_process(run):
+    assert doctor(run)["shared paths"].message.startswith("single process; trainer.checkpoint_path = '/tmp/")
+    relative = doctor(run, "trainer.checkpoint_path=runs/x/ckpt", "trainer.log_dir=runs/x")["shared paths"]
+    assert relative.status == OK and "relative to" in relative.message
+    planned = doctor(run, "trainer.checkpoint_path=runs/x/ckpt", "trainer.log_dir=runs/x",
+                     world_size=2)["shared paths"]
+    assert planned.status == WARN and "torchrun" in planned.fix
+
+
+def test_load_doctor_config_keeps_per_field_checks_but_not_cross_field_rules():
+    cfg = load_doctor_config(None, ["ppo.num_mini_batches=3"])  # 128 / 3: validate would raise
+    assert cfg.ppo.num_mini_batches == 3
+    with pytest.raises(ConfigError, match="ppo.mini_batch_sise"):
+        load_doctor_config(None, ["ppo.mini_batch_sise=3"])
+
+
+def test_a_missing_model_fails_once_and_skips_what_needs_it(run, tmp_path):
+    results = doctor(run, f"model.path={tmp_path / 'nothing'}")
+    assert results["model"].status == FAIL and "does not exist" in results["model"].message
+    for name in ("tokenizer/model", "context length", "reference frozen", "memory"):
+        assert results[name].status == WARN and results[name].message.startswith("skipped: needs the")
