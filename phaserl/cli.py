@@ -13,7 +13,6 @@ import time
 log = logging.getLogger("phaserl")
 
 NOT_YET = {
-    "doctor": "preflight checks for the five classic mistakes (issue: `phaserl doctor`)",
     "export": "export a checkpoint as a Hugging Face model directory (issue: checkpoints and resume)",
     "report": "plot a run's metrics to report.png (issue: checkpoints and resume)",
     "train-rm": "train a reward model on preference pairs (issue: reward models end to end)",
@@ -32,12 +31,34 @@ def cmd_config(args) -> int:
     return 0
 
 
+def _preflight(config_path, overrides, world_size: int) -> bool:
+    """Run the doctor's checks; print them on rank 0.  True when nothing FAILed."""
+    from .doctor import any_failed, format_report, load_doctor_config, run_doctor
+    from .parallel import rank_and_world
+
+    results = run_doctor(load_doctor_config(config_path, overrides), world_size=world_size)
+    if rank_and_world()[0] == 0:
+        print(format_report(results), flush=True)
+    return not any_failed(results)
+
+
+def cmd_doctor(args) -> int:
+    from .parallel import rank_and_world
+
+    return 0 if _preflight(args.config, args.overrides, rank_and_world()[1]) else 1
+
+
 def cmd_train(args) -> int:
     from .config import dump_yaml, load_config
     from .parallel import rank_and_world
     from .trainer import RLTrainer
 
-    cfg = load_config(args.config, args.overrides, world_size=rank_and_world()[1])
+    world = rank_and_world()[1]
+    if not args.skip_doctor and not _preflight(args.config, args.overrides, world):
+        print("phaserl train: stopped before training because a preflight check FAILed (see above); "
+              "fix it, or pass --skip-doctor to train anyway", file=sys.stderr)
+        return 1
+    cfg = load_config(args.config, args.overrides, world_size=world)
     os.makedirs(cfg.trainer.log_dir, exist_ok=True)
     dump_yaml(cfg, os.path.join(cfg.trainer.log_dir, "config.yaml"))
     RLTrainer.from_config(cfg).fit()
@@ -98,7 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run RL training from a YAML config")
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ppo.mini_batch_size=16 rollout.n=8")
+    t.add_argument("--skip-doctor", action="store_true", help="do not run the preflight checks first")
     t.set_defaults(fn=cmd_train)
+
+    d = sub.add_parser("doctor", help="preflight: check the five classic mistakes and the rest without training")
+    d.add_argument("config")
+    d.add_argument("overrides", nargs="*")
+    d.set_defaults(fn=cmd_doctor)
 
     c = sub.add_parser("config", help="print the resolved config; --explain adds the batch arithmetic")
     c.add_argument("config", nargs="?", default=None)

@@ -37,6 +37,16 @@ class ReferencePolicy:
         if self.model.training:
             self.model.eval()
 
+    def check_separate_from(self, actor_model: torch.nn.Module) -> None:
+        """The reference must own its weights: one shared with the actor would freeze the actor too."""
+        actor_params = {id(p) for p in actor_model.parameters()}  # identity: also right for sharded DTensors
+        shared = [name for name, p in self.model.named_parameters() if id(p) in actor_params]
+        if shared:
+            raise PreflightError(
+                f"ReferencePolicy shares {len(shared)} parameter(s) with the actor ({', '.join(shared[:3])}...): "
+                "freezing the reference froze the actor, and the KL would always be 0. Give the reference its own "
+                "copy, e.g. ReferencePolicy(model=AutoModelForCausalLM.from_pretrained(path)) or copy.deepcopy(policy).")
+
     def compute_logprobs(self, batch, *, temperature: float, token_budget: int) -> torch.Tensor:
         """Reference log-probs of the responses.  [B, R]"""
         self.check_frozen()

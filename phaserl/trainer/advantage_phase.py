@@ -1,7 +1,7 @@
 """Phase 5 (advantage): scores → token rewards (optionally minus KL) → advantages and returns.
 
 The estimator and the KL placement are chosen when the run is built (`AdvantageSettings`); this
-module only applies them. Non-finite advantages stop the run here, with the likely cause named.
+module only applies them, and names the likely cause when advantages come out non-finite.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from ..algo import AdvantageInputs, apply_kl_to_rewards
 from ..batch import RolloutBatch
-from ..errors import PreflightError
 
 
 @dataclass(frozen=True)
@@ -48,14 +47,14 @@ def compute_advantages(batch: RolloutBatch, scores: torch.Tensor, s: AdvantageSe
     advantages, returns = s.estimator(AdvantageInputs(
         token_rewards=token_rewards, response_mask=mask, group_ids=batch.group_ids, values=values,
         baseline_scores=baseline_scores, gamma=s.gamma, lam=s.lam, norm_by_std=s.norm_by_std))
-    check_finite_advantages(advantages, scores, values)
     return advantages, returns, token_rewards, kl
 
 
-def check_finite_advantages(advantages: torch.Tensor, scores: torch.Tensor, values: Optional[torch.Tensor]) -> None:
-    """Seed mistake 2's symptom (NaN advantages) caught where it appears, with the cause named."""
+def nonfinite_advantage_cause(advantages: torch.Tensor, scores: torch.Tensor,
+                              values: Optional[torch.Tensor]) -> Optional[str]:
+    """None when advantages are finite; else the likely cause (seed mistake 2's symptom: NaN advantages)."""
     if torch.isfinite(advantages).all():
-        return
+        return None
     bad_scores = (~torch.isfinite(scores)).sum().item()
     if bad_scores:
         cause = (f"{bad_scores} of {len(scores)} scores are non-finite: the reward model probably received the wrong "
@@ -64,4 +63,4 @@ def check_finite_advantages(advantages: torch.Tensor, scores: torch.Tensor, valu
         cause = "the critic's values are non-finite: lower critic.optim.lr or check the critic's init"
     else:
         cause = "scores are finite but the estimator produced NaN/inf (check algorithm settings)"
-    raise PreflightError(f"non-finite advantages: {cause}")
+    return f"non-finite advantages: {cause}"

@@ -83,8 +83,14 @@ def build_roles(cfg: Config):
     ref = ReferencePolicy(load(cfg.ref.path or model_dir), fsdp_config=cfg.ref.fsdp) if derived.ref_enabled else None
     critic = None
     if derived.critic_enabled:
-        critic = Critic(ValueModel(load(cfg.critic.path or model_dir)), fsdp_config=cfg.critic.fsdp,
-                        hybrid_engine_config=cfg.critic.hybrid_engine)
+        from ..rm import init_critic, resolve_reward_model_path  # critic.init_from: policy | reward_model
+
+        c = cfg.critic
+        start = (resolve_model_path(c.path or model_dir) if c.init_from == "policy"
+                 else resolve_reward_model_path(c.path or cfg.reward_model.path))
+        critic = Critic(init_critic(c.init_from, start, dtype=dtype, device=device, policy_tokenizer=tokenizer,
+                                    trust_remote_code=cfg.model.trust_remote_code),
+                        fsdp_config=c.fsdp, hybrid_engine_config=c.hybrid_engine)
     return actor, critic, ref, build_reward_sources(cfg, device), tokenizer
 
 
@@ -131,11 +137,17 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
     d = derive(cfg, world)
     actor = trainer.actor
     device = actor.device
+    if world > 1:  # each role's own FSDP2 settings, before the optimizers take the parameters
+        from ..parallel.fsdp import shard_roles
+
+        shard_roles({"actor": actor, "critic": trainer.critic, "ref": trainer.ref_policy}, device)
     tokenizer = tokenizer or actor.tokenizer or load_tokenizer(resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
     actor.tokenizer = tokenizer
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     total_optim_steps = cfg.trainer.total_steps * d.optimizer_steps_per_rl_step
     temperature = r.temperature if r.temperature > 0 else 1.0
+    if trainer.ref_policy is not None:
+        trainer.ref_policy.check_separate_from(actor.model)
     actor.setup_training(
         _optim(a.optim, total_optim_steps),
         PolicyLossSettings(loss_fn=POLICY_LOSSES[a.policy_loss], clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
@@ -187,8 +199,18 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
         checkpoint_path=cfg.trainer.checkpoint_path, log_dir=cfg.trainer.log_dir,
         keep_checkpoint_num=cfg.trainer.keep_checkpoint_num,
         metrics_logger=MetricsLogger(cfg.trainer.log_dir, cfg.trainer.loggers, rank=rank, config=to_dict(cfg)),
+        checkpointer=build_checkpointer(cfg, rank, world),
         show_progress=rank == 0 and "console" in cfg.trainer.loggers,
     )
+
+
+def build_checkpointer(cfg: Config, rank: int, world: int):
+    """The trainer's Checkpointer (phaserl.checkpoint) from `trainer.*`."""
+    from ..checkpoint import Checkpointer
+
+    t = cfg.trainer
+    return Checkpointer(root=t.checkpoint_path, keep=t.keep_checkpoint_num, resume_mode=t.resume,
+                        export_hf=t.export_hf, config=cfg, rank=rank, world_size=world)
 
 
 def _optim(o, total_steps: int) -> OptimSettings:

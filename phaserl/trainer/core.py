@@ -15,8 +15,9 @@ import torch
 
 from ..algo import kl_penalty, masked_mean
 from ..batch import TrainBatch
-from ..parallel import all_reduce_sum, rank_and_world
-from .advantage_phase import compute_advantages
+from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
+from ..rollout import GenerationResult
+from .advantage_phase import compute_advantages, nonfinite_advantage_cause
 from .hooks import HookRunner
 from .rollout_phase import build_rollout_batch, repeat_prompts
 from .settings import RunSettings
@@ -68,6 +69,12 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
         run = self.run
+        if self.world_size > 1:
+            from ..parallel.shared_storage import check_shared_paths
+
+            check_shared_paths({"trainer.checkpoint_path": run.checkpoint_path, "trainer.log_dir": run.log_dir},
+                               rank=self.rank, world_size=self.world_size)
+        self._resume()
         self.hooks.fire("on_train_start", self)
         if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
             self._log(self.step_num, self.validate())
@@ -85,11 +92,12 @@ class RLTrainer:
         progress.close()
         self.hooks.fire("on_train_end", self)
         run.metrics_logger.close()
+        self._finish()
         return self.metrics
 
     def train_step(self) -> dict:
         run, timings = self.run, {}
-        clock = _phase_clock(timings)
+        clock = _phase_clock(timings, self.step_num)
         with clock("step"):
             # 1. prompts: this rank's share of the global batch
             with clock("prompts"):
@@ -118,12 +126,15 @@ class RLTrainer:
                 advantages, returns, token_rewards, _ = compute_advantages(
                     batch, scores.total, run.advantage, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores)
+                cause = nonfinite_advantage_cause(advantages, scores.total, values)
             # 6. update: epochs × mini-batches, micro-batches by token budget
             with clock("update"):
                 train = TrainBatch(batch, old_logprobs, ref_logprobs, advantages, returns, values)
-                update_stats = self.update(train)
+                update_stats = self.update(train) if run.guard.advantages_ok(cause, self.step_num) else {}
+                update_stats["train/skipped_step"] = float(not update_stats)
         # 7. metrics (checkpoint and logging happen in fit)
-        metrics = self._step_metrics(batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats)
+        metrics = reduce_metrics(  # every rank logs and adapts the KL coefficient from the same global numbers
+            self._step_metrics(batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats))
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
         tokens = all_reduce_sum(batch.attention_mask.sum().float())
         metrics["perf/tokens_per_s"] = float(tokens) / max(timings["step"], 1e-9)
@@ -134,13 +145,23 @@ class RLTrainer:
         return metrics
 
     def update(self, train: TrainBatch) -> dict:
-        """ppo.epochs × ppo.num_mini_batches optimizer steps for the actor (and the critic)."""
+        """ppo.epochs × ppo.num_mini_batches optimizer steps for the actor (and the critic).
+
+        Mini-batch k of an epoch takes, from every block of K = num_mini_batches consecutive responses
+        (global order), the one a random permutation of the block assigns to k. Ranks hold whole blocks, so
+        the mini-batches, and the update, are the same on any number of ranks (docs/distributed.md).
+        Stats are the mini-batch's global values: each rank's share summed over ranks.
+        """
         run = self.run
         sums, count = defaultdict(float), 0
         gen = torch.Generator().manual_seed(run.seed * 1_000_003 + self.step_num)
+        K = train.num_responses // run.mini_batch_per_rank
+        blocks_per_rank = train.num_responses // K
         for _ in range(run.epochs):
-            order = torch.randperm(train.num_responses, generator=gen).to(train.advantages.device)
-            for idx in order.split(run.mini_batch_per_rank):
+            assign = torch.rand(self.world_size * blocks_per_rank, K, generator=gen).argsort(dim=1)  # [G/K, K]
+            mine = assign[self.rank * blocks_per_rank:(self.rank + 1) * blocks_per_rank].reshape(-1)  # [N]
+            for k in range(K):
+                idx = (mine == k).nonzero().squeeze(1).to(train.advantages.device)  # [N / K]
                 mb = train.select(idx)
                 global_tokens = float(all_reduce_sum(mb.rollout.response_mask.sum().float()))
                 global_seqs = float(all_reduce_sum(torch.tensor(float(len(idx)))))
@@ -148,6 +169,9 @@ class RLTrainer:
                 stats = self.actor.update_mini_batch(mb, **norm)
                 if self.critic is not None:
                     stats.update(self.critic.update_mini_batch(mb, **norm))
+                shares = [key for key in stats if not key.endswith(("/grad_norm", "/lr"))]  # those two are global
+                stats.update(zip(shares, all_reduce_sum(torch.tensor([stats[key] for key in shares],
+                                                                     dtype=torch.float64)).tolist()))
                 for k, v in stats.items():
                     sums[k] += v
                 count += 1
@@ -170,6 +194,7 @@ class RLTrainer:
             by_source[row.data_source or "unknown"].append(s)
         if len(by_source) > 1:
             metrics.update({f"val/score_mean/{k}": sum(v) / len(v) for k, v in by_source.items()})
+        metrics = reduce_metrics(metrics)
         self.metrics = {**self.metrics, **metrics}
         self.val_history.append((self.step_num, metrics))
         self.hooks.fire("on_validation_end", self)
@@ -178,15 +203,82 @@ class RLTrainer:
     def save_checkpoint(self) -> None:
         if self.run.checkpointer is None:
             return
-        self.run.checkpointer.save(self)
+        self.run.checkpointer.save(self.checkpoint_state())
         self.hooks.fire("on_save_checkpoint", self)
+
+    # ----- checkpoint state and resume (phaserl.checkpoint; docs/checkpoints.md) ---------------
+    @property
+    def last_checkpoint(self):
+        """The step_N directory saved (or resumed from) last, or None."""
+        return self.run.checkpointer.last_saved if self.run.checkpointer is not None else None
+
+    def checkpoint_state(self):
+        """The live objects a checkpoint saves and a resume restores."""
+        from ..checkpoint import TrainingState
+
+        run = self.run
+        roles = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        return TrainingState(step=self.step_num, roles=roles, tokenizer=run.tokenizer,
+                             stateful={"trainer": self, "kl_controller": run.kl_controller,
+                                       "prompt_loader": run.train_prompts},
+                             generators={"sampling": run.sampling_generator})
+
+    def state_dict(self) -> dict:
+        """The loop's own progress (JSON); weights and optimizers are in checkpoint_state().roles."""
+        return {"step": self.step_num, "val_history": self.val_history, "metrics": self.metrics}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_num = int(state["step"])
+        self.val_history = [(int(step), dict(m)) for step, m in state["val_history"]]
+        self.metrics = dict(state["metrics"])
+
+    def _resume(self) -> None:
+        """trainer.resume: continue exactly from a checkpoint, or start fresh; metrics.jsonl is cut to match."""
+        import os
+
+        from ..checkpoint import drop_metrics_after
+
+        info = self.run.checkpointer.resume(self.checkpoint_state()) if self.run.checkpointer is not None else None
+        if self.rank == 0:
+            drop_metrics_after(os.path.join(self.run.log_dir, "metrics.jsonl"), info.step if info else -1)
+        if info is not None and self.step_num >= self.run.total_steps:
+            log.info(f"{info.path} is step {self.step_num}, and trainer.total_steps={self.run.total_steps}: nothing "
+                     "left to train. Raise trainer.total_steps to continue, or set trainer.resume=never and a new "
+                     "trainer.checkpoint_path to train again from the start")
+
+    def _finish(self) -> None:
+        """Rank 0: the run report, and one last console line naming what the run left on disk."""
+        if self.rank != 0:
+            return
+        import os
+
+        from ..report import write_report
+
+        metrics_file = os.path.join(self.run.log_dir, "metrics.jsonl")
+        report = write_report(self.run.log_dir) if os.path.isfile(metrics_file) else None
+        log.info(f"phaserl: done at step {self.step_num}; metrics {metrics_file}"
+                 + (f"; report {report}" if report else "")
+                 + (f"; checkpoint {self.last_checkpoint}" if self.last_checkpoint else ""))
 
     # ------------------------------------------------------------------------------------------
     def _generate(self, items: list, params, n: int):
+        """n responses per prompt, rollout.batch_size prompts per generate call.
+
+        Each call's generator is seeded from (seed, step, global index of the call's first prompt), never from
+        the rank: when rollout.batch_size divides the prompts per rank, a prompt's samples are the same on
+        any number of ranks (the invariance test relies on it; docs/distributed.md).
+        """
         run = self.run
-        prompts = [list(item.prompt_ids) for item in repeat_prompts(items, n)]
-        result = self.actor.generate(prompts, params, eos_token_ids=run.eos_token_ids, pad_token_id=run.pad_token_id,
-                                     batch_size=run.generate_batch_size * n, generator=run.sampling_generator)
+        first = self.rank * len(items)  # global index of this rank's first prompt (contiguous, equal shares)
+        parts = []
+        for start in range(0, len(items), run.generate_batch_size):
+            chunk = repeat_prompts(items[start:start + run.generate_batch_size], n)
+            run.sampling_generator.manual_seed(hash((run.seed, self.step_num, first + start, n)) & (2**63 - 1))
+            parts.append(self.actor.generate(
+                [list(item.prompt_ids) for item in chunk], params, eos_token_ids=run.eos_token_ids,
+                pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator))
+        result = GenerationResult(*([x for part in parts for x in getattr(part, name)]
+                                    for name in ("response_ids", "logprobs", "finish_reasons")))
         group_offset = (self.rank * 1_000_000) + self.step_num * 10_000
         return build_rollout_batch(items, n, result, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
                                    group_offset=group_offset, device=self.actor.device)
@@ -215,7 +307,8 @@ class RLTrainer:
 
 
 @contextmanager
-def _timed(timings: dict, name: str):
+def _timed(timings: dict, name: str, step: int):
+    set_phase(name, step)  # a collective timeout or a failure on any rank names the phase
     t0 = time.perf_counter()
     try:
         yield
@@ -223,5 +316,5 @@ def _timed(timings: dict, name: str):
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
-def _phase_clock(timings: dict):
-    return lambda name: _timed(timings, name)
+def _phase_clock(timings: dict, step: int):
+    return lambda name: _timed(timings, name, step)

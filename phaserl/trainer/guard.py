@@ -9,10 +9,6 @@ from ..errors import PreflightError
 log = logging.getLogger("phaserl")
 
 
-class NonFiniteStep(Exception):
-    """Raised inside a step that should be skipped (trainer.on_nonfinite = skip)."""
-
-
 class RuntimeGuard:
     def __init__(self, on_nonfinite: str = "stop", constant_reward_steps: int = 5):
         self.on_nonfinite = on_nonfinite
@@ -30,6 +26,15 @@ class RuntimeGuard:
             log.warning(f"step {step + 1}: {what}; the optimizer step was skipped (trainer.on_nonfinite=skip). {cause}")
             return
         raise PreflightError(f"step {step + 1}: {what}. {cause}. Set trainer.on_nonfinite=skip to skip such steps.")
+
+    def advantages_ok(self, cause, step: int) -> bool:
+        """`cause` from advantage_phase.nonfinite_advantage_cause: stop (raise), or skip the update (False)."""
+        if cause is None:
+            return True
+        if self.on_nonfinite == "skip":
+            log.warning(f"step {step + 1}: {cause}; the update was skipped (trainer.on_nonfinite=skip)")
+            return False
+        raise PreflightError(f"step {step + 1}: {cause}. Set trainer.on_nonfinite=skip to skip such steps.")
 
     def check_rewards(self, scores, step: int) -> None:
         if float(scores.max() - scores.min()) > 1e-6:
