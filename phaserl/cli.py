@@ -43,26 +43,35 @@ def _preflight(config_path, overrides, world_size: int) -> bool:
 
 
 def cmd_doctor(args) -> int:
-    from .parallel import rank_and_world
+    from .parallel.launch import destroy, init_distributed
 
-    return 0 if _preflight(args.config, args.overrides, rank_and_world()[1]) else 1
+    _, world = init_distributed()  # under torchrun the shared-path check runs across ranks
+    try:
+        return 0 if _preflight(args.config, args.overrides, world) else 1
+    finally:
+        destroy()
 
 
 def cmd_train(args) -> int:
     from .config import dump_yaml, load_config
-    from .parallel import rank_and_world
+    from .parallel.launch import destroy, init_distributed, rank_errors
     from .trainer import RLTrainer
 
-    world = rank_and_world()[1]
-    if not args.skip_doctor and not _preflight(args.config, args.overrides, world):
-        print("phaserl train: stopped before training because a preflight check FAILed (see above); "
-              "fix it, or pass --skip-doctor to train anyway", file=sys.stderr)
-        return 1
-    cfg = load_config(args.config, args.overrides, world_size=world)
-    os.makedirs(cfg.trainer.log_dir, exist_ok=True)
-    dump_yaml(cfg, os.path.join(cfg.trainer.log_dir, "config.yaml"))
-    RLTrainer.from_config(cfg).fit()
-    return 0
+    rank, world = init_distributed()  # (0, 1) without torchrun
+    try:
+        if not args.skip_doctor and not _preflight(args.config, args.overrides, world):
+            print("phaserl train: stopped before training because a preflight check FAILed (see above); "
+                  "fix it, or pass --skip-doctor to train anyway", file=sys.stderr)
+            return 1
+        cfg = load_config(args.config, args.overrides, world_size=world)
+        if rank == 0:
+            os.makedirs(cfg.trainer.log_dir, exist_ok=True)
+            dump_yaml(cfg, os.path.join(cfg.trainer.log_dir, "config.yaml"))
+        with rank_errors():
+            RLTrainer.from_config(cfg).fit()
+        return 0
+    finally:
+        destroy()
 
 
 def cmd_quickstart(args) -> int:

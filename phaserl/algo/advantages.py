@@ -37,6 +37,7 @@ class AdvantageInputs:
     lam: float = 1.0  # GAE lambda
     norm_by_std: bool = True  # grpo: divide by the group std; False = Dr.GRPO
     eps: float = 1e-6  # grpo: added to the group std
+    total: Optional[Callable[[Tensor], Tensor]] = None  # sums whitening statistics over ranks (None: one batch)
 
 
 def _check(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
@@ -115,7 +116,7 @@ def compute_gae_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     values = _zero_padding(inputs.values, mask)  # [B, T]; padding may hold anything
     raw = _reverse_scan(rewards, mask, inputs.gamma, values, inputs.lam)  # [B, T]
     returns = (raw + values) * mask
-    return masked_whiten(raw, mask), returns
+    return masked_whiten(raw, mask, total=inputs.total), returns
 
 
 @torch.no_grad()
@@ -165,7 +166,7 @@ def compute_reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[Ten
     """
     rewards, mask = _check(inputs)
     returns = _reverse_scan(rewards, mask, inputs.gamma, None, 1.0)  # [B, T]
-    return masked_whiten(returns, mask), returns
+    return masked_whiten(returns, mask, total=inputs.total), returns
 
 
 @torch.no_grad()
@@ -180,7 +181,7 @@ def compute_reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> 
     scores = _scores(rewards, mask)  # [B]
     _, _, mean, _ = _group_stats(scores, inputs.group_ids)
     centered = _broadcast(scores - mean, mask)  # [B, T]
-    return masked_whiten(centered, mask), centered
+    return masked_whiten(centered, mask, total=inputs.total), centered
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ The functions accept any shape as long as `x` and `mask` broadcast together.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -70,7 +70,8 @@ def masked_var(x: Tensor, mask: Tensor, dim: Optional[int] = None, unbiased: boo
     return masked_sum(centered * centered, mask, dim) / denom
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, *,
+                  total: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
     """Normalise `x` to zero mean and unit variance over all of its real entries.
 
     The statistics are taken over every real entry of the batch at once (the "whiten over the
@@ -82,12 +83,18 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
         mask: 1 for real entries, same shape as `x`.
         shift_mean: False keeps the original mean (only the scale changes).
         eps: added to the variance before the square root.
+        total: sums a statistic over every part of the batch (under torchrun, the caller passes
+            `parallel.all_reduce_sum`, so each rank whitens with the global mean and variance);
+            None: `x` is the whole batch.
 
     Returns:
         The whitened tensor, same shape as `x`, with 0 at every padded position.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
+    total = total or (lambda t: t)
+    count = total(_count(mask, None, x.dtype))
+    mean = total(masked_sum(x, mask)) / count.clamp(min=1)
+    centered = x - mean
+    var = total(masked_sum(centered * centered, mask)) / (count - 1).clamp(min=1)  # unbiased
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

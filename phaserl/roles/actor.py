@@ -20,7 +20,8 @@ from ..algo import aggregate, kl_penalty
 from ..batch import TrainBatch
 from ..batching import split_by_tokens, trim_padding
 from ..errors import ConfigError
-from ..rollout import GenerationResult, SamplingParams, generate
+from ..parallel import gather_full_params, reshard_params
+from ..rollout import GenerationResult, RolloutEngine, SamplingParams, generate
 from .forward import batch_logprobs, micro_logprobs
 from .models import as_causal_lm
 from .optim import Optimizer, OptimSettings
@@ -56,6 +57,7 @@ class HybridActor:
         self.loss: Optional[PolicyLossSettings] = None
         self.mode = "training"
         self.last_switch: dict = {}
+        self.engine: Optional[RolloutEngine] = None  # fast rollout for our CausalLM, made on first rollout
 
     @property
     def device(self) -> torch.device:
@@ -84,19 +86,28 @@ class HybridActor:
             self.model.eval()
             if self.hybrid.offload_optimizer and self.optimizer is not None and self.device.type == "cuda":
                 self.optimizer.offload_state("cpu")
+            gather_full_params(self.model)  # FSDP shards -> full weights the engine reads (no-op unsharded)
         else:
+            kv_bytes = -self.engine.sleep() if self.engine is not None else 0  # before empty_cache: really freed
+            reshard_params(self.model)  # full weights -> FSDP shards (no-op unsharded)
             self.model.train()
             if self.hybrid.offload_optimizer and self.optimizer is not None and self.device.type == "cuda":
                 self.optimizer.offload_state(self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+        if target == "rollout":  # after empty_cache, so the KV cache is sized from truly free memory
+            if self.engine is None and RolloutEngine.supports(self.model):
+                self.engine = RolloutEngine(self.model)
+            kv_bytes = self.engine.wake() if self.engine is not None else 0
         self.mode = target
         after = device_memory_gb(self.device)
         seconds = time.perf_counter() - t0
-        self.last_switch = {"to": target, "seconds": seconds, "memory_before_gb": before, "memory_after_gb": after}
+        self.last_switch = {"to": target, "seconds": seconds, "memory_before_gb": before, "memory_after_gb": after,
+                            "kv_cache_gb": kv_bytes / 2**30}
         if self.hybrid.enable_rollout_optimization_switch:
             mem = "n/a on cpu" if before is None else f"{before:.2f} GB -> {after:.2f} GB allocated"
+            mem += f", KV cache {'allocated' if kv_bytes >= 0 else 'freed'} {abs(kv_bytes) / 2**30:.2f} GB"
             log.info(f"[HybridEngine] Switching actor from {source} to {target} mode "
                      f"({seconds * 1000:.1f} ms, memory {mem})")
 
@@ -105,6 +116,11 @@ class HybridActor:
                  batch_size: int, generator: Optional[torch.Generator] = None) -> GenerationResult:
         if self.mode != "rollout" and self.hybrid.enable_rollout_optimization_switch:
             raise RuntimeError("HybridActor.generate called in training mode: wrap it in `with actor.rollout_mode():`")
+        if self.engine is None and RolloutEngine.supports(self.model):
+            self.engine = RolloutEngine(self.model)
+        if self.engine is not None:  # our CausalLM: the fast engine; batch_size = sequences decoded together
+            return self.engine.generate(prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                                        batch_size=batch_size, generator=generator)
         return generate(self.model, prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                         batch_size=batch_size, generator=generator)
 

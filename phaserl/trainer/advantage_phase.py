@@ -12,6 +12,7 @@ import torch
 
 from ..algo import AdvantageInputs, apply_kl_to_rewards
 from ..batch import RolloutBatch
+from ..parallel import all_reduce_sum, is_distributed
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def compute_advantages(batch: RolloutBatch, scores: torch.Tensor, s: AdvantageSe
                                                 coef=kl_coef, estimator=s.kl_estimator)
     advantages, returns = s.estimator(AdvantageInputs(
         token_rewards=token_rewards, response_mask=mask, group_ids=batch.group_ids, values=values,
-        baseline_scores=baseline_scores, gamma=s.gamma, lam=s.lam, norm_by_std=s.norm_by_std))
+        baseline_scores=baseline_scores, gamma=s.gamma, lam=s.lam, norm_by_std=s.norm_by_std,
+        total=all_reduce_sum if is_distributed() else None))  # whiten with the global batch's statistics
     return advantages, returns, token_rewards, kl
 
 

@@ -127,6 +127,9 @@ class RLTrainer:
                     batch, scores.total, run.advantage, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores)
                 cause = nonfinite_advantage_cause(advantages, scores.total, values)
+                ranks_with_nan = float(all_reduce_sum(torch.tensor(float(cause is not None))))  # on every rank
+                if cause is None and ranks_with_nan > 0:
+                    cause = "non-finite advantages on another rank"  # every rank skips or stops together
             # 6. update: epochs × mini-batches, micro-batches by token budget
             with clock("update"):
                 train = TrainBatch(batch, old_logprobs, ref_logprobs, advantages, returns, values)

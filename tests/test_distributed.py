@@ -1,0 +1,304 @@
+"""Two ranks (gloo, CPU, FSDP2) against one process: the same RL step, reduced metrics, failures named by rank.
+
+One spawn of two worker processes runs every 2-rank scenario in turn (process start-up and imports cost
+more than the scenarios), while this process runs the 1-rank references on the same model and data.
+Each scenario is one real `RLTrainer.train_step()` (rollout, score, forward passes, advantages, update
+over 2 mini-batches) built from tests/_tiny_run.py.
+"""
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+GRPO = ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1",
+        "ref.fsdp.sharding_strategy=NO_SHARD", "actor.gradient_checkpointing=true"]
+PPO = ["algorithm.adv_estimator=gae", "algorithm.kl_placement=reward", "actor.fsdp.sharding_strategy=SHARD_GRAD_OP",
+       "critic.fsdp.sharding_strategy=NO_SHARD", "critic.optim.lr=1e-3"]
+SCENARIOS = {"grpo": GRPO, "ppo": PPO}
+COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
+          "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
+# actor/grad_norm also proves gradients are summed over ranks: averaged, it would be halved (Adam would hide that
+# in the weights).
+EXACT_METRICS = {
+    "grpo": ("train/reward_mean", "train/response_length_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+             "actor/pg_clipfrac", "actor/kl_loss"),
+    "ppo": ("train/reward_mean", "train/response_length_mean", "critic/vf_loss", "critic/grad_norm", "actor/pg_loss",
+            "actor/grad_norm")}
+TIMEOUT_S = 300
+
+
+def _one_step(overrides: list) -> dict:
+    """One RL step; returns the responses, the metrics, every role's full weights and its parameter placements."""
+    from phaserl.config import load_config
+    from phaserl.parallel import rank_and_world
+    from phaserl.parallel.fsdp import full_state_dict
+    from phaserl.trainer import RLTrainer
+
+    torch.manual_seed(0)
+    cfg = load_config(None, overrides, world_size=rank_and_world()[1])
+    trainer = RLTrainer.from_config(cfg)
+    responses, generate = [], trainer._generate
+    trainer._generate = lambda *args: _keep(responses, generate(*args))
+    metrics = trainer.train_step()
+    roles = {"actor": trainer.actor, "critic": trainer.critic, "ref": trainer.ref_policy}
+    return {"responses": responses, "metrics": metrics,
+            "weights": {name: full_state_dict(role.model) for name, role in roles.items() if role is not None},
+            "placements": {name: str(getattr(role.model.model.norm.weight, "placements", "plain"))
+                           for name, role in roles.items() if role is not None}}
+
+
+def _keep(responses: list, batch):
+    responses.extend(batch.response_texts)
+    return batch
+
+
+def _reduce_distinct_metrics(rank: int) -> dict:
+    from phaserl.parallel import reduce_metrics
+
+    mine = [{"a": 1.0, "len_max": 3.0, "adv_min": -1.0, "timing_s/step": 1.0, "only_rank0": 5.0},
+            {"a": 3.0, "len_max": 7.0, "adv_min": -4.0, "timing_s/step": 2.0}][rank]
+    return reduce_metrics(mine)
+
+
+def _failure_on_rank_1(rank: int) -> str:
+    """Rank 1 raises inside rank_errors(); rank 0 waits in a collective for it and must name it."""
+    from phaserl.parallel import all_reduce_sum, rank_errors, set_phase
+
+    set_phase("update", 7)
+    try:
+        with rank_errors():
+            if rank == 1:
+                raise ValueError("reward function crashed on row 3")
+            all_reduce_sum(torch.ones(1))
+    except Exception as exc:  # noqa: BLE001 - the message is the result under test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _timeout_in_phase(rank: int) -> str:
+    """Rank 0 enters a collective (1 s timeout) that rank 1 skips: the error must name rank 0's phase."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from phaserl.parallel import launch, rank_errors, set_phase
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
+    store = dist.distributed_c10d._get_default_store()
+    result = "rank 1 took no part"
+    if rank == 0:
+        set_phase("forward", 2)
+        try:
+            with rank_errors():
+                dist.all_reduce(torch.ones(1), group=group)
+            result = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is the result under test
+            result = f"{type(exc).__name__}: {exc}"
+        store.delete_key(f"{launch._STORE_PREFIX}0")  # rank 0 lives on: its posted failure must not linger
+        store.set("test/timeout_done", "1")
+    else:
+        store.wait(["test/timeout_done"])
+    return result
+
+
+def _watchdog_line(rank: int) -> str:
+    """The NCCL-path watchdog logs the phase once it outlives the collective timeout."""
+    import logging
+
+    from phaserl.parallel import launch
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("phaserl").addHandler(handler)
+    launch.set_phase("score", 3)
+    watchdog = launch._PhaseWatchdog(timeout_s=0.2)
+    watchdog.start()
+    time.sleep(0.5)
+    watchdog.stop()
+    logging.getLogger("phaserl").removeHandler(handler)
+    return " | ".join(lines)
+
+
+def _worker(rank: int, world: int, port: int, root: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from phaserl.parallel import init_distributed
+
+    init_distributed(timeout_s=60, backend="gloo")
+    out = {}
+    for name, extra in SCENARIOS.items():
+        try:
+            out[name] = _one_step(_overrides(root, name, f"ranks{world}") + extra)
+        except Exception:  # noqa: BLE001 - reported by the test in the parent
+            out[name] = {"error": traceback.format_exc()}
+    out["reduced"] = _reduce_distinct_metrics(rank)
+    out["watchdog"] = _watchdog_line(rank)
+    out["timeout"] = _timeout_in_phase(rank)
+    out["failure"] = _failure_on_rank_1(rank)  # breaks the process group: last
+    torch.save(out, os.path.join(root, f"rank{rank}.pt"))
+
+
+def _overrides(root: str, name: str, tag: str) -> list:
+    with open(os.path.join(root, "overrides.txt")) as f:
+        files = [line for line in f.read().splitlines() if line]
+    run = os.path.join(root, f"{name}-{tag}")
+    return files + COMMON + [f"trainer.log_dir={run}/logs", f"trainer.checkpoint_path={run}/ckpt"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    from _tiny_run import make_run_dir
+
+    root = str(tmp_path_factory.mktemp("distributed"))
+    reward = os.path.join(root, "spread.py")  # varied rewards, so the advantages (and gradients) are not 0
+    with open(reward, "w") as f:
+        f.write("def spread(prompt, response, ground_truth, **row):\n"
+                "    return sum(ord(c) for c in response) % 7 / 7\n")
+    overrides = [o for o in make_run_dir(root) if not o.startswith("trainer.")]
+    with open(os.path.join(root, "overrides.txt"), "w") as f:
+        f.write("\n".join(overrides + [f"reward.functions=[{{name: '{reward}:spread'}}]"]) + "\n")
+    t0 = time.monotonic()
+    ctx = mp.start_processes(_worker, args=(2, _free_port(), root), nprocs=2, join=False, start_method="spawn")
+    try:
+        single = {name: _one_step(_overrides(root, name, "ranks1") + extra) for name, extra in SCENARIOS.items()}
+        while not ctx.join(timeout=5):
+            if time.monotonic() - t0 > TIMEOUT_S:
+                pytest.fail(f"the 2-rank workers did not finish within {TIMEOUT_S} s")
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    return single, ranks
+
+
+def _two(ranks: list, name: str) -> list:
+    for r, out in enumerate(ranks):
+        assert "error" not in out[name], f"rank {r}, {name}:\n{out[name]['error']}"
+    return [out[name] for out in ranks]
+
+
+def _max_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_grpo_step_on_two_ranks_equals_one_rank(runs):
+    single, ranks = runs
+    two = _two(ranks, "grpo")
+    # the same global rollout: each prompt's samples depend on (seed, step, global prompt index), not the rank
+    assert two[0]["responses"] + two[1]["responses"] == single["grpo"]["responses"]
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
+    assert _max_weight_diff(two[0]["weights"]["actor"], single["grpo"]["weights"]["actor"]) < 1e-5
+    # the reference holds the initial weights: the step really moved the actor (both optimizer steps)
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
+
+
+def test_ppo_critic_update_on_two_ranks_equals_one_rank(runs):
+    single, ranks = runs
+    two = _two(ranks, "ppo")
+    assert two[0]["responses"] + two[1]["responses"] == single["ppo"]["responses"]
+    assert _max_weight_diff(two[0]["weights"]["critic"], single["ppo"]["weights"]["critic"]) < 1e-5
+
+
+def test_ppo_actor_update_on_two_ranks_equals_one_rank(runs):
+    single, ranks = runs
+    two = _two(ranks, "ppo")
+    assert _max_weight_diff(two[0]["weights"]["actor"], single["ppo"]["weights"]["actor"]) < 1e-5
+
+
+def test_each_role_is_sharded_by_its_own_settings(runs):
+    single, ranks = runs
+    grpo, ppo = _two(ranks, "grpo")[0], _two(ranks, "ppo")[0]
+    assert grpo["placements"] == {"actor": "(Shard(dim=0),)", "ref": "plain"}  # a frozen NO_SHARD role: a replica
+    assert ppo["placements"] == {"actor": "(Shard(dim=0),)", "critic": "(Replicate(), Shard(dim=0))",  # NO_SHARD
+                                 "ref": "(Shard(dim=0),)"}  # FULL_SHARD, run under torch.inference_mode()
+    assert single["grpo"]["placements"] == {"actor": "plain", "ref": "plain"}  # one process: no FSDP at all
+
+
+def test_metrics_are_reduced_across_ranks(runs):
+    single, ranks = runs
+    for name in SCENARIOS:
+        two = _two(ranks, name)
+        per_rank = ("timing_s/", "perf/")  # each rank's own clock, added after the reduction
+        same = [{k: v for k, v in out["metrics"].items() if not k.startswith(per_rank)} for out in two]
+        assert same[0] == same[1]
+        for key in EXACT_METRICS[name]:
+            assert two[0]["metrics"][key] == pytest.approx(single[name]["metrics"][key], rel=1e-4, abs=1e-6), key
+    expected = {"a": 2.0, "len_max": 7.0, "adv_min": -4.0, "timing_s/step": 2.0, "only_rank0": 5.0}
+    assert ranks[0]["reduced"] == ranks[1]["reduced"] == expected
+
+
+def test_an_error_on_rank_1_is_named_on_rank_0(runs):
+    _, ranks = runs
+    rank1, rank0 = ranks[1]["failure"], ranks[0]["failure"]
+    assert rank1.startswith("RankFailure: rank 1 of 2") and "phase 'update' (step 7)" in rank1
+    assert "ValueError: reward function crashed on row 3" in rank1
+    # rank 0 was waiting in a collective: its error leads with rank 1's failure, not with "connection closed"
+    assert rank0.startswith("RankFailure: rank 1 of 2"), rank0
+    assert "reward function crashed on row 3" in rank0 and "then rank 0 stopped in phase 'update'" in rank0
+
+
+def test_a_collective_timeout_names_the_phase(runs):
+    _, ranks = runs
+    message = ranks[0]["timeout"]
+    assert message.startswith("RankFailure: rank 0 of 2: a collective timed out"), message
+    assert "in phase 'forward' (step 2)" in message
+    assert ranks[1]["timeout"] == "rank 1 took no part"
+    for rank, out in enumerate(ranks):  # NCCL aborts instead of raising: the watchdog thread logs the phase
+        assert f"rank {rank} of 2: phase 'score' (step 3) has run" in out["watchdog"]
+        assert "longer than the collective timeout" in out["watchdog"]
+        assert out["watchdog"].count("has run") == 1  # once per phase, not at every check
+
+
+# ----- one process: the same calls are harmless no-ops, and bad settings fail before any GPU is used --------
+def test_one_process_needs_no_launcher(monkeypatch):
+    from phaserl.parallel import gather_full_params, init_distributed, rank_errors, reduce_metrics, reshard_params
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed() == (0, 1)
+    model = torch.nn.Linear(2, 2)
+    assert gather_full_params(model) is False and reshard_params(model) is False
+    assert reduce_metrics({"train/reward_mean": 0.5}) == {"train/reward_mean": 0.5}
+    with pytest.raises(ValueError, match="plain"):  # no rank prefix, no wrapping in one process
+        with rank_errors():
+            raise ValueError("plain")
+
+
+def test_a_partial_torchrun_environment_is_named(monkeypatch):
+    from phaserl.errors import ConfigError
+    from phaserl.parallel import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match="MASTER_ADDR.*torchrun"):
+        init_distributed()
+
+
+@pytest.mark.parametrize("role, settings, message", [
+    ("critic", dict(cpu_offload=True), "forward-only roles"),
+    ("actor", dict(cpu_offload=True), "offload_optimizer"),
+    ("ref", dict(cpu_offload=True, sharding_strategy="NO_SHARD"), "FULL_SHARD with cpu_offload"),
+    ("ref", dict(param_dtype="int8"), "bfloat16"),
+])
+def test_settings_that_cannot_work_are_rejected_with_the_reason(role, settings, message):
+    from phaserl.errors import ConfigError
+    from phaserl.parallel.fsdp import _check
+    from phaserl.roles.parallel_settings import FSDPSettings
+
+    with pytest.raises(ConfigError, match=message):
+        _check(FSDPSettings(**settings), role, "cuda")
+    _check(FSDPSettings(cpu_offload=True), "ref", "cuda")  # offloading the frozen reference is fine
