@@ -1,0 +1,109 @@
+"""A checkpoint → a Hugging Face model directory (`phaserl export CKPT OUT_DIR [--critic]`).
+
+The actor becomes a causal-LM directory (model.safetensors, config.json, generation_config.json,
+tokenizer files) that `transformers.AutoModelForCausalLM.from_pretrained` loads with the logits the
+trainer had; the critic (`critic=True`) a `*ForSequenceClassification` directory with num_labels=1.
+Everything comes from the checkpoint itself (architecture/, tokenizer/, dcp/): the base model the run
+started from is not needed. Runs in one process, whatever world size wrote the checkpoint (DCP
+gathers the shards). Not here: pushing to the hub, merging LoRA.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+from ..models import CausalLM, DecoderConfig, ValueModel, load_tokenizer, save_pretrained, save_value_model
+from . import store
+from .state import ARCH_DIR, DCP_DIR, TOKENIZER_DIR, load_module, read_architecture
+
+log = logging.getLogger("phaserl")
+
+
+def resolve_checkpoint(path: str) -> store.CheckpointInfo:
+    """A complete checkpoint: `path` itself, or the newest complete one when `path` is a checkpoint_path root."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint {path!r} does not exist (or is not a directory)")
+    meta, why = store.read_metadata(path)
+    if meta is not None:
+        return store.CheckpointInfo(path=path, step=int(meta["step"]), metadata=meta)
+    if os.path.basename(os.path.normpath(path)).startswith((store.STEP_PREFIX, store.TMP_PREFIX)):
+        raise ConfigError(f"checkpoint {path!r} is incomplete: {why}; use an earlier step_N directory "
+                          f"(the newest complete one is named in {os.path.join(os.path.dirname(path), store.POINTER)})")
+    newest = store.latest_complete(path)
+    if newest is None:
+        raise ConfigError(f"{path!r} is neither a checkpoint (step_N/ with {store.METADATA}) nor a "
+                          "trainer.checkpoint_path holding complete ones")
+    log.info(f"export: using the newest complete checkpoint under {path}: {newest.path}")
+    return newest
+
+
+def export_checkpoint(ckpt_dir: str, out_dir: str, *, critic: bool = False, overwrite: bool = False) -> Path:
+    """Write the actor (or the critic) of checkpoint `ckpt_dir` as a Hugging Face directory `out_dir`."""
+    info = resolve_checkpoint(ckpt_dir)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ConfigError(f"{out_dir!r} already exists and is not empty; pass --overwrite (overwrite=True) "
+                          "to replace it, or choose another output directory")
+    path = export_role(info.path, out_dir, role="critic" if critic else "actor")
+    log.info(f"export: step {info.step} {'critic' if critic else 'actor'} written to {path}")
+    return path
+
+
+def export_role(ckpt_dir: str, out_dir: str, *, role: str) -> Path:
+    """Rebuild `role`'s model empty from architecture/{role}.json, fill it from dcp/, save it as HF."""
+    arch = read_architecture(ckpt_dir, role)
+    if arch is None:
+        arch_dir = os.path.join(ckpt_dir, ARCH_DIR)
+        have = sorted(f.removesuffix(".json") for f in os.listdir(arch_dir)) if os.path.isdir(arch_dir) else []
+        fix = "drop --critic to export the actor" if role == "critic" else "was it written by phaserl?"
+        raise ConfigError(f"checkpoint {ckpt_dir!r} has no {role} (roles saved: {have}); {fix}")
+    dtype = getattr(torch, arch["dtype"])
+    tokenizer_dir = os.path.join(ckpt_dir, TOKENIZER_DIR)
+    tokenizer = load_tokenizer(tokenizer_dir) if os.path.isdir(tokenizer_dir) else None
+    model = _empty_model(arch, role)
+    load_module(model, os.path.join(ckpt_dir, DCP_DIR), role)
+    if role == "critic":
+        return save_value_model(model, out_dir, tokenizer=tokenizer, dtype=dtype)
+    return save_pretrained(model, out_dir, tokenizer=tokenizer, dtype=dtype)
+
+
+def _empty_model(arch: dict, role: str) -> torch.nn.Module:
+    # Built on the meta device (no random init), then given uninitialized CPU storage for DCP to fill.
+    dtype = getattr(torch, arch["dtype"])
+    with torch.device("meta"):
+        if arch["kind"] == "native":
+            lm = CausalLM(DecoderConfig.from_hf_dict(arch["hf_config"], source=f"architecture/{role}.json"))
+            model = ValueModel(lm) if role == "critic" else lm
+        else:
+            model = _transformers_model(arch["hf_config"])
+    return model.to_empty(device="cpu").to(dtype)
+
+
+def _transformers_model(hf_config: dict) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..models.hf_fallback import HFCausalLM
+
+    config = dict(hf_config)
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    return HFCausalLM(AutoModelForCausalLM.from_config(config))
+
+
+def cli_export(argv: Optional[list] = None) -> int:
+    """`phaserl export CHECKPOINT OUT_DIR [--critic] [--overwrite]`; errors are raised as PhaserlError."""
+    p = argparse.ArgumentParser(prog="phaserl export", description=(
+        "Write a checkpoint's actor (or critic) as a Hugging Face model directory."))
+    p.add_argument("checkpoint", help="a step_N directory, or a trainer.checkpoint_path (its newest complete step)")
+    p.add_argument("out_dir")
+    p.add_argument("--critic", action="store_true", help="export the value model (sequence classification)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    args = p.parse_args(argv)
+    path = export_checkpoint(args.checkpoint, args.out_dir, critic=args.critic, overwrite=args.overwrite)
+    print(f"exported to {path}")
+    return 0

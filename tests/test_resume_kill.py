@@ -1,0 +1,210 @@
+"""Exact resume after SIGKILL: a run killed during rollout, during the update and while saving, and started
+again with the same command each time, ends with the same weights, optimizer states and metrics.jsonl lines
+(timing_s/* and perf/* aside) as a run that was never interrupted.
+
+The child process is this file run as a script: it loads the config, builds the trainer, and trains, as
+`phaserl train` does. To kill it at a known moment it wraps one call (the actor's `generate`, the actor's
+`update_mini_batch`, or `torch.distributed.checkpoint.save`) so that, at the chosen step, the call prints
+`PAUSED` and sleeps; the parent SIGKILLs it on seeing the line. Nothing in phaserl exists for this test.
+
+The chain: kill in the rollout of step 3 (resume from step_2), kill in the update of step 5 (resume from
+step_4), kill while step 6 is being written (the temporary directory is reported and skipped; resume from
+step_4 again), then run to the end.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REWARD = '''
+def score(prompt, response, ground_truth, **row):
+    """Varied, deterministic rewards so that a tiny random policy gets real gradients."""
+    return (sum(map(ord, response)) % 7) / 6.0
+'''
+NOT_COMPARED = ("timing_s/", "perf/")
+
+
+# ---------------------------------------------------------------------------------------------- the child
+
+def _pause(label: str) -> None:
+    print(f"PAUSED {label}", flush=True)
+    time.sleep(600)
+
+
+def _install_pause(trainer, spec: str) -> None:
+    if spec == "none":
+        return
+    moment, step = spec.split(":")
+    step = int(step)
+    in_step = lambda: trainer.step_num + 1 == step  # noqa: E731  (step_num counts finished steps)
+    if moment == "rollout":
+        generate = trainer.actor.generate
+
+        def paused_generate(prompts, params, **kwargs):
+            if in_step() and params is trainer.run.sampling:   # the step's rollout, not a validation
+                _pause(spec)
+            return generate(prompts, params, **kwargs)
+        trainer.actor.generate = paused_generate
+    elif moment == "update":
+        update = trainer.actor.update_mini_batch
+
+        def paused_update(*args, **kwargs):
+            stats = update(*args, **kwargs)   # one optimizer step of this RL step has happened in memory
+            if in_step():
+                _pause(spec)
+            return stats
+        trainer.actor.update_mini_batch = paused_update
+    elif moment == "save":
+        import torch.distributed.checkpoint as dcp
+
+        save = dcp.save
+
+        def paused_save(*args, **kwargs):
+            result = save(*args, **kwargs)    # the weights are in .tmp_step_N_*/dcp, nothing else yet
+            if trainer.step_num == step:
+                _pause(spec)
+            return result
+        dcp.save = paused_save
+    else:
+        raise ValueError(spec)
+
+
+def child(cfg_path: str, spec: str, final_path: str) -> None:
+    sys.path.insert(0, ROOT)
+    import logging
+
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    from phaserl.config import load_config
+    from phaserl.trainer import RLTrainer
+
+    trainer = RLTrainer.from_config(load_config(cfg_path))
+    _install_pause(trainer, spec)
+    trainer.fit()
+    torch.save({"actor": trainer.actor.model.state_dict(), "critic": trainer.critic.model.state_dict(),
+                "actor_optim": trainer.actor.optimizer.state_dict(),
+                "critic_optim": trainer.critic.optimizer.state_dict(),
+                "kl_coef": trainer.run.kl_controller.value}, final_path)
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+
+def _write_config(tmp, name: str) -> str:
+    from _tiny_run import make_run_dir
+    from phaserl.config import dump_yaml, load_config
+
+    base = tmp / "base"
+    if not base.exists():
+        base.mkdir()
+        (base / "reward.py").write_text(REWARD)
+        (base / "overrides.json").write_text(json.dumps(make_run_dir(str(base))))
+    run = tmp / name
+    overrides = json.loads((base / "overrides.json").read_text()) + [
+        f"trainer.log_dir={run / 'logs'}", f"trainer.checkpoint_path={run / 'ckpt'}",
+        "trainer.total_steps=6", "trainer.save_interval=2", "trainer.keep_checkpoint_num=2", "trainer.val_interval=2",
+        "trainer.loggers=[console,jsonl]", "algorithm.adv_estimator=gae", "algorithm.kl_placement=reward",
+        "algorithm.kl_target=0.01", "algorithm.kl_horizon=100", "actor.entropy_coef=0.01",
+        f"reward.functions=['{base / 'reward.py'}:score']", "ppo.num_mini_batches=2"]
+    path = str(tmp / f"{name}.yaml")
+    dump_yaml(load_config(None, overrides), path)
+    return path
+
+
+def _start(cfg_path: str, spec: str, final_path: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", cfg_path, spec, final_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+
+def _run_until_paused(cfg_path: str, spec: str, final_path: str) -> str:
+    proc = _start(cfg_path, spec, final_path)
+    watchdog = threading.Timer(150, proc.kill)  # never hang the suite if the marker does not come
+    watchdog.start()
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("PAUSED"):
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        proc.stdout.close()
+    text = "".join(out)
+    assert proc.returncode == -signal.SIGKILL and f"PAUSED {spec}" in text, f"child did not pause:\n{text[-3000:]}"
+    return text
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, f"child failed:\n{out[-3000:]}"
+    return out
+
+
+def _comparable_metrics(log_dir) -> list:
+    with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in records]
+
+
+def _assert_same_state(a_path: str, b_path: str) -> None:
+    import torch
+
+    a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
+    assert a["kl_coef"] == b["kl_coef"]
+    for role in ("actor", "critic"):
+        assert a[role].keys() == b[role].keys()
+        for name in a[role]:
+            assert torch.equal(a[role][name], b[role][name]), f"{role} weight {name} differs"
+        sa, sb = a[f"{role}_optim"]["optimizer"]["state"], b[f"{role}_optim"]["optimizer"]["state"]
+        for pid in sa:
+            for key in sa[pid]:
+                assert torch.equal(sa[pid][key], sb[pid][key]), f"{role} optimizer {key} of param {pid} differs"
+        assert a[f"{role}_optim"]["scheduler"] == b[f"{role}_optim"]["scheduler"]
+
+
+def test_killed_at_rollout_update_and_save_resumes_exactly(tmp_path):
+    ref_cfg, cfg = _write_config(tmp_path, "reference"), _write_config(tmp_path, "killed")
+    reference = _start(ref_cfg, "none", str(tmp_path / "reference.pt"))   # runs alongside the chain
+    try:
+        _kill_resume_chain(tmp_path, cfg)
+        _finish(reference)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
+    expected = _comparable_metrics(tmp_path / "reference" / "logs")
+    assert [r["step"] for r in expected] == [0, 1, 2, 3, 4, 5, 6]
+    assert _comparable_metrics(tmp_path / "killed" / "logs") == expected
+    _assert_same_state(str(tmp_path / "reference.pt"), str(tmp_path / "killed.pt"))
+
+
+def _kill_resume_chain(tmp_path, cfg: str) -> None:
+    ckpt = tmp_path / "killed" / "ckpt"
+    _run_until_paused(cfg, "rollout:3", "unused")
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_2"]
+
+    out = _run_until_paused(cfg, "update:5", "unused")
+    assert f"resumed from {ckpt / 'step_2'} (step 2;" in out
+
+    out = _run_until_paused(cfg, "save:6", "unused")
+    assert f"resumed from {ckpt / 'step_4'} (step 4;" in out
+    leftovers = [n for n in os.listdir(ckpt) if n.startswith(".tmp_step_6_")]
+    assert leftovers, "the kill while saving should leave a temporary directory"
+
+    out = _finish(_start(cfg, "none", str(tmp_path / "killed.pt")))
+    assert f"skipping incomplete {ckpt / leftovers[0]}" in out
+    assert f"resumed from {ckpt / 'step_4'} (step 4;" in out
+    assert sorted(os.listdir(ckpt)) == ["latest", "step_4", "step_6"]   # keep_checkpoint_num=2, no leftovers
+    assert (ckpt / "latest").read_text() == "step_6\n"
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "child":
+    child(*sys.argv[2:])
