@@ -12,9 +12,9 @@ import time
 
 log = logging.getLogger("phaserl")
 
+DELEGATED = {"export": ("phaserl.checkpoint", "cli_export"), "report": ("phaserl.report", "cli_report")}
+
 NOT_YET = {
-    "export": "export a checkpoint as a Hugging Face model directory (issue: checkpoints and resume)",
-    "report": "plot a run's metrics to report.png (issue: checkpoints and resume)",
     "train-rm": "train a reward model on preference pairs (issue: reward models end to end)",
 }
 
@@ -108,6 +108,13 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def _delegate(module: str, function: str, argv: list) -> int:
+    """Subcommands that parse their own arguments (export, report, train-rm)."""
+    import importlib
+
+    return getattr(importlib.import_module(module), function)(argv)
+
+
 def cmd_not_yet(name: str):
     def run(args) -> int:
         print(f"phaserl {name}: {NOT_YET[name]} — not available in this version yet.", file=sys.stderr)
@@ -143,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, default=1, help="number of ranks to explain for")
     c.set_defaults(fn=cmd_config)
 
+    e = sub.add_parser("export", add_help=False, help="write a checkpoint's actor (or --critic) as a Hugging Face directory")
+    e.add_argument("args", nargs=argparse.REMAINDER)
+    e.set_defaults(fn=lambda a: _delegate(*DELEGATED["export"], a.args))
+
+    r = sub.add_parser("report", add_help=False, help="plot a run's metrics.jsonl to report.png")
+    r.add_argument("args", nargs=argparse.REMAINDER)
+    r.set_defaults(fn=lambda a: _delegate(*DELEGATED["report"], a.args))
+
     s = sub.add_parser("sft", help="rebuild the tiny world's warm-started model (supervised) from scratch")
     s.set_defaults(fn=cmd_sft)
 
@@ -157,6 +172,14 @@ def main(argv=None) -> int:
     from .errors import PhaserlError
 
     _setup_logging()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:  # these parse their own arguments, --help included
+        module, function = DELEGATED[argv[0]]
+        try:
+            return _delegate(module, function, argv[1:])
+        except PhaserlError as exc:
+            print(f"phaserl {argv[0]}: error: {exc}", file=sys.stderr)
+            return 1
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
