@@ -1,9 +1,14 @@
 """Rollout: turning prompts (token ids) into sampled responses with their log-probs.
 
     sampling.py   SamplingParams, sample_next (temperature / top-k / top-p / greedy), pure functions
-    generate.py   generate(): batched prefill + KV-cache decode, GenerationResult
+    generate.py   generate(): batched prefill + KV-cache decode, GenerationResult (any model; the fallback)
+    engine.py     RolloutEngine: the fast path for our CausalLM (slot KV pool, refill, CUDA graphs)
+    kv_pool.py    KVPool (slot KV cache, sleep/wake), SlotState (per-slot decode state on the device)
+    scheduler.py  Scheduler, Sequence: slots for sequences, continuous refill, compaction
+    runner.py     ModelRunner: prefill and graph-captured decode over the model's own weights
 """
+from phaserl.rollout.engine import EngineConfig, RolloutEngine
 from phaserl.rollout.generate import GenerationResult, generate
 from phaserl.rollout.sampling import SamplingParams, sample_next
 
-__all__ = ["SamplingParams", "GenerationResult", "generate", "sample_next"]
+__all__ = ["SamplingParams", "GenerationResult", "generate", "sample_next", "RolloutEngine", "EngineConfig"]

@@ -1,0 +1,300 @@
+"""Rollout throughput: phaserl's RolloutEngine vs Hugging Face generate, and the roofline of the shape.
+
+One JSON line per measurement on stdout. Reference shape (BRIEF §6): Qwen2-0.5B architecture with
+random weights, bf16, 64 prompts x 8 samples = 512 sequences, prompt 128 tokens, 256 new tokens with
+EOS ignored (fixed lengths), temperature 1.
+
+    python benchmarks/rollout.py --case all --budget 540      # the default --plan, each in its own process
+    python benchmarks/rollout.py --case ours --shape 0.5b [--compile]   # or roofline|hf|hf_static|varlen|profile
+
+`--case all` runs each --plan entry in its own process under a time limit and reports one that fails.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from phaserl.algo import token_logprobs_from_hidden  # noqa: E402
+from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from phaserl.rollout.runner import decode_attention  # noqa: E402
+
+SHAPES = {  # the Qwen2 family's published architectures
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,  # --smoke
+                 intermediate_size=128, vocab_size=4096, tie_word_embeddings=True),
+}
+PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 64, 8, 128, 256
+DEVICE = "cuda"
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def config(shape: str) -> DecoderConfig:
+    return DecoderConfig(model_type="qwen2", attention_bias=True, max_position_embeddings=32768,
+                         rope_theta=1e6, **SHAPES[shape])
+
+
+def our_model(shape: str) -> CausalLM:
+    with torch.device(DEVICE):
+        return CausalLM(config(shape)).to(torch.bfloat16).eval()
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    unique = torch.randint(0, 4000, (PROMPTS, PROMPT_LEN), generator=g).tolist()
+    return [p for p in unique for _ in range(SAMPLES)]
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
+
+
+def per_call_ms(fn, calls: int = 100) -> float:
+    fn()  # warm-up: kernel selection and workspaces stay out of the number
+    return 1e3 * timed(lambda: [fn() for _ in range(calls)]) / calls
+
+
+# ----- roofline -----------------------------------------------------------------------------------
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul rate in FLOP/s), on random data."""
+    size = (2 << 30) if DEVICE == "cuda" else (1 << 24)
+    x = torch.randint(0, 255, (size,), dtype=torch.uint8, device=DEVICE)
+    y = torch.empty_like(x)
+    n = 8192 if DEVICE == "cuda" else 256
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    return 2e3 * size / per_call_ms(lambda: y.copy_(x), 20), 2e3 * n**3 / per_call_ms(lambda: a @ b, 10)
+
+
+def step_cost(cfg: DecoderConfig, batch: int, context: float) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode step over `batch` rows attending to `context` keys on average, bf16."""
+    H, L, V, D = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.head_dim
+    attn = H * D * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)  # q, o, k, v
+    layer_params = L * (attn + 3 * H * cfg.intermediate_size)
+    matmul_params = layer_params + V * H  # + the LM head (the embedding lookup reads one row per token)
+    kv_bytes_per_token = 2 * L * cfg.num_key_value_heads * D * 2
+    bytes_ = 2 * matmul_params + batch * context * kv_bytes_per_token
+    flops = 2 * batch * matmul_params + 4 * batch * context * cfg.num_attention_heads * D * L
+    return bytes_, flops
+
+
+def case_roofline(args) -> None:
+    bandwidth, rate = measure_ceilings()
+    emit(case="ceilings", copy_bandwidth_tb_s=bandwidth / 1e12, bf16_matmul_tflop_s=rate / 1e12)
+    batch = PROMPTS * SAMPLES
+    for shape in ("0.5b", "1.5b", "7b"):
+        cfg = config(shape)
+        for what, context in (("ideal", PROMPT_LEN + NEW_TOKENS / 2), ("full_slot", PROMPT_LEN + NEW_TOKENS)):
+            bytes_, flops = step_cost(cfg, batch, context)
+            floor = max(bytes_ / bandwidth, flops / rate)
+            emit(case="roofline", shape=shape, kv_read=what, batch=batch, step_gb=bytes_ / 1e9,
+                 step_tflop=flops / 1e12, memory_ms=1e3 * bytes_ / bandwidth, compute_ms=1e3 * flops / rate,
+                 bound_tokens_per_s=batch / floor)
+
+
+# ----- our engine ---------------------------------------------------------------------------------
+def logprob_parity(model: CausalLM, ps: list[list[int]], result, rows: int = 16) -> dict:
+    """Engine log-probs vs the trainer's (one full forward + token_logprobs_from_hidden) on `rows` sequences."""
+    diffs = []
+    with torch.no_grad():
+        for prompt, tokens, logprobs in list(zip(ps, result.response_ids, result.logprobs))[:rows]:
+            hidden = model(torch.tensor([prompt + tokens], device=DEVICE))[0]
+            trainer = token_logprobs_from_hidden(hidden[len(prompt) - 1:-1], model.output_weight,
+                                                 torch.tensor(tokens, device=DEVICE))[0]
+            diffs.append((trainer.cpu() - torch.tensor(logprobs)).abs())
+    d = torch.cat(diffs)
+    return dict(mean_abs_diff=float(d.mean()), max_abs_diff=float(d.max()), tokens=d.numel())
+
+
+def rollout(engine: RolloutEngine, ps: list[list[int]], params: SamplingParams, **kwargs):
+    """The benchmarked call: EOS ignored, so every response has its full (or capped) length."""
+    return lambda: engine.generate(ps, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True, **kwargs)
+
+
+def sleep_wake(engine: RolloutEngine, run, steady_s: float, args) -> None:
+    """The hybrid switch's cost: free the KV cache and graphs, allocate again, generate (recaptures)."""
+    freed, wake_s = engine.sleep(), timed(engine.wake)
+    emit(case="sleep_wake", shape=args.shape, compile=args.compile, freed_gb=freed / 2**30, wake_s=wake_s,
+         first_generate_after_wake_s=timed(run), steady_generate_s=steady_s)
+
+
+def case_ours(args) -> None:
+    model = our_model(args.shape)
+    engine = RolloutEngine(model, EngineConfig(max_slots=512, compile=args.compile))
+    ps, params = prompts(), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)
+    run = rollout(engine, ps, params)
+    warmup = timed(run)  # allocates the pool, captures graphs (and compiles)
+    runs = [timed(run) for _ in range(3)]
+    result = run()
+    tokens = sum(map(len, result.response_ids))
+    assert tokens == len(ps) * NEW_TOKENS, tokens
+    with torch.inference_mode():  # the full-batch step alone (all slots idle now: the same work as a busy step)
+        step_ms = per_call_ms(lambda: engine.runner.decode(len(ps)), 50)
+    best = min(runs)
+    emit(case="ours", shape=args.shape, compile=args.compile, sequences=len(ps), new_tokens=tokens,
+         tokens_per_s=tokens / best, seconds=best, runs_s=runs, warmup_s=warmup, steps=engine.last_stats["steps"],
+         decode_step_ms=step_ms, decode_only_tokens_per_s=len(ps) / step_ms * 1e3,
+         outside_decode_s=best - engine.last_stats["steps"] * step_ms / 1e3,
+         kv_pool_gb=engine.pool.allocated_bytes / 2**30, graphs=engine.last_stats["graphs"],
+         peak_allocated_gb=peak_gb())
+    sleep_wake(engine, run, best, args)
+    if args.shape in ("0.5b", "tiny"):
+        emit(case="logprob_parity", shape=args.shape, compile=args.compile, **logprob_parity(model, ps, result))
+
+
+def case_varlen(args) -> None:
+    """Log-normal lengths (median 128, cap 1024), 1024 sequences in 256 slots: refill vs static batching."""
+    model = our_model(args.shape)
+    ps, cap = [p for p in prompts() for _ in range(2)], 4 * NEW_TOKENS  # 1024 sequences
+    noise = torch.randn(len(ps), generator=torch.Generator().manual_seed(1))
+    lengths = (NEW_TOKENS // 2 * noise.exp()).clamp(16, cap).long().tolist()
+    params = SamplingParams(max_new_tokens=cap, temperature=1.0)
+    for refill in (True, False):
+        engine = RolloutEngine(model, EngineConfig(max_slots=256, refill=refill, compile=args.compile))
+        run = rollout(engine, ps, params, max_new_tokens=lengths)
+        warmup = timed(run)
+        seconds = timed(run)
+        emit(case="varlen", shape=args.shape, compile=args.compile, refill=refill, sequences=len(ps), slots=256,
+             new_tokens=sum(lengths), mean_len=sum(lengths) / len(lengths), max_len=max(lengths),
+             tokens_per_s=sum(lengths) / seconds, seconds=seconds, steps=engine.last_stats["steps"],
+             warmup_s=warmup)
+        engine.sleep()
+
+
+# ----- where a decode step's time goes -------------------------------------------------------------
+def case_profile(args) -> None:
+    """Kernel times of a full-batch decode step (eager: the graph replays the same kernels), attention vs SDPA."""
+    model = our_model(args.shape)
+    engine = RolloutEngine(model, EngineConfig(max_slots=512, compile=args.compile))
+    ps, params = prompts(), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)
+    run = rollout(engine, ps, params)
+    run()
+    sleep_wake(engine, run, timed(run), args)
+    b, runner = len(ps), engine.runner
+    with torch.inference_mode():
+        graph_ms, eager_ms = per_call_ms(lambda: runner.decode(b), 50), per_call_ms(lambda: runner._decode_step(b), 10)
+        gpu = DEVICE == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                runner._decode_step(b)
+            sync()
+    attr = "self_device_time_total" if gpu else "self_cpu_time_total"
+    kernels = sorted(((e.key[:70], round(getattr(e, attr) / 5e3, 4), e.count // 5) for e in prof.key_averages()),
+                     key=lambda k: -k[1])  # (name, ms per step, calls per step)
+    emit(case="profile", shape=args.shape, compile=args.compile, graph_step_ms=graph_ms, eager_step_ms=eager_ms,
+         kernel_ms_per_step=sum(k[1] for k in kernels), top_kernels_ms_per_step=kernels[:14])
+    keys, values = runner.keys[0][:b], runner.values[0][:b]
+    q = torch.randn(b, model.config.num_attention_heads, model.config.head_dim, device=DEVICE, dtype=keys.dtype)
+    hidden = runner.positions > torch.randint(128, 384, (b,), device=DEVICE)[:, None]  # [b, S]
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q[:, :, None], keys, values,
+                             attn_mask=~hidden[:, None, None, :], enable_gqa=True)
+    with torch.inference_mode():
+        ours, sdpa = per_call_ms(lambda: decode_attention(q, keys, values, hidden)), per_call_ms(sdpa)
+    kv_gb = 2 * keys.numel() * keys.element_size() / 1e9
+    emit(case="attention_one_layer", shape=args.shape, kv_read_gb=kv_gb, matmul_ms=ours, sdpa_masked_gqa_ms=sdpa,
+         matmul_tb_s=kv_gb / ours, layers=model.config.num_hidden_layers)
+
+
+# ----- Hugging Face -------------------------------------------------------------------------------
+def case_hf(args, static: bool = False) -> None:
+    import transformers
+
+    d = config(args.shape).to_hf_dict("bfloat16")
+    hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16,
+                                                              attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4000, (PROMPTS, PROMPT_LEN), generator=g).to(DEVICE)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  num_return_sequences=SAMPLES, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                  pad_token_id=0)
+    if static:
+        kwargs["cache_implementation"] = "static"  # generate() compiles the decode forward for it
+    name = "hf_static_compile" if static else "hf"
+    with torch.inference_mode():
+        warmup = timed(lambda: model.generate(ids, **kwargs))  # the same shapes: compiles once if static
+        emit(case=name, shape=args.shape, status="warm", warmup_s=warmup, version=transformers.__version__)
+        out = []
+        seconds = timed(lambda: out.append(model.generate(ids, **kwargs)))
+    new = (out[0].shape[1] - PROMPT_LEN) * out[0].shape[0]
+    emit(case=name, shape=args.shape, sequences=out[0].shape[0], new_tokens=new, tokens_per_s=new / seconds,
+         seconds=seconds, warmup_s=warmup, peak_allocated_gb=peak_gb())
+
+
+# ----- driver -------------------------------------------------------------------------------------
+DEFAULT_PLAN = "roofline,ours-0.5b,hf-0.5b,ours-0.5b-compile,hf_static-0.5b,varlen-0.5b,ours-1.5b,ours-7b"
+LIMITS = {"roofline": 60, "ours": 90, "hf": 90, "hf_static": 200, "varlen": 120, "profile": 90}  # s, x2 compiled
+
+
+def case_all(args) -> None:
+    """Run the --plan entries (case-shape[-compile]) in order, each in its own process and time limit."""
+    deadline = time.time() + args.budget
+    for entry in args.plan.split(","):
+        case, shape, *flag = entry.split("-") + (["0.5b"] if "-" not in entry else [])
+        compile = flag == ["compile"]
+        limit = min(LIMITS[case] * (2 if compile else 1), deadline - time.time())
+        if limit < 20:
+            emit(case=case, shape=shape, compile=compile, status="skipped: benchmark budget spent")
+            continue
+        cmd = [sys.executable, __file__, "--case", case, "--shape", "tiny" if args.smoke else shape]
+        cmd += (["--compile"] if compile else []) + (["--smoke"] if args.smoke else [])
+        try:
+            subprocess.run(cmd, timeout=limit, check=True)
+        except subprocess.TimeoutExpired:
+            emit(case=case, shape=shape, compile=compile, status=f"timed out after {limit:.0f} s")
+        except subprocess.CalledProcessError as e:
+            emit(case=case, shape=shape, compile=compile, status=f"failed with exit code {e.returncode}")
+
+
+CASES = {"roofline": case_roofline, "ours": case_ours, "hf": case_hf, "hf_static": lambda a: case_hf(a, static=True),
+         "varlen": case_varlen, "profile": case_profile}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--case", default="all", choices=["all", *CASES])
+    parser.add_argument("--shape", default="0.5b", choices=list(SHAPES))
+    parser.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for --case all")
+    parser.add_argument("--plan", default=DEFAULT_PLAN, help="for --case all: comma-separated case-shape[-compile]")
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, few tokens: checks the script")
+    args = parser.parse_args()
+    if args.smoke:
+        global DEVICE, PROMPTS, NEW_TOKENS
+        DEVICE, PROMPTS, NEW_TOKENS = "cpu", 4, 16
+    torch.manual_seed(0)
+    (case_all if args.case == "all" else CASES[args.case])(args)
+
+
+if __name__ == "__main__":
+    main()

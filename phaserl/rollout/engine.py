@@ -1,0 +1,214 @@
+"""RolloutEngine: the built-in fast rollout path for our CausalLM (Llama / Qwen2 / Qwen3).
+
+Same contract as `generate()`: token ids in, `GenerationResult` out, results in prompt order, the
+log-prob of each sampled token under log_softmax(logits / T). Underneath:
+  kv_pool.py    preallocated slot KV cache (token budget or a fraction of free memory), sleep()/wake()
+  scheduler.py  slots for sequences, continuous refill, compaction as the batch drains
+  runner.py     prefill (shared by the n samples of a prompt) and decode (CUDA graphs per bucket)
+The host loop runs one step ahead of what it knows: it launches step t, then reads the finished flags
+of step t-1 (copied asynchronously), so the GPU never waits for Python. A sequence that stopped at
+t-1 therefore idles for one step before its slot is refilled.
+On the CPU the same code runs eagerly (no graphs), so CPU tests and the quickstart exercise it.
+Not here: models other than CausalLM (generate.py keeps the transformers fallback), detokenizing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from phaserl.errors import ConfigError, DataError
+from phaserl.models.decoder import CausalLM
+from phaserl.rollout.generate import GenerationResult, _check_prompts
+from phaserl.rollout.kv_pool import KVPool
+from phaserl.rollout.runner import ModelRunner
+from phaserl.rollout.sampling import SamplingParams
+from phaserl.rollout.scheduler import Scheduler, Sequence
+
+SLOT_ROUNDING = 64  # slot lengths are rounded up to this, so that nearby calls reuse one layout and its graphs
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_slots: int = 512                  # most sequences decoded together (the largest graph bucket)
+    token_budget: Optional[int] = None    # KV cache size in tokens; None = memory_fraction of free memory
+    memory_fraction: float = 0.4          # of the free accelerator memory at wake() time
+    cuda_graphs: bool = True              # capture decode steps (CUDA only; ignored on the CPU)
+    compile: Optional[bool] = None        # torch.compile the layer functions; None = on CUDA when Triton exists
+    prefill_tokens: int = 16384           # most (padded) prompt tokens in one prefill pass
+    refill: bool = True                   # False = static batching: admit only when the batch is empty
+
+    def __post_init__(self):
+        if self.max_slots < 1 or self.prefill_tokens < 1:
+            raise ConfigError(f"EngineConfig: max_slots={self.max_slots} and prefill_tokens="
+                              f"{self.prefill_tokens} must be >= 1")
+
+
+@contextmanager
+def _seeded(generator: Optional[torch.Generator], device: torch.device):
+    """Draw one seed from `generator` and run under it; the global RNG state is restored afterwards.
+
+    Graph-captured sampling can only use the device's default generator, so a user generator seeds it.
+    """
+    if generator is None:
+        yield
+        return
+    seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device).item())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            torch.cuda.default_generators[device.index or torch.cuda.current_device()].manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
+
+
+class RolloutEngine:
+    def __init__(self, model: CausalLM, config: Optional[EngineConfig] = None):
+        if not isinstance(model, CausalLM):
+            raise ConfigError(f"RolloutEngine runs phaserl's CausalLM only, got {type(model).__name__}; "
+                              "use phaserl.rollout.generate for other models")
+        self.model, self.config = model, config or EngineConfig()
+        self.pool: Optional[KVPool] = None
+        self.last_stats: dict = {}
+        self._build()
+
+    def _build(self) -> None:
+        c, weight = self.config, self.model.output_weight
+        self.pool = KVPool(self.model.config, weight.dtype, weight.device, token_budget=c.token_budget,
+                           memory_fraction=c.memory_fraction)
+        compile = c.compile
+        if compile is None:  # measured on an H200: 111k vs 85k tokens/s at the reference shape (BENCHMARKS.md)
+            compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.runner = ModelRunner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
+                                  prefill_tokens=c.prefill_tokens)
+        self._pinned: list[torch.Tensor] = []
+
+    @staticmethod
+    def supports(model) -> bool:
+        """True for the models this engine runs (phaserl's CausalLM); others use generate()."""
+        return isinstance(model, CausalLM)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.output_weight.device
+
+    def wake(self) -> int:
+        """Allocate the KV cache (hybrid switch to rollout); returns the bytes allocated."""
+        return self.pool.wake()
+
+    def sleep(self) -> int:
+        """Free the KV cache and the captured graphs (hybrid switch to training); returns the KV bytes freed."""
+        self.runner.release()
+        return self.pool.sleep()
+
+    # ----- generate -------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, eos_token_ids: list[int],
+                 pad_token_id: int, batch_size: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 ignore_eos: bool = False, max_new_tokens: Optional[list[int]] = None) -> GenerationResult:
+        """Sample one response per prompt (repeat a prompt for n samples; repeats share their prefill).
+
+        batch_size: most sequences decoded together (None: config.max_slots). ignore_eos: EOS does not
+        stop a response (benchmarks; stop_token_ids still do). max_new_tokens: a per-prompt cap
+        <= params.max_new_tokens (benchmarks use it for long-tail lengths). pad_token_id is unused:
+        responses are returned unpadded.
+        """
+        weight = self.model.output_weight
+        if (weight.dtype, weight.device) != (self.pool.dtype, self.pool.device):
+            self.sleep()
+            self._build()  # the model moved or changed dtype since the pool was made
+        _check_prompts(prompts, weight.shape[0])
+        caps = self._caps(len(prompts), params, max_new_tokens)
+        slot_len = -(-(max(map(len, prompts)) + max(caps)) // SLOT_ROUNDING) * SLOT_ROUNDING
+        num_slots = min(batch_size or self.config.max_slots, self.config.max_slots, len(prompts))
+        fit = self.pool.slots_that_fit(slot_len)
+        if fit is not None and fit < 1:
+            raise ConfigError(f"the rollout KV cache holds {self.pool.capacity_tokens} tokens, less than one "
+                              f"sequence of {slot_len}; raise token_budget / memory_fraction")
+        num_slots = num_slots if fit is None else min(num_slots, fit)
+        stop_ids = sorted({*([] if ignore_eos else eos_token_ids), *params.stop_token_ids})
+        sequences = [Sequence(i, tuple(p), cap) for i, (p, cap) in enumerate(zip(prompts, caps))]
+        scheduler = Scheduler(sequences, num_slots, refill=self.config.refill, admit_threshold=num_slots // 16)
+        start, steps, finished = time.perf_counter(), 0, []
+        with torch.inference_mode(), _seeded(generator, self.device):
+            self.runner.begin(num_slots, slot_len, max(caps), params, stop_ids)
+            known = None  # the snapshot of the previous step, read after the next step is launched
+            while not scheduler.all_done:
+                groups = scheduler.admit()
+                if groups:
+                    self.runner.prefill([(prompt, [s.slot for s in seqs], [s.max_new_tokens for s in seqs])
+                                         for prompt, seqs in groups])
+                self._compact(scheduler)
+                self.runner.decode(self.runner.bucket_for(scheduler.span))
+                steps += 1
+                latest = self._snapshot(scheduler)
+                if known is not None:
+                    self._retire(known, scheduler, finished)
+                known = latest
+            result = self._result(len(prompts), finished, set(stop_ids))
+        self.last_stats = {"steps": steps, "seconds": time.perf_counter() - start, "slots": num_slots,
+                           "slot_len": self.runner.layout[1], "graphs": len(self.runner.graphs),
+                           "new_tokens": sum(map(len, result.response_ids))}
+        return result
+
+    @staticmethod
+    def _caps(n: int, params: SamplingParams, max_new_tokens: Optional[list[int]]) -> list[int]:
+        if max_new_tokens is None:
+            return [params.max_new_tokens] * n
+        if len(max_new_tokens) != n:
+            raise DataError(f"max_new_tokens has {len(max_new_tokens)} entries for {n} prompts")
+        bad = [c for c in max_new_tokens if not 1 <= c <= params.max_new_tokens]
+        if bad:
+            raise DataError(f"max_new_tokens entries {bad[:5]} are outside [1, {params.max_new_tokens}] "
+                            "(params.max_new_tokens)")
+        return list(max_new_tokens)
+
+    def _compact(self, scheduler: Scheduler) -> None:
+        if not scheduler.running:
+            return
+        target = self.runner.bucket_for(len(scheduler.running))
+        if self.runner.bucket_for(scheduler.span) > target:
+            self.runner.move(scheduler.compact(target))
+
+    def _snapshot(self, scheduler: Scheduler):
+        """The finished flags after the step just launched (copied without waiting) and who ran where."""
+        flags = self.runner.state.finished
+        if self.device.type != "cuda":
+            return flags.clone(), dict(scheduler.running), None
+        if not self._pinned or self._pinned[0].shape != flags.shape:
+            self._pinned = [torch.empty(flags.shape, dtype=torch.bool, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()  # double buffer: the other one still holds the previous step's flags
+        self._pinned[0].copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return self._pinned[0], dict(scheduler.running), event
+
+    def _retire(self, snapshot, scheduler: Scheduler, finished: list) -> None:
+        """Sequences the snapshot shows stopped: gather their outputs (on the device) and free their slots."""
+        flags, ran, event = snapshot
+        if event is not None:
+            event.synchronize()
+        flags = flags.tolist()
+        stopped = [seq for slot, seq in ran.items() if flags[slot] and not seq.done]
+        if stopped:
+            finished.append((stopped, *self.runner.collect([seq.slot for seq in stopped])))
+            for seq in stopped:
+                scheduler.finish(seq)
+
+    @staticmethod
+    def _result(n: int, finished: list, stop_ids: set[int]) -> GenerationResult:
+        result = GenerationResult([[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n)
+        if not finished:
+            return result
+        tokens = torch.cat([f[1] for f in finished]).tolist()
+        logprobs = torch.cat([f[2] for f in finished]).tolist()
+        lengths = torch.cat([f[3] for f in finished]).tolist()
+        seqs = [seq for f in finished for seq in f[0]]
+        for seq, toks, lps, length in zip(seqs, tokens, logprobs, lengths):
+            result.response_ids[seq.index] = toks[:length]
+            result.logprobs[seq.index] = lps[:length]
+            result.finish_reasons[seq.index] = "stop" if toks[length - 1] in stop_ids else "length"
+        return result

@@ -1,0 +1,178 @@
+"""KVPool: the rollout engine's preallocated key/value memory, carved into fixed-length slots.
+
+One flat buffer per pool holds the keys and values of every layer. A generate call asks for a layout
+(`num_slots` slots of `slot_len` positions each) and gets views into that buffer: slot s, position p
+holds the key/value of the token at RoPE position p of the sequence that owns slot s. Nothing is
+copied when the layout changes; only the views do.
+
+Size: an explicit token budget, or `memory_fraction` of the free accelerator memory at wake() time.
+On the CPU without a budget the buffer is sized on demand (exactly what a call needs).
+`sleep()` frees the buffer (the hybrid actor's switch to training), `wake()` allocates it again.
+Not here: which sequence owns which slot (scheduler.py), the math that fills the slots (runner.py).
+
+Legend: L layers, S slot_len, Hkv key/value heads, D head_dim.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from phaserl.errors import ConfigError
+from phaserl.models.config import DecoderConfig
+
+
+class KVPool:
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str, *,
+                 token_budget: Optional[int] = None, memory_fraction: float = 0.4):
+        if token_budget is not None and token_budget < 1:
+            raise ConfigError(f"KVPool token_budget={token_budget}: must be >= 1 (or None to size from memory)")
+        if not 0 < memory_fraction < 1:
+            raise ConfigError(f"KVPool memory_fraction={memory_fraction}: must be in (0, 1)")
+        self.num_layers, self.num_kv_heads, self.head_dim = (cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                             cfg.head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.token_budget, self.memory_fraction = token_budget, memory_fraction
+        self.buffer: Optional[torch.Tensor] = None  # [L, 2, capacity * Hkv * D]
+        self.capacity_tokens = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys + values of one token over all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def awake(self) -> bool:
+        return self.buffer is not None
+
+    @property
+    def allocated_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+    def _target_tokens(self) -> Optional[int]:
+        """How many tokens wake() allocates: the budget, a fraction of free memory, or None (CPU: on demand)."""
+        if self.token_budget is not None:
+            return self.token_budget
+        if self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            return int(free_bytes * self.memory_fraction) // self.bytes_per_token
+        return None
+
+    def _allocate(self, tokens: int) -> None:
+        self.buffer = None  # free the old buffer before taking the new one
+        per_token = self.num_kv_heads * self.head_dim
+        # Zeros, not empty: attention multiplies masked-out positions by 0, and 0 * NaN garbage is NaN.
+        self.buffer = torch.zeros(self.num_layers, 2, tokens * per_token, dtype=self.dtype, device=self.device)
+        self.capacity_tokens = tokens
+
+    def wake(self) -> int:
+        """Allocate the buffer (if sized up front); returns the bytes allocated by this call."""
+        if self.awake:
+            return 0
+        tokens = self._target_tokens()
+        if tokens is not None:
+            if tokens < 1:
+                raise ConfigError(f"KVPool: no room for a KV cache ({self.bytes_per_token} bytes per token, "
+                                  f"memory_fraction={self.memory_fraction}); free accelerator memory or set "
+                                  "rollout token_budget")
+            self._allocate(tokens)
+        return self.allocated_bytes
+
+    def sleep(self) -> int:
+        """Free the buffer; returns the bytes released. Views handed out earlier must be dropped too."""
+        freed = self.allocated_bytes
+        self.buffer, self.capacity_tokens = None, 0
+        return freed
+
+    def slots_that_fit(self, slot_len: int) -> Optional[int]:
+        """Slots of `slot_len` positions the buffer holds; None = unlimited (CPU, sized on demand)."""
+        if self.token_budget is None and self.device.type != "cuda":
+            return None
+        if not self.awake:
+            self.wake()
+        return self.capacity_tokens // slot_len
+
+    def layout(self, num_slots: int, slot_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer keys and values, each [num_slots, Hkv, S, D], viewing the buffer (grown on demand on CPU)."""
+        needed = num_slots * slot_len
+        if self.slots_that_fit(slot_len) is None:  # sized on demand
+            if not self.awake or needed > self.capacity_tokens:
+                self._allocate(needed)
+        elif needed > self.capacity_tokens:
+            raise ConfigError(f"KVPool holds {self.capacity_tokens} tokens but {num_slots} slots x {slot_len} "
+                              f"positions = {needed} were asked for; raise token_budget / memory_fraction or "
+                              "lower max_new_tokens")
+        shape = (num_slots, self.num_kv_heads, slot_len, self.head_dim)
+        used = self.buffer[:, :, :needed * self.num_kv_heads * self.head_dim]
+        kv = used.view(self.num_layers, 2, *shape)  # splits the contiguous last dim: a view, no copy
+        return [kv[i, 0] for i in range(self.num_layers)], [kv[i, 1] for i in range(self.num_layers)]
+
+    def slot_rows(self, num_slots: int, slot_len: int) -> torch.Tensor:
+        """All of the KV as [L, 2, num_slots, Hkv * S * D], for moving whole slots with one index copy."""
+        used = self.buffer[:, :, :num_slots * slot_len * self.num_kv_heads * self.head_dim]
+        return used.view(self.num_layers, 2, num_slots, -1)
+
+
+STOP_WIDTH = 32  # stop-token ids one call may use; fixed so that captured graphs keep their shapes
+
+
+class SlotState:
+    """The decode state of every slot, on the device next to the KV: what the next step feeds and records.
+
+    A slot is `finished` when it holds no running sequence or its sequence has stopped; a finished
+    slot's step changes nothing but its own trash column and its KV at its frozen position.
+    """
+
+    def __init__(self, num_slots: int, max_new: int, device: torch.device):
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        self.tokens = zeros(num_slots)                 # [slots] the token the next step feeds
+        self.pos = zeros(num_slots)                    # [slots] its RoPE position = its KV position
+        self.n_gen = zeros(num_slots)                  # [slots] tokens generated so far
+        self.max_new = zeros(num_slots)                # [slots] this sequence's cap
+        self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)  # [slots]
+        self.out_tokens = zeros(num_slots, max_new + 1)  # [slots, N + 1]; column N is a trash column
+        self.out_logprobs = zeros(num_slots, max_new + 1, dtype=torch.float32)
+        self.stop_ids = torch.full((STOP_WIDTH,), -1, dtype=torch.long, device=device)  # -1 never matches
+        self.max_new_tokens = max_new
+
+    def reset(self, stop_ids: list[int]) -> None:
+        if len(stop_ids) > STOP_WIDTH:
+            raise ConfigError(f"{len(stop_ids)} EOS/stop token ids given; the rollout engine supports at most "
+                              f"{STOP_WIDTH}")
+        self.finished.fill_(True)
+        self.pos.zero_()
+        self.stop_ids.fill_(-1)
+        if stop_ids:
+            self.stop_ids[:len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
+
+    def is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens[:, None] == self.stop_ids[None, :]).any(-1)  # [b]
+
+    def start(self, slots: torch.Tensor, first: torch.Tensor, logprobs: torch.Tensor, prompt_lens: torch.Tensor,
+              caps: torch.Tensor) -> None:
+        """Sequences enter `slots` [A] with their first sampled token; the prompt KV is already in place."""
+        self.tokens[slots], self.pos[slots] = first, prompt_lens
+        self.n_gen[slots], self.max_new[slots] = 1, caps
+        self.out_tokens[slots, 0], self.out_logprobs[slots, 0] = first, logprobs
+        self.finished[slots] = self.is_stop(first) | (caps <= 1)
+
+    def record(self, b: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """After a decode step over slots [0, b): store each running slot's token, stop it or move it on."""
+        active = ~self.finished[:b]  # [b]
+        n_gen = self.n_gen[:b]
+        column = torch.where(active, n_gen, self.max_new_tokens)[:, None]  # [b, 1], trash column when idle
+        self.out_tokens[:b].scatter_(1, column, tokens[:, None])
+        self.out_logprobs[:b].scatter_(1, column, logprobs[:, None])
+        n_gen += active
+        stop = active & (self.is_stop(tokens) | (n_gen >= self.max_new[:b]))
+        self.finished[:b] |= stop
+        self.tokens[:b] = torch.where(active, tokens, self.tokens[:b])
+        self.pos[:b] += active & ~stop
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for t in (self.tokens, self.pos, self.n_gen, self.max_new, self.finished, self.out_tokens,
+                  self.out_logprobs):
+            t[dst] = t[src]
+        self.finished[src] = True
