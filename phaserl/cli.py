@@ -12,10 +12,12 @@ import time
 
 log = logging.getLogger("phaserl")
 
-DELEGATED = {"export": ("phaserl.checkpoint", "cli_export"), "report": ("phaserl.report", "cli_report")}
+QUICKSTART_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "world", "quickstart.yaml")
+
+DELEGATED = {"export": ("phaserl.checkpoint", "cli_export"), "report": ("phaserl.report", "cli_report"),
+             "train-rm": ("phaserl.rm", "cli_train_rm")}
 
 NOT_YET = {
-    "train-rm": "train a reward model on preference pairs (issue: reward models end to end)",
 }
 
 
@@ -77,16 +79,17 @@ def cmd_train(args) -> int:
 def cmd_quickstart(args) -> int:
     from .config import dump_yaml, load_config
     from .trainer import RLTrainer
-    from .world import QUICKSTART_CONFIG, prepare_tiny_world
+    from .world import prepare_tiny_world
 
     t0 = time.perf_counter()
     prepare_tiny_world()
     out = args.out
     overrides = [f"trainer.log_dir={out}", f"trainer.checkpoint_path={os.path.join(out, 'checkpoints')}",
                  f"trainer.device={args.device}", *args.overrides]
-    cfg = load_config(QUICKSTART_CONFIG, overrides)
-    if os.path.exists(os.path.join(out, "metrics.jsonl")) and not args.overrides:
-        log.info(f"{out} holds an earlier quickstart run; its metrics.jsonl gets appended to")
+    cfg = load_config(QUICKSTART_CONFIG, overrides)  # the tiny world's recipe, then the user's overrides
+    if os.path.isdir(cfg.trainer.checkpoint_path):
+        log.info(f"{out} holds an earlier quickstart run: it resumes from its newest checkpoint "
+                 "(pass a new --out to train again from the start)")
     os.makedirs(out, exist_ok=True)
     dump_yaml(cfg, os.path.join(out, "config.yaml"))
     log.info(f"phaserl quickstart: GRPO on the built-in tiny arithmetic task, {cfg.trainer.total_steps} steps "
@@ -157,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", add_help=False, help="plot a run's metrics.jsonl to report.png")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=lambda a: _delegate(*DELEGATED["report"], a.args))
+
+    m = sub.add_parser("train-rm", add_help=False, help="train a reward model (Bradley–Terry) on preference pairs")
+    m.add_argument("args", nargs=argparse.REMAINDER)
+    m.set_defaults(fn=lambda a: _delegate(*DELEGATED["train-rm"], a.args))
 
     s = sub.add_parser("sft", help="rebuild the tiny world's warm-started model (supervised) from scratch")
     s.set_defaults(fn=cmd_sft)

@@ -16,6 +16,9 @@ FORBIDDEN = {
     "config": {"roles", "trainer", "cli", "models", "rollout", "data"},
     "rewards": {"trainer", "cli"},
     "roles": {"trainer", "cli"},
+    "rm": {"trainer", "cli"},
+    "doctor": {"cli"},
+    "checkpoint": {"cli", "doctor"},
 }
 MAX_LINES = 600
 

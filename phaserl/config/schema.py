@@ -148,6 +148,9 @@ class ActorConfig:
 class CriticConfig:
     enable: Optional[bool] = spec(None, "train a value model (null = only when algorithm.adv_estimator is gae)")
     path: Optional[str] = spec(None, "critic init directory (null = model.path, with a fresh value head)")
+    init_from: str = spec("policy", "critic start: policy (critic.path or model.path, zero value head) or "
+                                    "reward_model (critic.path or reward_model.path, the RM's trained head)",
+                          choices=["policy", "reward_model"])
     optim: OptimConfig = spec(None, "optimizer", factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = spec(0.5, "value clipping around the old values", min=0.0)
     loss_coef: float = spec(0.5, "value loss coefficient", min=0.0)

@@ -15,8 +15,9 @@ from ..algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdaptiveKLController, Fi
 from ..config import Config, check_context_length, derive, load_config, to_dict
 from ..data import build_prompt_dataset, load_prompt_rows
 from ..metrics import MetricsLogger
-from ..models import ValueModel, load_pretrained, load_tokenizer
+from ..models import load_pretrained, load_tokenizer
 from ..rewards import RuleRewards
+from ..rm import resolve_reward_model_path
 from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
 from ..roles.actor import PolicyLossSettings
 from ..roles.optim import OptimSettings
@@ -102,7 +103,7 @@ def build_reward_sources(cfg: Config, device) -> RewardSources:
     if cfg.reward_model.enable:
         rc = cfg.reward_model
         rm = RewardModelWrapper.from_pretrained(
-            rc.path, tokenizer_path=rc.tokenizer_path, apply_chat_template=rc.apply_chat_template,
+            resolve_reward_model_path(rc.path), tokenizer_path=rc.tokenizer_path, apply_chat_template=rc.apply_chat_template,
             chat_template=rc.chat_template, response_key=rc.response_key, max_length=rc.max_length,
             truncation=rc.truncation, truncation_side=rc.truncation_side, batch_size=rc.batch_size, device=device)
     return RewardSources(rules=rules, reward_model=rm, reward_model_weight=cfg.reward.reward_model_weight)
