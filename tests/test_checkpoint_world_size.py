@@ -2,7 +2,6 @@
 sharded with FSDP2 (`fully_shard`), and what those 2 ranks save resumes (and exports) in one process.
 torch.distributed.checkpoint does the resharding; these tests check the numbers survive it exactly."""
 import os
-import socket
 from types import SimpleNamespace
 
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 from phaserl.checkpoint import Checkpointer, TrainingState, export_checkpoint
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.roles.optim import Optimizer, OptimSettings
+from _multiproc import free_port, start_method
 
 
 def _role():
@@ -89,15 +89,6 @@ def _sharded_ranks(rank: int, world: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _start_method() -> str:
-    # fork skips re-importing torch in the children (seconds each); it is unsafe once CUDA is initialized
-    return "spawn" if torch.cuda.is_initialized() else "fork"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_one_process_to_two_sharded_ranks_and_back(tmp_path):
@@ -110,7 +101,7 @@ def test_one_process_to_two_sharded_ranks_and_back(tmp_path):
     torch.save(_snapshot(role, generator), os.path.join(root, "saved_by_1.pt"))
 
     # 2 FSDP2 ranks: resume step 1 (checked inside), one more step, save step 2
-    mp.start_processes(_sharded_ranks, args=(2, _free_port(), root), nprocs=2, join=True, start_method=_start_method())
+    mp.start_processes(_sharded_ranks, args=(2, free_port(), root), nprocs=2, join=True, start_method=start_method())
     meta = os.path.join(root, "ckpt", "step_2", "metadata.json")
     assert '"world_size": 2' in open(meta).read()
     assert sorted(os.listdir(os.path.join(root, "ckpt", "step_2", "rng"))) == ["rank_0.pt", "rank_1.pt"]

@@ -6,12 +6,12 @@ Each scenario is one real `RLTrainer.train_step()` (rollout, score, forward pass
 over 2 mini-batches) built from tests/_tiny_run.py.
 """
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
+from _multiproc import free_port, start_method
 
 GRPO = ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1",
         "ref.fsdp.sharding_strategy=NO_SHARD", "actor.gradient_checkpointing=true"]
@@ -150,11 +150,6 @@ def _overrides(root: str, name: str, tag: str) -> list:
     return files + COMMON + [f"trainer.log_dir={run}/logs", f"trainer.checkpoint_path={run}/ckpt"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -171,7 +166,7 @@ def runs(tmp_path_factory):
     with open(os.path.join(root, "overrides.txt"), "w") as f:
         f.write("\n".join(overrides + [f"reward.functions=[{{name: '{reward}:spread'}}]"]) + "\n")
     t0 = time.monotonic()
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), root), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(2, free_port(), root), nprocs=2, join=False, start_method="spawn")
     try:
         single = {name: _one_step(_overrides(root, name, "ranks1") + extra) for name, extra in SCENARIOS.items()}
         while not ctx.join(timeout=5):

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from _tiny_run import make_run_dir
 from phaserl.errors import PreflightError
+from _multiproc import free_port, start_method
 
 
 def _ranks(rank: int, world: int, port: int, root: str) -> None:
@@ -47,20 +48,11 @@ def _ranks(rank: int, world: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _start_method() -> str:
-    # fork skips re-importing torch in the children (seconds each); it is unsafe once CUDA is initialized
-    return "spawn" if torch.cuda.is_initialized() else "fork"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_node_local_paths_stop_every_rank_before_training(tmp_path):
     root = str(tmp_path)
-    mp.start_processes(_ranks, args=(2, _free_port(), root), nprocs=2, join=True, start_method=_start_method())
+    mp.start_processes(_ranks, args=(2, free_port(), root), nprocs=2, join=True, start_method=start_method())
     results = [json.load(open(tmp_path / f"results_{r}.json")) for r in range(2)]
     host = socket.gethostname()
 
