@@ -123,7 +123,7 @@ class RLTrainer:
                     values = self.critic.compute_values(batch, token_budget=run.forward_tokens)
             # 5. advantages (KL in the reward, when chosen)
             with clock("advantage"):
-                advantages, returns, token_rewards, _ = compute_advantages(
+                advantages, returns, _, _ = compute_advantages(
                     batch, scores.total, run.advantage, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores)
                 cause = nonfinite_advantage_cause(advantages, scores.total, values)
@@ -175,8 +175,8 @@ class RLTrainer:
                 shares = [key for key in stats if not key.endswith(("/grad_norm", "/lr"))]  # those two are global
                 stats.update(zip(shares, all_reduce_sum(torch.tensor([stats[key] for key in shares],
                                                                      dtype=torch.float64)).tolist()))
-                for k, v in stats.items():
-                    sums[k] += v
+                for key, value in stats.items():
+                    sums[key] += value
                 count += 1
                 run.guard.check_update(stats, self.step_num)
         return {k: v / count for k, v in sums.items()}
