@@ -45,9 +45,9 @@ class Optimizer:
     def step(self) -> float:
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        if torch.isfinite(grad_norm):
+        if torch.isfinite(grad_norm):  # a skipped update does not advance the schedule either
             self.opt.step()
-        self.sched.step()
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return float(grad_norm)
 
