@@ -2,8 +2,9 @@
 
 A micro-batch is a set of rows whose padded size (rows × widest row) stays under a token budget, so
 one setting serves short and long responses alike. Rows keep their order; the budget counts the
-tokens a forward pass actually sees after `trim_padding`. Packing without padding (varlen
-attention) is a later step; the interface (index lists in, index lists out) stays the same.
+tokens a forward pass actually sees after `trim_padding`. With `ppo.packing: true` the rows are
+instead concatenated without padding (`phaserl.packing`), behind the same interface: index lists
+in, index lists out.
 """
 from __future__ import annotations
 

@@ -172,6 +172,7 @@ class PPOConfig:
     epochs: int = spec(1, "passes over one RL step's responses", min=1)
     micro_batch_tokens: int = spec(16384, "tokens per training micro-batch, per rank (forward+backward)", min=1)
     forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
+    packing: bool = spec(False, "pack micro-batches without padding (budgets count real tokens; our decoder only)")
 
 
 @dataclass

@@ -175,13 +175,18 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H].
 
         attention_mask [B, T]: 1 = real token, 0 = padding (either side). position_ids [B, T]: when None,
         each real token's position is the number of real tokens before it in its row (cache included).
         With `kv_cache`, the T tokens are appended after the cached prefix and the cache advances by T.
+        seq_ids [B, T] (packed rows, phaserl.packing): token i sees token j only when their ids are equal
+        (and j <= i); needs explicit position_ids and no cache.
         """
+        if seq_ids is not None and (kv_cache is not None or position_ids is None):
+            raise ValueError("DecoderModel.forward(seq_ids=...) packs sequences for a cache-free forward: "
+                             "pass each sequence's position_ids and no kv_cache")
         B, T = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
@@ -191,6 +196,8 @@ class DecoderModel(nn.Module):
             before = key_valid[:, :start].sum(-1, keepdim=True)  # [B, 1] real tokens already cached
             position_ids = (before + attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
         mask = build_attention_mask(key_valid, start, T)  # [B, 1, T, S]
+        if seq_ids is not None:  # block-diagonal: packed sequences never see each other
+            mask = mask & (seq_ids[:, :, None] == seq_ids[:, None, :])[:, None]  # [B, 1, T, T]
 
         h = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary_emb(position_ids, h.dtype)  # [B, T, D]
@@ -244,6 +251,6 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids [B, T] -> hidden [B, T, H]; see DecoderModel.forward for the arguments."""
-        return self.model(input_ids, position_ids, attention_mask, kv_cache)
+        return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids)

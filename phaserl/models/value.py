@@ -35,7 +35,9 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        """input_ids [B, T] -> values [B, T] float32 (one per token: the value of the prefix ending there)."""
-        hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)  # [B, T, H]
+                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids [B, T] -> values [B, T] float32 (one per token: the value of the prefix ending there).
+
+        seq_ids [B, T]: packed sequences (see DecoderModel.forward)."""
+        hidden = self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids)  # [B, T, H]
         return self.score(hidden).squeeze(-1).float()  # [B, T]

@@ -18,11 +18,10 @@ import torch
 
 from ..algo import aggregate, kl_penalty
 from ..batch import TrainBatch
-from ..batching import split_by_tokens, trim_padding
 from ..errors import ConfigError
 from ..parallel import gather_full_params, reshard_params
 from ..rollout import GenerationResult, RolloutEngine, SamplingParams, generate
-from .forward import batch_logprobs, micro_logprobs
+from .forward import batch_logprobs, rows_logprobs, split_rows
 from .models import as_causal_lm
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
@@ -58,6 +57,7 @@ class HybridActor:
         self.mode = "training"
         self.last_switch: dict = {}
         self.engine: Optional[RolloutEngine] = None  # fast rollout for our CausalLM, made on first rollout
+        self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
 
     @property
     def device(self) -> torch.device:
@@ -130,7 +130,8 @@ class HybridActor:
         was_training = self.model.training
         self.model.eval()
         try:
-            return batch_logprobs(self.model, batch, temperature=self.loss.temperature, token_budget=token_budget)
+            return batch_logprobs(self.model, batch, temperature=self.loss.temperature, token_budget=token_budget,
+                                  packing=self.packing)
         finally:
             self.model.train(was_training)
 
@@ -144,13 +145,12 @@ class HybridActor:
         max_len = mb.rollout.response_mask.shape[1]
         stats = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0,
                  "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
-        for idx in split_by_tokens(mb.rollout, token_budget):
+        for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
             micro = mb.select(idx)
-            rb = trim_padding(micro.rollout)
-            R = rb.response_mask.shape[1]
-            mask = rb.response_mask.float()                                   # [b, R]
-            logp, ent = micro_logprobs(self.model, rb, temperature=s.temperature,
-                                       with_entropy=True)
+            logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
+                                                 temperature=s.temperature, with_entropy=True)  # [b, R] each
+            R = resp_mask.shape[1]
+            mask = resp_mask.float()                                          # [b, R]
             old = micro.old_logprobs[:, :R]
             adv = micro.advantages[:, :R]
             pg_mat, pg_stats = s.loss_fn(logp, old, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high,

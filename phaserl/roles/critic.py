@@ -7,9 +7,8 @@ import torch
 
 from ..algo import aggregate, clipped_value_loss
 from ..batch import TrainBatch
-from ..batching import split_by_tokens, trim_padding
 from ..errors import ConfigError
-from .forward import batch_values, micro_values
+from .forward import batch_values, rows_values, split_rows
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, reject_hybrid_config
 
@@ -26,6 +25,7 @@ class Critic:
         self.optimizer: Optional[Optimizer] = None
         self.cliprange_value = 0.5
         self.loss_coef = 0.5
+        self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
 
     def setup_training(self, optim: OptimSettings, *, cliprange_value: float, loss_coef: float) -> None:
         self.optimizer = Optimizer(self.model.parameters(), optim)
@@ -37,7 +37,7 @@ class Critic:
         was_training = self.model.training
         self.model.eval()
         try:
-            return batch_values(self.model, batch, token_budget=token_budget)
+            return batch_values(self.model, batch, token_budget=token_budget, packing=self.packing)
         finally:
             self.model.train(was_training)
 
@@ -46,12 +46,11 @@ class Critic:
         if self.optimizer is None:
             raise ConfigError("Critic.setup_training(...) must be called before update (RLTrainer does it)")
         stats = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0}
-        for idx in split_by_tokens(mb.rollout, token_budget):
+        for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
             micro = mb.select(idx)
-            rb = trim_padding(micro.rollout)
-            R = rb.response_mask.shape[1]
-            mask = rb.response_mask.float()                               # [b, R]
-            values = micro_values(self.model, rb)                          # [b, R]
+            values, resp_mask = rows_values(self.model, mb.rollout, idx, packing=self.packing)  # [b, R] each
+            R = resp_mask.shape[1]
+            mask = resp_mask.float()                                      # [b, R]
             vf_mat, vf_stats = clipped_value_loss(values, micro.old_values[:, :R], micro.returns[:, :R], mask,
                                                   clip_range=self.cliprange_value)
             vf_loss = aggregate(vf_mat, mask, "token-mean", global_tokens=global_tokens, global_seqs=global_seqs)

@@ -3,6 +3,9 @@
 Every role runs the same model code; this module turns a `RolloutBatch` into response-aligned
 tensors [B, R] micro-batch by micro-batch. Only the real response tokens are projected onto the
 vocabulary (in chunks, by `algo.token_logprobs_from_hidden`), so padding costs no vocab matmul.
+With `packing=True` (ppo.packing) a micro-batch is its rows' real tokens in one sequence
+(phaserl.packing) with a block-diagonal mask; results are the same [b, R] tensors, padding-free.
+Legend: b rows of a micro-batch, R its longest response, M its real response tokens.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import torch
 from ..algo import token_logprobs_from_hidden
 from ..batch import RolloutBatch
 from ..batching import pad_response_tensor, split_by_tokens, trim_padding
+from ..models import CausalLM, ValueModel
+from ..packing import Packed, pack_rows, split_packed_by_tokens
 
 
 def response_hidden(model, mb: RolloutBatch) -> torch.Tensor:
@@ -40,13 +45,13 @@ def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy:
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: RolloutBatch, *, temperature: float, token_budget: int) -> torch.Tensor:
+def batch_logprobs(model, batch: RolloutBatch, *, temperature: float, token_budget: int,
+                   packing: bool = False) -> torch.Tensor:
     """Forward-only log-probs of every response token of `batch`.  [B, R] float32"""
     R = batch.response_mask.shape[1]
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
-    for idx in split_by_tokens(batch, token_budget):
-        mb = trim_padding(batch.select(idx))
-        logp, _ = micro_logprobs(model, mb, temperature=temperature, with_entropy=False)
+    for idx in split_rows(batch, token_budget, packing=packing):
+        logp, _, _ = rows_logprobs(model, batch, idx, packing=packing, temperature=temperature, with_entropy=False)
         out[idx] = pad_response_tensor(logp, R)
     return out
 
@@ -59,10 +64,61 @@ def micro_values(value_model, mb: RolloutBatch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batch_values(value_model, batch: RolloutBatch, *, token_budget: int) -> torch.Tensor:
+def batch_values(value_model, batch: RolloutBatch, *, token_budget: int, packing: bool = False) -> torch.Tensor:
     """Forward-only values for every response token of `batch`.  [B, R] float32"""
     R = batch.response_mask.shape[1]
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
-    for idx in split_by_tokens(batch, token_budget):
-        out[idx] = pad_response_tensor(micro_values(value_model, trim_padding(batch.select(idx))), R)
+    for idx in split_rows(batch, token_budget, packing=packing):
+        values, _ = rows_values(value_model, batch, idx, packing=packing)
+        out[idx] = pad_response_tensor(values, R)
     return out
+
+
+# ----- packed micro-batches -------------------------------------------------------------------
+def supports_packing(model) -> bool:
+    """Only our decoder takes `seq_ids=`; transformers models go through the padded path."""
+    return isinstance(model, (CausalLM, ValueModel))
+
+
+def split_rows(batch: RolloutBatch, token_budget: int, *, packing: bool) -> list[torch.Tensor]:
+    """Micro-batch row groups: by real tokens when packing, by trimmed padded size otherwise."""
+    return split_packed_by_tokens(batch, token_budget) if packing else split_by_tokens(batch, token_budget)
+
+
+def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool,
+                          chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each."""
+    hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids)  # [1, N, H]
+    logp, ent = token_logprobs_from_hidden(
+        hidden[0, packed.predict_index], model.output_weight, packed.target_ids, temperature=temperature,
+        chunk_size=chunk_size, with_entropy=with_entropy)  # [M], [M]
+    entropy = packed.unpack(ent.float()) if with_entropy else None
+    return packed.unpack(logp.float()), entropy
+
+
+def packed_micro_values(value_model, packed: Packed) -> torch.Tensor:
+    """Critic values at the positions that predict each response token of one packed micro-batch.  [b, R]"""
+    values = value_model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids)  # [1, N]
+    return packed.unpack(values[0, packed.predict_index].float())
+
+
+def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: bool, temperature: float,
+                  with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each."""
+    if packing:
+        packed = pack_rows(batch, idx)
+        logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy)
+        return logp, ent, packed.response_mask
+    mb = trim_padding(batch.select(idx))
+    logp, ent = micro_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy)
+    return logp, ent, mb.response_mask.bool()
+
+
+def rows_values(value_model, batch: RolloutBatch, idx: torch.Tensor, *,
+                packing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values and response mask of rows `idx`, packed or trimmed.  [b, R] each."""
+    if packing:
+        packed = pack_rows(batch, idx)
+        return packed_micro_values(value_model, packed), packed.response_mask
+    mb = trim_padding(batch.select(idx))
+    return micro_values(value_model, mb), mb.response_mask.bool()

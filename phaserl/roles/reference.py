@@ -23,6 +23,7 @@ class ReferencePolicy:
         self.model.requires_grad_(False)
         self.model.eval()
         self.fsdp = FSDPSettings.from_any(fsdp_config, role="ref")
+        self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
 
     def check_frozen(self) -> None:
         trainable = [name for name, p in self.model.named_parameters() if p.requires_grad]
@@ -51,5 +52,6 @@ class ReferencePolicy:
         """Reference log-probs of the responses.  [B, R]"""
         self.check_frozen()
         with torch.inference_mode():
-            logprobs = batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget)
+            logprobs = batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget,
+                                      packing=self.packing)
         return logprobs.clone()  # a normal tensor: inference tensors cannot be saved for the actor's backward

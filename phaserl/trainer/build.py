@@ -163,6 +163,7 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
 
         raise ConfigError("algorithm.adv_estimator=gae needs a critic: pass critic=Critic(...) or set critic.enable=true")
     model_gradient_checkpointing(actor.model, a.gradient_checkpointing)
+    set_packing([actor, trainer.critic, trainer.ref_policy], cfg.ppo.packing)
     kl_ctl = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_target is not None
               else FixedKLController(alg.kl_coef))
     train_ds = _prompt_dataset(cfg, cfg.data.train_files, "train", tokenizer)
@@ -237,6 +238,19 @@ def _eos_ids(tokenizer, model) -> list:
 
         raise ConfigError("neither the tokenizer nor the model config defines an EOS token; responses would never stop")
     return ids
+
+
+def set_packing(roles: list, enabled: bool) -> None:
+    """ppo.packing on each role whose model is our decoder; a warning for any other (it stays padded)."""
+    from ..roles.forward import supports_packing
+
+    for role in roles:
+        if role is None:
+            continue
+        role.packing = enabled and supports_packing(role.model)
+        if enabled and not role.packing:
+            log.warning(f"ppo.packing=true is ignored for the {role.role}: its model "
+                        f"({type(role.model).__name__}) is not phaserl's decoder, so it runs padded micro-batches")
 
 
 def model_gradient_checkpointing(model, enabled: bool) -> None:
