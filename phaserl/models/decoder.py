@@ -167,7 +167,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit weight skips Embedding's own normal_ init (init_weights does it): on the meta device
+        # normal_ imports torch._dynamo, seconds of start-up for every model load.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
@@ -215,6 +218,8 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
     """Random init for models trained from scratch: normal(0, std) weights, zero biases, unit norms."""
     with torch.no_grad():
         for m in module.modules():
+            if any(p.is_meta for p in m.parameters(recurse=False)):
+                continue  # built on meta to be filled from a checkpoint: nothing to initialize
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=std)
                 if getattr(m, "bias", None) is not None:

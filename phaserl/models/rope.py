@@ -22,7 +22,8 @@ from phaserl.models.config import DecoderConfig
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [D/2]
+    # On the CPU even inside a meta-device context: frequencies are tiny, and meta ops import torch._dynamo.
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))  # [D/2]
 
 
 def default_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
@@ -80,7 +81,7 @@ def yarn_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)  # [D/2]
     extrapolate = 1 - ramp  # 1 for high-frequency dims (kept), 0 for low-frequency dims (interpolated)
     base = _default_inv_freq(theta, dim)
     inv_freq = (base / factor) * (1 - extrapolate) + base * extrapolate
