@@ -40,6 +40,7 @@ class PolicyLossSettings:
     kl_loss_coef: float               # 0 unless algorithm.kl_placement == "loss"
     kl_estimator: str
     temperature: float                # the rollout temperature: log-probs are of the sampled distribution
+    norm_len: int                     # seq-mean-token-sum-norm's constant length (rollout.max_new_tokens)
 
 
 class HybridActor:
@@ -142,7 +143,7 @@ class HybridActor:
         if self.optimizer is None:
             raise ConfigError("HybridActor.setup_training(...) must be called before update (RLTrainer does it)")
         s = self.loss
-        max_len = mb.rollout.response_mask.shape[1]
+        max_len = s.norm_len  # a constant, so Dr.GRPO's normalization is the same in every mini-batch and rank
         stats = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0,
                  "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):

@@ -154,7 +154,7 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
         PolicyLossSettings(loss_fn=POLICY_LOSSES[a.policy_loss], clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
                            dual_clip_c=a.dual_clip_c, agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef,
                            kl_loss_coef=alg.kl_coef if alg.kl_placement == "loss" and trainer.ref_policy else 0.0,
-                           kl_estimator=alg.kl_estimator, temperature=temperature))
+                           kl_estimator=alg.kl_estimator, temperature=temperature, norm_len=r.max_new_tokens))
     if trainer.critic is not None:
         trainer.critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
                                       cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef)
