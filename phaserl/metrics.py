@@ -40,10 +40,6 @@ class MetricsLogger:
         os.makedirs(log_dir, exist_ok=True)
         if "jsonl" in self.loggers:
             self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=log_dir)
         if "wandb" in self.loggers:
             self._wandb = _start_wandb(run_name, config)
 
@@ -54,6 +50,12 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        if self._tb is None and "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Opened at the first logged step: events a killed run wrote from this step on are purged,
+            # so a resumed run's curves match metrics.jsonl (which the resume cut the same way).
+            self._tb = SummaryWriter(log_dir=self.log_dir, purge_step=step)
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

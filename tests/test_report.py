@@ -90,3 +90,23 @@ def test_a_run_writes_jsonl_tensorboard_and_the_report_named_last(tmp_path, capl
     last = caplog.records[-1].getMessage()
     assert last.startswith("phaserl: done at step 2") and f"report {logs / 'report.png'}" in last
     assert f"checkpoint {tmp_path / 'ckpt' / 'step_2'}" in last
+
+
+def test_tensorboard_curves_after_a_resume_hold_only_the_resumed_runs_values(tmp_path):
+    """A killed run's events from the resume step on are purged, like its metrics.jsonl lines."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from phaserl.metrics import MetricsLogger
+
+    first = MetricsLogger(str(tmp_path), ["tensorboard"])
+    for step in range(4):
+        first.log(step, {"train/reward_mean": float(step)})
+    first.close()
+    resumed = MetricsLogger(str(tmp_path), ["tensorboard"])  # resumed from a checkpoint at step 1
+    for step in (2, 3):
+        resumed.log(step, {"train/reward_mean": 10.0 + step})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    curve = [(e.step, e.value) for e in acc.Scalars("train/reward_mean")]
+    assert curve == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
