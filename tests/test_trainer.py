@@ -67,3 +67,22 @@ def test_gspo_and_dual_clip_settings_run(tmp_path):
     _, lines = _run(tmp_path, "actor.policy_loss=gspo", "actor.clip_ratio_low=0.0003", "actor.clip_ratio_high=0.0004",
                     "actor.loss_agg_mode=seq-mean-token-mean")
     assert lines[-1]["step"] == 2
+
+
+def test_rollout_engine_setting_picks_the_generation_path(tmp_path):
+    """rollout.engine: auto uses the builtin engine for our decoder; hf uses plain generate (no engine)."""
+    auto, _ = _run(tmp_path / "auto", "trainer.total_steps=1")
+    assert auto.actor.engine is not None
+    hf, _ = _run(tmp_path / "hf", "trainer.total_steps=1", "rollout.engine=hf")
+    assert hf.actor.engine is None
+
+
+def test_builtin_engine_on_a_transformers_model_is_a_config_error(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from phaserl import ConfigError, HybridActor
+
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + ["rollout.engine=builtin"])
+    actor = HybridActor(model=AutoModelForCausalLM.from_pretrained(cfg.model.path))
+    with pytest.raises(ConfigError, match="rollout.engine=builtin"):
+        RLTrainer(actor=actor, config=cfg)

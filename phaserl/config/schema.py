@@ -54,6 +54,12 @@ class RolloutConfig:
     top_k: int = spec(0, "sample among the k most likely tokens (0 = off)", min=0)
     engine: str = spec("auto", "rollout engine: builtin (our KV-cache engine), hf (transformers generate), auto",
                         choices=["auto", "builtin", "hf"])
+    engine_max_slots: int = spec(512, "builtin engine: most sequences decoded together, per rank", min=1)
+    engine_memory_fraction: float = spec(0.4, "builtin engine: share of free GPU memory for its KV cache at each "
+                                              "switch to rollout mode", min=0.01, max=0.95)
+    engine_cuda_graphs: bool = spec(True, "builtin engine: capture decode steps in CUDA graphs (GPU only)")
+    engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = on CUDA when "
+                                                "Triton is installed; the first rollout then pays ~40 s)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
 

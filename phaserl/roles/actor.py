@@ -20,7 +20,7 @@ from ..algo import aggregate, kl_penalty
 from ..batch import TrainBatch
 from ..errors import ConfigError
 from ..parallel import gather_full_params, reshard_params
-from ..rollout import GenerationResult, RolloutEngine, SamplingParams, generate
+from ..rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
 from .forward import batch_logprobs, rows_logprobs, split_rows
 from .models import as_causal_lm
 from .optim import Optimizer, OptimSettings
@@ -58,6 +58,8 @@ class HybridActor:
         self.mode = "training"
         self.last_switch: dict = {}
         self.engine: Optional[RolloutEngine] = None  # fast rollout for our CausalLM, made on first rollout
+        self.engine_kind = "auto"                     # auto | builtin | hf (rollout.engine)
+        self.engine_config: Optional[EngineConfig] = None
         self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
 
     @property
@@ -98,8 +100,7 @@ class HybridActor:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         if target == "rollout":  # after empty_cache, so the KV cache is sized from truly free memory
-            if self.engine is None and RolloutEngine.supports(self.model):
-                self.engine = RolloutEngine(self.model)
+            self._ensure_engine()
             kv_bytes = self.engine.wake() if self.engine is not None else 0
         self.mode = target
         after = device_memory_gb(self.device)
@@ -117,13 +118,25 @@ class HybridActor:
                  batch_size: int, generator: Optional[torch.Generator] = None) -> GenerationResult:
         if self.mode != "rollout" and self.hybrid.enable_rollout_optimization_switch:
             raise RuntimeError("HybridActor.generate called in training mode: wrap it in `with actor.rollout_mode():`")
-        if self.engine is None and RolloutEngine.supports(self.model):
-            self.engine = RolloutEngine(self.model)
+        self._ensure_engine()
         if self.engine is not None:  # our CausalLM: the fast engine; batch_size = sequences decoded together
             return self.engine.generate(prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                         batch_size=batch_size, generator=generator)
         return generate(self.model, prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                         batch_size=batch_size, generator=generator)
+
+    def configure_rollout(self, kind: str, engine_config: Optional[EngineConfig] = None) -> None:
+        """rollout.engine: `builtin` (our engine; an error for models it cannot run), `hf` (plain
+        generate), `auto` (the engine when the model supports it)."""
+        if kind == "builtin" and not RolloutEngine.supports(self.model):
+            raise ConfigError(f"rollout.engine=builtin, but the builtin engine runs only phaserl's Llama/Qwen "
+                              f"decoder and this actor's model is {type(self.model).__name__}; use "
+                              "rollout.engine=auto or hf")
+        self.engine_kind, self.engine_config = kind, engine_config
+
+    def _ensure_engine(self) -> None:
+        if self.engine is None and self.engine_kind != "hf" and RolloutEngine.supports(self.model):
+            self.engine = RolloutEngine(self.model, self.engine_config)
 
     # ----- forward-only -----------------------------------------------------------------------
     def compute_logprobs(self, batch, *, token_budget: int) -> torch.Tensor:

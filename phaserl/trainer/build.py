@@ -21,7 +21,7 @@ from ..rm import resolve_reward_model_path
 from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
 from ..roles.actor import PolicyLossSettings
 from ..roles.optim import OptimSettings
-from ..rollout import SamplingParams
+from ..rollout import EngineConfig, SamplingParams
 from .advantage_phase import AdvantageSettings
 from .guard import RuntimeGuard
 from .prompt_stream import PromptStream
@@ -155,6 +155,9 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
                            dual_clip_c=a.dual_clip_c, agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef,
                            kl_loss_coef=alg.kl_coef if alg.kl_placement == "loss" and trainer.ref_policy else 0.0,
                            kl_estimator=alg.kl_estimator, temperature=temperature, norm_len=r.max_new_tokens))
+    actor.configure_rollout(r.engine, EngineConfig(
+        max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
+        cuda_graphs=r.engine_cuda_graphs, compile=r.engine_compile))
     if trainer.critic is not None:
         trainer.critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
                                       cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef)
