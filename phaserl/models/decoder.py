@@ -228,14 +228,8 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
                 nn.init.ones_(m.weight)
 
 
-class CausalLM(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg)
-        # Tied models have no lm_head at all, like the checkpoints transformers writes for them.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        init_weights(self)
+class DecoderWrapper(nn.Module):
+    """A module whose decoder stack is `self.model`: exposes its activation-checkpointing switch."""
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -244,6 +238,16 @@ class CausalLM(nn.Module):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enabled: bool) -> None:
         self.model.gradient_checkpointing = enabled
+
+
+class CausalLM(DecoderWrapper):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        # Tied models have no lm_head at all, like the checkpoints transformers writes for them.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        init_weights(self)
 
     @property
     def output_weight(self) -> torch.Tensor:

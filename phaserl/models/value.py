@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from phaserl.models.decoder import CausalLM, KVCache
+from phaserl.models.decoder import CausalLM, DecoderWrapper, KVCache
 
 
-class ValueModel(nn.Module):
+class ValueModel(DecoderWrapper):
     def __init__(self, backbone: CausalLM):
         super().__init__()
         self.config = backbone.config
@@ -24,14 +24,6 @@ class ValueModel(nn.Module):
         self.score = nn.Linear(self.config.hidden_size, 1, bias=False)
         # Zero init: every value starts at 0, so the first advantages are driven by rewards alone.
         nn.init.zeros_(self.score.weight)
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self.model.gradient_checkpointing
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        self.model.gradient_checkpointing = enabled
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
