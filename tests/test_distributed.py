@@ -43,9 +43,11 @@ def _one_step(overrides: list) -> dict:
     responses, generate = [], trainer._generate
     trainer._generate = lambda *args: _keep(responses, generate(*args))
     metrics = trainer.train_step()
+    ref_root = trainer.ref_policy.model.model.embed_tokens.weight  # the root unit: FSDP2 keeps it after forward
     roles = {"actor": trainer.actor, "critic": trainer.critic, "ref": trainer.ref_policy}
     return {"responses": responses, "metrics": metrics,
             "weights": {name: full_state_dict(role.model) for name, role in roles.items() if role is not None},
+            "ref_root_after_step": str(getattr(ref_root, "placements", "plain")),
             "placements": {name: str(getattr(role.model.model.norm.weight, "placements", "plain"))
                            for name, role in roles.items() if role is not None}}
 
@@ -222,6 +224,9 @@ def test_each_role_is_sharded_by_its_own_settings(runs):
     assert ppo["placements"] == {"actor": "(Shard(dim=0),)", "critic": "(Replicate(), Shard(dim=0))",  # NO_SHARD
                                  "ref": "(Shard(dim=0),)"}  # FULL_SHARD, run under torch.inference_mode()
     assert single["grpo"]["placements"] == {"actor": "plain", "ref": "plain"}  # one process: no FSDP at all
+    # a frozen FULL_SHARD role never runs backward, where FSDP2 frees a root kept gathered: the reference
+    # reshards itself after its forward, so its embeddings/head do not stay gathered for the rest of the run
+    assert ppo["ref_root_after_step"] == "(Shard(dim=0),)"
 
 
 def test_metrics_are_reduced_across_ranks(runs):

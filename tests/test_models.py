@@ -282,3 +282,20 @@ def test_tokenizer_saves_with_the_model_and_loads_locally(tmp_path):
     assert load_tokenizer(tmp_path / "m")("hello world")["input_ids"] == [2, 3]
     with pytest.raises(ConfigError, match="tokenizer directory"):
         load_tokenizer(tmp_path)
+
+
+def test_a_generic_tokenizer_next_to_a_qwen2_config_loads_as_its_tokenizer_json_defines(tmp_path):
+    """transformers 5's AutoTokenizer rebuilds a Qwen2 directory's tokenizer as Qwen2Tokenizer, whose own
+    pre-tokenizer turns 'w1 w2' into nothing for a word-level vocabulary; load_tokenizer must not."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab={"<pad>": 0, "w1": 1, "w2": 2, "<eos>": 3}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    cfg = DecoderConfig(model_type="qwen2", vocab_size=4, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
+    save_pretrained(CausalLM(cfg), tmp_path, tokenizer=tokenizer)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded("w2 w1 w2")["input_ids"] == [2, 1, 2]
+    assert loaded.eos_token_id == 3 and loaded.pad_token_id == 0

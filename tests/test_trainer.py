@@ -38,7 +38,7 @@ def test_the_actor_learns_something_it_is_rewarded_for(tmp_path):
     reward_file = tmp_path / "digits.py"
     reward_file.write_text("def digits(prompt, response, ground_truth, **row):\n"
                            "    return float(sum(c.isdigit() for c in response))\n")
-    trainer, lines = _run(tmp_path, f"reward.functions=[{{name: '{reward_file}:digits'}}]", "trainer.total_steps=10",
+    trainer, lines = _run(tmp_path, f"reward.functions=[{{name: '{reward_file}:digits'}}]", "trainer.total_steps=14",
                           "rollout.max_new_tokens=6", "actor.optim.lr=1e-2", "algorithm.kl_placement=none",
                           "rollout.n=4", "data.val_files=[]")
     first = sum(l["train/reward_mean"] for l in lines[:3]) / 3

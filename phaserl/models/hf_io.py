@@ -158,7 +158,31 @@ def load_tokenizer(path: PathLike, *, trust_remote_code: bool = False):
         raise ConfigError(f"tokenizer directory {str(directory)!r} has none of {list(_TOKENIZER_FILES)}; "
                           "point model.tokenizer_path at a directory saved with tokenizer.save_pretrained")
     kwargs = {"trust_remote_code": True} if trust_remote_code else {}
+    if _generic_tokenizer_class(directory):
+        # tokenizer.json is the whole definition. AutoTokenizer would pick the class of config.json's
+        # model_type (Qwen2Tokenizer for qwen2) and rebuild it from the vocab with that family's own
+        # pre-tokenizer, silently dropping what it does not know (spaces, whole word-level tokens).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
     return AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+
+
+_GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _generic_tokenizer_class(directory: Path) -> bool:
+    """True when tokenizer_config.json names the generic fast class and a tokenizer.json exists."""
+    config_file = directory / "tokenizer_config.json"
+    if not (directory / "tokenizer.json").is_file() or not config_file.is_file():
+        return False
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            named = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{config_file}: not readable JSON ({err}); re-save the tokenizer with "
+                          "tokenizer.save_pretrained") from err
+    return named in _GENERIC_TOKENIZER_CLASSES
 
 
 # ---------------------------------------------------------------------------------------------- writing

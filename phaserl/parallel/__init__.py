@@ -5,6 +5,7 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
     fsdp.py            apply_fsdp per role, gather/reshard around the actor's rollout (imported lazily:
                        torch.distributed.fsdp costs seconds to import and one process never needs it)
     shared_storage.py  checkpoint/log paths every rank must share (seed mistake 5)
+    memory.py          the memory timeline of a step (GPU memory at every phase boundary and switch)
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import RankFailure, current_phase, destroy, init_distributed, rank_errors, set_phase
+from .memory import mark_memory, record_memory, stop_recording
 
 
 def is_distributed() -> bool:

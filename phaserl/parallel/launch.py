@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .memory import mark_memory
 
 log = logging.getLogger("phaserl")
 
@@ -63,6 +64,7 @@ def set_phase(name: str, step: Optional[int] = None) -> None:
     """Record the phase this rank is in; error and timeout messages name it."""
     global _phase
     _phase = _Phase(name, step)
+    mark_memory(name, step)
 
 
 def current_phase() -> str:

@@ -19,7 +19,7 @@ import torch
 from ..algo import aggregate, kl_penalty
 from ..batch import TrainBatch
 from ..errors import ConfigError
-from ..parallel import gather_full_params, reshard_params
+from ..parallel import gather_full_params, mark_memory, rank_and_world, reshard_params
 from ..rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
 from .forward import batch_logprobs, rows_logprobs, split_rows
 from .models import as_causal_lm
@@ -84,6 +84,7 @@ class HybridActor:
         source = self.mode
         if source == target:
             return
+        mark_memory(f"switch to {target} starts")  # the memory timeline, when one is recorded
         t0, before = time.perf_counter(), device_memory_gb(self.device)
         if target == "rollout":
             self.model.eval()
@@ -103,11 +104,12 @@ class HybridActor:
             self._ensure_engine()
             kv_bytes = self.engine.wake() if self.engine is not None else 0
         self.mode = target
+        mark_memory(f"switch to {target} done")
         after = device_memory_gb(self.device)
         seconds = time.perf_counter() - t0
         self.last_switch = {"to": target, "seconds": seconds, "memory_before_gb": before, "memory_after_gb": after,
                             "kv_cache_gb": kv_bytes / 2**30}
-        if self.hybrid.enable_rollout_optimization_switch:
+        if self.hybrid.enable_rollout_optimization_switch and rank_and_world()[0] == 0:  # one line per switch
             mem = "n/a on cpu" if before is None else f"{before:.2f} GB -> {after:.2f} GB allocated"
             mem += f", KV cache {'allocated' if kv_bytes >= 0 else 'freed'} {abs(kv_bytes) / 2**30:.2f} GB"
             log.info(f"[HybridEngine] Switching actor from {source} to {target} mode "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PreflightError
+from ..parallel import reshard_params
 from .forward import batch_logprobs
 from .models import as_causal_lm
 from .parallel_settings import FSDPSettings, reject_hybrid_config
@@ -54,4 +55,7 @@ class ReferencePolicy:
         with torch.inference_mode():
             logprobs = batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget,
                                       packing=self.packing)
+        # FSDP2 keeps a root unit (embeddings, head) gathered after forward and frees it in backward; a
+        # frozen role has no backward, so without this a full copy would stay until the process ends.
+        reshard_params(self.model)
         return logprobs.clone()  # a normal tensor: inference tensors cannot be saved for the actor's backward
