@@ -2,6 +2,7 @@
 
 Only rank 0 writes. Names are stable (see docs/metrics.md): `train/reward_mean`, `timing_s/step`,
 `perf/tokens_per_s`, `val/score_mean`, ... One JSON object per line, with `step` first.
+Also here: the model-FLOP count behind `perf/mfu` (`FlopModel`) and the peak bf16 rates it divides by.
 """
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 log = logging.getLogger("phaserl")
 
@@ -93,3 +97,54 @@ def _start_wandb(run_name, config):
         log.warning("trainer.loggers has 'wandb' but wandb is not installed: `pip install wandb`; continuing without it")
         return None
     return wandb.init(project="phaserl", name=run_name, config=config)
+
+
+# ----- model FLOPs utilization (perf/mfu) -------------------------------------------------------
+# Dense bf16 tensor-core peak of each device type, from the vendors' datasheets (no sparsity), in
+# FLOP/s. MFU is always against this number, whatever the training dtype. Matched on the CUDA
+# device name; a device not listed gets no perf/mfu.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12,
+                   "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12, "B200": 2250e12}
+
+
+def device_peak_flops(device: torch.device) -> Optional[float]:
+    """The datasheet bf16 peak of a CUDA device, or None (CPU, or a GPU not in PEAK_BF16_FLOPS)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # "H200" before "H20"
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """Model FLOPs of a decoder's passes, from its config and parameter count (recomputation not counted).
+
+    A forward over rows of real lengths L_i with M scored response tokens costs
+        2 * body_params * sum(L_i)  +  2 * head_params * M  +  2 * attn_width * sum(L_i^2)
+    (matmuls; causal attention: QK^T and PV over about L^2 / 2 query-key pairs each, 2 FLOPs per
+    multiply-add). Forward + backward is 3 times that. The embedding lookup costs nothing; the vocabulary
+    projection runs on response tokens only, as phaserl's log-prob path does.
+    """
+    body_params: int   # parameters every token multiplies: all but the embedding and the LM head
+    head_params: int   # V * H of the vocabulary projection (0 for a value model)
+    attn_width: int    # num_hidden_layers * num_attention_heads * head_dim
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, *, lm_head: bool = True) -> "FlopModel":
+        cfg = model.config
+        H, V = cfg.hidden_size, cfg.vocab_size
+        head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+        total = sum(p.numel() for p in model.parameters())  # global numel, also for FSDP-sharded DTensors
+        untied = getattr(model, "lm_head", None)
+        untied_params = untied.weight.numel() if untied is not None and hasattr(untied, "weight") else 0
+        return cls(body_params=total - V * H - untied_params, head_params=V * H if lm_head else 0,
+                   attn_width=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim)
+
+    def forward_flops(self, lengths: torch.Tensor, response_tokens: float) -> float:
+        """lengths [B]: real tokens of each row; response_tokens: how many the vocabulary projection scores."""
+        lengths = lengths.double()
+        return (2.0 * self.body_params * float(lengths.sum()) + 2.0 * self.head_params * float(response_tokens)
+                + 2.0 * self.attn_width * float((lengths ** 2).sum()))

@@ -3,16 +3,19 @@
 `pack_rows(batch, idx)` concatenates the real tokens of rows `idx` into a single row [1, N]; each
 row keeps its own position ids (0 at its first real token) and a sequence id, so the decoder's
 `seq_ids=` argument can build a block-diagonal causal mask and no token ever sees another row.
-`split_packed_by_tokens` groups rows by REAL tokens, so the budget counts no padding at all.
-Not here: the forward passes (roles/forward.py), varlen GPU kernels (the CPU path is a dense
-block-diagonal mask, correct but quadratic in N).
+`split_packed_by_tokens` groups rows by REAL tokens, so the budget counts no padding at all, and
+deals them out so that the groups carry about the same number of tokens.
+Not here: the forward passes (roles/forward.py), the attention kernels (models/decoder.py: varlen
+flash on CUDA, a dense block-diagonal mask elsewhere).
 
 Legend: B rows of the batch, b rows packed, S = P + R sequence width, R response width (trimmed to the
 longest packed response), N real tokens packed, M real response tokens packed.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -70,33 +73,35 @@ def pack_rows(batch: RolloutBatch, idx: torch.Tensor) -> Packed:
     )
 
 
-def split_packed_by_tokens(batch: RolloutBatch, token_budget: int) -> list[torch.Tensor]:
-    """Consecutive row groups whose total real tokens fit `token_budget` (a longer row goes alone).
+def split_packed_by_tokens(batch: RolloutBatch, token_budget: int,
+                           num_groups: Optional[int] = None) -> list[torch.Tensor]:
+    """Row groups whose total real tokens fit `token_budget` (a longer row goes alone), balanced.
 
-    Order-preserving and balanced: of all splits into as few groups as the budget allows, the one
-    whose largest group is smallest (binary search on the per-group cap), so no micro-batch is a
-    small leftover.
+    Longest-first dealing: rows, longest first, each join the group with the fewest tokens so far;
+    the group count is the fewest for which that fits the budget, or `num_groups` when given (every
+    rank then runs the same number of micro-batches; roles/forward.py agrees on it). Each group lists
+    its rows in batch order; groups are ordered by their first row.
     """
     lengths = real_lengths(batch).tolist()
     if not lengths:
         return []
-    fewest = len(_greedy(lengths, token_budget))
-    lo, hi = min(token_budget, -(-sum(lengths) // fewest)), token_budget  # cap >= ceil(total / groups)
-    while lo < hi:  # the group count of greedy filling only falls as the cap grows
-        mid = (lo + hi) // 2
-        if len(_greedy(lengths, mid)) <= fewest:
-            hi = mid
-        else:
-            lo = mid + 1
-    return [torch.arange(start, end) for start, end in _greedy(lengths, lo)]
+    if num_groups is None:
+        cap = max(token_budget, max(lengths))
+        num_groups = min(max(1, -(-sum(lengths) // token_budget)), len(lengths))
+        while num_groups < len(lengths) and max(sum(lengths[i] for i in g)
+                                                for g in _deal(lengths, num_groups)) > cap:
+            num_groups += 1
+    if num_groups > len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} rows into {num_groups} non-empty micro-batches")
+    return [torch.tensor(g, dtype=torch.long) for g in sorted(sorted(g) for g in _deal(lengths, num_groups))]
 
 
-def _greedy(lengths: list, budget: int) -> list[tuple[int, int]]:
-    groups, start, used = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > start and used + n > budget:
-            groups.append((start, i))
-            start, used = i, 0
-        used += n
-    groups.append((start, len(lengths)))
+def _deal(lengths: list, num_groups: int) -> list[list]:
+    """Longest-processing-time dealing: each row (longest first) to the lightest group (lowest index on ties)."""
+    heap = [(0, k) for k in range(num_groups)]
+    groups: list[list] = [[] for _ in range(num_groups)]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        load, k = heapq.heappop(heap)
+        groups[k].append(i)
+        heapq.heappush(heap, (load + lengths[i], k))
     return groups

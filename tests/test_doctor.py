@@ -127,7 +127,8 @@ def test_a_good_tiny_config_passes_every_check(run):
     assert all(r.status == OK for name, r in results.items() if name != "shared paths"), format_report(
         list(results.values()))
     assert results["shared paths"].status == WARN  # the tiny run writes under /tmp: node-local
-    assert "train: 64 rows, longest prompt 19 tokens, 0 dropped, 0 truncated; val: 8 rows" in results["data"].message
+    # <|im_start|> user \n 3+4 <|im_end|> \n <|im_start|> assistant \n: 1 + 4 + 1 + 3 + 1 + 1 + 1 + 9 + 1 = 22
+    assert "train: 64 rows, longest prompt 22 tokens, 0 dropped, 0 truncated; val: 8 rows" in results["data"].message
     assert results["tokenizer/model"].message.startswith("100 tokens ≤ 100 embedding rows; eos '<|im_end|>' (id 1)")
     assert results["context length"].message.startswith("prompt + response ≤ 32 + 4 = 36 tokens of the model's 256")
     assert "'<|im_start|>user\\n" in results["chat template"].message

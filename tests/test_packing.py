@@ -72,8 +72,13 @@ def test_pack_rows_lays_out_real_tokens_with_own_positions():
 def test_split_packed_by_tokens_counts_real_tokens_and_balances_groups():
     b = _batch([2, 2, 2, 2, 2], [2, 2, 2, 2, 2], P=6, R=6)  # 4 real tokens per row, 12 columns
     groups = [g.tolist() for g in split_packed_by_tokens(b, 16)]
-    # greedy filling gives 16 + 4; the balanced split with as few groups is 12 + 8
-    assert groups == [[0, 1, 2], [3, 4]]
+    # 20 tokens need 2 groups; dealt out longest first to the lightest group: 12 + 8, not 16 + 4
+    assert groups == [[0, 2, 4], [1, 3]]
+    # another rank needs 4 micro-batches: this one makes 4 as well, still balanced (8, 4, 4, 4)
+    assert [g.tolist() for g in split_packed_by_tokens(b, 16, num_groups=4)] == [[0, 4], [1], [2], [3]]
+    mixed = _batch([1, 9, 3, 6, 2], [12, 1, 5, 3, 8])  # real lengths 13, 10, 8, 9, 10
+    # 50 tokens, budget 25: 13 + 9 = 22 and 10 + 8 + 10 = 28 > 25, so three groups: 13 | 10 + 9 | 10 + 8
+    assert [g.tolist() for g in split_packed_by_tokens(mixed, 25)] == [[0], [1, 3], [2, 4]]
     long_row = _batch([2, 9, 2], [2, 9, 2])
     assert [g.tolist() for g in split_packed_by_tokens(long_row, 8)] == [[0], [1], [2]]  # 18 > 8 goes alone
 

@@ -146,6 +146,8 @@ class ActorConfig:
                                        "seq-mean-token-sum-norm"])
     entropy_coef: float = spec(0.0, "entropy bonus coefficient", min=0.0)
     gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
+    compile: bool = spec(False, "torch.compile the decoder layers and the log-prob kernels of the actor and the "
+                                "reference (phaserl's decoder only; the first steps pay the compile time)")
     fsdp: FSDPConfig = spec(None, "parallel settings of the actor", factory=FSDPConfig)
     hybrid_engine: HybridEngineConfig = spec(None, "rollout/training mode switch", factory=HybridEngineConfig)
 
@@ -160,6 +162,8 @@ class CriticConfig:
     optim: OptimConfig = spec(None, "optimizer", factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = spec(0.5, "value clipping around the old values", min=0.0)
     loss_coef: float = spec(0.5, "value loss coefficient", min=0.0)
+    gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
+    compile: bool = spec(False, "torch.compile the critic's decoder layers (phaserl's decoder only)")
     fsdp: FSDPConfig = spec(None, "parallel settings of the critic (never switches modes)", factory=FSDPConfig)
     hybrid_engine: Optional[HybridEngineConfig] = spec(None, "must stay null: only the actor switches modes")
 
@@ -178,7 +182,8 @@ class PPOConfig:
     epochs: int = spec(1, "passes over one RL step's responses", min=1)
     micro_batch_tokens: int = spec(16384, "tokens per training micro-batch, per rank (forward+backward)", min=1)
     forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
-    packing: bool = spec(False, "pack micro-batches without padding (budgets count real tokens; our decoder only)")
+    packing: bool = spec(True, "pack micro-batches without padding: budgets count real tokens, varlen attention on "
+                               "CUDA (phaserl's decoder; other models run padded)")
 
 
 @dataclass

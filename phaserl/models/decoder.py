@@ -5,15 +5,20 @@ the vocabulary in chunks (`model.output_weight`) so that a [B, T, V] tensor neve
 Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...), so safetensors
 files load by name. Attention is `scaled_dot_product_attention` with an explicit boolean mask (causal
 AND key-is-not-padding), which handles left- and right-padded batches and the KV cache alike.
-Not here: loading weights (hf_io.py), sampling (phaserl/rollout), fused GPU kernels, paged caches.
+Packed sequences (`seq_ids=`, phaserl.packing) run the varlen flash kernel on CUDA in bf16/fp16
+(`torch.nn.attention.varlen`: sequence boundaries as cumulative lengths, no [T, T] mask); elsewhere
+the mask is made block-diagonal (dense, O(T^2) memory: fine on CPU, the reason for the kernel).
+`enable_compile(model)` runs each decoder layer through `torch.compile` (attention stays eager).
+Not here: loading weights (hf_io.py), sampling (phaserl/rollout), paged caches.
 
 Legend: B batch, T new tokens, S key slots (cache prefix + T), H hidden, D head_dim,
 Hq query heads, Hkv key/value heads, V vocab.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +73,76 @@ class KVCache:
         self.length += num_tokens
 
 
+@dataclass(frozen=True)
+class PackedSeqs:
+    """Boundaries of packed sequences for the varlen kernel: sequence k is flat tokens [cu[k], cu[k + 1])."""
+    cu_seqlens: torch.Tensor  # [n + 1] int32, over the B * T flattened tokens
+    max_len: int              # longest sequence
+
+
+def packed_boundaries(seq_ids: torch.Tensor) -> PackedSeqs:
+    """seq_ids [B, T] (each sequence a contiguous run of equal ids) -> PackedSeqs over the flattened tokens."""
+    B, T = seq_ids.shape
+    flat = seq_ids.reshape(-1)  # [B*T]
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::T] = True  # a new row always starts a new sequence
+    cu = torch.cat([starts.nonzero().squeeze(1), torch.tensor([B * T], device=flat.device)]).to(torch.int32)
+    return PackedSeqs(cu_seqlens=cu, max_len=int((cu[1:] - cu[:-1]).max()))  # one host sync per forward
+
+
+def _varlen_kernel():
+    """(varlen_attn, causal kwargs, native GQA) when this torch has a usable varlen flash API, else None.
+
+    torch 2.10 spells causal `is_causal=True`, 2.11+ `window_size=(-1, 0)`; 2.12 added `enable_gqa`.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+_VARLEN = _varlen_kernel() if torch.cuda.is_available() else None
+USE_VARLEN = True  # False forces the dense block-diagonal mask on CUDA too (debugging, kernel comparisons)
+
+
+def use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
+    """Packed forwards take the varlen kernel: CUDA, half precision, and a torch that has it."""
+    return USE_VARLEN and _VARLEN is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs]) -> torch.Tensor:
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; `attn` is a boolean mask [B, 1, T, S] or PackedSeqs."""
+    B, T, Hq, D = q.shape
+    groups = Hq // k.shape[2]
+    if isinstance(attn, PackedSeqs):
+        varlen_attn, causal, native_gqa = _VARLEN
+        k, v = k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)  # [B*T, Hkv, D]
+        extra = {}
+        if groups > 1 and native_gqa:
+            extra["enable_gqa"] = True
+        elif groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B*T, Hq, D]
+        out = varlen_attn(q.reshape(B * T, Hq, D), k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_len,
+                          attn.max_len, **causal, **extra)  # [B*T, Hq, D]
+        return out.view(B, T, Hq, D)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T|S, D]
+    if groups > 1:  # grouped-query attention: each kv head serves `groups` consecutive query heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, Hq, S, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn).transpose(1, 2)  # [B, T, Hq, D]
+
+
+_attend = attend  # what layers call; enable_compile swaps in a compile-disabled wrapper (graph break)
+
+
 def build_attention_mask(key_valid: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
     """Boolean mask [B, 1, T, S], True = may attend: causal by slot index and the key is not padding.
 
@@ -113,23 +188,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                kv_cache: Optional[KVCache]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache]) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, Hq, D]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, heads_dim=2), apply_rotary(k, cos, sin, heads_dim=2)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)  # [B, Hkv, S, D]
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # grouped-query attention: each kv head serves `groups` consecutive query heads
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, Hq, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, Hq, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+            k, v = kv_cache.update(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D]
+        out = _attend(q, k, v, attn)  # [B, T, Hq, D]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -152,11 +224,46 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend of cache-free calls
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
                 kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # The module call (and any FSDP hook on it) stays outside torch.compile; only the math is compiled.
+        if self.compiled and kv_cache is None:
+            return _COMPILED_BLOCKS[self.compiled](self, h, cos, sin, attn)
+        return layer_block(self, h, cos, sin, attn, kv_cache)
+
+
+def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    """One pre-norm decoder layer: h [B, T, H] -> [B, T, H]."""
+    h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, attn, kv_cache)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+_COMPILED_BLOCKS: dict = {}  # backend -> torch.compile(layer_block), made once per process by enable_compile
+
+
+def enable_compile(model: nn.Module, enabled: bool = True, *, backend: str = "inductor") -> None:
+    """Run every DecoderLayer of `model` through one compiled `layer_block` (dynamic shapes, one graph for all
+    layers: the layer is an argument, not a constant). Attention runs eager between two graphs, so the
+    dense mask and the varlen kernel are the same calls as without compile. Only a flag is stored on the
+    layers (deepcopy and state_dict see no wrapper). The KV-cache (rollout) path is never compiled here;
+    the rollout engine has its own switch. Tests pass backend="eager" (tracing only, no code generation)."""
+    global _attend
+    if enabled and backend not in _COMPILED_BLOCKS:
+        import torch._dynamo  # noqa: F401  (seconds to import: only when compiling)
+
+        _attend = torch.compiler.disable(attend)
+        _COMPILED_BLOCKS[backend] = torch.compile(layer_block, dynamic=True, backend=backend)
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer):
+            layer.compiled = backend if enabled else None
+
+
+def is_compiled(model: nn.Module) -> Optional[str]:
+    """The backend of the first compiled DecoderLayer of `model`, or None."""
+    return next((m.compiled for m in model.modules() if isinstance(m, DecoderLayer) and m.compiled), None)
 
 
 class DecoderModel(nn.Module):
@@ -191,6 +298,7 @@ class DecoderModel(nn.Module):
             raise ValueError("DecoderModel.forward(seq_ids=...) packs sequences for a cache-free forward: "
                              "pass each sequence's position_ids and no kv_cache")
         B, T = input_ids.shape
+        no_padding = attention_mask is None
         if attention_mask is None:
             attention_mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
         start = 0 if kv_cache is None else kv_cache.length
@@ -198,17 +306,19 @@ class DecoderModel(nn.Module):
         if position_ids is None:
             before = key_valid[:, :start].sum(-1, keepdim=True)  # [B, 1] real tokens already cached
             position_ids = (before + attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
-        mask = build_attention_mask(key_valid, start, T)  # [B, 1, T, S]
-        if seq_ids is not None:  # block-diagonal: packed sequences never see each other
-            mask = mask & (seq_ids[:, :, None] == seq_ids[:, None, :])[:, None]  # [B, 1, T, T]
-
         h = self.embed_tokens(input_ids)  # [B, T, H]
+        if seq_ids is not None and no_padding and use_varlen(h.device, h.dtype):
+            attn = packed_boundaries(seq_ids)  # the varlen kernel: no mask at all
+        else:
+            attn = build_attention_mask(key_valid, start, T)  # [B, 1, T, S]
+            if seq_ids is not None:  # block-diagonal: packed sequences never see each other
+                attn = attn & (seq_ids[:, :, None] == seq_ids[:, None, :])[:, None]  # [B, 1, T, T]
         cos, sin = self.rotary_emb(position_ids, h.dtype)  # [B, T, D]
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and kv_cache is None:
-                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, attn, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, mask, kv_cache)
+                h = layer(h, cos, sin, attn, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h)
@@ -238,6 +348,11 @@ class DecoderWrapper(nn.Module):
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, enabled: bool) -> None:
         self.model.gradient_checkpointing = enabled
+
+    @property
+    def compiled(self) -> Optional[str]:
+        """The torch.compile backend the decoder layers run through (enable_compile), or None."""
+        return is_compiled(self.model)
 
 
 class CausalLM(DecoderWrapper):

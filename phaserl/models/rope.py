@@ -113,7 +113,8 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> cos, sin [B, T, D] in `dtype` (angles computed in float32)."""
-        inv_freq = self._inv_freq_for(position_ids).float()
+        # .to(device): a model built under `with torch.device("cuda")` keeps this CPU-made buffer on the CPU
+        inv_freq = self._inv_freq_for(position_ids).to(position_ids.device).float()
         angles = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
         angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]: HF layout, halves not interleaved
         cos = angles.cos() * self.attention_scaling
@@ -126,7 +127,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, heads_dim: int = 1) -> torch.Tensor:
+    """x [B, heads, T, D] (heads_dim=1) or [B, T, heads, D] (heads_dim=2); cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(heads_dim), sin.unsqueeze(heads_dim)  # [B, 1, T, D] or [B, T, 1, D]
     return x * cos + _rotate_half(x) * sin

@@ -34,6 +34,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest `value` of any rank (itself in one process): sharded forwards run in lockstep, so a
+    rank with fewer batches than another pads up to this count."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def reduce_metrics(metrics: dict) -> dict:
     """One metrics dict for the whole run from every rank's own (identical on every rank afterwards).
 
@@ -76,6 +86,6 @@ def reshard_params(model) -> bool:
     return reshard(model)
 
 
-__all__ = ["is_distributed", "rank_and_world", "all_reduce_sum", "reduce_metrics", "gather_full_params",
-           "reshard_params", "init_distributed", "destroy", "rank_errors", "set_phase", "current_phase",
+__all__ = ["is_distributed", "rank_and_world", "all_reduce_sum", "max_over_ranks", "reduce_metrics",
+           "gather_full_params", "reshard_params", "mark_memory", "record_memory", "stop_recording", "init_distributed", "destroy", "rank_errors", "set_phase", "current_phase",
            "RankFailure"]

@@ -42,7 +42,7 @@ from ..errors import ConfigError
 log = logging.getLogger("phaserl")
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FORWARD_ONLY_ROLES = ("ref",)
+FORWARD_ONLY_ROLES = ("ref", "reward_model")
 _LAYER_LIST_NAMES = ("layers", "h", "blocks")
 _RESHARD_ATTR = "_phaserl_reshard_after_forward"   # each unit's own setting, restored after rollout
 _MESHES: dict = {}

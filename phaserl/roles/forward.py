@@ -4,7 +4,10 @@ Every role runs the same model code; this module turns a `RolloutBatch` into res
 tensors [B, R] micro-batch by micro-batch. Only the real response tokens are projected onto the
 vocabulary (in chunks, by `algo.token_logprobs_from_hidden`), so padding costs no vocab matmul.
 With `packing=True` (ppo.packing) a micro-batch is its rows' real tokens in one sequence
-(phaserl.packing) with a block-diagonal mask; results are the same [b, R] tensors, padding-free.
+(phaserl.packing) attended with the varlen kernel on CUDA (a block-diagonal mask on CPU); results are the
+same [b, R] tensors, padding-free. Every rank runs the same number of micro-batches (`split_rows`):
+FSDP gathers parameters in each forward, so a rank with one forward more would wait forever.
+A model compiled with `models.decoder.enable_compile` also gets the fused (compiled) log-prob kernels.
 Legend: b rows of a micro-batch, R its longest response, M its real response tokens.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ..batch import RolloutBatch
 from ..batching import pad_response_tensor, split_by_tokens, trim_padding
 from ..models import CausalLM, ValueModel
 from ..packing import Packed, pack_rows, split_packed_by_tokens
+from ..parallel import all_reduce_sum, rank_and_world
 
 
 def response_hidden(model, mb: RolloutBatch) -> torch.Tensor:
@@ -35,7 +39,7 @@ def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy:
     targets = mb.response_ids[mask]                      # [N]
     logp, ent = token_logprobs_from_hidden(
         h[mask], model.output_weight, targets, temperature=temperature,
-        chunk_size=chunk_size, with_entropy=with_entropy)  # [N], [N]
+        chunk_size=chunk_size, with_entropy=with_entropy, fused=_fused(model))  # [N], [N]
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=h.device)
     logprobs = logprobs.masked_scatter(mask, logp.float())  # [b, R]
     entropy = None
@@ -81,8 +85,27 @@ def supports_packing(model) -> bool:
 
 
 def split_rows(batch: RolloutBatch, token_budget: int, *, packing: bool) -> list[torch.Tensor]:
-    """Micro-batch row groups: by real tokens when packing, by trimmed padded size otherwise."""
-    return split_packed_by_tokens(batch, token_budget) if packing else split_by_tokens(batch, token_budget)
+    """Micro-batch row groups: by real tokens when packing, by trimmed padded size otherwise.
+
+    The group count is the largest any rank needs for its own rows, so all ranks make the same number
+    of forward (and backward) calls; each rank balances its tokens over that many groups. Which rows a
+    rank holds never changes. A collective under torchrun: every rank must call it.
+    """
+    split = split_packed_by_tokens if packing else split_by_tokens
+    groups = split(batch, token_budget)
+    rank, world = rank_and_world()
+    if world > 1:
+        counts = torch.zeros(world, device=batch.input_ids.device)
+        counts[rank] = len(groups)
+        most = int(all_reduce_sum(counts).max())  # [world] -> the largest count
+        if most != len(groups):
+            groups = split(batch, token_budget, num_groups=most)
+    return groups
+
+
+def _fused(model) -> str | bool:
+    """Compiled decoders (enable_compile) also take the log-prob kernels compiled with the same backend."""
+    return getattr(model, "compiled", None) or False
 
 
 def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool,
@@ -91,7 +114,7 @@ def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_ent
     hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids)  # [1, N, H]
     logp, ent = token_logprobs_from_hidden(
         hidden[0, packed.predict_index], model.output_weight, packed.target_ids, temperature=temperature,
-        chunk_size=chunk_size, with_entropy=with_entropy)  # [M], [M]
+        chunk_size=chunk_size, with_entropy=with_entropy, fused=_fused(model))  # [M], [M]
     entropy = packed.unpack(ent.float()) if with_entropy else None
     return packed.unpack(logp.float()), entropy
 

@@ -167,6 +167,10 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
         raise ConfigError("algorithm.adv_estimator=gae needs a critic: pass critic=Critic(...) or set critic.enable=true")
     model_gradient_checkpointing(actor.model, a.gradient_checkpointing)
     set_packing([actor, trainer.critic, trainer.ref_policy], cfg.ppo.packing)
+    set_compile([actor, trainer.ref_policy], a.compile)
+    if trainer.critic is not None:
+        model_gradient_checkpointing(trainer.critic.model, cfg.critic.gradient_checkpointing)
+        set_compile([trainer.critic], cfg.critic.compile)
     kl_ctl = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_target is not None
               else FixedKLController(alg.kl_coef))
     train_ds = _prompt_dataset(cfg, cfg.data.train_files, "train", tokenizer)
@@ -244,7 +248,8 @@ def _eos_ids(tokenizer, model) -> list:
 
 
 def set_packing(roles: list, enabled: bool) -> None:
-    """ppo.packing on each role whose model is our decoder; a warning for any other (it stays padded)."""
+    """ppo.packing on each role whose model is our decoder; any other stays padded (logged at info level,
+    since packing is on by default)."""
     from ..roles.forward import supports_packing
 
     for role in roles:
@@ -252,8 +257,23 @@ def set_packing(roles: list, enabled: bool) -> None:
             continue
         role.packing = enabled and supports_packing(role.model)
         if enabled and not role.packing:
-            log.warning(f"ppo.packing=true is ignored for the {role.role}: its model "
-                        f"({type(role.model).__name__}) is not phaserl's decoder, so it runs padded micro-batches")
+            log.info(f"ppo.packing=true does not apply to the {role.role}: its model "
+                     f"({type(role.model).__name__}) is not phaserl's decoder, so it runs padded micro-batches")
+
+
+def set_compile(roles: list, enabled: bool) -> None:
+    """actor.compile / critic.compile: torch.compile the decoder layers of each role whose model is ours."""
+    from ..models.decoder import enable_compile
+    from ..roles.forward import supports_packing
+
+    for role in roles:
+        if role is None or not enabled:
+            continue
+        if supports_packing(role.model):
+            enable_compile(role.model)
+        else:
+            log.warning(f"{role.role}: compile=true is ignored: its model ({type(role.model).__name__}) is not "
+                        "phaserl's decoder")
 
 
 def model_gradient_checkpointing(model, enabled: bool) -> None:

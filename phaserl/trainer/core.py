@@ -15,6 +15,7 @@ import torch
 
 from ..algo import kl_penalty, masked_mean
 from ..batch import TrainBatch
+from ..metrics import FlopModel, device_peak_flops
 from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
 from ..rollout import GenerationResult
 from .advantage_phase import compute_advantages, nonfinite_advantage_cause
@@ -42,6 +43,7 @@ class RLTrainer:
         self.metrics: dict = {}
         self.val_history: list = []   # (step, validation metrics), in order
         self.hooks = HookRunner()
+        self._flop_models: dict = {}  # role -> FlopModel, made at the first step on a GPU with a known peak
 
     # Names the seed's hooks read.
     @property
@@ -98,6 +100,8 @@ class RLTrainer:
     def train_step(self) -> dict:
         run, timings = self.run, {}
         clock = _phase_clock(timings, self.step_num)
+        if self.actor.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.actor.device)  # perf/peak_memory_gb is this step's
         with clock("step"):
             # 1. prompts: this rank's share of the global batch
             with clock("prompts"):
@@ -143,9 +147,38 @@ class RLTrainer:
         metrics["perf/tokens_per_s"] = float(tokens) / max(timings["step"], 1e-9)
         metrics["perf/rollout_tokens_per_s"] = float(all_reduce_sum(batch.response_mask.sum().float())) / max(
             timings["rollout"], 1e-9)
+        metrics.update(self._perf_metrics(batch, timings, updated=not update_stats["train/skipped_step"]))
         run.kl_controller.update(metrics.get("train/kl", 0.0), run.responses_per_step)
         metrics["train/kl_coef"] = run.kl_controller.value
         return metrics
+
+    def _perf_metrics(self, batch, timings: dict, *, updated: bool) -> dict:
+        """perf/peak_memory_gb (this rank's, CUDA only) and perf/mfu: model FLOPs of the forward-only and update
+        phases (all ranks) over their time times the devices' bf16 peak (metrics.PEAK_BF16_FLOPS; GPUs only)."""
+        device, out = self.actor.device, {}
+        if device.type == "cuda":
+            out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        peak = device_peak_flops(device)
+        if peak is None:
+            return out
+        if not self._flop_models:
+            self._flop_models = {"actor": FlopModel.of(self.actor.model)}
+            if self.ref_policy is not None:
+                self._flop_models["ref"] = FlopModel.of(self.ref_policy.model)
+            if self.critic is not None:
+                self._flop_models["critic"] = FlopModel.of(self.critic.model, lm_head=False)
+        lengths = batch.attention_mask.sum(dim=1)  # [B] real tokens per row
+        responses = float(batch.response_mask.sum())
+        passes = 1 + (3 * self.run.epochs if updated else 0)  # forward-only pass + epochs of forward+backward
+        flops = self._flop_models["actor"].forward_flops(lengths, responses) * passes
+        if "ref" in self._flop_models:
+            flops += self._flop_models["ref"].forward_flops(lengths, responses)
+        if "critic" in self._flop_models:
+            flops += self._flop_models["critic"].forward_flops(lengths, 0) * passes
+        total = float(all_reduce_sum(torch.tensor(flops, dtype=torch.float64, device=device)))
+        seconds = max(timings["forward"] + timings["update"], 1e-9)
+        out["perf/mfu"] = total / (seconds * peak * self.world_size)
+        return out
 
     def update(self, train: TrainBatch) -> dict:
         """ppo.epochs × ppo.num_mini_batches optimizer steps for the actor (and the critic).
