@@ -125,6 +125,28 @@ def _watchdog_line(rank: int) -> str:
     return " | ".join(lines)
 
 
+RM_TEXTS = ["2", "11", "7+7", "no idea"]
+
+
+def _sharded_reward_model(rank: int, root: str) -> dict:
+    """reward_model.fsdp FULL_SHARD: rank 0 scores 3 batches, rank 1 only 1 (uneven validation shares)."""
+    from phaserl.parallel.fsdp import shard_roles
+    from phaserl.roles import RewardModelWrapper
+    from phaserl.roles.parallel_settings import FSDPSettings
+
+    try:
+        rm = RewardModelWrapper.from_pretrained(os.path.join(root, "rm"), batch_size=1)
+        rm.fsdp = FSDPSettings.from_any({"sharding_strategy": "FULL_SHARD"}, role="reward_model")
+        shard_roles({"reward_model": rm}, torch.device("cpu"))
+        texts = RM_TEXTS[:3] if rank == 0 else RM_TEXTS[3:]
+        scores = rm.score(["1+1"] * len(texts), texts)  # rank 1 pads with 2 one-token batches, or both hang
+        root_unit = rm.model.model.embed_tokens.weight
+        return {"scores": scores, "sharded": rm.sharded, "root_after": str(getattr(root_unit, "placements", "plain")),
+                "rm_dir": os.path.join(root, "rm")}
+    except Exception:  # noqa: BLE001 - reported by the test in the parent
+        return {"error": traceback.format_exc()}
+
+
 def _worker(rank: int, world: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -141,6 +163,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     out["reduced"] = _reduce_distinct_metrics(rank)
     out["watchdog"] = _watchdog_line(rank)
     out["timeout"] = _timeout_in_phase(rank)
+    out["rm"] = _sharded_reward_model(rank, root)
     out["failure"] = _failure_on_rank_1(rank)  # breaks the process group: last
     torch.save(out, os.path.join(root, f"rank{rank}.pt"))
 
@@ -157,9 +180,11 @@ def _overrides(root: str, name: str, tag: str) -> list:
 def runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
+    from _tiny_rm import make_reward_model_dir
     from _tiny_run import make_run_dir
 
     root = str(tmp_path_factory.mktemp("distributed"))
+    make_reward_model_dir(root)  # root/rm
     reward = os.path.join(root, "spread.py")  # varied rewards, so the advantages (and gradients) are not 0
     with open(reward, "w") as f:
         f.write("def spread(prompt, response, ground_truth, **row):\n"
@@ -227,6 +252,19 @@ def test_each_role_is_sharded_by_its_own_settings(runs):
     # a frozen FULL_SHARD role never runs backward, where FSDP2 frees a root kept gathered: the reference
     # reshards itself after its forward, so its embeddings/head do not stay gathered for the rest of the run
     assert ppo["ref_root_after_step"] == "(Shard(dim=0),)"
+
+
+def test_a_sharded_reward_model_scores_uneven_shares_like_one_process(runs):
+    from phaserl.roles import RewardModelWrapper
+
+    _, ranks = runs
+    two = _two(ranks, "rm")
+    assert two[0]["sharded"] and two[1]["sharded"]
+    assert two[0]["root_after"] == two[1]["root_after"] == "(Shard(dim=0),)"  # freed after scoring
+    single = RewardModelWrapper.from_pretrained(two[0]["rm_dir"], batch_size=4)  # one process, unsharded
+    expected = single.score(["1+1"] * len(RM_TEXTS), RM_TEXTS)
+    assert expected.std() > 0.05  # distinct scores, so a mix-up of rows would show
+    torch.testing.assert_close(torch.cat([two[0]["scores"], two[1]["scores"]]), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_metrics_are_reduced_across_ranks(runs):

@@ -79,6 +79,16 @@ class RewardConfig:
 
 
 @dataclass
+class FSDPConfig:
+    sharding_strategy: str = spec("FULL_SHARD", "FSDP2 sharding of this role",
+                                  choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    cpu_offload: bool = spec(False, "keep parameters on the CPU between uses")
+    param_dtype: Optional[str] = spec(None, "mixed precision compute dtype (null = parameter dtype)",
+                                      choices=[None, "float32", "bfloat16", "float16"])
+    reshard_after_forward: bool = spec(True, "free gathered parameters after forward")
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = spec(False, "score responses with a sequence-classification reward model")
     path: Optional[str] = spec(None, "reward model directory (Hugging Face format)")
@@ -91,6 +101,9 @@ class RewardModelConfig:
     apply_chat_template: bool = spec(True, "format (prompt, response) with a chat template before scoring")
     chat_template: Optional[str] = spec(None, "a Jinja chat template overriding the RM tokenizer's own")
     response_key: str = spec("response", "field of a row that holds the response to score")
+    fsdp: FSDPConfig = spec(None, "parallel settings of the reward model (forward only: FULL_SHARD splits it over "
+                                  "the ranks, NO_SHARD keeps a full replica per rank; cpu_offload allowed)",
+                            factory=FSDPConfig)
 
 
 @dataclass
@@ -106,16 +119,6 @@ class AlgorithmConfig:
     kl_coef: float = spec(0.001, "KL coefficient (initial value when adaptive)", min=0.0)
     kl_target: Optional[float] = spec(None, "adaptive KL controller target (null = fixed coefficient)", min=0.0)
     kl_horizon: int = spec(10000, "adaptive KL controller horizon, in responses", min=1)
-
-
-@dataclass
-class FSDPConfig:
-    sharding_strategy: str = spec("FULL_SHARD", "FSDP2 sharding of this role",
-                                  choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-    cpu_offload: bool = spec(False, "keep parameters on the CPU between uses")
-    param_dtype: Optional[str] = spec(None, "mixed precision compute dtype (null = parameter dtype)",
-                                      choices=[None, "float32", "bfloat16", "float16"])
-    reshard_after_forward: bool = spec(True, "free gathered parameters after forward")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from phaserl.errors import ConfigError, RewardError
+from phaserl.parallel import is_distributed, max_over_ranks, reshard_params
 
 logger = logging.getLogger(__name__)
 _FORMAT_HINT = ("the input format probably does not match what the reward model was trained on: check "
@@ -123,7 +124,13 @@ class RewardModelWrapper:
             raise ValueError(f"RewardModelWrapper.score: {len(prompts)} prompts but {len(responses)} responses")
         texts = [self.format(p, r) for p, r in zip(prompts, responses)]
         ids = self._encode(texts)
-        chunks = [self._forward(ids[s:s + self.batch_size]) for s in range(0, len(ids), self.batch_size)]
+        starts = range(0, len(ids), self.batch_size)
+        padding = self._lockstep_padding(len(starts)) if self.sharded else 0  # before any forward: a collective
+        chunks = [self._forward(ids[s:s + self.batch_size]) for s in starts]
+        if self.sharded:
+            for _ in range(padding):
+                self._forward([[self.pad_id]])
+            reshard_params(self.model)  # a frozen model has no backward, where FSDP2 would free the root unit
         scores = torch.cat(chunks) if chunks else torch.zeros(0)  # [B]
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
         if bad:
@@ -197,6 +204,19 @@ class RewardModelWrapper:
                            "truncation_side='left' or a larger max_length", cut_now, len(texts), self.max_length,
                            self.truncated_count)
         return out
+
+    @property
+    def sharded(self) -> bool:
+        """True once FSDP2 split the model over the ranks (reward_model.fsdp, applied by the builder)."""
+        return is_distributed() and any(hasattr(p, "placements") for p in self.model.parameters())
+
+    @staticmethod
+    def _lockstep_padding(batches: int) -> int:
+        """A sharded forward is a collective: every rank runs as many batches as the busiest rank.
+
+        Ranks can hold different numbers of responses (validation prompts split unevenly); a rank with
+        fewer runs this many one-token batches after its own."""
+        return max_over_ranks(batches) - batches
 
     def _forward(self, batch: list[list[int]]) -> torch.Tensor:
         """Right-pad one batch, run the RM, return its scores as CPU float32; [b]."""

@@ -21,6 +21,7 @@ from ..rm import resolve_reward_model_path
 from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
 from ..roles.actor import PolicyLossSettings
 from ..roles.optim import OptimSettings
+from ..roles.parallel_settings import FSDPSettings
 from ..rollout import EngineConfig, SamplingParams
 from .advantage_phase import AdvantageSettings
 from .guard import RuntimeGuard
@@ -180,6 +181,12 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
         if cfg.data.val_max_prompts:
             items = items[: cfg.data.val_max_prompts]
         val_items = items[rank::world]
+    reward_sources = as_reward_sources(reward, cfg, device)
+    if world > 1 and reward_sources.reward_model is not None:  # forward only, like the reference
+        from ..parallel.fsdp import shard_roles
+
+        reward_sources.reward_model.fsdp = FSDPSettings.from_any(cfg.reward_model.fsdp, role="reward_model")
+        shard_roles({"reward_model": reward_sources.reward_model}, device)
     eos = _eos_ids(tokenizer, actor.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     gen = torch.Generator(device=device).manual_seed(cfg.trainer.seed * 7919 + rank)
@@ -195,7 +202,7 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
                                     top_k=r.top_k if r.val_temperature > 0 else 0),
         temperature=temperature, needs_greedy_baseline=alg.adv_estimator == "remax",
         generate_batch_size=r.batch_size, eos_token_ids=eos, pad_token_id=pad, sampling_generator=gen,
-        reward=as_reward_sources(reward, cfg, device),
+        reward=reward_sources,
         advantage=AdvantageSettings(estimator=ADVANTAGE_ESTIMATORS[alg.adv_estimator], estimator_name=alg.adv_estimator,
                                     gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std,
                                     kl_in_reward=alg.kl_placement == "reward" and trainer.ref_policy is not None,
