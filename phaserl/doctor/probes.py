@@ -213,7 +213,10 @@ def check_memory(ctx: Context) -> CheckResult:
     roles.update({"critic": state(cfg.critic.fsdp, True)} if critic_on else {})
     roles.update({"ref": state(cfg.ref.fsdp, False)} if ref_on else {})
     if ctx.rm_shape is not None:
-        roles["reward model"] = RoleMemory(ctx.rm_shape.num_params * ctx.rm_shape.param_bytes, 0, 0)
+        rm_fsdp = cfg.reward_model.fsdp
+        roles["reward model"] = role_memory(ctx.rm_shape.num_params, ctx.rm_shape.param_bytes, trainable=False,
+                                            strategy=rm_fsdp.sharding_strategy, world_size=ctx.world_size,
+                                            cpu_offload=rm_fsdp.cpu_offload)
     resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
     suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads,
                                 free_bytes=ctx.free_bytes)
