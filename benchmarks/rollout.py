@@ -5,7 +5,8 @@ random weights, bf16, 64 prompts x 8 samples = 512 sequences, prompt 128 tokens,
 EOS ignored (fixed lengths), temperature 1.
 
     python benchmarks/rollout.py --case all --budget 540      # the default --plan, each in its own process
-    python benchmarks/rollout.py --case ours --shape 0.5b [--compile]   # or roofline|hf|hf_static|varlen|profile
+    python benchmarks/rollout.py --case ours --shape 0.5b [--compile] [--profile [--sweep]]
+    python benchmarks/rollout.py --case roofline|hf|hf_static|varlen|profile --shape 0.5b
 
 `--case all` runs each --plan entry in its own process under a time limit and reports one that fails.
 """
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from phaserl.algo import token_logprobs_from_hidden  # noqa: E402
 from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
 from phaserl.rollout.runner import decode_attention  # noqa: E402
 
 SHAPES = {  # the Qwen2 family's published architectures
@@ -169,6 +171,8 @@ def case_ours(args) -> None:
     sleep_wake(engine, run, best, args)
     if args.shape in ("0.5b", "tiny"):
         emit(case="logprob_parity", shape=args.shape, compile=args.compile, **logprob_parity(model, ps, result))
+    if args.profile:
+        profile_step(model, engine, len(ps), args)
 
 
 def case_varlen(args) -> None:
@@ -199,9 +203,14 @@ def case_profile(args) -> None:
     run = rollout(engine, ps, params)
     run()
     sleep_wake(engine, run, timed(run), args)
-    b, runner = len(ps), engine.runner
+    profile_step(model, engine, len(ps), args)
+
+
+def profile_step(model: CausalLM, engine: RolloutEngine, b: int, args) -> None:
+    """After a generate call: kernel times of one b-row step, one layer's attention, one sampling draw."""
+    runner = engine.runner
     with torch.inference_mode():
-        graph_ms, eager_ms = per_call_ms(lambda: runner.decode(b), 50), per_call_ms(lambda: runner._decode_step(b), 10)
+        step_ms, eager_ms = per_call_ms(lambda: runner.decode(b), 50), per_call_ms(lambda: runner._decode_step(b), 10)
         gpu = DEVICE == "cuda"
         with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
             for _ in range(5):
@@ -210,18 +219,67 @@ def case_profile(args) -> None:
     attr = "self_device_time_total" if gpu else "self_cpu_time_total"
     kernels = sorted(((e.key[:70], round(getattr(e, attr) / 5e3, 4), e.count // 5) for e in prof.key_averages()),
                      key=lambda k: -k[1])  # (name, ms per step, calls per step)
-    emit(case="profile", shape=args.shape, compile=args.compile, graph_step_ms=graph_ms, eager_step_ms=eager_ms,
-         kernel_ms_per_step=sum(k[1] for k in kernels), top_kernels_ms_per_step=kernels[:14])
-    keys, values = runner.keys[0][:b], runner.values[0][:b]
-    q = torch.randn(b, model.config.num_attention_heads, model.config.head_dim, device=DEVICE, dtype=keys.dtype)
-    hidden = runner.positions > torch.randint(128, 384, (b,), device=DEVICE)[:, None]  # [b, S]
-    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q[:, :, None], keys, values,
+    emit(case="profile", shape=args.shape, compile=args.compile, graph_step_ms=step_ms, eager_step_ms=eager_ms,
+         kernel_ms_per_step=sum(k[1] for k in kernels), top_kernels_ms_per_step=kernels[:22])
+    keys, values = runner.keys[0], runner.values[0]
+    cfg = model.config
+    q = torch.randn(b, cfg.num_attention_heads, cfg.head_dim, device=DEVICE, dtype=keys.dtype)
+    k, v = (torch.randn(b, cfg.num_key_value_heads, cfg.head_dim, device=DEVICE, dtype=keys.dtype) for _ in range(2))
+    pos = torch.randint(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS, (b,), device=DEVICE)  # the average decode step
+    hidden = runner.positions > pos[:, None]  # [b, S]
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q[:, :, None], keys[:b], values[:b],
                              attn_mask=~hidden[:, None, None, :], enable_gqa=True)
+    times, timer = {}, (graph_ms if DEVICE == "cuda" else per_call_ms)  # device time, launch cost out
     with torch.inference_mode():
-        ours, sdpa = per_call_ms(lambda: decode_attention(q, keys, values, hidden)), per_call_ms(sdpa)
-    kv_gb = 2 * keys.numel() * keys.element_size() / 1e9
-    emit(case="attention_one_layer", shape=args.shape, kv_read_gb=kv_gb, matmul_ms=ours, sdpa_masked_gqa_ms=sdpa,
-         matmul_tb_s=kv_gb / ours, layers=model.config.num_hidden_layers)
+        times["matmul_whole_slot_ms"] = timer(lambda: decode_attention(q, keys[:b], values[:b], hidden))
+        times["sdpa_masked_gqa_ms"] = timer(sdpa)
+        if rollout_kernels.available(keys.device):
+            times["triton_used_context_ms"] = timer(
+                lambda: rollout_kernels.decode_attention(q, k, v, keys, values, pos))
+    slot_gb = 2 * b * keys[0].numel() * keys.element_size() / 1e9
+    used_gb = slot_gb * float(pos.float().mean() + 1) / keys.shape[2]
+    emit(case="attention_one_layer", shape=args.shape, kv_slot_gb=slot_gb, kv_used_gb=used_gb, **times,
+         layers=cfg.num_hidden_layers)
+    logits = torch.randn(b, cfg.vocab_size, device=DEVICE, dtype=keys.dtype)
+    with torch.inference_mode():
+        times = {"torch_gumbel_ms": timer(lambda: runner.fns.sample(
+            logits, torch.empty_like(logits, dtype=torch.float32).exponential_(), False, 1.0, 0, 1.0))}
+        if rollout_kernels.available(keys.device):
+            times["triton_fused_ms"] = timer(lambda: rollout_kernels.sample(logits, runner.seed, False, 1.0))
+            times["triton_fused_greedy_ms"] = timer(
+                lambda: rollout_kernels.sample(logits, runner.seed, True, 1.0))
+    emit(case="sampling", shape=args.shape, rows=b, vocab=cfg.vocab_size, logits_gb=logits.numel() * 2 / 1e9, **times)
+    if args.sweep and rollout_kernels.available(keys.device):
+        sweep_kernels(q, k, v, keys, values, pos, logits, runner.seed, args)
+
+
+def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """Device time of one fn() call: `calls` launches captured in one CUDA graph, so launch cost stays out."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up: Triton compiles this configuration
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    return 1e3 * timed(lambda: [graph.replay() for _ in range(replays)]) / (calls * replays)
+
+
+def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args) -> None:
+    """Launch settings of the two Triton kernels, timed inside CUDA graphs (kernels.py's constants come from here)."""
+    with torch.inference_mode():
+        for block_n, warps, stages in [(32, 4, 3), (64, 2, 3), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3),
+                                       (64, 4, 2), (64, 4, 4), (32, 2, 4)]:
+            ms = graph_ms(lambda: rollout_kernels.decode_attention(q, k, v, keys, values, pos, block_n=block_n,
+                                                                   num_warps=warps, num_stages=stages))
+            emit(case="sweep_attention", shape=args.shape, block_n=block_n, num_warps=warps, num_stages=stages, ms=ms)
+        for block, warps in ((2048, 4), (4096, 4), (4096, 8)):
+            rollout_kernels.SAMPLE_BLOCK, rollout_kernels.SAMPLE_WARPS = block, warps
+            emit(case="sweep_sampling", shape=args.shape, block=block, num_warps=warps,
+                 ms=graph_ms(lambda: rollout_kernels.sample(logits, seed, False, 1.0)))
 
 
 # ----- Hugging Face -------------------------------------------------------------------------------
@@ -257,17 +315,22 @@ LIMITS = {"roofline": 60, "ours": 90, "hf": 90, "hf_static": 200, "varlen": 120,
 
 
 def case_all(args) -> None:
-    """Run the --plan entries (case-shape[-compile]) in order, each in its own process and time limit."""
+    """Run the --plan entries (case-shape[-compile][-profile]) in order, each in its own process and time limit.
+
+    -profile (case ours) also profiles a decode step; with --sweep, the Triton launch settings too.
+    """
     deadline = time.time() + args.budget
     for entry in args.plan.split(","):
         case, shape, *flag = entry.split("-") + (["0.5b"] if "-" not in entry else [])
-        compile = flag == ["compile"]
+        compile, profile_it = "compile" in flag, "profile" in flag
         limit = min(LIMITS[case] * (2 if compile else 1), deadline - time.time())
         if limit < 20:
             emit(case=case, shape=shape, compile=compile, status="skipped: benchmark budget spent")
             continue
         cmd = [sys.executable, __file__, "--case", case, "--shape", "tiny" if args.smoke else shape]
         cmd += (["--compile"] if compile else []) + (["--smoke"] if args.smoke else [])
+        cmd += ["--profile"] if (args.profile or profile_it) and case == "ours" else []
+        cmd += ["--sweep"] if args.sweep else []
         try:
             subprocess.run(cmd, timeout=limit, check=True)
         except subprocess.TimeoutExpired:
@@ -287,6 +350,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the engine's layer functions")
     parser.add_argument("--budget", type=float, default=540, help="seconds for --case all")
     parser.add_argument("--plan", default=DEFAULT_PLAN, help="for --case all: comma-separated case-shape[-compile]")
+    parser.add_argument("--profile", action="store_true", help="--case ours: also profile a decode step")
+    parser.add_argument("--sweep", action="store_true", help="with the profile: sweep the Triton launch settings")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, few tokens: checks the script")
     args = parser.parse_args()
     if args.smoke:

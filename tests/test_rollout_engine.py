@@ -12,7 +12,8 @@ from phaserl.algo import token_logprobs_from_hidden
 from phaserl.errors import ConfigError, DataError
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.roles import HybridActor
-from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
+from phaserl.rollout.runner import cached_attention, fused_weights
 from phaserl.rollout.scheduler import Scheduler, Sequence
 
 torch.set_num_threads(1)
@@ -182,6 +183,82 @@ def test_hybrid_actor_rolls_out_with_the_engine_and_logs_the_kv_cache(model, cap
     assert result.response_ids == [greedy_reference(model, p, 8) for p in PROMPTS]
     assert "KV cache allocated" in caplog.text and "KV cache freed" in caplog.text
     model.eval()
+
+
+def test_fused_weights_follow_in_place_updates_of_the_actor(model):
+    # Training steps update the parameters in place (same addresses): the engine's fused [q; k; v] and
+    # [gate; up] copies are refilled at every generate, so rollouts use the current weights.
+    layer = model.model.layers[0]
+    fused = fused_weights(layer)
+    assert fused.qkv.shape == (32 + 16 + 16, 32) and fused.gate_up.shape == (96, 32)
+    assert torch.equal(fused.qkv[32:48], layer.self_attn.k_proj.weight)
+    assert torch.equal(fused.gate_up[48:], layer.mlp.up_proj.weight)
+    first, engine = run(model, PROMPTS[:2])
+    with torch.no_grad():
+        saved = [p.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.mul_(-1.0)
+    try:
+        changed = engine.generate(PROMPTS[:2], GREEDY, eos_token_ids=[], pad_token_id=0)
+        assert changed.response_ids == [greedy_reference(model, p, 8) for p in PROMPTS[:2]]
+        assert changed.response_ids != first.response_ids
+    finally:
+        with torch.no_grad():
+            for p, old in zip(model.parameters(), saved):
+                p.copy_(old)
+
+
+# ------------------------------------------------------------------ Triton kernels (CUDA, or the interpreter)
+def kernel_device() -> str:
+    if not kernels.available(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("needs Triton on CUDA (or TRITON_INTERPRET=1 with Triton installed)")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (4, 2, 8)])  # Qwen2-0.5B's GQA 7:1 and the tiny test model
+def test_triton_decode_attention_equals_the_torch_path(dtype, heads):
+    device = kernel_device()
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.6's interpreter computes bf16 tl.dot wrongly")
+    Hq, Hkv, D = heads
+    g = torch.Generator().manual_seed(0)
+    slots, S = 6, 200
+    keys, values = (torch.randn(slots, Hkv, S, D, generator=g).to(device, dtype) for _ in range(2))
+    q = torch.randn(5, Hq, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(5, Hkv, D, generator=g).to(device, dtype) for _ in range(2))
+    pos = torch.tensor([0, 1, 63, 64, 199], device=device)  # first position, block edges, the slot's end
+    ref_keys, ref_values = keys.float(), values.float()  # copies for bf16; cached_attention writes into them
+    if dtype == torch.float32:
+        ref_keys, ref_values = ref_keys.clone(), ref_values.clone()
+    out = kernels.decode_attention(q, k, v, keys, values, pos)
+    expected = cached_attention(q.float(), k.float(), v.float(), ref_keys, ref_values, pos)
+    assert torch.equal(keys, ref_keys.to(dtype)) and torch.equal(values, ref_values.to(dtype))  # k/v written
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: probabilities rounded before p.V, as flash kernels do
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("block", [4096, 2])  # 2: four vocabulary blocks, the two-level draw at work
+def test_triton_sampler_draws_from_softmax_over_temperature_with_exact_logprobs(block, monkeypatch):
+    device = kernel_device()
+    monkeypatch.setattr(kernels, "SAMPLE_BLOCK", block)
+    z = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -30.0])
+    rows, T = 3000, 1.5
+    logits = z.repeat(rows, 1).to(device)  # [rows, 7]: many independent draws from one distribution
+    seed = torch.tensor([1234], device=device)
+    tokens, logprobs = kernels.sample(logits, seed, False, T)
+    probs = (z / T).softmax(-1)
+    freq = torch.bincount(tokens.cpu(), minlength=7).float() / rows
+    assert (freq - probs).abs().max() < 4 * (0.25 / rows) ** 0.5  # 4 sigma of a binomial at p = 0.5
+    torch.testing.assert_close(logprobs.cpu(), probs.log()[tokens.cpu()], atol=1e-5, rtol=0)
+    again, _ = kernels.sample(logits, seed, False, T)
+    assert torch.equal(again, tokens)  # same seed, same draws
+    seed += 1
+    assert not torch.equal(kernels.sample(logits, seed, False, T)[0], tokens)
+    wide = torch.randn(4, 10000, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    greedy, greedy_lp = kernels.sample(wide, seed, True, 1.0)  # several blocks per row
+    assert torch.equal(greedy.cpu(), wide.float().argmax(-1).cpu())
+    torch.testing.assert_close(greedy_lp.cpu(), wide.float().log_softmax(-1).amax(-1).cpu(), atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -5,7 +5,9 @@
     engine.py     RolloutEngine: the fast path for our CausalLM (slot KV pool, refill, CUDA graphs)
     kv_pool.py    KVPool (slot KV cache, sleep/wake), SlotState (per-slot decode state on the device)
     scheduler.py  Scheduler, Sequence: slots for sequences, continuous refill, compaction
-    runner.py     ModelRunner: prefill and graph-captured decode over the model's own weights
+    runner.py     ModelRunner: prefill and graph-captured decode (fused qkv / gate-up copies of the weights)
+    kernels.py    Triton kernels of the decode step on CUDA: attention over each row's own context,
+                  one-pass sampling with in-kernel random numbers (pure-torch twins in runner.py)
 """
 from phaserl.rollout.engine import EngineConfig, RolloutEngine
 from phaserl.rollout.generate import GenerationResult, generate

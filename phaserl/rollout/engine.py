@@ -81,7 +81,7 @@ class RolloutEngine:
         self.pool = KVPool(self.model.config, weight.dtype, weight.device, token_budget=c.token_budget,
                            memory_fraction=c.memory_fraction)
         compile = c.compile
-        if compile is None:  # measured on an H200: 111k vs 85k tokens/s at the reference shape (BENCHMARKS.md)
+        if compile is None:  # H200, reference shape: 190k vs 124k tokens/s without it (BENCHMARKS.md)
             compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.runner = ModelRunner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
                                   prefill_tokens=c.prefill_tokens)

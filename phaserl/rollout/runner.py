@@ -1,15 +1,17 @@
 """ModelRunner: the rollout engine's forward passes (prefill and decode) over the actor's own weights.
 
 The runner does not call `CausalLM.forward`: it runs the same math (decoder.py) in token-flattened
-form over the module's parameter tensors, read in place (no copy, no trip through the CPU), so that
-it can write into the slot KV pool and be captured in CUDA graphs.
+form, so that it can write into the slot KV pool and be captured in CUDA graphs. It reads the module's
+norms, o_proj, down_proj and embedding in place, and keeps its own concatenated [q; k; v] and
+[gate; up] weights (one GEMM instead of three and two), refilled from the module at every call.
   prefill  the prompts of newly admitted sequences, each distinct prompt once: its KV is written into
            every slot of the sequences that share it, and each sequence draws its own first token.
   decode   one token for every slot in [0, b); b is a bucket size, and on CUDA each (bucket, sampling
            settings) pair is one captured graph, replayed every step. Sampling happens inside it.
-With `compile=True` the per-layer pieces go through torch.compile (fused elementwise kernels); the
-CPU path runs the very same functions eagerly.
-Not here: which sequence is in which slot (scheduler.py), memory sizing (kv_pool.py).
+On CUDA, decode attention (over each row's used context) and sampling are Triton kernels (kernels.py);
+with `compile=True` the norm/projection/MLP pieces go through torch.compile. The CPU path runs the very
+same functions eagerly with pure-torch attention and sampling.
+Not here: which sequence is in which slot (scheduler.py), memory sizing (kv_pool.py), kernels (kernels.py).
 
 Legend: N tokens in the pass, b decode rows (slots), U distinct prompts, A admitted sequences,
 P longest prompt, S slot_len, H hidden, Hq/Hkv heads, D head_dim, V vocab.
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from phaserl.models.decoder import CausalLM
+from phaserl.rollout import kernels
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
 
@@ -30,31 +33,51 @@ Tensor = torch.Tensor
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer's parameters, as the module holds them (None where the architecture has none)."""
+    """One decoder layer's parameters as the engine uses them (None where the architecture has none).
+
+    qkv = [q; k; v] and gate_up = [gate; up] are engine-owned concatenations (one GEMM each instead of
+    three and two); the norms, o and down are the module's own tensors, read in place. The copies cost
+    (q + k + v + gate + up) parameters once more: 0.47 GB for Qwen2-0.5B, 8.5 GB for Qwen2-7B in bf16;
+    ModelRunner.release() (engine.sleep()) frees them.
+    """
     in_norm: Tensor
-    q: Tensor
-    q_bias: Optional[Tensor]
-    k: Tensor
-    k_bias: Optional[Tensor]
-    v: Tensor
-    v_bias: Optional[Tensor]
+    qkv: Tensor                   # [(Hq + 2 Hkv) D, H]
+    qkv_bias: Optional[Tensor]    # [(Hq + 2 Hkv) D]
     q_norm: Optional[Tensor]
     k_norm: Optional[Tensor]
     o: Tensor
     o_bias: Optional[Tensor]
     post_norm: Tensor
-    gate: Tensor
-    up: Tensor
+    gate_up: Tensor               # [2 I, H]
     down: Tensor
 
 
-def layer_weights(layer) -> LayerWeights:
+def module_tensors(layer) -> list[Tensor]:
+    """The layer's parameters the engine reads (their addresses decide when the fused copies are rebuilt)."""
     a, m = layer.self_attn, layer.mlp
-    return LayerWeights(layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
-                        a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
-                        a.q_norm.weight if a.qk_norm else None, a.k_norm.weight if a.qk_norm else None,
+    return [t for t in (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+                        a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
+                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                        m.down_proj.weight) if t is not None]
+
+
+def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeights:
+    """The layer's LayerWeights; with `previous`, its fused buffers are refilled in place (captured graphs
+    keep pointing at them) instead of allocated again."""
+    a, m = layer.self_attn, layer.mlp
+
+    def cat(parts: list[Tensor], into: Optional[Tensor]) -> Tensor:
+        return torch.cat(parts) if into is None else torch.cat(parts, out=into)
+
+    qkv_bias = None
+    if a.q_proj.bias is not None:
+        qkv_bias = cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], previous and previous.qkv_bias)
+    return LayerWeights(layer.input_layernorm.weight,
+                        cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], previous and previous.qkv),
+                        qkv_bias, a.q_norm.weight if a.qk_norm else None, a.k_norm.weight if a.qk_norm else None,
                         a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
-                        m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+                        cat([m.gate_proj.weight, m.up_proj.weight], previous and previous.gate_up),
+                        m.down_proj.weight)
 
 
 # ----- the per-layer math: pure functions of tensors, the same as decoder.py -------------------------
@@ -79,9 +102,8 @@ def pre_attention(h: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: flo
     """h [N, H] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], RoPE applied to q and k."""
     Hq, Hkv, D = heads
     x = rms_norm(h, w.in_norm, eps)
-    q = F.linear(x, w.q, w.q_bias).view(-1, Hq, D)
-    k = F.linear(x, w.k, w.k_bias).view(-1, Hkv, D)
-    v = F.linear(x, w.v, w.v_bias).view(-1, Hkv, D)
+    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [N, heads * D] each
+    q, k, v = q.unflatten(-1, (Hq, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D))
     if w.q_norm is not None:  # Qwen3
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     return rotate(q, cos, sin), rotate(k, cos, sin), v
@@ -93,8 +115,8 @@ def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, eps: float) -> Tens
         h = torch.addmm(h, attn, w.o.t())
     else:
         h = h + F.linear(attn, w.o, w.o_bias)
-    x = rms_norm(h, w.post_norm, eps)
-    return torch.addmm(h, F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down.t())
+    gate, up = F.linear(rms_norm(h, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)  # [N, I] each
+    return torch.addmm(h, F.silu(gate) * up, w.down.t())
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor) -> Tensor:
@@ -109,6 +131,18 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor) ->
     scores = torch.matmul(qg, keys.transpose(-1, -2))  # [b, Hkv, G, S]
     probs = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(dim=-1)
     return torch.matmul(probs, values).reshape(b, Hq * D)  # [b, Hkv, G, D] -> [b, Hq * D]
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
+    """Write the new k/v [b, Hkv, D] at each row's position pos [b], then attend: -> [b, Hq * D].
+
+    The pure-torch twin of kernels.decode_attention (the CPU path): it reads the whole slot, masked.
+    """
+    b = q.shape[0]
+    keys[torch.arange(b, device=q.device), :, pos] = k
+    values[torch.arange(b, device=q.device), :, pos] = v
+    hidden = torch.arange(keys.shape[2], device=q.device) > pos[:, None]  # [b, S] after each row's position
+    return decode_attention(q, keys[:b], values[:b], hidden)
 
 
 def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, temperature: float, top_k: int,
@@ -135,25 +169,39 @@ def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, tempera
 class LayerFns(NamedTuple):
     pre: callable
     post: callable
-    attend: callable
     norm: callable
-    sample: callable
+    attend: callable    # (q, k, v, keys, values, pos) -> [b, Hq * D], writes k/v into the cache
+    sample: callable    # sample_tokens (every setting; needs noise)
+    fast_sample: Optional[callable]  # kernels.sample (no top-k/top-p): one pass, in-kernel noise
 
 
-EAGER = LayerFns(pre_attention, post_attention, decode_attention, rms_norm, sample_tokens)
+EAGER = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None)
 
 
 @functools.cache
 def compiled_fns() -> LayerFns:
-    """torch.compile'd twins of the layer functions; dynamic shapes, so one compile serves every bucket."""
+    """torch.compile'd twins of the layer functions; dynamic shapes, so one compile serves every bucket
+    (and the prefill). cached_attention writes into the cache, so it stays eager (layer_fns swaps in
+    the Triton kernel where it runs)."""
     def c(fn):
         return torch.compile(fn, dynamic=True, fullgraph=True)
-    return LayerFns(*(c(fn) for fn in EAGER))
+    return LayerFns(c(pre_attention), c(post_attention), c(rms_norm), cached_attention, c(sample_tokens), None)
+
+
+def layer_fns(device: torch.device, compile: bool) -> LayerFns:
+    """The functions a runner uses: compiled or eager, with the Triton kernels wherever they run."""
+    fns = compiled_fns() if compile else EAGER
+    if kernels.available(device):
+        fns = fns._replace(attend=kernels.decode_attention, fast_sample=kernels.sample)
+    return fns
 
 
 def decode_buckets(num_slots: int) -> list[int]:
-    """Batch sizes that get a graph: powers of two up to 64, then every 64, then num_slots itself."""
-    small = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < num_slots]
+    """Batch sizes that get a graph: powers of two from 2 up to 64, then every 64, then num_slots itself.
+
+    No bucket 1 (unless num_slots is 1): compiled functions specialize on size 1, a recompile for one row.
+    """
+    small = [b for b in (2, 4, 8, 16, 32, 64) if b < num_slots]
     return small + list(range(128, num_slots, 64)) + [num_slots]
 
 
@@ -162,41 +210,48 @@ class ModelRunner:
         self.model, self.pool, self.cfg = model, pool, model.config
         self.device = model.output_weight.device
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.fns = compiled_fns() if compile else EAGER
+        self.fns = layer_fns(self.device, compile)
         self.prefill_tokens = prefill_tokens
         self.heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim)
         self.layout: Optional[tuple[int, int, int]] = None  # (num_slots, slot_len, max_new)
         self.graphs: dict = {}
         self.graph_pool = None
+        self.weights: Optional[list[LayerWeights]] = None
+        self.pointers: Optional[list[int]] = None
+        self.seed = torch.zeros(1, dtype=torch.long, device=self.device)  # fast_sample's noise key, advanced per draw
 
     def release(self) -> None:
-        """Drop graphs and views (they pin the pool's memory). The graph memory pool dies with its last
-        graph, so its handle goes too: capturing into a dead pool asserts in torch 2.11's allocator."""
+        """Drop graphs, views (they pin the pool's memory) and the fused weight copies. The graph memory
+        pool dies with its last graph, so its handle goes too: capturing into a dead pool asserts in
+        torch 2.11's allocator."""
         self.graphs, self.layout, self.keys, self.values, self.state = {}, None, None, None, None
-        self.graph_pool = None
+        self.graph_pool, self.weights, self.pointers = None, None, None
 
     # ----- per call -------------------------------------------------------------------------------
     def begin(self, num_slots: int, slot_len: int, max_new: int, params: SamplingParams,
               stop_ids: list[int]) -> None:
-        """Lay out slots (reusing the previous layout when it is large enough), reset state, capture graphs."""
+        """Lay out slots (reusing the previous layout when it is large enough), refresh the fused weights,
+        reset state, capture graphs."""
         want = (num_slots, slot_len, max_new)
         grown = want if self.layout is None else tuple(map(max, self.layout, want))
         fit = self.pool.slots_that_fit(grown[1])
         if fit is not None and fit < grown[0]:
             grown = want
-        weights = [layer_weights(layer) for layer in self.model.model.layers]
-        pointers = [t.data_ptr() for w in weights for t in w if t is not None]
-        if grown != self.layout or pointers != getattr(self, "pointers", None):
+        layers = self.model.model.layers
+        pointers = [t.data_ptr() for layer in layers for t in module_tensors(layer)]
+        if grown != self.layout or pointers != self.pointers:
             self.release()
             self.layout, self.pointers = grown, pointers
             self.keys, self.values = self.pool.layout(grown[0], grown[1])
             self.state = SlotState(grown[0], grown[2], self.device)
-            self.rows = torch.arange(grown[0], device=self.device)
             self.positions = torch.arange(grown[1], device=self.device)  # [S]
             cos, sin = self.model.model.rotary_emb(self.positions[None], self.model.output_weight.dtype)
             self.cos, self.sin = rope_tables(cos[0], sin[0])  # [S, D]
-        self.weights = weights
+        # Refilled every call: training updates the parameters in place, at the same addresses.
+        previous = self.weights or [None] * len(layers)
+        self.weights = [fused_weights(layer, old) for layer, old in zip(layers, previous)]
         self.sampling = (params.greedy, 1.0 if params.greedy else params.temperature, params.top_k, params.top_p)
+        self.seed.copy_(torch.randint(2**62, (1,), device=self.device))  # from the (seeded) default generator
         self.state.reset(stop_ids)
         if self.use_graphs:
             self._capture_all()
@@ -246,19 +301,22 @@ class ModelRunner:
     # ----- decode ---------------------------------------------------------------------------------
     def _sample(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         logits = F.linear(hidden, self.model.output_weight)  # [b, V]
-        noise = None if self.sampling[0] else torch.empty_like(logits, dtype=torch.float32).exponential_()
+        greedy, temperature, top_k, top_p = self.sampling
+        if self.fns.fast_sample is not None and top_k == 0 and top_p >= 1.0:
+            drawn = self.fns.fast_sample(logits, self.seed, greedy, temperature)
+            self.seed += 1  # in the graph too: every replay draws fresh noise
+            return drawn
+        noise = None if greedy else torch.empty_like(logits, dtype=torch.float32).exponential_()
         return self.fns.sample(logits, noise, *self.sampling)
 
     def _decode_step(self, b: int) -> None:
         st, eps = self.state, self.cfg.rms_norm_eps
-        tokens, pos, rows = st.tokens[:b], st.pos[:b], self.rows[:b]
+        tokens, pos = st.tokens[:b], st.pos[:b]
         cos, sin = self.cos[pos], self.sin[pos]  # [b, D]
-        hidden = self.positions > pos[:, None]  # [b, S] True after each row's own position
         h = F.embedding(tokens, self.model.model.embed_tokens.weight)  # [b, H]
         for keys, values, w in zip(self.keys, self.values, self.weights):
             q, k, v = self.fns.pre(h, w, cos, sin, eps, self.heads)
-            keys[rows, :, pos], values[rows, :, pos] = k, v
-            h = self.fns.post(h, self.fns.attend(q, keys[:b], values[:b], hidden), w, eps)
+            h = self.fns.post(h, self.fns.attend(q, k, v, keys, values, pos), w, eps)
         st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, eps)))
 
     def decode(self, b: int) -> None:
