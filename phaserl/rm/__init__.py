@@ -105,8 +105,12 @@ def resolve_reward_model_path(path: Optional[str]) -> Optional[str]:
     return prepare_tiny_reward_model() if path == TINY else path
 
 
+# RMTrainConfig's defaults, with inputs capped at the tiny model's 64 positions (its inputs are ~25 tokens)
+_TINY_RECIPE = RMTrainConfig(max_length=64)
+
+
 def prepare_tiny_reward_model(root: Optional[str] = None) -> str:
-    """The tiny world's reward model directory: trained with RMTrainConfig's defaults on first use (CPU,
+    """The tiny world's reward model directory: trained with `_TINY_RECIPE` on first use (CPU,
     under a minute) into `root` (default ~/.cache/phaserl/tiny-rm, next to the tiny world's data cache),
     and reused while the tiny world's model and the recipe stay the same."""
     from phaserl.world import prepare_tiny_world
@@ -121,7 +125,7 @@ def prepare_tiny_reward_model(root: Optional[str] = None) -> str:
             if f.read().strip() == fingerprint:
                 return model_dir
     log.info(f"[train-rm] training the built-in tiny reward model into {root} (first use; about a minute on a CPU)")
-    run_train_rm(dataclasses.replace(RMTrainConfig(), model_path=policy_dir, out_dir=root, device="cpu"))
+    run_train_rm(dataclasses.replace(_TINY_RECIPE, model_path=policy_dir, out_dir=root, device="cpu"))
     with open(stamp, "w") as f:
         f.write(fingerprint + "\n")
     return model_dir
@@ -129,7 +133,7 @@ def prepare_tiny_reward_model(root: Optional[str] = None) -> str:
 
 def _fingerprint(model_dir: str) -> str:
     """sha256 of the init model's weights and of the RM recipe: a change to either retrains the tiny RM."""
-    digest = hashlib.sha256(json.dumps(asdict(RMTrainConfig()), sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps(asdict(_TINY_RECIPE), sort_keys=True).encode())
     with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()
