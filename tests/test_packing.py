@@ -163,3 +163,12 @@ def test_a_packed_run_logs_the_same_first_step_as_a_padded_one(tmp_path):
         assert key in padded, key
     for key in padded:
         assert packed[key] == pytest.approx(padded[key], abs=1e-5), key
+
+
+def test_packing_defaults_to_auto_which_is_padded_on_the_cpu(tmp_path):
+    """null = auto: on where the varlen kernel runs (CUDA, bf16/fp16); the CPU's dense block mask is slower."""
+    from phaserl.config.schema import PPOConfig
+
+    assert PPOConfig().packing is None
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + ["algorithm.adv_estimator=gae"]))
+    assert trainer.actor.packing is False and trainer.critic.packing is False and trainer.ref_policy.packing is False

@@ -185,8 +185,10 @@ class PPOConfig:
     epochs: int = spec(1, "passes over one RL step's responses", min=1)
     micro_batch_tokens: int = spec(16384, "tokens per training micro-batch, per rank (forward+backward)", min=1)
     forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
-    packing: bool = spec(True, "pack micro-batches without padding: budgets count real tokens, varlen attention on "
-                               "CUDA (phaserl's decoder; other models run padded)")
+    packing: Optional[bool] = spec(None, "pack micro-batches without padding (budgets count real tokens; phaserl's "
+                                         "decoder only). null = auto: on where the varlen flash kernel runs (CUDA, "
+                                         "bf16/fp16 compute); padded elsewhere, where the dense block mask costs "
+                                         "more than the padding it saves")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from typing import Optional
 
 import torch
 
@@ -16,6 +17,7 @@ from ..config import Config, check_context_length, derive, load_config, to_dict
 from ..data import build_prompt_dataset, load_prompt_rows
 from ..metrics import MetricsLogger
 from ..models import load_pretrained, load_tokenizer
+from ..parallel import is_distributed
 from ..rewards import RuleRewards
 from ..rm import resolve_reward_model_path
 from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
@@ -254,16 +256,22 @@ def _eos_ids(tokenizer, model) -> list:
     return ids
 
 
-def set_packing(roles: list, enabled: bool) -> None:
-    """ppo.packing on each role whose model is our decoder; any other stays padded (logged at info level,
-    since packing is on by default)."""
+def set_packing(roles: list, setting: Optional[bool]) -> None:
+    """ppo.packing on each role whose model is our decoder; any other stays padded. `None` (auto) packs
+    where the varlen kernel runs: on the CPU (or in float32) the packed path needs a dense [T, T] block
+    mask, measured 5x slower than padding on the tiny world's quickstart."""
+    from ..models.decoder import use_varlen
     from ..roles.forward import supports_packing
 
     for role in roles:
         if role is None:
             continue
+        first = next(role.model.parameters())
+        fsdp_dtype = role.fsdp.param_dtype if is_distributed() else None  # FSDP2's compute dtype, when sharded
+        compute_dtype = getattr(torch, fsdp_dtype) if fsdp_dtype else first.dtype
+        enabled = use_varlen(first.device, compute_dtype) if setting is None else setting
         role.packing = enabled and supports_packing(role.model)
-        if enabled and not role.packing:
+        if setting and not role.packing:
             log.info(f"ppo.packing=true does not apply to the {role.role}: its model "
                      f"({type(role.model).__name__}) is not phaserl's decoder, so it runs padded micro-batches")
 
