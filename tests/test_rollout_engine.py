@@ -314,3 +314,19 @@ def test_gpu_bf16_sampled_logprobs_match_the_trainer(compile):
     print(f"bf16 rollout vs trainer log-probs (compile={compile}): mean |diff| {diffs.mean():.5f}, "
           f"max {diffs.max():.5f} over {diffs.numel()} tokens")
     assert diffs.mean() <= BF16_MEAN_TOL and diffs.max() <= BF16_MAX_TOL
+
+
+def test_the_kv_cache_is_capped_at_what_the_run_can_use(monkeypatch):
+    """memory_fraction of free memory, but never more than max_slots slots of the longest sequence."""
+    from phaserl.rollout.kv_pool import KVPool
+
+    cfg = DecoderConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 140 * 2**30))
+    per_token = 2 * 2 * 2 * 8 * 2  # K and V x 2 layers x 2 kv heads x head_dim 8 x 2 bytes (bf16)
+    uncapped = KVPool(cfg, torch.bfloat16, "cuda", memory_fraction=0.4)
+    assert uncapped._target_tokens() == int(100 * 2**30 * 0.4) // per_token
+    capped = KVPool(cfg, torch.bfloat16, "cuda", memory_fraction=0.4, max_tokens=512 * 64)
+    assert capped._target_tokens() == 512 * 64
+    engine_cap = EngineConfig(max_slots=8, max_seq_tokens=70)  # slots are rounded up to 64 positions: 128
+    assert RolloutEngine(CausalLM(cfg), engine_cap).pool.max_tokens == 8 * 128

@@ -56,7 +56,8 @@ class RolloutConfig:
                         choices=["auto", "builtin", "hf"])
     engine_max_slots: int = spec(512, "builtin engine: most sequences decoded together, per rank", min=1)
     engine_memory_fraction: float = spec(0.4, "builtin engine: share of free GPU memory for its KV cache at each "
-                                              "switch to rollout mode", min=0.01, max=0.95)
+                                              "switch to rollout mode, at most engine_max_slots sequences of "
+                                              "data.max_prompt_length + max_new_tokens", min=0.01, max=0.95)
     engine_cuda_graphs: bool = spec(True, "builtin engine: capture decode steps in CUDA graphs (GPU only)")
     engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = on CUDA when "
                                                 "Triton is installed; the first rollout then pays ~40 s)")

@@ -32,6 +32,10 @@ from phaserl.rollout.scheduler import Scheduler, Sequence
 SLOT_ROUNDING = 64  # slot lengths are rounded up to this, so that nearby calls reuse one layout and its graphs
 
 
+def _round_slot(tokens: int) -> int:
+    return -(-tokens // SLOT_ROUNDING) * SLOT_ROUNDING
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_slots: int = 512                  # most sequences decoded together (the largest graph bucket)
@@ -41,8 +45,12 @@ class EngineConfig:
     compile: Optional[bool] = None        # torch.compile the layer functions; None = on CUDA when Triton exists
     prefill_tokens: int = 16384           # most (padded) prompt tokens in one prefill pass
     refill: bool = True                   # False = static batching: admit only when the batch is empty
+    max_seq_tokens: Optional[int] = None  # longest prompt + response of the run: caps the KV cache at
+                                          # max_slots slots of that length (None = memory_fraction alone)
 
     def __post_init__(self):
+        if self.max_seq_tokens is not None and self.max_seq_tokens < 1:
+            raise ConfigError(f"EngineConfig: max_seq_tokens={self.max_seq_tokens} must be >= 1 (or None)")
         if self.max_slots < 1 or self.prefill_tokens < 1:
             raise ConfigError(f"EngineConfig: max_slots={self.max_slots} and prefill_tokens="
                               f"{self.prefill_tokens} must be >= 1")
@@ -78,8 +86,9 @@ class RolloutEngine:
 
     def _build(self) -> None:
         c, weight = self.config, self.model.output_weight
+        cap = None if c.max_seq_tokens is None else c.max_slots * _round_slot(c.max_seq_tokens)
         self.pool = KVPool(self.model.config, weight.dtype, weight.device, token_budget=c.token_budget,
-                           memory_fraction=c.memory_fraction)
+                           memory_fraction=c.memory_fraction, max_tokens=cap)
         compile = c.compile
         if compile is None:  # H200, reference shape: 190k vs 124k tokens/s without it (BENCHMARKS.md)
             compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None
@@ -122,7 +131,7 @@ class RolloutEngine:
             self._build()  # the model moved or changed dtype since the pool was made
         _check_prompts(prompts, weight.shape[0])
         caps = self._caps(len(prompts), params, max_new_tokens)
-        slot_len = -(-(max(map(len, prompts)) + max(caps)) // SLOT_ROUNDING) * SLOT_ROUNDING
+        slot_len = _round_slot(max(map(len, prompts)) + max(caps))
         num_slots = min(batch_size or self.config.max_slots, self.config.max_slots, len(prompts))
         fit = self.pool.slots_that_fit(slot_len)
         if fit is not None and fit < 1:

@@ -5,7 +5,9 @@ One flat buffer per pool holds the keys and values of every layer. A generate ca
 holds the key/value of the token at RoPE position p of the sequence that owns slot s. Nothing is
 copied when the layout changes; only the views do.
 
-Size: an explicit token budget, or `memory_fraction` of the free accelerator memory at wake() time.
+Size: an explicit token budget, or `memory_fraction` of the free accelerator memory at wake() time,
+capped at `max_tokens` (what the run can use: its most slots times its longest slot), so a small
+model with short sequences does not take 40% of a GPU.
 On the CPU without a budget the buffer is sized on demand (exactly what a call needs).
 `sleep()` frees the buffer (the hybrid actor's switch to training), `wake()` allocates it again.
 Not here: which sequence owns which slot (scheduler.py), the math that fills the slots (runner.py).
@@ -24,7 +26,7 @@ from phaserl.models.config import DecoderConfig
 
 class KVPool:
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device | str, *,
-                 token_budget: Optional[int] = None, memory_fraction: float = 0.4):
+                 token_budget: Optional[int] = None, memory_fraction: float = 0.4, max_tokens: Optional[int] = None):
         if token_budget is not None and token_budget < 1:
             raise ConfigError(f"KVPool token_budget={token_budget}: must be >= 1 (or None to size from memory)")
         if not 0 < memory_fraction < 1:
@@ -32,7 +34,7 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = (cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                              cfg.head_dim)
         self.dtype, self.device = dtype, torch.device(device)
-        self.token_budget, self.memory_fraction = token_budget, memory_fraction
+        self.token_budget, self.memory_fraction, self.max_tokens = token_budget, memory_fraction, max_tokens
         self.buffer: Optional[torch.Tensor] = None  # [L, 2, capacity * Hkv * D]
         self.capacity_tokens = 0
 
@@ -56,7 +58,8 @@ class KVPool:
             return self.token_budget
         if self.device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            return int(free_bytes * self.memory_fraction) // self.bytes_per_token
+            tokens = int(free_bytes * self.memory_fraction) // self.bytes_per_token
+            return tokens if self.max_tokens is None else min(tokens, self.max_tokens)
         return None
 
     def _allocate(self, tokens: int) -> None:
