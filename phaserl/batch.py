@@ -74,7 +74,7 @@ class TrainBatch:
     """Everything the update phase needs, one row per response."""
 
     rollout: RolloutBatch
-    old_logprobs: torch.Tensor             # [B, R]
+    old_logprobs: Optional[torch.Tensor]   # [B, R]; None = the update's own detached log-probs (on-policy)
     ref_logprobs: Optional[torch.Tensor]   # [B, R]
     advantages: torch.Tensor               # [B, R]
     returns: torch.Tensor                  # [B, R]
@@ -87,7 +87,7 @@ class TrainBatch:
     def select(self, index: torch.Tensor) -> "TrainBatch":
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         return TrainBatch(
-            rollout=self.rollout.select(index), old_logprobs=self.old_logprobs[index],
+            rollout=self.rollout.select(index), old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs), advantages=self.advantages[index],
             returns=self.returns[index], old_values=pick(self.old_values),
         )

@@ -86,3 +86,39 @@ def test_builtin_engine_on_a_transformers_model_is_a_config_error(tmp_path):
     actor = HybridActor(model=AutoModelForCausalLM.from_pretrained(cfg.model.path))
     with pytest.raises(ConfigError, match="rollout.engine=builtin"):
         RLTrainer(actor=actor, config=cfg)
+
+
+def _one_grpo_step(tmp_path, reuse: bool, *extra):
+    from _tiny_run import make_model_dir
+
+    torch.manual_seed(0)
+    other = make_model_dir(str(tmp_path / "ref"), seed=1)  # a reference unlike the actor: KL is not 0
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[jsonl]", "data.val_files=[]", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1",
+        "actor.dual_clip_c=null", f"ref.path={other}", *extra])
+    trainer = RLTrainer.from_config(cfg)
+    trainer.run.reuse_update_logprobs = reuse
+    passes, compute = [], trainer.actor.compute_logprobs
+    trainer.actor.compute_logprobs = lambda *a, **k: passes.append(1) or compute(*a, **k)
+    metrics = trainer.train_step()
+    return metrics, {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}, len(passes)
+
+
+def test_one_optimizer_step_per_batch_skips_the_old_logprob_pass_with_the_same_update(tmp_path):
+    """1 epoch x 1 mini-batch: the update's own detached log-probs are the old ones (ratio 1), as in TRL."""
+    kept, kept_weights, kept_passes = _one_grpo_step(tmp_path / "kept", False)
+    skipped, skipped_weights, skipped_passes = _one_grpo_step(tmp_path / "skipped", True)
+    assert (kept_passes, skipped_passes) == (1, 0)
+    for name, w in kept_weights.items():
+        torch.testing.assert_close(skipped_weights[name], w, atol=1e-6, rtol=1e-5, msg=name)
+    for key in ("train/kl", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert skipped[key] == pytest.approx(kept[key], rel=1e-4, abs=1e-7), key
+    assert kept["train/kl"] > 1e-3 and kept["actor/kl_loss"] > 1e-3  # the comparison is not of zeros
+    assert skipped["actor/ppo_kl"] == 0.0 and skipped["actor/pg_clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("extra", [("ppo.num_mini_batches=2",), ("ppo.epochs=2",), ("algorithm.kl_placement=reward",)])
+def test_the_old_logprob_pass_runs_when_something_reads_it(tmp_path, extra):
+    """Several optimizer steps need the pre-update log-probs; KL in the reward reads them before the update."""
+    _, _, passes = _one_grpo_step(tmp_path, True, *extra)
+    assert passes == 1

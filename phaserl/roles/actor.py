@@ -161,13 +161,16 @@ class HybridActor:
         max_len = s.norm_len  # a constant, so Dr.GRPO's normalization is the same in every mini-batch and rank
         stats = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0,
                  "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+        on_policy = mb.old_logprobs is None  # the trainer skipped the old log-prob pass (one optimizer step)
+        if on_policy and mb.ref_logprobs is not None:
+            stats["train/kl"] = 0.0  # what the skipped pass would have given: k3 to the reference, token mean
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
             micro = mb.select(idx)
             logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
                                                  temperature=s.temperature, with_entropy=True)  # [b, R] each
             R = resp_mask.shape[1]
             mask = resp_mask.float()                                          # [b, R]
-            old = micro.old_logprobs[:, :R]
+            old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
             adv = micro.advantages[:, :R]
             pg_mat, pg_stats = s.loss_fn(logp, old, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high,
                                          dual_clip_c=s.dual_clip_c)           # [b, R]
@@ -181,6 +184,9 @@ class HybridActor:
                 loss = loss + s.kl_loss_coef * kl_loss
                 stats["actor/kl_loss"] += float(kl_loss.detach())
             loss.backward()
+            if "train/kl" in stats:
+                k3 = kl_penalty(logp.detach(), micro.ref_logprobs[:, :R], "k3")  # [b, R]
+                stats["train/kl"] += float((k3 * mask).sum()) / global_tokens
             tokens = float(mask.sum())
             stats["actor/pg_loss"] += float(pg_loss.detach())
             stats["actor/entropy"] += float(entropy.detach())

@@ -118,7 +118,9 @@ class RLTrainer:
                     baseline_scores = run.reward.score(baseline).total.repeat_interleave(run.n)  # [B]
             # 4. forward-only passes: old log-probs, reference log-probs, values
             with clock("forward"):
-                old_logprobs = self.actor.compute_logprobs(batch, token_budget=run.forward_tokens)
+                old_logprobs = None  # one optimizer step per batch: the update's own log-probs are the old ones
+                if not self._on_policy(batch):
+                    old_logprobs = self.actor.compute_logprobs(batch, token_budget=run.forward_tokens)
                 ref_logprobs = values = None
                 if self.ref_policy is not None:
                     ref_logprobs = self.ref_policy.compute_logprobs(
@@ -147,12 +149,22 @@ class RLTrainer:
         metrics["perf/tokens_per_s"] = float(tokens) / max(timings["step"], 1e-9)
         metrics["perf/rollout_tokens_per_s"] = float(all_reduce_sum(batch.response_mask.sum().float())) / max(
             timings["rollout"], 1e-9)
-        metrics.update(self._perf_metrics(batch, timings, updated=not update_stats["train/skipped_step"]))
+        metrics.update(self._perf_metrics(batch, timings, updated=not update_stats["train/skipped_step"],
+                                          old_pass=old_logprobs is not None))
         run.kl_controller.update(metrics.get("train/kl", 0.0), run.responses_per_step)
         metrics["train/kl_coef"] = run.kl_controller.value
         return metrics
 
-    def _perf_metrics(self, batch, timings: dict, *, updated: bool) -> dict:
+    def _on_policy(self, batch) -> bool:
+        """True when the step makes exactly one optimizer step (1 epoch, 1 mini-batch) and nothing before
+        the update reads the old log-probs (KL not in the reward). Then the old log-probs equal the
+        update's own detached log-probs (ratio 1, as TRL does with num_iterations=1), and the forward
+        pass that would compute them is skipped. `run.reuse_update_logprobs=False` keeps the pass."""
+        run = self.run
+        one_step = run.epochs == 1 and batch.num_responses // run.mini_batch_per_rank == 1
+        return run.reuse_update_logprobs and one_step and not run.advantage.kl_in_reward
+
+    def _perf_metrics(self, batch, timings: dict, *, updated: bool, old_pass: bool = True) -> dict:
         """perf/peak_memory_gb (this rank's, CUDA only) and perf/mfu: model FLOPs of the forward-only and update
         phases (all ranks) over their time times the devices' bf16 peak (metrics.PEAK_BF16_FLOPS; GPUs only)."""
         device, out = self.actor.device, {}
@@ -169,7 +181,7 @@ class RLTrainer:
                 self._flop_models["critic"] = FlopModel.of(self.critic.model, lm_head=False)
         lengths = batch.attention_mask.sum(dim=1)  # [B] real tokens per row
         responses = float(batch.response_mask.sum())
-        passes = 1 + (3 * self.run.epochs if updated else 0)  # forward-only pass + epochs of forward+backward
+        passes = int(old_pass) + (3 * self.run.epochs if updated else 0)  # old log-probs + forward+backward
         flops = self._flop_models["actor"].forward_flops(lengths, responses) * passes
         if "ref" in self._flop_models:
             flops += self._flop_models["ref"].forward_flops(lengths, responses)
@@ -330,9 +342,9 @@ class RLTrainer:
              "train/advantage_min": float(advantages[mask.bool()].min()),
              "train/return_mean": float(masked_mean(returns, mask))}
         m.update({f"train/reward/{k}": float(v.mean()) for k, v in scores.by_source.items()})
-        if ref_logprobs is not None:
+        if ref_logprobs is not None and old_logprobs is not None:
             m["train/kl"] = float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask))
-        m.update(update_stats)
+        m.update(update_stats)  # without an old log-prob pass, train/kl comes from the update (global mean)
         self.run.guard.check_rewards(scores.total, self.step_num)
         self.metrics = m
         return m

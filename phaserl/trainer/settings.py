@@ -48,6 +48,7 @@ class RunSettings:
     metrics_logger: Any
     checkpointer: Any = None
     show_progress: bool = True
+    reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
 
     def progress_bar(self, start: int):
         return tqdm(total=self.total_steps, initial=start, desc="phaserl", unit="step",
