@@ -122,3 +122,21 @@ def test_the_old_logprob_pass_runs_when_something_reads_it(tmp_path, extra):
     """Several optimizer steps need the pre-update log-probs; KL in the reward reads them before the update."""
     _, _, passes = _one_grpo_step(tmp_path, True, *extra)
     assert passes == 1
+
+
+def test_ignore_eos_runs_every_response_to_max_new_tokens(tmp_path):
+    torch.manual_seed(0)
+    cfg = load_config(None, [  # the tiny world's warm model answers in a few tokens, then EOS
+        "model.path=tiny", "data.train_files=[tiny]", "data.val_files=[]", "rollout.max_new_tokens=12",
+        "data.max_prompt_length=32",
+        "rollout.prompts_per_step=4", "rollout.n=2", "rollout.batch_size=4", "trainer.device=cpu",
+        f"trainer.log_dir={tmp_path}/logs", f"trainer.checkpoint_path={tmp_path}/ckpt"])
+    trainer = RLTrainer.from_config(cfg)
+    with trainer.actor.rollout_mode():
+        stopping = trainer._generate(trainer.run.train_prompts.next_items(), trainer.run.sampling, 2)
+    assert set(stopping.finish_reasons) == {"stop"} and max(stopping.response_lengths().tolist()) < 12
+    trainer.run.ignore_eos = True  # what rollout.ignore_eos=true sets
+    with trainer.actor.rollout_mode():
+        fixed = trainer._generate(trainer.run.train_prompts.next_items(), trainer.run.sampling, 2)
+    assert set(fixed.finish_reasons) == {"length"} and set(fixed.response_lengths().tolist()) == {12}
+    assert load_config(None, ["rollout.ignore_eos=true"]).rollout.ignore_eos is True

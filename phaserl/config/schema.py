@@ -63,6 +63,8 @@ class RolloutConfig:
                                                 "Triton is installed; the first rollout then pays ~40 s)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
+    ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "
+                                   "benchmarks; the EOS token then stays in the text)")
 
 
 @dataclass

@@ -205,6 +205,7 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
                                     top_k=r.top_k if r.val_temperature > 0 else 0),
         temperature=temperature, needs_greedy_baseline=alg.adv_estimator == "remax",
         generate_batch_size=r.batch_size, eos_token_ids=eos, pad_token_id=pad, sampling_generator=gen,
+        ignore_eos=r.ignore_eos,
         reward=reward_sources,
         advantage=AdvantageSettings(estimator=ADVANTAGE_ESTIMATORS[alg.adv_estimator], estimator_name=alg.adv_estimator,
                                     gamma=alg.gamma, lam=alg.lam, norm_by_std=alg.norm_adv_by_std,

@@ -323,7 +323,8 @@ class RLTrainer:
             chunk = repeat_prompts(items[start:start + run.generate_batch_size], n)
             run.sampling_generator.manual_seed(hash((run.seed, self.step_num, first + start, n)) & (2**63 - 1))
             parts.append(self.actor.generate(
-                [list(item.prompt_ids) for item in chunk], params, eos_token_ids=run.eos_token_ids,
+                [list(item.prompt_ids) for item in chunk], params,
+                eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
                 pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator))
         result = GenerationResult(*([x for part in parts for x in getattr(part, name)]
                                     for name in ("response_ids", "logprobs", "finish_reasons")))

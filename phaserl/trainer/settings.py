@@ -48,6 +48,7 @@ class RunSettings:
     metrics_logger: Any
     checkpointer: Any = None
     show_progress: bool = True
+    ignore_eos: bool = False            # rollout.ignore_eos: generate to max_new_tokens
     reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
 
     def progress_bar(self, start: int):
