@@ -15,14 +15,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-PAD, EOS = "<pad>", "<eos>"
+from qwen2_shapes import SHAPES, decoder_config  # re-exported: grpo_step.py reads grpo_setup.SHAPES
 
-SHAPES = {  # Qwen2-0.5B's published architecture, and a CPU-sized stand-in for --tiny
-    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864),
-    "tiny": dict(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128),
-}
+PAD, EOS = "<pad>", "<eos>"
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -38,17 +33,14 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 def write_model(out_dir: str, shape: str, *, seed: int = 0, device: str = "cpu") -> tuple[str, str]:
     """A random-weight Qwen2 model (bf16, tied embeddings) and its tokenizer, in Hugging Face format.
 
-    Returns (model_dir, tokenizer_dir). The tokenizer has a directory of its own: next to a config.json
-    that says `qwen2`, transformers 5's AutoTokenizer would rebuild Qwen2's byte-level pipeline around
-    our vocabulary instead of loading our word-level one.
+    Returns (model_dir, tokenizer_dir). The tokenizer has a directory of its own for TRL's sake: next to a
+    config.json that says `qwen2`, transformers 5's AutoTokenizer would rebuild Qwen2's byte-level pipeline
+    around our vocabulary (phaserl's load_tokenizer would not).
     """
-    from phaserl.models import CausalLM, DecoderConfig, save_pretrained
+    from phaserl.models import CausalLM, save_pretrained
 
-    dims = SHAPES[shape]
-    tokenizer = build_tokenizer(dims["vocab_size"])
-    cfg = DecoderConfig(model_type="qwen2", attention_bias=True, tie_word_embeddings=True, rope_theta=1e6,
-                        max_position_embeddings=32768, rms_norm_eps=1e-6, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, **dims)
+    tokenizer = build_tokenizer(SHAPES[shape]["vocab_size"])
+    cfg = decoder_config(shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     with torch.device(device):
         model = CausalLM(cfg)

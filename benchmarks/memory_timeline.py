@@ -1,7 +1,7 @@
 """GPU memory across the phases of a GRPO step, and through the actor's hybrid switch, on 1 or N GPUs.
 
-Builds a random-weight model of a Qwen2 shape with a word-level tokenizer of the same vocabulary
-(nothing is downloaded), prompts of --prompt-len words, and a rule reward that varies, then runs
+Builds benchmarks/grpo_step.py's synthetic world (grpo_setup.py: a random-weight model of a Qwen2 shape,
+a word-level tokenizer of the same vocabulary, prompts of --prompt-len words, a rule reward), then runs
 --steps GRPO steps through the normal public path (load_config -> RLTrainer.from_config -> train_step)
 with the memory timeline on (phaserl.parallel.record_memory). One JSON line per measurement:
 
@@ -21,75 +21,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_setup  # noqa: E402  (the synthetic world of benchmarks/grpo_step.py)
 from phaserl.config import load_config  # noqa: E402
-from phaserl.data import write_records  # noqa: E402
-from phaserl.models import CausalLM, DecoderConfig, save_pretrained  # noqa: E402
 from phaserl.parallel import mark_memory, record_memory, stop_recording  # noqa: E402
 from phaserl.parallel.launch import destroy, init_distributed  # noqa: E402
 from phaserl.trainer import RLTrainer  # noqa: E402
-
-SHAPES = {  # Qwen2 published architectures (benchmarks/rollout.py uses the same)
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=4096, tie_word_embeddings=True),
-}
-REWARD_FILE = '''
-def even_share(prompt, response, ground_truth, **row):
-    """Share of response words whose number is even: varies across samples, so GRPO has a signal."""
-    words = response.split()
-    return sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1)
-'''
+from qwen2_shapes import SHAPES  # noqa: E402
 
 
 def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def word_tokenizer(vocab_size: int):
-    """w0 .. w{V-3} plus pad and eos: every word is one token, and decoding joins words with spaces."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
-    vocab.update({"<pad>": vocab_size - 2, "<eos>": vocab_size - 1})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
-    backend.add_special_tokens(["<pad>", "<eos>"])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
-
-
 def build_world(root: str, shape: str, prompt_len: int, num_prompts: int) -> None:
-    """Model + tokenizer + prompt files + reward file under root."""
-    tokenizer = word_tokenizer(SHAPES[shape]["vocab_size"])
-    cfg = DecoderConfig(model_type="qwen2", attention_bias=True, max_position_embeddings=4096, rope_theta=1e6,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
-    torch.manual_seed(0)
-    save_pretrained(CausalLM(cfg), os.path.join(root, "model"), tokenizer=tokenizer)
-    rng = random.Random(0)
-    records = [{"prompt": " ".join(f"w{rng.randrange(4000)}" for _ in range(prompt_len)), "data_source": "words",
-                "reward_model": {"style": "rule", "ground_truth": ""}, "extra_info": {"index": i}}
-               for i in range(num_prompts)]
-    write_records(os.path.join(root, "train.jsonl"), records)
-    with open(os.path.join(root, "reward.py"), "w") as f:
-        f.write(REWARD_FILE)
+    """grpo_step.py's world under root: model, tokenizer, prompt file (its reward is grpo_setup.sevens)."""
+    grpo_setup.write_model(root, shape)
+    texts = grpo_setup.prompt_texts(num_prompts, prompt_len, SHAPES[shape]["vocab_size"])
+    grpo_setup.write_prompt_file(root, texts)
 
 
 def world_overrides(root: str, prompt_len: int) -> list:
     """Config overrides that point a run at build_world's files."""
-    return [f"model.path={root}/model", f"data.train_files=[{root}/train.jsonl]", f"data.val_files=[{root}/train.jsonl]",
+    reward = f"{os.path.abspath(grpo_setup.__file__)}:sevens"
+    return [f"model.path={root}/model", f"model.tokenizer_path={root}/tokenizer",
+            f"data.train_files=[{root}/train.parquet]", f"data.val_files=[{root}/train.parquet]",
             "data.apply_chat_template=false", f"data.max_prompt_length={prompt_len}",
-            f"reward.functions=[{{name: '{root}/reward.py:even_share'}}]"]
+            f"reward.functions=[{{name: '{reward}'}}]"]
 
 
 def main() -> None:

@@ -29,17 +29,8 @@ from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
 from phaserl.rollout.runner import decode_attention  # noqa: E402
+from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
-SHAPES = {  # the Qwen2 family's published architectures
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,  # --smoke
-                 intermediate_size=128, vocab_size=4096, tie_word_embeddings=True),
-}
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 64, 8, 128, 256
 DEVICE = "cuda"
 
@@ -48,14 +39,9 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def config(shape: str) -> DecoderConfig:
-    return DecoderConfig(model_type="qwen2", attention_bias=True, max_position_embeddings=32768,
-                         rope_theta=1e6, **SHAPES[shape])
-
-
 def our_model(shape: str) -> CausalLM:
     with torch.device(DEVICE):
-        return CausalLM(config(shape)).to(torch.bfloat16).eval()
+        return CausalLM(decoder_config(shape)).to(torch.bfloat16).eval()
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -114,7 +100,7 @@ def case_roofline(args) -> None:
     emit(case="ceilings", copy_bandwidth_tb_s=bandwidth / 1e12, bf16_matmul_tflop_s=rate / 1e12)
     batch = PROMPTS * SAMPLES
     for shape in ("0.5b", "1.5b", "7b"):
-        cfg = config(shape)
+        cfg = decoder_config(shape)
         for what, context in (("ideal", PROMPT_LEN + NEW_TOKENS / 2), ("full_slot", PROMPT_LEN + NEW_TOKENS)):
             bytes_, flops = step_cost(cfg, batch, context)
             floor = max(bytes_ / bandwidth, flops / rate)
@@ -286,7 +272,7 @@ def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args) -> None:
 def case_hf(args, static: bool = False) -> None:
     import transformers
 
-    d = config(args.shape).to_hf_dict("bfloat16")
+    d = decoder_config(args.shape).to_hf_dict("bfloat16")
     hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device(DEVICE):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16,

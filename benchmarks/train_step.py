@@ -41,16 +41,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from phaserl.batch import RolloutBatch  # noqa: E402
 from phaserl.metrics import PEAK_BF16_FLOPS, FlopModel, device_peak_flops  # noqa: E402
-from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
+from phaserl.models import CausalLM  # noqa: E402
 from phaserl.models.decoder import enable_compile  # noqa: E402
 from phaserl.roles.forward import rows_logprobs, split_rows  # noqa: E402
+from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
-SHAPES = {  # the Qwen2 family's published architectures
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
-}
 VARIANTS = ["padded", "packed", "packed_ckpt", "packed_compile", "hf", "breakdown"]
 
 
@@ -61,11 +56,6 @@ def emit(**record) -> None:
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def config(shape: str) -> DecoderConfig:
-    return DecoderConfig(model_type="qwen2", attention_bias=True, max_position_embeddings=32768, rope_theta=1e6,
-                         **SHAPES[shape])
 
 
 def make_batch(kind: str, rows: int, prompt: int, response: int, vocab: int, device, seed: int = 0) -> RolloutBatch:
@@ -147,14 +137,14 @@ def build_model(variant: str, args, device):
     if variant == "hf":
         import transformers
 
-        d = config(args.shape).to_hf_dict("bfloat16" if args.dtype == "bf16" else "float32")
+        d = decoder_config(args.shape).to_hf_dict("bfloat16" if args.dtype == "bf16" else "float32")
         hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
         return model.train()
     torch.manual_seed(0)
     with torch.device(device):
-        model = CausalLM(config(args.shape)).to(dtype).train()
+        model = CausalLM(decoder_config(args.shape)).to(dtype).train()
     model.gradient_checkpointing = variant.endswith("_ckpt")
     if "compile" in variant:
         enable_compile(model)
@@ -260,7 +250,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)
-    cfg = config(args.shape)
+    cfg = decoder_config(args.shape)
     peaks = {}
     if device.type == "cuda":
         peaks["spec"] = device_peak_flops(device) or PEAK_BF16_FLOPS["H200"]
