@@ -37,6 +37,7 @@ class Optimizer:
         self.opt = torch.optim.AdamW(self.params, lr=settings.lr, betas=tuple(settings.betas),
                                      weight_decay=settings.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: _lr_factor(i, settings))
+        self._pinned: dict[tuple, torch.Tensor] = {}  # offload_state: (id(param), state key) -> pinned CPU copy
 
     @property
     def lr(self) -> float:
@@ -67,8 +68,6 @@ class Optimizer:
         makes both copies run at PCIe speed without a stall per tensor; the caller synchronizes.
         """
         offload = torch.device(device).type == "cpu"
-        if not hasattr(self, "_pinned"):
-            self._pinned: dict[tuple, torch.Tensor] = {}  # (id(param), state key) -> pinned CPU copy
         for param, st in self.opt.state.items():
             for k, v in st.items():
                 if not torch.is_tensor(v) or k == "step":

@@ -181,12 +181,12 @@ class RLTrainer:
                 self._flop_models["critic"] = FlopModel.of(self.critic.model, lm_head=False)
         lengths = batch.attention_mask.sum(dim=1)  # [B] real tokens per row
         responses = float(batch.response_mask.sum())
-        passes = int(old_pass) + (3 * self.run.epochs if updated else 0)  # old log-probs + forward+backward
-        flops = self._flop_models["actor"].forward_flops(lengths, responses) * passes
+        trained = 3 * self.run.epochs if updated else 0  # forward + backward, in forward-pass units
+        flops = self._flop_models["actor"].forward_flops(lengths, responses) * (int(old_pass) + trained)
         if "ref" in self._flop_models:
             flops += self._flop_models["ref"].forward_flops(lengths, responses)
-        if "critic" in self._flop_models:
-            flops += self._flop_models["critic"].forward_flops(lengths, 0) * passes
+        if "critic" in self._flop_models:  # its value pass always runs
+            flops += self._flop_models["critic"].forward_flops(lengths, 0) * (1 + trained)
         total = float(all_reduce_sum(torch.tensor(flops, dtype=torch.float64, device=device)))
         seconds = max(timings["forward"] + timings["update"], 1e-9)
         out["perf/mfu"] = total / (seconds * peak * self.world_size)
