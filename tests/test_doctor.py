@@ -230,6 +230,16 @@ def test_little_free_memory_gives_a_warning_with_sizes_that_fit(run, monkeypatch
     assert result.fix.startswith("rollout.batch_size=2 ppo.micro_batch_tokens=36 (does not fit either)")
 
 
+def test_a_kept_rollout_engine_leaves_less_room_for_the_update(run, monkeypatch):
+    monkeypatch.setattr("phaserl.doctor.checks.free_memory_bytes", lambda device: 2_000_000)
+    base, kept = (doctor(run, *extra)["memory"] for extra in ([], ["rollout.engine_keep_awake=true"]))
+    # 8 sequences (batch_size 4 x n 2) x 9,216 B of KV (2 x 2 layers x 2 heads x 8 x 4 B x 36 tokens)
+    # + 87,616 B of fused weight copies (the actor's 85.6 KB of params) = 161,344 B = 157.6 KB less for the
+    # update's activations at 4.2 KB per token: 216 -> 180 tokens per micro-batch.
+    assert "rollout.engine_keep_awake: 157.6 KB" in "\n".join(kept.details)
+    assert "ppo.micro_batch_tokens=216" in base.details[-1] and "ppo.micro_batch_tokens=180" in kept.details[-1]
+
+
 def test_shared_paths_in_one_process(run, monkeypatch):
     assert doctor(run)["shared paths"].message.startswith("single process; trainer.checkpoint_path = '/tmp/")
     # Relative paths are fine in one process, wherever the checkout lives (CI may clone under /tmp).

@@ -142,6 +142,22 @@ def test_sleep_frees_the_kv_cache_and_wake_reallocates_it(model):
     assert again.response_ids == first.response_ids
 
 
+def test_keep_awake_sleep_keeps_the_cache_and_follows_in_place_weight_updates():
+    model = tiny_model("qwen2", seed=4)
+    engine = RolloutEngine(model, EngineConfig(token_budget=1024, keep_awake=True))
+    engine.wake()
+    first = engine.generate(PROMPTS, GREEDY, eos_token_ids=[], pad_token_id=0)
+    assert engine.sleep() == 0 and engine.pool.awake  # kept for the next rollout
+    with torch.no_grad():  # a training step: parameters change in place, at the same addresses
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.wake()
+    again = engine.generate(PROMPTS, GREEDY, eos_token_ids=[], pad_token_id=0)
+    assert again.response_ids == [greedy_reference(model, p, 8) for p in PROMPTS]
+    assert again.response_ids != first.response_ids  # the kept engine saw the update
+    assert engine.release() > 0 and not engine.pool.awake
+
+
 def test_a_small_token_budget_means_fewer_slots_and_too_small_is_an_error(model):
     result, engine = run(model, PROMPTS, config=EngineConfig(token_budget=2 * 64))  # 2 slots of 64 positions
     assert engine.last_stats["slots"] == 2
@@ -276,6 +292,22 @@ def test_gpu_greedy_float32_with_cuda_graphs_equals_the_uncached_loop(compile):
     engine.wake()
     again = engine.generate(prompts, GREEDY, eos_token_ids=[], pad_token_id=0, max_new_tokens=caps)
     assert again.response_ids == result.response_ids
+
+
+@pytest.mark.gpu
+def test_gpu_keep_awake_replays_the_same_graphs_after_an_in_place_update():
+    model = tiny_model("qwen2", seed=2).cuda()
+    engine = RolloutEngine(model, EngineConfig(max_slots=16, compile=False, token_budget=4096, keep_awake=True))
+    engine.generate(PROMPTS, GREEDY, eos_token_ids=[], pad_token_id=0)
+    graphs = dict(engine.runner.graphs)
+    engine.sleep()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.wake()
+    result = engine.generate(PROMPTS, GREEDY, eos_token_ids=[], pad_token_id=0)
+    assert all(engine.runner.graphs[k] is g for k, g in graphs.items())  # replayed, not re-captured
+    assert result.response_ids == [greedy_reference(model, p, 8) for p in PROMPTS]
 
 
 # Rollout (incremental decode, graph-captured, bf16) and training (one full forward) round differently in

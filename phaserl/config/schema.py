@@ -59,6 +59,10 @@ class RolloutConfig:
                                               "switch to rollout mode, at most engine_max_slots sequences of "
                                               "data.max_prompt_length + max_new_tokens", min=0.01, max=0.95)
     engine_cuda_graphs: bool = spec(True, "builtin engine: capture decode steps in CUDA graphs (GPU only)")
+    engine_keep_awake: bool = spec(False, "builtin engine: keep its KV cache, fused weight copies and CUDA graphs "
+                                          "on the GPU during training, so the next rollout does not re-capture "
+                                          "its graphs (one GPU with memory to spare; their memory stays taken in "
+                                          "the update)")
     engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = on CUDA when "
                                                 "Triton is installed; the first rollout then pays ~40 s)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)

@@ -163,7 +163,8 @@ def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, 
                   update_extra: int, free_bytes: int) -> list[Suggestion]:
     """For each phase, the largest size that fits `free_bytes` × HEADROOM after the `resident` roles.
 
-    `update_extra` is what only the update phase adds to the resident state (the actor's gradients).
+    `update_extra` is what the update phase adds to the resident state (the actor's gradients, and a kept
+    rollout engine's KV cache and weight copies).
     A `fits` of 0 means not even one item fits.
     """
     usable = int(free_bytes * HEADROOM)

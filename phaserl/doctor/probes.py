@@ -218,7 +218,11 @@ def check_memory(ctx: Context) -> CheckResult:
                                             strategy=rm_fsdp.sharding_strategy, world_size=ctx.world_size,
                                             cpu_offload=rm_fsdp.cpu_offload)
     resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
-    suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads,
+    kept = 0
+    if cfg.rollout.engine_keep_awake:  # the engine's KV cache and fused weight copies stay through training
+        slots = min(cfg.rollout.engine_max_slots, cfg.rollout.batch_size * cfg.rollout.n)
+        kept = slots * kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens) + shape.num_params * shape.param_bytes
+    suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads + kept,
                                 free_bytes=ctx.free_bytes)
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
                                                              f"{fmt_bytes(m.optimizer)}" if m.grads else "")
@@ -227,6 +231,8 @@ def check_memory(ctx: Context) -> CheckResult:
     details.append(f"KV cache     2 × {shape.num_layers} layers × {shape.num_kv_heads} kv heads × {shape.head_dim} "
                    f"head dim × {shape.param_bytes} B × {sizes.sequence_tokens} tokens = {fmt_bytes(kv)} per "
                    "sequence")
+    if kept:
+        details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
     details += [f"{s.key:<24} {fmt_bytes(s.per_item)} per {_unit(s.key)}; configured {s.configured}, fits "
                 f"{s.fits}, the phase uses at most {s.cap}" for s in suggestions]
     suggested = " ".join(f"{s.key}={s.fits}" if s.fits else f"{s.key}={_smallest(s.key, sizes)} (does not fit "

@@ -111,7 +111,9 @@ class HybridActor:
                             "kv_cache_gb": kv_bytes / 2**30}
         if self.hybrid.enable_rollout_optimization_switch and rank_and_world()[0] == 0:  # one line per switch
             mem = "n/a on cpu" if before is None else f"{before:.2f} GB -> {after:.2f} GB allocated"
-            mem += f", KV cache {'allocated' if kv_bytes >= 0 else 'freed'} {abs(kv_bytes) / 2**30:.2f} GB"
+            kept = self.engine is not None and self.engine.config.keep_awake and self.engine.pool.awake
+            mem += (f", KV cache kept {self.engine.pool.allocated_bytes / 2**30:.2f} GB" if kept and kv_bytes == 0
+                    else f", KV cache {'allocated' if kv_bytes >= 0 else 'freed'} {abs(kv_bytes) / 2**30:.2f} GB")
             log.info(f"[HybridEngine] Switching actor from {source} to {target} mode "
                      f"({seconds * 1000:.1f} ms, memory {mem})")
 

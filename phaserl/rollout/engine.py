@@ -47,6 +47,8 @@ class EngineConfig:
     refill: bool = True                   # False = static batching: admit only when the batch is empty
     max_seq_tokens: Optional[int] = None  # longest prompt + response of the run: caps the KV cache at
                                           # max_slots slots of that length (None = memory_fraction alone)
+    keep_awake: bool = False              # sleep() keeps the KV cache, fused weights and graphs: no re-capture
+                                          # at the next rollout, their memory stays taken during training
 
     def __post_init__(self):
         if self.max_seq_tokens is not None and self.max_seq_tokens < 1:
@@ -110,7 +112,15 @@ class RolloutEngine:
         return self.pool.wake()
 
     def sleep(self) -> int:
-        """Free the KV cache and the captured graphs (hybrid switch to training); returns the KV bytes freed."""
+        """Free the KV cache and the captured graphs (hybrid switch to training); returns the KV bytes freed.
+
+        With config.keep_awake nothing is freed (returns 0): the next generate() replays the graphs it
+        captured, as long as the model's parameters still sit at the same addresses (checked every call).
+        """
+        return 0 if self.config.keep_awake else self.release()
+
+    def release(self) -> int:
+        """Free the KV cache, the captured graphs and the fused weights whatever keep_awake says."""
         self.runner.release()
         return self.pool.sleep()
 
@@ -127,7 +137,7 @@ class RolloutEngine:
         """
         weight = self.model.output_weight
         if (weight.dtype, weight.device) != (self.pool.dtype, self.pool.device):
-            self.sleep()
+            self.release()
             self._build()  # the model moved or changed dtype since the pool was made
         _check_prompts(prompts, weight.shape[0])
         caps = self._caps(len(prompts), params, max_new_tokens)

@@ -160,7 +160,7 @@ def assemble(trainer, cfg, *, reward, tokenizer, trainer_overrides: dict) -> Run
                            kl_estimator=alg.kl_estimator, temperature=temperature, norm_len=r.max_new_tokens))
     actor.configure_rollout(r.engine, EngineConfig(
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
-        cuda_graphs=r.engine_cuda_graphs, compile=r.engine_compile,
+        cuda_graphs=r.engine_cuda_graphs, compile=r.engine_compile, keep_awake=r.engine_keep_awake,
         max_seq_tokens=cfg.data.max_prompt_length + r.max_new_tokens))
     if trainer.critic is not None:
         trainer.critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
