@@ -244,6 +244,7 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                     eos_finished=round(sequences * (1.0 - metrics["train/truncated_frac"])),
                     reward_mean=metrics["train/reward_mean"], kl=metrics.get("train/kl"),
                     kv_cache_gib=round(abs(trainer.actor.last_switch.get("kv_cache_gb", 0.0)), 2),
+                    engine=_engine_stats(trainer.actor),
                     timing_s={k.split("/", 1)[1]: round(v, 3) for k, v in metrics.items() if k.startswith("timing_s/")},
                     perf={k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items() if k.startswith("perf/")},
                     **memory_gib())
@@ -254,6 +255,12 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
     return summarize("ours", a, steps, {"kv_fraction": a.kv_fraction, "timing_s_median": phases,
                                         "overrides": a.ours_set})
+
+
+def _engine_stats(actor) -> dict:
+    """The rollout engine's own seconds (generate() alone, graph capture included) and graph count."""
+    stats = getattr(getattr(actor, "engine", None), "last_stats", None) or {}
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()}
 
 
 # ----- TRL --------------------------------------------------------------------------------------

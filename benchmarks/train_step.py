@@ -15,7 +15,10 @@ backward (no optimizer step). Variants, on the same batch in the same process:
     hf              transformers Qwen2ForCausalLM, eager with sdpa attention, padded micro-batches, full
                     [b, S, V] logits then float32 log-softmax and entropy (what a plain HF trainer does)
     breakdown       where a packed step's time goes: the decoder alone (forward + backward of a cheap loss
-                    on the hidden states) and the log-prob head alone (eager and fused), same micro-batches
+                    on the hidden states) and the log-prob head alone (eager, inductor-compiled, and the
+                    Triton kernels with several chunk sizes / kept logits), same micro-batches
+    profile         (not in the default list) one packed_compile step under torch.profiler: device time
+                    per kernel group (gemm, flash attention, Triton, ...) and the top kernels
 
 MFU = model FLOPs / seconds / peak. Model FLOPs are phaserl.metrics.FlopModel's (real tokens only:
 6 * body params * tokens + 6 * V * H * response tokens + causal attention), the same count for every
@@ -210,15 +213,22 @@ def run_breakdown(args, device, batches: dict, flops: dict) -> None:
                 hidden = model(p.input_ids, position_ids=p.position_ids, seq_ids=p.seq_ids)
                 saved.append(hidden[0, p.predict_index].detach().requires_grad_(True))
 
-        def head_only(fused):
+        def head_only(fused, chunk=1024, save=False, entropy_in_loss=True):
             for p, h in zip(packs, saved):
                 logp, ent = token_logprobs_from_hidden(h, model.output_weight, p.target_ids, with_entropy=True,
-                                                       fused=fused)
-                (logp.sum() + 0.001 * ent.sum()).backward()
+                                                       fused=fused, chunk_size=chunk, save_logits=save)
+                (logp.sum() + 0.001 * ent.sum() if entropy_in_loss else logp.sum()).backward()
 
-        for name, fn in (("decoder_only", decoder_only), ("head_only", lambda: head_only(False)),
-                         ("head_only_fused", lambda: head_only(True))):
-            for _ in range(args.warmup + (name == "head_only_fused")):
+        parts = [("decoder_only", decoder_only), ("head_only", lambda: head_only(False)),
+                 ("head_only_inductor", lambda: head_only("inductor"))]
+        if device.type == "cuda":  # the Triton one-pass kernels, chunk sizes, kept logits, entropy as a metric
+            parts += [("head_only_triton", lambda: head_only("triton")),
+                      ("head_only_triton_chunk4096", lambda: head_only("triton", chunk=4096)),
+                      ("head_only_triton_save", lambda: head_only("triton", save=True)),
+                      ("head_only_triton_save_chunk4096", lambda: head_only("triton", chunk=4096, save=True)),
+                      ("head_only_triton_entropy_metric", lambda: head_only("triton", entropy_in_loss=False))]
+        for name, fn in parts:
+            for _ in range(args.warmup + ("inductor" in name)):
                 fn()
             sync(device)
             t0 = time.perf_counter()
@@ -228,6 +238,48 @@ def run_breakdown(args, device, batches: dict, flops: dict) -> None:
             emit(variant="breakdown", part=name, batch=kind, seconds_per_step=(time.perf_counter() - t0) / args.iters,
                  micro_batches=len(packs))
     del model
+
+
+def run_profile(args, device, batches: dict) -> None:
+    """Where the compiled packed step's GPU time goes: one step under torch.profiler, kernels grouped."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model("packed_compile", args, device)
+    batch = next(iter(batches.values()))
+    adv = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    for _ in range(args.warmup + 1):
+        model.zero_grad(set_to_none=True)
+        ours_step(model, batch, adv, args.micro_tokens, True)
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        model.zero_grad(set_to_none=True)
+        ours_step(model, batch, adv, args.micro_tokens, True)
+        sync(device)
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")] if device.type == "cuda" else []
+    total = sum(e.self_device_time_total for e in kernels) or 1.0
+
+    def group(name: str) -> str:
+        low = name.lower()
+        for key, words in (("flash_attention", ("flash",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
+                           ("logprob_triton", ("stats_kernel", "grad_kernel")), ("inductor_triton", ("triton",)),
+                           ("copy_or_fill", ("copy", "fill", "memset", "cat"))):
+            if any(w in low for w in words):
+                return key
+        return "other"
+
+    groups: dict = {}
+    for e in kernels:
+        g = groups.setdefault(group(e.key), [0.0, 0])
+        g[0] += e.self_device_time_total
+        g[1] += e.count
+    for name, (us, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        emit(variant="profile", group=name, device_ms=us / 1000, share=us / total, launches=count)
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+        emit(variant="profile", kernel=e.key[:120], device_ms=e.self_device_time_total / 1000,
+             share=e.self_device_time_total / total, launches=e.count, group=group(e.key))
+    emit(variant="profile", total_device_ms=total / 1000)
 
 
 def main() -> None:
@@ -274,6 +326,8 @@ def main() -> None:
         try:
             if variant == "breakdown":
                 run_breakdown(args, device, batches, flops)
+            elif variant == "profile":
+                run_profile(args, device, batches)
             else:
                 run_variant(variant, args, device, batches, flops, peaks)
         except Exception as exc:  # noqa: BLE001 - report the variant that broke and go on with the others

@@ -1,4 +1,5 @@
 """Chunked log-probs from hidden states: same values and gradients as the naive path, without [N, V]."""
+import importlib.util
 import math
 
 import pytest
@@ -103,3 +104,44 @@ def test_bad_shapes_are_reported():
     hidden, weight, targets = _inputs(n=5, h=3, v=6, dtype=torch.float32)
     with pytest.raises(ValueError, match="targets"):
         token_logprobs_from_hidden(hidden, weight, targets[:4])
+
+
+def test_save_logits_needs_the_triton_kernels_and_an_unused_entropy_costs_no_gradient():
+    h = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 4, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 11, (6,))
+    with pytest.raises(ValueError, match="save_logits needs the Triton kernels"):
+        token_logprobs_from_hidden(h, w, t, save_logits=True)
+    with pytest.raises(ValueError, match="fused='triton' needs a CUDA device"):
+        token_logprobs_from_hidden(h, w, t, fused="triton")
+    # entropy returned but left out of the loss: the gradient is that of the log-probs alone
+    lp, ent = token_logprobs_from_hidden(h, w, t, with_entropy=True, chunk_size=4)
+    (lp * torch.arange(6.0, dtype=torch.float64)).sum().backward()
+    expected = torch.autograd.grad((token_logprobs_from_logits(h @ w.t(), t) * torch.arange(6.0, dtype=torch.float64)).sum(), (h, w))
+    torch.testing.assert_close(h.grad, expected[0])
+    torch.testing.assert_close(w.grad, expected[1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
+def test_triton_kernels_in_the_interpreter_match_torch(monkeypatch):
+    from phaserl.algo import logprob_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logprob_kernels._kernels.cache_clear()
+    try:
+        z = torch.randn(3, 5000) * 3  # two blocks of 4096, the second partly masked
+        t = torch.tensor([0, 4097, 4999])
+        logp, lse, mean_z = logprob_kernels.row_stats(z, t, 0.5, True)
+        zz = z / 0.5
+        torch.testing.assert_close(lse, torch.logsumexp(zz, -1))
+        torch.testing.assert_close(logp, zz.log_softmax(-1).gather(1, t[:, None])[:, 0])
+        torch.testing.assert_close(mean_z, (zz.softmax(-1) * zz).sum(-1), rtol=1e-4, atol=1e-4)
+        g_logp, g_ent = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 0.0, -1.0])
+        leaf = zz.clone().requires_grad_(True)
+        lp_ref = leaf.log_softmax(-1).gather(1, t[:, None])[:, 0]
+        ent_ref = -(leaf.softmax(-1) * leaf.log_softmax(-1)).sum(-1)
+        (lp_ref * g_logp + ent_ref * g_ent).sum().backward()
+        grad = logprob_kernels.row_grad_(z.clone(), t, lse, mean_z, g_logp, g_ent, 0.5)
+        torch.testing.assert_close(grad, leaf.grad / 0.5, rtol=1e-4, atol=1e-5)
+    finally:
+        logprob_kernels._kernels.cache_clear()

@@ -215,22 +215,46 @@ def test_inductor_compiled_layers_and_fused_logprobs_match_on_gpu():
 
 
 @pytest.mark.gpu
-def test_fused_logprob_kernels_match_the_unfused_ones_on_gpu():
+@pytest.mark.parametrize("fused,save_logits", [("triton", False), ("triton", True), ("inductor", False)])
+@pytest.mark.parametrize("entropy_in_loss", [True, False])
+def test_fused_logprob_kernels_match_the_unfused_ones_on_gpu(fused, save_logits, entropy_in_loss):
     from phaserl.algo import token_logprobs_from_hidden
 
     g = torch.Generator(device="cuda").manual_seed(0)
     h = (0.3 * torch.randn(3000, 64, device="cuda", generator=g)).requires_grad_(True)  # logits of a few units
-    w = (0.3 * torch.randn(5000, 64, device="cuda", generator=g)).requires_grad_(True)
-    t = torch.randint(0, 5000, (3000,), device="cuda", generator=g)
+    w = (0.3 * torch.randn(5003, 64, device="cuda", generator=g)).requires_grad_(True)  # V not a block multiple
+    t = torch.randint(0, 5003, (3000,), device="cuda", generator=g)
     out = []
-    for fused in (False, True):
+    for kernel, save in ((False, False), (fused, save_logits)):
         h.grad = w.grad = None
         lp, ent = token_logprobs_from_hidden(h, w, t, temperature=0.7, chunk_size=1024, with_entropy=True,
-                                             fused=fused)
-        (lp * torch.linspace(-1, 1, 3000, device="cuda") + 0.1 * ent).sum().backward()
+                                             fused=kernel, save_logits=save)
+        loss = (lp * torch.linspace(-1, 1, 3000, device="cuda")).sum()
+        (loss + 0.1 * ent.sum() if entropy_in_loss else loss).backward()
         out.append((lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone()))
     for a, b in zip(*out):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_triton_logprob_kernels_in_bf16_at_a_qwen_vocabulary():
+    from phaserl.algo import token_logprobs_from_hidden
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h32 = torch.randn(700, 128, device="cuda", generator=g)
+    w32 = 0.1 * torch.randn(151936, 128, device="cuda", generator=g)
+    t = torch.randint(0, 151936, (700,), device="cuda", generator=g)
+    grads = []
+    for dtype, fused in ((torch.float32, False), (torch.bfloat16, "triton")):
+        h, w = h32.to(dtype).requires_grad_(True), w32.to(dtype).requires_grad_(True)
+        lp, ent = token_logprobs_from_hidden(h, w, t, with_entropy=True, fused=fused, chunk_size=256)
+        (lp.sum() + 0.01 * ent.sum()).backward()
+        grads.append((lp.detach(), ent.detach(), h.grad.float(), w.grad.float()))
+    (lp32, ent32, gh32, gw32), (lp16, ent16, gh16, gw16) = grads
+    # bf16 logits carry ~3 significant digits: log-probs of ~-12 within a few hundredths
+    assert (lp16 - lp32).abs().max() < 0.1 and (ent16 - ent32).abs().max() < 0.1
+    for a, b in ((gh16, gh32), (gw16, gw32)):
+        assert (a - b).norm() / b.norm() < 2e-2
 
 
 @pytest.mark.gpu

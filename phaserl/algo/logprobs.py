@@ -5,9 +5,10 @@ neither forward nor backward ever holds a float32 [N, V] tensor (for Qwen2 V = 1
 tokens would be 5 GB). Backward recomputes each chunk's logits from the saved hidden states and
 weight, the same trade Liger-Kernel's fused linear cross-entropy makes. Everything is computed in
 float32 (float64 for float64 inputs) whatever the input dtype. With `fused=True` the per-chunk softmax
-statistics and gradient run as two `torch.compile`d kernels that read the chunk's logits in their own
-dtype (no float32 [n, V] copies): same math, several times less memory traffic, which is what
-dominates a small model's step (benchmarks/train_step.py).
+statistics and gradient run as two fused kernels that read the chunk's logits in their own dtype (no
+float32 [n, V] copies): Triton one-pass kernels on CUDA (logprob_kernels.py), `torch.compile`d ones
+elsewhere. Same math, several times less memory traffic, which is what dominates a small model's
+step (benchmarks/train_step.py).
 
 Legend: N = flattened tokens, H = hidden size, V = vocabulary size.
 """
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from phaserl.algo import logprob_kernels
 from phaserl.algo.masked import upcast
 
 
@@ -89,23 +91,38 @@ def _fused(name: str, backend: str):
 
 
 class _ChunkedLinearLogprobs(torch.autograd.Function):
-    """logprobs (and entropy) of hidden @ weight.T, chunk by chunk; backward recomputes the logits.
+    """logprobs (and entropy) of hidden @ weight.T, chunk by chunk; backward recomputes the logits
+    (or, with save_logits, overwrites the ones kept from the forward with their gradient).
 
     With z = logits / temperature and p = softmax(z):
         d logp_target / dz = onehot(target) - p
         d entropy / dz     = p * (E_p[z] - z)
-    and d/dlogits = d/dz / temperature.
+    and d/dlogits = d/dz / temperature. An output the loss does not use arrives as None in backward
+    (grads are not materialised) and its term is skipped: entropy computed for a metric costs no backward.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, fused=None):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, fused=None, save_logits=False):
+        ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         logprobs = torch.empty(n, dtype=dtype, device=hidden.device)  # [N]
         lse = torch.empty_like(logprobs)  # [N] logsumexp(z), saved for backward
         entropy = torch.empty_like(logprobs) if with_entropy else None
+        mean_z = torch.empty_like(logprobs) if with_entropy and fused == "triton" else None  # [N] E_p[z]
+        kept = []  # [n, V] logits chunks for backward (save_logits)
         for start in range(0, n, chunk_size):
             stop = min(start + chunk_size, n)
+            if fused == "triton":
+                logits = hidden[start:stop] @ weight.t()  # [n, V] in the weight's dtype
+                logp, lse[start:stop], mz = logprob_kernels.row_stats(logits, targets[start:stop], temperature,
+                                                                      with_entropy)
+                logprobs[start:stop] = logp
+                if with_entropy:
+                    mean_z[start:stop], entropy[start:stop] = mz, lse[start:stop] - mz
+                if save_logits:
+                    kept.append(logits)
+                continue
             if fused:
                 logp, lse_c, ent = _fused("stats", fused)(hidden[start:stop] @ weight.t(), targets[start:stop],
                                                    temperature, with_entropy)
@@ -119,7 +136,8 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             if with_entropy:
                 probs = z.sub(lse[start:stop, None]).exp_()  # [n, V]
                 entropy[start:stop] = lse[start:stop] - (probs * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
+        ctx.kept_logits = kept
         ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.fused = temperature, chunk_size, with_entropy, fused
         if with_entropy:
             return logprobs, entropy
@@ -127,48 +145,55 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):
-        # Unused outputs arrive as zeros (autograd materialises them), so both grads are tensors.
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, mean_z = ctx.saved_tensors
+        kept, ctx.kept_logits = ctx.kept_logits, []  # each chunk becomes its own gradient, then is dropped
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logprobs is None:  # only the entropy is used
+            grad_logprobs = torch.zeros_like(lse)
+        if not ctx.with_entropy:
+            grad_entropy = None
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         acc_dtype = lse.dtype  # accumulate the weight gradient in fp32 (fp64 for fp64 inputs)
         grad_weight = torch.zeros_like(weight, dtype=acc_dtype) if need_weight else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             stop = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:stop]  # [n, H]
-            if ctx.fused:
-                g_ent = grad_entropy[start:stop] if ctx.with_entropy else None
+            g_ent = grad_entropy[start:stop] if grad_entropy is not None else None
+            if ctx.fused == "triton":
+                if kept:  # the forward's logits; dropped from the list so they die with their gradient
+                    logits, kept[i] = kept[i], None
+                else:
+                    logits = h @ weight.t()  # [n, V]
+                grad_logits = logprob_kernels.row_grad_(
+                    logits, targets[start:stop], lse[start:stop], None if mean_z is None else mean_z[start:stop],
+                    grad_logprobs[start:stop], g_ent, ctx.temperature)  # [n, V], in place
+            elif ctx.fused:
                 grad_logits = _fused("grad", ctx.fused)(h @ weight.t(), lse[start:stop], targets[start:stop],
                                              grad_logprobs[start:stop], g_ent, ctx.temperature)  # [n, V]
-                if need_hidden:
-                    grad_hidden[start:stop] = grad_logits @ weight
-                if need_weight:
-                    grad_weight += grad_logits.t() @ h
-                continue
-            g_logp = grad_logprobs[start:stop, None].to(lse.dtype)  # [n, 1]
-            z = _chunk_logits(h, weight, ctx.temperature)  # [n, V]
-            # grad_z = g_logp * (onehot - p) + g_ent * p * (E_p[z] - z), built in place in z (and p).
-            if ctx.with_entropy:
-                g_ent = grad_entropy[start:stop, None].to(lse.dtype)  # [n, 1]
-                probs = z.sub(lse[start:stop, None]).exp_()  # [n, V]
-                mean_z = (probs * z).sum(-1, keepdim=True)  # [n, 1] E_p[z]
-                grad_z = probs.mul_(z.sub_(mean_z).mul_(-g_ent).sub_(g_logp))
             else:
-                grad_z = z.sub_(lse[start:stop, None]).exp_().mul_(-g_logp)  # z -> p -> -g_logp * p
-            grad_z.scatter_add_(-1, targets[start:stop, None], g_logp)
-            grad_logits = grad_z.div_(ctx.temperature).to(weight.dtype)  # [n, V]
+                g_logp = grad_logprobs[start:stop, None].to(lse.dtype)  # [n, 1]
+                z = _chunk_logits(h, weight, ctx.temperature)  # [n, V]
+                # grad_z = g_logp * (onehot - p) + g_ent * p * (E_p[z] - z), built in place in z (and p).
+                if g_ent is not None:
+                    probs = z.sub(lse[start:stop, None]).exp_()  # [n, V]
+                    mean_z_c = (probs * z).sum(-1, keepdim=True)  # [n, 1] E_p[z]
+                    grad_z = probs.mul_(z.sub_(mean_z_c).mul_(-g_ent[:, None].to(lse.dtype)).sub_(g_logp))
+                else:
+                    grad_z = z.sub_(lse[start:stop, None]).exp_().mul_(-g_logp)  # z -> p -> -g_logp * p
+                grad_z.scatter_add_(-1, targets[start:stop, None], g_logp)
+                grad_logits = grad_z.div_(ctx.temperature).to(weight.dtype)  # [n, V]
             if need_hidden:
                 grad_hidden[start:stop] = grad_logits @ weight
             if need_weight:
                 grad_weight += grad_logits.t() @ h  # in-place add promotes, no [V, H] fp32 copy
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0,
                                chunk_size: int = 1024, with_entropy: bool = False,
-                               fused: bool | str = False) -> tuple[Tensor, Optional[Tensor]]:
+                               fused: bool | str = False, save_logits: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """log softmax(hidden @ weight.T / temperature)[target] without materialising [N, V].
 
     Gradients with respect to `hidden` and `weight` equal those of the naive
@@ -184,9 +209,14 @@ def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, 
             [chunk_size, V] buffers plus a float32 copy of the weight gradient; measured on an H200
             (N=8192, H=896, V=151936, bf16): 2.3 GiB at chunk 1024 vs 18.6 GiB naive, 1.25x the time.
         with_entropy: also return each position's entropy (differentiable, for the entropy bonus).
-        fused: run each chunk's softmax statistics and gradient as torch.compile'd kernels (True, or
-            the name of a torch.compile backend; the first call compiles; GPU speed, same results
-            within float rounding). The logits keep the weight's dtype, as the unfused matmul's do.
+        fused: run each chunk's softmax statistics and gradient as fused kernels, reading the logits in
+            the weight's dtype (no float32 [n, V] copies; same results within float rounding). True =
+            the Triton one-pass kernels of logprob_kernels.py where they run (CUDA with Triton, float32
+            or lower precision), else torch.compile'd kernels with the inductor backend; "triton" or
+            the name of a torch.compile backend picks one. The compiled ones compile on first call.
+        save_logits: Triton path only: keep each chunk's [chunk_size, V] logits (weight dtype) from the
+            forward and turn them into their gradient in backward instead of recomputing them (one
+            matmul of three saved, for N * V * 2 bytes more memory in bf16).
 
     Returns:
         (logprobs [N] float32, entropy [N] float32 or None); float64 for float64 inputs.
@@ -198,8 +228,25 @@ def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, 
         raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
     if temperature <= 0 or chunk_size < 1:
         raise ValueError(f"temperature must be > 0 and chunk_size >= 1, got {temperature} and {chunk_size}")
+    kernel = _pick_kernels(fused, hidden)
+    if save_logits and kernel != "triton":
+        raise ValueError(f"save_logits needs the Triton kernels (fused=True on a CUDA device with Triton); "
+                         f"this call runs {kernel or 'unfused'} on {hidden.device}")
     out = _ChunkedLinearLogprobs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
-                                       bool(with_entropy), ("inductor" if fused is True else fused) or None)
+                                       bool(with_entropy), kernel, bool(save_logits))
     if with_entropy:
         return out[0], out[1]
     return out, None
+
+
+def _pick_kernels(fused: bool | str, hidden: Tensor) -> Optional[str]:
+    """None (unfused), "triton", or a torch.compile backend name; see token_logprobs_from_hidden."""
+    if not fused:
+        return None
+    triton_ok = logprob_kernels.available(hidden.device) and hidden.dtype != torch.float64
+    if fused == "triton" and not triton_ok:
+        raise ValueError(f"fused='triton' needs a CUDA device with Triton and at most float32 inputs; got "
+                         f"{hidden.dtype} on {hidden.device} (use fused=True to fall back to torch.compile)")
+    if fused is True:
+        return "triton" if triton_ok else "inductor"
+    return fused

@@ -161,11 +161,14 @@ class HybridActor:
             raise ConfigError("HybridActor.setup_training(...) must be called before update (RLTrainer does it)")
         s = self.loss
         max_len = s.norm_len  # a constant, so Dr.GRPO's normalization is the same in every mini-batch and rank
-        stats = {"actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/kl_loss": 0.0,
-                 "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0}
+        # Summed on the device and read once at the end: a float() per micro-batch would stop the host from
+        # queueing the next micro-batch while the GPU works.
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        stats = {"actor/pg_loss": zero, "actor/entropy": zero, "actor/kl_loss": zero,
+                 "actor/pg_clipfrac": zero, "actor/ppo_kl": zero}
         on_policy = mb.old_logprobs is None  # the trainer skipped the old log-prob pass (one optimizer step)
         if on_policy and mb.ref_logprobs is not None:
-            stats["train/kl"] = 0.0  # what the skipped pass would have given: k3 to the reference, token mean
+            stats["train/kl"] = zero  # what the skipped pass would have given: k3 to the reference, token mean
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
             micro = mb.select(idx)
             logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
@@ -178,22 +181,25 @@ class HybridActor:
                                          dual_clip_c=s.dual_clip_c)           # [b, R]
             norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
             pg_loss = aggregate(pg_mat, mask, s.agg_mode, **norm)
-            entropy = aggregate(ent, mask, "token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
-            loss = pg_loss - s.entropy_coef * entropy
+            # Without an entropy bonus the entropy is a metric: detached, so backward skips its gradient.
+            entropy = aggregate(ent if s.entropy_coef else ent.detach(), mask, "token-mean",
+                                global_tokens=global_tokens, global_seqs=global_seqs)
+            loss = pg_loss - s.entropy_coef * entropy if s.entropy_coef else pg_loss
             if s.kl_loss_coef > 0:
                 kl_mat = kl_penalty(logp, micro.ref_logprobs[:, :R], s.kl_estimator)  # [b, R]
                 kl_loss = aggregate(kl_mat, mask, s.agg_mode, **norm)
                 loss = loss + s.kl_loss_coef * kl_loss
-                stats["actor/kl_loss"] += float(kl_loss.detach())
+                stats["actor/kl_loss"] = stats["actor/kl_loss"] + kl_loss.detach()
             loss.backward()
             if "train/kl" in stats:
                 k3 = kl_penalty(logp.detach(), micro.ref_logprobs[:, :R], "k3")  # [b, R]
-                stats["train/kl"] += float((k3 * mask).sum()) / global_tokens
-            tokens = float(mask.sum())
-            stats["actor/pg_loss"] += float(pg_loss.detach())
-            stats["actor/entropy"] += float(entropy.detach())
-            stats["actor/pg_clipfrac"] += float(pg_stats["clipfrac"]) * tokens / global_tokens
-            stats["actor/ppo_kl"] += float(pg_stats["approx_kl"]) * tokens / global_tokens
+                stats["train/kl"] = stats["train/kl"] + (k3 * mask).sum() / global_tokens
+            share = mask.sum() / global_tokens
+            stats["actor/pg_loss"] = stats["actor/pg_loss"] + pg_loss.detach()
+            stats["actor/entropy"] = stats["actor/entropy"] + entropy.detach()
+            stats["actor/pg_clipfrac"] = stats["actor/pg_clipfrac"] + pg_stats["clipfrac"] * share
+            stats["actor/ppo_kl"] = stats["actor/ppo_kl"] + pg_stats["approx_kl"] * share
+        stats = {k: float(v) for k, v in stats.items()}
         stats["actor/grad_norm"] = self.optimizer.step()
         stats["actor/lr"] = self.optimizer.lr
         return stats

@@ -104,8 +104,10 @@ def split_rows(batch: RolloutBatch, token_budget: int, *, packing: bool) -> list
 
 
 def _fused(model) -> str | bool:
-    """Compiled decoders (enable_compile) also take the log-prob kernels compiled with the same backend."""
-    return getattr(model, "compiled", None) or False
+    """Compiled decoders (enable_compile) also take the fused log-prob kernels: the best there are (Triton
+    on CUDA) for the inductor backend, the same torch.compile backend otherwise (tests: eager, aot_eager)."""
+    backend = getattr(model, "compiled", None)
+    return True if backend == "inductor" else (backend or False)
 
 
 def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool,

@@ -154,6 +154,7 @@ class RolloutEngine:
         start, steps, finished = time.perf_counter(), 0, []
         with torch.inference_mode(), _seeded(generator, self.device):
             self.runner.begin(num_slots, slot_len, max(caps), params, stop_ids)
+            begin_seconds = time.perf_counter() - start  # layout, fused weights, graph capture (host clock)
             known = None  # the snapshot of the previous step, read after the next step is launched
             while not scheduler.all_done:
                 groups = scheduler.admit()
@@ -168,7 +169,8 @@ class RolloutEngine:
                     self._retire(known, scheduler, finished)
                 known = latest
             result = self._result(len(prompts), finished, set(stop_ids))
-        self.last_stats = {"steps": steps, "seconds": time.perf_counter() - start, "slots": num_slots,
+        self.last_stats = {"steps": steps, "seconds": time.perf_counter() - start, "begin_seconds": begin_seconds,
+                           "slots": num_slots,
                            "slot_len": self.runner.layout[1], "graphs": len(self.runner.graphs),
                            "new_tokens": sum(map(len, result.response_ids))}
         return result
