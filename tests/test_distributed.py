@@ -128,21 +128,22 @@ def _watchdog_line(rank: int) -> str:
 RM_TEXTS = ["2", "11", "7+7", "no idea"]
 
 
-def _sharded_reward_model(rank: int, root: str) -> dict:
-    """reward_model.fsdp FULL_SHARD: rank 0 scores 3 batches, rank 1 only 1 (uneven validation shares)."""
+def _sharded_reward_model(rank: int, root: str, **engine) -> dict:
+    """reward_model.fsdp FULL_SHARD: rank 0 scores 3 batches, rank 1 only 1 (uneven validation shares);
+    `engine` makes every input its own batch (phaserl: a 1-token budget, packed; transformers: batch_size=1)."""
     from phaserl.parallel.fsdp import shard_roles
     from phaserl.roles import RewardModelWrapper
     from phaserl.roles.parallel_settings import FSDPSettings
 
     try:
-        rm = RewardModelWrapper.from_pretrained(os.path.join(root, "rm"), batch_size=1)
+        rm = RewardModelWrapper.from_pretrained(os.path.join(root, "rm"), **engine)
         rm.fsdp = FSDPSettings.from_any({"sharding_strategy": "FULL_SHARD"}, role="reward_model")
         shard_roles({"reward_model": rm}, torch.device("cpu"))
         texts = RM_TEXTS[:3] if rank == 0 else RM_TEXTS[3:]
         scores = rm.score(["1+1"] * len(texts), texts)  # rank 1 pads with 2 one-token batches, or both hang
         root_unit = rm.model.model.embed_tokens.weight
         return {"scores": scores, "sharded": rm.sharded, "root_after": str(getattr(root_unit, "placements", "plain")),
-                "rm_dir": os.path.join(root, "rm")}
+                "rm_dir": os.path.join(root, "rm"), "engine": rm.engine, "packed": rm._packs()}
     except Exception:  # noqa: BLE001 - reported by the test in the parent
         return {"error": traceback.format_exc()}
 
@@ -163,7 +164,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     out["reduced"] = _reduce_distinct_metrics(rank)
     out["watchdog"] = _watchdog_line(rank)
     out["timeout"] = _timeout_in_phase(rank)
-    out["rm"] = _sharded_reward_model(rank, root)
+    out["rm"] = _sharded_reward_model(rank, root, micro_batch_tokens=1, packing=True)
+    out["rm_hf"] = _sharded_reward_model(rank, root, engine="transformers", batch_size=1)
     out["failure"] = _failure_on_rank_1(rank)  # breaks the process group: last
     torch.save(out, os.path.join(root, f"rank{rank}.pt"))
 
@@ -254,14 +256,17 @@ def test_each_role_is_sharded_by_its_own_settings(runs):
     assert ppo["ref_root_after_step"] == "(Shard(dim=0),)"
 
 
-def test_a_sharded_reward_model_scores_uneven_shares_like_one_process(runs):
+@pytest.mark.parametrize("name, engine, packed", [("rm", "phaserl", True), ("rm_hf", "transformers", False)])
+def test_a_sharded_reward_model_scores_uneven_shares_like_one_process(runs, name, engine, packed):
     from phaserl.roles import RewardModelWrapper
 
     _, ranks = runs
-    two = _two(ranks, "rm")
+    two = _two(ranks, name)
     assert two[0]["sharded"] and two[1]["sharded"]
+    assert (two[0]["engine"], two[0]["packed"]) == (engine, packed)
     assert two[0]["root_after"] == two[1]["root_after"] == "(Shard(dim=0),)"  # freed after scoring
-    single = RewardModelWrapper.from_pretrained(two[0]["rm_dir"], batch_size=4)  # one process, unsharded
+    # one process, unsharded, transformers' own classifier, all four inputs in one batch
+    single = RewardModelWrapper.from_pretrained(two[0]["rm_dir"], engine="transformers", batch_size=4)
     expected = single.score(["1+1"] * len(RM_TEXTS), RM_TEXTS)
     assert expected.std() > 0.05  # distinct scores, so a mix-up of rows would show
     torch.testing.assert_close(torch.cat([two[0]["scores"], two[1]["scores"]]), expected, atol=1e-5, rtol=1e-5)

@@ -246,7 +246,7 @@ def test_triton_logprob_kernels_in_bf16_at_a_qwen_vocabulary():
     t = torch.randint(0, 151936, (700,), device="cuda", generator=g)
     grads = []
     for dtype, fused in ((torch.float32, False), (torch.bfloat16, "triton")):
-        h, w = h32.to(dtype).requires_grad_(True), w32.to(dtype).requires_grad_(True)
+        h, w = (x.to(dtype).detach().requires_grad_(True) for x in (h32, w32))  # fresh leaves
         lp, ent = token_logprobs_from_hidden(h, w, t, with_entropy=True, fused=fused, chunk_size=256)
         (lp.sum() + 0.01 * ent.sum()).backward()
         grads.append((lp.detach(), ent.detach(), h.grad.float(), w.grad.float()))

@@ -100,7 +100,18 @@ class RewardModelConfig:
     enable: bool = spec(False, "score responses with a sequence-classification reward model")
     path: Optional[str] = spec(None, "reward model directory (Hugging Face format)")
     tokenizer_path: Optional[str] = spec(None, "the reward model's own tokenizer; null means reward_model.path")
-    batch_size: int = spec(16, "sequences per GPU (rank) per scoring call", min=1)
+    engine: str = spec("auto", "how the RM runs: phaserl (phaserl's decoder, for llama/qwen2/qwen3 "
+                               "*ForSequenceClassification with num_labels=1; token-budget micro-batches), "
+                               "transformers (AutoModelForSequenceClassification, batch_size rows per call), auto "
+                               "(phaserl when the directory qualifies)", choices=["auto", "phaserl", "transformers"])
+    batch_size: int = spec(16, "sequences per GPU (rank) per scoring call (transformers engine; the phaserl engine "
+                               "forms its calls by micro_batch_tokens)", min=1)
+    micro_batch_tokens: int = spec(16384, "phaserl engine: tokens per scoring forward, per rank (real tokens when "
+                                          "packed, rows x longest row when padded); a longer input is scored alone",
+                                   min=1)
+    packing: Optional[bool] = spec(None, "phaserl engine: pack each scoring forward's inputs without padding. null = "
+                                         "auto, ppo.packing's rule: on where the varlen flash kernel runs (CUDA, "
+                                         "bf16/fp16 compute), padded elsewhere")
     max_length: int = spec(512, "tokens of prompt+response the reward model sees, at most", min=8)
     truncation: bool = spec(True, "truncate inputs over max_length (false: error on overlong input)")
     truncation_side: str = spec("left", "which end to cut when truncating (left keeps the response end)",

@@ -11,8 +11,14 @@ user message) + {"role": "assistant", "content": response}, rendered by `chat_te
 tokenizer's template, then tokenized without adding special tokens (templates carry their own).
 Without it the text is prompt + response with no separator (chat-message prompts: contents joined by
 "\n"), tokenized with the tokenizer's special tokens (e.g. BOS); if your RM wants a separator, write a
-`chat_template` that puts it there. Batches are always right-padded, so the scores do not depend on the
-tokenizer's padding_side or on which rows share a batch. Scores come back on the CPU as float32.
+`chat_template` that puts it there. Scores come back on the CPU as float32.
+
+Two engines, one pooling rule (the score at the last non-pad token, transformers' `*ForSequenceClassification`
+rule), so the scores do not depend on the engine, the tokenizer's padding_side or which rows share a batch:
+- phaserl: the RM is phaserl's `ValueModel` (`from_pretrained` picks it for llama / qwen2 / qwen3 classifier
+  directories). Micro-batches are formed by a token budget (`micro_batch_tokens`, longest rows first) and,
+  with packing, hold the rows' real tokens without padding (roles/reward_scoring.py).
+- transformers: any other classifier (or one passed in), `batch_size` rows per forward, right-padded.
 
 Not here: training reward models, mixing RM scores with rule rewards (the trainer's score phase).
 Shape legend: B = responses in a call, b = responses in one forward batch, T = longest input in it.
@@ -26,7 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from phaserl.errors import ConfigError, RewardError
+from phaserl.models import ValueModel, load_tokenizer
+from phaserl.models.decoder import use_varlen
 from phaserl.parallel import is_distributed, max_over_ranks, reshard_params
+
+from .parallel_settings import FSDPSettings
+from .reward_scoring import ENGINES, load_native, native_support, right_pad, score_packed, score_padded, token_groups
 
 logger = logging.getLogger(__name__)
 _FORMAT_HINT = ("the input format probably does not match what the reward model was trained on: check "
@@ -47,13 +58,17 @@ class RewardModelWrapper:
 
     def __init__(self, model, tokenizer=None, *, apply_chat_template: bool = True, chat_template: str | None = None,
                  response_key: str = "response", max_length: int = 512, truncation: bool = True,
-                 truncation_side: str = "left", batch_size: int = 16, device=None):
+                 truncation_side: str = "left", batch_size: int = 16, micro_batch_tokens: int = 16384,
+                 packing: bool | None = None, device=None):
+        """`model`: a phaserl ValueModel (phaserl engine: micro-batches of at most `micro_batch_tokens`
+        tokens, packed when `packing`, None = where the varlen kernel runs) or a transformers-style
+        classifier (`batch_size` rows per forward)."""
         if truncation_side not in ("left", "right"):
             raise ConfigError(f"RewardModelWrapper: truncation_side must be 'left' or 'right', "
                               f"got {truncation_side!r}")
-        if max_length < 1 or batch_size < 1:
-            raise ConfigError(f"RewardModelWrapper: max_length ({max_length}) and batch_size ({batch_size}) "
-                              f"must be >= 1")
+        if max_length < 1 or batch_size < 1 or micro_batch_tokens < 1:
+            raise ConfigError(f"RewardModelWrapper: max_length ({max_length}), batch_size ({batch_size}) and "
+                              f"micro_batch_tokens ({micro_batch_tokens}) must be >= 1")
         num_labels = getattr(getattr(model, "config", None), "num_labels", 1)
         if num_labels != 1:
             raise RewardError(f"the reward model has num_labels={num_labels}; a reward model outputs one score per "
@@ -74,29 +89,62 @@ class RewardModelWrapper:
                               "chat_template='...' (the format the RM was trained on) or apply_chat_template=False.")
         self.response_key = response_key
         self.max_length, self.truncation, self.truncation_side = max_length, truncation, truncation_side
-        self.batch_size = batch_size
+        self.engine = "phaserl" if isinstance(model, ValueModel) else "transformers"
+        self.batch_size, self.micro_batch_tokens, self.packing = batch_size, micro_batch_tokens, packing
+        if packing and self.engine == "transformers":
+            logger.info("[RewardModelWrapper] packing=True is ignored: the reward model (%s) is not phaserl's "
+                        "decoder, so it scores right-padded batches of batch_size=%d", type(model).__name__,
+                        batch_size)
+        self.fsdp: FSDPSettings | None = None  # reward_model.fsdp, set by the builder before it shards the RM
         self.pad_id = self._choose_pad_id()
         self.truncated_count = 0       # inputs whose response end was cut (truncation_side="right")
         self.left_truncated_count = 0  # inputs whose prompt start was cut (truncation_side="left")
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if isinstance(model, ValueModel):
+            embeddings = model.model.embed_tokens
+        else:
+            embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.vocab_size = getattr(embeddings, "num_embeddings", None)
 
     @classmethod
     def from_pretrained(cls, path: str, *, tokenizer_path: str | None = None, dtype: str | torch.dtype | None = None,
-                        trust_remote_code: bool = False, **kwargs) -> "RewardModelWrapper":
-        """Load AutoModelForSequenceClassification + AutoTokenizer from local directories; kwargs go to __init__."""
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+                        trust_remote_code: bool = False, engine: str = "auto", device=None,
+                        **kwargs) -> "RewardModelWrapper":
+        """The reward model of a local directory and its own tokenizer (phaserl's `load_tokenizer`, the one
+        `phaserl train-rm` uses); kwargs go to __init__. dtype None keeps the checkpoint's.
 
+        engine: "phaserl" loads a llama / qwen2 / qwen3 `*ForSequenceClassification` directory (num_labels=1)
+        as phaserl's ValueModel (packed token-budget micro-batches); "transformers" loads
+        AutoModelForSequenceClassification (`batch_size` rows per forward); "auto" takes phaserl's when the
+        directory qualifies, transformers' otherwise."""
+        if engine not in ENGINES:
+            raise ConfigError(f"RewardModelWrapper.from_pretrained: engine={engine!r}; expected one of "
+                              f"{', '.join(ENGINES)}")
         for what, where in (("reward model", path), ("reward model tokenizer", tokenizer_path or path)):
             if not os.path.isdir(where):
                 raise RewardError(f"{what} directory {where} not found; reward_model.path / tokenizer_path must "
                                   f"be a local Hugging Face directory (config.json, weights, tokenizer files).")
-        model_kwargs = {"trust_remote_code": trust_remote_code}
-        if dtype is not None:
-            model_kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        model = AutoModelForSequenceClassification.from_pretrained(path, **model_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path, trust_remote_code=trust_remote_code)
-        return cls(model, tokenizer, **kwargs)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        unsupported = "engine=transformers" if engine == "transformers" else native_support(path)
+        if engine == "phaserl" and unsupported:
+            raise RewardError(f"reward_model.engine=phaserl but phaserl's decoder cannot run {path}: {unsupported}. "
+                              f"Set reward_model.engine=transformers (or auto) to score it with transformers.")
+        if unsupported:
+            if engine == "auto":
+                logger.info("[RewardModelWrapper] scoring %s with transformers (padded batches of batch_size): %s",
+                            path, unsupported)
+            model = _load_transformers(path, dtype, trust_remote_code)
+        else:
+            try:
+                model = load_native(path, dtype=dtype, device=device if device is not None else "cpu")
+            except ConfigError as err:
+                raise RewardError(f"reward model {path}: {err}. Fix the directory (reward_model.path), or set "
+                                  f"reward_model.engine=transformers to load it with transformers.") from err
+        try:
+            tokenizer = load_tokenizer(tokenizer_path or path, trust_remote_code=trust_remote_code)
+        except ConfigError as err:
+            raise RewardError(f"reward model tokenizer: {err}. Set reward_model.tokenizer_path to the RM's own "
+                              f"tokenizer directory.") from err
+        return cls(model, tokenizer, device=device, **kwargs)
 
     def format(self, prompt: str | list[dict], response: str) -> str:
         """The exact text the reward model sees for one (prompt, response) pair."""
@@ -124,14 +172,17 @@ class RewardModelWrapper:
             raise ValueError(f"RewardModelWrapper.score: {len(prompts)} prompts but {len(responses)} responses")
         texts = [self.format(p, r) for p, r in zip(prompts, responses)]
         ids = self._encode(texts)
-        starts = range(0, len(ids), self.batch_size)
-        padding = self._lockstep_padding(len(starts)) if self.sharded else 0  # before any forward: a collective
-        chunks = [self._forward(ids[s:s + self.batch_size]) for s in starts]
+        self._check_tokens(ids, texts)
+        packed = self._packs()
+        groups = self._micro_batches(ids, packed)
+        padding = self._lockstep_padding(len(groups)) if self.sharded else 0  # before any forward: a collective
+        scores = torch.zeros(len(ids))  # [B]
+        for group in groups:
+            scores[torch.tensor(group)] = self._forward([ids[i] for i in group], packed)
         if self.sharded:
             for _ in range(padding):
-                self._forward([[self.pad_id]])
+                self._forward([[self.pad_id]], packed)
             reshard_params(self.model)  # a frozen model has no backward, where FSDP2 would free the root unit
-        scores = torch.cat(chunks) if chunks else torch.zeros(0)  # [B]
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
         if bad:
             raise RewardError(f"the reward model produced non-finite scores for rows {bad[:10]} of {len(texts)} "
@@ -205,6 +256,37 @@ class RewardModelWrapper:
                            self.truncated_count)
         return out
 
+    def _check_tokens(self, ids: list[list[int]], texts: list[str]) -> None:
+        """Every input has tokens, all inside the RM's vocabulary (checked before any forward)."""
+        empty = [i for i, row in enumerate(ids) if not row]
+        if empty:
+            raise RewardError(f"reward model inputs for rows {empty[:10]} have no tokens at all (row {empty[0]} was "
+                              f"formatted as {_shorten(texts[empty[0]])}): there is nothing to score. Use "
+                              f"apply_chat_template / chat_template, or make sure prompts and responses are not empty.")
+        top = max((max(row) for row in ids), default=0)
+        if self.vocab_size is not None and top >= self.vocab_size:
+            raise RewardError(f"token id {top} is outside the reward model's vocabulary ({self.vocab_size} ids): the "
+                              f"tokenizer is not the RM's own. Pass the RM's tokenizer (reward_model.tokenizer_path).")
+
+    def _packs(self) -> bool:
+        """Pack the phaserl engine's micro-batches? `packing`, or where the varlen kernel runs (ppo.packing's
+        rule: CUDA with bf16/fp16 compute, FSDP's param_dtype when sharded; the CPU's dense block mask costs
+        more than the padding it saves)."""
+        if self.engine != "phaserl":
+            return False
+        if self.packing is not None:
+            return self.packing
+        dtype = next(self.model.parameters()).dtype
+        if self.sharded and self.fsdp is not None and self.fsdp.param_dtype is not None:
+            dtype = getattr(torch, self.fsdp.param_dtype)
+        return use_varlen(self.device, dtype)
+
+    def _micro_batches(self, ids: list[list[int]], packed: bool) -> list[list[int]]:
+        """Row indices per forward: by token budget on the phaserl engine, `batch_size` rows in order otherwise."""
+        if self.engine == "phaserl":
+            return token_groups([len(row) for row in ids], self.micro_batch_tokens, packed=packed)
+        return [list(range(s, min(s + self.batch_size, len(ids)))) for s in range(0, len(ids), self.batch_size)]
+
     @property
     def sharded(self) -> bool:
         """True once FSDP2 split the model over the ranks (reward_model.fsdp, applied by the builder)."""
@@ -218,18 +300,14 @@ class RewardModelWrapper:
         fewer runs this many one-token batches after its own."""
         return max_over_ranks(batches) - batches
 
-    def _forward(self, batch: list[list[int]]) -> torch.Tensor:
-        """Right-pad one batch, run the RM, return its scores as CPU float32; [b]."""
-        longest = max(len(ids) for ids in batch)
-        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)  # [b, T]
-        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)        # [b, T]
-        for row, ids in enumerate(batch):
-            input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, :len(ids)] = 1
-        top = max((max(ids) for ids in batch if ids), default=0)
-        if self.vocab_size is not None and top >= self.vocab_size:
-            raise RewardError(f"token id {top} is outside the reward model's vocabulary ({self.vocab_size} ids): the "
-                              f"tokenizer is not the RM's own. Pass the RM's tokenizer (reward_model.tokenizer_path).")
+    def _forward(self, batch: list[list[int]], packed: bool) -> torch.Tensor:
+        """Run the RM on one micro-batch (packed, or right-padded), return its scores as CPU float32; [b]."""
+        if self.engine == "phaserl":
+            score = score_packed if packed else score_padded
+            with torch.inference_mode():
+                logits = score(self.model, batch, self.pad_id, self.device)  # [b]
+            return logits.detach().to(device="cpu", dtype=torch.float32).clone()
+        input_ids, attention_mask = right_pad(batch, self.pad_id)  # [b, T] each
         with torch.inference_mode():
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device))
         logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
@@ -246,16 +324,24 @@ class RewardModelWrapper:
         return logits.detach().to(device="cpu", dtype=torch.float32).clone()  # [b]
 
 
+def _load_transformers(path: str, dtype: torch.dtype | None, trust_remote_code: bool):
+    """transformers' AutoModelForSequenceClassification from a local directory (the transformers engine)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model_kwargs = {"trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        model_kwargs["dtype"] = dtype
+    return AutoModelForSequenceClassification.from_pretrained(path, **model_kwargs)
+
+
 def _find_tokenizer(model):
     """The RM's own tokenizer when the caller did not pass one: model.tokenizer or its from_pretrained dir."""
     if getattr(model, "tokenizer", None) is not None:
         return model.tokenizer
     path = getattr(model, "name_or_path", "")
     if isinstance(path, str) and os.path.isdir(path):
-        from transformers import AutoTokenizer
-
         logger.info("[RewardModelWrapper] using the tokenizer saved with the reward model in %s", path)
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer(path)
     raise RewardError("RewardModelWrapper needs the reward model's own tokenizer: pass tokenizer="
                       "AutoTokenizer.from_pretrained(<RM dir>), or build it with "
                       "RewardModelWrapper.from_pretrained(<RM dir>).")

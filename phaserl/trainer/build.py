@@ -106,9 +106,10 @@ def build_reward_sources(cfg: Config, device) -> RewardSources:
     if cfg.reward_model.enable:
         rc = cfg.reward_model
         rm = RewardModelWrapper.from_pretrained(
-            resolve_reward_model_path(rc.path), tokenizer_path=rc.tokenizer_path, apply_chat_template=rc.apply_chat_template,
-            chat_template=rc.chat_template, response_key=rc.response_key, max_length=rc.max_length,
-            truncation=rc.truncation, truncation_side=rc.truncation_side, batch_size=rc.batch_size, device=device)
+            resolve_reward_model_path(rc.path), tokenizer_path=rc.tokenizer_path, engine=rc.engine,
+            apply_chat_template=rc.apply_chat_template, chat_template=rc.chat_template, response_key=rc.response_key,
+            max_length=rc.max_length, truncation=rc.truncation, truncation_side=rc.truncation_side,
+            batch_size=rc.batch_size, micro_batch_tokens=rc.micro_batch_tokens, packing=rc.packing, device=device)
     return RewardSources(rules=rules, reward_model=rm, reward_model_weight=cfg.reward.reward_model_weight)
 
 
