@@ -27,10 +27,20 @@ class RolloutBatch:
     response_texts: list           # [B] decoded responses, special tokens stripped
     rows: list                     # [B] the PromptRow each response answers
     finish_reasons: list           # [B] "stop" | "length"
+    # CPU copies of fields (on_host), made once per batch; a new batch (select, replace) starts empty.
+    _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_responses(self) -> int:
         return self.input_ids.shape[0]
+
+    def on_host(self, name: str) -> torch.Tensor:
+        """A CPU copy of tensor field `name` (e.g. the masks), made on first use: packing plans its
+        micro-batches on the host from it, with one device sync per batch instead of several per
+        micro-batch. The batch's tensors are not modified after it is built."""
+        if name not in self._host:
+            self._host[name] = getattr(self, name).cpu()
+        return self._host[name]
 
     @property
     def response_ids(self) -> torch.Tensor:  # [B, R]

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .batch import RolloutBatch
+from .models.decoder import PackedSeqs
 
 
 @dataclass
@@ -34,6 +35,12 @@ class Packed:
     predict_index: torch.Tensor  # [M] packed position whose output predicts each real response token
     target_ids: torch.Tensor     # [M] the response tokens themselves
     response_mask: torch.Tensor  # [b, R] bool, R = longest packed response (at least 1)
+    max_len: int = 0             # longest packed row (the varlen kernel's max_seqlen)
+
+    @property
+    def boundaries(self) -> PackedSeqs:
+        """The varlen kernel's view of the rows, known on the host (the decoder skips recomputing it)."""
+        return PackedSeqs(cu_seqlens=self.cu_seqlens, max_len=self.max_len)
 
     @property
     def num_tokens(self) -> int:
@@ -47,29 +54,43 @@ class Packed:
 
 def real_lengths(batch: RolloutBatch) -> torch.Tensor:
     """Real (non-padding) tokens of each row, prompt and response together.  [B] long"""
-    return batch.attention_mask.bool().sum(dim=1).long()
+    return batch.on_host("attention_mask").bool().sum(dim=1).long()
 
 
 def pack_rows(batch: RolloutBatch, idx: torch.Tensor) -> Packed:
-    """Concatenate the real tokens of rows `idx` (1-D long) into one sequence; see `Packed`."""
+    """Concatenate the real tokens of rows `idx` (1-D long) into one sequence; see `Packed`.
+
+    The layout is computed on the host from the batch's CPU masks (RolloutBatch.on_host) and sent to
+    the device without waiting: no device sync per micro-batch, so the GPU never idles while the
+    host plans the next one.
+    """
     P = batch.prompt_width
-    real = batch.attention_mask[idx].bool()                          # [b, S]
+    idx = idx.cpu()
+    real = batch.on_host("attention_mask")[idx].bool()              # [b, S]
+    S = real.shape[1]
     lengths = real.sum(dim=1)                                         # [b]
-    cu = torch.zeros(len(idx) + 1, dtype=torch.long, device=real.device)
+    cu = torch.zeros(len(idx) + 1, dtype=torch.long)
     cu[1:] = lengths.cumsum(0)
     # Where each column of each row lands in the packed sequence (meaningful on real columns only).
     packed_pos = cu[:-1, None] + real.long().cumsum(dim=1) - 1        # [b, S]
-    resp_mask = batch.response_mask[idx].bool()                       # [b, R_full]
+    resp_mask = batch.on_host("response_mask")[idx].bool()          # [b, R_full]
     keep = max(int(resp_mask.sum(dim=1).max()) if len(idx) else 0, 1)
     resp_mask = resp_mask[:, :keep]                                   # [b, R]
     # Column P + t holds response token t; column P + t - 1 (a real token) predicts it.
     predict_index = packed_pos[:, P - 1: P - 1 + keep][resp_mask]    # [M]
-    target_ids = batch.input_ids[idx, P: P + keep][resp_mask]         # [M]
-    seq_ids = torch.repeat_interleave(torch.arange(len(idx), device=real.device), lengths)  # [N]
+    flat_rows = (idx[:, None] * S + torch.arange(S)[None])            # [b, S] positions in the flat batch
+    source = flat_rows[real]                                          # [N] the packed tokens' flat positions
+    target_source = flat_rows[:, P: P + keep][resp_mask]              # [M] the response tokens' flat positions
+    seq_ids = torch.repeat_interleave(torch.arange(len(idx)), lengths)  # [N]
+    device = batch.input_ids.device
+    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    source, target_source = to_device(source), to_device(target_source)
     return Packed(
-        rows=idx, input_ids=batch.input_ids[idx][real][None], position_ids=batch.position_ids[idx][real][None],
-        seq_ids=seq_ids[None], cu_seqlens=cu.to(torch.int32), predict_index=predict_index,
-        target_ids=target_ids, response_mask=resp_mask,
+        rows=idx, input_ids=batch.input_ids.reshape(-1)[source][None],
+        position_ids=batch.position_ids.reshape(-1)[source][None],
+        seq_ids=to_device(seq_ids)[None], cu_seqlens=to_device(cu.to(torch.int32)),
+        predict_index=to_device(predict_index), target_ids=batch.input_ids.reshape(-1)[target_source],
+        response_mask=to_device(resp_mask), max_len=int(lengths.max()) if len(idx) else 0,
     )
 
 

@@ -9,6 +9,7 @@ from _tiny_run import make_run_dir
 from phaserl.batch import RolloutBatch
 from phaserl.config import load_config
 from phaserl.models import CausalLM, DecoderConfig, KVCache, ValueModel
+from phaserl.models.decoder import packed_boundaries
 from phaserl.packing import pack_rows, split_packed_by_tokens
 from phaserl.roles.forward import batch_logprobs, batch_values, rows_logprobs, rows_values
 from phaserl.trainer import RLTrainer
@@ -67,6 +68,12 @@ def test_pack_rows_lays_out_real_tokens_with_own_positions():
     assert p.unpack(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1.0, 0.0], [2.0, 3.0]]
     only_first = pack_rows(b, torch.tensor([0]))
     assert only_first.response_mask.shape == (1, 1)  # trimmed to the longest packed response
+    # The layout was planned on the host: the varlen boundaries come with it, equal to the decoder's own.
+    assert p.max_len == 5 and p.boundaries.cu_seqlens.tolist() == packed_boundaries(p.seq_ids).cu_seqlens.tolist()
+    assert "attention_mask" in b._host and b.select(torch.tensor([1]))._host == {}  # a new batch, a new copy
+    reordered = pack_rows(b, torch.tensor([1, 0]))  # rows in any order
+    assert reordered.input_ids.tolist() == [[14, 15, 16, 17, 18, 11, 12, 13]]
+    assert reordered.target_ids.tolist() == [17, 18, 13] and reordered.predict_index.tolist() == [2, 3, 6]
 
 
 def test_split_packed_by_tokens_counts_real_tokens_and_balances_groups():

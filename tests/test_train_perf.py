@@ -106,6 +106,7 @@ def _reference_varlen(calls):
 def test_the_varlen_path_passes_sequence_boundaries_and_matches_the_padded_path(monkeypatch):
     calls = []
     monkeypatch.setattr(decoder, "_VARLEN", (_reference_varlen(calls), {"window_size": (-1, 0)}, False))
+    monkeypatch.setattr(decoder, "_GQA_PROBED", {})  # this kernel wants equal heads: the probe says no
     monkeypatch.setattr(decoder, "use_varlen", lambda device, dtype: True)
     b = _batch([3, 1, 2], [2, 4, 1])  # real lengths 5, 5, 3
     model = _model()
@@ -113,9 +114,29 @@ def test_the_varlen_path_passes_sequence_boundaries_and_matches_the_padded_path(
                    seq_ids=torch.tensor([[0] * 5 + [1] * 5 + [2] * 3]))
     assert hidden.shape == (1, 13, 32)
     assert calls[0] == ([0, 5, 10, 13], 5)  # one call per layer, boundaries as cumulative lengths
-    assert len(calls) == 2
+    assert len(calls) == 2 and decoder._GQA_PROBED == {torch.device("cpu"): False}
     ref_loss, ref = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=False, budget=25)
     loss, grads = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=True, budget=25)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    _assert_grads_close(grads, ref, 1e-5)
+
+
+def test_a_varlen_kernel_that_takes_fewer_kv_heads_gets_them_unrepeated(monkeypatch):
+    heads_seen = []
+
+    def gqa_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size):
+        heads_seen.append(k.shape[1])
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return _reference_varlen([])(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window_size)
+
+    monkeypatch.setattr(decoder, "_VARLEN", (gqa_varlen, {"window_size": (-1, 0)}, False))
+    monkeypatch.setattr(decoder, "_GQA_PROBED", {})
+    monkeypatch.setattr(decoder, "use_varlen", lambda device, dtype: True)
+    ref_loss, ref = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=False, budget=25)
+    loss, grads = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=True, budget=25)
+    assert decoder._GQA_PROBED == {torch.device("cpu"): True}  # the probe's forward + backward agreed
+    assert heads_seen[-1] == 2  # the model's 2 kv heads went in as they are (4 query heads)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     _assert_grads_close(grads, ref, 1e-5)
 

@@ -153,7 +153,10 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             grad_entropy = None
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        acc_dtype = lse.dtype  # accumulate the weight gradient in fp32 (fp64 for fp64 inputs)
+        # The weight gradient accumulates in fp32 (fp64 for fp64 inputs), except on the Triton path, where
+        # each chunk's matmul adds into it in place in the weight's dtype (fp32 inside the GEMM, one rounding
+        # per chunk, like the model's other bf16 gradients): no [V, H] fp32 buffer and no add kernel per chunk.
+        acc_dtype = weight.dtype if ctx.fused == "triton" else lse.dtype
         grad_weight = torch.zeros_like(weight, dtype=acc_dtype) if need_weight else None
         for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_size)):
             stop = min(start + ctx.chunk_size, hidden.shape[0])
@@ -183,8 +186,10 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
                 grad_z.scatter_add_(-1, targets[start:stop, None], g_logp)
                 grad_logits = grad_z.div_(ctx.temperature).to(weight.dtype)  # [n, V]
             if need_hidden:
-                grad_hidden[start:stop] = grad_logits @ weight
-            if need_weight:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+            if need_weight and acc_dtype == weight.dtype:
+                grad_weight.addmm_(grad_logits.t(), h)
+            elif need_weight:
                 grad_weight += grad_logits.t() @ h  # in-place add promotes, no [V, H] fp32 copy
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)

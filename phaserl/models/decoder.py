@@ -114,6 +114,36 @@ _VARLEN = _varlen_kernel() if torch.cuda.is_available() else None
 USE_VARLEN = True  # False forces the dense block-diagonal mask on CUDA too (debugging, kernel comparisons)
 
 
+_GQA_PROBED: dict = {}  # device -> whether this torch's varlen kernel takes fewer kv heads as they are
+
+
+def _varlen_takes_gqa(device: torch.device) -> bool:
+    """True when varlen_attn accepts k/v with fewer heads than q (torch 2.12+ says so with enable_gqa;
+    older ones may pass them straight to the flash kernel, which supports it): probed once on tiny
+    tensors, forward and backward against the repeated heads, so a torch that does not is never trusted."""
+    varlen_attn, causal, native_gqa = _VARLEN
+    if native_gqa:
+        return True
+    if device not in _GQA_PROBED:
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(8, h, 64, device=device, dtype=torch.bfloat16, generator=g) for h in (4, 2, 2))
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():  # the first call may come from a no-grad pass
+                q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+                out = varlen_attn(q, k, v, cu, cu, 5, 5, **causal)
+                grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+                ref = varlen_attn(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), cu, cu, 5, 5,
+                                  **causal)
+                ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+            ok = all(torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+                     for a, b in zip((out, *grads), (ref, *ref_grads)))
+        except Exception:  # noqa: BLE001 - whatever the kernel says about these shapes, the answer is no
+            ok = False
+        _GQA_PROBED[device] = ok
+    return _GQA_PROBED[device]
+
+
 def use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
     """Packed forwards take the varlen kernel: CUDA, half precision, and a torch that has it."""
     return USE_VARLEN and _VARLEN is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -129,7 +159,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.
         extra = {}
         if groups > 1 and native_gqa:
             extra["enable_gqa"] = True
-        elif groups > 1:
+        elif groups > 1 and not _varlen_takes_gqa(q.device):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B*T, Hq, D]
         out = varlen_attn(q.reshape(B * T, Hq, D), k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_len,
                           attn.max_len, **causal, **extra)  # [B*T, Hq, D]
@@ -285,14 +315,17 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
+                boundaries: Optional[PackedSeqs] = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H].
 
         attention_mask [B, T]: 1 = real token, 0 = padding (either side). position_ids [B, T]: when None,
         each real token's position is the number of real tokens before it in its row (cache included).
         With `kv_cache`, the T tokens are appended after the cached prefix and the cache advances by T.
         seq_ids [B, T] (packed rows, phaserl.packing): token i sees token j only when their ids are equal
-        (and j <= i); needs explicit position_ids and no cache.
+        (and j <= i); needs explicit position_ids and no cache. boundaries: the same rows as the varlen
+        kernel sees them (phaserl.packing.Packed.boundaries), when the caller knows them: saves the host
+        sync of working them out from seq_ids.
         """
         if seq_ids is not None and (kv_cache is not None or position_ids is None):
             raise ValueError("DecoderModel.forward(seq_ids=...) packs sequences for a cache-free forward: "
@@ -308,7 +341,7 @@ class DecoderModel(nn.Module):
             position_ids = (before + attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
         h = self.embed_tokens(input_ids)  # [B, T, H]
         if seq_ids is not None and no_padding and use_varlen(h.device, h.dtype):
-            attn = packed_boundaries(seq_ids)  # the varlen kernel: no mask at all
+            attn = boundaries if boundaries is not None else packed_boundaries(seq_ids)  # varlen: no mask at all
         else:
             attn = build_attention_mask(key_valid, start, T)  # [B, 1, T, S]
             if seq_ids is not None:  # block-diagonal: packed sequences never see each other
@@ -375,6 +408,7 @@ class CausalLM(DecoderWrapper):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
+                boundaries: Optional[PackedSeqs] = None) -> torch.Tensor:
         """input_ids [B, T] -> hidden [B, T, H]; see DecoderModel.forward for the arguments."""
-        return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids)
+        return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids, boundaries=boundaries)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from phaserl.models.decoder import CausalLM, DecoderWrapper, KVCache
+from phaserl.models.decoder import CausalLM, DecoderWrapper, KVCache, PackedSeqs
 
 
 class ValueModel(DecoderWrapper):
@@ -27,9 +27,11 @@ class ValueModel(DecoderWrapper):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
+                boundaries: Optional[PackedSeqs] = None) -> torch.Tensor:
         """input_ids [B, T] -> values [B, T] float32 (one per token: the value of the prefix ending there).
 
-        seq_ids [B, T]: packed sequences (see DecoderModel.forward)."""
-        hidden = self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids)  # [B, T, H]
+        seq_ids [B, T], boundaries: packed sequences (see DecoderModel.forward)."""
+        hidden = self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids,
+                            boundaries=boundaries)  # [B, T, H]
         return self.score(hidden).squeeze(-1).float()  # [B, T]

@@ -113,7 +113,8 @@ def _fused(model) -> str | bool:
 def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool,
                           chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each."""
-    hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids)  # [1, N, H]
+    hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
+                   boundaries=packed.boundaries)  # [1, N, H]
     logp, ent = token_logprobs_from_hidden(
         hidden[0, packed.predict_index], model.output_weight, packed.target_ids, temperature=temperature,
         chunk_size=chunk_size, with_entropy=with_entropy, fused=_fused(model))  # [M], [M]
@@ -123,7 +124,8 @@ def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_ent
 
 def packed_micro_values(value_model, packed: Packed) -> torch.Tensor:
     """Critic values at the positions that predict each response token of one packed micro-batch.  [b, R]"""
-    values = value_model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids)  # [1, N]
+    values = value_model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
+                         boundaries=packed.boundaries)  # [1, N]
     return packed.unpack(values[0, packed.predict_index].float())
 
 
