@@ -96,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra phaserl config override (as on `phaserl train` command lines), repeatable")
     p.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
                    help="extra GRPOConfig keyword (value parsed as JSON, else a string), repeatable")
+    p.add_argument("--profile", action="store_true", help="ours: one more step under torch.profiler (not timed)")
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
@@ -250,11 +251,32 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                     **memory_gib())
         steps.append(step)
         emit(**step)
+    if a.profile:
+        _profile_one_step(trainer)
     trainer.run.metrics_logger.close()
     timed = [s["timing_s"] for s in steps if not s["warmup"]] or [{}]
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
     return summarize("ours", a, steps, {"kv_fraction": a.kv_fraction, "timing_s_median": phases,
                                         "overrides": a.ours_set})
+
+
+def _profile_one_step(trainer) -> None:
+    """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was."""
+    import profiling
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        sync()
+        t0 = time.perf_counter()
+        metrics = trainer.train_step()
+        sync()
+        wall = time.perf_counter() - t0
+    trainer.step_num += 1
+    emit(measure="profiled_step", side="ours", seconds=round(wall, 3),
+         timing_s={k.split("/", 1)[1]: round(v, 3) for k, v in metrics.items() if k.startswith("timing_s/")})
+    for record in profiling.summarize(prof, wall):
+        emit(measure="profile", side="ours", **record)
 
 
 def _engine_stats(actor) -> dict:

@@ -47,6 +47,7 @@ from phaserl.metrics import PEAK_BF16_FLOPS, FlopModel, device_peak_flops  # noq
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.models.decoder import enable_compile  # noqa: E402
 from phaserl.roles.forward import rows_logprobs, split_rows  # noqa: E402
+import profiling  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
 VARIANTS = ["padded", "packed", "packed_ckpt", "packed_compile", "hf", "breakdown"]
@@ -253,37 +254,13 @@ def run_profile(args, device, batches: dict) -> None:
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         ours_step(model, batch, adv, args.micro_tokens, True)
         sync(device)
-    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
-               and str(e.device_type).endswith("CUDA")] if device.type == "cuda" else []
-    total = sum(e.self_device_time_total for e in kernels) or 1.0
-
-    def group(name: str) -> str:
-        low = name.lower()
-        for key, words in (("flash_attention", ("flash",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
-                           ("logprob_triton", ("stats_kernel", "grad_kernel")), ("inductor_triton", ("triton",)),
-                           ("copy_or_fill", ("copy", "fill", "memset", "cat"))):
-            if any(w in low for w in words):
-                return key
-        return "other"
-
-    groups: dict = {}
-    for e in kernels:
-        g = groups.setdefault(group(e.key), [0.0, 0])
-        g[0] += e.self_device_time_total
-        g[1] += e.count
-    for name, (us, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
-        emit(variant="profile", group=name, device_ms=us / 1000, share=us / total, launches=count)
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
-        emit(variant="profile", kernel=e.key[:120], device_ms=e.self_device_time_total / 1000,
-             share=e.self_device_time_total / total, launches=e.count, group=group(e.key))
-    host = {}  # host-side waits: every one lets the GPU run dry until the host queues work again
-    for e in prof.key_averages():
-        if any(w in e.key for w in ("Synchronize", "_local_scalar_dense", "aten::nonzero", "aten::item")):
-            host[e.key] = e.count
-    emit(variant="profile", total_device_ms=total / 1000, host_syncs=host)
+        wall = time.perf_counter() - t0
+    for record in profiling.summarize(prof, wall, top=25):
+        emit(variant="profile", micro_tokens=args.micro_tokens, **record)
 
 
 def main() -> None:

@@ -52,11 +52,12 @@ class RolloutBatch:
     def select(self, index: torch.Tensor) -> "RolloutBatch":
         """Rows `index` (a 1-D long tensor) of every field."""
         idx = index.tolist()
+        take = _row_taker(index)
         return replace(
             self,
-            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
-            position_ids=self.position_ids[index], response_mask=self.response_mask[index],
-            group_ids=self.group_ids[index], rollout_logprobs=self.rollout_logprobs[index],
+            input_ids=take(self.input_ids), attention_mask=take(self.attention_mask),
+            position_ids=take(self.position_ids), response_mask=take(self.response_mask),
+            group_ids=take(self.group_ids), rollout_logprobs=take(self.rollout_logprobs),
             prompts=[self.prompts[i] for i in idx], response_texts=[self.response_texts[i] for i in idx],
             rows=[self.rows[i] for i in idx], finish_reasons=[self.finish_reasons[i] for i in idx],
         )
@@ -95,9 +96,22 @@ class TrainBatch:
         return self.rollout.num_responses
 
     def select(self, index: torch.Tensor) -> "TrainBatch":
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        take = _row_taker(index)
+        pick = lambda t: None if t is None else take(t)  # noqa: E731
         return TrainBatch(
             rollout=self.rollout.select(index), old_logprobs=pick(self.old_logprobs),
-            ref_logprobs=pick(self.ref_logprobs), advantages=self.advantages[index],
-            returns=self.returns[index], old_values=pick(self.old_values),
+            ref_logprobs=pick(self.ref_logprobs), advantages=take(self.advantages),
+            returns=take(self.returns), old_values=pick(self.old_values),
         )
+
+
+def _row_taker(index: torch.Tensor):
+    """t -> t[index], the index sent once to each device it meets, without waiting: indexing a CUDA
+    tensor with a CPU index copies the index with a host sync, once per field and micro-batch."""
+    on_device: dict = {index.device: index}
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        if t.device not in on_device:
+            on_device[t.device] = index.to(t.device, non_blocking=True)
+        return t[on_device[t.device]]
+    return take

@@ -34,8 +34,11 @@ class Optimizer:
     def __init__(self, params, settings: OptimSettings):
         self.params = [p for p in params if p.requires_grad]
         self.settings = settings
+        # One fused kernel per step on plain CUDA tensors (foreach launches several per parameter group);
+        # FSDP's DTensors and CPU runs keep the default implementation.
+        fused = bool(self.params) and all(p.is_cuda and not hasattr(p, "placements") for p in self.params)
         self.opt = torch.optim.AdamW(self.params, lr=settings.lr, betas=tuple(settings.betas),
-                                     weight_decay=settings.weight_decay)
+                                     weight_decay=settings.weight_decay, fused=fused or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: _lr_factor(i, settings))
         self._pinned: dict[tuple, torch.Tensor] = {}  # offload_state: (id(param), state key) -> pinned CPU copy
 
