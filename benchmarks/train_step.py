@@ -97,7 +97,8 @@ def ours_step(model, batch: RolloutBatch, adv: torch.Tensor, budget: int, packin
     total = torch.zeros((), device=adv.device)  # summed on the device: no host sync per micro-batch
     for idx in split_rows(batch, budget, packing=packing):
         logp, ent, mask = rows_logprobs(model, batch, idx, packing=packing, temperature=1.0, with_entropy=True)
-        loss = loss_of(logp, ent, mask.float(), adv[idx][:, : mask.shape[1]], tokens)
+        loss = loss_of(logp, ent, mask.float(), adv[idx.to(adv.device, non_blocking=True)][:, : mask.shape[1]],
+                       tokens)
         loss.backward()
         total += loss.detach()
     return float(total)

@@ -36,6 +36,7 @@ class Packed:
     target_ids: torch.Tensor     # [M] the response tokens themselves
     response_mask: torch.Tensor  # [b, R] bool, R = longest packed response (at least 1)
     max_len: int = 0             # longest packed row (the varlen kernel's max_seqlen)
+    response_index: Optional[torch.Tensor] = None  # [M] flat positions of the real tokens of response_mask
 
     @property
     def boundaries(self) -> PackedSeqs:
@@ -47,9 +48,15 @@ class Packed:
         return self.input_ids.shape[1]
 
     def unpack(self, per_token: torch.Tensor) -> torch.Tensor:
-        """Per-response-token values [M] (ordered like `predict_index`) -> response-aligned [b, R], zeros elsewhere."""
-        out = torch.zeros(self.response_mask.shape, dtype=per_token.dtype, device=per_token.device)  # [b, R]
-        return out.masked_scatter(self.response_mask, per_token)
+        """Per-response-token values [M] (ordered like `predict_index`) -> response-aligned [b, R], zeros elsewhere.
+
+        An index copy to positions planned on the host: its backward is an index select, where
+        masked_scatter's (a masked_select) would wait for the device to count the mask."""
+        b, R = self.response_mask.shape
+        if self.response_index is None:  # built by hand, not by pack_rows
+            self.response_index = self.response_mask.reshape(-1).nonzero().squeeze(1)
+        out = torch.zeros(b * R, dtype=per_token.dtype, device=per_token.device)
+        return out.index_copy(0, self.response_index, per_token).view(b, R)  # [b, R]
 
 
 def real_lengths(batch: RolloutBatch) -> torch.Tensor:
@@ -91,6 +98,7 @@ def pack_rows(batch: RolloutBatch, idx: torch.Tensor) -> Packed:
         seq_ids=to_device(seq_ids)[None], cu_seqlens=to_device(cu.to(torch.int32)),
         predict_index=to_device(predict_index), target_ids=batch.input_ids.reshape(-1)[target_source],
         response_mask=to_device(resp_mask), max_len=int(lengths.max()) if len(idx) else 0,
+        response_index=to_device(resp_mask.reshape(-1).nonzero().squeeze(1)),
     )
 
 

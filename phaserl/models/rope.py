@@ -113,7 +113,10 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> cos, sin [B, T, D] in `dtype` (angles computed in float32)."""
-        # .to(device): a model built under `with torch.device("cuda")` keeps this CPU-made buffer on the CPU
+        # A model built under `with torch.device("cuda")` keeps this CPU-made buffer on the CPU: moved once
+        # (a blocking copy every forward is a host sync).
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
         inv_freq = self._inv_freq_for(position_ids).to(position_ids.device).float()
         angles = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
         angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]: HF layout, halves not interleaved

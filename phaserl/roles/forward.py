@@ -56,7 +56,7 @@ def batch_logprobs(model, batch: RolloutBatch, *, temperature: float, token_budg
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
     for idx in split_rows(batch, token_budget, packing=packing):
         logp, _, _ = rows_logprobs(model, batch, idx, packing=packing, temperature=temperature, with_entropy=False)
-        out[idx] = pad_response_tensor(logp, R)
+        out[idx.to(out.device, non_blocking=True)] = pad_response_tensor(logp, R)  # a CPU index would sync
     return out
 
 
@@ -74,7 +74,7 @@ def batch_values(value_model, batch: RolloutBatch, *, token_budget: int, packing
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
     for idx in split_rows(batch, token_budget, packing=packing):
         values, _ = rows_values(value_model, batch, idx, packing=packing)
-        out[idx] = pad_response_tensor(values, R)
+        out[idx.to(out.device, non_blocking=True)] = pad_response_tensor(values, R)
     return out
 
 
