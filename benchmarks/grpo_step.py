@@ -25,9 +25,10 @@ Same on both sides:
   are printed (`response_length_mean`, `eos_finished`);
 - 512 responses per step and ONE optimizer step per rollout batch (ours: ppo.num_mini_batches=1,
   epochs=1; TRL: gradient_accumulation_steps = steps_per_generation = 512 / micro_batch, num_iterations=1);
-- micro-batches of --micro-batch sequences (default 32 = 12,288 tokens) for training and for the
-  forward-only passes (ours: ppo.micro_batch_tokens = ppo.forward_micro_batch_tokens = 32 * 384; TRL:
-  per_device_train_batch_size, which it also uses for its reference pass);
+- micro-batches of --micro-batch sequences (default 32 = 12,288 tokens) for training and, unless
+  --forward-micro-batch says otherwise for ours, for the forward-only passes (ours: ppo.micro_batch_tokens =
+  ppo.forward_micro_batch_tokens = 32 * 384; TRL: per_device_train_batch_size, which it also uses for its
+  reference pass: it has no separate key);
 - KL in the loss, k3 estimator, coefficient --beta 0.001 (ours algorithm.kl_coef, TRL beta);
 - PPO clip 0.2 both ways, no dual clip (ours actor.dual_clip_c=null); token-mean loss over the whole
   mini-batch (ours loss_agg_mode=token-mean, TRL loss_type=dapo); group-std advantages; entropy computed
@@ -87,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (128; --tiny 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens (256; --tiny 8)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per training micro-batch (32; --tiny 8)")
+    p.add_argument("--forward-micro-batch", type=int, default=None,
+                   help="ours: sequences per forward-only micro-batch (reference, old log-probs); default "
+                        "--micro-batch. TRL has no such key: its reference pass uses the training micro-batch")
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (ours kl_coef, TRL beta)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--gradient-checkpointing", action="store_true", help="on for both sides (default off)")
@@ -202,7 +206,7 @@ def ours_config(a, root: str, log_dir: str) -> dict:
                   "loss_agg_mode": "token-mean", "entropy_coef": 0.0,
                   "gradient_checkpointing": a.gradient_checkpointing},
         "ppo": {"num_mini_batches": 1, "epochs": 1, "micro_batch_tokens": a.micro_batch * seq,
-                "forward_micro_batch_tokens": a.micro_batch * seq},
+                "forward_micro_batch_tokens": (a.forward_micro_batch or a.micro_batch) * seq},
         "trainer": {"total_steps": a.warmup + a.steps, "seed": 0, "device": a.device, "log_dir": log_dir,
                     "checkpoint_path": os.path.join(log_dir, "checkpoints"), "val_before_train": False,
                     "loggers": ["jsonl"], "resume": "never"},
@@ -257,7 +261,8 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     timed = [s["timing_s"] for s in steps if not s["warmup"]] or [{}]
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
     return summarize("ours", a, steps, {"kv_fraction": a.kv_fraction, "timing_s_median": phases,
-                                        "overrides": a.ours_set})
+                                        "overrides": a.ours_set, "micro_batch": a.micro_batch,
+                                        "forward_micro_batch": a.forward_micro_batch or a.micro_batch})
 
 
 def _profile_one_step(trainer) -> None:

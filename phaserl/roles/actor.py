@@ -99,7 +99,9 @@ class HybridActor:
                 self.optimizer.offload_state(self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            kept = self.engine is not None and self.engine.config.keep_awake and self.engine.pool.awake
+            if not kept:  # a kept engine allocates and frees nothing: PyTorch's cached blocks serve the next phase
+                torch.cuda.empty_cache()
         if target == "rollout":  # after empty_cache, so the KV cache is sized from truly free memory
             self._ensure_engine()
             kv_bytes = self.engine.wake() if self.engine is not None else 0
