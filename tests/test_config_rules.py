@@ -2,12 +2,14 @@
 
 Every error must show its arithmetic; the numbers in the asserts are worked out by hand.
 """
+import random
 import warnings
 
 import pytest
 
 from phaserl.config import Config, check_context_length, derive, explain, load_config, validate
 from phaserl.errors import ConfigError
+from phaserl.roles.reward_scoring import token_groups
 
 
 def error_of(overrides, world_size=1) -> str:
@@ -189,6 +191,39 @@ def test_derive_hand_worked_numbers():
     assert cfg.ppo.mini_batch_size is None  # derive resolves without mutating the config
 
 
+def test_reward_model_calls_follow_the_engine_that_scores():
+    # 128 responses per rank. transformers: reward_model.batch_size = 24 rows per call, ceil(128 / 24) = 6.
+    # phaserl: floor(micro_batch_tokens 2048 / max_length 512) = 4 full-length inputs per forward at least,
+    # so ceil(128 / 4) = 32 forwards at most. auto, directory not read: the bound of either engine, 32.
+    cfg = loads_quietly(HAND_WORKED + ["reward_model.micro_batch_tokens=2048"], world_size=4)
+    by_engine = {e: derive(cfg, world_size=4, reward_model_engine=e) for e in ("transformers", "phaserl", None)}
+    assert [(d.reward_model_engine, d.reward_model_inputs_per_call, d.reward_model_scoring_calls_per_rank)
+            for d in by_engine.values()] == [("transformers", 24, 6), ("phaserl", 4, 32), ("auto", 4, 32)]
+    # A budget under max_length still scores one input per forward: 128 forwards.
+    short = derive(loads_quietly(HAND_WORKED + ["reward_model.micro_batch_tokens=300", "reward_model.engine=phaserl"],
+                                 world_size=4), world_size=4)
+    assert (short.reward_model_inputs_per_call, short.reward_model_scoring_calls_per_rank) == (1, 128)
+    off = derive(loads_quietly(["reward_model.micro_batch_tokens=300"]))
+    assert (off.reward_model_inputs_per_call, off.reward_model_scoring_calls_per_rank) == (0, 0)
+    with pytest.raises(ValueError, match="reward_model_engine='vllm'"):
+        derive(cfg, world_size=4, reward_model_engine="vllm")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_phaserl_scoring_bound_holds_for_any_input_lengths(packed):
+    # Inputs of 1..10 tokens (max_length 10) in a 25-token budget: floor(25 / 10) = 2 per forward at least, so
+    # 9 inputs take at most ceil(9 / 2) = 5 forwards, whatever their lengths; nine 10-token inputs take exactly 5.
+    cfg = loads_quietly(["rollout.prompts_per_step=9", "rollout.n=1", "algorithm.adv_estimator=remax",
+                         "reward_model.enable=true", "reward_model.path=/rm", "reward_model.max_length=10",
+                         "reward_model.micro_batch_tokens=25"])
+    assert derive(cfg, reward_model_engine="phaserl").reward_model_scoring_calls_per_rank == 5
+    assert len(token_groups([10] * 9, 25, packed=packed)) == 5
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 10) for _ in range(9)]
+        assert len(token_groups(lengths, 25, packed=packed)) <= 5, lengths
+
+
 def test_derive_rejects_broken_arithmetic():
     cfg = Config()
     with pytest.raises(ConfigError, match="32 / 3 = 10.6667"):
@@ -201,7 +236,7 @@ def test_explain_shows_formulas_numbers_and_what_each_batch_size_counts():
     for line in ["responses per step", "rollout.prompts_per_step × rollout.n = 64 × 8 = 512",
                  "rollout.prompts_per_step / world_size = 64 / 4 = 16",
                  "ceil(prompts per rank / rollout.batch_size) = ceil(16 / 6) = 3",
-                 "ceil(responses per rank / reward_model.batch_size) = ceil(128 / 24) = 6",
+                 "ceil(128 / min(24, max(1, floor(16384 / 512)))) = 6   (at most; reward_model.engine = auto",
                  "responses per step / ppo.num_mini_batches = 512 / 4 = 128",
                  "mini-batch size / world_size = 128 / 4 = 32",
                  "ppo.epochs × ppo.num_mini_batches = 2 × 4 = 8",

@@ -3,6 +3,8 @@
 The memory arithmetic is checked against hand-worked numbers; every other check is run on a real
 tiny model, tokenizer and prompt files (tests/_tiny_run.py) with one thing broken at a time.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,7 +64,8 @@ def test_an_ok_line_never_shows_a_fix():
 SHAPE = ModelShape(num_params=1000, num_layers=2, hidden_size=32, intermediate_size=64, num_kv_heads=2, head_dim=8,
                    vocab_size=100, param_bytes=4)
 SIZES = PhaseSizes(n=2, prompt_tokens=32, sequence_tokens=36, rollout_batch_size=4, prompts_per_rank=4,
-                   rm_batch_size=16, rm_max_length=64, responses_per_rank=8, micro_batch_tokens=64,
+                   rm_engine="transformers", rm_batch_size=16, rm_micro_batch_tokens=256, rm_packed=False,
+                   rm_max_length=64, responses_per_rank=8, micro_batch_tokens=64,
                    mini_batch_per_rank=8, gradient_checkpointing=False)
 
 
@@ -111,6 +114,50 @@ def test_a_size_that_does_not_fit_is_named_with_what_fits():
     assert memory.judge(update, SIZES, device_type="cpu") == ""
     assert memory.judge(rollout, SIZES, device_type="cpu").startswith("rollout.batch_size = 4 likely does not fit")
     assert "; 2 fit" in memory.judge(rollout, SIZES, device_type="cpu")
+
+
+# The RM on phaserl's decoder (engine phaserl) has the shape of SHAPE, max_length 64 and 8 responses per rank.
+PHASERL_RM = dataclasses.replace(SIZES, rm_engine="phaserl", rm_micro_batch_tokens=256, rm_packed=False)
+
+
+def test_scoring_on_phaserl_costs_per_token_and_padding_adds_the_mask():
+    # forward temporaries (2·32 + 2·64) × 4 B = 768 per token, no KV cache; right-padded rows add a
+    # [b, 1, T, T] boolean mask and SDPA's float32 copy of it: 64 × (1 + 4) = 320 per token at T = max_length 64.
+    assert memory.scoring_bytes_per_token(SHAPE, 64, packed=True) == 768
+    assert memory.scoring_bytes_per_token(SHAPE, 64, packed=False) == 768 + 320
+    # the transformers engine keeps its per-sequence cost: KV 2·2·2·8·4·64 = 16_384 + 768 × 64 tokens = 65_536
+    assert memory.scoring_bytes_per_sequence(SHAPE, 64) == 65_536
+
+
+def test_the_scoring_suggestion_names_the_key_of_the_engine():
+    # 300_000 B for the scoring phase (0.85 × 1_000_000 − 550_000 resident).
+    kw = dict(resident=550_000, update_extra=0, free_bytes=1_000_000)
+    _, tokens, _ = memory.suggest_sizes(SHAPE, SHAPE, PHASERL_RM, **kw)
+    # phaserl: 300_000 // 1_088 B per padded token = 275 tokens, of at most 8 responses × 64 tokens = 512.
+    assert (tokens.key, tokens.fits, tokens.cap, tokens.per_item) == ("reward_model.micro_batch_tokens", 275, 512, 1088)
+    assert memory.judge(tokens, PHASERL_RM, device_type="cuda") == ""  # 256 configured tokens ≤ 275
+    packed = dataclasses.replace(PHASERL_RM, rm_packed=True)
+    assert memory.suggest_sizes(SHAPE, SHAPE, packed, **kw)[1].fits == 390  # 300_000 // 768
+    # transformers: 300_000 // 65_536 B per sequence = 4 of the 8 responses; 16 configured use all 8.
+    _, rows, _ = memory.suggest_sizes(SHAPE, SHAPE, SIZES, **kw)
+    assert (rows.key, rows.fits, rows.cap) == ("reward_model.batch_size", 4, 8)
+    assert memory.judge(rows, SIZES, device_type="cpu") == ("reward_model.batch_size = 16 likely does not fit: its "
+                                                           "phase needs ~512.0 KB on top of the weights; 4 fit")
+
+
+def test_a_token_budget_under_max_length_still_scores_one_full_input():
+    # micro_batch_tokens = 32 < max_length 64: a 64-token input goes alone, 64 × 1_088 B = 68.0 KB. With 60_000 B
+    # free for scoring not even one fits (55 tokens), so the suggestion is 0: the smallest forward does not fit.
+    sizes = dataclasses.replace(PHASERL_RM, rm_micro_batch_tokens=32)
+    _, tokens, _ = memory.suggest_sizes(SHAPE, SHAPE, sizes, resident=790_000, update_extra=0, free_bytes=1_000_000)
+    assert tokens.fits == 0 and memory.effective(tokens, sizes) == 64
+    assert memory.judge(tokens, sizes, device_type="cpu") == ("reward_model.micro_batch_tokens = 32 likely does not "
+                                                             "fit: its phase needs ~68.0 KB on top of the weights; "
+                                                             "0 fit")
+    # 64 tokens, a quarter of the 275 that fit (300_000 B free for scoring) and under all 512: idle on a GPU.
+    idle = dataclasses.replace(PHASERL_RM, rm_micro_batch_tokens=64)
+    _, tokens, _ = memory.suggest_sizes(SHAPE, SHAPE, idle, resident=550_000, update_extra=0, free_bytes=1_000_000)
+    assert "uses under 25% of what fits (275)" in memory.judge(tokens, idle, device_type="cuda")
 
 
 def test_a_tiny_size_on_a_big_gpu_is_called_idle_but_not_on_the_cpu():
@@ -218,7 +265,41 @@ def test_the_reward_model_probe_names_the_cause(run, tmp_path, broken, expected)
     if broken.get("head"):
         assert "'<|im_start|>user\\n" in rm.details[0]  # the doctor shows what the RM saw
     if "chat_template" not in broken:  # the RM loaded: its scoring phase is in the memory estimate
-        assert "reward_model.batch_size=" in "\n".join(result["memory"].details)
+        # the tiny RM is a llama classifier: auto scores it on phaserl's decoder, sized in tokens (8 × 128 at most)
+        assert "reward_model.micro_batch_tokens=1024" in result["memory"].details[-1]
+
+
+def test_the_doctor_sizes_the_reward_model_by_the_key_its_engine_reads(run, tmp_path, monkeypatch):
+    # 1_000_000 B free: 0.85 × 1_000_000 − 367_616 resident (350_720 B of actor + reference as below, + the RM's
+    # 4_224 float32 params = 16_896 B) = 482_384 B for each phase. Responses per rank: 4 prompts × 2 = 8.
+    monkeypatch.setattr("phaserl.doctor.checks.free_memory_bytes", lambda device: 1_000_000)
+    rm = ["reward_model.enable=true", f"reward_model.path={make_reward_model_dir(str(tmp_path))}",
+          "reward_model.max_length=128"]
+    native = doctor(run, *rm, "reward_model.micro_batch_tokens=300")
+    # floor(300 / 128) = 2 full-length inputs per forward, so ≤ ceil(8 / 2) = 4 forwards.
+    assert ("≤ 4 reward-model forward(s) of ≤ 300 tokens (reward_model.micro_batch_tokens: 2 full-length input(s) "
+            "of reward_model.max_length = 128 tokens each)") in native["batch sizes"].message
+    assert "engine: phaserl's decoder (reward_model.engine = auto), right-padded" in native["reward model"].details[1]
+    # hidden 16, MLP 32, float32: (2·16 + 2·32) × 4 = 384 B + the padded mask 128 × (1 + 4) = 640 B: 1 KB a token;
+    # 482_384 // 1_024 = 471 tokens fit. 300 configured hold 2 inputs of 128 = 256 tokens: fine.
+    assert native["memory"].status == OK
+    assert ("reward_model.micro_batch_tokens 1.0 KB per token of a right-padded scoring forward; configured 300, "
+            "fits 471, the phase uses at most 1024") in native["memory"].details
+    # The default 16384 tokens would score all 8 responses at once: 8 × 128 × 1 KB = 1.0 MB, over 471 tokens.
+    big = doctor(run, *rm)
+    assert big["memory"].status == WARN
+    assert big["memory"].message == ("reward_model.micro_batch_tokens = 16384 likely does not fit: its phase needs "
+                                     "~1.0 MB on top of the weights; 471 fit")
+    assert big["memory"].fix.startswith("rollout.batch_size=4 reward_model.micro_batch_tokens=471 "
+                                        "ppo.micro_batch_tokens=36;")
+    # transformers: per sequence KV 2 × 1 layer × 2 heads × 8 × 4 B × 128 = 8 KB + 384 × 128 = 48 KB = 64 KB;
+    # 482_384 // 65_536 = 7 of the 8 responses fit, and batch_size 16 would take all 8.
+    hf = doctor(run, *rm, "reward_model.engine=transformers")
+    assert "1 reward-model call(s) of ≤ 16 sequences (reward_model.batch_size)" in hf["batch sizes"].message
+    assert hf["reward model"].details[1].startswith("engine: transformers (reward_model.engine = transformers)")
+    assert hf["memory"].message == ("reward_model.batch_size = 16 likely does not fit: its phase needs ~512.0 KB on "
+                                    "top of the weights; 7 fit")
+    assert hf["memory"].fix.startswith("rollout.batch_size=4 reward_model.batch_size=7 ppo.micro_batch_tokens=36;")
 
 
 def test_little_free_memory_gives_a_warning_with_sizes_that_fit(run, monkeypatch):

@@ -72,9 +72,7 @@ def _arithmetic(cfg: Config, d: Derived) -> list[tuple[str, str]]:
         rows.append(("remax greedy baseline", f"+ 1 greedy response per prompt = {d.prompts_per_rank} more "
                                               "sequences per rank per step (not trained on)"))
     if rm.enable:
-        rows.append(("reward model calls per rank", f"ceil(responses per rank / reward_model.batch_size) = "
-                                                    f"ceil({d.responses_per_rank} / {rm.batch_size}) = "
-                                                    f"{d.reward_model_scoring_calls_per_rank}"))
+        rows.append(("reward model calls per rank", _scoring_calls(rm, d)))
     else:
         rows.append(("reward model calls per rank", "0   (reward_model.enable = false)"))
     rows += [
@@ -94,6 +92,21 @@ def _arithmetic(cfg: Config, d: Derived) -> list[tuple[str, str]]:
                             f"{d.responses_per_step} = {d.total_responses}"),
     ]
     return rows
+
+
+def _scoring_calls(rm, d: Derived) -> str:
+    """The reward model's forwards per rank: rows per call on transformers, full-length inputs per token
+    budget on phaserl's decoder (a bound: shorter inputs share forwards), the larger count when auto."""
+    tokens = "max(1, floor(reward_model.micro_batch_tokens / reward_model.max_length))"
+    numbers = f"max(1, floor({rm.micro_batch_tokens} / {rm.max_length}))"
+    per_call = {"transformers": ("reward_model.batch_size", str(rm.batch_size)),
+                "phaserl": (tokens, numbers),
+                "auto": (f"min(reward_model.batch_size, {tokens})", f"min({rm.batch_size}, {numbers})")}
+    formula, values = per_call[d.reward_model_engine]
+    note = {"transformers": "", "phaserl": "   (at most; phaserl engine)",
+            "auto": "   (at most; reward_model.engine = auto: the RM directory decides)"}[d.reward_model_engine]
+    return (f"ceil(responses per rank / {formula}) = ceil({d.responses_per_rank} / {values}) = "
+            f"{d.reward_model_scoring_calls_per_rank}{note}")
 
 
 def _lookup(cfg: Config, key: str):

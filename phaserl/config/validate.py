@@ -6,6 +6,8 @@ broken rule with its arithmetic and the fix, and warns (`warnings.warn`) about s
 valid but ignored. `derive(cfg, world_size)` resolves the null/"auto" conveniences into a frozen
 `Derived` instead of mutating the config. `check_context_length` runs later, once the model's
 context size is known. Per-field checks (types, ranges, unknown keys) happen while loading (`load.py`).
+Nothing here reads a file: what depends on a model directory (`reward_model.engine = auto` is decided
+by the RM's config.json) is passed in by the caller that read it (`derive(..., reward_model_engine=)`).
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ class Derived:
     optimizer_steps_per_rl_step: int  # ppo.epochs * num_mini_batches
     critic_enabled: bool
     ref_enabled: bool
-    reward_model_scoring_calls_per_rank: int  # 0 when the reward model is off
+    reward_model_engine: str  # phaserl | transformers | auto (not resolved: the RM directory decides)
+    reward_model_inputs_per_call: int  # full-length RM inputs one forward holds for sure (0 when the RM is off)
+    reward_model_scoring_calls_per_rank: int  # at most, per RL step (0 when the reward model is off)
     total_responses: int  # over the whole run
     max_sequence_tokens: int  # prompt + response, at most
     sequences_per_micro_batch: int  # full-length sequences that fit ppo.micro_batch_tokens
@@ -178,9 +182,32 @@ def validate(cfg: Config, world_size: int = 1, *, source: str = "config") -> Non
         warnings.warn(f"{source}: {message}", stacklevel=2)
 
 
-def derive(cfg: Config, world_size: int = 1) -> Derived:
-    """The resolved batch arithmetic and role switches of `cfg` on `world_size` ranks (config untouched)."""
+def reward_model_inputs_per_call(cfg: Config, engine: str) -> int:
+    """Full-length inputs (reward_model.max_length tokens) one reward-model forward holds on `engine`.
+
+    transformers: reward_model.batch_size rows. phaserl: floor(micro_batch_tokens / max_length), at least 1
+    (a longer input is scored alone); the token-budget grouping closes a micro-batch only when the next
+    input would overflow it, so every micro-batch but the last holds at least this many inputs, whatever
+    their lengths. auto (the directory not read): the smaller of the two, a bound for either engine.
+    """
+    rm = cfg.reward_model
+    per_call = {"transformers": rm.batch_size, "phaserl": max(1, rm.micro_batch_tokens // rm.max_length)}
+    if engine == "auto":
+        return min(per_call.values())
+    return per_call[engine]
+
+
+def derive(cfg: Config, world_size: int = 1, *, reward_model_engine: str | None = None) -> Derived:
+    """The resolved batch arithmetic and role switches of `cfg` on `world_size` ranks (config untouched).
+
+    `reward_model_engine` ('phaserl' or 'transformers') is the engine a caller resolved from the RM
+    directory; None takes reward_model.engine as configured, where 'auto' stays unresolved.
+    """
     _raise(_batch_errors(cfg, world_size), "config")
+    engine = reward_model_engine or cfg.reward_model.engine
+    if engine not in ("auto", "phaserl", "transformers"):
+        raise ValueError(f"derive: reward_model_engine={reward_model_engine!r}; expected phaserl, transformers, "
+                         "auto or None")
     r, ppo, rm = cfg.rollout, cfg.ppo, cfg.reward_model
     prompts_per_rank = r.prompts_per_step // world_size
     responses_per_step = r.prompts_per_step * r.n
@@ -192,6 +219,7 @@ def derive(cfg: Config, world_size: int = 1) -> Derived:
     max_sequence_tokens = cfg.data.max_prompt_length + r.max_new_tokens
     # validate() guarantees one full sequence fits; max() keeps derive total on unvalidated configs
     sequences_per_micro_batch = max(1, ppo.micro_batch_tokens // max_sequence_tokens)
+    rm_per_call = reward_model_inputs_per_call(cfg, engine) if rm.enable else 0
     return Derived(
         world_size=world_size,
         prompts_per_rank=prompts_per_rank,
@@ -204,7 +232,9 @@ def derive(cfg: Config, world_size: int = 1) -> Derived:
         optimizer_steps_per_rl_step=ppo.epochs * ppo.num_mini_batches,
         critic_enabled=cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae",
         ref_enabled=cfg.ref.enable if cfg.ref.enable is not None else cfg.algorithm.kl_placement != "none",
-        reward_model_scoring_calls_per_rank=math.ceil(responses_per_rank / rm.batch_size) if rm.enable else 0,
+        reward_model_engine=engine,
+        reward_model_inputs_per_call=rm_per_call,
+        reward_model_scoring_calls_per_rank=math.ceil(responses_per_rank / rm_per_call) if rm.enable else 0,
         total_responses=cfg.trainer.total_steps * responses_per_step,
         max_sequence_tokens=max_sequence_tokens,
         sequences_per_micro_batch=sequences_per_micro_batch,

@@ -16,11 +16,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..config import Config, check_context_length, derive, validate
+from ..config import Config, Derived, check_context_length, derive, validate
 from ..errors import ConfigError, PhaserlError
 from ..models import load_pretrained, load_tokenizer
 from ..parallel import rank_and_world
 from ..roles.parallel_settings import FSDPSettings
+from ..roles.reward_scoring import native_support
 from ..trainer.build import DTYPES, resolve_device, resolve_model_path
 from .memory import free_memory_bytes, fmt_bytes
 from .report import FAIL, OK, WARN, CheckResult
@@ -38,6 +39,8 @@ class Context:
     policy: Any = None            # the loaded policy (CausalLM or HFCausalLM)
     train_rows: Optional[list] = None
     rm_shape: Any = None          # memory.ModelShape of the reward model, once probed
+    rm_engine: Optional[str] = None   # phaserl | transformers: what the reward model loaded as, once probed
+    rm_packed: Optional[bool] = None  # whether the run packs the RM's micro-batches (phaserl engine)
     problems: Optional[list] = None   # broken cross-field rules of `validate`, once run
     config_warnings: list = field(default_factory=list)
 
@@ -67,6 +70,15 @@ def check(name: str, needs: tuple = ()):
 
 def short(text: str, limit: int = 100) -> str:
     return repr(text) if len(text) <= limit else f"{text[:limit - 30]!r} ... {text[-25:]!r}"
+
+
+def reward_model_engine(cfg: Config) -> str:
+    """reward_model.engine, with auto decided the way the loader decides it (the RM directory's
+    config.json); auto stays when there is no directory to read yet (e.g. the built-in 'tiny' RM)."""
+    rm = cfg.reward_model
+    if rm.engine != "auto" or not rm.path or not os.path.isdir(rm.path):
+        return rm.engine
+    return "transformers" if native_support(rm.path) else "phaserl"
 
 
 def roles_enabled(cfg: Config) -> tuple[bool, bool]:
@@ -157,14 +169,27 @@ def check_batch_sizes(ctx: Context) -> CheckResult:
     if problems:
         return _problems_result("batch sizes", problems, fix="see memory below for the sizes that fit this machine")
     cfg, r, ppo = ctx.cfg, ctx.cfg.rollout, ctx.cfg.ppo
-    d = derive(cfg, ctx.world_size)
-    rm = (f"{d.reward_model_scoring_calls_per_rank} reward-model call(s) of ≤ {cfg.reward_model.batch_size}, "
-          if cfg.reward_model.enable else "")
+    d = derive(cfg, ctx.world_size, reward_model_engine=reward_model_engine(cfg) if cfg.reward_model.enable else None)
+    rm = f"{_scoring_calls(cfg, d)}, " if cfg.reward_model.enable else ""
     return CheckResult("batch sizes", OK, (
         f"{d.responses_per_step} responses per step ({r.prompts_per_step} prompts × {r.n}); per rank: "
         f"{d.generate_calls_per_rank} generate call(s) of ≤ {r.batch_size} prompts, {rm}"
         f"{d.optimizer_steps_per_rl_step} optimizer step(s) of {d.mini_batch_per_rank} responses in ≤ "
         f"{d.max_grad_accum_steps} micro-batch(es) of {ppo.micro_batch_tokens} tokens"))
+
+
+def _scoring_calls(cfg: Config, d: Derived) -> str:
+    """The reward model's forwards per rank per step, in the unit of the key that sizes them."""
+    rm, calls = cfg.reward_model, d.reward_model_scoring_calls_per_rank
+    if d.reward_model_engine == "transformers":
+        return f"{calls} reward-model call(s) of ≤ {rm.batch_size} sequences (reward_model.batch_size)"
+    held = (f"{d.reward_model_inputs_per_call} full-length input(s) of reward_model.max_length = {rm.max_length} "
+            "tokens each")
+    if d.reward_model_engine == "phaserl":
+        return (f"≤ {calls} reward-model forward(s) of ≤ {rm.micro_batch_tokens} tokens "
+                f"(reward_model.micro_batch_tokens: {held})")
+    return (f"≤ {calls} reward-model call(s) (reward_model.engine = auto, not decided yet: ≤ {rm.batch_size} "
+            f"sequences per call with transformers, ≤ {rm.micro_batch_tokens} tokens with phaserl's decoder)")
 
 
 @check("shared paths")

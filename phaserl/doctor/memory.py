@@ -3,8 +3,10 @@
 Seed mistake 4 is one batch size for every phase. Each phase has its own memory shape, so each gets
 its own size: rollout holds a KV cache per sequence, scoring runs the reward model forward-only, and
 the update keeps activations per token for backward. This module turns model shapes and sizes
-into bytes and suggests `rollout.batch_size`, `reward_model.batch_size` and `ppo.micro_batch_tokens`
-that fit the free memory of the device (CUDA free memory, or available RAM on the CPU).
+into bytes and suggests `rollout.batch_size`, the scoring size (`reward_model.micro_batch_tokens` when
+the RM runs on phaserl's decoder, `reward_model.batch_size` through transformers) and
+`ppo.micro_batch_tokens` that fit the free memory of the device (CUDA free memory, or available RAM on
+the CPU).
 
 The estimates are deliberately rough (within ~2×): they decide "fits / does not fit / leaves the GPU
 idle", not allocator details. Formulas, per rank (b = bytes per parameter element, T = tokens):
@@ -15,7 +17,11 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
   KV cache        2 × layers × kv_heads × head_dim × b × T per sequence
   rollout         per sequence: KV cache + prefill temporaries (2h + 2I) × b × prompt tokens
                   + two float32 rows of vocabulary logits
-  scoring         per sequence: the RM's KV cache + (2h + 2I) × b × max_length
+  scoring         transformers engine, per sequence: the RM's KV cache + (2h + 2I) × b × max_length;
+                  phaserl engine, per token of a micro-batch: (2h + 2I) × b (no KV cache), padded
+                  + max_length × (1 + b) for the [b, 1, T, T] boolean mask and SDPA's additive copy
+                  (packed with the varlen kernel: no mask; the dense block-diagonal mask of packing
+                  without it is not counted)
   update          per token: layers × (8h + 4I + 2 × kv_heads × head_dim) × b of saved activations
                   (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits
                   × 3 for the log-prob projection of up to 1024 tokens at a time.
@@ -84,7 +90,10 @@ class PhaseSizes:
     sequence_tokens: int         # prompt + response, at most
     rollout_batch_size: int      # prompts per generate call (configured)
     prompts_per_rank: int        # rollout's cap
-    rm_batch_size: int           # sequences per scoring call (configured)
+    rm_engine: str               # phaserl | transformers: what the RM was loaded as
+    rm_batch_size: int           # sequences per scoring call (configured; transformers engine)
+    rm_micro_batch_tokens: int   # tokens per scoring forward (configured; phaserl engine)
+    rm_packed: bool              # phaserl engine: micro-batches packed without padding
     rm_max_length: int
     responses_per_rank: int      # scoring's cap
     micro_batch_tokens: int      # configured
@@ -99,6 +108,7 @@ class Suggestion:
     fits: int         # the largest value that fits (capped at what the phase can use)
     cap: int          # what the phase can use at most, in the key's units
     per_item: int     # bytes per unit of the key (per prompt / sequence / token)
+    whole: int = 0    # token budgets: tokens of one full-length sequence, the smallest forward (0: a count)
 
 
 def role_memory(num_params: int, param_bytes: int, *, trainable: bool, strategy: str, world_size: int,
@@ -126,8 +136,16 @@ def rollout_bytes_per_sequence(shape: ModelShape, sizes: PhaseSizes) -> int:
 
 
 def scoring_bytes_per_sequence(rm: ModelShape, max_length: int) -> int:
+    """Transformers engine: one padded row's KV cache and forward temporaries."""
     forward = (2 * rm.hidden_size + 2 * rm.intermediate_size) * rm.param_bytes * max_length
     return kv_cache_bytes_per_sequence(rm, max_length) + forward
+
+
+def scoring_bytes_per_token(rm: ModelShape, max_length: int, packed: bool) -> int:
+    """Phaserl engine: forward temporaries per token of a micro-batch (no KV cache); padded rows add
+    their attention mask, max_length booleans and as many additive values per token."""
+    forward = (2 * rm.hidden_size + 2 * rm.intermediate_size) * rm.param_bytes
+    return forward if packed else forward + max_length * (1 + rm.param_bytes)
 
 
 def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool) -> int:
@@ -173,7 +191,9 @@ def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, 
     out.append(Suggestion("rollout.batch_size", sizes.rollout_batch_size,
                           _largest(usable - resident, per_prompt, sizes.prompts_per_rank),
                           sizes.prompts_per_rank, per_prompt))
-    if rm is not None:
+    if rm is not None and sizes.rm_engine == "phaserl":
+        out.append(_scoring_tokens(rm, sizes, usable - resident))
+    elif rm is not None:
         per_seq = scoring_bytes_per_sequence(rm, sizes.rm_max_length)
         out.append(Suggestion("reward_model.batch_size", sizes.rm_batch_size,
                               _largest(usable - resident, per_seq, sizes.responses_per_rank),
@@ -181,14 +201,25 @@ def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, 
     per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing)
     seqs = _largest_micro_batch(usable - resident - update_extra, policy, per_token, sizes)
     out.append(Suggestion("ppo.micro_batch_tokens", sizes.micro_batch_tokens, seqs * sizes.sequence_tokens,
-                          sizes.mini_batch_per_rank * sizes.sequence_tokens, per_token))
+                          sizes.mini_batch_per_rank * sizes.sequence_tokens, per_token, whole=sizes.sequence_tokens))
     return out
 
 
+def _scoring_tokens(rm: ModelShape, sizes: PhaseSizes, budget: int) -> Suggestion:
+    """reward_model.micro_batch_tokens that fit `budget`: any token count from one full-length input
+    (max_length tokens, always scored even when the budget is smaller) up to all of a rank's responses."""
+    M = sizes.rm_max_length
+    per_token = scoring_bytes_per_token(rm, M, sizes.rm_packed)
+    fits = _largest(budget, per_token, sizes.responses_per_rank * M)
+    return Suggestion("reward_model.micro_batch_tokens", sizes.rm_micro_batch_tokens, fits if fits >= M else 0,
+                      sizes.responses_per_rank * M, per_token, whole=M)
+
+
 def effective(s: Suggestion, sizes: PhaseSizes) -> int:
-    """What the configured value actually uses: never more than the phase's cap; whole sequences for tokens."""
-    if s.key == "ppo.micro_batch_tokens":
-        return min(s.configured // sizes.sequence_tokens, sizes.mini_batch_per_rank) * sizes.sequence_tokens
+    """What the configured value actually uses: never more than the phase's cap; for a token budget, the
+    full-length sequences it holds (at least one: a longer one is run alone)."""
+    if s.whole:
+        return max(1, min(s.configured, s.cap) // s.whole) * s.whole
     return min(s.configured, s.cap)
 
 

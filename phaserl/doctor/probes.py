@@ -13,6 +13,7 @@ import torch
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
 from ..models import load_pretrained
+from ..models.decoder import use_varlen
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
 from ..trainer.build import DTYPES, build_reward_sources, resolve_data_files, resolve_model_path
@@ -113,7 +114,8 @@ def check_reward_model(ctx: Context) -> CheckResult:
     except RewardError as exc:
         return CheckResult("reward model", FAIL, str(exc), fix="in the config: reward_model.path / tokenizer_path "
                            "(the RM's own directory), reward_model.chat_template or apply_chat_template=false")
-    ctx.rm_shape = ModelShape.of(wrapper.model)
+    ctx.rm_shape, ctx.rm_engine = ModelShape.of(wrapper.model), wrapper.engine
+    ctx.rm_packed = _rm_packs(ctx.cfg, wrapper, ctx.world_size)
     rows = ctx.train_rows[:PROBE_ROWS]
     prompts, responses = probe_batch(rows, rc.response_key)
     report = wrapper.probe(prompts, responses)
@@ -125,7 +127,7 @@ def check_reward_model(ctx: Context) -> CheckResult:
     format_line = (f"format: apply_chat_template = {rc.apply_chat_template}, chat_template = {template}, "
                    f"truncation_side = {rc.truncation_side}; the RM saw {seen}")
     if not report.ok:
-        return CheckResult("reward model", FAIL, report.reason, details=(format_line,))
+        return CheckResult("reward model", FAIL, report.reason, details=(format_line, _engine_line(ctx)))
     scores = ", ".join(f"{s:.4g}" for s in report.scores)
     message = (f"probe of {len(rows)} real prompts: scores [{scores}], finite, shape [{len(rows)}], "
                f"not constant")
@@ -134,13 +136,38 @@ def check_reward_model(ctx: Context) -> CheckResult:
         return CheckResult("reward model", WARN, f"{message}; but reward_model.max_length = {rc.max_length} is over "
                            f"the reward model's max_position_embeddings = {limit}: longer inputs would sit at "
                            f"positions it never saw", fix=f"set reward_model.max_length <= {limit}",
-                           details=(format_line,))
+                           details=(format_line, _engine_line(ctx)))
     if rc.response_key != "response" and not any(rc.response_key in row.raw for row in rows):
         return CheckResult("reward model", WARN, f"{message}; reward_model.response_key = {rc.response_key!r} is "
                            "in none of the training rows", fix="in RL the reward model scores the actor's "
                            "responses; response_key only names the field of preference rows (prompt, "
-                           "chosen_response, ...): leave it at 'response' here", details=(format_line,))
-    return CheckResult("reward model", OK, message, details=(format_line,))
+                           "chosen_response, ...): leave it at 'response' here",
+                           details=(format_line, _engine_line(ctx)))
+    return CheckResult("reward model", OK, message, details=(format_line, _engine_line(ctx)))
+
+
+def _rm_packs(cfg, wrapper, world_size: int) -> bool:
+    """Whether the run packs the RM's micro-batches (the wrapper's rule): reward_model.packing, else where
+    the varlen kernel runs for the RM's compute dtype (reward_model.fsdp.param_dtype once sharded)."""
+    rc = cfg.reward_model
+    if wrapper.engine != "phaserl":
+        return False
+    if rc.packing is not None:
+        return rc.packing
+    dtype = next(wrapper.model.parameters()).dtype
+    if world_size > 1 and rc.fsdp.param_dtype is not None:
+        dtype = getattr(torch, rc.fsdp.param_dtype)
+    return use_varlen(wrapper.device, dtype)
+
+
+def _engine_line(ctx: Context) -> str:
+    rc = ctx.cfg.reward_model
+    if ctx.rm_engine == "transformers":
+        return (f"engine: transformers (reward_model.engine = {rc.engine}), right-padded calls of "
+                f"reward_model.batch_size = {rc.batch_size} sequences")
+    layout = "packed without padding" if ctx.rm_packed else "right-padded"
+    return (f"engine: phaserl's decoder (reward_model.engine = {rc.engine}), {layout} forwards of at most "
+            f"reward_model.micro_batch_tokens = {rc.micro_batch_tokens} tokens (reward_model.batch_size unused)")
 
 
 def shared_parameter_names(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
@@ -194,7 +221,9 @@ def phase_sizes(ctx: Context) -> PhaseSizes:
     return PhaseSizes(n=r.n, prompt_tokens=cfg.data.max_prompt_length,
                       sequence_tokens=cfg.data.max_prompt_length + r.max_new_tokens,
                       rollout_batch_size=r.batch_size, prompts_per_rank=prompts_per_rank,
-                      rm_batch_size=rm.batch_size, rm_max_length=rm.max_length,
+                      rm_engine=ctx.rm_engine or rm.engine, rm_batch_size=rm.batch_size,
+                      rm_micro_batch_tokens=rm.micro_batch_tokens, rm_packed=bool(ctx.rm_packed),
+                      rm_max_length=rm.max_length,
                       responses_per_rank=prompts_per_rank * r.n, micro_batch_tokens=ppo.micro_batch_tokens,
                       mini_batch_per_rank=ceil_div(mini, ws), gradient_checkpointing=cfg.actor.gradient_checkpointing)
 
@@ -233,10 +262,11 @@ def check_memory(ctx: Context) -> CheckResult:
                    "sequence")
     if kept:
         details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
-    details += [f"{s.key:<24} {fmt_bytes(s.per_item)} per {_unit(s.key)}; configured {s.configured}, fits "
+    width = max(24, *(len(s.key) for s in suggestions))
+    details += [f"{s.key:<{width}} {fmt_bytes(s.per_item)} per {_unit(s.key, sizes)}; configured {s.configured}, fits "
                 f"{s.fits}, the phase uses at most {s.cap}" for s in suggestions]
-    suggested = " ".join(f"{s.key}={s.fits}" if s.fits else f"{s.key}={_smallest(s.key, sizes)} (does not fit "
-                         "either)" for s in suggestions)
+    suggested = " ".join(f"{s.key}={s.fits}" if s.fits else f"{s.key}={s.whole or 1} (does not fit either)"
+                         for s in suggestions)
     details.append(f"suggested for this machine: {suggested}")
     usable = fmt_bytes(ctx.free_bytes)
     problems = [p for p in (judge(s, sizes, device_type=ctx.device.type) for s in suggestions) if p]
@@ -251,10 +281,7 @@ def check_memory(ctx: Context) -> CheckResult:
                                      f"fits the {usable} free on {ctx.device}", details=tuple(details))
 
 
-def _smallest(key: str, sizes: PhaseSizes) -> int:
-    return sizes.sequence_tokens if key == "ppo.micro_batch_tokens" else 1
-
-
-def _unit(key: str) -> str:
-    return {"rollout.batch_size": "prompt (× rollout.n sequences)", "reward_model.batch_size": "sequence"}.get(
-        key, "token")
+def _unit(key: str, sizes: PhaseSizes) -> str:
+    scoring = f"token of a {'packed' if sizes.rm_packed else 'right-padded'} scoring forward"
+    return {"rollout.batch_size": "prompt (× rollout.n sequences)", "reward_model.batch_size": "sequence",
+            "reward_model.micro_batch_tokens": scoring}.get(key, "token")
