@@ -94,6 +94,19 @@ def test_gae_needs_the_critic_and_an_unused_critic_warns():
         load_config(None, ["critic.enable=true"])
 
 
+def test_a_kept_engine_with_a_sharded_actor_warns_on_several_ranks():
+    cfg = loads_quietly(["rollout.engine_keep_awake=true"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate(cfg, 1)  # one rank: the weights stay where they are, graphs are replayed
+    with pytest.warns(UserWarning, match="FULL_SHARD on 2 ranks: the weights gathered for each rollout"):
+        validate(cfg, 2)
+    replicated = loads_quietly(["rollout.engine_keep_awake=true", "actor.fsdp.sharding_strategy=NO_SHARD"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate(replicated, 2)
+
+
 def test_critic_never_gets_a_hybrid_engine():
     """Seed mistake 1: the critic wrapped and switched like the actor."""
     msg = error_of(["critic.hybrid_engine={enable_rollout_optimization_switch: true}"])

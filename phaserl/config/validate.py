@@ -150,9 +150,14 @@ def _rule_errors(cfg: Config) -> list[str]:
     return errs
 
 
-def _warnings(cfg: Config) -> list[str]:
+def _warnings(cfg: Config, world_size: int) -> list[str]:
     """Settings that are valid but will be ignored or wasted."""
     a, out = cfg.algorithm, []
+    if cfg.rollout.engine_keep_awake and world_size > 1 and cfg.actor.fsdp.sharding_strategy != "NO_SHARD":
+        out.append(f"rollout.engine_keep_awake = true with actor.fsdp.sharding_strategy = "
+                   f"{cfg.actor.fsdp.sharding_strategy} on {world_size} ranks: the weights gathered for each "
+                   "rollout land at new addresses, so the engine re-captures its graphs every step anyway while "
+                   "its KV cache stays taken through the update; set rollout.engine_keep_awake = false")
     if cfg.critic.enable is True and a.adv_estimator != "gae":
         out.append(f"critic.enable = true but algorithm.adv_estimator = {a.adv_estimator} does not use values: the "
                    "critic is trained every step and its values are ignored; set critic.enable = null")
@@ -178,7 +183,7 @@ def _raise(errs: list[str], source: str) -> None:
 def validate(cfg: Config, world_size: int = 1, *, source: str = "config") -> None:
     """Raise one ConfigError listing every broken cross-field rule; warn about ignored settings."""
     _raise(_batch_errors(cfg, world_size) + _rule_errors(cfg), source)
-    for message in _warnings(cfg):
+    for message in _warnings(cfg, world_size):
         warnings.warn(f"{source}: {message}", stacklevel=2)
 
 

@@ -154,7 +154,7 @@ def check_parallel_settings(ctx: Context) -> CheckResult:
     details = (line("actor", cfg.actor.fsdp, extra=f"; switches rollout/training: {str(switch).lower()}"),
                line("critic", cfg.critic.fsdp, critic_on, "; never switches"),
                line("ref", cfg.ref.fsdp, ref_on, "; frozen, never switches"),
-               "reward model: forward-only on each rank, not sharded, never switches")
+               line("rm", cfg.reward_model.fsdp, cfg.reward_model.enable, "; forward only, never switches"))
     problems = config_problems(ctx, "parallel settings")
     if problems:
         return _problems_result("parallel settings", problems, details=details)
