@@ -235,12 +235,7 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     steps = []
     for i in range(a.warmup + a.steps):
         reset_peak()  # each step line holds that step's own peak
-        sync()
-        t0 = time.perf_counter()
-        metrics = trainer.train_step()
-        sync()
-        seconds = time.perf_counter() - t0
-        trainer.step_num += 1
+        metrics, seconds = _timed_step(trainer)
         trainer.run.metrics_logger.log(trainer.step_num, metrics)
         resp = metrics["train/response_length_mean"]
         sequences = a.prompts * a.n
@@ -250,8 +245,7 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                     reward_mean=metrics["train/reward_mean"], kl=metrics.get("train/kl"),
                     kv_cache_gib=round(abs(trainer.actor.last_switch.get("kv_cache_gb", 0.0)), 2),
                     engine=_engine_stats(trainer.actor),
-                    timing_s={k.split("/", 1)[1]: round(v, 3) for k, v in metrics.items() if k.startswith("timing_s/")},
-                    perf={k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items() if k.startswith("perf/")},
+                    timing_s=_group(metrics, "timing_s", 3), perf=_group(metrics, "perf", 4),
                     **memory_gib())
         steps.append(step)
         emit(**step)
@@ -265,6 +259,22 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                                         "forward_micro_batch": a.forward_micro_batch or a.micro_batch})
 
 
+def _timed_step(trainer) -> tuple[dict, float]:
+    """One `trainer.train_step()` between device syncs: (its metrics, seconds); the step counter advances."""
+    sync()
+    t0 = time.perf_counter()
+    metrics = trainer.train_step()
+    sync()
+    seconds = time.perf_counter() - t0
+    trainer.step_num += 1
+    return metrics, seconds
+
+
+def _group(metrics: dict, prefix: str, digits: int) -> dict:
+    """{name: value} of the metrics named `prefix/name`, rounded."""
+    return {k.split("/", 1)[1]: round(v, digits) for k, v in metrics.items() if k.startswith(prefix + "/")}
+
+
 def _profile_one_step(trainer) -> None:
     """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was."""
     import profiling
@@ -272,14 +282,8 @@ def _profile_one_step(trainer) -> None:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        sync()
-        t0 = time.perf_counter()
-        metrics = trainer.train_step()
-        sync()
-        wall = time.perf_counter() - t0
-    trainer.step_num += 1
-    emit(measure="profiled_step", side="ours", seconds=round(wall, 3),
-         timing_s={k.split("/", 1)[1]: round(v, 3) for k, v in metrics.items() if k.startswith("timing_s/")})
+        metrics, wall = _timed_step(trainer)
+    emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3))
     for record in profiling.summarize(prof, wall):
         emit(measure="profile", side="ours", **record)
 

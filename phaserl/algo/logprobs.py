@@ -220,8 +220,8 @@ def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, 
             or lower precision), else torch.compile'd kernels with the inductor backend; "triton" or
             the name of a torch.compile backend picks one. The compiled ones compile on first call.
         save_logits: Triton path only: keep each chunk's [chunk_size, V] logits (weight dtype) from the
-            forward and turn them into their gradient in backward instead of recomputing them (one
-            matmul of three saved, for N * V * 2 bytes more memory in bf16).
+            forward and turn them into their gradient in backward instead of recomputing them (one of
+            the head's four matmuls saved, for N * V * 2 bytes more memory in bf16).
 
     Returns:
         (logprobs [N] float32, entropy [N] float32 or None); float64 for float64 inputs.

@@ -36,6 +36,7 @@ from phaserl.models import ValueModel, load_tokenizer, save_value_model
 from phaserl.rm.critic_init import init_critic, is_reward_model_dir
 from phaserl.roles.optim import Optimizer, OptimSettings
 from phaserl.roles.reward_model import RewardModelWrapper
+from phaserl.roles.reward_scoring import right_pad
 
 log = logging.getLogger("phaserl")
 FORMAT_FILE = "phaserl_rm.json"  # written next to the weights: the format the RM was trained with
@@ -248,10 +249,5 @@ def _pair_order(n: int, batch_size: int, steps: int, seed: int) -> list[int]:
 
 
 def _pad_right(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)       # [N, T]
-    attention_mask = torch.zeros((len(rows), T), dtype=torch.long)         # [N, T]
-    for i, ids in enumerate(rows):
-        input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[i, :len(ids)] = 1
+    input_ids, attention_mask = right_pad(rows, pad_id)  # [N, T] each, the scorer's own padding
     return input_ids.to(device), attention_mask.to(device)

@@ -99,7 +99,7 @@ class HybridActor:
                 self.optimizer.offload_state(self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            kept = self.engine is not None and self.engine.config.keep_awake and self.engine.pool.awake
+            kept = self.engine is not None and self.engine.kept_awake
             if not kept:  # a kept engine allocates and frees nothing: PyTorch's cached blocks serve the next phase
                 torch.cuda.empty_cache()
         if target == "rollout":  # after empty_cache, so the KV cache is sized from truly free memory
@@ -113,7 +113,7 @@ class HybridActor:
                             "kv_cache_gb": kv_bytes / 2**30}
         if self.hybrid.enable_rollout_optimization_switch and rank_and_world()[0] == 0:  # one line per switch
             mem = "n/a on cpu" if before is None else f"{before:.2f} GB -> {after:.2f} GB allocated"
-            kept = self.engine is not None and self.engine.config.keep_awake and self.engine.pool.awake
+            kept = self.engine is not None and self.engine.kept_awake
             mem += (f", KV cache kept {self.engine.pool.allocated_bytes / 2**30:.2f} GB" if kept and kv_bytes == 0
                     else f", KV cache {'allocated' if kv_bytes >= 0 else 'freed'} {abs(kv_bytes) / 2**30:.2f} GB")
             log.info(f"[HybridEngine] Switching actor from {source} to {target} mode "

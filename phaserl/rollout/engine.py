@@ -111,6 +111,11 @@ class RolloutEngine:
         """Allocate the KV cache (hybrid switch to rollout); returns the bytes allocated."""
         return self.pool.wake()
 
+    @property
+    def kept_awake(self) -> bool:
+        """True while keep_awake holds an allocated KV cache (and graphs) across the switches."""
+        return self.config.keep_awake and self.pool.awake
+
     def sleep(self) -> int:
         """Free the KV cache and the captured graphs (hybrid switch to training); returns the KV bytes freed.
 
