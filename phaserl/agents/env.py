@@ -1,0 +1,125 @@
+"""The environment contract, and the token-exact record of one episode.
+
+An episode starts from a data row and alternates model turns and environment turns:
+
+    obs = env.reset(row, seed=...)            # first observation: appended to the prompt
+    loop: model samples a turn (token ids)    # the action is the turn's decoded text
+          result = env.step(action_text)      # observation, reward, done, info
+          append the observation's tokens     # masked out of the loss
+    until result.done, a turn limit or a token budget.
+
+An `Observation` is text (tokenized and appended as it is) or chat messages (rendered by the chat
+template as the continuation of the conversation, e.g. a `tool` or `user` message and the next
+generation prompt). The `Episode` keeps the ids the model sampled and the ids appended for
+observations, in order: training uses exactly these ids, never a re-tokenization of decoded text.
+
+Not here: running episodes (the runner), tools and tool-call parsing, adapters for other packages.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+Observation = Union[str, list]  # text, or chat messages [{"role": ..., "content": ...}, ...]
+
+
+@dataclass
+class StepResult:
+    """What `Environment.step` returns (a 4-tuple `(observation, reward, done, info)` is accepted too)."""
+
+    observation: Optional[Observation] = None  # None or "" = nothing to append (usual when done)
+    reward: float = 0.0                         # this turn's reward; an episode's return is their sum
+    done: bool = False
+    info: dict = field(default_factory=dict)    # free-form; numbers under info["metrics"] are logged
+
+
+class Environment:
+    """Base class of user environments. Subclass it (or provide the same two methods).
+
+    One instance serves one episode at a time; phaserl makes a fresh instance per episode, so the
+    n samples of a prompt never share state. The constructor receives the config's `kwargs`.
+    `reset` and `step` may block (they run in worker threads, beside decoding); they may raise, and
+    phaserl turns the exception into an ended episode with a message naming the environment and row.
+    """
+
+    def reset(self, row: dict, *, seed: int) -> Observation:
+        """Start an episode for a data row (its `prompt`, `ground_truth`, `extra_info`, ... as a dict);
+        return the first observation, appended after the prompt ("" for none)."""
+        return ""
+
+    def step(self, action: str) -> Union[StepResult, tuple]:
+        """React to the model's turn (its decoded text, special tokens stripped)."""
+        raise NotImplementedError(f"{type(self).__name__}.step(action) is not written")
+
+    def close(self) -> None:
+        """Release what the episode held (processes, sandboxes); called once per episode."""
+
+
+def as_step_result(value, *, where: str) -> StepResult:
+    """Normalize what `step` returned; a bad value is a ValueError naming `where`."""
+    if isinstance(value, StepResult):
+        result = value
+    elif isinstance(value, tuple) and len(value) in (4, 5):  # Gym's 5-tuple: terminated or truncated
+        obs, reward, *flags, info = value
+        result = StepResult(obs, reward, any(bool(f) for f in flags), dict(info or {}))
+    else:
+        raise ValueError(f"{where}: step() returned {type(value).__name__}; return a StepResult or a tuple "
+                         "(observation, reward, done, info)")
+    try:
+        reward = float(result.reward)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: step() returned reward {result.reward!r}, not a number") from None
+    if not math.isfinite(reward):
+        raise ValueError(f"{where}: step() returned a non-finite reward ({reward})")
+    if result.observation is not None and not isinstance(result.observation, (str, list)):
+        raise ValueError(f"{where}: step() returned an observation of type {type(result.observation).__name__}; "
+                         "return text or a list of chat messages")
+    return StepResult(result.observation, reward, bool(result.done), dict(result.info or {}))
+
+
+@dataclass
+class Segment:
+    """A run of consecutive tokens of one episode with one origin."""
+
+    kind: Literal["prompt", "model", "observation"]
+    token_ids: list                      # the exact ids: sampled (model) or appended (prompt, observation)
+    logprobs: Optional[list] = None      # model segments: the sampler's log-prob of each id
+
+
+@dataclass
+class Episode:
+    """One finished episode: its segments in order, rewards, and why it ended.
+
+    The first segment is the prompt. Training sees prompt = segments[0], response = the rest
+    concatenated, loss mask = 1 on model tokens and 0 on observation tokens.
+    """
+
+    row: object                          # the PromptRow it started from
+    segments: list                       # [Segment], segments[0].kind == "prompt"
+    turn_rewards: list = field(default_factory=list)  # one per environment step
+    finish_reason: str = "done"          # done | max_turns | max_tokens | context | env_error | length
+    num_turns: int = 0                   # model turns
+    metrics: dict = field(default_factory=dict)  # tool_calls, tool_errors, tool_seconds, env info metrics
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.turn_rewards))
+
+    @property
+    def prompt_ids(self) -> list:
+        return list(self.segments[0].token_ids)
+
+    def response_ids(self) -> list:
+        return [t for s in self.segments[1:] for t in s.token_ids]
+
+    def loss_mask(self) -> list:
+        """1 per sampled token, 0 per observation token, aligned with response_ids()."""
+        return [int(s.kind == "model") for s in self.segments[1:] for _ in s.token_ids]
+
+    def response_logprobs(self) -> list:
+        """The sampler's log-prob per response token (0.0 on observation tokens)."""
+        out = []
+        for s in self.segments[1:]:
+            out += list(s.logprobs) if s.kind == "model" else [0.0] * len(s.token_ids)
+        return out
