@@ -1,4 +1,4 @@
-"""The `phaserl` command line: quickstart, train, config --explain, sft, and the commands still to land.
+"""The `phaserl` command line: quickstart, train, doctor, config --explain, export, report, train-rm, sft.
 
 Each subcommand parses its arguments and calls one library function; nothing imports this module.
 """
@@ -15,10 +15,7 @@ log = logging.getLogger("phaserl")
 QUICKSTART_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "world", "quickstart.yaml")
 
 DELEGATED = {"export": ("phaserl.checkpoint", "cli_export"), "report": ("phaserl.report", "cli_report"),
-             "train-rm": ("phaserl.rm", "cli_train_rm")}
-
-NOT_YET = {
-}
+             "train-rm": (__name__, "cli_train_rm")}
 
 
 def _setup_logging() -> None:
@@ -118,11 +115,21 @@ def _delegate(module: str, function: str, argv: list) -> int:
     return getattr(importlib.import_module(module), function)(argv)
 
 
-def cmd_not_yet(name: str):
-    def run(args) -> int:
-        print(f"phaserl {name}: {NOT_YET[name]} — not available in this version yet.", file=sys.stderr)
-        return 2
-    return run
+def cli_train_rm(argv: list[str]) -> int:
+    """`phaserl train-rm [CFG] [key=value ...]`; errors are raised as phaserl errors for `main` to print."""
+    from .resolve import resolve_rm_config
+    from .rm import load_rm_config, run_train_rm
+
+    parser = argparse.ArgumentParser(prog="phaserl train-rm",
+                                     description="Train a Bradley-Terry reward model on preference pairs and "
+                                                 "export it as a Hugging Face sequence-classification directory.")
+    parser.add_argument("args", nargs="*", metavar="[CFG] [key=value ...]",
+                        help="a train-rm YAML file (optional: the defaults train the tiny-world RM), then overrides")
+    parsed = parser.parse_args(argv)
+    path = parsed.args[0] if parsed.args and "=" not in parsed.args[0] else None
+    overrides = parsed.args[1:] if path is not None else parsed.args
+    run_train_rm(resolve_rm_config(load_rm_config(path, overrides)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,11 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sft", help="rebuild the tiny world's warm-started model (supervised) from scratch")
     s.set_defaults(fn=cmd_sft)
-
-    for name, what in NOT_YET.items():
-        n = sub.add_parser(name, help=f"{what} [not yet available]")
-        n.add_argument("args", nargs="*")
-        n.set_defaults(fn=cmd_not_yet(name))
     return p
 
 

@@ -2,7 +2,8 @@
 
 Only rank 0 writes. Names are stable (see docs/metrics.md): `train/reward_mean`, `timing_s/step`,
 `perf/tokens_per_s`, `val/score_mean`, ... One JSON object per line, with `step` first.
-Also here: the model-FLOP count behind `perf/mfu` (`FlopModel`) and the peak bf16 rates it divides by.
+Also here: the perf/* arithmetic of a step (`StepPerf`: throughput, peak memory, MFU), the model-FLOP
+count behind `perf/mfu` (`FlopModel`) and the peak bf16 rates it divides by.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .parallel import all_reduce_sum
 
 log = logging.getLogger("phaserl")
 
@@ -148,3 +151,52 @@ class FlopModel:
         lengths = lengths.double()
         return (2.0 * self.body_params * float(lengths.sum()) + 2.0 * self.head_params * float(response_tokens)
                 + 2.0 * self.attn_width * float((lengths ** 2).sum()))
+
+
+class StepPerf:
+    """The perf/* metrics of one RL step: throughput, this rank's peak memory, and model-FLOP utilisation.
+
+    perf/tokens_per_s counts every real token (prompt and response, all ranks) over the step's time;
+    perf/rollout_tokens_per_s the sampled ones over the rollout phase's. perf/mfu is the model FLOPs of
+    the forward-only and update phases (all ranks; `FlopModel`) over their time times the devices' bf16
+    peak (GPUs in PEAK_BF16_FLOPS only). The FLOP models are made at the first step that needs them.
+    """
+
+    def __init__(self, actor: torch.nn.Module, ref: Optional[torch.nn.Module], critic: Optional[torch.nn.Module], *,
+                 device: torch.device, world_size: int):
+        self.models = {"actor": actor, "ref": ref, "critic": critic}
+        self.device, self.world_size = device, world_size
+        self._flops: dict = {}  # role -> FlopModel
+
+    def start_step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_memory_gb is this step's
+
+    def step_metrics(self, attention_mask: torch.Tensor, response_mask: torch.Tensor, timings: dict, *,
+                     update_epochs: int, old_pass: bool) -> dict:
+        """attention_mask [B, T], response_mask [B, R] of the step's batch; timings: seconds by phase;
+        update_epochs: the epochs the update ran (0 when it was skipped); old_pass: whether the old
+        log-prob forward ran."""
+        out = {"perf/tokens_per_s": float(all_reduce_sum(attention_mask.sum().float())) / max(timings["step"], 1e-9),
+               "perf/rollout_tokens_per_s": float(all_reduce_sum(response_mask.sum().float()))
+               / max(timings["rollout"], 1e-9)}
+        if self.device.type == "cuda":
+            out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        peak = device_peak_flops(self.device)
+        if peak is None:
+            return out
+        if not self._flops:
+            self._flops = {role: FlopModel.of(model, lm_head=role != "critic")
+                           for role, model in self.models.items() if model is not None}
+        lengths = attention_mask.sum(dim=1)  # [B] real tokens per row
+        responses = float(response_mask.sum())
+        trained = 3 * update_epochs  # forward + backward, in forward-pass units
+        flops = self._flops["actor"].forward_flops(lengths, responses) * (int(old_pass) + trained)
+        if "ref" in self._flops:
+            flops += self._flops["ref"].forward_flops(lengths, responses)
+        if "critic" in self._flops:  # its value pass always runs
+            flops += self._flops["critic"].forward_flops(lengths, 0) * (1 + trained)
+        total = float(all_reduce_sum(torch.tensor(flops, dtype=torch.float64, device=self.device)))
+        seconds = max(timings["forward"] + timings["update"], 1e-9)
+        out["perf/mfu"] = total / (seconds * peak * self.world_size)
+        return out

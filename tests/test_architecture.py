@@ -1,73 +1,139 @@
-"""The import direction of STYLE.md holds, and no module grows past 600 lines.
+"""The layout of phaserl/ is the architecture: every package and top-level module has one row below
+saying which other units it may import, the rows form layers (no cycles: arrows only point down),
+the README's layout tree lists the same units, and no module grows past 600 lines.
 
-`algo` is pure math; `models` knows no roles; nothing imports the CLI or the trainer from below.
+Imports are read from the source (`ast`), wherever they are: at the top, inside functions, under
+`if TYPE_CHECKING:`. A new package or module needs a row here and a line in the README's tree.
 """
 import ast
 import pathlib
+import re
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "phaserl"
-
-# subpackage -> subpackages it must never import
-FORBIDDEN = {
-    "algo": {"roles", "trainer", "cli", "models", "rollout", "data", "rewards", "parallel", "config", "world"},
-    "models": {"roles", "trainer", "cli", "rollout", "rewards"},
-    "rollout": {"roles", "trainer", "cli"},
-    "data": {"roles", "trainer", "cli", "models", "rollout"},
-    "config": {"roles", "trainer", "cli", "models", "rollout", "data"},
-    "rewards": {"trainer", "cli"},
-    "roles": {"trainer", "cli"},
-    "rm": {"trainer", "cli"},
-    "doctor": {"cli"},
-    "checkpoint": {"cli", "doctor"},
-}
+README = PKG.parent / "README.md"
 MAX_LINES = 600
+ROOT = "phaserl"  # phaserl/__init__.py itself (`from .. import __version__` imports it)
+
+# unit -> the phaserl units it may import. Bottom layer first; README's layout tree says what each is.
+ALLOWED = {
+    "errors": set(),
+    "batch": set(),                                    # typed data between phases: torch only
+    ROOT: {"errors"},                                  # public names, loaded lazily
+    "config": {"errors"},
+    "algo": {"errors"},                                # pure tensor math
+    "models": {"errors"},
+    "parallel": {"errors"},
+    "data": {"errors"},
+    "report": {"errors"},
+    "batching": {"batch"},
+    "packing": {"batch", "models"},
+    "rollout": {"errors", "models"},
+    "metrics": {"parallel"},
+    "rewards": {"batch", "errors"},                    # a reward model is any `score(prompts, responses)`
+    "roles": {"algo", "batch", "batching", "errors", "models", "packing", "parallel", "rollout"},
+    "agents": {"batch", "data", "errors", "models", "rewards", "rollout"},  # never trainer, cli, roles
+    "world": {"data", "errors", "models", "rewards"},
+    "rm": {"config", "data", "errors", "models", "roles", "world"},
+    "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
+    "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
+    "doctor": {"config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles"},
+    "trainer": {"algo", "batch", "checkpoint", "config", "data", "errors", "metrics", "models", "parallel",
+                "report", "resolve", "rewards", "rm", "roles", "rollout"},
+    "cli": {"config", "doctor", "errors", "parallel", "resolve", "rm", "trainer", "world"},
+    "__main__": {"cli"},
+}
+NOT_IN_README = {ROOT, "__main__"}  # the package's own __init__.py and `python -m phaserl`
+
+
+def _units() -> set:
+    """Every package and top-level module under phaserl/, by name (the root's __init__.py is ROOT)."""
+    names = {p.stem for p in PKG.glob("*.py")} | {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    return {ROOT if n == "__init__" else n for n in names}
+
+
+def _unit_of(parts: list, units: set) -> str:
+    """The unit that the dotted module `parts` (starting with 'phaserl') belongs to."""
+    return parts[1] if len(parts) > 1 and parts[1] in units else ROOT
+
+
+def _imported_units(source: str, module: list, *, is_package: bool, units: set) -> set:
+    """The phaserl units that the module `module` (dotted parts, e.g. ['phaserl', 'algo', 'kl']) imports."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name.split(".") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package that holds the module (the module itself, for __init__)
+                package = module if is_package else module[:-1]
+                base = package[:len(package) - node.level + 1]
+                parts = base + (node.module.split(".") if node.module else [])
+                # `from .. import x`: x may be a unit (a subpackage or module)
+                targets = [parts + [alias.name] for alias in node.names] if len(parts) == 1 else [parts]
+            else:
+                targets = [(node.module or "").split(".")]
+        else:
+            continue
+        found |= {_unit_of(t, units) for t in targets if t[0] == "phaserl"}
+    return found
+
+
+def _py_files() -> list:
+    return sorted(p for p in PKG.rglob("*.py") if "assets" not in p.parts)
 
 
 def _module_parts(path: pathlib.Path) -> list:
     return list(path.relative_to(PKG.parent).with_suffix("").parts)
 
 
-def _imported_phaserl_modules(path: pathlib.Path) -> set:
-    """Top-level phaserl subpackages that `path` imports (absolute or relative)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    here = _module_parts(path)
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "phaserl" and len(parts) > 1:
-                    found.add(parts[1])
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here[:-node.level] if path.name != "__init__.py" else here[:len(here) - node.level]
-                parts = base + (node.module.split(".") if node.module else [])
-                if len(parts) == 1:  # `from .. import x`: x may be a subpackage
-                    parts = parts + [node.names[0].name]
-            else:
-                parts = (node.module or "").split(".")
-            if parts and parts[0] == "phaserl" and len(parts) > 1:
-                found.add(parts[1])
-    return found
+def test_every_package_and_module_has_a_row():
+    units = _units()
+    new = sorted(units - ALLOWED.keys())
+    assert not new, (f"phaserl/{new[0]} has no row in tests/test_architecture.py's ALLOWED table: add one saying "
+                     f"which phaserl packages it may import (and a line in the README's layout tree); new: {new}")
+    gone = sorted(ALLOWED.keys() - units)
+    assert not gone, f"ALLOWED has rows for units that no longer exist under phaserl/: {gone}; remove them"
 
 
-def _py_files():
-    return sorted(p for p in PKG.rglob("*.py") if "assets" not in p.parts)
-
-
-def test_import_direction():
+def test_imports_follow_the_table():
+    units = _units()
     violations = []
     for path in _py_files():
         parts = _module_parts(path)
-        if len(parts) < 2:
-            continue
-        sub = parts[1]
-        for imported in _imported_phaserl_modules(path):
-            if imported == "cli" and sub != "cli" and path.name != "__main__.py":
-                violations.append(f"{path.relative_to(PKG.parent)} imports phaserl.cli")
-            if imported in FORBIDDEN.get(sub, set()):
-                violations.append(f"{path.relative_to(PKG.parent)} imports phaserl.{imported}")
+        module = parts[:-1] if path.name == "__init__.py" else parts
+        here = _unit_of(module, units)
+        for imported in _imported_units(path.read_text(), module, is_package=path.name == "__init__.py",
+                                        units=units) - {here}:
+            if imported not in ALLOWED.get(here, set()):
+                violations.append(f"{path.relative_to(PKG.parent)} imports phaserl.{imported}, which "
+                                  f"{here} may not (its row allows: {', '.join(sorted(ALLOWED.get(here, ()))) or 'nothing'})")
     assert not violations, "imports against the architecture:\n" + "\n".join(violations)
+
+
+def test_the_table_is_layered():
+    """No cycle among the allowed imports: each unit can be placed above everything it imports."""
+    placed, remaining = set(), dict(ALLOWED)
+    while remaining:
+        ready = [u for u, deps in remaining.items() if deps <= placed]
+        assert ready, f"the ALLOWED table has a cycle among: {sorted(remaining)}"
+        placed |= set(ready)
+        for u in ready:
+            del remaining[u]
+
+
+def test_nothing_imports_the_trainer_or_the_cli():
+    assert {u for u, deps in ALLOWED.items() if "trainer" in deps} == {"cli"}
+    assert {u for u, deps in ALLOWED.items() if "cli" in deps} == {"__main__"}
+
+
+def test_the_readme_layout_tree_lists_every_unit():
+    text = README.read_text()
+    tree = text[text.index("## Layout"):]
+    tree = tree[tree.index("```") + 3:]
+    tree = tree[:tree.index("```")]
+    listed = set(re.findall(r"^  ([a-z_]+)(?:/|\.py)\s", tree, flags=re.M))
+    expected = _units() - NOT_IN_README
+    assert listed == expected, (f"README.md's layout tree and phaserl/ differ: missing from the README "
+                                f"{sorted(expected - listed)}, not in phaserl/ {sorted(listed - expected)}")
 
 
 def test_no_module_over_600_lines():
@@ -76,11 +142,19 @@ def test_no_module_over_600_lines():
     assert not big, "split these modules by responsibility:\n" + "\n".join(big)
 
 
-def test_guard_sees_a_forbidden_import(tmp_path):
-    """The checker itself works: a relative import of roles from algo is found."""
-    fake = PKG / "algo" / "_fake_for_test.py"
-    fake.write_text("from ..roles import actor\n")
-    try:
-        assert "roles" in _imported_phaserl_modules(fake)
-    finally:
-        fake.unlink()
+def test_the_checker_sees_every_form_of_import():
+    """Relative (from a module and from a package's __init__), absolute, `from .. import unit`, and inside
+    a function or `if TYPE_CHECKING:` all count."""
+    units = {"algo", "roles", "trainer", "rollout", "cli", "errors", ROOT}
+    source = ("from ..roles import actor\n"
+              "import phaserl.rollout.engine\n"
+              "from .. import cli\n"
+              "from . import kl\n"
+              "from .. import __version__\n"
+              "if TYPE_CHECKING:\n    from phaserl.errors import ConfigError\n"
+              "def f():\n    from ..trainer import RLTrainer\n")
+    assert _imported_units(source, ["phaserl", "algo", "x"], is_package=False, units=units) == {
+        "roles", "rollout", "cli", "algo", ROOT, "errors", "trainer"}
+    # in algo/__init__.py, `..` is phaserl/ too; `.` is algo itself
+    assert _imported_units("from ..roles import a\nfrom .kl import b\n", ["phaserl", "algo"], is_package=True,
+                           units=units) == {"roles", "algo"}

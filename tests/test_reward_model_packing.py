@@ -23,7 +23,7 @@ from phaserl.models import ValueModel
 from phaserl.models import decoder
 from phaserl.roles import RewardModelWrapper
 from phaserl.roles.reward_scoring import native_support, token_groups
-from phaserl.trainer.build import build_reward_sources
+from phaserl.resolve import build_reward_sources
 
 torch.set_num_threads(1)
 # Lengths from 2 to ~110 characters (the tokenizer is char-level): rows of very different sizes.

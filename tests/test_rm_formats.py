@@ -21,7 +21,7 @@ from phaserl.rm import evaluate_pairs, make_tiny_preference_records
 from phaserl.roles import RewardModelWrapper
 from phaserl.rollout import GenerationResult
 from phaserl.trainer.rollout_phase import build_rollout_batch
-from phaserl.trainer.scoring import RewardSources
+from phaserl.rewards import RewardSources
 from phaserl.world.task import Problem, to_record
 from phaserl.world.tokenizer import build_tokenizer
 

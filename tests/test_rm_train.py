@@ -10,11 +10,12 @@ from transformers import AutoModelForSequenceClassification
 
 from _tiny_run import make_model_dir
 from _tiny_tokenizer import build_tiny_tokenizer
+from phaserl.cli import cli_train_rm
 from phaserl.data import PreferenceRow, load_preference_rows, write_records
 from phaserl.errors import ConfigError
 from phaserl.models import load_pretrained, load_tokenizer, load_value_model
 from phaserl.rewards import tiny_exact
-from phaserl.rm import (SequenceScorer, cli_train_rm, evaluate_pairs, init_critic, load_rm_config,
+from phaserl.rm import (SequenceScorer, evaluate_pairs, init_critic, load_rm_config,
                         make_tiny_preference_records, train_reward_model)
 from phaserl.rm.tiny_prefs import near_misses
 from phaserl.rm.train import last_non_pad_index
@@ -142,9 +143,9 @@ def test_build_roles_starts_the_critic_from_the_configured_source(trained, tmp_p
     _, _, rm_dir = trained
     overrides = make_run_dir(str(tmp_path)) + ["algorithm.adv_estimator=gae", "reward_model.enable=true",
                                                f"reward_model.path={rm_dir}", "critic.init_from=reward_model"]
-    actor, critic, ref, reward, tokenizer = build_roles(load_config(None, overrides))
-    torch.testing.assert_close(critic.model.score.weight, load_value_model(rm_dir).score.weight)
-    assert reward.reward_model is not None
+    roles = build_roles(load_config(None, overrides))
+    torch.testing.assert_close(roles.critic.model.score.weight, load_value_model(rm_dir).score.weight)
+    assert roles.reward.reward_model is not None
 
 
 def test_config_is_strict_and_the_cli_trains_and_exports(trained, tmp_path):
@@ -164,7 +165,8 @@ def test_config_is_strict_and_the_cli_trains_and_exports(trained, tmp_path):
 
 
 def test_the_built_in_tiny_rm_is_trained_once_and_retrained_when_its_recipe_changes(tmp_path, monkeypatch):
-    import phaserl.rm as rm
+    import phaserl.rm.tiny_model as rm
+    from phaserl.resolve import resolve_reward_model_path
 
     runs = []
 
@@ -180,4 +182,4 @@ def test_the_built_in_tiny_rm_is_trained_once_and_retrained_when_its_recipe_chan
     monkeypatch.setattr(rm, "_fingerprint", lambda model_dir: "another recipe")
     rm.prepare_tiny_reward_model(str(tmp_path))
     assert len(runs) == 2
-    assert rm.resolve_reward_model_path("runs/rm/model") == "runs/rm/model" and rm.resolve_reward_model_path(None) is None
+    assert resolve_reward_model_path("runs/rm/model") == "runs/rm/model" and resolve_reward_model_path(None) is None

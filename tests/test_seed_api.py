@@ -112,3 +112,21 @@ def test_the_seeds_yaml_keys_keep_their_meaning(tmp_path):
     text = explain(cfg)
     assert "rollout.batch_size               = 32         prompts per GPU (rank) per generate call" in text
     assert "reward_model.batch_size          = 16         sequences per GPU (rank) per scoring call" in text
+
+
+def test_the_trainer_keyword_arguments_are_checked_like_their_yaml_keys(setup, tmp_path):
+    """Regression: RLTrainer(keep_checkpoint_num=0) was set past validation and read as 1."""
+    from phaserl import HybridActor, RLTrainer
+
+    cfg = load_config(None, setup["overrides"])
+    actor = HybridActor(model=load_pretrained(cfg.model.path))
+    with pytest.raises(ConfigError, match="trainer.keep_checkpoint_num = 0: expected") as from_yaml:
+        load_config(None, setup["overrides"] + ["trainer.keep_checkpoint_num=0"])
+    with pytest.raises(ConfigError, match=r"^RLTrainer\(keep_checkpoint_num=0\): ") as from_kwarg:
+        RLTrainer(actor=actor, config=cfg, keep_checkpoint_num=0)
+    assert str(from_kwarg.value).partition(": ")[2] == str(from_yaml.value).partition(": ")[2]
+    with pytest.raises(ConfigError, match=r"trainer.save_interval = -1: expected"):
+        RLTrainer(actor=actor, config=cfg, save_interval=-1)
+    trainer = RLTrainer(actor=actor, config=cfg, checkpoint_path=str(tmp_path / "ckpt"), keep_checkpoint_num=2)
+    assert (trainer.checkpoint_path, trainer.run.checkpointer.keep) == (str(tmp_path / "ckpt"), 2)
+    assert cfg.trainer.keep_checkpoint_num == 3  # the caller's config is left as it was

@@ -1,4 +1,5 @@
 """The RL step end to end on a tiny random model: every estimator runs, metrics land where BRIEF §5 says."""
+import dataclasses
 import json
 import logging
 import os
@@ -97,7 +98,7 @@ def _one_grpo_step(tmp_path, reuse: bool, *extra):
         "trainer.loggers=[jsonl]", "data.val_files=[]", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1",
         "actor.dual_clip_c=null", f"ref.path={other}", *extra])
     trainer = RLTrainer.from_config(cfg)
-    trainer.run.reuse_update_logprobs = reuse
+    trainer.run = dataclasses.replace(trainer.run, reuse_update_logprobs=reuse)  # RunSettings is frozen
     passes, compute = [], trainer.actor.compute_logprobs
     trainer.actor.compute_logprobs = lambda *a, **k: passes.append(1) or compute(*a, **k)
     metrics = trainer.train_step()
@@ -135,7 +136,7 @@ def test_ignore_eos_runs_every_response_to_max_new_tokens(tmp_path):
     with trainer.actor.rollout_mode():
         stopping = trainer._generate(trainer.run.train_prompts.next_items(), trainer.run.sampling, 2)
     assert set(stopping.finish_reasons) == {"stop"} and max(stopping.response_lengths().tolist()) < 12
-    trainer.run.ignore_eos = True  # what rollout.ignore_eos=true sets
+    trainer.run = dataclasses.replace(trainer.run, ignore_eos=True)  # what rollout.ignore_eos=true sets
     with trainer.actor.rollout_mode():
         fixed = trainer._generate(trainer.run.train_prompts.next_items(), trainer.run.sampling, 2)
     assert set(fixed.finish_reasons) == {"length"} and set(fixed.response_lengths().tolist()) == {12}

@@ -8,6 +8,7 @@ Not here: resolving null/"auto" fields (`validate.derive`) and anything about mo
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -261,6 +262,12 @@ def apply_override(cfg: Config, text: str) -> None:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{where}: the value {raw!r} is not valid YAML ({problem}); to pass it as a string, "
                           f"quote it: '{key}=\"{raw}\"'") from None
+    set_key(cfg, key, value, where)
+
+
+def set_key(cfg: Config, key: str, value: Any, where: str) -> None:
+    """Set dotted `key` to the plain `value` on `cfg`, in place, converted and checked like a YAML value;
+    `where` opens every error message."""
     parts, node = key.split("."), cfg
     for i, name in enumerate(parts):
         hints, path = _hints(type(node)), ".".join(parts[: i + 1])
@@ -312,6 +319,16 @@ def load_config(path: str | None, overrides: Iterable[str] = (), *, world_size: 
         apply_override(cfg, text)
     if overrides:
         source += f" + {len(overrides)} {CLI}{'s' if len(overrides) > 1 else ''}"
+    validate(cfg, world_size, source=source)
+    return cfg
+
+
+def with_overrides(cfg: Config, values: dict[str, Any], *, source: str, world_size: int = 1) -> Config:
+    """A validated copy of `cfg` with dotted keys set to plain Python values (`{"trainer.save_interval": 100}`),
+    each checked like the same key in YAML; `source` names where the values came from in errors."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in values.items():
+        set_key(cfg, key, value, source)
     validate(cfg, world_size, source=source)
     return cfg
 

@@ -21,8 +21,8 @@ from ..errors import ConfigError, PhaserlError
 from ..models import load_pretrained, load_tokenizer
 from ..parallel import rank_and_world
 from ..roles.parallel_settings import FSDPSettings
+from ..resolve import DTYPES, resolve_device, resolve_model_path
 from ..roles.reward_scoring import native_support
-from ..trainer.build import DTYPES, resolve_device, resolve_model_path
 from .memory import free_memory_bytes, fmt_bytes
 from .report import FAIL, OK, WARN, CheckResult
 

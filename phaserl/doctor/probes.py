@@ -1,5 +1,5 @@
 """The doctor's checks that run things on real rows: data, chat template, rule rewards, the reward
-model's input format (seed mistake 2), the frozen reference (mistake 3) and memory (mistake 4).
+model's input format (mistake 2 of the five), the frozen reference (mistake 3) and memory (mistake 4).
 
 Each builds what `train` would build, from the same builder functions, and tries it on a few real
 training rows. Nothing is trained. `Context` and the `check` decorator come from `checks.py`.
@@ -14,9 +14,9 @@ from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
 from ..models import load_pretrained
 from ..models.decoder import use_varlen
+from ..resolve import DTYPES, build_reward_sources, resolve_data_files, resolve_model_path
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
-from ..trainer.build import DTYPES, build_reward_sources, resolve_data_files, resolve_model_path
 from .checks import Context, check, roles_enabled, short
 from .memory import (ModelShape, PhaseSizes, RoleMemory, ceil_div, fmt_bytes, judge, kv_cache_bytes_per_sequence,
                      role_memory, suggest_sizes)

@@ -18,7 +18,6 @@ from ..parallel import all_reduce_sum, is_distributed
 @dataclass(frozen=True)
 class AdvantageSettings:
     estimator: Callable          # algo.ADVANTAGE_ESTIMATORS[name]
-    estimator_name: str
     gamma: float
     lam: float
     norm_by_std: bool
@@ -54,7 +53,8 @@ def compute_advantages(batch: RolloutBatch, scores: torch.Tensor, s: AdvantageSe
 
 def nonfinite_advantage_cause(advantages: torch.Tensor, scores: torch.Tensor,
                               values: Optional[torch.Tensor]) -> Optional[str]:
-    """None when advantages are finite; else the likely cause (seed mistake 2's symptom: NaN advantages)."""
+    """None when advantages are finite; else the likely cause (mistake 2 of the five, reward-model input
+    format, shows up as NaN advantages)."""
     if torch.isfinite(advantages).all():
         return None
     bad_scores = (~torch.isfinite(scores)).sum().item()

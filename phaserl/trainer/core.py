@@ -1,7 +1,7 @@
-"""RLTrainer: the controller.  One RL step reads top to bottom, phase by phase (BRIEF §2).
+"""RLTrainer: the controller.  One RL step reads top to bottom, phase by phase (README, "One step").
 
-The trainer holds the roles and plain settings built once (`trainer/build.py` turns a Config into
-them); it never reads the config inside the loop. Data between phases travels as the dataclasses of
+The trainer holds the `Roles` and the frozen `RunSettings` that `trainer/build.py` makes from a Config,
+once; it never reads the config inside the loop. Data between phases travels as the dataclasses of
 `phaserl.batch`.
 """
 from __future__ import annotations
@@ -15,37 +15,58 @@ import torch
 
 from ..algo import kl_penalty, masked_mean
 from ..batch import TrainBatch
-from ..metrics import FlopModel, device_peak_flops
+from ..metrics import StepPerf
 from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
 from ..rollout import GenerationResult
+from . import build
 from .advantage_phase import compute_advantages, nonfinite_advantage_cause
 from .hooks import HookRunner
 from .rollout_phase import build_rollout_batch, repeat_prompts
-from .settings import RunSettings
+from .settings import Roles, RunSettings
 
 log = logging.getLogger("phaserl")
 
 
 class RLTrainer:
-    """Runs RL steps with the given roles.  Build one with `RLTrainer.from_config(cfg)` or by hand (seed API)."""
+    """Runs RL steps with the given roles.
+
+    Three ways to make one: `RLTrainer.from_config(cfg)` loads every model the config names;
+    `RLTrainer(actor=..., critic=..., ref_policy=..., reward=..., config=cfg, checkpoint_path=...)` (the
+    verl-style API) takes roles made by hand, and its keyword arguments override `trainer.*`, checked like
+    YAML keys; `RLTrainer.from_parts(roles, settings)` takes what `trainer/build.py` made.
+    """
 
     def __init__(self, actor, critic=None, ref_policy=None, reward=None, config=None, *, tokenizer=None,
                  checkpoint_path=None, log_dir=None, save_interval=None, keep_checkpoint_num=None):
-        from .build import assemble  # local: build imports the role modules, which import this package
+        cfg = build.config_with_trainer_kwargs(config, checkpoint_path=checkpoint_path, log_dir=log_dir,
+                                               save_interval=save_interval, keep_checkpoint_num=keep_checkpoint_num)
+        roles = build.complete_roles(cfg, actor, critic, ref_policy, reward, tokenizer)
+        self._start(roles, build.build_run(cfg, roles))
 
+    @classmethod
+    def from_config(cls, cfg) -> "RLTrainer":
+        roles = build.build_roles(cfg)
+        return cls.from_parts(roles, build.build_run(cfg, roles))
+
+    @classmethod
+    def from_parts(cls, roles: Roles, settings: RunSettings) -> "RLTrainer":
+        trainer = cls.__new__(cls)
+        trainer._start(roles, settings)
+        return trainer
+
+    def _start(self, roles: Roles, settings: RunSettings) -> None:
         self.rank, self.world_size = rank_and_world()
-        self.actor, self.critic, self.ref_policy = actor, critic, ref_policy
-        overrides = dict(checkpoint_path=checkpoint_path, log_dir=log_dir, save_interval=save_interval,
-                         keep_checkpoint_num=keep_checkpoint_num)
-        run = assemble(self, config, reward=reward, tokenizer=tokenizer, trainer_overrides=overrides)
-        self.run: RunSettings = run
+        self.actor, self.critic, self.ref_policy = roles.actor, roles.critic, roles.ref_policy
+        self.run = settings
         self.step_num = 0
         self.metrics: dict = {}
         self.val_history: list = []   # (step, validation metrics), in order
         self.hooks = HookRunner()
-        self._flop_models: dict = {}  # role -> FlopModel, made at the first step on a GPU with a known peak
+        self.perf = StepPerf(self.actor.model, self.ref_policy.model if self.ref_policy is not None else None,
+                             self.critic.model if self.critic is not None else None,
+                             device=self.actor.device, world_size=self.world_size)
 
-    # Names the seed's hooks read.
+    # Names the verl-style hooks read.
     @property
     def step(self) -> int:
         return self.step_num
@@ -57,13 +78,6 @@ class RLTrainer:
     @property
     def log_dir(self) -> str:
         return self.run.log_dir
-
-    @classmethod
-    def from_config(cls, cfg) -> "RLTrainer":
-        from .build import build_roles
-
-        actor, critic, ref, reward, tokenizer = build_roles(cfg)
-        return cls(actor=actor, critic=critic, ref_policy=ref, reward=reward, config=cfg, tokenizer=tokenizer)
 
     def add_hook(self, event: str, fn) -> None:
         self.hooks.add(event, fn)
@@ -100,8 +114,7 @@ class RLTrainer:
     def train_step(self) -> dict:
         run, timings = self.run, {}
         clock = _phase_clock(timings, self.step_num)
-        if self.actor.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.actor.device)  # perf/peak_memory_gb is this step's
+        self.perf.start_step()
         with clock("step"):
             # 1. prompts: this rank's share of the global batch
             with clock("prompts"):
@@ -127,30 +140,25 @@ class RLTrainer:
                         batch, temperature=run.temperature, token_budget=run.forward_tokens)
                 if self.critic is not None:
                     values = self.critic.compute_values(batch, token_budget=run.forward_tokens)
-            # 5. advantages (KL in the reward, when chosen)
+            # 5. advantages (KL in the reward, when chosen); every rank updates, skips or stops together
             with clock("advantage"):
                 advantages, returns, _, _ = compute_advantages(
                     batch, scores.total, run.advantage, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores)
-                cause = nonfinite_advantage_cause(advantages, scores.total, values)
-                ranks_with_nan = float(all_reduce_sum(torch.tensor(float(cause is not None))))  # on every rank
-                if cause is None and ranks_with_nan > 0:
-                    cause = "non-finite advantages on another rank"  # every rank skips or stops together
+                update_ok = run.guard.advantages_ok(nonfinite_advantage_cause(advantages, scores.total, values),
+                                                    self.step_num)
             # 6. update: epochs × mini-batches, micro-batches by token budget
             with clock("update"):
                 train = TrainBatch(batch, old_logprobs, ref_logprobs, advantages, returns, values)
-                update_stats = self.update(train) if run.guard.advantages_ok(cause, self.step_num) else {}
+                update_stats = self.update(train) if update_ok else {}
                 update_stats["train/skipped_step"] = float(not update_stats)
         # 7. metrics (checkpoint and logging happen in fit)
         metrics = reduce_metrics(  # every rank logs and adapts the KL coefficient from the same global numbers
             self._step_metrics(batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats))
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
-        tokens = all_reduce_sum(batch.attention_mask.sum().float())
-        metrics["perf/tokens_per_s"] = float(tokens) / max(timings["step"], 1e-9)
-        metrics["perf/rollout_tokens_per_s"] = float(all_reduce_sum(batch.response_mask.sum().float())) / max(
-            timings["rollout"], 1e-9)
-        metrics.update(self._perf_metrics(batch, timings, updated=not update_stats["train/skipped_step"],
-                                          old_pass=old_logprobs is not None))
+        metrics.update(self.perf.step_metrics(batch.attention_mask, batch.response_mask, timings,
+                                              update_epochs=run.epochs if update_ok else 0,
+                                              old_pass=old_logprobs is not None))
         run.kl_controller.update(metrics.get("train/kl", 0.0), run.responses_per_step)
         metrics["train/kl_coef"] = run.kl_controller.value
         return metrics
@@ -163,34 +171,6 @@ class RLTrainer:
         run = self.run
         one_step = run.epochs == 1 and batch.num_responses // run.mini_batch_per_rank == 1
         return run.reuse_update_logprobs and one_step and not run.advantage.kl_in_reward
-
-    def _perf_metrics(self, batch, timings: dict, *, updated: bool, old_pass: bool = True) -> dict:
-        """perf/peak_memory_gb (this rank's, CUDA only) and perf/mfu: model FLOPs of the forward-only and update
-        phases (all ranks) over their time times the devices' bf16 peak (metrics.PEAK_BF16_FLOPS; GPUs only)."""
-        device, out = self.actor.device, {}
-        if device.type == "cuda":
-            out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        peak = device_peak_flops(device)
-        if peak is None:
-            return out
-        if not self._flop_models:
-            self._flop_models = {"actor": FlopModel.of(self.actor.model)}
-            if self.ref_policy is not None:
-                self._flop_models["ref"] = FlopModel.of(self.ref_policy.model)
-            if self.critic is not None:
-                self._flop_models["critic"] = FlopModel.of(self.critic.model, lm_head=False)
-        lengths = batch.attention_mask.sum(dim=1)  # [B] real tokens per row
-        responses = float(batch.response_mask.sum())
-        trained = 3 * self.run.epochs if updated else 0  # forward + backward, in forward-pass units
-        flops = self._flop_models["actor"].forward_flops(lengths, responses) * (int(old_pass) + trained)
-        if "ref" in self._flop_models:
-            flops += self._flop_models["ref"].forward_flops(lengths, responses)
-        if "critic" in self._flop_models:  # its value pass always runs
-            flops += self._flop_models["critic"].forward_flops(lengths, 0) * (1 + trained)
-        total = float(all_reduce_sum(torch.tensor(flops, dtype=torch.float64, device=device)))
-        seconds = max(timings["forward"] + timings["update"], 1e-9)
-        out["perf/mfu"] = total / (seconds * peak * self.world_size)
-        return out
 
     def update(self, train: TrainBatch) -> dict:
         """ppo.epochs × ppo.num_mini_batches optimizer steps for the actor (and the critic).

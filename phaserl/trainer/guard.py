@@ -1,10 +1,16 @@
-"""Runtime guards checked every step: non-finite losses / gradients, and rewards stuck at one value."""
+"""Runtime guards checked every step: non-finite advantages, losses and gradients, and rewards stuck at
+one value. What to do about a non-finite value (`trainer.on_nonfinite`: stop or skip) is decided
+here, and agreed by every rank, so that all ranks skip or stop together."""
 from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
+
+import torch
 
 from ..errors import PreflightError
+from ..parallel import all_reduce_sum
 
 log = logging.getLogger("phaserl")
 
@@ -27,8 +33,12 @@ class RuntimeGuard:
             return
         raise PreflightError(f"step {step + 1}: {what}. {cause}. Set trainer.on_nonfinite=skip to skip such steps.")
 
-    def advantages_ok(self, cause, step: int) -> bool:
-        """`cause` from advantage_phase.nonfinite_advantage_cause: stop (raise), or skip the update (False)."""
+    def advantages_ok(self, cause: Optional[str], step: int) -> bool:
+        """`cause` from advantage_phase.nonfinite_advantage_cause (this rank's): True to update; else stop
+        (raise) or skip the update (False). A collective: a cause on any rank stops or skips every rank."""
+        ranks_with_cause = float(all_reduce_sum(torch.tensor(float(cause is not None))))
+        if cause is None and ranks_with_cause > 0:
+            cause = "non-finite advantages on another rank"
         if cause is None:
             return True
         if self.on_nonfinite == "skip":

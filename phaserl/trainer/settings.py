@@ -1,42 +1,76 @@
-"""Plain run settings: everything the loop needs, resolved once from the Config by `build.py`."""
+"""What the builder hands the loop: the `Roles` and the frozen, typed `RunSettings`.
+
+`trainer/build.py` makes both from a Config, once; `RLTrainer` reads them and never the config. The
+fields are grouped by the phase that reads them (the numbers of `RLTrainer.train_step`). Frozen means
+the fields are not reassigned: the loop's stateful parts (the prompt stream, the KL controller, the
+sampling generator, the guard) change inside themselves and are saved in checkpoints.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
+import torch
 from tqdm import tqdm
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-@dataclass
+    from ..algo import AdaptiveKLController, FixedKLController
+    from ..checkpoint import Checkpointer
+    from ..data import PromptItem
+    from ..metrics import MetricsLogger
+    from ..rewards import RewardSources
+    from ..roles import Critic, HybridActor, ReferencePolicy
+    from ..rollout import SamplingParams
+    from .advantage_phase import AdvantageSettings
+    from .guard import RuntimeGuard
+    from .prompt_stream import PromptStream
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The models of a run, each in its role; critic and ref_policy are None when the algorithm has none."""
+
+    actor: "HybridActor"
+    critic: Optional["Critic"]
+    ref_policy: Optional["ReferencePolicy"]
+    reward: "RewardSources"
+    tokenizer: "PreTrainedTokenizerBase"      # the policy's
+
+
+@dataclass(frozen=True)
 class RunSettings:
-    # data
-    tokenizer: Any
-    train_prompts: Any                 # PromptStream
-    val_prompts: Optional[list]        # PromptItems (this rank's share) or None
-    # rollout
-    n: int
+    # 1. prompts
+    tokenizer: "PreTrainedTokenizerBase"
+    train_prompts: "PromptStream"
+    val_prompts: Optional[list["PromptItem"]]  # this rank's share of the held-out prompts, or None
+    # 2. rollout
+    n: int                                     # responses per prompt
     val_n: int
-    sampling: Any                      # SamplingParams
-    greedy: Any                        # SamplingParams for ReMax's baseline
-    val_sampling: Any
-    temperature: float
+    sampling: "SamplingParams"
+    greedy: "SamplingParams"                   # ReMax's greedy baseline
+    val_sampling: "SamplingParams"
+    temperature: float                         # the sampling temperature the log-probs are computed at
     needs_greedy_baseline: bool
-    generate_batch_size: int           # prompts per rank per generate call
-    eos_token_ids: list
+    generate_batch_size: int                   # prompts per rank per generate call
+    eos_token_ids: list[int]
     pad_token_id: int
-    sampling_generator: Any            # torch.Generator
-    # score / advantage
-    reward: Any                        # RewardSources
-    advantage: Any                     # AdvantageSettings
-    kl_controller: Any
-    # update
+    sampling_generator: torch.Generator
+    ignore_eos: bool                           # rollout.ignore_eos: generate to max_new_tokens
+    # 3. score
+    reward: "RewardSources"
+    # 4.-5. forward-only passes, advantage
+    forward_tokens: int                        # token budget of a forward-only micro-batch
+    advantage: "AdvantageSettings"
+    kl_controller: Union["FixedKLController", "AdaptiveKLController"]
+    # 6. update
     epochs: int
-    mini_batch_per_rank: int
-    responses_per_step: int
-    forward_tokens: int
-    train_tokens: int
-    guard: Any                         # RuntimeGuard
-    # run
+    mini_batch_per_rank: int                   # responses per rank per optimizer step
+    responses_per_step: int                    # global
+    train_tokens: int                          # token budget of an update micro-batch
+    guard: "RuntimeGuard"
+    # 7. checkpoint, log, the loop
     seed: int
     total_steps: int
     val_before_train: bool
@@ -45,10 +79,9 @@ class RunSettings:
     checkpoint_path: str
     log_dir: str
     keep_checkpoint_num: int
-    metrics_logger: Any
-    checkpointer: Any = None
-    show_progress: bool = True
-    ignore_eos: bool = False            # rollout.ignore_eos: generate to max_new_tokens
+    metrics_logger: "MetricsLogger"
+    checkpointer: Optional["Checkpointer"]
+    show_progress: bool
     reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
 
     def progress_bar(self, start: int):

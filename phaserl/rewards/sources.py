@@ -1,23 +1,33 @@
-"""Phase 3 (score): rule functions and/or a reward model turn responses into one score each.
+"""The score phase's sources: rule functions and/or a reward model turn responses into one score each.
 
-The sources are fixed when the run is built; `score` returns the weighted total and each source's
-raw scores (logged as `reward/<name>`).
+The sources are fixed when the run is built (`phaserl.resolve.build_reward_sources`); `score` returns
+the weighted total and each source's raw scores (logged as `reward/<name>`). The reward model is any
+object with `score(prompts, responses) -> [B]` (`phaserl.roles.RewardModelWrapper`); this module does
+not load it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
-from ..batch import RolloutBatch, Scores
-from ..errors import RewardError
+from phaserl.batch import RolloutBatch, Scores
+from phaserl.errors import RewardError
+from phaserl.rewards.registry import RuleRewards
+
+
+class ResponseScorer(Protocol):
+    """What the score phase needs of a reward model (phaserl.roles.RewardModelWrapper is one)."""
+
+    def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:  # [B]
+        ...
 
 
 @dataclass
 class RewardSources:
-    rules: Optional[object] = None          # rewards.RuleRewards
-    reward_model: Optional[object] = None   # roles.RewardModelWrapper
+    rules: Optional[RuleRewards] = None
+    reward_model: Optional[ResponseScorer] = None
     reward_model_weight: float = 1.0
 
     def __post_init__(self):
