@@ -72,15 +72,6 @@ class Scores:
 
 
 @dataclass
-class ForwardResults:
-    """What the forward-only phase produces (no gradients)."""
-
-    old_logprobs: torch.Tensor             # [B, R] actor log-probs before the update
-    ref_logprobs: Optional[torch.Tensor]   # [B, R] or None when no reference policy
-    values: Optional[torch.Tensor]         # [B, R] or None when no critic
-
-
-@dataclass
 class TrainBatch:
     """Everything the update phase needs, one row per response."""
 
