@@ -1,6 +1,6 @@
 """One whole GRPO step (rollout + reference log-probs + update, KL on): phaserl's RLTrainer vs TRL's GRPOTrainer.
 
-Shape (BRIEF §6): Qwen2-0.5B architecture with random weights, bf16, 64 prompts x 8 samples = 512
+Shape (the reference shape of BENCHMARKS.md): Qwen2-0.5B architecture with random weights, bf16, 64 prompts x 8 samples = 512
 responses, prompts of exactly 128 tokens, 256 new tokens, one GPU. Each side runs in its own process
 (`--only both` starts both, one after the other, on one synthetic world made by `grpo_setup.py`) and
 prints one JSON line per step and a summary line: seconds per step (median of the steps after

@@ -1,6 +1,6 @@
 """Rollout throughput: phaserl's RolloutEngine vs Hugging Face generate, and the roofline of the shape.
 
-One JSON line per measurement on stdout. Reference shape (BRIEF §6): Qwen2-0.5B architecture with
+One JSON line per measurement on stdout. Reference shape (BENCHMARKS.md): Qwen2-0.5B architecture with
 random weights, bf16, 64 prompts x 8 samples = 512 sequences, prompt 128 tokens, 256 new tokens with
 EOS ignored (fixed lengths), temperature 1.
 

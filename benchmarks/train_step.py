@@ -1,6 +1,6 @@
 """Training-step throughput: forward + backward of the actor's loss path, tokens/s and MFU (issue 6).
 
-One JSON line per measurement on stdout. Reference shape (BRIEF §6): Qwen2-0.5B architecture with random
+One JSON line per measurement on stdout. Reference shape (BENCHMARKS.md): Qwen2-0.5B architecture with random
 weights, bf16, 512 rows of 128 prompt + 256 response tokens ("fixed"), and the same rows with long-tail
 response lengths ("longtail": most responses short, a few up to 256; prompts 64-128 tokens).
 A step = every row once: micro-batches of --micro-tokens tokens, the model's forward, log-probs and
@@ -26,7 +26,7 @@ variant, so a variant that computes padding or prompt logits gets no credit for 
 MFU against the datasheet bf16 peak (989 TFLOP/s for H100/H200: `mfu_spec`) and against the bf16 matmul
 rate measured at the start of the run (`mfu_measured`); `mfu_6nd_spec` is the common 6 * all params *
 all tokens count, for comparison with numbers quoted that way, and `mfu_6nd_measured` the same count over the
-measured matmul rate (HF eager measures ~26% that way: the count BRIEF §6's anchor appears to use).
+measured matmul rate (HF eager measures ~26% that way: the count the HF anchor of BENCHMARKS.md appears to use).
 
     python benchmarks/train_step.py                       # everything at the reference shape (CUDA)
     python benchmarks/train_step.py --smoke               # CPU, tiny shapes: checks the script
@@ -190,7 +190,7 @@ def run_variant(variant: str, args, device, batches: dict, flops: dict, peaks: d
         for name, peak in peaks.items():
             record[f"mfu_{name}"] = flops[kind] / seconds / peak
         record["mfu_6nd_spec"] = flops[f"{kind}_6nd"] / seconds / peaks["spec"] if "spec" in peaks else None
-        # 6ND over the measured matmul rate: the count that reproduces BRIEF §6's HF anchor (~26%)
+        # 6ND over the measured matmul rate: the count that reproduces BENCHMARKS.md's HF anchor (~26%)
         record["mfu_6nd_measured"] = (flops[f"{kind}_6nd"] / seconds / peaks["measured"]
                                       if "measured" in peaks else None)
         emit(**record)

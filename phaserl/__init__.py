@@ -1,6 +1,6 @@
 """phaserl: RL post-training for LLMs (PPO, GRPO, RLOO, REINFORCE++, ReMax) in readable phases.
 
-Public names follow the seed: HybridActor, Critic, ReferencePolicy, RewardModelWrapper, RLTrainer.
+Public names follow verl's: HybridActor, Critic, ReferencePolicy, RewardModelWrapper, RLTrainer.
 """
 from .errors import ConfigError, DataError, PhaserlError, PreflightError, RewardError
 

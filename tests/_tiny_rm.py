@@ -1,5 +1,5 @@
 """A tiny reward model on disk for CPU tests: transformers' LlamaForSequenceClassification (num_labels=1)
-saved with the char-level tokenizer of `_tiny_tokenizer`, optionally broken the way seed mistake 2 breaks it."""
+saved with the char-level tokenizer of `_tiny_tokenizer`, optionally broken the way classic mistake 2 breaks it."""
 import os
 
 import torch

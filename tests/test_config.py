@@ -82,9 +82,9 @@ def test_an_empty_section_means_its_defaults(tmp_path):
 
 
 def test_seed_batch_size_keys_keep_their_meaning():
-    """BRIEF §4: rollout.batch_size prompts/GPU/generate call; reward_model.batch_size sequences/GPU/scoring
+    """verl-style keys: rollout.batch_size prompts/GPU/generate call; reward_model.batch_size sequences/GPU/scoring
     call; ppo.mini_batch_size 8 × num_mini_batches 4 = 32 responses per step (8 prompts × n 4)."""
-    cfg = load_config(os.path.join(FIXTURES, "seed_batch_sizes.yaml"))
+    cfg = load_config(os.path.join(FIXTURES, "verl_batch_sizes.yaml"))
     assert (cfg.rollout.batch_size, cfg.rollout.max_new_tokens) == (32, 128)
     assert (cfg.reward_model.batch_size, cfg.reward_model.truncation) == (16, True)
     assert (cfg.ppo.mini_batch_size, cfg.ppo.num_mini_batches) == (8, 4)

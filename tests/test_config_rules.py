@@ -108,10 +108,10 @@ def test_a_kept_engine_with_a_sharded_actor_warns_on_several_ranks():
 
 
 def test_critic_never_gets_a_hybrid_engine():
-    """Seed mistake 1: the critic wrapped and switched like the actor."""
+    """Classic mistake 1: the critic wrapped and switched like the actor."""
     msg = error_of(["critic.hybrid_engine={enable_rollout_optimization_switch: true}"])
     assert "critic.hybrid_engine must be null" in msg and "only the actor switches" in msg
-    assert "seed mistake 1" in msg
+    assert "classic mistake 1" in msg
 
 
 def test_kl_needs_the_reference():

@@ -1,4 +1,4 @@
-"""The seed's five mistakes, each committed the way the seed describes it, and the runtime guards.
+"""The five classic mistakes, each committed the way the article describes it, and the runtime guards.
 
 Every test asserts that the user gets phaserl's message (ConfigError / RewardError / PreflightError,
 naming the cause and the fix), not a stack trace from deep inside torch. docs/five-mistakes.md
@@ -66,7 +66,7 @@ def test_1_critic_hybrid_engine_in_yaml_stops_the_load_and_fails_the_doctor(tiny
         load_config(str(path), tiny["overrides"])
     result = run_doctor(load_doctor_config(str(path), tiny["overrides"]))[1]
     assert (result.name, result.status) == ("parallel settings", FAIL)
-    assert "(seed mistake 1). Delete critic.hybrid_engine" in result.message
+    assert "(classic mistake 1). Delete critic.hybrid_engine" in result.message
 
 
 def test_1_only_the_actor_switches_modes_and_says_so(tiny, caplog):
@@ -141,7 +141,7 @@ def test_3_a_reference_sharing_the_actors_weights_is_refused_by_the_trainer(tiny
 # ---- 4. one global batch size for every phase ---------------------------------------------------------------
 
 def test_4_one_size_everywhere_is_refused_with_the_arithmetic():
-    # The seed's user sets "batch_size 32" everywhere: 32 prompts × 4 samples = 128 responses, not 32 × 1.
+    # The article's user sets "batch_size 32" everywhere: 32 prompts × 4 samples = 128 responses, not 32 × 1.
     with pytest.raises(ConfigError) as e:
         load_config(None, ["rollout.batch_size=32", "reward_model.batch_size=32", "ppo.mini_batch_size=32"])
     assert ("ppo.mini_batch_size × ppo.num_mini_batches = 32 × 1 = 32 responses, but rollout.prompts_per_step × "
@@ -170,7 +170,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, overrides: list) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        node = os.path.join(root, f"node{rank}")  # each "node" has its own ./checkpoints, as in the seed
+        node = os.path.join(root, f"node{rank}")  # each "node" has its own ./checkpoints, as in the article
         os.makedirs(node, exist_ok=True)
         os.chdir(node)
         local = overrides + ["trainer.checkpoint_path=checkpoints", "trainer.log_dir=logs"]

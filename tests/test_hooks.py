@@ -1,4 +1,4 @@
-"""User hooks on the five events: the seed's example works, each event fires at its moment with the trainer's
+"""User hooks on the five events: the verl-style example works, each event fires at its moment with the trainer's
 `.rank`, `.step`, `.checkpoint_path`, `.log_dir`, `.metrics`, and a hook that raises stops the run naming
 itself and the event while the checkpoints already written stay (and resume)."""
 import logging

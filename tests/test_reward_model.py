@@ -1,4 +1,4 @@
-"""RewardModelWrapper: the exact text the reward model sees (mistake 2 of the seed), its own tokenizer,
+"""RewardModelWrapper: the exact text the reward model sees (classic mistake 2), its own tokenizer,
 truncation, and the output checks (shape [B], finite, not constant) with messages that name the cause."""
 import logging
 
@@ -12,7 +12,7 @@ from _tiny_tokenizer import CHARS, SPECIAL_TOKENS, build_tiny_tokenizer
 from phaserl.errors import RewardError
 from phaserl.roles.reward_model import RewardModelWrapper
 
-SEED_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
+VERL_STYLE_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
 PROMPTS = ["What is 2+2?", "Name a colour.", "Say hi.", "Count to three.", "Spell cat."]
 RESPONSES = ["4", "Blue, like the sky.", "hi", "one two three", "c-a-t"]
 
@@ -76,8 +76,8 @@ def test_template_on_and_off_give_different_texts(rm, tok):
     assert on.score(["Hi?"], ["Yes."]).item() != pytest.approx(off.score(["Hi?"], ["Yes."]).item(), abs=1e-6)
 
 
-def test_the_seeds_custom_chat_template_is_used_verbatim(rm, tok):
-    wrapper = RewardModelWrapper(rm, tok, apply_chat_template=True, chat_template=SEED_TEMPLATE)
+def test_the_verl_style_custom_chat_template_is_used_verbatim(rm, tok):
+    wrapper = RewardModelWrapper(rm, tok, apply_chat_template=True, chat_template=VERL_STYLE_TEMPLATE)
     assert wrapper.format("What is 2+2?", "4") == "user: What is 2+2?assistant: 4"
 
 
@@ -154,7 +154,7 @@ def test_nan_scores_name_the_rows_and_the_likely_cause(tok):
         out[1] = float("nan")
         return out
 
-    wrapper = RewardModelWrapper(ScriptedRM(nan_on_row_1), tok, chat_template=SEED_TEMPLATE)
+    wrapper = RewardModelWrapper(ScriptedRM(nan_on_row_1), tok, chat_template=VERL_STYLE_TEMPLATE)
     with pytest.raises(RewardError, match=r"non-finite scores for rows \[1\] of 3.*chat_template.*response_key"
                                           r".*tokenizer is the RM's own.*'user: bassistant: y'"):
         wrapper.score(["a", "b", "c"], ["x", "y", "z"])
@@ -173,7 +173,7 @@ def test_probe_reports_constant_scores_with_the_likely_cause(rm, tok):
     report = constant.probe(PROMPTS, RESPONSES)
     assert not report.ok and report.scores == [0.5] * 5
     assert "same score 0.5 to all 5 responses" in report.reason and "chat_template" in report.reason
-    healthy = RewardModelWrapper(rm, tok, chat_template=SEED_TEMPLATE)
+    healthy = RewardModelWrapper(rm, tok, chat_template=VERL_STYLE_TEMPLATE)
     report = healthy.probe(PROMPTS, RESPONSES)
     assert report.ok and report.reason == "" and len(report.scores) == 5
     assert report.example_input == "user: What is 2+2?assistant: 4"
@@ -191,12 +191,12 @@ def test_the_model_is_frozen_and_usable_under_inference_mode(tok):
     (outside * torch.ones(2, requires_grad=True)).sum().backward()  # usable in the trainer's autograd code
 
 
-def test_seed_snippets_work_with_a_model_loaded_from_a_directory(tmp_path, tok):
+def test_verl_style_snippets_work_with_a_model_loaded_from_a_directory(tmp_path, tok):
     tiny_rm().save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     reward_model = AutoModelForSequenceClassification.from_pretrained(tmp_path)
     plain = RewardModelWrapper(model=reward_model, apply_chat_template=False, response_key="chosen_response")
-    templated = RewardModelWrapper(model=reward_model, apply_chat_template=True, chat_template=SEED_TEMPLATE)
+    templated = RewardModelWrapper(model=reward_model, apply_chat_template=True, chat_template=VERL_STYLE_TEMPLATE)
     rows = [{"prompt": "Change a tyre?", "chosen_response": "Sure, step one.", "rejected_response": "No."}]
     assert plain.score_rows(rows).shape == (1,)
     assert templated.format("Change a tyre?", "Sure.") == "user: Change a tyre?assistant: Sure."

@@ -1,4 +1,4 @@
-"""Seed mistake 2 end to end: policy tokens -> decoded text -> the RM's own format and tokens -> one score.
+"""Classic mistake 2 end to end: policy tokens -> decoded text -> the RM's own format and tokens -> one score.
 
 The policy is the tiny world's (character tokenizer, `<|user|>`/`<|assistant|>` template, EOS
 `<|endoftext|>`); the reward model has a *different* tokenizer (ChatML, EOS `<|im_end|>`, and
@@ -26,7 +26,7 @@ from phaserl.world.task import Problem, to_record
 from phaserl.world.tokenizer import build_tokenizer
 
 torch.set_num_threads(1)
-SEED_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
+VERL_STYLE_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
 PROBLEMS = [Problem("23+45=", "68"), Problem("57+68=", "125")]
 
 
@@ -87,7 +87,7 @@ def test_template_off_and_the_seeds_custom_template(policy_tok, rm_model):
     rollout_and_score(policy_tok, off, [policy_ids(policy_tok, "68")])
     assert seen_texts(off) == ["23+45=68"]  # the policy's chat template does not leak into the RM input
     custom = RewardModelWrapper(rm_model, build_tiny_tokenizer(chat_template=None), apply_chat_template=True,
-                                chat_template=SEED_TEMPLATE)
+                                chat_template=VERL_STYLE_TEMPLATE)
     rollout_and_score(policy_tok, custom, [policy_ids(policy_tok, "68")])
     assert seen_texts(custom) == ["user: 23+45=assistant: 68"]
 

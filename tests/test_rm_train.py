@@ -23,7 +23,7 @@ from phaserl.roles import RewardModelWrapper
 from phaserl.world.tokenizer import build_tokenizer as build_world_tokenizer
 
 torch.set_num_threads(1)
-SEED_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
+VERL_STYLE_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
 
 
 def toy_pairs(start: int, n: int) -> list:
@@ -81,7 +81,7 @@ def test_a_custom_template_is_saved_with_the_rm_so_scoring_uses_the_training_for
     policy = make_model_dir(str(tmp_path))
     tokenizer = build_tiny_tokenizer(chat_template=None)  # no template of its own
     train_reward_model(policy, tokenizer, toy_pairs(0, 8), [], steps=2, lr=1e-3, batch_size=4, max_length=64,
-                       apply_chat_template=True, chat_template=SEED_TEMPLATE, out_dir=str(tmp_path / "rm"))
+                       apply_chat_template=True, chat_template=VERL_STYLE_TEMPLATE, out_dir=str(tmp_path / "rm"))
     loaded = RewardModelWrapper.from_pretrained(str(tmp_path / "rm"), apply_chat_template=True)
     assert loaded.format("Hi?", "Yes.") == "user: Hi?assistant: Yes."
     assert tokenizer.chat_template is None  # the caller's tokenizer is left alone

@@ -1,4 +1,4 @@
-"""Seed mistake 5: on several ranks, checkpoint_path and log_dir must be one shared directory.
+"""Classic mistake 5: on several ranks, checkpoint_path and log_dir must be one shared directory.
 
 Two gloo ranks run in different working directories, so the same relative paths (`ckpt`, `logs`)
 resolve to two node-local directories, as on two machines without shared storage. The check stops

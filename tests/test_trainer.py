@@ -1,4 +1,4 @@
-"""The RL step end to end on a tiny random model: every estimator runs, metrics land where BRIEF §5 says."""
+"""The RL step end to end on a tiny random model: every estimator runs, metrics land where docs/metrics.md says."""
 import dataclasses
 import json
 import logging

@@ -105,7 +105,7 @@ def _rule_errors(cfg: Config) -> list[str]:
     if cfg.critic.hybrid_engine is not None:
         errs.append("critic.hybrid_engine must be null: only the actor generates, so only the actor switches "
                     "between rollout and training modes; resharding the critic like the actor is how a shared FSDP "
-                    "config ends in OOM or 'all_reduce failed' (seed mistake 1). Delete critic.hybrid_engine; "
+                    "config ends in OOM or 'all_reduce failed' (classic mistake 1). Delete critic.hybrid_engine; "
                     "set the critic's sharding in critic.fsdp and mode switching in actor.hybrid_engine")
     if a.kl_placement != "none" and cfg.ref.enable is False:
         errs.append(f"algorithm.kl_placement = {a.kl_placement} measures the KL to the reference policy, but "

@@ -1,6 +1,6 @@
 """`phaserl doctor`: the preflight, without training.  One line per check: OK / WARN / FAIL → fix.
 
-It covers the five mistakes of the seed (per-role parallel settings, the reward model's input
+It covers the five classic mistakes (per-role parallel settings, the reward model's input
 format, the frozen reference, per-phase batch sizes against this machine's memory, checkpoint and
 log paths shared by every rank) and the rest of what breaks runs (config rules, data schema and
 overlong prompts, chat template, tokenizer/model consistency, context length, rule rewards).

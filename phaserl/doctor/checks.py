@@ -140,7 +140,7 @@ def check_config_rules(ctx: Context) -> CheckResult:
 
 @check("parallel settings")
 def check_parallel_settings(ctx: Context) -> CheckResult:
-    """Seed mistake 1: each role its own FSDP settings; only the actor switches modes."""
+    """Classic mistake 1: each role its own FSDP settings; only the actor switches modes."""
     cfg = ctx.cfg
     critic_on, ref_on = roles_enabled(cfg)
 
@@ -164,7 +164,7 @@ def check_parallel_settings(ctx: Context) -> CheckResult:
 
 @check("batch sizes")
 def check_batch_sizes(ctx: Context) -> CheckResult:
-    """Seed mistake 4: one size per phase, and the arithmetic between them holds."""
+    """Classic mistake 4: one size per phase, and the arithmetic between them holds."""
     problems = config_problems(ctx, "batch sizes")
     if problems:
         return _problems_result("batch sizes", problems, fix="see memory below for the sizes that fit this machine")
@@ -194,7 +194,7 @@ def _scoring_calls(cfg: Config, d: Derived) -> str:
 
 @check("shared paths")
 def check_shared_paths(ctx: Context) -> CheckResult:
-    """Seed mistake 5: every rank must see the same checkpoint and log directories."""
+    """Classic mistake 5: every rank must see the same checkpoint and log directories."""
     t = ctx.cfg.trainer
     paths = {"trainer.checkpoint_path": t.checkpoint_path, "trainer.log_dir": t.log_dir}
     rank, world = rank_and_world()

@@ -1,6 +1,6 @@
 """Memory estimate of one RL step per rank, and the per-phase batch sizes that fit this machine.
 
-Seed mistake 4 is one batch size for every phase. Each phase has its own memory shape, so each gets
+Classic mistake 4 is one batch size for every phase. Each phase has its own memory shape, so each gets
 its own size: rollout holds a KV cache per sequence, scoring runs the reward model forward-only, and
 the update keeps activations per token for backward. This module turns model shapes and sizes
 into bytes and suggests `rollout.batch_size`, the scoring size (`reward_model.micro_batch_tokens` when

@@ -102,7 +102,7 @@ def probe_batch(rows: list, response_key: str) -> tuple[list, list]:
 
 @check("reward model", needs=("device",))
 def check_reward_model(ctx: Context) -> CheckResult:
-    """Seed mistake 2: score a real batch in the configured format; FAIL on non-finite/constant/wrong shape."""
+    """Classic mistake 2: score a real batch in the configured format; FAIL on non-finite/constant/wrong shape."""
     rc = ctx.cfg.reward_model
     if not rc.enable:
         return CheckResult("reward model", OK, "no reward model (reward_model.enable = false)")
@@ -177,7 +177,7 @@ def shared_parameter_names(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
 
 
 def check_reference_frozen(ref: ReferencePolicy, actor_model=None) -> CheckResult:
-    """Seed mistake 3 for built roles: nothing in the reference trains, and it shares no weights with the actor."""
+    """Classic mistake 3 for built roles: nothing in the reference trains, and it shares no weights with the actor."""
     try:
         ref.check_frozen()
     except PreflightError as exc:
@@ -230,7 +230,7 @@ def phase_sizes(ctx: Context) -> PhaseSizes:
 
 @check("memory", needs=("policy", "free_bytes"))
 def check_memory(ctx: Context) -> CheckResult:
-    """Seed mistake 4: estimate each phase's memory and suggest the sizes that fit this machine."""
+    """Classic mistake 4: estimate each phase's memory and suggest the sizes that fit this machine."""
     cfg, shape, sizes = ctx.cfg, ModelShape.of(ctx.policy), phase_sizes(ctx)
     critic_on, ref_on = roles_enabled(cfg)
 

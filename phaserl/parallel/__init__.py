@@ -4,7 +4,7 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
     launch.py          init_distributed / destroy, rank_errors, set_phase (failures name rank and phase)
     fsdp.py            apply_fsdp per role, gather/reshard around the actor's rollout (imported lazily:
                        torch.distributed.fsdp costs seconds to import and one process never needs it)
-    shared_storage.py  checkpoint/log paths every rank must share (seed mistake 5)
+    shared_storage.py  checkpoint/log paths every rank must share (classic mistake 5)
     memory.py          the memory timeline of a step (GPU memory at every phase boundary and switch)
 """
 from __future__ import annotations

@@ -130,7 +130,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, settings, *, role: str) -> nn
 
 
 def shard_roles(roles: dict, device: torch.device) -> None:
-    """Apply each role's own FSDPSettings to its model (seed mistake 1: never one config for all roles).
+    """Apply each role's own FSDPSettings to its model (classic mistake 1: never one config for all roles).
 
     `roles` maps a role name (actor, critic, ref) to a role object with `.model` and `.fsdp`, or None.
     Needs a process group of 2+ ranks (one process keeps plain modules). Must run before the roles build

@@ -1,4 +1,4 @@
-"""Seed mistake 5: checkpoints and logs on a node-local path in a multi-node run.
+"""Classic mistake 5: checkpoints and logs on a node-local path in a multi-node run.
 
 Before training, with more than one rank, every rank writes a marker file (rank, host, a run nonce
 broadcast from rank 0) under each path that must be shared (trainer.checkpoint_path, trainer.log_dir).

@@ -8,7 +8,7 @@ is -log σ(r_chosen − r_rejected), averaged over the pairs of a step.
 The input format is the one the RM will be *scored* with: every text comes from
 `RewardModelWrapper.format` and `_encode` (template on/off, custom template, truncation side) of a
 wrapper built over the model being trained, and held-out accuracy is measured through
-`RewardModelWrapper.score` itself. A reward model trained on one format and scored on another is seed
+`RewardModelWrapper.score` itself. A reward model trained on one format and scored on another is classic
 mistake 2; sharing the code rules it out.
 
 Not here: the YAML config and CLI (config.py, __init__.py), making preference data (tiny_prefs.py),

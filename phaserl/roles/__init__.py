@@ -1,4 +1,4 @@
-"""The roles of HybridFlow, with the seed's names: actor, critic, reference policy, reward model."""
+"""The roles of HybridFlow, with verl's names: actor, critic, reference policy, reward model."""
 from .actor import HybridActor
 from .critic import Critic
 from .reference import ReferencePolicy

@@ -3,8 +3,9 @@
 The actor is the only role that switches. Rollout mode: eval(), optimizer state optionally moved to
 the CPU, the rollout engine's KV cache allocated by the engine. Training mode: the cache is gone,
 optimizer state is back. Each switch logs one `[HybridEngine]` line with its duration and memory.
-The update follows BRIEF §2 step 6: epochs × mini-batches, micro-batches by token budget, losses
-normalized by the mini-batch's global token / sequence counts so the split never changes the gradient.
+The update is phase 6 of the RL step (docs/concepts.md): epochs × mini-batches, micro-batches by token
+budget, losses normalized by the mini-batch's global token / sequence counts so the split never changes
+the gradient.
 """
 from __future__ import annotations
 

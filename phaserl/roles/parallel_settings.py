@@ -1,7 +1,7 @@
-"""Per-role parallel settings (seed mistake 1: one FSDP config for every role).
+"""Per-role parallel settings (classic mistake 1: one FSDP config for every role).
 
 Each role owns an `FSDPSettings`; only the actor owns `HybridSettings`. The settings accept the
-seed's plain dicts (`fsdp_config=dict(sharding_strategy="FULL_SHARD")`) or config dataclasses, and
+verl-style plain dicts (`fsdp_config=dict(sharding_strategy="FULL_SHARD")`) or config dataclasses, and
 reject unknown keys by name. Applying them to a device mesh lives in `phaserl.parallel`.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ class HybridSettings:
 
 
 def _reject_hybrid_keys(role: str, fsdp_config: dict) -> None:
-    """The seed's mistake 1 written as one dict: mode-switch keys inside a role's fsdp_config."""
+    """Classic mistake 1 written as one dict: mode-switch keys inside a role's fsdp_config."""
     mixed = [key for key in fsdp_config if key in {f.name for f in dataclasses.fields(HybridSettings)}]
     if not mixed:
         return
@@ -76,17 +76,17 @@ def _reject_hybrid_keys(role: str, fsdp_config: dict) -> None:
                           f"HybridActor(model, fsdp_config=..., hybrid_engine_config=dict({mixed[0]}=...))")
     name = {"critic": "Critic", "ref": "ReferencePolicy"}.get(role, role)
     raise ConfigError(f"{name}: fsdp_config has the actor's hybrid-engine key(s) {', '.join(mixed)}. {_ONLY_ACTOR} "
-                      f"a {name} given the actor's config would be resharded with the actor (the seed's OOM / "
+                      f"a {name} given the actor's config would be resharded with the actor (the classic OOM / "
                       f"all_reduce failure). Give the {name} its own fsdp_config, e.g. "
                       f"dict(sharding_strategy=\"FULL_SHARD\"), without {mixed[0]}.")
 
 
 def reject_hybrid_config(role: str, hybrid_engine_config) -> None:
-    """Only the actor switches between rollout and training (seed mistake 1)."""
+    """Only the actor switches between rollout and training (classic mistake 1)."""
     if hybrid_engine_config:
         raise ConfigError(
             f"{role}: hybrid_engine_config={hybrid_engine_config!r} is not allowed. {_ONLY_ACTOR} a {role} that "
-            f"joined the switch would be resharded with the actor (the seed's OOM / all_reduce failure). Remove "
+            f"joined the switch would be resharded with the actor (the classic OOM / all_reduce failure). Remove "
             f"hybrid_engine_config from the {role}.")
 
 

@@ -1,6 +1,6 @@
 """ReferencePolicy: the frozen policy that KL is measured against.
 
-Frozen by construction (seed mistake 3): parameters get `requires_grad_(False)`, the module is put in
+Frozen by construction (classic mistake 3): parameters get `requires_grad_(False)`, the module is put in
 eval mode, and every forward runs under `torch.inference_mode()`. `check_frozen()` runs every step;
 a parameter that became trainable is an error naming it, never a warning.
 """

@@ -1,6 +1,6 @@
 """RewardModelWrapper: score (prompt, response) pairs with a frozen sequence-classification reward model.
 
-The wrapper owns the reward model's input format, the seed's mistake 2: it turns each prompt and
+The wrapper owns the reward model's input format, classic mistake 2: it turns each prompt and
 response *text* into the exact string the RM was trained on (its own chat template, a custom one, or
 plain `prompt + response`), tokenizes it with the RM's own tokenizer (never the policy's token ids),
 truncates on the configured side, and checks the output: one finite float per response.

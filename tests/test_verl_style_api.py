@@ -1,8 +1,9 @@
-"""The seed's API (BRIEF §4) works as written, with `phaserl` in place of `verl`.
+"""The verl-style API works as written, with `phaserl` in place of `verl`.
 
-The snippet below is the seed's, changed only where it builds models (our tiny CPU models, saved by
-tests/_tiny_run.py and tests/_tiny_rm.py), where `actor_fsdp_config` (left undefined by the seed) is
-given, and where the seed's /shared/... paths become a temporary directory.
+The snippet below is the one verl users write (from the article behind docs/five-mistakes.md),
+changed only where it builds models (our tiny CPU models, saved by tests/_tiny_run.py and
+tests/_tiny_rm.py), where `actor_fsdp_config` (left undefined by the snippet) is given, and where its
+/shared/... paths become a temporary directory.
 """
 import logging
 
@@ -18,7 +19,7 @@ from phaserl.errors import ConfigError
 from phaserl.models import ValueModel, load_pretrained
 
 torch.set_num_threads(1)
-SEED_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
+VERL_STYLE_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +29,15 @@ def setup(tmp_path_factory):
     return {"root": root, "overrides": overrides, "rm_dir": make_reward_model_dir(str(root))}
 
 
-def run_seed_snippet(setup, policy_model, tmp_path, capsys, caplog):
+def run_verl_style_snippet(setup, policy_model, tmp_path, capsys, caplog):
     cfg = load_config(None, setup["overrides"])
     path = cfg.model.path
     value_model = ValueModel(load_pretrained(path))
     reward_model = LlamaForSequenceClassification.from_pretrained(setup["rm_dir"])  # saved with its tokenizer
     actor_fsdp_config = dict(sharding_strategy="FULL_SHARD")
-    shared = tmp_path  # the seed writes to /shared/ckpt/run1 and /shared/tb/run1
+    shared = tmp_path  # the snippet writes to /shared/ckpt/run1 and /shared/tb/run1
 
-    # ---- the seed, verbatim from here ----
+    # ---- the snippet, verbatim from here ----
     from phaserl import HybridActor, Critic, ReferencePolicy, RewardModelWrapper, RLTrainer
     actor = HybridActor(model=policy_model, fsdp_config=actor_fsdp_config,
                         hybrid_engine_config=dict(enable_rollout_optimization_switch=True))
@@ -44,14 +45,14 @@ def run_seed_snippet(setup, policy_model, tmp_path, capsys, caplog):
     ref_policy = ReferencePolicy(model=AutoModelForCausalLM.from_pretrained(path))  # frozen by itself
     rm = RewardModelWrapper(model=reward_model, apply_chat_template=False, response_key="chosen_response")
     rm = RewardModelWrapper(model=reward_model, apply_chat_template=True,
-                            chat_template=SEED_TEMPLATE)
+                            chat_template=VERL_STYLE_TEMPLATE)
     trainer = RLTrainer(actor=actor, critic=critic, ref_policy=ref_policy, reward=rm, config=cfg,
                         checkpoint_path=f"{shared}/ckpt/run1", log_dir=f"{shared}/tb/run1",
                         save_interval=1000, keep_checkpoint_num=3)
     trainer.add_hook("on_save_checkpoint", lambda trainer: print(f"[Rank {trainer.rank}] Saved checkpoint to {trainer.checkpoint_path}"))
     with caplog.at_level(logging.INFO, logger="phaserl"):
         trainer.fit()
-    # ---- end of the seed ----
+    # ---- end of the snippet ----
     return trainer, ref_policy, capsys.readouterr().out, caplog.text
 
 
@@ -66,17 +67,17 @@ def check_run(trainer, ref_policy, out, log, tmp_path):
     assert (tmp_path / "tb" / "run1" / "metrics.jsonl").is_file()
 
 
-def test_the_seed_snippet_trains_with_our_policy_loader(setup, tmp_path, capsys, caplog):
+def test_the_verl_style_snippet_trains_with_our_policy_loader(setup, tmp_path, capsys, caplog):
     policy_model = load_pretrained(load_config(None, setup["overrides"]).model.path)
-    check_run(*run_seed_snippet(setup, policy_model, tmp_path, capsys, caplog), tmp_path)
+    check_run(*run_verl_style_snippet(setup, policy_model, tmp_path, capsys, caplog), tmp_path)
 
 
-def test_the_seed_snippet_trains_with_a_transformers_policy(setup, tmp_path, capsys, caplog):
+def test_the_verl_style_snippet_trains_with_a_transformers_policy(setup, tmp_path, capsys, caplog):
     policy_model = AutoModelForCausalLM.from_pretrained(load_config(None, setup["overrides"]).model.path)
-    check_run(*run_seed_snippet(setup, policy_model, tmp_path, capsys, caplog), tmp_path)
+    check_run(*run_verl_style_snippet(setup, policy_model, tmp_path, capsys, caplog), tmp_path)
 
 
-def test_the_seeds_reward_model_formats(setup):
+def test_the_verl_style_reward_model_formats(setup):
     from phaserl import RewardModelWrapper
 
     reward_model = LlamaForSequenceClassification.from_pretrained(setup["rm_dir"])
@@ -87,21 +88,21 @@ def test_the_seeds_reward_model_formats(setup):
     text = plain.format(rows[0]["prompt"], rows[0]["chosen_response"])
     assert text == "How do I change a tyre?Loosen the nuts first."
     assert plain.score_rows(rows).shape == (2,)
-    templated = RewardModelWrapper(model=reward_model, apply_chat_template=True, chat_template=SEED_TEMPLATE)
+    templated = RewardModelWrapper(model=reward_model, apply_chat_template=True, chat_template=VERL_STYLE_TEMPLATE)
     assert templated.format("Hi?", "Yes.") == "user: Hi?assistant: Yes."
 
 
-SEED_YAML = """\
+VERL_STYLE_YAML = """\
 rollout:      {batch_size: 32, max_new_tokens: 128}   # prompts per GPU per generate call
 reward_model: {batch_size: 16, truncation: true}      # sequences per GPU per scoring call
 ppo:          {mini_batch_size: 8, num_mini_batches: 4}
 """
 
 
-def test_the_seeds_yaml_keys_keep_their_meaning(tmp_path):
+def test_the_verl_style_yaml_keys_keep_their_meaning(tmp_path):
     path = tmp_path / "seed.yaml"
     # 8 × 4 = 32 responses per step: with our default rollout.n = 4 that is 8 prompts per step.
-    path.write_text(SEED_YAML)
+    path.write_text(VERL_STYLE_YAML)
     with pytest.raises(ConfigError, match=r"8 × 4 = 32 responses, but rollout.prompts_per_step × rollout.n = "
                                           r"32 × 4 = 128 responses per step"):
         load_config(str(path))
