@@ -1,4 +1,5 @@
-"""Test setup: import phaserl from this checkout, keep CPU tests single-threaded and skip GPU tests on CPU."""
+"""Test setup: import phaserl from this checkout, skip GPU tests on CPU, and fail the session when a test
+wrote into the source tree (phaserl/): a test writes under tmp_path, never next to the code."""
 import os
 import sys
 
@@ -18,3 +19,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _source_files() -> dict:
+    """phaserl/'s files (not __pycache__) -> (size, mtime)."""
+    out = {}
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "phaserl")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            stat = os.stat(os.path.join(folder, name))
+            out[os.path.relpath(os.path.join(folder, name), ROOT)] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+def pytest_sessionstart(session):
+    session.config._phaserl_sources = _source_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before, after = session.config._phaserl_sources, _source_files()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        print(f"\nthe tests wrote into the source tree (a test must write under tmp_path): {changed}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

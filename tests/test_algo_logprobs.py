@@ -1,6 +1,9 @@
 """Chunked log-probs from hidden states: same values and gradients as the naive path, without [N, V]."""
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,26 +125,34 @@ def test_save_logits_needs_the_triton_kernels_and_an_unused_entropy_costs_no_gra
     torch.testing.assert_close(w.grad, expected[1])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
-def test_triton_kernels_in_the_interpreter_match_torch(monkeypatch):
-    from phaserl.algo import logprob_kernels
+INTERPRETED_KERNELS = """
+import torch
+from phaserl.algo import logprob_kernels
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    logprob_kernels._KERNELS.clear()  # jitted again, now for the interpreter
-    try:
-        z = torch.randn(3, 5000) * 3  # two blocks of 4096, the second partly masked
-        t = torch.tensor([0, 4097, 4999])
-        logp, lse, mean_z = logprob_kernels.row_stats(z, t, 0.5, True)
-        zz = z / 0.5
-        torch.testing.assert_close(lse, torch.logsumexp(zz, -1))
-        torch.testing.assert_close(logp, zz.log_softmax(-1).gather(1, t[:, None])[:, 0])
-        torch.testing.assert_close(mean_z, (zz.softmax(-1) * zz).sum(-1), rtol=1e-4, atol=1e-4)
-        g_logp, g_ent = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 0.0, -1.0])
-        leaf = zz.clone().requires_grad_(True)
-        lp_ref = leaf.log_softmax(-1).gather(1, t[:, None])[:, 0]
-        ent_ref = -(leaf.softmax(-1) * leaf.log_softmax(-1)).sum(-1)
-        (lp_ref * g_logp + ent_ref * g_ent).sum().backward()
-        grad = logprob_kernels.row_grad_(z.clone(), t, lse, mean_z, g_logp, g_ent, 0.5)
-        torch.testing.assert_close(grad, leaf.grad / 0.5, rtol=1e-4, atol=1e-5)
-    finally:
-        logprob_kernels._KERNELS.clear()
+z = torch.randn(3, 5000) * 3  # two blocks of 4096, the second partly masked
+t = torch.tensor([0, 4097, 4999])
+logp, lse, mean_z = logprob_kernels.row_stats(z, t, 0.5, True)
+zz = z / 0.5
+torch.testing.assert_close(lse, torch.logsumexp(zz, -1))
+torch.testing.assert_close(logp, zz.log_softmax(-1).gather(1, t[:, None])[:, 0])
+torch.testing.assert_close(mean_z, (zz.softmax(-1) * zz).sum(-1), rtol=1e-4, atol=1e-4)
+g_logp, g_ent = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 0.0, -1.0])
+leaf = zz.clone().requires_grad_(True)
+lp_ref = leaf.log_softmax(-1).gather(1, t[:, None])[:, 0]
+ent_ref = -(leaf.softmax(-1) * leaf.log_softmax(-1)).sum(-1)
+(lp_ref * g_logp + ent_ref * g_ent).sum().backward()
+grad = logprob_kernels.row_grad_(z.clone(), t, lse, mean_z, g_logp, g_ent, 0.5)
+torch.testing.assert_close(grad, leaf.grad / 0.5, rtol=1e-4, atol=1e-5)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch and Triton
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
+def test_triton_kernels_in_the_interpreter_match_torch():
+    """In a fresh process: Triton reads TRITON_INTERPRET once, so in a session that has already imported
+    Triton (phaserl.rollout.kernels does) setting it later has no effect and the kernels cannot run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNELS], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

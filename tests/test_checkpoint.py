@@ -14,6 +14,8 @@ from phaserl.config import load_config, to_dict
 from phaserl.errors import ConfigError
 from phaserl.trainer import RLTrainer
 
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
+
 RUN = ["trainer.total_steps=3", "trainer.save_interval=1", "trainer.keep_checkpoint_num=2",
        "trainer.loggers=[jsonl]", "trainer.val_before_train=false", "actor.entropy_coef=0.01"]
 

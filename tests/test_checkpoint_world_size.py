@@ -4,6 +4,7 @@ torch.distributed.checkpoint does the resharding; these tests check the numbers 
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -11,6 +12,8 @@ from phaserl.checkpoint import Checkpointer, TrainingState, export_checkpoint
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.roles.optim import Optimizer, OptimSettings
 from _multiproc import free_port, start_method
+
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 
 
 def _role():

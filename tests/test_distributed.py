@@ -13,6 +13,8 @@ import pytest
 import torch
 from _multiproc import free_port, start_method
 
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
+
 GRPO = ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1",
         "ref.fsdp.sharding_strategy=NO_SHARD", "actor.gradient_checkpointing=true"]
 PPO = ["algorithm.adv_estimator=gae", "algorithm.kl_placement=reward", "actor.fsdp.sharding_strategy=SHARD_GRAD_OP",

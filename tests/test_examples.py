@@ -7,6 +7,8 @@ import pytest
 
 from phaserl.cli import main
 
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
+
 EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "*.yaml")))
 
 

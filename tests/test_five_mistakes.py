@@ -69,6 +69,7 @@ def test_1_critic_hybrid_engine_in_yaml_stops_the_load_and_fails_the_doctor(tiny
     assert "(classic mistake 1). Delete critic.hybrid_engine" in result.message
 
 
+@pytest.mark.slow
 def test_1_only_the_actor_switches_modes_and_says_so(tiny, caplog):
     trainer = trainer_for(tiny, "algorithm.adv_estimator=gae")  # a critic is trained too
     with caplog.at_level(logging.INFO, logger="phaserl"):
@@ -88,6 +89,7 @@ def test_2_a_response_field_the_rows_do_not_have_is_named(tiny):
         rm.score_rows(rows)
 
 
+@pytest.mark.slow
 def test_2_a_nan_reward_model_stops_at_the_score_phase_naming_the_format(tiny):
     path = make_reward_model_dir(tiny["root"], name="rm_nan", head="nan")
     trainer = trainer_for(tiny, "reward_model.enable=true", f"reward_model.path={path}", "reward.functions=[]",
@@ -116,6 +118,7 @@ def test_2_non_finite_advantages_name_the_reward_models_input_format():
 
 # ---- 3. reference policy left trainable ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_3_a_reference_made_trainable_after_construction_stops_the_next_step(tiny):
     trainer = trainer_for(tiny)
     assert not any(p.requires_grad for p in trainer.ref_policy.model.parameters())  # frozen by construction
@@ -186,6 +189,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, overrides: list) -> 
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_5_node_local_checkpoints_stop_every_rank_naming_ranks_and_hosts(tiny, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -213,6 +217,7 @@ def _nan_in_training(trainer):
     return trainer.actor.model.register_forward_hook(hook)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
 def test_guard_a_non_finite_loss_stops_the_run(tiny):
     trainer = trainer_for(tiny)
@@ -222,6 +227,7 @@ def test_guard_a_non_finite_loss_stops_the_run(tiny):
         trainer.train_step()
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
 def test_guard_on_nonfinite_skip_skips_the_optimizer_step(tiny, caplog):
     trainer = trainer_for(tiny, "trainer.on_nonfinite=skip")
@@ -246,6 +252,7 @@ def test_guard_rewards_constant_for_five_steps_warn_once(caplog):
     assert guard._constant_run == 0
 
 
+@pytest.mark.slow
 def test_guard_constant_rewards_warn_during_a_real_run(tiny, caplog):
     # The untrained tiny policy never answers a digit correctly: tiny_exact gives 0 to every response.
     trainer = trainer_for(tiny)

@@ -20,7 +20,8 @@ def _trainer(root, extra=()) -> RLTrainer:
     return RLTrainer.from_config(load_config(None, make_run_dir(str(root)) + RUN + list(extra)))
 
 
-def test_the_seed_example_and_the_order_of_the_five_events(tmp_path, capsys):
+@pytest.mark.slow
+def test_the_verl_style_example_and_the_order_of_the_five_events(tmp_path, capsys):
     trainer = _trainer(tmp_path)
     seen = []
     for event in EVENTS:
@@ -44,6 +45,7 @@ def test_the_seed_example_and_the_order_of_the_five_events(tmp_path, capsys):
     assert trainer.log_dir == str(tmp_path / "logs")
 
 
+@pytest.mark.slow
 def test_a_raising_hook_stops_the_run_and_keeps_the_checkpoints(tmp_path, caplog):
     trainer = _trainer(tmp_path)
 
@@ -64,6 +66,7 @@ def test_a_raising_hook_stops_the_run_and_keeps_the_checkpoints(tmp_path, caplog
     assert again.step == 2 and os.path.isdir(ckpt / "step_2")
 
 
+@pytest.mark.slow
 def test_a_hook_failing_on_save_leaves_that_checkpoint_complete(tmp_path):
     trainer = _trainer(tmp_path)
     trainer.add_hook("on_save_checkpoint", lambda t: 1 / 0)

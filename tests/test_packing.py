@@ -162,6 +162,7 @@ def _first_step(tmp_path, packing):
             and not k.startswith(("timing_s/", "perf/"))}
 
 
+@pytest.mark.slow
 def test_a_packed_run_logs_the_same_first_step_as_a_padded_one(tmp_path):
     padded = _first_step(tmp_path / "padded", False)
     packed = _first_step(tmp_path / "packed", True)

@@ -2,8 +2,12 @@
 import json
 import logging
 
+import pytest
+
 from phaserl.cli import main
 from phaserl.config import load_config
+
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 
 
 def test_quickstart_raises_the_held_out_score_by_20_points(tmp_path, caplog):

@@ -70,6 +70,7 @@ def test_only_rank_0_writes_logs(tmp_path):
     assert not (tmp_path / "rank1").exists()
 
 
+@pytest.mark.slow
 def test_a_run_writes_jsonl_tensorboard_and_the_report_named_last(tmp_path, caplog):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -19,6 +19,10 @@ import sys
 import threading
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD = '''
 def score(prompt, response, ground_truth, **row):

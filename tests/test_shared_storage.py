@@ -50,6 +50,7 @@ def _ranks(rank: int, world: int, port: int, root: str) -> None:
 
 
 
+@pytest.mark.slow
 def test_node_local_paths_stop_every_rank_before_training(tmp_path):
     root = str(tmp_path)
     mp.start_processes(_ranks, args=(2, free_port(), root), nprocs=2, join=True, start_method=start_method())
@@ -75,6 +76,7 @@ def test_node_local_paths_stop_every_rank_before_training(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_fit_runs_the_check_first_on_several_ranks(tmp_path, monkeypatch):
     from phaserl.config import load_config
     from phaserl.trainer import RLTrainer

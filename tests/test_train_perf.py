@@ -142,6 +142,7 @@ def test_a_varlen_kernel_that_takes_fewer_kv_heads_gets_them_unrepeated(monkeypa
 
 
 # ----- compile and activation checkpointing: the same loss and gradients ----------------------------------
+@pytest.mark.slow
 def test_compiled_layers_and_checkpointing_give_the_same_loss_and_gradients():
     b = _batch(PROMPTS, RESPONSES)
     ref_loss, ref = _loss_and_grads(_model(), b, packing=True, budget=25)

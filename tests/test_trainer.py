@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import logging
+import math
 import os
 
 import pytest
@@ -20,6 +21,7 @@ def _run(tmp_path, *extra):
     return trainer, lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_plus_plus",
                                        "reinforce_plus_plus_baseline", "remax"])
 def test_every_estimator_runs_a_step_and_logs_brief_metrics(tmp_path, estimator):
@@ -34,6 +36,7 @@ def test_every_estimator_runs_a_step_and_logs_brief_metrics(tmp_path, estimator)
     assert trainer.step == 2
 
 
+@pytest.mark.slow
 def test_the_actor_learns_something_it_is_rewarded_for(tmp_path):
     """Rewarded for digits in its answer, GRPO makes a random policy write more digits (the loop really learns)."""
     reward_file = tmp_path / "digits.py"
@@ -47,6 +50,7 @@ def test_the_actor_learns_something_it_is_rewarded_for(tmp_path):
     assert last > first + 0.5, (first, last)
 
 
+@pytest.mark.slow
 def test_kl_in_reward_and_in_loss_both_report_kl(tmp_path):
     _, loss_lines = _run(tmp_path / "loss", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1")
     _, reward_lines = _run(tmp_path / "reward", "algorithm.kl_placement=reward", "algorithm.kl_coef=0.1",
@@ -55,6 +59,7 @@ def test_kl_in_reward_and_in_loss_both_report_kl(tmp_path):
     assert reward_lines[-1]["train/kl_coef"] != 0.1  # the adaptive controller moved
 
 
+@pytest.mark.slow
 def test_only_the_actor_logs_mode_switches(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="phaserl"):
         _run(tmp_path, "algorithm.adv_estimator=gae")
@@ -64,12 +69,24 @@ def test_only_the_actor_logs_mode_switches(tmp_path, caplog):
     assert all(s.startswith("[HybridEngine] Switching actor ") for s in switches)
 
 
-def test_gspo_and_dual_clip_settings_run(tmp_path):
-    _, lines = _run(tmp_path, "actor.policy_loss=gspo", "actor.clip_ratio_low=0.0003", "actor.clip_ratio_high=0.0004",
-                    "actor.loss_agg_mode=seq-mean-token-mean")
-    assert lines[-1]["step"] == 2
+@pytest.mark.slow
+def test_gspo_dual_clip_and_aggregation_settings_reach_the_actors_loss_and_train(tmp_path):
+    """The settings arrive where the loss reads them (the loss math itself: test_algo_policy_loss.py)."""
+    from phaserl.algo import POLICY_LOSSES
+
+    trainer, lines = _run(tmp_path, "actor.policy_loss=gspo", "actor.clip_ratio_low=0.0003",
+                          "actor.clip_ratio_high=0.0004", "actor.dual_clip_c=2.5",
+                          "actor.loss_agg_mode=seq-mean-token-mean")
+    loss = trainer.actor.loss
+    assert loss.loss_fn is POLICY_LOSSES["gspo"] and loss.loss_fn is not POLICY_LOSSES["ppo"]
+    assert (loss.clip_low, loss.clip_high, loss.dual_clip_c, loss.agg_mode) == (0.0003, 0.0004, 2.5,
+                                                                                "seq-mean-token-mean")
+    assert [line["step"] for line in lines if "actor/pg_loss" in line] == [1, 2]
+    assert all(math.isfinite(line["actor/pg_loss"]) and line["train/skipped_step"] == 0.0 for line in lines
+               if "actor/pg_loss" in line)
 
 
+@pytest.mark.slow
 def test_rollout_engine_setting_picks_the_generation_path(tmp_path):
     """rollout.engine: auto uses the builtin engine for our decoder; hf uses plain generate (no engine)."""
     auto, _ = _run(tmp_path / "auto", "trainer.total_steps=1")
@@ -105,6 +122,7 @@ def _one_grpo_step(tmp_path, reuse: bool, *extra):
     return metrics, {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}, len(passes)
 
 
+@pytest.mark.slow
 def test_one_optimizer_step_per_batch_skips_the_old_logprob_pass_with_the_same_update(tmp_path):
     """1 epoch x 1 mini-batch: the update's own detached log-probs are the old ones (ratio 1), as in TRL."""
     kept, kept_weights, kept_passes = _one_grpo_step(tmp_path / "kept", False)
@@ -118,6 +136,7 @@ def test_one_optimizer_step_per_batch_skips_the_old_logprob_pass_with_the_same_u
     assert skipped["actor/ppo_kl"] == 0.0 and skipped["actor/pg_clipfrac"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [("ppo.num_mini_batches=2",), ("ppo.epochs=2",), ("algorithm.kl_placement=reward",)])
 def test_the_old_logprob_pass_runs_when_something_reads_it(tmp_path, extra):
     """Several optimizer steps need the pre-update log-probs; KL in the reward reads them before the update."""
@@ -125,6 +144,7 @@ def test_the_old_logprob_pass_runs_when_something_reads_it(tmp_path, extra):
     assert passes == 1
 
 
+@pytest.mark.slow
 def test_ignore_eos_runs_every_response_to_max_new_tokens(tmp_path):
     torch.manual_seed(0)
     cfg = load_config(None, [  # the tiny world's warm model answers in a few tokens, then EOS

@@ -67,11 +67,13 @@ def check_run(trainer, ref_policy, out, log, tmp_path):
     assert (tmp_path / "tb" / "run1" / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_the_verl_style_snippet_trains_with_our_policy_loader(setup, tmp_path, capsys, caplog):
     policy_model = load_pretrained(load_config(None, setup["overrides"]).model.path)
     check_run(*run_verl_style_snippet(setup, policy_model, tmp_path, capsys, caplog), tmp_path)
 
 
+@pytest.mark.slow
 def test_the_verl_style_snippet_trains_with_a_transformers_policy(setup, tmp_path, capsys, caplog):
     policy_model = AutoModelForCausalLM.from_pretrained(load_config(None, setup["overrides"]).model.path)
     check_run(*run_verl_style_snippet(setup, policy_model, tmp_path, capsys, caplog), tmp_path)
