@@ -1,6 +1,7 @@
 """torch.distributed helpers: rank/world size, and reductions that are no-ops in one process.
 
 One process (no launcher) is the default; under torchrun every rank runs the same program (SPMD).
+    collectives.py     rank_and_world, all_reduce_sum, max_over_ranks, reduce_metrics, gather/reshard
     launch.py          init_distributed / destroy, rank_errors, set_phase (failures name rank and phase)
     fsdp.py            apply_fsdp per role, gather/reshard around the actor's rollout (imported lazily:
                        torch.distributed.fsdp costs seconds to import and one process never needs it)
@@ -9,83 +10,11 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
+from .collectives import (all_reduce_sum, gather_full_params, is_distributed, max_over_ranks, rank_and_world,
+                          reduce_metrics, reshard_params)
 from .launch import RankFailure, current_phase, destroy, init_distributed, rank_errors, set_phase
 from .memory import mark_memory, record_memory, stop_recording
 
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank_and_world() -> tuple[int, int]:
-    if is_distributed():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of `t` over ranks (a copy; `t` itself is left unchanged)."""
-    t = t.detach().clone()
-    if is_distributed():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def max_over_ranks(value: int) -> int:
-    """The largest `value` of any rank (itself in one process): sharded forwards run in lockstep, so a
-    rank with fewer batches than another pads up to this count."""
-    if not is_distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def reduce_metrics(metrics: dict) -> dict:
-    """One metrics dict for the whole run from every rank's own (identical on every rank afterwards).
-
-    Keys ending in `_max` / `_min` take the max / min over ranks, `timing_s/*` the max (the slowest rank
-    sets the pace), everything else the mean over the ranks that have the key (ranks hold equal numbers
-    of responses, so a mean of per-rank response means is the global mean; per-source keys may be
-    missing on some ranks). Values that are already global (identical on every rank) pass unchanged.
-    """
-    if not is_distributed():
-        return dict(metrics)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {k: float(v) for k, v in metrics.items()})
-    out = {}
-    for key in sorted(set().union(*gathered)):
-        values = [g[key] for g in gathered if key in g]
-        if key.endswith("_max") or key.startswith("timing_s/"):
-            out[key] = max(values)
-        elif key.endswith("_min"):
-            out[key] = min(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
-
-
-def gather_full_params(model) -> bool:
-    """FSDP units of `model` gathered (and kept gathered) for rollout; False when `model` is not sharded."""
-    if not is_distributed():
-        return False
-    from .fsdp import gather_full_params as gather
-
-    return gather(model)
-
-
-def reshard_params(model) -> bool:
-    """Back to shards after rollout; False when `model` is not sharded."""
-    if not is_distributed():
-        return False
-    from .fsdp import reshard_params as reshard
-
-    return reshard(model)
-
-
 __all__ = ["is_distributed", "rank_and_world", "all_reduce_sum", "max_over_ranks", "reduce_metrics",
-           "gather_full_params", "reshard_params", "mark_memory", "record_memory", "stop_recording", "init_distributed", "destroy", "rank_errors", "set_phase", "current_phase",
-           "RankFailure"]
+           "gather_full_params", "reshard_params", "mark_memory", "record_memory", "stop_recording", "init_distributed",
+           "destroy", "rank_errors", "set_phase", "current_phase", "RankFailure"]
