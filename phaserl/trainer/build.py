@@ -97,7 +97,8 @@ def complete_roles(cfg: Config, actor: HybridActor, critic: Optional[Critic] = N
                    reward: Union[RewardModelWrapper, RuleRewards, RewardSources, None] = None,
                    tokenizer: Optional["PreTrainedTokenizerBase"] = None) -> Roles:
     """Roles made by hand (the verl-style API), with what they leave out taken from the config: the reward
-    sources when `reward` is None, the tokenizer when neither `tokenizer` nor the actor has one."""
+    sources when `reward` is None, the tokenizer when neither `tokenizer` nor the actor has one (the actor
+    keeps the one chosen)."""
     tokenizer = tokenizer or actor.tokenizer or load_tokenizer(
         resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
     actor.tokenizer = tokenizer
