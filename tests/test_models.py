@@ -248,13 +248,13 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(tmp_path):
 
 
 def test_config_errors_name_the_problem():
-    with pytest.raises(ConfigError, match="model_type='mistral' is not implemented natively"):
-        DecoderConfig.from_hf_dict({"model_type": "mistral"})
+    with pytest.raises(ConfigError, match="model_type='gpt2' is not implemented natively"):
+        DecoderConfig.from_hf_dict({"model_type": "gpt2"})
     with pytest.raises(ConfigError, match="missing key.*intermediate_size"):
         DecoderConfig.from_hf_dict({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
                                     "num_hidden_layers": 1, "num_attention_heads": 2})
-    with pytest.raises(ConfigError, match="sliding-window"):
-        DecoderConfig.from_hf_dict({**tiny_cfg().to_hf_dict(), "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not implemented natively"):
+        DecoderConfig.from_hf_dict({**tiny_cfg().to_hf_dict(), "final_logit_softcapping": 30.0})
     with pytest.raises(ConfigError, match="longrope"):
         tiny_cfg(rope_scaling={"rope_type": "longrope", "factor": 2.0})
 

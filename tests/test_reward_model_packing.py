@@ -20,7 +20,7 @@ from _tiny_tokenizer import build_tiny_tokenizer
 from phaserl.config import load_config
 from phaserl.errors import ConfigError, RewardError
 from phaserl.models import ValueModel
-from phaserl.models import decoder
+from phaserl.models import attention, decoder
 from phaserl.roles import RewardModelWrapper
 from phaserl.roles.reward_scoring import native_support, token_groups
 from phaserl.resolve import build_reward_sources
@@ -222,8 +222,8 @@ def test_varlen_kernel_scores_like_the_padded_path_on_gpu(tmp_path, monkeypatch)
                                               batch_size=8)
     assert decoder.use_varlen(torch.device("cuda"), torch.bfloat16), "torch.nn.attention.varlen unavailable"
     calls = []
-    monkeypatch.setattr(decoder, "_attend", lambda q, k, v, attn: calls.append(type(attn).__name__)
-                        or decoder.attend(q, k, v, attn))
+    monkeypatch.setattr(decoder, "_attend", lambda q, k, v, attn, *rest: calls.append(type(attn).__name__)
+                        or decoder.attend(q, k, v, attn, *rest))
     prompts, responses = PROMPTS * 4, RESPONSES[::-1] * 4  # 32 rows, several micro-batches of 300 tokens
     s_varlen = varlen.score(prompts, responses)
     assert "PackedSeqs" in calls and "Tensor" not in calls  # auto packing took the kernel: no dense mask

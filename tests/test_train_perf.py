@@ -14,7 +14,7 @@ from test_packing import PROMPTS, RESPONSES, _batch
 from phaserl.batching import split_by_tokens
 from phaserl.metrics import FlopModel, device_peak_flops
 from phaserl.models import CausalLM, DecoderConfig
-from phaserl.models import decoder
+from phaserl.models import attention, decoder
 from phaserl.packing import split_packed_by_tokens
 from phaserl.roles import forward
 from phaserl.roles.forward import rows_logprobs, split_rows
@@ -105,8 +105,8 @@ def _reference_varlen(calls):
 
 def test_the_varlen_path_passes_sequence_boundaries_and_matches_the_padded_path(monkeypatch):
     calls = []
-    monkeypatch.setattr(decoder, "_VARLEN", (_reference_varlen(calls), {"window_size": (-1, 0)}, False))
-    monkeypatch.setattr(decoder, "_GQA_PROBED", {})  # this kernel wants equal heads: the probe says no
+    monkeypatch.setattr(attention, "_VARLEN", (_reference_varlen(calls), {"window_size": (-1, 0)}, False))
+    monkeypatch.setattr(attention, "_GQA_PROBED", {})  # this kernel wants equal heads: the probe says no
     monkeypatch.setattr(decoder, "use_varlen", lambda device, dtype: True)
     b = _batch([3, 1, 2], [2, 4, 1])  # real lengths 5, 5, 3
     model = _model()
@@ -114,7 +114,7 @@ def test_the_varlen_path_passes_sequence_boundaries_and_matches_the_padded_path(
                    seq_ids=torch.tensor([[0] * 5 + [1] * 5 + [2] * 3]))
     assert hidden.shape == (1, 13, 32)
     assert calls[0] == ([0, 5, 10, 13], 5)  # one call per layer, boundaries as cumulative lengths
-    assert len(calls) == 2 and decoder._GQA_PROBED == {torch.device("cpu"): False}
+    assert len(calls) == 2 and attention._GQA_PROBED == {torch.device("cpu"): False}
     ref_loss, ref = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=False, budget=25)
     loss, grads = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=True, budget=25)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
@@ -130,12 +130,12 @@ def test_a_varlen_kernel_that_takes_fewer_kv_heads_gets_them_unrepeated(monkeypa
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return _reference_varlen([])(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window_size)
 
-    monkeypatch.setattr(decoder, "_VARLEN", (gqa_varlen, {"window_size": (-1, 0)}, False))
-    monkeypatch.setattr(decoder, "_GQA_PROBED", {})
+    monkeypatch.setattr(attention, "_VARLEN", (gqa_varlen, {"window_size": (-1, 0)}, False))
+    monkeypatch.setattr(attention, "_GQA_PROBED", {})
     monkeypatch.setattr(decoder, "use_varlen", lambda device, dtype: True)
     ref_loss, ref = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=False, budget=25)
     loss, grads = _loss_and_grads(_model(), _batch(PROMPTS, RESPONSES), packing=True, budget=25)
-    assert decoder._GQA_PROBED == {torch.device("cpu"): True}  # the probe's forward + backward agreed
+    assert attention._GQA_PROBED == {torch.device("cpu"): True}  # the probe's forward + backward agreed
     assert heads_seen[-1] == 2  # the model's 2 kv heads went in as they are (4 query heads)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     _assert_grads_close(grads, ref, 1e-5)
@@ -209,8 +209,8 @@ def test_varlen_kernel_matches_the_padded_path_on_gpu(monkeypatch):
     model = _gpu_model(torch.bfloat16)
     assert decoder.use_varlen(torch.device("cuda"), torch.bfloat16), "torch.nn.attention.varlen unavailable"
     calls = []
-    monkeypatch.setattr(decoder, "_attend", lambda q, k, v, attn: calls.append(type(attn).__name__)
-                        or decoder.attend(q, k, v, attn))
+    monkeypatch.setattr(decoder, "_attend", lambda q, k, v, attn, *rest: calls.append(type(attn).__name__)
+                        or decoder.attend(q, k, v, attn, *rest))
     varlen_loss, varlen = _loss_and_grads(model, b, packing=True, budget=300)
     assert "PackedSeqs" in calls and "Tensor" not in calls  # no dense mask was built
     padded_loss, padded = _loss_and_grads(model, b, packing=False, budget=300)

@@ -1,13 +1,13 @@
-"""The Llama / Qwen2 / Qwen3 decoder: one readable implementation for training and rollout.
+"""The native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2): one readable implementation for training.
 
 `CausalLM(cfg)(input_ids, ...)` returns the final-normed hidden states, not logits: callers project to
 the vocabulary in chunks (`model.output_weight`) so that a [B, T, V] tensor never has to exist.
-Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...), so safetensors
-files load by name. Attention is `scaled_dot_product_attention` with an explicit boolean mask (causal
-AND key-is-not-padding), which handles left- and right-padded batches and the KV cache alike.
-Packed sequences (`seq_ids=`, phaserl.packing) run the varlen flash kernel on CUDA in bf16/fp16
-(`torch.nn.attention.varlen`: sequence boundaries as cumulative lengths, no [T, T] mask); elsewhere
-the mask is made block-diagonal (dense, O(T^2) memory: fine on CPU, the reason for the kernel).
+Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, and each family's norm
+names), so safetensors files load by name. The modules here only hold parameters and pick the pieces:
+each layer runs `layers.pre_attention` -> an attention core (attention.py: SDPA with an explicit boolean
+mask, or the varlen kernel for packed rows) -> `layers.post_attention`, the same functions the rollout
+engine runs, so training and rollout compute one thing. Sliding layers get their window in the mask or
+the kernel; Gemma 3's sliding layers get their own RoPE table.
 `enable_compile(model)` runs each decoder layer through `torch.compile` (attention stays eager).
 Not here: loading weights (hf_io.py), sampling (phaserl/rollout), paged caches.
 
@@ -16,7 +16,7 @@ Hq query heads, Hkv key/value heads, V vocab.
 """
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -25,8 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_attention_mask,  # noqa: F401
+                                      packed_boundaries, use_varlen, varlen_takes_windows)
 from phaserl.models.config import DecoderConfig
-from phaserl.models.rope import RotaryEmbedding, apply_rotary
+from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention, rms_norm,
+                                   rope_tables)
+from phaserl.models.rope import RotaryEmbedding
 
 
 @dataclass
@@ -73,169 +77,41 @@ class KVCache:
         self.length += num_tokens
 
 
-@dataclass(frozen=True)
-class PackedSeqs:
-    """Boundaries of packed sequences for the varlen kernel: sequence k is flat tokens [cu[k], cu[k + 1])."""
-    cu_seqlens: torch.Tensor  # [n + 1] int32, over the B * T flattened tokens
-    max_len: int              # longest sequence
-
-
-def packed_boundaries(seq_ids: torch.Tensor) -> PackedSeqs:
-    """seq_ids [B, T] (each sequence a contiguous run of equal ids) -> PackedSeqs over the flattened tokens."""
-    B, T = seq_ids.shape
-    flat = seq_ids.reshape(-1)  # [B*T]
-    starts = torch.ones_like(flat, dtype=torch.bool)
-    starts[1:] = flat[1:] != flat[:-1]
-    starts[::T] = True  # a new row always starts a new sequence
-    cu = torch.cat([starts.nonzero().squeeze(1), torch.tensor([B * T], device=flat.device)]).to(torch.int32)
-    return PackedSeqs(cu_seqlens=cu, max_len=int((cu[1:] - cu[:-1]).max()))  # one host sync per forward
-
-
-def _varlen_kernel():
-    """(varlen_attn, causal kwargs, native GQA) when this torch has a usable varlen flash API, else None.
-
-    torch 2.10 spells causal `is_causal=True`, 2.11+ `window_size=(-1, 0)`; 2.12 added `enable_gqa`.
-    """
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "is_causal" in params:
-        causal = {"is_causal": True}
-    elif "window_size" in params:
-        causal = {"window_size": (-1, 0)}
-    else:
-        return None
-    return varlen_attn, causal, "enable_gqa" in params
-
-
-_VARLEN = _varlen_kernel() if torch.cuda.is_available() else None
-USE_VARLEN = True  # False forces the dense block-diagonal mask on CUDA too (debugging, kernel comparisons)
-
-
-_GQA_PROBED: dict = {}  # device -> whether this torch's varlen kernel takes fewer kv heads as they are
-
-
-def _varlen_takes_gqa(device: torch.device) -> bool:
-    """True when varlen_attn accepts k/v with fewer heads than q (torch 2.12+ says so with enable_gqa;
-    older ones may pass them straight to the flash kernel, which supports it): probed once on tiny
-    tensors, forward and backward against the repeated heads, so a torch that does not is never trusted."""
-    varlen_attn, causal, native_gqa = _VARLEN
-    if native_gqa:
-        return True
-    if device not in _GQA_PROBED:
-        g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(8, h, 64, device=device, dtype=torch.bfloat16, generator=g) for h in (4, 2, 2))
-        cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
-        try:
-            with torch.inference_mode(False), torch.enable_grad():  # the first call may come from a no-grad pass
-                q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-                out = varlen_attn(q, k, v, cu, cu, 5, 5, **causal)
-                grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
-                ref = varlen_attn(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), cu, cu, 5, 5,
-                                  **causal)
-                ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
-            ok = all(torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
-                     for a, b in zip((out, *grads), (ref, *ref_grads)))
-        except Exception:  # noqa: BLE001 - whatever the kernel says about these shapes, the answer is no
-            ok = False
-        _GQA_PROBED[device] = ok
-    return _GQA_PROBED[device]
-
-
-def use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
-    """Packed forwards take the varlen kernel: CUDA, half precision, and a torch that has it."""
-    return USE_VARLEN and _VARLEN is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs]) -> torch.Tensor:
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; `attn` is a boolean mask [B, 1, T, S] or PackedSeqs."""
-    B, T, Hq, D = q.shape
-    groups = Hq // k.shape[2]
-    if isinstance(attn, PackedSeqs):
-        varlen_attn, causal, native_gqa = _VARLEN
-        k, v = k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)  # [B*T, Hkv, D]
-        extra = {}
-        if groups > 1 and native_gqa:
-            extra["enable_gqa"] = True
-        elif groups > 1 and not _varlen_takes_gqa(q.device):
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B*T, Hq, D]
-        out = varlen_attn(q.reshape(B * T, Hq, D), k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_len,
-                          attn.max_len, **causal, **extra)  # [B*T, Hq, D]
-        return out.view(B, T, Hq, D)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T|S, D]
-    if groups > 1:  # grouped-query attention: each kv head serves `groups` consecutive query heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, Hq, S, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn).transpose(1, 2)  # [B, T, Hq, D]
-
-
 _attend = attend  # what layers call; enable_compile swaps in a compile-disabled wrapper (graph break)
 
 
-def build_attention_mask(key_valid: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
-    """Boolean mask [B, 1, T, S], True = may attend: causal by slot index and the key is not padding.
-
-    Query i sits in slot start + i. Every query may also see its own slot: a padding query would
-    otherwise have no visible key, and softmax over nothing is NaN. Padding outputs are garbage
-    by design (finite), and no real token ever sees a padding key.
-    """
-    num_slots = key_valid.shape[1]
-    query_slot = torch.arange(start, start + num_queries, device=key_valid.device)[:, None]  # [T, 1]
-    key_slot = torch.arange(num_slots, device=key_valid.device)[None, :]  # [1, S]
-    causal = key_slot <= query_slot  # [T, S]
-    mask = (causal[None] & key_valid[:, None, :]) | (key_slot == query_slot)[None]  # [B, T, S]
-    return mask[:, None]
-
-
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, with the statistics in float32 (as transformers does)."""
+    """layers.rms_norm with this module's weight; `style` says how the weight meets the rounding."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, style: str = "llama"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.style = eps, style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.style)
 
 
 class Attention(nn.Module):
+    """The attention's parameters (q/k/v/o projections, optional qk-norms); the math is layers.py's."""
+
     def __init__(self, cfg: DecoderConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                            cfg.head_dim)
-        H, D = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=cfg.o_proj_bias)
+        Hq, Hkv, H, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(H, Hq * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(Hq * D, H, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:  # Qwen3: normalize each head of q and k before RoPE
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache]) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, Hq, D]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin, heads_dim=2), apply_rotary(k, cos, sin, heads_dim=2)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D]
-        out = _attend(q, k, v, attn)  # [B, T, Hq, D]
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        if cfg.qk_norm:  # per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+            per_head = cfg.qk_norm_scope == "head"
+            self.q_norm = RMSNorm(D if per_head else Hq * D, cfg.rms_norm_eps, cfg.norm_style)
+            self.k_norm = RMSNorm(D if per_head else Hkv * D, cfg.rms_norm_eps, cfg.norm_style)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """The gated MLP's parameters: down(act(gate(x)) * up(x)), act = silu (SwiGLU) or gelu-tanh (GeGLU)."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -243,18 +119,36 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+# Which transformers norm name plays which role (LayerWeights field), per config.LAYER_NORMS.
+NORM_NAMES = {
+    "pre": {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"},
+    "sandwich": {"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
+                 "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"},
+    "post": {"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"},
+}
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.spec = layer_spec(cfg, layer_idx)
+        self.norm_roles = NORM_NAMES[cfg.layer_norms]
+        for name in self.norm_roles.values():
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style))
         self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend of cache-free calls
+
+    def weights(self) -> LayerWeights:
+        """The layer's parameters for layers.py: projections as modules (so wrappers of them are honoured)."""
+        a, m = self.self_attn, self.mlp
+        norms = {role: getattr(self, name).weight for role, name in self.norm_roles.items()}
+        return LayerWeights(
+            attn_in=norms.get("attn_in"), q=a.q_proj, k=a.k_proj, v=a.v_proj, qkv=None, qkv_bias=None,
+            q_norm=a.q_norm.weight if a.qk_norm else None, k_norm=a.k_norm.weight if a.qk_norm else None,
+            o=a.o_proj, o_bias=None, attn_out=norms.get("attn_out"), mlp_in=norms.get("mlp_in"),
+            gate=m.gate_proj, up=m.up_proj, gate_up=None, down=m.down_proj, mlp_out=norms.get("mlp_out"))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
                 kv_cache: Optional[KVCache] = None) -> torch.Tensor:
@@ -266,9 +160,14 @@ class DecoderLayer(nn.Module):
 
 def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-    """One pre-norm decoder layer: h [B, T, H] -> [B, T, H]."""
-    h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, attn, kv_cache)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D]."""
+    spec, w = layer.spec, layer.weights()
+    q, k, v = pre_attention(h, w, spec, cos, sin)  # [B, T, Hq|Hkv, D]
+    if kv_cache is not None:
+        k, v = kv_cache.update(layer.self_attn.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D]
+    out = _attend(q, k, v, attn, spec.scale)  # [B, T, Hq, D]
+    return post_attention(h, out.flatten(-2), w, spec)
 
 
 _COMPILED_BLOCKS: dict = {}  # backend -> torch.compile(layer_block), made once per process by enable_compile
@@ -304,14 +203,31 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
+        self.config = cfg
         # An explicit weight skips Embedding's own normal_ init (init_weights does it): on the meta device
         # normal_ imports torch._dynamo, seconds of start-up for every model load.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
+        self.build_rotary()
         self.gradient_checkpointing = False
+
+    def build_rotary(self, device=None) -> None:
+        """(Re)make the RoPE tables' frequencies, derived from the config (a meta-built model needs this)."""
+        cfg = self.config
+        self.rotary_emb = RotaryEmbedding(cfg).to(device or "cpu")
+        self.rotary_emb_local = None
+        if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: default RoPE, their own theta
+            local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
+            self.rotary_emb_local = RotaryEmbedding(local).to(device or "cpu")
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[global, local] layers.rope_tables [B, T, D] (local only for models that have one)."""
+        tables = [rope_tables(*self.rotary_emb(position_ids, dtype))]
+        if self.rotary_emb_local is not None:
+            tables.append(rope_tables(*self.rotary_emb_local(position_ids, dtype)))
+        return tables
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -339,26 +255,32 @@ class DecoderModel(nn.Module):
         if position_ids is None:
             before = key_valid[:, :start].sum(-1, keepdim=True)  # [B, 1] real tokens already cached
             position_ids = (before + attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
-        h = self.embed_tokens(input_ids)  # [B, T, H]
-        if seq_ids is not None and no_padding and use_varlen(h.device, h.dtype):
-            attn = boundaries if boundaries is not None else packed_boundaries(seq_ids)  # varlen: no mask at all
+        h = embed(input_ids, self.embed_tokens.weight, self.config.embed_scale)  # [B, T, H]
+        windows = {layer.spec.window for layer in self.layers}
+        if (seq_ids is not None and no_padding and use_varlen(h.device, h.dtype)
+                and (windows == {None} or varlen_takes_windows())):
+            base = boundaries if boundaries is not None else packed_boundaries(seq_ids)  # varlen: no mask at all
+            attn = {w: dataclasses.replace(base, window=w) for w in windows}
         else:
-            attn = build_attention_mask(key_valid, start, T)  # [B, 1, T, S]
+            attn = {w: build_attention_mask(key_valid, start, T, w) for w in windows}  # [B, 1, T, S] each
             if seq_ids is not None:  # block-diagonal: packed sequences never see each other
-                attn = attn & (seq_ids[:, :, None] == seq_ids[:, None, :])[:, None]  # [B, 1, T, T]
-        cos, sin = self.rotary_emb(position_ids, h.dtype)  # [B, T, D]
+                attn = {w: block_diagonal(m, seq_ids) for w, m in attn.items()}
+        rope = self.rope(position_ids, h.dtype)
         for layer in self.layers:
+            cos, sin = rope[layer.spec.local_rope]
+            a = attn[layer.spec.window]
             if self.gradient_checkpointing and self.training and kv_cache is None:
-                h = checkpoint(layer, h, cos, sin, attn, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, a, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, attn, kv_cache)
+                h = layer(h, cos, sin, a, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """Random init for models trained from scratch: normal(0, std) weights, zero biases, unit norms."""
+    """Random init for models trained from scratch: normal(0, std) weights, zero biases, unit norms
+    (a gemma-style norm stores its weight as an offset from 1: zero)."""
     with torch.no_grad():
         for m in module.modules():
             if any(p.is_meta for p in m.parameters(recurse=False)):
@@ -368,7 +290,7 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+                (nn.init.zeros_ if m.style == "gemma" else nn.init.ones_)(m.weight)
 
 
 class DecoderWrapper(nn.Module):
@@ -389,6 +311,8 @@ class DecoderWrapper(nn.Module):
 
 
 class CausalLM(DecoderWrapper):
+    plain_head = True  # logits are exactly hidden @ output_weight.T (the roles' fused log-prob path relies on it)
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.config = cfg

@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from phaserl.errors import ConfigError
-from phaserl.models.config import NATIVE_MODEL_TYPES, DecoderConfig
+from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM
+from phaserl.models.families import FAMILIES, NATIVE_MODEL_TYPES
 from phaserl.models.hf_fallback import HFCausalLM
-from phaserl.models.rope import RotaryEmbedding
 from phaserl.models.value import ValueModel
 
 log = logging.getLogger("phaserl")
@@ -33,8 +33,6 @@ _SINGLE_FILE, _INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # Old checkpoints carry derived rotary tables; they are recomputed from the config, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_CLASSIFIER = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-               "qwen3": "Qwen3ForSequenceClassification"}
 
 PathLike = Union[str, os.PathLike]
 
@@ -101,7 +99,7 @@ def _build_on_meta(cfg: DecoderConfig, factory):
 
 
 def _restore_rotary(module: nn.Module, cfg: DecoderConfig, device) -> None:
-    module.model.rotary_emb = RotaryEmbedding(cfg).to(device)  # its buffer was built on meta
+    module.model.build_rotary(device)  # its buffers were built on meta
 
 
 def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, device="cpu",
@@ -245,6 +243,6 @@ def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
     cfg = model.config
     state = _cpu_state(model, dtype)
     config = cfg.to_hf_dict(_dtype_name(dtype or model.score.weight.dtype))
-    config.update(architectures=[_CLASSIFIER[cfg.model_type]], id2label={"0": "LABEL_0"},
+    config.update(architectures=[FAMILIES[cfg.model_type].classifier], id2label={"0": "LABEL_0"},
                   label2id={"LABEL_0": 0}, num_labels=1)
     return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, cfg, tokenizer))

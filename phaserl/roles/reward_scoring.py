@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import DecoderConfig, ValueModel, load_value_model
-from ..models.config import NATIVE_MODEL_TYPES
+from ..models.families import NATIVE_MODEL_TYPES
 
 ENGINES = ("auto", "phaserl", "transformers")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,0 +1,209 @@
+"""The native families: what each model_type's config.json means in DecoderConfig's terms, and back.
+
+One `Family` per model_type says what transformers assumes for absent keys and which layer layout the
+family has (norm placement and rounding, activation, qk-norm, embedding scale); `read_hf_config` turns a
+config.json dict into a DecoderConfig and `write_hf_config` writes it back so that transformers builds the
+same network. The layer math those fields select lives in `layers.py`, once for all families.
+  llama, qwen2, qwen3   pre-norm SwiGLU (qwen2: q/k/v bias; qwen3: per-head qk-norm); sliding layers as
+                        layer_types (or 4.x use_sliding_window + max_window_layers) say
+  mistral               Llama with a sliding window on every layer (sliding_window: null = full)
+  ministral             Mistral with per-layer layer_types
+  gemma3_text           sandwich norms x * (1 + w), GeGLU, sqrt(H) embedding scale, per-head qk-norm,
+                        query_pre_attn_scalar, local (sliding, own RoPE theta) / global layers
+  olmo2                 norms after attention and MLP only, (w * x) rounding, qk-norm over the projection
+Features a family has in transformers but not here (logit/attention soft-capping, bidirectional attention,
+partial rotary, mlp_bias) are errors, never silently different logits. Not here: weights (hf_io.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from phaserl.errors import ConfigError
+from phaserl.models.config import DecoderConfig, read_rope
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str                 # the transformers *ForCausalLM class
+    classifier: Optional[str]         # the *ForSequenceClassification class (value models)
+    defaults: dict                    # transformers' values for absent optional keys
+    layout: dict = field(default_factory=dict)  # DecoderConfig fields fixed by the family
+
+
+_LLAMA_LIKE = {"rms_norm_eps": 1e-6, "attention_bias": False, "rope_theta": 10000.0, "tie_word_embeddings": False}
+_QWEN_WINDOW = {"max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", "LlamaForSequenceClassification",
+                    {**_LLAMA_LIKE, "max_position_embeddings": 2048}),
+    "qwen2": Family("Qwen2ForCausalLM", "Qwen2ForSequenceClassification",
+                    {**_LLAMA_LIKE, **_QWEN_WINDOW}),
+    "qwen3": Family("Qwen3ForCausalLM", "Qwen3ForSequenceClassification",
+                    {**_LLAMA_LIKE, **_QWEN_WINDOW, "head_dim": 128}, {"qk_norm": True}),
+    "mistral": Family("MistralForCausalLM", "MistralForSequenceClassification",
+                      {**_LLAMA_LIKE, "max_position_embeddings": 4096 * 32, "sliding_window": 4096}),
+    "ministral": Family("MinistralForCausalLM", "MinistralForSequenceClassification",
+                        {**_LLAMA_LIKE, "max_position_embeddings": 4096 * 32, "sliding_window": 4096}),
+    "gemma3_text": Family("Gemma3ForCausalLM", "Gemma3TextForSequenceClassification",
+                          {**_LLAMA_LIKE, "max_position_embeddings": 131072, "head_dim": 256, "rope_theta": 1e6,
+                           "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                           "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh"},
+                          {"qk_norm": True, "layer_norms": "sandwich", "norm_style": "gemma"}),
+    "olmo2": Family("Olmo2ForCausalLM", "Olmo2ForSequenceClassification",
+                    {**_LLAMA_LIKE, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+                    {"qk_norm": True, "qk_norm_scope": "projection", "layer_norms": "post", "norm_style": "olmo2"}),
+}
+NATIVE_MODEL_TYPES = tuple(FAMILIES)
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
+    """DecoderConfig from a config.json dict (see the module docstring for what each family reads)."""
+    model_type = d.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{source}: model_type={model_type!r} is not implemented natively "
+                          f"(supported: {', '.join(FAMILIES)})")
+    missing = [k for k in _REQUIRED_KEYS if k not in d]
+    if missing:
+        raise ConfigError(f"{source}: missing key(s) {missing} needed to build a {model_type} model")
+    family = FAMILIES[model_type]
+
+    def value(key, default=None):  # null in config.json means "transformers' default", like an absent key
+        return family.defaults.get(key, default) if d.get(key) is None else d[key]
+
+    _reject_unsupported(d, source, value)
+    rope_params = d.get("rope_parameters")
+    local_theta = None
+    if model_type == "gemma3_text":
+        rope_params, local_theta = _gemma3_rope(d, source, value)
+    elif isinstance(rope_params, dict) and "full_attention" in rope_params:
+        raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported natively for {model_type}")
+    rope_theta, rope_scaling = read_rope(rope_params, {**d, "rope_theta": value("rope_theta")}, source,
+                                         value("max_position_embeddings"))
+    sliding_window, layer_types = _read_layer_types(model_type, d, value, source)
+    fields = dict(
+        model_type=model_type,
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=value("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=value("head_dim"), max_position_embeddings=value("max_position_embeddings"),
+        rope_theta=float(rope_theta), rope_scaling=rope_scaling, rms_norm_eps=value("rms_norm_eps"),
+        tie_word_embeddings=value("tie_word_embeddings"),
+        # Qwen2's q/k/v bias is fixed by its architecture, not read from config.json.
+        attention_bias=True if model_type == "qwen2" else value("attention_bias"),
+        hidden_act=value("hidden_activation") if model_type == "gemma3_text" else value("hidden_act", "silu"),
+        sliding_window=sliding_window, layer_types=layer_types, local_rope_theta=local_theta,
+        bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
+        **family.layout)
+    if model_type == "gemma3_text":
+        fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"))
+    try:
+        return cls(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Optional[int], Optional[tuple]]:
+    """(sliding_window, layer_types) with layer_types None when every layer attends fully."""
+    n = d["num_hidden_layers"]
+    window = value("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        window = window if d.get("use_sliding_window") else None
+    types = d.get("layer_types")
+    if types is None:
+        if window is None:
+            types = None
+        elif model_type in ("mistral", "ministral"):
+            types = ["sliding_attention"] * n
+        elif model_type == "gemma3_text":
+            pattern = d.get("sliding_window_pattern") or 6
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        else:  # qwen2/qwen3 4.x: the layers from max_window_layers on slide
+            first = value("max_window_layers")
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if types is None or "sliding_attention" not in types:
+        return None, None
+    if window is None:
+        raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
+    return int(window), tuple(types)
+
+
+def _gemma3_rope(d: dict, source: str, value) -> tuple[Optional[dict], float]:
+    """(rope_parameters of the global layers or None for 4.x keys, the local layers' theta)."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: rope_parameters.sliding_attention.rope_type={local['rope_type']!r} is "
+                              "not supported natively (only 'default')")
+        return params["full_attention"], float(local.get("rope_theta", value("rope_local_base_freq")))
+    return None, float(value("rope_local_base_freq"))
+
+
+def _reject_unsupported(d: dict, source: str, value) -> None:
+    """Features of these families that the native decoder does not implement: fail rather than differ."""
+    act_key = "hidden_activation" if d.get("model_type") == "gemma3_text" else "hidden_act"
+    act = value(act_key, "silu")
+    allowed = ("gelu_pytorch_tanh",) if d.get("model_type") == "gemma3_text" else ("silu",)
+    if act not in allowed:
+        raise ConfigError(f"{source}: {act_key}={act!r} is not supported natively (only {allowed})")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ConfigError(f"{source}: {key}={d[key]} is not implemented natively; the transformers path "
+                              "computes it exactly (model.engine: transformers)")
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: use_bidirectional_attention=true is not a causal LM")
+    if d.get("mlp_bias"):
+        raise ConfigError(f"{source}: mlp_bias=true is not supported natively")
+    if d.get("pretraining_tp", 1) not in (1, None):
+        raise ConfigError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported natively")
+    if d.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+        raise ConfigError(f"{source}: partial_rotary_factor={d['partial_rotary_factor']} is not supported natively")
+
+
+def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
+    """A config.json dict from which transformers builds the network `cfg` describes."""
+    t = cfg.model_type
+    d = {
+        "architectures": [FAMILIES[t].architecture],
+        "model_type": t,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else dict(cfg.rope_scaling),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": dtype,   # transformers 4.x
+        "dtype": dtype,         # transformers 5.x
+        "use_cache": True,
+    }
+    sliding = cfg.layer_types is not None
+    if t != "qwen2":
+        d["attention_bias"] = cfg.attention_bias
+    if t == "llama":
+        d["mlp_bias"] = False
+    if t == "gemma3_text":
+        d.update(hidden_activation=cfg.hidden_act, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                 rope_local_base_freq=cfg.local_rope_theta, final_logit_softcapping=None,
+                 attn_logit_softcapping=None)
+    else:
+        d["hidden_act"] = cfg.hidden_act
+    if t in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = sliding
+        d["max_window_layers"] = cfg.num_hidden_layers
+    if t == "mistral" and sliding and set(cfg.layer_types) != {"sliding_attention"}:
+        raise ConfigError("a mistral config slides on every layer or none; use model_type ministral for a mix")
+    d["sliding_window"] = cfg.sliding_window if sliding else None
+    if t != "mistral":
+        d["layer_types"] = list(cfg.layer_types) if sliding else ["full_attention"] * cfg.num_hidden_layers
+    return d

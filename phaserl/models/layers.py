@@ -1,0 +1,149 @@
+"""The layer pieces of every native family, written once: the training decoder and the rollout engine
+both run these functions, so a family added here is right in both (parity by construction).
+
+A layer is `pre_attention` -> an attention core -> `post_attention`. Only the core differs between callers:
+the decoder attends with a mask or the varlen kernel (attention.py), the engine over its slot KV pool
+(rollout/runner.py, rollout/kernels.py). What differs between families is data, not code paths:
+`LayerSpec` (from DecoderConfig: norm placement and rounding, activation, qk-norm, attention scale, window)
+and `LayerWeights` (the layer's tensors; a projection is either a tensor, applied with F.linear, or a module,
+called: the decoder passes its nn.Linear modules so that anything wrapping them, such as adapters, is
+honoured; the engine passes its fused [q; k; v] and [gate; up] copies).
+Not here: attention cores and masks (attention.py), RoPE tables (rope.py), modules and names (decoder.py).
+
+Legend: N any leading token dims ([B, T] or [N]), H hidden, Hq/Hkv heads, D head_dim, I MLP width.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phaserl.models.config import DecoderConfig
+
+Tensor = torch.Tensor
+Linear = Union[Tensor, nn.Module]  # a weight [out, in] (F.linear) or a module called on x
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The constants of one layer's math (hashable: compiled code specializes on it)."""
+    heads: tuple[int, int, int]     # (Hq, Hkv, D)
+    eps: float
+    norm_style: str                 # config.NORM_STYLES
+    qk_norm: str                    # "" | "head" | "projection"
+    act: str                        # config.ACTIVATIONS
+    scale: Optional[float]          # attention scale; None = D ** -0.5
+    window: Optional[int]           # sliding window (keys seen, own included); None = full attention
+    local_rope: bool                # takes the sliding layers' RoPE table (Gemma 3)
+
+
+def layer_spec(cfg: DecoderConfig, layer: int) -> LayerSpec:
+    scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
+    return LayerSpec((cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim), cfg.rms_norm_eps,
+                     cfg.norm_style, cfg.qk_norm_scope if cfg.qk_norm else "", cfg.hidden_act, scale,
+                     cfg.window(layer), cfg.local_rope(layer))
+
+
+class LayerWeights(NamedTuple):
+    """One layer's parameters; None where the family has none. Either q/k/v or qkv is set (gate/up or gate_up)."""
+    attn_in: Optional[Tensor]       # norm before attention (pre, sandwich)
+    q: Optional[Linear]
+    k: Optional[Linear]
+    v: Optional[Linear]
+    qkv: Optional[Tensor]           # [(Hq + 2 Hkv) D, H] fused copy
+    qkv_bias: Optional[Tensor]      # [(Hq + 2 Hkv) D]
+    q_norm: Optional[Tensor]        # [D] per head, or [Hq D] over the projection
+    k_norm: Optional[Tensor]
+    o: Linear
+    o_bias: Optional[Tensor]        # with a tensor `o` only (a module carries its own)
+    attn_out: Optional[Tensor]      # norm of the attention output (sandwich, post)
+    mlp_in: Optional[Tensor]        # norm before the MLP (pre, sandwich)
+    gate: Optional[Linear]
+    up: Optional[Linear]
+    gate_up: Optional[Tensor]       # [2 I, H] fused copy
+    down: Linear
+    mlp_out: Optional[Tensor]       # norm of the MLP output (sandwich, post)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, style: str = "llama") -> Tensor:
+    """Statistics in float32 for every style; they differ in where the weight meets the rounding:
+    llama  weight * norm(x).to(dtype)        olmo2  (weight * norm(x)).to(dtype)
+    gemma  (norm(x) * (1 + weight)).to(dtype), the weight stored as an offset from 1."""
+    x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if style == "llama":
+        return weight * x32.to(x.dtype)
+    if style == "gemma":
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
+    return (weight * x32).to(x.dtype)
+
+
+def embed(ids: Tensor, weight: Tensor, scale: Optional[float]) -> Tensor:
+    """Token embeddings [N, H]; Gemma multiplies them by sqrt(H), rounded to the weight dtype first."""
+    h = F.embedding(ids, weight)
+    return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)
+
+
+def linear(x: Tensor, w: Linear, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """x @ w.T (+ bias) (+ residual); a 2-d residual add rides in the matmul (addmm)."""
+    if isinstance(w, nn.Module):
+        y = w(x)
+        return y if residual is None else residual + y
+    if residual is not None and bias is None and x.dim() == 2:
+        return torch.addmm(residual, x, w.t())
+    y = F.linear(x, w, bias)
+    return y if residual is None else residual + y
+
+
+def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(cos, signed sin) [..., D] so that RoPE is x * cos + roll(x, D/2) * signed_sin (see rotate)."""
+    half = cos.shape[-1] // 2
+    sign = torch.cat([-torch.ones(half, device=sin.device), torch.ones(half, device=sin.device)]).to(sin.dtype)
+    return cos, sin * sign
+
+
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """RoPE on x [..., heads, D] with tables [..., D]: rotate_half(x) * sin == roll(x, D/2) * signed_sin, exactly."""
+    return torch.addcmul(x * cos[..., None, :], x.roll(x.shape[-1] // 2, dims=-1), signed_sin[..., None, :])
+
+
+def pre_attention(h: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor,
+                                                                                                    Tensor]:
+    """h [N, H] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]: input norm, projections, qk-norm, RoPE.
+    cos/sin are rope_tables(...) [N, D]."""
+    Hq, Hkv, D = spec.heads
+    x = h if w.attn_in is None else rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
+    if w.qkv is not None:
+        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [N, heads * D] each
+    else:
+        q, k, v = linear(x, w.q), linear(x, w.k), linear(x, w.v)
+    if spec.qk_norm == "projection":  # OLMo 2: over all heads at once
+        q, k = rms_norm(q, w.q_norm, spec.eps, spec.norm_style), rms_norm(k, w.k_norm, spec.eps, spec.norm_style)
+    q, k, v = q.unflatten(-1, (Hq, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D))
+    if spec.qk_norm == "head":  # Qwen3, Gemma 3: each head on its own
+        q, k = rms_norm(q, w.q_norm, spec.eps, spec.norm_style), rms_norm(k, w.k_norm, spec.eps, spec.norm_style)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def activation(gate: Tensor, act: str) -> Tensor:
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec) -> Tensor:
+    """Residual stream after the attention core: h [N, H], attn [N, Hq * D] -> h [N, H]
+    (o_proj, its output norm, residual, MLP input norm, gated MLP, its output norm, residual)."""
+    if w.attn_out is None:
+        h = linear(attn, w.o, w.o_bias, residual=h)
+    else:
+        h = h + rms_norm(linear(attn, w.o, w.o_bias), w.attn_out, spec.eps, spec.norm_style)
+    x = h if w.mlp_in is None else rms_norm(h, w.mlp_in, spec.eps, spec.norm_style)
+    if w.gate_up is not None:
+        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [N, I] each
+    else:
+        gate, up = linear(x, w.gate), linear(x, w.up)
+    a = activation(gate, spec.act) * up
+    if w.mlp_out is None:
+        return linear(a, w.down, residual=h)
+    return h + rms_norm(linear(a, w.down), w.mlp_out, spec.eps, spec.norm_style)
