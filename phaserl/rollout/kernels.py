@@ -1,7 +1,8 @@
 """Triton kernels for the decode step: attention over each row's used context, and one-pass sampling.
 
-  decode_attention  one query token per row against its slot's cached keys/values [0, pos), plus the
-                    row's own new key/value, which the kernel also writes into the cache at `pos`.
+  decode_attention  one query token per row against its slot's cached keys/values [0, pos) (a sliding
+                    layer's: the window before pos), plus the row's own new key/value, which the
+                    kernel also writes into the cache at `pos`.
                     Reads K/V only up to each row's length (the torch fallback reads the whole slot),
                     online softmax in float32, grouped-query heads share each K/V load.
   sample            per row, one pass over the logits: max and log-sum-exp (online), and a draw from
@@ -35,11 +36,11 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _attend_block(q, k_ptr, v_ptr, cache, start, pos, c_ss, d, d_ok, scale, m, total, acc,
+    def _attend_block(q, k_ptr, v_ptr, cache, start, lo, pos, c_ss, d, d_ok, scale, m, total, acc,
                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Online-softmax update of (m, total, acc) with cached keys [start, start + BLOCK_N) below pos."""
+        """Online-softmax update of (m, total, acc) with cached keys [start, start + BLOCK_N) in [lo, pos)."""
         keys_at = start + tl.arange(0, BLOCK_N)
-        k_ok = keys_at < pos
+        k_ok = (keys_at < pos) & (keys_at >= lo)
         offsets = cache + keys_at[:, None] * c_ss + d[None, :]
         k = tl.load(k_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
@@ -59,7 +60,7 @@ if HAVE_TRITON:
         return m_new, total, acc
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, scale,
+    def _decode_attention_kernel(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, scale, window,
                                  q_sb, q_sh, kn_sb, kn_sh, vn_sb, vn_sh, c_sb, c_sh, c_ss, o_sb, o_sh,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -67,6 +68,7 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         pos = tl.load(pos_ptr + row)  # this row's new token sits at `pos`; keys [0, pos) are cached
+        lo = tl.maximum(pos - window + 1, 0)  # the first key a sliding layer sees (window >= slot_len: 0)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < GROUP, d < HEAD_DIM
@@ -83,13 +85,13 @@ if HAVE_TRITON:
         total = tl.full([BLOCK_G], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_new.to(tl.float32)[None, :]
         if PER_ROW_BOUND:
-            for start in range(0, pos, BLOCK_N):
-                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, start, pos, c_ss, d, d_ok, scale, m, total, acc,
-                                              BLOCK_N, IEEE)
+            for start in range((lo // BLOCK_N) * BLOCK_N, pos, BLOCK_N):
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, start, lo, pos, c_ss, d, d_ok, scale, m, total,
+                                              acc, BLOCK_N, IEEE)
         else:  # the interpreter cannot loop to a loaded bound; masked lanes load nothing either way
             for start in range(0, SLOT_LEN, BLOCK_N):
-                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, start, pos, c_ss, d, d_ok, scale, m, total, acc,
-                                              BLOCK_N, IEEE)
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, start, lo, pos, c_ss, d, d_ok, scale, m, total,
+                                              acc, BLOCK_N, IEEE)
         out = acc / total[:, None]
         tl.store(out_ptr + row * o_sb + heads[:, None] * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])
@@ -145,11 +147,13 @@ def available(device: torch.device) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     pos: torch.Tensor, *, block_n: Optional[int] = None, num_warps: Optional[int] = None,
+                     pos: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None, *,
+                     block_n: Optional[int] = None, num_warps: Optional[int] = None,
                      num_stages: Optional[int] = None) -> torch.Tensor:
     """q [b, Hq, D], the new k/v [b, Hkv, D], cache keys/values [slots >= b, Hkv, S, D], pos [b] -> [b, Hq * D].
 
-    Writes k/v into the cache at (row, :, pos[row]) and attends over cache positions [0, pos] of each row.
+    Writes k/v into the cache at (row, :, pos[row]) and attends over cache positions [0, pos] of each row, or
+    [pos - window + 1, pos] for a sliding layer. scale: of the scores (None: D ** -0.5).
     """
     b, Hq, D = q.shape
     Hkv = keys.shape[1]
@@ -158,7 +162,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     out = torch.empty(b, Hq, D, dtype=q.dtype, device=q.device)
     G = Hq // Hkv
     _decode_attention_kernel[(b, Hkv)](
-        q, k, v, keys, values, pos, out, D ** -0.5,
+        q, k, v, keys, values, pos, out, D ** -0.5 if scale is None else scale,
+        keys.shape[2] + 1 if window is None else int(window),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0), out.stride(1),
         GROUP=G, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),

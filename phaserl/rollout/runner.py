@@ -1,9 +1,13 @@
 """ModelRunner: the rollout engine's forward passes (prefill and decode) over the actor's own weights.
 
-The runner does not call `CausalLM.forward`: it runs the same math (decoder.py) in token-flattened
-form, so that it can write into the slot KV pool and be captured in CUDA graphs. It reads the module's
+The runner does not call `CausalLM.forward`, but it runs the very same layer functions
+(models/layers.py: pre_attention, post_attention, rms_norm, embed, with each layer's LayerSpec) in
+token-flattened form around its own attention core, so that it can write into the slot KV pool and be
+captured in CUDA graphs; a family added to layers.py is therefore right here too. It reads the module's
 norms, o_proj, down_proj and embedding in place, and keeps its own concatenated [q; k; v] and
 [gate; up] weights (one GEMM instead of three and two), refilled from the module at every call.
+Sliding layers attend within their window in prefill (an explicit mask), in the torch decode path and in
+the Triton kernel (which then reads only the window); their slots still hold the whole sequence.
   prefill  the prompts of newly admitted sequences, each distinct prompt once: its KV is written into
            every slot of the sequences that share it, and each sequence draws its own first token.
   decode   one token for every slot in [0, b); b is a bucket size, and on CUDA each (bucket, sampling
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from phaserl.models.decoder import CausalLM
+from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
 from phaserl.rollout import kernels
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
@@ -32,117 +37,59 @@ from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
 Tensor = torch.Tensor
 
 
-class LayerWeights(NamedTuple):
-    """One decoder layer's parameters as the engine uses them (None where the architecture has none).
-
-    qkv = [q; k; v] and gate_up = [gate; up] are engine-owned concatenations (one GEMM each instead of
-    three and two); the norms, o and down are the module's own tensors, read in place. The copies cost
-    (q + k + v + gate + up) parameters once more: 0.47 GB for Qwen2-0.5B, 8.5 GB for Qwen2-7B in bf16;
-    ModelRunner.release() (engine.sleep()) frees them.
-    """
-    in_norm: Tensor
-    qkv: Tensor                   # [(Hq + 2 Hkv) D, H]
-    qkv_bias: Optional[Tensor]    # [(Hq + 2 Hkv) D]
-    q_norm: Optional[Tensor]
-    k_norm: Optional[Tensor]
-    o: Tensor
-    o_bias: Optional[Tensor]
-    post_norm: Tensor
-    gate_up: Tensor               # [2 I, H]
-    down: Tensor
-
-
 def module_tensors(layer) -> list[Tensor]:
     """The layer's parameters the engine reads (their addresses decide when the fused copies are rebuilt)."""
-    a, m = layer.self_attn, layer.mlp
-    return [t for t in (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
-                        a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
-                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
-                        m.down_proj.weight) if t is not None]
+    return [p for p in layer.parameters()]
 
 
 def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeights:
-    """The layer's LayerWeights; with `previous`, its fused buffers are refilled in place (captured graphs
-    keep pointing at them) instead of allocated again."""
-    a, m = layer.self_attn, layer.mlp
+    """The layer's layers.LayerWeights for the engine: [q; k; v] and [gate; up] as engine-owned concatenations
+    (one GEMM each instead of three and two), every other tensor the module's own, read in place. The copies
+    cost (q + k + v + gate + up) parameters once more: 0.47 GB for Qwen2-0.5B, 8.5 GB for Qwen2-7B in bf16;
+    ModelRunner.release() (engine.sleep()) frees them. With `previous`, the fused buffers are refilled in
+    place (captured graphs keep pointing at them) instead of allocated again."""
+    m = layer.weights()  # projections as modules
 
     def cat(parts: list[Tensor], into: Optional[Tensor]) -> Tensor:
         return torch.cat(parts) if into is None else torch.cat(parts, out=into)
 
     qkv_bias = None
-    if a.q_proj.bias is not None:
-        qkv_bias = cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], previous and previous.qkv_bias)
-    return LayerWeights(layer.input_layernorm.weight,
-                        cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], previous and previous.qkv),
-                        qkv_bias, a.q_norm.weight if a.qk_norm else None, a.k_norm.weight if a.qk_norm else None,
-                        a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
-                        cat([m.gate_proj.weight, m.up_proj.weight], previous and previous.gate_up),
-                        m.down_proj.weight)
+    if m.q.bias is not None:
+        qkv_bias = cat([m.q.bias, m.k.bias, m.v.bias], previous and previous.qkv_bias)
+    return m._replace(q=None, k=None, v=None, qkv=cat([m.q.weight, m.k.weight, m.v.weight], previous and previous.qkv),
+                      qkv_bias=qkv_bias, o=m.o.weight, o_bias=m.o.bias, gate=None, up=None,
+                      gate_up=cat([m.gate.weight, m.up.weight], previous and previous.gate_up), down=m.down.weight)
 
 
-# ----- the per-layer math: pure functions of tensors, the same as decoder.py -------------------------
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """decoder.RMSNorm: statistics in float32, rounded to x's dtype, then times the weight."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """(cos, signed sin) [S, D] so that RoPE is x * cos + roll(x, D/2) * signed_sin (see rotate)."""
-    half = cos.shape[-1] // 2
-    return cos, sin * torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
-
-
-def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """RoPE on x [N, heads, D] with tables [N, D]: rotate_half(x) * sin == roll(x, D/2) * signed_sin, exactly."""
-    return torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), signed_sin[:, None])
-
-
-def pre_attention(h: Tensor, w: LayerWeights, cos: Tensor, sin: Tensor, eps: float,
-                  heads: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor]:
-    """h [N, H] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], RoPE applied to q and k."""
-    Hq, Hkv, D = heads
-    x = rms_norm(h, w.in_norm, eps)
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [N, heads * D] each
-    q, k, v = q.unflatten(-1, (Hq, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D))
-    if w.q_norm is not None:  # Qwen3
-        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
-
-
-def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, eps: float) -> Tensor:
-    """Residual + o_proj, then SwiGLU: h [N, H], attn [N, Hq * D] -> h [N, H]; residual adds ride in addmm."""
-    if w.o_bias is None:
-        h = torch.addmm(h, attn, w.o.t())
-    else:
-        h = h + F.linear(attn, w.o, w.o_bias)
-    gate, up = F.linear(rms_norm(h, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)  # [N, I] each
-    return torch.addmm(h, F.silu(gate) * up, w.down.t())
-
-
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor) -> Tensor:
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: Optional[float] = None) -> Tensor:
     """One query per row over its slot: q [b, Hq, D], keys/values [b, Hkv, S, D] -> [b, Hq * D].
 
-    hidden [b, S] is True at positions the row must not see (after its own). Grouped-query heads are
-    folded into the matmul (q viewed as [b, Hkv, Hq/Hkv, D]), so each key/value byte is read once.
-    The softmax runs in float32 inside the kernel whatever the dtype of the scores.
+    hidden [b, S] is True at positions the row must not see (after its own, or before its window). Grouped-query
+    heads are folded into the matmul (q viewed as [b, Hkv, Hq/Hkv, D]), so each key/value byte is read once.
+    The softmax runs in float32 inside the kernel whatever the dtype of the scores. scale: None = D ** -0.5.
     """
     b, Hq, D = q.shape
-    qg = (q * D ** -0.5).view(b, keys.shape[1], Hq // keys.shape[1], D)
+    qg = (q * (D ** -0.5 if scale is None else scale)).view(b, keys.shape[1], Hq // keys.shape[1], D)
     scores = torch.matmul(qg, keys.transpose(-1, -2))  # [b, Hkv, G, S]
     probs = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(dim=-1)
     return torch.matmul(probs, values).reshape(b, Hq * D)  # [b, Hkv, G, D] -> [b, Hq * D]
 
 
-def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, pos: Tensor,
+                     scale: Optional[float] = None, window: Optional[int] = None) -> Tensor:
     """Write the new k/v [b, Hkv, D] at each row's position pos [b], then attend: -> [b, Hq * D].
 
-    The pure-torch twin of kernels.decode_attention (the CPU path): it reads the whole slot, masked.
+    The pure-torch twin of kernels.decode_attention (the CPU path): it reads the whole slot, masked; a sliding
+    layer sees the `window` positions up to its own.
     """
     b = q.shape[0]
     keys[torch.arange(b, device=q.device), :, pos] = k
     values[torch.arange(b, device=q.device), :, pos] = v
-    hidden = torch.arange(keys.shape[2], device=q.device) > pos[:, None]  # [b, S] after each row's position
-    return decode_attention(q, keys[:b], values[:b], hidden)
+    slot = torch.arange(keys.shape[2], device=q.device)
+    hidden = slot > pos[:, None]  # [b, S] after each row's position
+    if window is not None:
+        hidden = hidden | (slot <= pos[:, None] - window)
+    return decode_attention(q, keys[:b], values[:b], hidden, scale)
 
 
 def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, temperature: float, top_k: int,
@@ -167,10 +114,10 @@ def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, tempera
 
 
 class LayerFns(NamedTuple):
-    pre: callable
-    post: callable
-    norm: callable
-    attend: callable    # (q, k, v, keys, values, pos) -> [b, Hq * D], writes k/v into the cache
+    pre: callable       # layers.pre_attention
+    post: callable      # layers.post_attention
+    norm: callable      # layers.rms_norm
+    attend: callable    # (q, k, v, keys, values, pos, scale, window) -> [b, Hq * D], writes k/v into the cache
     sample: callable    # sample_tokens (every setting; needs noise)
     fast_sample: Optional[callable]  # kernels.sample (no top-k/top-p): one pass, in-kernel noise
 
@@ -196,6 +143,15 @@ def layer_fns(device: torch.device, compile: bool) -> LayerFns:
     return fns
 
 
+def prefill_mask(P: int, window: Optional[int], device: torch.device) -> Optional[Tensor]:
+    """[P, P] causal mask within `window` for a sliding layer's prefill (right padding stays harmless);
+    None for full layers (SDPA's is_causal)."""
+    if window is None:
+        return None
+    i = torch.arange(P, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
 def decode_buckets(num_slots: int) -> list[int]:
     """Batch sizes that get a graph: powers of two from 2 up to 64, then every 64, then num_slots itself.
 
@@ -213,6 +169,8 @@ class ModelRunner:
         self.fns = layer_fns(self.device, compile)
         self.prefill_tokens = prefill_tokens
         self.heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        self.specs = [layer.spec for layer in model.model.layers]  # layers.LayerSpec: the same as training's
+        self.final_norm = (self.cfg.rms_norm_eps, self.cfg.norm_style)
         self.layout: Optional[tuple[int, int, int]] = None  # (num_slots, slot_len, max_new)
         self.graphs: dict = {}
         self.graph_pool = None
@@ -245,8 +203,8 @@ class ModelRunner:
             self.keys, self.values = self.pool.layout(grown[0], grown[1])
             self.state = SlotState(grown[0], grown[2], self.device)
             self.positions = torch.arange(grown[1], device=self.device)  # [S]
-            cos, sin = self.model.model.rotary_emb(self.positions[None], self.model.output_weight.dtype)
-            self.cos, self.sin = rope_tables(cos[0], sin[0])  # [S, D]
+            tables = self.model.model.rope(self.positions[None], self.model.output_weight.dtype)
+            self.rope = [(cos[0], sin[0]) for cos, sin in tables]  # [global, local] layers.rope_tables [S, D]
         # Refilled every call: training updates the parameters in place, at the same addresses.
         previous = self.weights or [None] * len(layers)
         self.weights = [fused_weights(layer, old) for layer, old in zip(layers, previous)]
@@ -284,17 +242,20 @@ class ModelRunner:
                 torch.tensor([s for _, slots, _ in groups for s in slots]),
                 torch.tensor([c for _, _, caps in groups for c in caps])]
         ids, lengths, group_of, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
-        cos, sin = self.cos[:P].repeat(U, 1), self.sin[:P].repeat(U, 1)  # [U * P, D]
-        h = F.embedding(ids.view(-1), self.model.model.embed_tokens.weight)  # [U * P, H]
-        for keys, values, w in zip(self.keys, self.values, self.weights):
-            q, k, v = self.fns.pre(h, w, cos, sin, self.cfg.rms_norm_eps, self.heads)
+        rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, D] each
+        h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
+        masks = {spec.window: prefill_mask(P, spec.window, self.device) for spec in self.specs}
+        for keys, values, w, spec in zip(self.keys, self.values, self.weights, self.specs):
+            q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             k, v = k.view(U, P, Hkv, D).transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # [U, Hkv, P, D]
             keys[slots, :, :P], values[slots, :, :P] = k[group_of], v[group_of]  # shared prompt KV -> every slot
-            attn = F.scaled_dot_product_attention(q.view(U, P, Hq, D).transpose(1, 2), k, v, is_causal=True,
+            mask = masks[spec.window]
+            attn = F.scaled_dot_product_attention(q.view(U, P, Hq, D).transpose(1, 2), k, v, attn_mask=mask,
+                                                  is_causal=mask is None, scale=spec.scale,
                                                   enable_gqa=True)  # [U, Hq, P, D]
-            h = self.fns.post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, self.cfg.rms_norm_eps)
+            h = self.fns.post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec)
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
-        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, self.cfg.rms_norm_eps)
+        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm)
                                         [group_of])  # one draw per sequence, from its prompt's distribution
         self.state.start(slots, tokens, logprobs, lengths[group_of], caps)
 
@@ -310,14 +271,14 @@ class ModelRunner:
         return self.fns.sample(logits, noise, *self.sampling)
 
     def _decode_step(self, b: int) -> None:
-        st, eps = self.state, self.cfg.rms_norm_eps
+        st = self.state
         tokens, pos = st.tokens[:b], st.pos[:b]
-        cos, sin = self.cos[pos], self.sin[pos]  # [b, D]
-        h = F.embedding(tokens, self.model.model.embed_tokens.weight)  # [b, H]
-        for keys, values, w in zip(self.keys, self.values, self.weights):
-            q, k, v = self.fns.pre(h, w, cos, sin, eps, self.heads)
-            h = self.fns.post(h, self.fns.attend(q, k, v, keys, values, pos), w, eps)
-        st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, eps)))
+        rope = [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
+        h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
+        for keys, values, w, spec in zip(self.keys, self.values, self.weights, self.specs):
+            q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
+            h = self.fns.post(h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window), w, spec)
+        st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, *self.final_norm)))
 
     def decode(self, b: int) -> None:
         """One step for slots [0, b): b must come from bucket_for()."""

@@ -1,0 +1,174 @@
+"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 text, OLMo 2), each against transformers'
+own class: fp32 logits both ways through Hugging Face directories, packed == padded, the engine's greedy
+decode == the uncached loop, and sliding windows honoured by every attention core (mask, engine torch path,
+Triton decode kernel)."""
+import pytest
+import torch
+import transformers
+
+from phaserl.models import CausalLM, load_pretrained, save_pretrained
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
+from phaserl.rollout.runner import cached_attention
+
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+ALTERNATE = ["sliding_attention", "full_attention"] * 2
+
+
+def family_configs():
+    """(name, transformers config): each family with its distinguishing features switched on (window 3)."""
+    gemma_rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+    return [
+        ("mistral-sliding", transformers.MistralConfig(**TINY, sliding_window=3)),
+        ("ministral-mixed", transformers.MinistralConfig(**TINY, head_dim=8, sliding_window=3, layer_types=ALTERNATE)),
+        ("gemma3-local-global", transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=3,
+                                                              query_pre_attn_scalar=24, layer_types=ALTERNATE,
+                                                              rope_parameters=gemma_rope)),
+        ("olmo2-postnorm", transformers.Olmo2Config(**TINY)),
+        ("qwen2-sliding-layers", transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=3,
+                                                          max_window_layers=2)),
+    ]
+
+
+IDS = [n for n, _ in family_configs()]
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights far from init so that a misplaced norm, scale or window changes the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
+    return module.eval()
+
+
+def left_padded_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (3, 9), generator=g)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.fixture(scope="module", params=family_configs(), ids=IDS)
+def pair(request, tmp_path_factory):
+    """(transformers model, ours loaded from its directory, the directory)."""
+    name, hf_config = request.param
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(hf_config))
+    directory = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(directory)
+    ours = load_pretrained(directory)
+    assert isinstance(ours, CausalLM), f"{name} should load natively"
+    return hf, ours, directory
+
+
+def test_logits_equal_transformers_in_float32(pair):
+    hf, ours, _ = pair
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = ours.logits(ours(ids, attention_mask=mask))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_the_sliding_window_is_what_makes_them_equal(pair):
+    # The parity above must be able to fail: the same weights with full attention everywhere differ.
+    hf, ours, _ = pair
+    if ours.config.layer_types is None:
+        pytest.skip("no sliding layers in this family's test config")
+    full = CausalLM(ours.config.replace(layer_types=None, sliding_window=None))
+    full.load_state_dict(ours.state_dict())
+    ids, mask, _ = left_padded_batch()
+    with torch.no_grad():
+        a, b = ours.logits(ours(ids, attention_mask=mask)), full.logits(full(ids, attention_mask=mask))
+    assert (a - b)[mask.bool()].abs().max() > 1e-3
+
+
+def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+    hf, ours, _ = pair
+    save_pretrained(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)
+
+
+def test_packed_rows_equal_padded_rows(pair):
+    _, ours, _ = pair
+    ids, mask, _ = left_padded_batch()
+    lengths = mask.sum(-1).tolist()
+    rows = [ids[i, mask[i].bool()] for i in range(3)]
+    packed = torch.cat(rows)[None]  # [1, N]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        padded = ours(ids, attention_mask=mask)[mask.bool()]  # [N, H]
+        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
+    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+
+
+def greedy_reference(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            seq.append(int(model.logits(model(torch.tensor([seq], device=model.output_weight.device)))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
+
+
+def test_engine_greedy_equals_the_uncached_loop(pair):
+    # Prompts longer than the window and 8 new tokens: prefill and decode both cross it.
+    _, ours, _ = pair
+    engine = RolloutEngine(ours, EngineConfig())
+    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert result.response_ids == [greedy_reference(ours, p, 8) for p in PROMPTS]
+
+
+def kernel_device() -> str:
+    if not kernels.available(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("needs Triton on CUDA (or TRITON_INTERPRET=1 with Triton installed)")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 70])
+def test_triton_decode_attention_honours_the_window_and_scale(window):
+    device = kernel_device()
+    g = torch.Generator().manual_seed(0)
+    Hq, Hkv, D, slots, S = 4, 2, 16, 6, 200
+    keys, values = (torch.randn(slots, Hkv, S, D, generator=g).to(device) for _ in range(2))
+    q = torch.randn(5, Hq, D, generator=g).to(device)
+    k, v = (torch.randn(5, Hkv, D, generator=g).to(device) for _ in range(2))
+    pos = torch.tensor([0, 4, 63, 64, 199], device=device)  # inside, at and across the window and block edges
+    ref_keys, ref_values = keys.clone(), values.clone()
+    out = kernels.decode_attention(q, k, v, keys, values, pos, 0.3, window)
+    expected = cached_attention(q, k, v, ref_keys, ref_values, pos, 0.3, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    if window is not None and window < 64:
+        full = cached_attention(q, k, v, ref_keys.clone(), ref_values.clone(), pos, 0.3, None)
+        assert (full - expected)[2:].abs().max() > 1e-3  # the window changed the answer where it cuts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_greedy_with_cuda_graphs_and_triton_equals_the_uncached_loop(pair, compile):
+    _, ours, _ = pair
+    model = CausalLM(ours.config).cuda()
+    model.load_state_dict(ours.state_dict())
+    model.eval()
+    prompts = PROMPTS * 5  # 20 sequences through 8 slots: refill, several buckets
+    engine = RolloutEngine(model, EngineConfig(max_slots=8, compile=compile, token_budget=4096))
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert engine.last_stats["graphs"] > 1
+    reference = {tuple(p): greedy_reference(model, p, 8) for p in PROMPTS}
+    assert result.response_ids == [reference[tuple(p)] for p in prompts]
