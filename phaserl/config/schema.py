@@ -28,6 +28,11 @@ class ModelConfig:
     tokenizer_path: Optional[str] = spec(None, "tokenizer directory; null means model.path")
     dtype: str = spec("float32", "parameter dtype for training", choices=["float32", "bfloat16", "float16"])
     trust_remote_code: bool = spec(False, "allow code from the model directory (off unless you turn it on)")
+    implementation: str = spec("auto", "auto: phaserl's decoder for the native families (docs/models.md), transformers "
+                               "for the rest; native; transformers (exact, slow)",
+                               choices=["auto", "native", "transformers"])
+    allow_random_init: bool = spec(False, "start tensors missing from the model directory from random init "
+                                   "(otherwise an error that lists them)")
 
 
 @dataclass

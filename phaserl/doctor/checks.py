@@ -233,7 +233,8 @@ def check_model(ctx: Context) -> CheckResult:
     m = ctx.cfg.model
     model_dir, t0 = resolve_model_path(m.path), time.perf_counter()
     ctx.policy = load_pretrained(model_dir, dtype=DTYPES[m.dtype], device=ctx.device,
-                                 trust_remote_code=m.trust_remote_code)
+                                 trust_remote_code=m.trust_remote_code, implementation=m.implementation,
+                                 allow_random_init=m.allow_random_init)
     seconds = time.perf_counter() - t0
     ctx.tokenizer = load_tokenizer(resolve_model_path(m.tokenizer_path or m.path),
                                    trust_remote_code=m.trust_remote_code)

@@ -57,15 +57,44 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
-        """Read the shape of a loaded model (ours, a transformers model, or a wrapper with `.config`)."""
+        """Read the shape of a loaded model (ours, any transformers causal LM, or a wrapper with `.config`).
+
+        Parameters are counted from the model; the rest comes from whichever config spelling exists
+        (Llama's `intermediate_size`, GPT-2's `n_layer`/`n_embd`/`n_inner`, T5-style `d_model`/`d_ff`, a
+        multimodal model's text config). A gated-MLP width that no field gives is taken as 4 × hidden (GPT-2's
+        rule). Raises UnknownShape, naming the missing field, when the estimate cannot be made."""
         c = model.config
-        heads = c.num_attention_heads
-        first = next(model.parameters())
-        return cls(num_params=sum(p.numel() for p in model.parameters()), num_layers=c.num_hidden_layers,
-                   hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                   num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                   vocab_size=c.vocab_size, param_bytes=first.element_size())
+        c = c.get_text_config() if hasattr(c, "get_text_config") else c
+        first = next(model.parameters(), None)
+        if first is None:
+            raise UnknownShape("the model has no parameters")
+        hidden = _field(c, "hidden_size", "n_embd", "d_model")
+        heads = _field(c, "num_attention_heads", "n_head", "num_heads")
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        output = model.output_weight if hasattr(model, "output_weight") else None
+        vocab = getattr(c, "vocab_size", None) or (output.shape[0] if output is not None else None)
+        if vocab is None:
+            raise UnknownShape(f"{type(c).__name__} has no vocab_size")
+        return cls(num_params=sum(p.numel() for p in model.parameters()),
+                   num_layers=_field(c, "num_hidden_layers", "n_layer", "num_layers"), hidden_size=hidden,
+                   intermediate_size=_optional_field(c, "intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden,
+                   num_kv_heads=_optional_field(c, "num_key_value_heads", "n_kv_heads", "num_kv_heads") or heads,
+                   head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size())
+
+
+class UnknownShape(ValueError):
+    """The model's config lacks a field the memory estimate needs (the message names it)."""
+
+
+def _optional_field(config, *names: str):
+    return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+
+
+def _field(config, *names: str) -> int:
+    found = _optional_field(config, *names)
+    if found is None:
+        raise UnknownShape(f"{type(config).__name__} has none of {', '.join(names)}")
+    return found
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from ..resolve import DTYPES, build_reward_sources, resolve_data_files, resolve_
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
 from .checks import Context, check, roles_enabled, short
-from .memory import (ModelShape, PhaseSizes, RoleMemory, ceil_div, fmt_bytes, judge, kv_cache_bytes_per_sequence,
-                     role_memory, suggest_sizes)
+from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, fmt_bytes, judge,
+                     kv_cache_bytes_per_sequence, role_memory, suggest_sizes)
 from .report import FAIL, OK, WARN, CheckResult
 
 PROBE_ROWS = 4  # real training rows the reward model and the rule functions are tried on
@@ -114,7 +114,11 @@ def check_reward_model(ctx: Context) -> CheckResult:
     except RewardError as exc:
         return CheckResult("reward model", FAIL, str(exc), fix="in the config: reward_model.path / tokenizer_path "
                            "(the RM's own directory), reward_model.chat_template or apply_chat_template=false")
-    ctx.rm_shape, ctx.rm_engine = ModelShape.of(wrapper.model), wrapper.engine
+    try:
+        ctx.rm_shape = ModelShape.of(wrapper.model)
+    except UnknownShape:  # the memory check then leaves the reward model out
+        ctx.rm_shape = None
+    ctx.rm_engine = wrapper.engine
     ctx.rm_packed = _rm_packs(ctx.cfg, wrapper, ctx.world_size)
     rows = ctx.train_rows[:PROBE_ROWS]
     prompts, responses = probe_batch(rows, rc.response_key)
@@ -202,7 +206,7 @@ def check_reference(ctx: Context) -> CheckResult:
     path = cfg.ref.path or cfg.model.path
     model = ctx.policy if path == cfg.model.path else load_pretrained(
         resolve_model_path(path), dtype=DTYPES[cfg.model.dtype], device=ctx.device,
-        trust_remote_code=cfg.model.trust_remote_code)
+        trust_remote_code=cfg.model.trust_remote_code, implementation=cfg.model.implementation)
     ref = ReferencePolicy(model, fsdp_config=cfg.ref.fsdp)  # the doctor never trains: freezing the policy is fine
     vocab, policy_vocab = ref.model.output_weight.shape[0], ctx.policy.output_weight.shape[0]
     if vocab != policy_vocab:
@@ -231,7 +235,12 @@ def phase_sizes(ctx: Context) -> PhaseSizes:
 @check("memory", needs=("policy", "free_bytes"))
 def check_memory(ctx: Context) -> CheckResult:
     """Classic mistake 4: estimate each phase's memory and suggest the sizes that fit this machine."""
-    cfg, shape, sizes = ctx.cfg, ModelShape.of(ctx.policy), phase_sizes(ctx)
+    try:
+        shape = ModelShape.of(ctx.policy)
+    except UnknownShape as exc:
+        return CheckResult("memory", WARN, f"memory estimate unknown: {exc}; the sizes are not checked against "
+                                           "this machine", fix="watch the first steps' peak memory (metrics.jsonl)")
+    cfg, sizes = ctx.cfg, phase_sizes(ctx)
     critic_on, ref_on = roles_enabled(cfg)
 
     def state(fsdp, trainable: bool) -> RoleMemory:

@@ -1,13 +1,19 @@
-"""HFCausalLM: any transformers causal LM behind CausalLM's interface (the slow path).
+"""HFCausalLM: any transformers causal LM behind CausalLM's interface (the slow path), computing exactly
+what the model's own forward computes.
 
-Used by `load_pretrained` for architectures the native decoder does not implement. It offers the same
-`forward(...) -> hidden`, `output_weight`, `logits` and `gradient_checkpointing` as CausalLM, so the
-trainer's log-prob code does not care which one it holds. It has no KVCache: `generate` recomputes the
-full forward every step for it. Logits are `hidden @ output_weight.T (+ bias)`; architectures that
-post-process logits (soft-capping, logit scaling) are flagged with a warning because their log-probs
-would differ from transformers' own.
+Used by `load_pretrained` for architectures the native decoder does not implement (or when
+model.implementation = transformers). It offers the same `forward(...) -> hidden`, `output_weight`, `logits`
+and `gradient_checkpointing` as CausalLM, so the trainer's code does not care which one it holds. It has no
+KVCache: `generate` recomputes the full forward every step for it.
+Logits: `logits(hidden)` applies the architecture's own head, the projection (+ bias) and whatever
+transformers does after it that this module knows (final-logit soft-capping of Gemma 2/3/4, Cohere's
+logit_scale, Granite's logits_scaling). `verify_head()` (run at construction) compares that with the
+model's own `forward().logits` on a few tokens and raises if they differ, so an architecture with a step
+we do not know fails loudly instead of training on wrong log-probs. `plain_head` is False when the head is
+more than a projection: the roles then score tokens through `token_logprobs` (chunked, exact) instead of
+the fused projection kernels.
 
-Legend: B batch, T tokens, H hidden, V vocab.
+Legend: B batch, T tokens, H hidden, V vocab, N scored tokens.
 """
 from __future__ import annotations
 
@@ -17,22 +23,32 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from phaserl.errors import ConfigError
 
 log = logging.getLogger("phaserl")
 
-# config attributes that mean "the logits are not a plain projection of the last hidden state"
-_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_PROBE_TOKENS = 6
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class HFCausalLM(nn.Module):
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, *, verify: bool = True):
         super().__init__()
         self.hf_model = hf_model
         self.config = hf_model.config
-        present = [a for a in _LOGIT_POSTPROCESSING if getattr(self.config, a, None) not in (None, 1, 1.0)]
-        if present:
-            log.warning("model_type %s post-processes its logits (%s); phaserl's logits skip that step, so "
-                        "log-probs differ from transformers' own", self.config.model_type, ", ".join(present))
+        text = _text_config(self.config)
+        self.softcap = getattr(text, "final_logit_softcapping", None)       # Gemma 2/3/4: cap * tanh(z / cap)
+        self.logit_scale = getattr(text, "logit_scale", None)               # Cohere: z * scale
+        self.logits_scaling = getattr(text, "logits_scaling", None)         # Granite: z / scaling
+        self.plain_head = self.softcap is None and self.logit_scale in (None, 1, 1.0) \
+            and self.logits_scaling in (None, 1, 1.0)
+        if verify:
+            self.verify_head()
 
     @property
     def _head(self) -> nn.Module:
@@ -44,8 +60,58 @@ class HFCausalLM(nn.Module):
         return self._head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V]."""
-        return F.linear(hidden, self.output_weight, getattr(self._head, "bias", None))
+        """hidden [..., H] -> logits [..., V], as the model's own forward computes them."""
+        z = F.linear(hidden, self.output_weight, getattr(self._head, "bias", None))
+        if self.logit_scale not in (None, 1, 1.0):
+            z = z * self.logit_scale
+        if self.logits_scaling not in (None, 1, 1.0):
+            z = z / self.logits_scaling
+        if self.softcap is not None:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z
+
+    @torch.no_grad()
+    def verify_head(self) -> None:
+        """Raise ConfigError when log_softmax(logits(forward hidden)) is not the model's own forward().logits'."""
+        first = next(self.hf_model.parameters(), None)
+        if first is None or first.is_meta:
+            return  # nothing to run yet (built on meta, or sharded before its weights arrived)
+        vocab = self.output_weight.shape[0]
+        ids = (torch.arange(_PROBE_TOKENS, device=first.device) * 7919 % vocab)[None]  # [1, T] fixed tokens
+        was_training = self.hf_model.training
+        self.hf_model.eval()
+        try:
+            expected = self.hf_model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+            got = self.logits(self(ids)).float().log_softmax(-1)
+        finally:
+            self.hf_model.train(was_training)
+        tol = 1e-4 if first.dtype == torch.float32 else 2e-2
+        diff = (got - expected).abs().max().item()
+        if not diff <= tol:
+            raise ConfigError(f"model_type {self.config.model_type!r}: transformers' forward post-processes its "
+                              f"logits in a way phaserl's transformers path does not reproduce (log-probs differ by "
+                              f"{diff:.3g} on a probe); training on them would be wrong. Please report the "
+                              "architecture")
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                       with_entropy: bool = False, chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """log softmax(logits(hidden) / temperature)[target]: hidden [N, H], targets [N] -> [N] float32 (and
+        entropies [N]); chunked, each chunk recomputed in backward, so [N, V] never exists at once."""
+        def chunk(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            z = self.logits(h).float() / temperature  # [n, V]
+            lse = torch.logsumexp(z, dim=-1)
+            out = [z.gather(-1, t[:, None]).squeeze(-1) - lse]
+            if with_entropy:
+                out.append(lse - (z.softmax(-1) * z).sum(-1))
+            return torch.stack(out)  # [1 or 2, n]
+
+        parts = []
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size].long()
+            parts.append(checkpoint(chunk, h, t, use_reentrant=False) if torch.is_grad_enabled() and h.requires_grad
+                         else chunk(h, t))
+        out = torch.cat(parts, dim=1) if parts else hidden.new_zeros(2 if with_entropy else 1, 0, dtype=torch.float32)
+        return out[0], (out[1] if with_entropy else None)
 
     @property
     def gradient_checkpointing(self) -> bool:

@@ -1,9 +1,9 @@
 """Reading and writing Hugging Face model directories (config.json + safetensors + tokenizer files).
 
 Every directory written here loads in transformers (`AutoModelForCausalLM`, or
-`AutoModelForSequenceClassification` for value models) with the same outputs, and every
-llama/qwen2/qwen3 directory transformers writes loads here into our own decoder. Other architectures
-load through transformers itself (hf_fallback.HFCausalLM, slow path). Writes are atomic: a reader
+`AutoModelForSequenceClassification` for value models) with the same outputs, and every directory of a
+native family (families.py) that transformers writes loads here into our own decoder. Other architectures
+load through transformers itself (hf_fallback.HFCausalLM, slow path, exact logits). Writes are atomic: a reader
 never sees a half-written directory. Not here: sharded (FSDP/DCP) checkpoints, the hub (local only).
 """
 from __future__ import annotations
@@ -66,17 +66,28 @@ def _weight_locations(directory: Path) -> dict[str, Path]:
                       "are supported; convert .bin checkpoints with transformers' save_pretrained)")
 
 
-def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device, ignore: tuple[str, ...] = ()):
-    """Fill `module` (built on the meta device) with the tensors of `directory`, checking names and shapes."""
+def _mismatch_error(directory: Path, missing: list, unexpected: list, mismatched: list = ()) -> ConfigError:
+    shapes = f", wrong shape {len(mismatched)} tensor(s) {list(mismatched)[:5]}" if mismatched else ""
+    return ConfigError(f"{directory}: the weights do not match config.json's architecture; "
+                       f"missing {len(missing)} tensor(s) {missing[:5]}, unexpected {len(unexpected)} "
+                       f"tensor(s) {unexpected[:5]}{shapes}; a model meant to start from random weights "
+                       "for what is missing says so with model.allow_random_init=true")
+
+
+def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device, ignore: tuple[str, ...] = (),
+                  allow_missing: bool = False):
+    """Fill `module` (built on the meta device; with allow_missing, a materialized module whose missing tensors
+    keep their init) with the tensors of `directory`, checking names and shapes."""
     locations = {name: file for name, file in _weight_locations(directory).items()
                  if not name.endswith(_IGNORED_SUFFIXES) and name not in ignore}
     expected = module.state_dict()
     missing = sorted(set(expected) - set(locations))
     unexpected = sorted(set(locations) - set(expected))
-    if missing or unexpected:
-        raise ConfigError(f"{directory}: the weights do not match config.json's architecture; "
-                          f"missing {len(missing)} tensor(s) {missing[:5]}, unexpected {len(unexpected)} "
-                          f"tensor(s) {unexpected[:5]}")
+    if unexpected or (missing and not allow_missing):
+        raise _mismatch_error(directory, missing, unexpected)
+    if missing:
+        log.warning("%s: %d tensor(s) missing, randomly initialized (model.allow_random_init): %s", directory,
+                    len(missing), missing[:5])
     state = {}
     for file in sorted(set(locations.values())):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -88,7 +99,7 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
                     raise ConfigError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
                                       f"implies {tuple(expected[name].shape)}")
                 state[name] = tensor.to(device=device, dtype=dtype)
-    module.load_state_dict(state, strict=True, assign=True)
+    module.load_state_dict(state, strict=not missing, assign=not missing)
 
 
 def _build_on_meta(cfg: DecoderConfig, factory):
@@ -102,33 +113,56 @@ def _restore_rotary(module: nn.Module, cfg: DecoderConfig, device) -> None:
     module.model.build_rotary(device)  # its buffers were built on meta
 
 
+IMPLEMENTATIONS = ("auto", "native", "transformers")
+
+
 def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, device="cpu",
-                    trust_remote_code: bool = False) -> Union[CausalLM, HFCausalLM]:
-    """A causal LM from a Hugging Face directory: our CausalLM for llama/qwen2/qwen3, else HFCausalLM."""
+                    trust_remote_code: bool = False, implementation: str = "auto",
+                    allow_random_init: bool = False) -> Union[CausalLM, HFCausalLM]:
+    """A causal LM from a Hugging Face directory: our CausalLM for the native families (families.py), else
+    HFCausalLM. implementation: "auto" (native where it exists), "native" (an error otherwise) or
+    "transformers". Weights missing from the directory are an error unless `allow_random_init`."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"model.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
     directory, hf_config = _read_config(path)
     model_type = hf_config.get("model_type")
-    if model_type not in NATIVE_MODEL_TYPES:
-        return _load_fallback(directory, model_type, dtype, device, trust_remote_code)
+    if implementation == "native" and model_type not in NATIVE_MODEL_TYPES:
+        raise ConfigError(f"{directory / 'config.json'}: model_type {model_type!r} has no native implementation "
+                          f"(native: {', '.join(NATIVE_MODEL_TYPES)}); use model.implementation=auto")
+    if model_type not in NATIVE_MODEL_TYPES or implementation == "transformers":
+        return _load_fallback(directory, model_type, dtype, device, trust_remote_code, allow_random_init)
     cfg = DecoderConfig.from_hf_dict(hf_config, source=str(directory / "config.json"))
-    model = _build_on_meta(cfg, lambda lm: lm)
+    if allow_random_init:  # materialized and initialized: what the directory lacks keeps its init
+        model = CausalLM(cfg).to(device=device, dtype=dtype)
+    else:
+        model = _build_on_meta(cfg, lambda lm: lm)
     # Some exports store lm_head.weight even for tied models; the embedding is the one that counts.
-    _load_weights(model, directory, dtype, device, ignore=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+    _load_weights(model, directory, dtype, device, ignore=("lm_head.weight",) if cfg.tie_word_embeddings else (),
+                  allow_missing=allow_random_init)
     _restore_rotary(model, cfg, device)
     return model
 
 
-def _load_fallback(directory: Path, model_type, dtype, device, trust_remote_code: bool) -> HFCausalLM:
+def _load_fallback(directory: Path, model_type, dtype, device, trust_remote_code: bool,
+                   allow_random_init: bool = False) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
 
-    log.info("model_type %s is not implemented natively; using transformers' AutoModelForCausalLM (slow path)",
-             model_type)
+    log.info("model_type %s runs through transformers' AutoModelForCausalLM (slow path)", model_type)
     _weight_locations(directory)  # the same clear error as the native path when weights are missing
     kwargs = {"trust_remote_code": True} if trust_remote_code else {}
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True, **kwargs)
+        hf_model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
+                                                              output_loading_info=True, **kwargs)
     except ValueError as e:
         raise ConfigError(f"{directory / 'config.json'}: transformers cannot build model_type {model_type!r}: "
                           f"{e}") from None
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    mismatched = [str(m) for m in info.get("mismatched_keys") or ()]
+    if unexpected or mismatched or (missing and not allow_random_init):
+        raise _mismatch_error(directory, missing, unexpected, mismatched)
+    if missing:
+        log.warning("%s: %d tensor(s) missing, randomly initialized by transformers (model.allow_random_init): %s",
+                    directory, len(missing), missing[:5])
     return HFCausalLM(hf_model.to(device))
 
 

@@ -31,15 +31,26 @@ def response_hidden(model, mb: RolloutBatch) -> torch.Tensor:
     return hidden[:, P - 1: -1]  # position t predicts token t + 1
 
 
+def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float, chunk_size: int,
+                  with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropies) of `targets` [N] from final hidden states [N, H]: the fused projection when the
+    model's logits are exactly hidden @ output_weight.T, else the model's own head (transformers path:
+    soft-capping, logit scaling), so log-probs are always the model's."""
+    if getattr(model, "plain_head", True):
+        return token_logprobs_from_hidden(hidden, model.output_weight, targets, temperature=temperature,
+                                          chunk_size=chunk_size, with_entropy=with_entropy, fused=_fused(model))
+    return model.token_logprobs(hidden, targets, temperature=temperature, with_entropy=with_entropy,
+                                chunk_size=chunk_size)
+
+
 def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy: bool,
                    chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens of one trimmed micro-batch.  [b, R] each."""
     h = response_hidden(model, mb)                      # [b, R, H]
     mask = mb.response_mask.bool()                       # [b, R]
     targets = mb.response_ids[mask]                      # [N]
-    logp, ent = token_logprobs_from_hidden(
-        h[mask], model.output_weight, targets, temperature=temperature,
-        chunk_size=chunk_size, with_entropy=with_entropy, fused=_fused(model))  # [N], [N]
+    logp, ent = head_logprobs(model, h[mask], targets, temperature=temperature, chunk_size=chunk_size,
+                              with_entropy=with_entropy)  # [N], [N]
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=h.device)
     logprobs = logprobs.masked_scatter(mask, logp.float())  # [b, R]
     entropy = None
@@ -115,9 +126,8 @@ def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_ent
     """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each."""
     hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
                    boundaries=packed.boundaries)  # [1, N, H]
-    logp, ent = token_logprobs_from_hidden(
-        hidden[0, packed.predict_index], model.output_weight, packed.target_ids, temperature=temperature,
-        chunk_size=chunk_size, with_entropy=with_entropy, fused=_fused(model))  # [M], [M]
+    logp, ent = head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, temperature=temperature,
+                              chunk_size=chunk_size, with_entropy=with_entropy)  # [M], [M]
     entropy = packed.unpack(ent.float()) if with_entropy else None
     return packed.unpack(logp.float()), entropy
 

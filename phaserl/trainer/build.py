@@ -75,7 +75,9 @@ def build_roles(cfg: Config) -> Roles:
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
     load = lambda path: load_pretrained(resolve_model_path(path), dtype=dtype, device=device,  # noqa: E731
-                                        trust_remote_code=cfg.model.trust_remote_code)
+                                        trust_remote_code=cfg.model.trust_remote_code,
+                                        implementation=cfg.model.implementation,
+                                        allow_random_init=cfg.model.allow_random_init)
     policy = load(model_dir)
     check_context_length(cfg, policy.config.max_position_embeddings, source=os.path.join(model_dir, "config.json"))
     actor = HybridActor(policy, tokenizer, fsdp_config=cfg.actor.fsdp, hybrid_engine_config=cfg.actor.hybrid_engine)
