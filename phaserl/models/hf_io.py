@@ -147,7 +147,9 @@ def _load_fallback(directory: Path, model_type, dtype, device, trust_remote_code
                    allow_random_init: bool = False) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
 
-    log.info("model_type %s runs through transformers' AutoModelForCausalLM (slow path)", model_type)
+    why = "is implemented natively, but model.implementation=transformers" if model_type in NATIVE_MODEL_TYPES \
+        else "is not implemented natively"
+    log.info("model_type %s %s; using transformers' AutoModelForCausalLM (slow path)", model_type, why)
     _weight_locations(directory)  # the same clear error as the native path when weights are missing
     kwargs = {"trust_remote_code": True} if trust_remote_code else {}
     try:
