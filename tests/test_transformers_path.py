@@ -161,3 +161,28 @@ def test_a_config_without_layer_counts_is_unknown_not_a_crash():
 
     with pytest.raises(UnknownShape, match="WeirdConfig has none of num_hidden_layers, n_layer, num_layers"):
         ModelShape.of(Bare())
+
+
+@pytest.mark.parametrize("index", [1, 3, 7, 8], ids=["gemma2", "gemma4", "qwen3.5", "gpt2"])
+def test_rollout_with_transformers_cache_equals_recomputing_every_step(tmp_path, index):
+    import importlib
+
+    from phaserl.rollout import SamplingParams
+
+    gen = importlib.import_module("phaserl.rollout.generate")
+
+    name, class_name, kwargs = architectures()[index]
+    _, directory = saved_model(tmp_path, class_name, kwargs)
+    model = load_pretrained(directory, implementation="transformers")
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # left-padded together: positions differ per row
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    cached = gen.generate(model, prompts, params, eos_token_ids=[], pad_token_id=0)
+    original = gen._HFCachedDecoder
+    try:
+        gen._HFCachedDecoder = gen._RecomputingDecoder
+        recomputed = gen.generate(model, prompts, params, eos_token_ids=[], pad_token_id=0)
+    finally:
+        gen._HFCachedDecoder = original
+    assert cached.response_ids == recomputed.response_ids
+    for a, b in zip(cached.logprobs, recomputed.logprobs):
+        assert a == pytest.approx(b, abs=1e-4)

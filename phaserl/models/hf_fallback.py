@@ -4,7 +4,7 @@ what the model's own forward computes.
 Used by `load_pretrained` for architectures the native decoder does not implement (or when
 model.implementation = transformers). It offers the same `forward(...) -> hidden`, `output_weight`, `logits`
 and `gradient_checkpointing` as CausalLM, so the trainer's code does not care which one it holds. It has no
-KVCache: `generate` recomputes the full forward every step for it.
+KVCache: `generate` decodes with transformers' own cache through `forward_cached`.
 Logits: `logits(hidden)` applies the architecture's own head, the projection (+ bias) and whatever
 transformers does after it that this module knows (final-logit soft-capping of Gemma 2/3/4, Cohere's
 logit_scale, Granite's logits_scaling). `verify_head()` (run at construction) compares that with the
@@ -123,6 +123,14 @@ class HFCausalLM(nn.Module):
             self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             self.hf_model.gradient_checkpointing_disable()
+
+    def forward_cached(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       cache=None) -> tuple[torch.Tensor, object]:
+        """Incremental forward with transformers' own cache (rollout): input_ids/position_ids [B, T] new
+        tokens, attention_mask [B, S] for everything so far -> (hidden [B, T, H], the cache to pass next)."""
+        out = self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask.long(),
+                                       position_ids=position_ids, past_key_values=cache, use_cache=True)
+        return out.last_hidden_state, out.past_key_values
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: None = None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 `generate` cuts the prompts into batches, left-pads each batch, runs one prefill over the prompts and
 then decodes one token per step until every row hit EOS / a stop token or `max_new_tokens`. A row that
 finished keeps emitting padding, which is masked out and never reported. The native CausalLM decodes
-with a KVCache; any other model (the transformers fallback) recomputes the whole sequence every step.
+with a KVCache, the transformers path (HFCausalLM) with transformers' own cache; any other model
+recomputes the whole sequence every step.
 Not here: continuous refill of finished slots, paged KV, CUDA graphs (the fast engine), detokenizing.
 
 Legend: B prompts in the batch, P longest prompt, N max_new_tokens, H hidden.
@@ -44,8 +45,29 @@ class _CachedDecoder:
         return self.model(tokens[:, None], attention_mask=valid[:, None], kv_cache=self.cache)[:, -1]  # [B, H]
 
 
+class _HFCachedDecoder:
+    """The transformers path (HFCausalLM): transformers' own KV cache, one token per step after the prefill."""
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
+        self.model, self.input_ids, self.attention_mask = model, input_ids, attention_mask
+        self.cache, self.next_position = None, None
+
+    def prefill(self) -> torch.Tensor:
+        positions = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        hidden, self.cache = self.model.forward_cached(self.input_ids, self.attention_mask, positions)
+        self.next_position = positions[:, -1:] + 1  # [B, 1]
+        return hidden[:, -1]  # [B, H]
+
+    def step(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self.attention_mask = torch.cat([self.attention_mask, valid[:, None].to(self.attention_mask.dtype)], dim=1)
+        hidden, self.cache = self.model.forward_cached(tokens[:, None], self.attention_mask, self.next_position,
+                                                       self.cache)
+        self.next_position = self.next_position + valid[:, None].long()
+        return hidden[:, -1]  # [B, H]
+
+
 class _RecomputingDecoder:
-    """For models without our KVCache: run the full, growing sequence every step (slow, simple)."""
+    """For other models without a cache we know: run the full, growing sequence every step (slow, simple)."""
 
     def __init__(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int):
         self.model, self.input_ids, self.attention_mask = model, input_ids, attention_mask
@@ -73,7 +95,8 @@ def _generate_batch(model: nn.Module, prompts: list[list[int]], params: Sampling
                     pad_token_id: int, generator: Optional[torch.Generator]) -> GenerationResult:
     device = model.output_weight.device
     input_ids, attention_mask = _left_pad(prompts, pad_token_id, device)
-    decoder_class = _CachedDecoder if isinstance(model, CausalLM) else _RecomputingDecoder
+    decoder_class = (_CachedDecoder if isinstance(model, CausalLM) else
+                     _HFCachedDecoder if hasattr(model, "forward_cached") else _RecomputingDecoder)
     decoder = decoder_class(model, input_ids, attention_mask, params.max_new_tokens)
 
     B, N = len(prompts), params.max_new_tokens

@@ -1,0 +1,194 @@
+"""Native decoder + engine vs the transformers path, for the new families: Gemma-3-1B and Mistral-7B shapes.
+
+Random weights in bf16, one GPU, one JSON line per measurement on stdout:
+  rollout_native  phaserl's RolloutEngine (CUDA graphs, Triton decode attention with sliding windows) on
+                  phaserl's decoder loaded from the family's transformers-made directory
+  rollout_hf      transformers' own `generate` (its dynamic KV cache, sampling) on the same directory,
+                  all sequences in one batch; the anchor of the target (native >= 4x HF generate)
+  grpo_native / grpo_transformers
+                  one whole GRPO step (benchmarks/grpo_step.py --only ours on this script's world) with
+                  model.implementation=native / transformers: the same model files, the two paths (the
+                  transformers path rolls out with transformers' KV cache through rollout/generate.py)
+Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
+  gemma3-1b   Gemma 3 1B text: 26 layers, hidden 1152, 4 q / 1 kv heads of 256, sliding 512 on 5 of 6
+              layers, vocab 262144; 64 x 8 x (128 + 256)
+  mistral-7b  Mistral 7B: 32 layers, hidden 4096, 32 q / 8 kv heads of 128, sliding window 4096 on every
+              layer, vocab 32768; 16 x 8 x (256 + 512)
+
+    python benchmarks/families.py --shape gemma3-1b --case all
+    python benchmarks/families.py --shape mistral-7b --case rollout_native,rollout_hf
+    python benchmarks/families.py --smoke            # CPU, tiny shapes of both families, a few tokens
+
+Not here: TRL (grpo_step.py compares with it), the Qwen2 reference shape (rollout.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import grpo_setup  # noqa: E402
+from phaserl.models import load_pretrained  # noqa: E402
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+
+BENCH = "families"
+SHAPES = {
+    "gemma3-1b": dict(cls="Gemma3TextConfig", run=(64, 8, 128, 256), config=dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=32768, tie_word_embeddings=True)),
+    "mistral-7b": dict(cls="MistralConfig", run=(16, 8, 256, 512), config=dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, sliding_window=4096, max_position_embeddings=32768,
+        rope_theta=1e6)),
+    "gemma3-tiny": dict(cls="Gemma3TextConfig", run=(2, 2, 8, 6), config=dict(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8, sliding_window=4, max_position_embeddings=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "mistral-tiny": dict(cls="MistralConfig", run=(2, 2, 8, 6), config=dict(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)),
+}
+CASES = ("rollout_native", "rollout_hf", "grpo_native", "grpo_transformers")
+
+
+def emit(**record) -> None:
+    print(json.dumps({"bench": BENCH, **record}), flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_world(shape: str, root: str, device: str) -> str:
+    """model/ (transformers-made, random, bf16), tokenizer/ and train.parquet: grpo_step.py's world layout."""
+    import transformers
+
+    if os.path.isfile(os.path.join(root, "train.parquet")):
+        return root
+    spec = SHAPES[shape]
+    tokenizer = grpo_setup.build_tokenizer(spec["config"]["vocab_size"])
+    config = getattr(transformers, spec["cls"])(**spec["config"], eos_token_id=tokenizer.eos_token_id,
+                                                pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(os.path.join(root, "model"))
+    tokenizer.save_pretrained(os.path.join(root, "tokenizer"))
+    prompts, _, prompt_len, _ = spec["run"]
+    grpo_setup.write_prompt_file(root, grpo_setup.prompt_texts(prompts * 8, prompt_len, config.vocab_size))
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return root
+
+
+def prompt_ids(shape: str) -> list[list[int]]:
+    prompts, n, prompt_len, _ = SHAPES[shape]["run"]
+    g = torch.Generator().manual_seed(0)
+    unique = torch.randint(2, SHAPES[shape]["config"]["vocab_size"], (prompts, prompt_len), generator=g).tolist()
+    return [p for p in unique for _ in range(n)]
+
+
+def rollout_native(shape: str, root: str, device: str, dtype: torch.dtype, repeats: int) -> None:
+    model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native").eval()
+    new = SHAPES[shape]["run"][3]
+    engine = RolloutEngine(model, EngineConfig(max_slots=len(prompt_ids(shape))))
+    params = SamplingParams(max_new_tokens=new, temperature=1.0)
+    engine.generate(prompt_ids(shape), params, eos_token_ids=[], pad_token_id=0)  # warm-up: graphs, compile
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        out = engine.generate(prompt_ids(shape), params, eos_token_ids=[], pad_token_id=0)
+        sync()
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(r) for r in out.response_ids)
+        emit(measure="rollout", case="native", shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
+             tokens_per_s=round(tokens / seconds, 1), graphs=engine.last_stats.get("graphs"))
+
+
+def rollout_hf(shape: str, root: str, device: str, dtype: torch.dtype, repeats: int) -> None:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "model"), dtype=dtype).to(device)
+    model.eval()
+    new = SHAPES[shape]["run"][3]
+    ids = torch.tensor(prompt_ids(shape), device=device)  # equal lengths: no padding
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:2], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            sync()
+            seconds = time.perf_counter() - t0
+            tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+            emit(measure="rollout", case="hf_generate", shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
+                 tokens_per_s=round(tokens / seconds, 1))
+
+
+def grpo(shape: str, root: str, implementation: str, smoke: bool) -> None:
+    prompts, n, prompt_len, new = SHAPES[shape]["run"]
+    argv = [sys.executable, os.path.join(HERE, "grpo_step.py"), "--only", "ours", "--world", root,
+            "--prompts", str(prompts), "--n", str(n), "--prompt-len", str(prompt_len), "--new-tokens", str(new),
+            "--micro-batch", str(min(8, prompts * n)), "--ours-set", f"model.implementation={implementation}",
+            "--log-dir", os.path.join(root, f"logs-{implementation}")]
+    # The KV pool sized for every sequence of the step (grpo_step's default fraction is sized for 0.5B).
+    argv += ["--tiny", "--steps", "1", "--warmup", "0"] if smoke else ["--steps", "2", "--warmup", "1",
+                                                                        "--kv-fraction", "0.25"]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("measure") == "summary":
+            emit(measure="grpo_step", case=implementation, shape=shape, s_per_step=record["s_per_step_median"],
+                 tokens_per_s=record["tokens_per_s"], peak=record["timed_peak"])
+    if proc.returncode != 0:
+        emit(measure="error", case=f"grpo_{implementation}", shape=shape, returncode=proc.returncode,
+             stderr=proc.stderr[-2000:])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="gemma3-1b", choices=list(SHAPES))
+    p.add_argument("--case", default="all", help=f"'all' or a comma-separated subset of {CASES}")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--world", default=None, help="reuse a world directory made before (same shape)")
+    p.add_argument("--smoke", action="store_true", help="CPU, both tiny shapes, every case")
+    a = p.parse_args(argv)
+    cases = CASES if a.case == "all" else tuple(a.case.split(","))
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; choose from {CASES}")
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        torch.set_num_threads(1)
+    for shape in (("gemma3-tiny", "mistral-tiny") if a.smoke else (a.shape,)):
+        root = make_world(shape, a.world or tempfile.mkdtemp(prefix=f"families_{shape}_"), device)
+        emit(measure="world", shape=shape, dir=root, device=device, run=SHAPES[shape]["run"])
+        for case in cases:
+            if case == "rollout_native":
+                rollout_native(shape, root, device, dtype, 1 if a.smoke else a.repeats)
+            elif case == "rollout_hf":
+                rollout_hf(shape, root, device, dtype, 1 if a.smoke else a.repeats)
+            else:
+                grpo(shape, root, case.removeprefix("grpo_"), a.smoke)
+
+
+if __name__ == "__main__":
+    main()
