@@ -158,3 +158,21 @@ def test_the_checker_sees_every_form_of_import():
     # in algo/__init__.py, `..` is phaserl/ too; `.` is algo itself
     assert _imported_units("from ..roles import a\nfrom .kl import b\n", ["phaserl", "algo"], is_package=True,
                            units=units) == {"roles", "algo"}
+
+
+def test_the_layer_math_is_written_once_for_training_and_rollout():
+    """models/layers.py holds the families' layer pieces; the decoder and the engine's runner import them and
+    define none of their own (a family added there is right in both: parity by construction)."""
+    pieces = {"rms_norm", "rotate", "rope_tables", "pre_attention", "post_attention", "embed", "activation"}
+    layers = PKG / "models" / "layers.py"
+    defined = {n.name for n in ast.walk(ast.parse(layers.read_text())) if isinstance(n, ast.FunctionDef)}
+    assert pieces <= defined
+    assert _imported_units(layers.read_text(), ["phaserl", "models", "layers"], is_package=False,
+                           units=_units()) <= {"models", "errors"}
+    for user in (PKG / "models" / "decoder.py", PKG / "rollout" / "runner.py"):
+        tree = ast.parse(user.read_text())
+        own = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)} & pieces
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and n.module == "phaserl.models.layers" for a in n.names}
+        assert not own, f"{user.name} restates layer pieces {sorted(own)}: use phaserl.models.layers"
+        assert {"pre_attention", "post_attention"} <= imported, f"{user.name} must run layers.py's pieces"

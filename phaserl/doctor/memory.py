@@ -75,9 +75,10 @@ class ModelShape:
         vocab = getattr(c, "vocab_size", None) or (output.shape[0] if output is not None else None)
         if vocab is None:
             raise UnknownShape(f"{type(c).__name__} has no vocab_size")
+        intermediate = _optional_field(c, "intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden
         return cls(num_params=sum(p.numel() for p in model.parameters()),
                    num_layers=_field(c, "num_hidden_layers", "n_layer", "num_layers"), hidden_size=hidden,
-                   intermediate_size=_optional_field(c, "intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden,
+                   intermediate_size=intermediate,
                    num_kv_heads=_optional_field(c, "num_key_value_heads", "n_kv_heads", "num_kv_heads") or heads,
                    head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size())
 

@@ -94,7 +94,8 @@ class HFCausalLM(nn.Module):
                               "architecture")
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                       with_entropy: bool = False, chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       with_entropy: bool = False,
+                       chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """log softmax(logits(hidden) / temperature)[target]: hidden [N, H], targets [N] -> [N] float32 (and
         entropies [N]); chunked, each chunk recomputed in backward, so [N, V] never exists at once."""
         def chunk(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
