@@ -172,3 +172,45 @@ def test_gpu_greedy_with_cuda_graphs_and_triton_equals_the_uncached_loop(pair, c
     assert engine.last_stats["graphs"] > 1
     reference = {tuple(p): greedy_reference(model, p, 8) for p in PROMPTS}
     assert result.response_ids == [reference[tuple(p)] for p in prompts]
+
+
+def test_engine_logprobs_equal_the_trainers_log_softmax(pair):
+    # What the engine reports for each sampled token is what the trainer computes from a full forward.
+    from phaserl.roles.forward import head_logprobs
+
+    _, ours, _ = pair
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    engine = RolloutEngine(ours, EngineConfig())
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.8), eos_token_ids=[],
+                             pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    for prompt, tokens, logprobs in zip(prompts, result.response_ids, result.logprobs):
+        with torch.no_grad():
+            hidden = ours(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]  # [R, H] predicting each token
+            expected, _ = head_logprobs(ours, hidden, torch.tensor(tokens), temperature=0.8, chunk_size=4,
+                                        with_entropy=False)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_with_sliding_windows_equals_the_dense_mask(pair, monkeypatch):
+    from phaserl.models import attention
+
+    _, ours, _ = pair
+    model = CausalLM(ours.config).cuda().to(torch.bfloat16)
+    model.load_state_dict(ours.state_dict())
+    lengths = [9, 3, 12, 5]
+    ids = torch.randint(0, TINY["vocab_size"], (1, sum(lengths)), device="cuda")
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
+    assert attention.use_varlen(torch.device("cuda"), torch.bfloat16), "torch.nn.attention.varlen unavailable"
+    calls = []
+    original = attention.attend
+    monkeypatch.setattr("phaserl.models.decoder._attend",
+                        lambda q, k, v, attn, *rest: calls.append(attn) or original(q, k, v, attn, *rest))
+    with torch.no_grad():
+        varlen = model(ids, position_ids=positions, seq_ids=seq_ids).float()
+        monkeypatch.setattr(attention, "USE_VARLEN", False)
+        dense = model(ids, position_ids=positions, seq_ids=seq_ids).float()
+    windows = {a.window for a in calls if isinstance(a, attention.PackedSeqs)}
+    assert windows == {layer.spec.window for layer in model.model.layers}  # each layer kind took the kernel
+    torch.testing.assert_close(varlen, dense, atol=3e-2, rtol=3e-2)

@@ -136,8 +136,8 @@ class HybridActor:
         """rollout.engine: `builtin` (our engine; an error for models it cannot run), `hf` (plain
         generate), `auto` (the engine when the model supports it)."""
         if kind == "builtin" and not RolloutEngine.supports(self.model):
-            raise ConfigError(f"rollout.engine=builtin, but the builtin engine runs only phaserl's Llama/Qwen "
-                              f"decoder and this actor's model is {type(self.model).__name__}; use "
+            raise ConfigError(f"rollout.engine=builtin, but the builtin engine runs only phaserl's native "
+                              f"decoder (docs/models.md) and this actor's model is {type(self.model).__name__}; use "
                               "rollout.engine=auto or hf")
         self.engine_kind, self.engine_config = kind, engine_config
 
