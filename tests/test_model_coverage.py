@@ -47,7 +47,7 @@ def tiny_config(model_type: str, vocab: int, eos: int, pad: int):
         "gemma4_text": ("Gemma4TextConfig", dict(T, head_dim=8, global_head_dim=8, sliding_window=8,
                                                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab,
                                                  layer_types=TWO)),
-        "phi3": ("Phi3Config", T),
+        "phi3": ("Phi3Config", dict(T, sliding_window=8)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(T, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                              num_experts_per_tok=2)),
         "qwen3_5_text": ("Qwen3_5TextConfig", dict(T, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,

@@ -1,4 +1,4 @@
-"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 text, OLMo 2), each against transformers'
+"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 text, OLMo 2, Phi-3), each against transformers'
 own class: fp32 logits both ways through Hugging Face directories, packed == padded, the engine's greedy
 decode == the uncached loop, and sliding windows honoured by every attention core (mask, engine torch path,
 Triton decode kernel)."""
@@ -28,6 +28,7 @@ def family_configs():
                                                               query_pre_attn_scalar=24, layer_types=ALTERNATE,
                                                               rope_parameters=gemma_rope)),
         ("olmo2-postnorm", transformers.Olmo2Config(**TINY)),
+        ("phi3-fused-sliding", transformers.Phi3Config(**TINY, sliding_window=3, pad_token_id=0, eos_token_id=2)),
         ("qwen2-sliding-layers", transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=3,
                                                           max_window_layers=2)),
     ]
@@ -214,3 +215,18 @@ def test_gpu_varlen_with_sliding_windows_equals_the_dense_mask(pair, monkeypatch
     windows = {a.window for a in calls if isinstance(a, attention.PackedSeqs)}
     assert windows == {layer.spec.window for layer in model.model.layers}  # each layer kind took the kernel
     torch.testing.assert_close(varlen, dense, atol=3e-2, rtol=3e-2)
+
+
+def test_what_a_family_has_and_we_do_not_is_refused_not_approximated(tmp_path):
+    from phaserl.errors import ConfigError
+
+    partial = transformers.Phi3Config(**TINY, pad_token_id=0, eos_token_id=2, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})  # Phi-4-mini's kind
+    transformers.AutoModelForCausalLM.from_config(partial).save_pretrained(tmp_path / "phi")
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported natively"):
+        load_pretrained(tmp_path / "phi")
+    assert load_pretrained(tmp_path / "phi", implementation="transformers").plain_head
+    capped = transformers.Gemma3TextConfig(**TINY, head_dim=8, final_logit_softcapping=30.0)
+    transformers.AutoModelForCausalLM.from_config(capped).save_pretrained(tmp_path / "gemma")
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not implemented natively"):
+        load_pretrained(tmp_path / "gemma")

@@ -1,11 +1,15 @@
-"""Models: our Llama/Qwen2/Qwen3 decoder, its value-head variant, and Hugging Face directory I/O.
+"""Models: our decoder (Llama, Qwen2/3, Mistral, Ministral, Gemma 3, OLMo 2, Phi-3), its value-head variant,
+and Hugging Face directory I/O.
 
-    config.py       DecoderConfig <-> config.json
+    config.py       DecoderConfig: shapes and the fields in which the families differ
+    families.py     each model_type's config.json <-> DecoderConfig, checkpoint tensor layout
+    layers.py       the layer pieces, once for training and rollout (norms, projections, RoPE, gated MLP)
+    attention.py    attention cores: dense masks (causal, padding, sliding window) and varlen for packing
     rope.py         rotary embeddings (default, linear, dynamic, llama3, yarn)
     decoder.py      CausalLM, KVCache (forward returns hidden states; callers project to the vocabulary)
     value.py        ValueModel (scalar head, HF *ForSequenceClassification names)
     hf_io.py        load_pretrained / save_pretrained / load_tokenizer / save_value_model / load_value_model
-    hf_fallback.py  HFCausalLM: any other transformers architecture behind the same interface (slow path)
+    hf_fallback.py  HFCausalLM: any other transformers architecture behind the same interface (slow, exact)
 """
 from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM, KVCache

@@ -1,4 +1,4 @@
-"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2), and its
+"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2, Phi-3), and its
 Hugging Face config.json form.
 
 This module only describes shapes and hyper-parameters. What differs between families (which norms a layer
@@ -142,6 +142,9 @@ def read_rope(params: Optional[dict], d: dict, source: str, default_max_position
         theta = 10000.0 if d.get("rope_theta") is None else d["rope_theta"]
         scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+        raise ConfigError(f"{source}: partial_rotary_factor={scaling['partial_rotary_factor']} is not supported "
+                          "natively (model.implementation=transformers runs it exactly)")
     if rope_type == "default":
         return theta, None
     scaling["rope_type"] = rope_type

@@ -1,4 +1,4 @@
-"""The native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2): one readable implementation for training.
+"""The native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2, Phi-3): one readable implementation for training.
 
 `CausalLM(cfg)(input_ids, ...)` returns the final-normed hidden states, not logits: callers project to
 the vocabulary in chunks (`model.output_weight`) so that a [B, T, V] tensor never has to exist.

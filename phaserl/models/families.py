@@ -11,6 +11,9 @@ same network. The layer math those fields select lives in `layers.py`, once for 
   gemma3_text           sandwich norms x * (1 + w), GeGLU, sqrt(H) embedding scale, per-head qk-norm,
                         query_pre_attn_scalar, local (sliding, own RoPE theta) / global layers
   olmo2                 norms after attention and MLP only, (w * x) rounding, qk-norm over the projection
+  phi3                  Llama with fused qkv_proj / gate_up_proj tensors in the checkpoint (split on load,
+                        fused again on save: `native_state` / `hf_state`) and an optional sliding window
+                        on every layer; partial rotary and longrope (Phi-3.5 / Phi-4-mini, 128k) are refused
 Features a family has in transformers but not here (logit/attention soft-capping, bidirectional attention,
 partial rotary, mlp_bias) are errors, never silently different logits. Not here: weights (hf_io.py).
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import torch
 
 from phaserl.errors import ConfigError
 from phaserl.models.config import DecoderConfig, read_rope
@@ -50,6 +55,8 @@ FAMILIES: dict[str, Family] = {
                            "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                            "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh"},
                           {"qk_norm": True, "layer_norms": "sandwich", "norm_style": "gemma"}),
+    "phi3": Family("Phi3ForCausalLM", "Phi3ForSequenceClassification",
+                   {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}),
     "olmo2": Family("Olmo2ForCausalLM", "Olmo2ForSequenceClassification",
                     {**_LLAMA_LIKE, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
                     {"qk_norm": True, "qk_norm_scope": "projection", "layer_norms": "post", "norm_style": "olmo2"}),
@@ -114,7 +121,7 @@ def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Opt
     if types is None:
         if window is None:
             types = None
-        elif model_type in ("mistral", "ministral"):
+        elif model_type in ("mistral", "ministral", "phi3"):
             types = ["sliding_attention"] * n
         elif model_type == "gemma3_text":
             pattern = d.get("sliding_window_pattern") or 6
@@ -201,9 +208,61 @@ def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
     if t in ("qwen2", "qwen3"):
         d["use_sliding_window"] = sliding
         d["max_window_layers"] = cfg.num_hidden_layers
-    if t == "mistral" and sliding and set(cfg.layer_types) != {"sliding_attention"}:
-        raise ConfigError("a mistral config slides on every layer or none; use model_type ministral for a mix")
+    if t in ("mistral", "phi3") and sliding and set(cfg.layer_types) != {"sliding_attention"}:
+        raise ConfigError(f"a {t} config slides on every layer or none; use model_type ministral for a mix")
     d["sliding_window"] = cfg.sliding_window if sliding else None
-    if t != "mistral":
+    if t == "phi3":
+        d.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_position_embeddings)
+    if t not in ("mistral", "phi3"):
         d["layer_types"] = list(cfg.layer_types) if sliding else ["full_attention"] * cfg.num_hidden_layers
     return d
+
+
+# Checkpoint tensors that hold several of ours, concatenated along dim 0 (Phi-3): suffix -> our suffixes.
+_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _fused_sizes(cfg: DecoderConfig, suffix: str) -> list[int]:
+    if suffix.startswith("self_attn"):
+        D = cfg.head_dim
+        return [cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.num_key_value_heads * D]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _fused_suffix(name: str) -> Optional[str]:
+    return next((s for s in _FUSED if name.endswith("." + s)), None)
+
+
+def native_names(cfg: DecoderConfig, name: str) -> list[str]:
+    """The names of our tensors that checkpoint tensor `name` holds (itself, unless the family fuses it)."""
+    suffix = _fused_suffix(name) if cfg.model_type == "phi3" else None
+    if suffix is None:
+        return [name]
+    return [name[: -len(suffix)] + part for part in _FUSED[suffix]]
+
+
+def native_state(cfg: DecoderConfig, name: str, tensor) -> dict:
+    """Checkpoint tensor -> {our name: tensor}, split along dim 0 where the family fuses."""
+    names = native_names(cfg, name)
+    if len(names) == 1:
+        return {name: tensor}
+    sizes = _fused_sizes(cfg, _fused_suffix(name))
+    if tensor.shape[0] != sum(sizes):
+        raise ConfigError(f"tensor {name!r} has {tensor.shape[0]} rows, config.json implies {sum(sizes)}")
+    return dict(zip(names, tensor.split(sizes, dim=0)))
+
+
+def hf_state(cfg: DecoderConfig, state: dict) -> dict:
+    """Our state dict -> the checkpoint layout of the family (fused tensors for Phi-3)."""
+    if cfg.model_type != "phi3":
+        return state
+    out = {}
+    for name, tensor in state.items():
+        fused = next(((f, parts) for f, parts in _FUSED.items() if name.endswith("." + parts[0])), None)
+        if fused is not None:
+            prefix = name[: -len(fused[1][0])]
+            out[prefix + fused[0]] = torch.cat([state[prefix + part] for part in fused[1]]).contiguous()
+        elif not any(name.endswith("." + part) for parts in _FUSED.values() for part in parts[1:]):
+            out[name] = tensor
+    return out

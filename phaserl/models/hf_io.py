@@ -23,7 +23,7 @@ from torch import nn
 from phaserl.errors import ConfigError
 from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM
-from phaserl.models.families import FAMILIES, NATIVE_MODEL_TYPES
+from phaserl.models.families import FAMILIES, NATIVE_MODEL_TYPES, hf_state, native_names, native_state
 from phaserl.models.hf_fallback import HFCausalLM
 from phaserl.models.value import ValueModel
 
@@ -77,9 +77,12 @@ def _mismatch_error(directory: Path, missing: list, unexpected: list, mismatched
 def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device, ignore: tuple[str, ...] = (),
                   allow_missing: bool = False):
     """Fill `module` (built on the meta device; with allow_missing, a materialized module whose missing tensors
-    keep their init) with the tensors of `directory`, checking names and shapes."""
-    locations = {name: file for name, file in _weight_locations(directory).items()
-                 if not name.endswith(_IGNORED_SUFFIXES) and name not in ignore}
+    keep their init) with the tensors of `directory`, checking names and shapes. Fused checkpoint tensors
+    (Phi-3's qkv_proj, gate_up_proj) are split into ours by name (families.native_state)."""
+    cfg = module.config
+    locations = {native: file for name, file in _weight_locations(directory).items()
+                 if not name.endswith(_IGNORED_SUFFIXES) and name not in ignore
+                 for native in native_names(cfg, name)}
     expected = module.state_dict()
     missing = sorted(set(expected) - set(locations))
     unexpected = sorted(set(locations) - set(expected))
@@ -91,14 +94,18 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
     state = {}
     for file in sorted(set(locations.values())):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name not in expected:
+            for stored in f.keys():
+                if not any(name in expected for name in native_names(cfg, stored)):
                     continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
-                    raise ConfigError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
-                                      f"implies {tuple(expected[name].shape)}")
-                state[name] = tensor.to(device=device, dtype=dtype)
+                try:
+                    pieces = native_state(cfg, stored, f.get_tensor(stored))
+                except ConfigError as e:
+                    raise ConfigError(f"{file}: {e}") from None
+                for name, tensor in pieces.items():
+                    if tuple(tensor.shape) != tuple(expected[name].shape):
+                        raise ConfigError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
+                                          f"implies {tuple(expected[name].shape)}")
+                    state[name] = tensor.to(device=device, dtype=dtype)
     module.load_state_dict(state, strict=not missing, assign=not missing)
 
 
@@ -268,7 +275,8 @@ def save_pretrained(model: Union[CausalLM, HFCausalLM], out_dir: PathLike, *, to
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
         return _write_atomically(out_dir, write_hf)
-    state = _cpu_state(model, dtype)  # tied models have no lm_head.weight: the HF layout for tied weights
+    # Tied models have no lm_head.weight (the HF layout for tied weights); Phi-3 stores fused tensors.
+    state = hf_state(model.config, _cpu_state(model, dtype))
     config = model.config.to_hf_dict(_dtype_name(dtype or model.output_weight.dtype))
     return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, model.config, tokenizer))
 
@@ -277,7 +285,7 @@ def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
                      dtype: Optional[torch.dtype] = None) -> Path:
     """Write a `*ForSequenceClassification` directory (num_labels=1, `score.weight`)."""
     cfg = model.config
-    state = _cpu_state(model, dtype)
+    state = hf_state(cfg, _cpu_state(model, dtype))
     config = cfg.to_hf_dict(_dtype_name(dtype or model.score.weight.dtype))
     config.update(architectures=[FAMILIES[cfg.model_type].classifier], id2label={"0": "LABEL_0"},
                   label2id={"LABEL_0": 0}, num_labels=1)
