@@ -230,3 +230,11 @@ def test_what_a_family_has_and_we_do_not_is_refused_not_approximated(tmp_path):
     transformers.AutoModelForCausalLM.from_config(capped).save_pretrained(tmp_path / "gemma")
     with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not implemented natively"):
         load_pretrained(tmp_path / "gemma")
+
+
+def test_config_round_trips_through_config_json(pair):
+    # Checkpoints store to_hf_dict() and rebuild the model from it (resume, export): nothing may drift.
+    from phaserl.models import DecoderConfig
+
+    _, ours, _ = pair
+    assert DecoderConfig.from_hf_dict(ours.config.to_hf_dict()) == ours.config

@@ -63,6 +63,8 @@ def _varlen_kernel():
 
 
 _VARLEN = _varlen_kernel() if torch.cuda.is_available() else None
+# Whether varlen_attn takes `scale=` (Gemma's query_pre_attn_scalar); without it q is scaled beforehand.
+_VARLEN_SCALE = _VARLEN is not None and "scale" in inspect.signature(_VARLEN[0]).parameters
 USE_VARLEN = True  # False forces the dense block-diagonal mask on CUDA too (debugging, kernel comparisons)
 _GQA_PROBED: dict = {}  # device -> whether this torch's varlen kernel takes fewer kv heads as they are
 _WARNED: set = set()
@@ -122,8 +124,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.
         extra = dict(causal)
         if attn.window is not None:
             extra["window_size"] = (attn.window - 1, 0)
-        if scale is not None:
+        if scale is not None and _VARLEN_SCALE:
             extra["scale"] = scale
+        elif scale is not None:
+            q = q * (scale * D ** 0.5)  # the kernel divides by sqrt(D) itself
         if groups > 1 and native_gqa:
             extra["enable_gqa"] = True
         elif groups > 1 and not _varlen_takes_gqa(q.device):
