@@ -186,3 +186,37 @@ def test_rollout_with_transformers_cache_equals_recomputing_every_step(tmp_path,
     assert cached.response_ids == recomputed.response_ids
     for a, b in zip(cached.logprobs, recomputed.logprobs):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def _gpt2_run(tmp_path) -> list:
+    """Config overrides for a tiny GPT-2 (transformers path) run with the tiny tokenizer."""
+    from _tiny_run import make_prompt_files
+    from _tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    train, val = make_prompt_files(str(tmp_path), n_train=8, n_val=2)
+    return [f"model.path={tmp_path / 'model'}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+            "trainer.device=cpu", f"trainer.log_dir={tmp_path / 'logs'}", f"trainer.checkpoint_path={tmp_path / 'c'}",
+            "rollout.prompts_per_step=2", "rollout.n=2", "rollout.batch_size=2"]
+
+
+def test_the_doctor_estimates_memory_for_gpt2_and_fails_on_weights_that_do_not_match(tmp_path):
+    from phaserl.doctor import load_doctor_config, run_doctor
+    from phaserl.doctor.report import FAIL
+
+    overrides = _gpt2_run(tmp_path)
+    results = {r.name: r for r in run_doctor(load_doctor_config(None, overrides))}
+    assert results["model"].status != FAIL and "transformers fallback" in results["model"].message
+    memory = results["memory"]  # was AttributeError: 'GPT2Config' object has no attribute 'intermediate_size'
+    assert memory.status != FAIL and not memory.message.startswith("skipped"), memory.message
+    assert any(line.startswith("KV cache     2 × 2 layers × 4 kv heads × 8 head dim") for line in memory.details)
+    weights = tmp_path / "model" / "model.safetensors"
+    state = load_file(weights)
+    save_file({k: v for k, v in state.items() if not k.startswith("transformer.h.")}, weights,
+              metadata={"format": "pt"})
+    results = {r.name: r for r in run_doctor(load_doctor_config(None, overrides))}
+    assert results["model"].status == FAIL and "transformer.h.0." in results["model"].message
