@@ -17,6 +17,8 @@ from phaserl.models import CausalLM
 from phaserl.roles.forward import supports_packing
 from phaserl.trainer import RLTrainer
 
+pytestmark = pytest.mark.slow  # one train step per architecture: ~50 s on 2 cores
+
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")
 TWO = ["sliding_attention", "full_attention"]
 

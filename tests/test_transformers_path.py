@@ -204,6 +204,7 @@ def _gpt2_run(tmp_path) -> list:
             "rollout.prompts_per_step=2", "rollout.n=2", "rollout.batch_size=2"]
 
 
+@pytest.mark.slow
 def test_the_doctor_estimates_memory_for_gpt2_and_fails_on_weights_that_do_not_match(tmp_path):
     from phaserl.doctor import load_doctor_config, run_doctor
     from phaserl.doctor.report import FAIL
