@@ -100,6 +100,9 @@ def prompt_ids(shape: str) -> list[list[int]]:
     return [p for p in unique for _ in range(n)]
 
 
+RESULTS: dict = {}  # case -> best tokens/s of this process (the compare line)
+
+
 def rollout_native(shape: str, root: str, device: str, dtype: torch.dtype, repeats: int) -> None:
     model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native").eval()
     new = SHAPES[shape]["run"][3]
@@ -115,6 +118,7 @@ def rollout_native(shape: str, root: str, device: str, dtype: torch.dtype, repea
         tokens = sum(len(r) for r in out.response_ids)
         emit(measure="rollout", case="native", shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
              tokens_per_s=round(tokens / seconds, 1), graphs=engine.last_stats.get("graphs"))
+        RESULTS["native"] = max(RESULTS.get("native", 0.0), tokens / seconds)
 
 
 def rollout_hf(shape: str, root: str, device: str, dtype: torch.dtype, repeats: int) -> None:
@@ -137,6 +141,7 @@ def rollout_hf(shape: str, root: str, device: str, dtype: torch.dtype, repeats: 
             tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
             emit(measure="rollout", case="hf_generate", shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
                  tokens_per_s=round(tokens / seconds, 1))
+            RESULTS["hf"] = max(RESULTS.get("hf", 0.0), tokens / seconds)
 
 
 def grpo(shape: str, root: str, implementation: str, smoke: bool) -> None:
@@ -188,6 +193,11 @@ def main(argv=None) -> None:
                 rollout_hf(shape, root, device, dtype, 1 if a.smoke else a.repeats)
             else:
                 grpo(shape, root, case.removeprefix("grpo_"), a.smoke)
+        if "native" in RESULTS and "hf" in RESULTS:
+            speedup = RESULTS["native"] / RESULTS["hf"]
+            emit(measure="compare", shape=shape, native_tokens_per_s=round(RESULTS["native"], 1),
+                 hf_tokens_per_s=round(RESULTS["hf"], 1), speedup=round(speedup, 2), target_4x=speedup >= 4)
+        RESULTS.clear()
 
 
 if __name__ == "__main__":
