@@ -54,7 +54,7 @@ class ToolEnvironment(Environment):
             raise ValueError(f"ToolEnvironment: timeout_s={timeout_s!r} must be a positive number of seconds")
         if max_calls_per_turn < 1:
             raise ValueError(f"ToolEnvironment: max_calls_per_turn={max_calls_per_turn} must be >= 1")
-        self.final_reward = _final_reward(final_reward, dict(reward_kwargs or {}))
+        self.final_reward = final_reward_fn(final_reward, dict(reward_kwargs or {}))
         self.timeout_s, self.on_timeout = float(timeout_s), on_timeout
         self.max_calls_per_turn, self.max_result_chars = max_calls_per_turn, max_result_chars
         self.observation_role = observation_role
@@ -108,11 +108,11 @@ def _metrics(calls: int, errors: int, timeouts: int, seconds: float) -> dict:
             "tool_seconds": float(seconds)}
 
 
-def _final_reward(spec, kwargs: dict) -> Callable:
+def final_reward_fn(spec, kwargs: dict, *, where: str = "ToolEnvironment") -> Callable:
     """(row, response) -> float, for a reward.functions name, a callable, or None (always 0)."""
     if spec is None:
         if kwargs:
-            raise ValueError(f"ToolEnvironment: reward_kwargs {kwargs} given without a final_reward")
+            raise ValueError(f"{where}: reward_kwargs {kwargs} given without a final_reward")
         return lambda row, response: 0.0
     from phaserl.rewards.registry import RuleRewards  # the same checks and errors as reward.functions
 
@@ -120,9 +120,9 @@ def _final_reward(spec, kwargs: dict) -> Callable:
         rules = RuleRewards([(spec, 1.0, kwargs)])
     elif callable(spec):
         rules = RuleRewards([])
-        rules.rewards.append(_weighted(spec, kwargs))
+        rules.rewards.append(_weighted(spec, kwargs, where))
     else:
-        raise ValueError(f"ToolEnvironment: final_reward must be a reward function name or a callable, got {spec!r}")
+        raise ValueError(f"{where}: final_reward must be a reward function name or a callable, got {spec!r}")
 
     def score(row: dict, response: str) -> float:
         totals, _ = rules.score([row.get("prompt")], [response], [row.get("ground_truth")], [row])
@@ -131,9 +131,9 @@ def _final_reward(spec, kwargs: dict) -> Callable:
     return score
 
 
-def _weighted(fn: Callable, kwargs: dict):
+def _weighted(fn: Callable, kwargs: dict, where: str):
     from phaserl.rewards.registry import WeightedReward, _check_signature
 
-    where = f"ToolEnvironment final_reward {getattr(fn, '__name__', fn)!r}"
+    where = f"{where} final_reward {getattr(fn, '__name__', fn)!r}"
     return WeightedReward(getattr(fn, "__name__", "final_reward"), fn, 1.0, kwargs, where,
                           _check_signature(fn, kwargs, where, builtin=False))
