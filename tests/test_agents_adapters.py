@@ -23,10 +23,7 @@ def test_reasoning_gym_rows_score_with_the_datasets_own_score_answer(tmp_path):
     adapter.main(["basic_arithmetic", "--size", "5", "--seed", "3", "--config", '{"max_terms": 3}', "--out", str(path)])
     records = read_records(str(path))
     assert [r["extra_info"] for r in records] == [r["extra_info"] for r in rows]
-    rules = RuleRewards([])
-    from phaserl.rewards.registry import WeightedReward
-
-    rules.rewards.append(WeightedReward("rg", adapter.score, 1.0, {}))
+    rules = RuleRewards([("phaserl.agents.adapters.reasoning_gym:score", 1.0, {})])  # as reward.functions names it
     right = [f"so <answer>{e['answer']}</answer>" for e in reference]
     wrong = ["<answer>not a number</answer>", "no tag " + str(reference[1]["answer"]), "", "<answer></answer>", "x"]
     totals, _ = rules.score([r["prompt"] for r in records] * 2, right + wrong,

@@ -247,3 +247,12 @@ def test_tiny_model_through_the_openai_client_records_its_own_logprobs():
             torch.testing.assert_close(torch.tensor(seg.logprobs), expected, atol=1e-4, rtol=0)
         start += len(seg.token_ids)
     assert tokenizer.decode(episode.segments[2].token_ids) == "<|user|>12+30=<|assistant|>"
+
+
+def test_the_openai_harness_example_runs(capsys):
+    import runpy
+
+    episodes = runpy.run_path("examples/openai_harness.py")["main"]()
+    assert len(episodes) == 8 and all([s.kind for s in e.segments] == ["prompt", "model", "observation", "model"]
+                                      for e in episodes)
+    assert "8 episodes" in capsys.readouterr().out

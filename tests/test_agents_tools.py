@@ -202,3 +202,16 @@ def test_schemas_reach_a_real_chat_template():
                          "{% for m in messages %}{{ m.content }}{% endfor %}")
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=[add.schema], tokenize=False)
     assert json.loads(text[len("<tools>"):text.index("</tools>")]) == add.schema
+
+
+def test_an_async_tool_runs_like_a_plain_one():
+    import asyncio
+
+    @tool
+    async def double(x: int) -> int:
+        """Twice x."""
+        await asyncio.sleep(0.01)
+        return 2 * x
+
+    (outcome,) = run_tool_calls([ToolCall("double", {"x": 21})], {"double": double}, timeout_s=5)
+    assert (outcome.status, outcome.content) == ("ok", "42")
