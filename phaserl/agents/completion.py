@@ -6,8 +6,9 @@ The OpenAI-compatible server (server.py) never touches a model; it asks a `Compl
 
 `complete` is called from many HTTP threads at once. `GenerateBackend` (the default during rollout)
 funnels those calls into one worker thread that takes every request waiting at that moment, groups
-them by sampling settings, and makes one batched `generate` call per group, so that a harness driving
-64 conversations at once decodes them together on the rollout engine. It drives anything with the
+them by sampling settings (it keeps taking while requests arrive less than `gather_s` apart), and
+makes one batched `generate` call per group, so that a harness driving 64 conversations at once
+decodes them together on the rollout engine. It drives anything with the
 actor's signature `generate(prompts, params, *, eos_token_ids, pad_token_id, batch_size, generator)`
 (HybridActor, RolloutEngine) or a bare model through rollout.generate.generate.
 `FakeBackend` answers from a function of the prompt, for tests without a model.
@@ -76,7 +77,7 @@ class GenerateBackend:
     """Batches concurrent requests onto `target.generate` (HybridActor / RolloutEngine) or a bare model."""
 
     def __init__(self, target, *, eos_token_ids: list, pad_token_id: int, max_batch: int = 256,
-                 gather_s: float = 0.002, device=None):
+                 gather_s: float = 0.005, device=None):
         self.generate = self._generate_fn(target)
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.max_batch, self.gather_s = max_batch, gather_s
