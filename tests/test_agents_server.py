@@ -214,16 +214,18 @@ def test_run_harness_returns_episodes_and_survives_failing_and_hanging_harnesses
             run_harness(lambda url, row: (_ for _ in ()).throw(RuntimeError("nope")), rows[:1], server)
 
 
-def test_tiny_model_through_the_openai_client_records_its_own_logprobs():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_tiny_model_through_the_openai_client_records_its_own_logprobs(device):
     """The real path: phaserl's tiny model behind GenerateBackend; the recorded episode's log-probs are
-    what the model computes for those exact ids (teacher-forced), so training sees the sampled tokens."""
+    what the model computes for those exact ids (teacher-forced), so training sees the sampled tokens.
+    On CUDA the engine decodes with CUDA graphs, in float32."""
     from phaserl.models.hf_io import load_pretrained
     from phaserl.rollout.engine import RolloutEngine
     from phaserl.world import prepare_tiny_world
     from transformers import AutoTokenizer
 
     world = prepare_tiny_world()
-    model = load_pretrained(world.model_dir).eval()
+    model = load_pretrained(world.model_dir, device=device).eval()
     tokenizer = AutoTokenizer.from_pretrained(world.tokenizer_dir)
     backend = GenerateBackend(RolloutEngine(model), eos_token_ids=[tokenizer.eos_token_id],
                               pad_token_id=tokenizer.pad_token_id)
@@ -237,7 +239,7 @@ def test_tiny_model_through_the_openai_client_records_its_own_logprobs():
     assert [s.kind for s in episode.segments] == ["prompt", "model", "observation", "model"]
     ids = episode.prompt_ids + episode.response_ids()
     with torch.inference_mode():
-        logits = model.logits(model(torch.tensor([ids]))[0])  # [T, V]
+        logits = model.logits(model(torch.tensor([ids], device=device))[0]).cpu()  # [T, V]
     start = len(episode.prompt_ids)
     temps = iter([1.0, 0.7])
     for seg in episode.segments[1:]:

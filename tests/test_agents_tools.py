@@ -73,6 +73,9 @@ def test_llama3_and_mistral_parsers():
     turn = mistral('ok [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}, "id": "abc123XYZ"}]')
     assert turn.content == "ok" and turn.calls[0].id == "abc123XYZ"
     assert mistral("[TOOL_CALLS][{oops").errors
+    # Decoded with skip_special_tokens=True, the marker is gone; the bare call list still counts.
+    assert mistral('[{"name": "add", "arguments": {"a": 1, "b": 2}}]').calls[0].arguments == {"a": 1, "b": 2}
+    assert mistral('[{"x": 1}] is a list').calls == []
 
 
 def test_parser_registry_suggests_names_and_takes_new_ones():

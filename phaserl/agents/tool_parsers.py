@@ -135,10 +135,16 @@ def parse_llama3_json(text: str) -> ParsedTurn:
 
 @register_tool_parser("mistral")
 def parse_mistral(text: str) -> ParsedTurn:
-    """[TOOL_CALLS] followed by a JSON list of call objects (or a single object)."""
+    """[TOOL_CALLS] followed by a JSON list of call objects (or a single object). [TOOL_CALLS] is a
+    special token, so text decoded without special tokens has lost it: a turn that is just a JSON list
+    of objects with a "name" then counts as the calls."""
     head, sep, tail = text.partition("[TOOL_CALLS]")
     out = ParsedTurn(head.strip())
     if not sep:
+        bare = _decode(text.strip(), "[TOOL_CALLS]") if text.strip().startswith("[{") else None
+        if isinstance(bare, list) and bare and all(isinstance(c, dict) and "name" in c for c in bare):
+            out.content = ""
+            _collect(bare, out, "arguments")
         return out
     decoded = _decode(tail.strip(), "[TOOL_CALLS]")
     if isinstance(decoded, _BadJSON):
