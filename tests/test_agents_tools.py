@@ -218,3 +218,56 @@ def test_an_async_tool_runs_like_a_plain_one():
 
     (outcome,) = run_tool_calls([ToolCall("double", {"x": 21})], {"double": double}, timeout_s=5)
     assert (outcome.status, outcome.content) == ("ok", "42")
+
+
+def test_tool_environment_inside_the_episode_runner():
+    """The two halves of issue 15 together: ToolEnvironment run by agents-core's EpisodeRunner (skipped
+    on a branch without it). A stand-in parser calls `add` for any turn not starting with a digit, so
+    the random tiny model produces both tool turns and final answers."""
+    episodes_mod = pytest.importorskip("phaserl.agents.episodes")
+    import torch
+
+    from phaserl.agents.loader import EnvironmentFactory
+    from phaserl.data.prompts import PromptItem
+    from phaserl.data.rows import PromptRow
+    from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from phaserl.world.tokenizer import build_tokenizer
+    from tests.test_rollout_engine import tiny_model
+
+    tok = build_tokenizer()
+
+    def digit_or_call(text):
+        if text[:1].isdigit():
+            return ParsedTurn(text)
+        return ParsedTurn("", [ToolCall("add", {"a": len(text), "b": 1})])
+
+    def is_digit_answer(prompt, response, ground_truth, **row):
+        return float(response[:1].isdigit())
+
+    kwargs = dict(tools=[add], parser=digit_or_call, final_reward=is_digit_answer, observation_role="user")
+    limits = episodes_mod.AgentLimits(max_turns=4, max_turn_tokens=4, max_episode_tokens=96, context_limited=False,
+                                      step_timeout_s=10.0, on_env_error="end", workers=4, overlap=False)
+    runner = episodes_mod.EpisodeRunner(EnvironmentFactory(ToolEnvironment, kwargs), tok, limits)
+    starts = []
+    for i in range(4):
+        prompt = [{"role": "user", "content": "12+34="}]
+        row = PromptRow(prompt=prompt, data_source="t", ground_truth="46", extra_info={}, source=f"t:row {i}",
+                        index=i, raw={"prompt": prompt})
+        text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        item = episodes_mod.EpisodeStart(PromptItem(row, tuple(tok.encode(text, add_special_tokens=False)), text),
+                                         seed=i, label=f"t:row {i}")
+        starts.append(item)
+    model = tiny_model(vocab_size=len(tok), max_position_embeddings=128)
+    engine = RolloutEngine(model, EngineConfig(max_slots=4))
+    with engine.session(SamplingParams(max_new_tokens=4, temperature=1.0), slot_len=96, eos_token_ids=[tok.eos_token_id],
+                        generator=torch.Generator().manual_seed(0)) as session:
+        episodes = runner.run_session(session, starts)
+    assert sum(ep.metrics.get("tool_calls", 0) for ep in episodes) > 0
+    for ep in episodes:
+        observations = [s for s in ep.segments if s.kind == "observation"]
+        calls = ep.metrics.get("tool_calls", 0)
+        assert all(tok.decode(s.token_ids).startswith("<|user|>") for s in observations)
+        if ep.finish_reason == "done":  # ended by an answer starting with a digit
+            assert ep.reward == 1.0 and calls == len(observations)  # one tool message per call turn
+        else:  # a limit ended it, possibly right after a call turn whose result was not appended
+            assert ep.finish_reason in ("max_turns", "max_tokens") and len(observations) <= calls <= len(observations) + 1
