@@ -177,6 +177,10 @@ def test_generate_backend_batches_concurrent_requests():
         t.join()
     assert [r.token_ids for r in results] == [[i + 10, EOS] for i in range(8)]
     assert sum(calls) == 8 and len(calls) < 8  # several requests shared one generate call
+    backend.close()
+    assert not backend._worker.is_alive()
+    with pytest.raises(RuntimeError, match="worker stopped"):
+        backend.complete(CompletionRequest((5,), 4))
 
 
 def test_run_harness_returns_episodes_and_survives_failing_and_hanging_harnesses(tok):

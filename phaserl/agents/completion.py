@@ -105,14 +105,21 @@ class GenerateBackend:
         self._queue.put((request, done))
         return done.result()
 
+    def close(self) -> None:
+        """Stop the worker once the requests already queued are answered."""
+        self._queue.put(None)
+        self._worker.join()
+
     def _serve(self) -> None:
         while True:
             batch = [self._queue.get()]
             try:  # take everything that arrives within gather_s, up to max_batch
-                while len(batch) < self.max_batch:
+                while len(batch) < self.max_batch and batch[-1] is not None:
                     batch.append(self._queue.get(timeout=self.gather_s))
             except queue.Empty:
                 pass
+            stop = batch[-1] is None
+            batch = [item for item in batch if item is not None]
             groups: dict = {}
             for request, done in batch:
                 # Seeded requests run alone: their seed fixes their sample, not their neighbours'.
@@ -120,6 +127,8 @@ class GenerateBackend:
                 groups.setdefault(key, []).append((request, done))
             for (params, seed, _), items in groups.items():
                 self._run(params, seed, items)
+            if stop:
+                return
 
     def _run(self, params: SamplingParams, seed: Optional[int], items: list) -> None:
         generator = None
