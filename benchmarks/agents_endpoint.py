@@ -5,7 +5,7 @@ random weights, bf16, 64 rows x 8 samples = 512 conversations, prompt 128 tokens
 completion (no EOS: fixed lengths). Cases, all in one process on one engine:
 
     direct          engine.generate on the 512 prompts at once (the single-turn number)
-    endpoint_1turn  512 harness threads, each one `openai` chat completion through ChatServer
+    endpoint_1turn  512 harness threads, each one chat completion (HTTP, stdlib client) through ChatServer
     endpoint_2turn  the same harnesses, each asking a second time after a 16-token user turn
 
 `ratio_vs_direct` = endpoint tokens/s over direct tokens/s. The endpoint pays for HTTP, chat-template
@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -48,6 +49,13 @@ def id_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<t0>", pad_token="<t0>", eos_token="<t1>")
     tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     return tok
+
+
+def post_json(url: str, body: dict) -> dict:
+    """The harness's HTTP call, with the stdlib (the device machine has no openai package)."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
 
 
 def text_of(ids: list) -> str:
@@ -97,15 +105,13 @@ def main() -> None:
     emit(case="direct", shape=args.shape, device=device, sequences=n, new_tokens=tokens, seconds=direct_s,
          tokens_per_s=tokens / direct_s)
 
-    import openai
-
     def harness(turns):
         def run(base_url, row):
-            client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
             messages = [{"role": "user", "content": text_of(row["ids"])}]
             for turn in range(turns):
-                reply = client.chat.completions.create(model="bench", messages=messages, max_tokens=args.new_tokens)
-                messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                reply = post_json(base_url + "/chat/completions",
+                                  {"model": "bench", "messages": messages, "max_tokens": args.new_tokens})
+                messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
                              {"role": "user", "content": text_of(row["ids"][:16])}]
             return 0.0
         return run
