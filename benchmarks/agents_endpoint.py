@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import urllib.request
 
@@ -42,11 +43,14 @@ def emit(**record) -> None:
 
 
 def id_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Token i is the text "<ti>": any sampled id decodes and re-encodes to itself (random weights sample anything)."""
-    core = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+    """Token i is the text "<ti>": any sampled id decodes and re-encodes to itself (random weights sample anything).
+    The special tokens sit above the model's vocabulary, so no sampled id is dropped from a reply's text."""
+    vocab = {f"<t{i}>": i for i in range(vocab_size)} | {"<pad>": vocab_size, "<eos>": vocab_size + 1}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"<t\d+>"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<t0>", pad_token="<t0>", eos_token="<t1>")
+    core.add_special_tokens(["<pad>", "<eos>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
     tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     return tok
 
@@ -88,8 +92,13 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
     prompts = [r["ids"] for r in rows for _ in range(args.samples)]
 
-    def direct():
-        return engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, batch_size=n)
+    def direct():  # on a worker thread, like the endpoint's generate calls: both under the same conditions
+        out = []
+        worker = threading.Thread(target=lambda: out.append(
+            engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, batch_size=n)))
+        worker.start()
+        worker.join()
+        return out[0]
 
     def sync():
         if device == "cuda":
