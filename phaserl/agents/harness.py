@@ -31,10 +31,17 @@ log = logging.getLogger("phaserl.agents.harness")
 
 
 def run_harness(harness: Callable, rows: list, server, *, samples_per_row: int = 1, max_workers: int = 16,
-                timeout_s: Optional[float] = None, reward=None, reward_kwargs: Optional[dict] = None) -> list:
-    """Episodes of `harness(base_url, row)` over rows x samples_per_row (see the module docstring)."""
+                timeout_s: Optional[float] = None, reward=None, reward_kwargs: Optional[dict] = None,
+                episode_rows: Optional[list] = None) -> list:
+    """Episodes of `harness(base_url, row)` over rows x samples_per_row (see the module docstring).
+
+    episode_rows: what each Episode.row holds (e.g. the trainer's PromptRows while the harness gets
+    plain dicts); default `rows`. The samples of a row come out consecutively, as a GRPO group."""
     if samples_per_row < 1 or max_workers < 1:
         raise ValueError(f"run_harness: samples_per_row={samples_per_row} and max_workers={max_workers} must be >= 1")
+    episode_rows = rows if episode_rows is None else episode_rows
+    if len(episode_rows) != len(rows):
+        raise ValueError(f"run_harness: {len(episode_rows)} episode_rows for {len(rows)} rows")
     score = final_reward_fn(reward, dict(reward_kwargs or {}), where="run_harness") if reward is not None else None
     run_id = uuid.uuid4().hex[:8]
     jobs = [(i, k, f"{run_id}-{i}-{k}") for i in range(len(rows)) for k in range(samples_per_row)]
@@ -74,7 +81,7 @@ def run_harness(harness: Callable, rows: list, server, *, samples_per_row: int =
         if conv is None or not conv.turns:
             continue
         reward = _reward(status, value, score, rows[i], conv, i)
-        for episode in conv.episodes(rows[i], reward):
+        for episode in conv.episodes(episode_rows[i], reward):
             if status != "ok":
                 episode.finish_reason = "env_error"
             episode.metrics.update({"harness_errors": float(status == "error"),
