@@ -8,6 +8,7 @@ from phaserl.agents.env import Environment, as_step_result
 
 
 # ----- reasoning-gym -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_reasoning_gym_rows_score_with_the_datasets_own_score_answer(tmp_path):
     rg = pytest.importorskip("reasoning_gym")
     from phaserl.agents.adapters import reasoning_gym as adapter
@@ -140,6 +141,7 @@ def _word_env():
     return WordEnv, GuessAction
 
 
+@pytest.mark.slow
 def test_openenv_environment_in_process():
     pytest.importorskip("openenv")
     from phaserl.agents.adapters.openenv import OpenEnvEnvironment
@@ -166,6 +168,7 @@ def test_openenv_environment_in_process():
         OpenEnvEnvironment(make=WordEnv, action=TwoStrings)
 
 
+@pytest.mark.slow
 def test_openenv_client_style_step_results_are_unwrapped():
     pytest.importorskip("openenv")
     from openenv.core.client_types import StepResult as ClientStepResult

@@ -200,6 +200,7 @@ def test_generate_backend_batches_concurrent_requests():
 
 
 @needs_openai
+@pytest.mark.slow
 def test_run_harness_returns_episodes_and_survives_failing_and_hanging_harnesses(tok):
     backend = scripted(tok, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>', "2")
 
@@ -240,6 +241,7 @@ def test_run_harness_returns_episodes_and_survives_failing_and_hanging_harnesses
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.slow
 def test_tiny_model_through_the_openai_client_records_its_own_logprobs(device):
     """The real path: phaserl's tiny model behind GenerateBackend; the recorded episode's log-probs are
     what the model computes for those exact ids (teacher-forced), so training sees the sampled tokens.
@@ -277,6 +279,7 @@ def test_tiny_model_through_the_openai_client_records_its_own_logprobs(device):
 
 
 @needs_openai
+@pytest.mark.slow
 def test_the_openai_harness_example_runs(capsys):
     import runpy
 

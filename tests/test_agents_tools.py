@@ -220,6 +220,7 @@ def test_an_async_tool_runs_like_a_plain_one():
     assert (outcome.status, outcome.content) == ("ok", "42")
 
 
+@pytest.mark.slow
 def test_tool_environment_inside_the_episode_runner():
     """The two halves of issue 15 together: ToolEnvironment run by agents-core's EpisodeRunner (skipped
     on a branch without it). A stand-in parser calls `add` for any turn not starting with a digit, so
