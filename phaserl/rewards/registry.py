@@ -1,7 +1,7 @@
 """Turn `reward.functions` entries into callables and score responses with their weighted sum.
 
-A name is a built-in (`rules.BUILTIN_REWARDS`) or `path/to/file.py:function` (relative paths are
-relative to the working directory). `RuleRewards` calls every function on every response and checks
+A name is a built-in (`rules.BUILTIN_REWARDS`), `path/to/file.py:function` (relative paths are
+relative to the working directory) or `package.module:function` (an importable module). `RuleRewards` calls every function on every response and checks
 what comes back: a real number (bool counts as 0/1; int, float, numpy scalar, one-element tensor)
 that is finite. Anything else, or an exception, is a `RewardError` naming the function, the row and
 the response. This module does not batch across processes or run the reward model.
@@ -20,6 +20,7 @@ import inspect
 import math
 import numbers
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -34,15 +35,17 @@ _loaded_modules: dict[str, object] = {}  # absolute file path -> module, so a fi
 
 
 def resolve_reward_fn(name: str) -> Callable:
-    """A built-in reward by name, or `function` from `path/to/file.py:function`."""
+    """A built-in reward by name, `function` from `path/to/file.py:function`, or from `package.module:function`."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     path, sep, fn_name = name.rpartition(":")
+    if sep and fn_name and not path.endswith(".py") and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", path):
+        return _from_module(path, fn_name, name)
     if not sep or not path.endswith(".py"):
         close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown reward function {name!r}.{hint} Built-ins: {', '.join(BUILTIN_REWARDS)}; "
-                          f"your own function is written 'path/to/file.py:function_name'.")
+                          f"your own function is written 'path/to/file.py:function_name' or 'package.module:function_name'.")
     module = _load_file(path, name)
     if not hasattr(module, fn_name):
         defined = [n for n, obj in vars(module).items()
@@ -53,6 +56,18 @@ def resolve_reward_fn(name: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"reward function {name!r}: {fn_name} in {path} is a {type(fn).__name__}, not a "
                           f"function; point the name at a def fn(prompt, response, ground_truth, **row).")
+    return fn
+
+
+def _from_module(module_name: str, fn_name: str, name: str) -> Callable:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"reward function {name!r}: cannot import {module_name} ({exc}); install its package "
+                          "or give a file as 'path/to/file.py:function_name'") from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward function {name!r}: {module_name} has no function {fn_name!r}")
     return fn
 
 

@@ -1,0 +1,113 @@
+"""Run a user's external agent harness over data rows and collect token-exact Episodes.
+
+A harness is a plain function that drives one conversation through an OpenAI client:
+
+    def harness(base_url: str, row: dict) -> float | None:
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
+        ... client.chat.completions.create(model="phaserl-policy", messages=..., tools=...) ...
+        return reward      # or None: then `reward` (a rule reward on the last reply) scores it
+
+`run_harness` gives every (row, sample) its own conversation URL on the running `ChatServer`, runs
+up to `max_workers` harness calls at once in daemon threads (their requests meet in the server's
+batching backend), and turns each recorded conversation into Episodes (recorder.py), in row order.
+A harness that raises gives its recorded turns as an episode with finish_reason "env_error" and
+reward 0 (logged with the row); one that outlives `timeout_s` is abandoned the same way, and its
+conversation is closed so its late requests are refused. A harness that made no request yields
+nothing. Not here: where these episodes go (the trainer's rollout phase).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Callable, Optional
+
+from phaserl.agents.tool_env import final_reward_fn
+
+log = logging.getLogger("phaserl.agents.harness")
+
+
+def run_harness(harness: Callable, rows: list, server, *, samples_per_row: int = 1, max_workers: int = 16,
+                timeout_s: Optional[float] = None, reward=None, reward_kwargs: Optional[dict] = None,
+                episode_rows: Optional[list] = None) -> list:
+    """Episodes of `harness(base_url, row)` over rows x samples_per_row (see the module docstring).
+
+    episode_rows: what each Episode.row holds (e.g. the trainer's PromptRows while the harness gets
+    plain dicts); default `rows`. The samples of a row come out consecutively, as a GRPO group."""
+    if samples_per_row < 1 or max_workers < 1:
+        raise ValueError(f"run_harness: samples_per_row={samples_per_row} and max_workers={max_workers} must be >= 1")
+    episode_rows = rows if episode_rows is None else episode_rows
+    if len(episode_rows) != len(rows):
+        raise ValueError(f"run_harness: {len(episode_rows)} episode_rows for {len(rows)} rows")
+    score = final_reward_fn(reward, dict(reward_kwargs or {}), where="run_harness") if reward is not None else None
+    run_id = uuid.uuid4().hex[:8]
+    jobs = [(i, k, f"{run_id}-{i}-{k}") for i in range(len(rows)) for k in range(samples_per_row)]
+    outcomes: dict = {}
+
+    def work(job):
+        i, _, conv_id = job
+        try:
+            outcomes[job] = ("ok", harness(server.conversation_url(conv_id), rows[i]))
+        except Exception as exc:  # the harness's own bug or a refused request: the row's episode ends here
+            outcomes[job] = ("error", exc)
+
+    pending, running = deque(jobs), {}
+    while pending or running:
+        while pending and len(running) < max_workers:
+            job = pending.popleft()
+            thread = threading.Thread(target=work, args=(job,), name=f"phaserl-harness-{job[2]}", daemon=True)
+            thread.start()
+            running[job] = (thread, time.perf_counter())
+        time.sleep(0.002)
+        for job, (thread, start) in list(running.items()):
+            if not thread.is_alive():
+                del running[job]
+            elif timeout_s is not None and time.perf_counter() - start > timeout_s:
+                outcomes.setdefault(job, ("timeout", None))
+                del running[job]
+
+    episodes, first_error = [], None
+    for job in jobs:
+        i, k, conv_id = job
+        conv = server.store.pop(conv_id)
+        status, value = outcomes.get(job, ("timeout", None))
+        if status != "ok":
+            first_error = first_error or (status, value, i)
+            log.warning("harness on row %d (sample %d) %s; its recorded turns are kept with reward 0", i, k,
+                        f"raised {type(value).__name__}: {value}" if status == "error" else f"ran past {timeout_s} s")
+        if conv is None or not conv.turns:
+            continue
+        reward = _reward(status, value, score, rows[i], conv, i)
+        for episode in conv.episodes(episode_rows[i], reward):
+            if status != "ok":
+                episode.finish_reason = "env_error"
+            episode.metrics.update({"harness_errors": float(status == "error"),
+                                    "harness_timeouts": float(status == "timeout")})
+            episodes.append(episode)
+    if not episodes and first_error is not None:
+        status, value, i = first_error
+        raise RuntimeError(f"run_harness: no harness call recorded a completion; the first failure was on row {i}: "
+                           + (f"{type(value).__name__}: {value}" if status == "error" else f"timeout after {timeout_s} s")) \
+            from (value if isinstance(value, Exception) else None)
+    return episodes
+
+
+def _reward(status: str, value, score, row, conv, i: int) -> float:
+    if status != "ok":
+        return 0.0
+    if value is None:
+        if score is None:
+            raise ValueError(f"run_harness: the harness returned None for row {i} and no `reward` was given; "
+                             "return the episode's reward, or pass reward='<rule name>' to score the last reply")
+        return score(row if isinstance(row, dict) else vars(row), (conv.reply or {}).get("content", ""))
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"run_harness: the harness returned {value!r} for row {i}; return a number (the reward) "
+                         "or None") from None
+    if not math.isfinite(number):
+        raise ValueError(f"run_harness: the harness returned a non-finite reward {number} for row {i}")
+    return number
