@@ -23,3 +23,7 @@ class RewardError(PhaserlError, RuntimeError):
 
 class PreflightError(PhaserlError, RuntimeError):
     """A check run before (or during) training found a mistake that would waste the run."""
+
+
+class CheckpointError(PhaserlError, RuntimeError):
+    """A checkpoint is damaged, unsafe, locked by another run, or cannot be written."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _tiny_run import make_run_dir
+from phaserl.checkpoint import manifest
 from phaserl.config import load_config, to_dict
 from phaserl.errors import ConfigError
 from phaserl.trainer import RLTrainer
@@ -60,7 +61,7 @@ def test_a_checkpoint_holds_every_piece_of_the_run(first_run):
     assert meta["complete"] is True and meta["step"] == 3 and meta["world_size"] == 1
     assert meta["roles"] == ["actor"] and meta["phaserl_version"]
     assert (step / "dcp" / ".metadata").is_file()
-    assert (step / "rng" / "rank_0.pt").is_file()
+    assert (step / "rng" / "rank_0.safetensors").is_file()
     state = json.loads((step / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["trainer"]["step"] == 3
     assert state["kl_controller"] == {"value": 0.001}
@@ -136,6 +137,7 @@ def test_resume_with_other_roles_is_refused(first_run, tmp_path):
     shutil.copytree(first_run["root"] / "ckpt" / "step_3", other)
     meta = json.loads((other / "metadata.json").read_text())
     (other / "metadata.json").write_text(json.dumps({**meta, "roles": ["actor", "critic"]}))
+    manifest.write_manifest(str(other), {})   # as if a run with a critic had written it
     trainer = _trainer(first_run["overrides"] + [f"trainer.resume={other}"])
     with pytest.raises(ConfigError, match=r"holds roles \['actor', 'critic'\], this run trains \['actor'\]"):
         trainer.fit()

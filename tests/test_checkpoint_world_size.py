@@ -107,7 +107,7 @@ def test_one_process_to_two_sharded_ranks_and_back(tmp_path):
     mp.start_processes(_sharded_ranks, args=(2, free_port(), root), nprocs=2, join=True, start_method=start_method())
     meta = os.path.join(root, "ckpt", "step_2", "metadata.json")
     assert '"world_size": 2' in open(meta).read()
-    assert sorted(os.listdir(os.path.join(root, "ckpt", "step_2", "rng"))) == ["rank_0.pt", "rank_1.pt"]
+    assert sorted(os.listdir(os.path.join(root, "ckpt", "step_2", "rng"))) == ["rank_0.safetensors", "rank_1.safetensors"]
 
     # 1 process again: resume step 2, equal to what the sharded ranks held, rank 0's RNG included
     role, generator = _role(), torch.Generator().manual_seed(7)

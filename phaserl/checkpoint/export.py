@@ -17,30 +17,41 @@ from typing import Optional
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..models import CausalLM, DecoderConfig, ValueModel, load_tokenizer, save_pretrained, save_value_model
-from . import store
-from .state import ARCH_DIR, DCP_DIR, TOKENIZER_DIR, load_module, read_architecture
+from . import manifest, store
+from .state import ARCH_DIR, TOKENIZER_DIR, load_module, read_architecture
 
 log = logging.getLogger("phaserl")
 
 
 def resolve_checkpoint(path: str) -> store.CheckpointInfo:
-    """A complete checkpoint: `path` itself, or the newest complete one when `path` is a checkpoint_path root."""
+    """A complete, verified checkpoint: `path` itself, or the newest good one when `path` is a checkpoint_path root."""
     if not os.path.isdir(path):
         raise ConfigError(f"checkpoint {path!r} does not exist (or is not a directory)")
     meta, why = store.read_metadata(path)
     if meta is not None:
+        problems = manifest.verify(path, full=True)
+        if problems:
+            raise CheckpointError(f"checkpoint {path!r} is damaged: {'; '.join(problems[:4])}; export an earlier "
+                                  f"step_N (or the checkpoint_path {os.path.dirname(os.path.normpath(path))!r}: its "
+                                  "newest good one)")
         return store.CheckpointInfo(path=path, step=int(meta["step"]), metadata=meta)
     if os.path.basename(os.path.normpath(path)).startswith((store.STEP_PREFIX, store.TMP_PREFIX)):
         raise ConfigError(f"checkpoint {path!r} is incomplete: {why}; use an earlier step_N directory "
                           f"(the newest complete one is named in {os.path.join(os.path.dirname(path), store.POINTER)})")
-    newest = store.latest_complete(path)
-    if newest is None:
-        raise ConfigError(f"{path!r} is neither a checkpoint (step_N/ with {store.METADATA}) nor a "
-                          "trainer.checkpoint_path holding complete ones")
-    log.info(f"export: using the newest complete checkpoint under {path}: {newest.path}")
-    return newest
+    found = store.scan(path)
+    store.report_incomplete(found)
+    for info in reversed(found.complete):
+        problems = manifest.verify(info.path, full=True)
+        if not problems:
+            log.info(f"export: using the newest good checkpoint under {path}: {info.path}")
+            return info
+        log.warning(f"export: skipping the damaged {info.path}: {'; '.join(problems[:4])}")
+    if found.complete:
+        raise CheckpointError(f"every checkpoint under {path!r} is damaged (see the warnings above)")
+    raise ConfigError(f"{path!r} is neither a checkpoint (step_N/ with {store.METADATA}) nor a "
+                      "trainer.checkpoint_path holding complete ones")
 
 
 def export_checkpoint(ckpt_dir: str, out_dir: str, *, critic: bool = False, overwrite: bool = False) -> Path:
@@ -67,7 +78,7 @@ def export_role(ckpt_dir: str, out_dir: str, *, role: str) -> Path:
     tokenizer_dir = os.path.join(ckpt_dir, TOKENIZER_DIR)
     tokenizer = load_tokenizer(tokenizer_dir) if os.path.isdir(tokenizer_dir) else None
     model = _empty_model(arch, role)
-    load_module(model, os.path.join(ckpt_dir, DCP_DIR), role)
+    load_module(model, ckpt_dir, role)
     if role == "critic":
         return save_value_model(model, out_dir, tokenizer=tokenizer, dtype=dtype)
     return save_pretrained(model, out_dir, tokenizer=tokenizer, dtype=dtype)

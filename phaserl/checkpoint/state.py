@@ -1,154 +1,167 @@
 """What a checkpoint holds, and how each piece is collected from and restored into a live run.
 
-    dcp/                      torch.distributed.checkpoint of {role: {model, optim, scheduler}} for the
-                              trainable roles (actor, critic): every rank writes its shards, any world
-                              size reads them back (resharding is DCP's job)
-    rng/rank_{r}.pt           rank r's RNG states: torch CPU, CUDA, python `random`, numpy, and the run's
-                              named generators (the rollout sampler)
+    dcp/                      torch.distributed.checkpoint of the roles' tensors ({role}/model/...,
+                              {role}/optim/state/...): every rank writes its shards, any world size reads
+                              them back (resharding is DCP's job); tensors only (safe_dcp.py)
+    roles.json                everything else in the roles' state dicts: optimizer param_groups, LR
+                              scheduler state (JSON, with each tensor's place marked)
+    rng/rank_{r}.safetensors  rank r's RNG states (rng.py)
     trainer_state.json        the step and the small JSON states: trainer loop, KL controller, prompt loader
     architecture/{role}.json  each role's HF config and dtype, so `export` needs no base model
     tokenizer/                the tokenizer files
 
-The Checkpointer (__init__.py) decides when and where; store.py makes it atomic. Roles are duck-typed:
-`.model` (nn.Module) and `.optimizer` (roles.optim.Optimizer: `.opt` AdamW, `.sched` LR scheduler).
+A role gives its state dicts: `role.checkpoint_state_dicts()` and `role.load_checkpoint_state_dicts(sd)`
+when it defines them (e.g. a role that saves only its adapters), else {model, optim, scheduler} from
+`.model` and `.optimizer` (roles.optim.Optimizer: `.opt` AdamW, `.sched` LR scheduler). Nothing here
+knows which files are complete (store.py, manifest.py) or when to save (the Checkpointer).
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
-import random
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ..errors import ConfigError
-from ..parallel import is_distributed
-from .store import fsync_path, write_json
-
-log = logging.getLogger("phaserl")
+from ..errors import CheckpointError
+from .safe_dcp import load_tensors, save_tensors
+from .store import write_json
 
 DCP_DIR, RNG_DIR, STATE_FILE, ARCH_DIR, TOKENIZER_DIR = "dcp", "rng", "trainer_state.json", "architecture", "tokenizer"
+ROLES_FILE = "roles.json"
+_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"   # markers in roles.json
 
 
 @dataclass
 class TrainingState:
     """The live objects a checkpoint captures (RLTrainer.checkpoint_state() builds one)."""
     step: int
-    roles: dict                                      # "actor"/"critic" -> role (.model, .optimizer)
+    roles: dict                                      # "actor"/"critic" -> role
     stateful: dict = field(default_factory=dict)     # name -> object with JSON state_dict()/load_state_dict()
     generators: dict = field(default_factory=dict)   # name -> torch.Generator, saved per rank
     tokenizer: Any = None
 
 
-# ---------------------------------------------------------------------------------------------- roles (DCP)
+# ---------------------------------------------------------------------------------------------- roles
 
-def _role_state_dicts(roles: dict) -> dict:
-    out = {}
-    for name, role in roles.items():
-        optim = role.optimizer
-        out[name] = {"model": get_model_state_dict(role.model),
-                     "optim": get_optimizer_state_dict(role.model, optim.opt),
-                     "scheduler": optim.sched.state_dict()}
-    return out
-
-
-@contextmanager
-def _single_process_ok():
-    # DCP warns on every call without a process group; one process is phaserl's default, not a mistake.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def role_state_dicts(role) -> dict:
+    """The nested state of one role: tensors (plain or DTensor) and plain values."""
+    if hasattr(role, "checkpoint_state_dicts"):
+        return role.checkpoint_state_dicts()
+    optim = role.optimizer
+    return {"model": get_model_state_dict(role.model),
+            "optim": get_optimizer_state_dict(role.model, optim.opt),
+            "scheduler": optim.sched.state_dict()}
 
 
-def save_roles(roles: dict, directory: str) -> None:
-    """Collective: every rank writes its part of each role's weights, optimizer and LR schedule."""
-    with _single_process_ok():
-        dcp.save(_role_state_dicts(roles), checkpoint_id=directory, no_dist=not is_distributed())
+def restore_role(role, state: dict) -> None:
+    if hasattr(role, "load_checkpoint_state_dicts"):
+        role.load_checkpoint_state_dicts(state)
+        return
+    set_model_state_dict(role.model, state["model"])
+    set_optimizer_state_dict(role.model, role.optimizer.opt, state["optim"])
+    role.optimizer.sched.load_state_dict(state["scheduler"])
 
 
-def load_roles(roles: dict, directory: str) -> None:
-    """Collective: fill the roles' weights, optimizer and LR schedule in place from `directory`."""
+def split_tensors(obj, prefix: str, tensors: dict):
+    """`obj` with each tensor replaced by {"__tensor__": key} (tensors[key] = the tensor): a JSON-able tree."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj
+        return {_TENSOR: prefix}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: split_tensors(v, f"{prefix}/{k}", tensors) for k, v in obj.items()}
+        return {_ITEMS: [[k, split_tensors(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [split_tensors(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]
+        return {_TUPLE: items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise CheckpointError(f"cannot store {prefix} ({type(obj).__name__}) in a checkpoint: role state must be "
+                          "tensors and plain numbers, strings, lists and dicts")
+
+
+def join_tensors(plain, tensors: dict, source: str):
+    """The inverse of split_tensors: markers replaced by tensors[key]."""
+    if isinstance(plain, dict):
+        if set(plain) == {_TENSOR}:
+            key = plain[_TENSOR]
+            if key not in tensors:
+                raise CheckpointError(f"{source} names a tensor {key!r} that this run's models do not have; the "
+                                      "checkpoint is for another model or setup")
+            return tensors[key]
+        if set(plain) == {_TUPLE}:
+            return tuple(join_tensors(v, tensors, source) for v in plain[_TUPLE])
+        if set(plain) == {_ITEMS}:
+            return {k: join_tensors(v, tensors, source) for k, v in plain[_ITEMS]}
+        return {k: join_tensors(v, tensors, source) for k, v in plain.items()}
+    if isinstance(plain, list):
+        return [join_tensors(v, tensors, source) for v in plain]
+    return plain
+
+
+def save_roles(roles: dict, ckpt_dir: str) -> dict:
+    """Collective: every rank writes its tensor shards into dcp/.  Returns the plain part (roles.json's content)."""
+    tensors: dict = {}
+    plain = {name: split_tensors(role_state_dicts(role), name, tensors) for name, role in roles.items()}
+    save_tensors(tensors, os.path.join(ckpt_dir, DCP_DIR))
+    return plain
+
+
+def load_roles(roles: dict, ckpt_dir: str) -> None:
+    """Collective: fill the roles' weights, optimizer and LR schedule in place from `ckpt_dir`."""
     # The template's tensors are the live ones (resharded by DCP for this world size); load fills them.
-    template = _role_state_dicts(roles)
-    with _single_process_ok():
-        dcp.load(template, checkpoint_id=directory, no_dist=not is_distributed())
+    template: dict = {}
     for name, role in roles.items():
-        set_model_state_dict(role.model, template[name]["model"])
-        set_optimizer_state_dict(role.model, role.optimizer.opt, template[name]["optim"])
-        role.optimizer.sched.load_state_dict(template[name]["scheduler"])
+        split_tensors(role_state_dicts(role), name, template)
+    plain_file = os.path.join(ckpt_dir, ROLES_FILE)
+    plain = read_json(plain_file)
+    load_tensors(template, os.path.join(ckpt_dir, DCP_DIR))
+    for name, role in roles.items():
+        if name not in plain:
+            raise CheckpointError(f"{plain_file} has no state for role {name!r}")
+        restore_role(role, join_tensors(plain[name], template, plain_file))
 
 
-def load_module(module: torch.nn.Module, directory: str, role: str) -> None:
-    """Fill `module`'s weights from role `role` of a checkpoint's dcp/ directory (one process, for export)."""
-    template = {role: {"model": module.state_dict()}}
-    with _single_process_ok():
-        dcp.load(template, checkpoint_id=directory, no_dist=True)
-    module.load_state_dict(template[role]["model"], strict=True)
-
-
-# ---------------------------------------------------------------------------------------------- RNG
-
-def rng_state(generators: dict) -> dict:
-    np_state = np.random.get_state()
-    return {"torch_cpu": torch.get_rng_state(),
-            # only a process that uses CUDA has CUDA RNG to save (and asking would initialize CUDA)
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-            "python": random.getstate(),
-            # numpy's state holds an ndarray; as plain lists the file loads with weights_only=True
-            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "generators": {name: g.get_state() for name, g in generators.items()}}
-
-
-def save_rng(generators: dict, directory: str, rank: int) -> None:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"rank_{rank}.pt")
-    torch.save(rng_state(generators), path)
-    fsync_path(path)
-
-
-def load_rng(generators: dict, directory: str, rank: int, seed_hint: str) -> bool:
-    """Restore rank `rank`'s RNG states; False (and a warning) when the checkpoint has none for it."""
-    path = os.path.join(directory, f"rank_{rank}.pt")
-    if not os.path.isfile(path):
-        log.warning(f"checkpoint: no RNG state for rank {rank} in {directory} (saved with fewer ranks); this "
-                    f"rank keeps its {seed_hint} RNG, so its samples differ from an uninterrupted run")
-        return False
-    state = torch.load(path, weights_only=True)
-    torch.set_rng_state(state["torch_cpu"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    for name, generator in generators.items():
-        if name in state["generators"]:
-            generator.set_state(state["generators"][name])
-    return True
+def load_module(module: torch.nn.Module, ckpt_dir: str, role: str) -> None:
+    """Fill `module`'s weights from role `role` of a checkpoint (one process, for export)."""
+    template = {f"{role}/model/{k}": v for k, v in module.state_dict().items()}
+    load_tensors(template, os.path.join(ckpt_dir, DCP_DIR), no_dist=True)
+    module.load_state_dict({k.removeprefix(f"{role}/model/"): v for k, v in template.items()}, strict=True)
 
 
 # ---------------------------------------------------------------------------------------------- JSON state
+
+def read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete: use an earlier step_N") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged: use an earlier "
+                              "step_N") from None
+
 
 def save_json_state(state: TrainingState, path: str) -> None:
     write_json(path, {"step": state.step, **{name: obj.state_dict() for name, obj in state.stateful.items()}})
 
 
 def load_json_state(state: TrainingState, path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
-    missing = [name for name in state.stateful if name not in saved]
+    saved = read_json(path)
+    missing = [name for name in state.stateful if name not in saved] if isinstance(saved, dict) else ["everything"]
     if missing:
-        raise ConfigError(f"{path} has no state for {missing}; it was written by another phaserl version or "
-                          "for another kind of run. Start a new run (trainer.resume=never) or resume a matching one.")
+        raise CheckpointError(f"{path} has no state for {missing}; it was written by another phaserl version or "
+                              "for another kind of run. Start a new run (trainer.resume=never) or resume a matching one.")
     for name, obj in state.stateful.items():
-        obj.load_state_dict(saved[name])
+        try:
+            obj.load_state_dict(saved[name])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: the {name!r} state does not fit this run ({type(exc).__name__}: {exc}); "
+                                  "it was written by another phaserl version or edited by hand") from None
     return saved
 
 
@@ -175,5 +188,4 @@ def read_architecture(ckpt_dir: str, role: str) -> Optional[dict]:
     path = os.path.join(ckpt_dir, ARCH_DIR, f"{role}.json")
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(path)

@@ -176,12 +176,22 @@ def latest_complete(root: str) -> Optional[CheckpointInfo]:
 def newest(root: str, found: Scan) -> Optional[CheckpointInfo]:
     if not found.complete:
         return None
-    info = found.complete[-1]
+    check_pointer(root, found)
+    return found.complete[-1]
+
+
+def check_pointer(root: str, found: Scan) -> None:
+    """Log where `latest` disagrees with the scan (a warning when it names a checkpoint that is gone)."""
     pointer = read_pointer(root)
-    if pointer is not None and pointer != os.path.basename(info.path):
-        log.info(f"checkpoint: {os.path.join(root, POINTER)} names {pointer}, the newest complete checkpoint "
-                 f"on disk is {os.path.basename(info.path)}; using the one on disk")
-    return info
+    newest_name = os.path.basename(found.complete[-1].path) if found.complete else None
+    if pointer is None or pointer == newest_name:
+        return
+    where = os.path.join(root, POINTER)
+    instead = f"using {newest_name}, the newest complete one on disk" if newest_name else "starting fresh"
+    if not os.path.isdir(os.path.join(root, pointer)):
+        log.warning(f"checkpoint: {where} names {pointer}, which does not exist (deleted or never finished); {instead}")
+    else:
+        log.info(f"checkpoint: {where} names {pointer}; {instead}")
 
 
 def read_pointer(root: str) -> Optional[str]:

@@ -227,6 +227,11 @@ class TrainerConfig:
     val_before_train: bool = spec(True, "validate at step 0")
     resume: str = spec("auto", "auto (newest complete checkpoint), never, or a checkpoint path")
     export_hf: bool = spec(False, "also export the actor in Hugging Face format at each save")
+    checkpoint_verify: str = spec("full", "what resume and export check against a checkpoint's manifest: full "
+                                  "(sizes and SHA-256 of every file) or size (sizes only: faster for huge checkpoints)",
+                                  choices=["full", "size"])
+    resume_fallback: bool = spec(True, "a damaged newest checkpoint: resume from the newest good one (false: stop)")
+    save_on_signal: bool = spec(True, "SIGINT/SIGTERM: save a checkpoint at the next safe point before stopping")
     loggers: list[str] = spec(None, "where metrics go (rank 0 only)", choices=["console", "jsonl", "tensorboard", "wandb"],
                               factory=lambda: ["console", "jsonl", "tensorboard"])
     on_nonfinite: str = spec("stop", "non-finite advantages/loss/grad norm: stop the run or skip the step",

@@ -217,7 +217,8 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
         save_interval=t.save_interval, checkpoint_path=t.checkpoint_path, log_dir=t.log_dir,
         keep_checkpoint_num=t.keep_checkpoint_num,
         metrics_logger=MetricsLogger(t.log_dir, t.loggers, rank=rank, config=to_dict(cfg)),
-        checkpointer=build_checkpointer(cfg, rank, world_size), show_progress=rank == 0 and "console" in t.loggers)
+        checkpointer=build_checkpointer(cfg, rank, world_size), save_on_signal=t.save_on_signal,
+        show_progress=rank == 0 and "console" in t.loggers)
 
 
 def build_checkpointer(cfg: Config, rank: int, world: int) -> "Checkpointer":
@@ -226,7 +227,8 @@ def build_checkpointer(cfg: Config, rank: int, world: int) -> "Checkpointer":
 
     t = cfg.trainer
     return Checkpointer(root=t.checkpoint_path, keep=t.keep_checkpoint_num, resume_mode=t.resume,
-                        export_hf=t.export_hf, config=cfg, rank=rank, world_size=world)
+                        export_hf=t.export_hf, config=cfg, rank=rank, world_size=world,
+                        verify_full=t.checkpoint_verify == "full", fallback=t.resume_fallback)
 
 
 def _temperature(cfg: Config) -> float:

@@ -23,6 +23,7 @@ from .advantage_phase import compute_advantages, nonfinite_advantage_cause
 from .hooks import HookRunner
 from .rollout_phase import build_rollout_batch, repeat_prompts
 from .settings import Roles, RunSettings
+from .stop import StopSignals
 
 log = logging.getLogger("phaserl")
 
@@ -84,6 +85,15 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Train to trainer.total_steps.  SIGINT/SIGTERM stop it after the current step (trainer/stop.py)."""
+        close = self.run.checkpointer.close if self.run.checkpointer is not None else (lambda: None)
+        with StopSignals(rank=self.rank, save=self.run.save_on_signal, on_exit_now=close) as self._signals:
+            try:
+                return self._fit()
+            finally:
+                close()  # the run lock of trainer.checkpoint_path
+
+    def _fit(self) -> dict:
         run = self.run
         if self.world_size > 1:
             from ..parallel.shared_storage import check_shared_paths
@@ -96,6 +106,7 @@ class RLTrainer:
             self._log(self.step_num, self.validate())
         progress = run.progress_bar(self.step_num)
         while self.step_num < run.total_steps:
+            self._signals.check(self)  # a safe point: SIGINT/SIGTERM stop here, with a checkpoint
             metrics = self.train_step()
             self.step_num += 1
             if run.val_interval and self.step_num % run.val_interval == 0 or self.step_num == run.total_steps:

@@ -83,6 +83,7 @@ class RunSettings:
     checkpointer: Optional["Checkpointer"]
     show_progress: bool
     reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
+    save_on_signal: bool = True         # trainer.save_on_signal: SIGINT/SIGTERM save before stopping
 
     def progress_bar(self, start: int):
         return tqdm(total=self.total_steps, initial=start, desc="phaserl", unit="step",
