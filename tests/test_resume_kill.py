@@ -7,6 +7,9 @@ The child process is this file run as a script: it loads the config, builds the 
 `update_mini_batch`, or `torch.distributed.checkpoint.save`) so that, at the chosen step, the call prints
 `PAUSED` and sleeps; the parent SIGKILLs it on seeing the line. Nothing in phaserl exists for this test.
 
+The signal chain sends SIGINT (twice: out at once; once: stop after the step with a checkpoint) and SIGTERM
+from inside the rollout of a step, and checks the exit codes, the checkpoints and the same final state.
+
 The chain: kill in the rollout of step 3 (resume from step_2), kill in the update of step 5 (resume from
 step_4), kill while step 6 is being written (the temporary directory is reported and skipped; resume from
 step_4 again), then run to the end.
@@ -17,6 +20,8 @@ import signal
 import subprocess
 import sys
 import threading
+
+import pytest
 import time
 
 import pytest
@@ -45,7 +50,20 @@ def _install_pause(trainer, spec: str) -> None:
     moment, step = spec.split(":")
     step = int(step)
     in_step = lambda: trainer.step_num + 1 == step  # noqa: E731  (step_num counts finished steps)
-    if moment == "rollout":
+    if moment in ("sigint", "sigterm", "double"):
+        generate, sent = trainer.actor.generate, []
+
+        def signalled_generate(prompts, params, **kwargs):
+            if in_step() and params is trainer.run.sampling and not sent:   # as if Ctrl-C came during the rollout
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM if moment == "sigterm" else signal.SIGINT)
+                if moment == "double":
+                    time.sleep(0.2)                  # the first handler runs; signals do not queue
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)
+            return generate(prompts, params, **kwargs)
+        trainer.actor.generate = signalled_generate
+    elif moment == "rollout":
         generate = trainer.actor.generate
 
         def paused_generate(prompts, params, **kwargs):
@@ -88,9 +106,15 @@ def child(cfg_path: str, spec: str, final_path: str) -> None:
     from phaserl.config import load_config
     from phaserl.trainer import RLTrainer
 
+    from phaserl.trainer.stop import RunStopped
+
     trainer = RLTrainer.from_config(load_config(cfg_path))
     _install_pause(trainer, spec)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except RunStopped as stop:   # what `phaserl train` does with it
+        print(f"STOPPED {stop}", flush=True)
+        sys.exit(stop.exit_code)
     torch.save({"actor": trainer.actor.model.state_dict(), "critic": trainer.critic.model.state_dict(),
                 "actor_optim": trainer.actor.optimizer.state_dict(),
                 "critic_optim": trainer.critic.optimizer.state_dict(),
@@ -146,10 +170,14 @@ def _run_until_paused(cfg_path: str, spec: str, final_path: str) -> str:
     return text
 
 
-def _finish(proc: subprocess.Popen) -> str:
+def _finish(proc: subprocess.Popen, code: int = 0) -> str:
     out, _ = proc.communicate(timeout=150)
-    assert proc.returncode == 0, f"child failed:\n{out[-3000:]}"
+    assert proc.returncode == code, f"child exited with {proc.returncode}, expected {code}:\n{out[-3000:]}"
     return out
+
+
+def _listing(ckpt) -> list:
+    return sorted(os.listdir(ckpt))
 
 
 def _comparable_metrics(log_dir) -> list:
@@ -193,9 +221,10 @@ def test_killed_at_rollout_update_and_save_resumes_exactly(tmp_path):
 def _kill_resume_chain(tmp_path, cfg: str) -> None:
     ckpt = tmp_path / "killed" / "ckpt"
     _run_until_paused(cfg, "rollout:3", "unused")
-    assert sorted(os.listdir(ckpt)) == ["latest", "step_2"]
+    assert _listing(ckpt) == [".lock", "latest", "step_2"]   # SIGKILL: the lock stays behind
 
     out = _run_until_paused(cfg, "update:5", "unused")
+    assert f"taking over the stale lock {ckpt / '.lock'}" in out
     assert f"resumed from {ckpt / 'step_2'} (step 2;" in out
 
     out = _run_until_paused(cfg, "save:6", "unused")
@@ -206,8 +235,47 @@ def _kill_resume_chain(tmp_path, cfg: str) -> None:
     out = _finish(_start(cfg, "none", str(tmp_path / "killed.pt")))
     assert f"skipping incomplete {ckpt / leftovers[0]}" in out
     assert f"resumed from {ckpt / 'step_4'} (step 4;" in out
-    assert sorted(os.listdir(ckpt)) == ["latest", "step_4", "step_6"]   # keep_checkpoint_num=2, no leftovers
+    assert _listing(ckpt) == ["latest", "step_4", "step_6"]   # keep_checkpoint_num=2, no leftovers, no lock
     assert (ckpt / "latest").read_text() == "step_6\n"
+
+
+@pytest.mark.slow
+def test_sigint_and_sigterm_stop_after_the_step_with_a_checkpoint_and_resume_exactly(tmp_path):
+    ref_cfg, cfg = _write_config(tmp_path, "reference"), _write_config(tmp_path, "killed")
+    reference = _start(ref_cfg, "none", str(tmp_path / "reference.pt"))
+    try:
+        _signal_resume_chain(tmp_path, cfg)
+        _finish(reference)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
+    assert _comparable_metrics(tmp_path / "killed" / "logs") == _comparable_metrics(tmp_path / "reference" / "logs")
+    _assert_same_state(str(tmp_path / "reference.pt"), str(tmp_path / "killed.pt"))
+
+
+def _signal_resume_chain(tmp_path, cfg: str) -> None:
+    ckpt = tmp_path / "killed" / "ckpt"
+    # Ctrl-C twice during step 3: out at once, no checkpoint of step 3, the lock released
+    out = _finish(_start(cfg, "double:3", "unused"), code=130)
+    assert "SIGINT (Ctrl-C) again: stopping now, without a checkpoint" in out and "Traceback" not in out
+    assert _listing(ckpt) == ["latest", "step_2"]
+
+    # Ctrl-C once during step 3: step 3 finishes and is saved (outside save_interval), exit 130
+    out = _finish(_start(cfg, "sigint:3", "unused"), code=130)
+    assert "SIGINT (Ctrl-C) received: stopping after the current step with a checkpoint" in out
+    assert f"STOPPED stopped by SIGINT (Ctrl-C) after step 3; newest checkpoint {ckpt / 'step_3'}" in out
+    assert "Traceback" not in out
+    assert _listing(ckpt) == ["latest", "step_2", "step_3"]
+
+    # SIGTERM during step 5: saved as step_5, exit 143
+    out = _finish(_start(cfg, "sigterm:5", "unused"), code=143)
+    assert f"resumed from {ckpt / 'step_3'} (step 3;" in out
+    assert f"STOPPED stopped by SIGTERM after step 5; newest checkpoint {ckpt / 'step_5'}" in out
+    assert _listing(ckpt) == ["latest", "step_4", "step_5"]
+
+    out = _finish(_start(cfg, "none", str(tmp_path / "killed.pt")))
+    assert f"resumed from {ckpt / 'step_5'} (step 5;" in out
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "child":
