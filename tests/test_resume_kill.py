@@ -20,9 +20,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
-import time
 
 import pytest
 
