@@ -7,6 +7,7 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
                        torch.distributed.fsdp costs seconds to import and one process never needs it)
     shared_storage.py  checkpoint/log paths every rank must share (classic mistake 5)
     memory.py          the memory timeline of a step (GPU memory at every phase boundary and switch)
+    watch.py           ranks stop at once when their launcher or a peer on their host is gone
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ A failure on one rank must not become a silent hang or an anonymous "connection 
   timeout caught by `rank_errors()` says which phase was running and for how long; on NCCL, whose watchdog
   aborts the process instead of raising, a watchdog thread logs the same message once a phase outlives
   the collective timeout.
-Not here: FSDP (fsdp.py), shared-path checks (shared_storage.py).
+Not here: FSDP (fsdp.py), shared-path checks (shared_storage.py), the launcher and peer watch (watch.py).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from .memory import mark_memory
+from .watch import start_watch, stop_watch
 
 log = logging.getLogger("phaserl")
 
@@ -121,6 +122,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "auto"
         _watchdog = _PhaseWatchdog(timeout_s)
         _watchdog.start()
     rank, world = dist.get_rank(), dist.get_world_size()
+    start_watch(rank, world)  # no orphans: stop when the launcher or a peer on this host is gone (watch.py)
     log.info(f"[rank {rank}] torch.distributed: {backend}, world size {world}, collective timeout {timeout_s:.0f} s")
     return rank, world
 
@@ -128,6 +130,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "auto"
 def destroy() -> None:
     """Tear down the process group (and the watchdog); a no-op when none is running."""
     global _watchdog
+    stop_watch()
     if _watchdog is not None:
         _watchdog.stop()
         _watchdog = None
