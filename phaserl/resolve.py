@@ -114,7 +114,8 @@ def build_reward_sources(cfg: "Config", device: torch.device) -> "RewardSources"
 
     rules = None
     if cfg.reward.functions:
-        rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions])
+        rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions],
+                            timeout_s=cfg.reward.timeout_s)
     rm = None
     if cfg.reward_model.enable:
         rc = cfg.reward_model

@@ -174,7 +174,8 @@ def test_bad_weight_and_bad_signature_are_config_errors(user_file):
     with pytest.raises(ConfigError, match=r"reward.functions\[0\].*weight must be a finite number"):
         RuleRewards([("gsm8k", float("nan"), {})])
     (user_file / "two_args.py").write_text("def f(prompt, response):\n    return 0.0\n")
-    with pytest.raises(ConfigError, match=r"must accept \(prompt, response, ground_truth, \*\*row\)"):
+    with pytest.raises(ConfigError, match=r"fits neither calling convention(.|\n)*phaserl: def fn\(prompt, response, "
+                                          r"ground_truth, \*\*row\)(.|\n)*verl: +def compute_score\(data_source"):
         RuleRewards([("two_args.py:f", 1.0, {})])
 
 

@@ -88,6 +88,8 @@ class RewardConfig:
     functions: list[RewardFunctionConfig] = spec(None, "rule reward functions (list of {name, weight, kwargs}, or plain names)",
                            factory=lambda: [RewardFunctionConfig()])
     reward_model_weight: float = spec(1.0, "weight of the reward model's score when reward_model.enable")
+    timeout_s: float = spec(300.0, "longest a rule reward function may take on one response before the run "
+                                   "stops with an error naming it and the row", min=0.001)
 
 
 @dataclass

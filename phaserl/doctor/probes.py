@@ -7,6 +7,7 @@ training rows. Nothing is trained. `Context` and the `check` decorator come from
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -21,6 +22,8 @@ from .checks import Context, check, roles_enabled, short
 from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, fmt_bytes, judge,
                      kv_cache_bytes_per_sequence, role_memory, suggest_sizes)
 from .report import FAIL, OK, WARN, CheckResult
+
+log = logging.getLogger("phaserl")
 
 PROBE_ROWS = 4  # real training rows the reward model and the rule functions are tried on
 
@@ -75,11 +78,11 @@ def check_reward_functions(ctx: Context) -> CheckResult:
     specs = ctx.cfg.reward.functions
     if not specs:
         return CheckResult("reward functions", OK, "none configured (the reward model scores alone)")
-    rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in specs])
-    rows = ctx.train_rows[:PROBE_ROWS]
-    for row in rows:
+    rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in specs], timeout_s=ctx.cfg.reward.timeout_s)
+    rows, names = ctx.train_rows[:PROBE_ROWS], ", ".join(r.spec for r in rules.rewards)
+    for i, row in enumerate(rows):  # progress lines: a slow function shows where it is (reward.timeout_s bounds it)
+        log.info(f"doctor: reward functions ({names}) on probe row {i + 1} of {len(rows)} ...")
         rules.smoke_test(row.prompt, row.ground_truth, dict(row.raw, __source__=row.source))
-    names = ", ".join(r.spec for r in rules.rewards)
     return CheckResult("reward functions", OK, f"{names}: a finite number for an empty and a plausible response "
                                                f"on {len(rows)} real rows")
 

@@ -3,13 +3,21 @@
 A name is a built-in (`rules.BUILTIN_REWARDS`), `path/to/file.py:function` (relative paths are
 relative to the working directory) or `package.module:function` (an importable module). `RuleRewards` calls every function on every response and checks
 what comes back: a real number (bool counts as 0/1; int, float, numpy scalar, one-element tensor)
-that is finite. Anything else, or an exception, is a `RewardError` naming the function, the row and
-the response. This module does not batch across processes or run the reward model.
+that is finite. Anything else, an exception, or a call that outlives `timeout_s` (reward.timeout_s)
+is a `RewardError` naming the function, the row and the response. This module does not batch across
+processes or run the reward model.
 
-Calling convention: `fn(prompt, response, ground_truth, **kwargs, **row)`, where `kwargs` are the
-config's and `row` the dataset record's other fields (minus `prompt`, `response`, `ground_truth` and
-internal `__...__` keys; config kwargs win over a row field of the same name). A function without
-`**row` receives only the row fields it names as parameters.
+Two calling conventions, told apart by the function's parameter names (`_convention`):
+- phaserl's: `fn(prompt, response, ground_truth, **kwargs, **row)`, where `kwargs` are the config's and
+  `row` the dataset record's other fields (minus `prompt`, `response`, `ground_truth` and internal
+  `__...__` keys; config kwargs win over a row field of the same name). A function without `**row`
+  receives only the row fields it names as parameters.
+- verl's: `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, called by name
+  with the row's `data_source` and `extra_info` (and the config kwargs); a dict result is read at "score",
+  as verl does.
+Anything else is refused with both signatures shown. The timeout runs each call on a worker thread and
+stops waiting after `timeout_s`: a hung call is abandoned there (the run stops with the error), so it
+cannot block the run; a C extension that holds the GIL forever cannot be interrupted this way.
 """
 from __future__ import annotations
 
@@ -20,8 +28,11 @@ import inspect
 import math
 import numbers
 import os
+import queue
 import re
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -31,6 +42,11 @@ from phaserl.errors import ConfigError, RewardError
 from phaserl.rewards.rules import BUILTIN_REWARDS
 
 _RESERVED_ROW_KEYS = ("prompt", "response", "ground_truth")
+_VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+SIGNATURES = ("phaserl: def fn(prompt, response, ground_truth, **row) -> float   (row: the dataset record's "
+              "other fields; name only those you need, or take **row)\n"
+              "  verl:    def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float")
+DEFAULT_TIMEOUT_S = 300.0
 _loaded_modules: dict[str, object] = {}  # absolute file path -> module, so a file runs only once
 
 
@@ -101,12 +117,15 @@ class WeightedReward:
     kwargs: dict
     spec: str = ""   # the name as written in the config
     row_keys: Optional[frozenset] = field(default=None)  # row fields the fn accepts; None = all (**row)
+    verl: bool = False  # called as compute_score(data_source=, solution_str=, ground_truth=, extra_info=)
 
 
 class RuleRewards:
     """The configured rule functions, called on every response and summed with their weights."""
 
-    def __init__(self, specs: list[tuple[str, float, dict]]):
+    def __init__(self, specs: list[tuple[str, float, dict]], *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.timeout_s = float(timeout_s)
+        self._caller = _TimedCaller()
         self.rewards: list[WeightedReward] = []
         taken: set[str] = set()
         for i, (spec_name, weight, kwargs) in enumerate(specs):
@@ -117,13 +136,15 @@ class RuleRewards:
             if not isinstance(kwargs, dict):
                 raise ConfigError(f"{where}: kwargs must be a mapping, got {type(kwargs).__name__} {kwargs!r}.")
             fn = resolve_reward_fn(spec_name)
-            row_keys = _check_signature(fn, kwargs, where, builtin=spec_name in BUILTIN_REWARDS)
+            verl = _convention(fn, where) == "verl"
+            row_keys = (_check_verl_signature(fn, kwargs, where) if verl
+                        else _check_signature(fn, kwargs, where, builtin=spec_name in BUILTIN_REWARDS))
             metric = spec_name if spec_name in BUILTIN_REWARDS else spec_name.rpartition(":")[2]
             base, n = metric, 2
             while metric in taken:  # the same function twice (e.g. different kwargs) gets name_2, name_3
                 metric, n = f"{base}_{n}", n + 1
             taken.add(metric)
-            self.rewards.append(WeightedReward(metric, fn, float(weight), dict(kwargs), spec_name, row_keys))
+            self.rewards.append(WeightedReward(metric, fn, float(weight), dict(kwargs), spec_name, row_keys, verl))
 
     def score(self, prompts: list, responses: list[str], ground_truths: list,
               rows: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
@@ -135,7 +156,20 @@ class RuleRewards:
         totals = [0.0] * n
         raw: dict[str, list[float]] = {}
         for reward in self.rewards:
-            values = [self._call(reward, i, prompts[i], responses[i], ground_truths[i], rows[i]) for i in range(n)]
+            calls = [_arguments(reward, prompts[i], responses[i], ground_truths[i], rows[i]) for i in range(n)]
+            try:
+                results = self._caller.map(reward.fn, calls, self.timeout_s)
+            except _CallTimedOut as stuck:
+                i = stuck.index
+                raise RewardError(f"reward function {reward.spec!r} did not return within {self.timeout_s:g} s on "
+                                  f"{_where(i, rows[i])}, response {_shorten(responses[i])}, ground truth "
+                                  f"{ground_truths[i]!r}. Make it return (a hang, a slow external call?) or raise "
+                                  "reward.timeout_s") from None
+            except _CallFailed as failed:
+                i, exc = failed.index, failed.error
+                raise RewardError(f"reward function {reward.spec!r} raised {type(exc).__name__} on {_where(i, rows[i])}, "
+                                  f"response {_shorten(responses[i])}, ground truth {ground_truths[i]!r}: {exc}") from exc
+            values = [self._check(reward, i, results[i], responses[i], rows[i]) for i in range(n)]
             raw[reward.name] = values
             for i, value in enumerate(values):
                 totals[i] += reward.weight * value
@@ -146,16 +180,9 @@ class RuleRewards:
         dummy = f"The answer is \\boxed{{{ground_truth}}}.\n#### {ground_truth}"
         self.score([prompt, prompt], ["", dummy], [ground_truth, ground_truth], [row, row])
 
-    def _call(self, reward: WeightedReward, i: int, prompt, response: str, ground_truth, row: dict) -> float:
-        extra = {k: v for k, v in row.items()
-                 if k not in _RESERVED_ROW_KEYS and not (k.startswith("__") and k.endswith("__"))
-                 and (reward.row_keys is None or k in reward.row_keys)}
-        extra.update(reward.kwargs)
-        try:
-            value = reward.fn(prompt, response, ground_truth, **extra)
-        except Exception as exc:
-            raise RewardError(f"reward function {reward.spec!r} raised {type(exc).__name__} on {_where(i, row)}, "
-                              f"response {_shorten(response)}, ground truth {ground_truth!r}: {exc}") from exc
+    def _check(self, reward: WeightedReward, i: int, value, response: str, row: dict) -> float:
+        if reward.verl and isinstance(value, dict) and "score" in value:
+            value = value["score"]  # verl's compute_score may return {"score": ..., other metrics}
         number = _to_float(value)
         if number is None:
             raise RewardError(f"reward function {reward.spec!r} returned {type(value).__name__} "
@@ -164,6 +191,54 @@ class RuleRewards:
             raise RewardError(f"reward function {reward.spec!r} returned {number} on {_where(i, row)}, response "
                               f"{_shorten(response)}; rewards must be finite or the advantages become NaN.")
         return number
+
+
+def _arguments(reward: WeightedReward, prompt, response: str, ground_truth, row: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) of one call, in the function's calling convention."""
+    if reward.verl:
+        named = {"data_source": row.get("data_source"), "solution_str": response, "ground_truth": ground_truth}
+        if reward.row_keys is None or "extra_info" in reward.row_keys:
+            named["extra_info"] = row.get("extra_info")
+        return (), {**named, **reward.kwargs}
+    named = {k: v for k, v in row.items()
+             if k not in _RESERVED_ROW_KEYS and not (k.startswith("__") and k.endswith("__"))
+             and (reward.row_keys is None or k in reward.row_keys)}
+    named.update(reward.kwargs)
+    return (prompt, response, ground_truth), named
+
+
+def _convention(fn: Callable, where: str) -> str:
+    """"verl" when the parameters start data_source, solution_str, ground_truth; "phaserl" when the function
+    takes three positional arguments; otherwise a ConfigError showing both signatures."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have no signature: trust them
+        return "phaserl"
+    positional = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if tuple(positional[:3]) == _VERL_PARAMS or {"data_source", "solution_str"} <= set(sig.parameters):
+        return "verl"
+    try:
+        sig.bind_partial("prompt", "response", "ground_truth")  # further parameters may come from the row
+    except TypeError as exc:
+        raise ConfigError(f"{where}: its signature {sig} fits neither calling convention ({exc}). phaserl calls "
+                          f"one of:\n  {SIGNATURES}") from exc
+    return "phaserl"
+
+
+def _check_verl_signature(fn: Callable, kwargs: dict, where: str) -> Optional[frozenset]:
+    """verl's compute_score: the three named parameters, extra_info optional; config kwargs must fit too."""
+    sig = inspect.signature(fn)
+    params = sig.parameters
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    missing = [name for name in _VERL_PARAMS if name not in params and not has_var_kw]
+    unknown = [k for k in kwargs if k not in params and not has_var_kw]
+    required = [p.name for p in params.values() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                and p.name not in (*_VERL_PARAMS, "extra_info", *kwargs)]
+    if missing or unknown or required:
+        what = (f"it lacks {missing}" if missing else f"unknown kwarg {unknown[0]!r}" if unknown
+                else f"it requires {required}, which phaserl does not pass")
+        raise ConfigError(f"{where}: verl-style signature {sig}: {what}. phaserl calls one of:\n  {SIGNATURES}")
+    return None if has_var_kw else frozenset(params)
 
 
 def _check_signature(fn: Callable, kwargs: dict, where: str, builtin: bool) -> Optional[frozenset]:
@@ -176,8 +251,8 @@ def _check_signature(fn: Callable, kwargs: dict, where: str, builtin: bool) -> O
     try:
         sig.bind_partial("prompt", "response", "ground_truth")  # further parameters may come from the row
     except TypeError as exc:
-        raise ConfigError(f"{where}: the function must accept (prompt, response, ground_truth, **row); "
-                          f"its signature is {sig} ({exc}).") from exc
+        raise ConfigError(f"{where}: its signature {sig} fits neither calling convention ({exc}). phaserl calls "
+                          f"one of:\n  {SIGNATURES}") from exc
     has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
     named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][3:]
     # A built-in's **row is for dataset fields only, so a misspelt config kwarg must not vanish into it.
@@ -216,3 +291,62 @@ def _shorten(text: str, limit: int = 120) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:70]!r} ... {text[-40:]!r} ({len(text)} chars)"
+
+
+class _CallTimedOut(Exception):
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _CallFailed(Exception):
+    def __init__(self, index: int, error: BaseException):
+        self.index, self.error = index, error
+
+
+@dataclass
+class _Job:
+    fn: Callable
+    calls: list                       # (args, kwargs) per call
+    results: list = field(default_factory=list)
+    error: Optional[_CallFailed] = None
+    current: tuple = (0, 0.0)         # (index, time.monotonic() when it started)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _TimedCaller:
+    """Runs a function over a list of calls on one daemon worker thread; gives up when one call outlives a timeout.
+
+    One hand-off per batch, not per call. A call that times out keeps its worker (a thread cannot be
+    killed); the next batch gets a fresh worker. A daemon thread never holds up the interpreter's exit.
+    """
+
+    def __init__(self):
+        self._jobs: Optional[queue.Queue] = None
+
+    def map(self, fn: Callable, calls: list, timeout_s: float) -> list:
+        if self._jobs is None:
+            self._jobs = queue.Queue()
+            threading.Thread(target=_serve, args=(self._jobs,), name="phaserl-reward", daemon=True).start()
+        job = _Job(fn, calls, current=(0, time.monotonic()))
+        self._jobs.put(job)
+        while not job.done.wait(timeout=max(job.current[1] + timeout_s - time.monotonic(), 0.0) + 0.01):
+            index, started = job.current
+            if time.monotonic() - started > timeout_s:
+                self._jobs = None          # abandon the stuck worker
+                raise _CallTimedOut(index)
+        if job.error is not None:
+            raise job.error
+        return job.results
+
+
+def _serve(jobs: queue.Queue) -> None:
+    while True:
+        job = jobs.get()
+        for i, (args, kwargs) in enumerate(job.calls):
+            job.current = (i, time.monotonic())
+            try:
+                job.results.append(job.fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the caller, which names the function and the row
+                job.error = _CallFailed(i, exc)
+                break
+        job.done.set()
