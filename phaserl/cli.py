@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -56,6 +57,12 @@ def cmd_train(args) -> int:
     from .parallel.launch import destroy, init_distributed, rank_errors
     from .trainer import RLTrainer
 
+    if args.defaults:  # no file: the first positional word is an override too
+        args.overrides = ([args.config] if args.config is not None else []) + list(args.overrides)
+        args.config = None
+    elif args.config is None:
+        print("phaserl train: error: give a CONFIG file (or --defaults for the built-in defaults)", file=sys.stderr)
+        return 2
     rank, world = init_distributed()  # (0, 1) without torchrun
     try:
         if not args.skip_doctor and not _preflight(args.config, args.overrides, world):
@@ -143,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_quickstart)
 
     t = sub.add_parser("train", help="run RL training from a YAML config")
-    t.add_argument("config")
+    t.add_argument("config", nargs="?", default=None, help="the YAML config (omit it with --defaults)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. ppo.mini_batch_size=16 rollout.n=8")
     t.add_argument("--skip-doctor", action="store_true", help="do not run the preflight checks first")
+    t.add_argument("--defaults", action="store_true", help="no config file: the built-in defaults plus the overrides")
     t.set_defaults(fn=cmd_train)
 
     d = sub.add_parser("doctor", help="preflight: check the five classic mistakes and the rest without training")
@@ -190,11 +198,45 @@ def main(argv=None) -> int:
             print(f"phaserl {argv[0]}: error: {exc}", file=sys.stderr)
             return 1
     args = build_parser().parse_args(argv)
+    from .trainer.stop import RunStopped
+
+    previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         return args.fn(args)
     except PhaserlError as exc:
         print(f"phaserl {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except RunStopped as stop:  # SIGINT/SIGTERM during training: stopped at a safe point (trainer/stop.py)
+        if _rank() == 0:
+            print(f"phaserl {args.command}: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except (KeyboardInterrupt, _Terminated) as exc:  # outside the training loop: nothing half-written to keep
+        signum = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"phaserl {args.command}: stopped by {name} outside the training loop; no checkpoint was being "
+              "written, so nothing is left half-done", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM outside fit() (which handles it itself): a clean exit with a line instead of a silent death."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))  # the process group is gone by the time an exception gets here
 
 
 if __name__ == "__main__":

@@ -78,7 +78,15 @@ def test_a_section_override_changes_only_the_keys_it_names():
 
 def test_an_empty_section_means_its_defaults(tmp_path):
     assert load_config(write(tmp_path, "rollout:\n# n: 8\n")) == Config()
-    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_an_empty_config_file_is_an_error_not_all_defaults(tmp_path):
+    """Bug (issue 22): an empty file was taken as "all defaults", i.e. the built-in tiny task."""
+    for text in ("", "# only a comment\n"):
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError, match=rf"config file '{path}' is empty.*phaserl train --defaults"):
+            load_config(path)
+    assert load_config(write(tmp_path, "{}\n")) == Config()   # an explicit empty mapping still means defaults
 
 
 def test_seed_batch_size_keys_keep_their_meaning():

@@ -19,7 +19,7 @@ from phaserl.errors import ConfigError
 
 torch.set_num_threads(1)
 
-CHECK_NAMES = ["config rules", "parallel settings", "batch sizes", "shared paths", "device", "model",
+CHECK_NAMES = ["config rules", "parallel settings", "batch sizes", "shared paths", "device", "model", "write paths",
                "tokenizer/model", "context length", "data", "chat template", "reward functions", "reward model",
                "reference frozen", "memory"]
 

@@ -140,6 +140,16 @@ class RunLock:
         os.replace(tmp, self.path)
         self.held = True
 
+    def live_holder(self) -> Optional[dict]:
+        """The holder of the lock when it is another run that is (or may be) alive; None otherwise. Takes nothing."""
+        if not os.path.isfile(self.path):
+            return None
+        holder = self._read_holder()
+        if holder is None or holder.get("host") == socket.gethostname() and (
+                holder.get("pid") == os.getpid() or not _alive(holder)):
+            return None
+        return holder
+
     def release(self) -> None:
         """Remove the lock if it still names this process."""
         if not self.held:

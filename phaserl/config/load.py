@@ -294,7 +294,13 @@ def read_yaml(path: str) -> Any:
     """The parsed content of a YAML file, with file/line in every error."""
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=YamlLoader)
+            content = yaml.load(f, Loader=YamlLoader)
+        if content is None:  # an empty file (or comments only) is a mistake far more often than a wish for defaults
+            raise ConfigError(f"config file {path!r} is empty (or holds only comments); phaserl does not take that "
+                              "as 'all defaults'. Write the settings of your run into it (examples/ has complete "
+                              "ones), or run `phaserl train --defaults [key=value ...]` to train on the built-in "
+                              "defaults on purpose")
+        return content
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist (cwd: {os.getcwd()})") from None
     except OSError as e:

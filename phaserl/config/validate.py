@@ -164,12 +164,37 @@ def _warnings(cfg: Config, world_size: int) -> list[str]:
     if cfg.ref.enable is True and a.kl_placement == "none":
         out.append("ref.enable = true but algorithm.kl_placement = none: the reference forward runs every step "
                    "and its log-probs are unused; set ref.enable = null")
+    critic_on = cfg.critic.enable is True or (cfg.critic.enable is None and a.adv_estimator == "gae")
+    ref_on = cfg.ref.enable is True or (cfg.ref.enable is None and a.kl_placement != "none")
+    for section, on, why in (("critic", critic_on, f"algorithm.adv_estimator = {a.adv_estimator} trains no critic"),
+                             ("ref", ref_on, "algorithm.kl_placement = none keeps no reference policy")):
+        changed = _changed_keys(getattr(cfg, section), section, skip=("enable",))
+        if changed and not on:
+            out.append(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} ignored: {why}"
+                       f"{'' if getattr(cfg, section).enable is None else f' ({section}.enable = false)'}; "
+                       "delete them, or choose an algorithm that uses them")
     rm, L = cfg.reward_model, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if rm.path and not rm.enable:
         out.append(f"reward_model.path = {rm.path!r} is ignored because reward_model.enable = false")
     if rm.enable and not rm.truncation and rm.max_length < L:
         out.append(f"reward_model.max_length = {rm.max_length} < data.max_prompt_length + rollout.max_new_tokens "
                    f"= {L} with reward_model.truncation = false: long responses will fail to score")
+    return out
+
+
+def _changed_keys(section, prefix: str, skip: tuple = (), default=None) -> list[str]:
+    """Dotted keys of `section` (a config dataclass) whose values differ from its class's defaults."""
+    import dataclasses
+
+    default, out = type(section)() if default is None else default, []
+    for f in dataclasses.fields(section):
+        if f.name in skip:
+            continue
+        mine, base = getattr(section, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(mine) and dataclasses.is_dataclass(base) and type(mine) is type(base):
+            out += _changed_keys(mine, f"{prefix}.{f.name}", default=base)  # the parent's default (critic lr)
+        elif mine != base:
+            out.append(f"{prefix}.{f.name}")
     return out
 
 

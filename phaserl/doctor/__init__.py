@@ -21,10 +21,11 @@ from .checks import (Context, check_batch_sizes, check_config_rules, check_conte
 from .probes import (check_chat_template, check_data, check_memory, check_reference, check_reference_frozen,
                      check_reward_functions, check_reward_model)
 from .report import FAIL, OK, WARN, CheckResult, any_failed, format_report
+from .storage import check_write_paths
 
 # In order: config-only checks first, then what needs the device, the policy and the data.
 CHECKS = (check_config_rules, check_parallel_settings, check_batch_sizes, check_shared_paths, check_device,
-          check_model, check_tokenizer_model, check_context, check_data, check_chat_template,
+          check_model, check_write_paths, check_tokenizer_model, check_context, check_data, check_chat_template,
           check_reward_functions, check_reward_model, check_reference, check_memory)
 
 

@@ -12,11 +12,12 @@ import json
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -52,15 +53,29 @@ def _read_config(path: PathLike) -> tuple[Path, dict]:
         raise ConfigError(f"{config_file}: not valid JSON ({e})") from None
 
 
+@contextmanager
+def _open_weights(file: Path, device: str = "cpu"):
+    """safe_open, with a damaged file (truncated download, disk full while saving) named in a ConfigError."""
+    try:
+        with safe_open(file, framework="pt", device=device) as f:
+            yield f
+    except SafetensorError as e:
+        raise ConfigError(f"{file}: not a complete safetensors file ({e}); it is truncated or damaged. "
+                          "Re-download the model or re-export it") from None
+
+
 def _weight_locations(directory: Path) -> dict[str, Path]:
     """tensor name -> the safetensors file holding it (single file or sharded index)."""
     index = directory / _INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
+        for file in sorted(set(weight_map.values())):  # the headers: a truncated shard is named before loading
+            with _open_weights(directory / file):
+                pass
         return {name: directory / file for name, file in weight_map.items()}
     single = directory / _SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _open_weights(single) as f:
             return {name: single for name in f.keys()}
     raise ConfigError(f"{directory}: no {_SINGLE_FILE} or {_INDEX_FILE} found (only safetensors weights "
                       "are supported; convert .bin checkpoints with transformers' save_pretrained)")
@@ -93,7 +108,7 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
                     len(missing), missing[:5])
     state = {}
     for file in sorted(set(locations.values())):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open_weights(file) as f:
             for stored in f.keys():
                 if not any(name in expected for name in native_names(cfg, stored)):
                     continue
