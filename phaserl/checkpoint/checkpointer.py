@@ -215,8 +215,13 @@ class Checkpointer:
 
         from ..config import to_dict
 
-        with open(saved_file, encoding="utf-8") as f:
-            before = _flat(yaml.safe_load(f) or {})
+        try:
+            with open(saved_file, encoding="utf-8") as f:
+                before = _flat(yaml.safe_load(f) or {})
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as exc:
+            log.warning(f"checkpoint: {saved_file} is unreadable ({type(exc).__name__}), so this run's settings are "
+                        "not compared with the saved run's")
+            return
         after = _flat(to_dict(self.config))
         changed = [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
                    if before.get(k) != after.get(k) and k not in _EXPECTED_TO_CHANGE]

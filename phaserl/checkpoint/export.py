@@ -76,7 +76,11 @@ def export_role(ckpt_dir: str, out_dir: str, *, role: str) -> Path:
         raise ConfigError(f"checkpoint {ckpt_dir!r} has no {role} (roles saved: {have}); {fix}")
     dtype = getattr(torch, arch["dtype"])
     tokenizer_dir = os.path.join(ckpt_dir, TOKENIZER_DIR)
-    tokenizer = load_tokenizer(tokenizer_dir) if os.path.isdir(tokenizer_dir) else None
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir) if os.path.isdir(tokenizer_dir) else None
+    except Exception as exc:  # whatever the tokenizer library raises on a damaged file: name the directory
+        raise CheckpointError(f"{tokenizer_dir}: the tokenizer files do not load ({type(exc).__name__}: {exc}); the "
+                              "checkpoint is damaged: export an earlier step_N") from None
     model = _empty_model(arch, role)
     load_module(model, ckpt_dir, role)
     if role == "critic":

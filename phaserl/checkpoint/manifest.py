@@ -65,7 +65,7 @@ def read_manifest(ckpt_dir: str) -> tuple[dict, str]:
             raise ValueError("no list of files with sizes")
     except FileNotFoundError:
         return {}, f"no {MANIFEST} (written by an older phaserl, or the save did not finish)"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
         return {}, f"{MANIFEST} is unreadable ({exc})"
     return files, ""
 

@@ -130,9 +130,9 @@ def read_metadata(path: str) -> tuple[Optional[dict], str]:
     try:
         with open(meta_file, encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         return None, f"{METADATA} is unreadable ({exc})"
-    if meta.get("complete") is not True:
+    if not isinstance(meta, dict) or meta.get("complete") is not True:
         return None, f"{METADATA} does not say complete=true"
     return meta, ""
 
