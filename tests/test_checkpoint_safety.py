@@ -123,6 +123,35 @@ def test_a_crafted_dcp_metadata_is_refused_by_name(run, tmp_path):
     assert not os.path.exists(marker)
 
 
+def test_the_metadata_this_torch_writes_needs_only_admitted_classes(run):
+    """What torch (2.13 here, 2.11 on the lent GPU) pickles into .metadata is exactly what the unpickler admits."""
+    from phaserl.checkpoint import safe_dcp
+
+    class Recording(pickle.Unpickler):
+        seen = set()
+
+        def find_class(self, module, name):
+            self.seen.add((module, name))
+            return super().find_class(module, name)
+    with open(run["root"] / "ckpt" / "step_3" / "dcp" / ".metadata", "rb") as f:
+        Recording(f).load()
+    dtypes = {(m, n) for m, n in Recording.seen if m == "torch" and isinstance(getattr(torch, n), torch.dtype)}
+    assert Recording.seen - dtypes <= safe_dcp._ALLOWED, Recording.seen - dtypes - safe_dcp._ALLOWED
+    meta = safe_dcp.read_metadata_safely(str(run["root"] / "ckpt" / "step_3" / "dcp" / ".metadata"))
+    assert "actor/model/model.embed_tokens.weight" in meta.state_dict_metadata
+
+
+@pytest.mark.gpu
+def test_a_cuda_run_saves_resumes_and_exports_through_the_safe_loaders(tmp_path):
+    overrides = make_run_dir(str(tmp_path)) + RUN + ["trainer.device=cuda", "trainer.total_steps=2"]
+    trainer = RLTrainer.from_config(load_config(None, overrides))
+    trainer.fit()
+    again = RLTrainer.from_config(load_config(None, overrides + ["trainer.total_steps=3"]))
+    again.fit()
+    assert again.step_num == 3
+    assert os.path.isfile(export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf")) / "model.safetensors")
+
+
 # ---------------------------------------------------------------------------------------------- recovery
 
 def _truncate(path: str) -> None:
