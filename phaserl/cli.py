@@ -71,13 +71,23 @@ def cmd_train(args) -> int:
             return 1
         cfg = load_config(args.config, args.overrides, world_size=world)
         if rank == 0:
-            os.makedirs(cfg.trainer.log_dir, exist_ok=True)
+            _make_log_dir(cfg.trainer.log_dir)
             dump_yaml(cfg, os.path.join(cfg.trainer.log_dir, "config.yaml"))
         with rank_errors():
             RLTrainer.from_config(cfg).fit()
         return 0
     finally:
         destroy()
+
+
+def _make_log_dir(path: str) -> None:
+    from .errors import ConfigError
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:  # an existing file in the way, or no permission (the doctor says so too)
+        raise ConfigError(f"trainer.log_dir={path!r} cannot be used as a directory ({exc.strerror}); point it at a "
+                          "writable directory") from None
 
 
 def cmd_quickstart(args) -> int:

@@ -109,3 +109,10 @@ def test_ctrl_c_and_sigterm_outside_the_loop_exit_with_a_line(monkeypatch, capsy
     assert main(["config", str(tmp_path / "x.yaml")]) == 143
     assert "stopped by SIGTERM outside the training loop" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL   # restored afterwards
+
+
+def test_train_with_a_log_dir_that_is_a_file_stops_with_the_key(run, tmp_path, capsys):
+    (tmp_path / "logs").write_text("a file")
+    code = main(["train", "--defaults", "--skip-doctor", *run["overrides"], f"trainer.log_dir={tmp_path / 'logs'}"])
+    assert code == 1
+    assert f"trainer.log_dir='{tmp_path / 'logs'}' cannot be used as a directory" in capsys.readouterr().err
