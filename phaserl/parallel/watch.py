@@ -6,8 +6,8 @@ daemon thread (`start_watch`, called by `init_distributed`) checks once a second
 - the parent process is still the one that started this rank (a dead parent reparents us), and
 - every rank on this host that registered itself is still alive.
 Ranks register by writing `{rank}.pid` into a directory keyed by the launcher's pid and the rendezvous
-port (under the system's temp directory) and unregister in `stop_watch` (from `destroy()`), so a rank that
-finished cleanly is never mistaken for a dead one. When either check fails, the rank logs one line and
+port (under the system's temp directory) and unregister in `stop_watch` (from `destroy()`, and at interpreter
+exit), so a rank that finished cleanly is never mistaken for a dead one. When either check fails, the rank logs one line and
 exits with code 1 through `os._exit`, at once: a checkpoint being written stays an unpublished
 `.tmp_step_*` directory (never resumed from). Ranks on other hosts are covered by the collectives
 themselves: gloo raises when a peer's connection closes, NCCL after the collective timeout
@@ -15,6 +15,7 @@ themselves: gloo raises when a peer's connection closes, NCCL after the collecti
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -105,6 +106,7 @@ def start_watch(rank: int, world: int, interval_s: float = 1.0) -> None:
     if _watch is None:
         _watch = _Watch(rank, world, interval_s)
         _watch.start()
+        atexit.register(stop_watch)  # a script that ends without destroy() is a clean finish, not a death
 
 
 def stop_watch() -> None:
