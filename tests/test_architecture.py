@@ -36,7 +36,7 @@ ALLOWED = {
     "rm": {"config", "data", "errors", "models", "roles", "world"},
     "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
     "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
-    "doctor": {"config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles"},
+    "doctor": {"checkpoint", "config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles"},
     "trainer": {"algo", "batch", "checkpoint", "config", "data", "errors", "metrics", "models", "parallel",
                 "report", "resolve", "rewards", "rm", "roles", "rollout"},
     "cli": {"config", "doctor", "errors", "parallel", "resolve", "rm", "trainer", "world"},
