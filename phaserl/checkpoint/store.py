@@ -2,10 +2,11 @@
 
 Layout under `trainer.checkpoint_path` (docs/checkpoints.md):
 
-    step_4/            a complete checkpoint: its metadata.json says complete=true
+    step_4/            a complete checkpoint: its metadata.json says complete=true (manifest.py: is it good?)
     step_6/
     latest             one line, "step_6": the newest complete checkpoint (for people and scripts)
     .tmp_step_8_k3j2/  a save in progress, or one a crash interrupted (never read, removed on resume)
+    .lock              the run that holds this path (lock.py); removal of leftovers happens only under it
 
 A checkpoint is written into a `.tmp_step_*` directory, fsynced, renamed to `step_N` (one atomic
 rename), and only then is `latest` replaced. Whatever moment a process dies, every `step_N` with a
