@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -69,6 +70,7 @@ class _Watch(threading.Thread):
                         "without publishing a checkpoint (the same command resumes from the last complete one)")
                 log.error(line)
                 print(line, file=sys.stderr, flush=True)
+                self.stop()             # its registry entry: the peers are stopping too, and the directory goes
                 os._exit(EXIT_CODE)
 
     def _problem(self) -> Optional[str]:
@@ -106,7 +108,10 @@ def start_watch(rank: int, world: int, interval_s: float = 1.0) -> None:
     if _watch is None:
         _watch = _Watch(rank, world, interval_s)
         _watch.start()
-        atexit.register(stop_watch)  # a script that ends without destroy() is a clean finish, not a death
+        # A script that ends without destroy() finishes cleanly, not dies: unregister at interpreter exit, and
+        # at the end of a multiprocessing child (fork children leave through os._exit, past atexit).
+        atexit.register(stop_watch)
+        multiprocessing.util.Finalize(None, stop_watch, exitpriority=100)
 
 
 def stop_watch() -> None:
