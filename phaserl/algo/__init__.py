@@ -38,6 +38,7 @@ from phaserl.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_to_rewards,
+    canonical_kl_estimator,
     kl_penalty,
 )
 from phaserl.algo.logprobs import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
@@ -68,6 +69,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "apply_kl_to_rewards",
+    "canonical_kl_estimator",
     "kl_penalty",
     "entropy_from_logits",
     "token_logprobs_from_hidden",
