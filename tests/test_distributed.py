@@ -25,7 +25,7 @@ FAMILIES = ["algorithm.adv_estimator=gpg", "actor.policy_loss=cispo", "actor.cli
             "actor.loss_agg_mode=token-sum", "algorithm.rollout_correction=tis", "algorithm.kl_placement=loss",
             "algorithm.kl_estimator=k3+", "algorithm.kl_coef=0.1", "ref.fsdp.sharding_strategy=NO_SHARD"]
 DAPO = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=2", "algorithm.overlong_buffer=2",
-        "actor.clip_ratio_high=0.28", "algorithm.kl_placement=none"]
+        "actor.clip_ratio_high=0.28"]
 SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO}
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
