@@ -35,7 +35,10 @@ EXACT_METRICS = {
     "grpo": ("train/reward_mean", "train/response_length_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
              "actor/pg_clipfrac", "actor/kl_loss"),
     "ppo": ("train/reward_mean", "train/response_length_mean", "critic/vf_loss", "critic/grad_norm", "actor/pg_loss",
-            "actor/grad_norm")}
+            "actor/grad_norm"),
+    "families": ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "mismatch/k3",
+                 "mismatch/correction_weight_mean", "train/zero_variance_group_frac"),
+    "dapo": ()}  # dynamic sampling fills each rank's share on its own: not the 1-rank step
 TIMEOUT_S = 300
 
 
@@ -259,8 +262,7 @@ def test_new_losses_token_sum_and_rollout_correction_on_two_ranks_equal_one_rank
     assert two[0]["responses"] + two[1]["responses"] == single["families"]["responses"]
     assert _max_weight_diff(two[0]["weights"]["actor"], single["families"]["weights"]["actor"]) < 1e-5
     assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/k3", "mismatch/correction_weight_mean"):
-        assert two[0]["metrics"][key] == pytest.approx(single["families"]["metrics"][key], rel=1e-4, abs=1e-7), key
+    # the metrics (actor/pg_loss, grad_norm: a token-sum gradient summed over ranks) are in EXACT_METRICS
 
 
 def test_dynamic_sampling_agrees_on_its_rounds_across_ranks(runs):

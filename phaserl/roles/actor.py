@@ -190,8 +190,11 @@ class HybridActor:
             if s.correction is not None:  # rollout/training mismatch: weight each token's loss (0 = rejected)
                 weights, fix = s.correction(old, rollout_logp, mask)          # [b, R] detached
                 pg_mat = pg_mat * weights
-                stats["mismatch/correction_rejected_frac"] += fix["rejected"] / global_tokens
-                stats["mismatch/correction_weight_mean"] += fix["weight"] / global_tokens
+                # out of place: every stat starts as the same `zero` tensor
+                stats["mismatch/correction_rejected_frac"] = (stats["mismatch/correction_rejected_frac"]
+                                                              + fix["rejected"] / global_tokens)
+                stats["mismatch/correction_weight_mean"] = (stats["mismatch/correction_weight_mean"]
+                                                            + fix["weight"] / global_tokens)
             pg_loss = aggregate(pg_mat, mask, s.agg_mode, **norm)
             loss = pg_loss
             if s.entropy_coef:  # the bonus follows the loss's aggregation mode, as verl
