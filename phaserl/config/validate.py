@@ -182,6 +182,14 @@ def _warnings(cfg: Config, world_size: int) -> list[str]:
     if cfg.ref.enable is True and a.kl_placement == "none":
         out.append("ref.enable = true but algorithm.kl_placement = none: the reference forward runs every step "
                    "and its log-probs are unused; set ref.enable = null")
+    actor = cfg.actor
+    if actor.policy_loss == "gspo" and (actor.dual_clip_c is not None or actor.loss_agg_mode != "seq-mean-token-mean"):
+        out.append(f"actor.policy_loss = gspo with actor.loss_agg_mode = {actor.loss_agg_mode} and actor.dual_clip_c = "
+                   f"{actor.dual_clip_c}: the GSPO paper (and verl) use seq-mean-token-mean and no dual clip; set "
+                   "them as examples/gspo.yaml does, or keep these on purpose")
+    if actor.policy_loss in ("sapo", "gmpo", "geo_mean") and actor.loss_agg_mode != "seq-mean-token-mean":
+        out.append(f"actor.policy_loss = {actor.policy_loss} with actor.loss_agg_mode = {actor.loss_agg_mode}: its "
+                   "paper (and verl, whatever the mode) averages over responses, i.e. seq-mean-token-mean")
     rm, L = cfg.reward_model, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if rm.path and not rm.enable:
         out.append(f"reward_model.path = {rm.path!r} is ignored because reward_model.enable = false")
