@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from phaserl.algo.masked import masked_mean, masked_sum, upcast
+from phaserl.algo.masked import masked_mean, masked_sum
 from phaserl.algo.ratio import LOG_RATIO_BOUND
 from phaserl.errors import ConfigError
 
@@ -42,8 +42,9 @@ from phaserl.errors import ConfigError
 METRIC_BAND = 2.0
 
 
-def _log_rho(trainer_logprobs: Tensor, rollout_logprobs: Tensor) -> Tensor:
-    diff = upcast(trainer_logprobs).detach() - upcast(rollout_logprobs)  # [B, T] log rho
+def _log_rho(trainer_logprobs: Tensor, rollout_logprobs: Tensor, dtype=None) -> Tensor:
+    dtype = dtype or torch.promote_types(trainer_logprobs.dtype, torch.float32)
+    diff = trainer_logprobs.detach().to(dtype) - rollout_logprobs.to(dtype)  # [B, T] log rho
     return diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
@@ -55,13 +56,15 @@ def mismatch_sums(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tens
     rho outside [0.5, 2], "abs_diff_max": max |log rho| (0 with no real token)}. The k3 term estimates
     KL(rollout || train) from the rollout's own samples. Sums, so that micro-batches and ranks add up.
     """
-    log_rho = _log_rho(trainer_logprobs, rollout_logprobs)  # [B, T]
+    # float64: k3 is ~ (log rho)^2 / 2, which float32 rounds to 0 below |log rho| ~ 1e-4
+    log_rho = _log_rho(trainer_logprobs, rollout_logprobs, torch.float64)  # [B, T]
     k3 = torch.exp(-log_rho) - 1.0 + log_rho
     outside = (log_rho.abs() > torch.log(torch.tensor(METRIC_BAND))).float()
     abs_diff = log_rho.abs()
     top = abs_diff.masked_fill(~mask.bool(), 0.0).max() if abs_diff.numel() else abs_diff.new_zeros(())
-    return {"k3": masked_sum(k3, mask), "abs_diff": masked_sum(abs_diff, mask),
+    sums = {"k3": masked_sum(k3, mask), "abs_diff": masked_sum(abs_diff, mask),
             "ratio_out": masked_sum(outside, mask), "abs_diff_max": top}
+    return {k: v.float() for k, v in sums.items()}
 
 
 def mismatch_metrics(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
