@@ -194,7 +194,7 @@ def test_the_mismatch_check_measures_one_sampled_batch(run):
 
 
 def test_a_trainer_that_ignores_the_temperature_is_caught_by_the_mismatch_check(run, monkeypatch):
-    import phaserl.doctor.mismatch as check
+    import phaserl.roles.mismatch_probe as check
 
     right = check.batch_logprobs
     monkeypatch.setattr(check, "batch_logprobs", lambda *a, **kw: right(*a, **{**kw, "temperature": 1.0}))

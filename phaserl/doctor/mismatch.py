@@ -9,14 +9,9 @@ or a closer engine (rollout.engine=hf, float32) is worth considering. Nothing is
 """
 from __future__ import annotations
 
-import torch
-
-from ..algo import mismatch_metrics
 from ..data import build_prompt_dataset
 from ..roles import HybridActor
-from ..roles.forward import batch_logprobs
-from ..rollout import EngineConfig, SamplingParams
-from ..trainer.rollout_phase import build_rollout_batch
+from ..roles.mismatch_probe import measure_mismatch
 from .checks import Context, check
 from .report import OK, WARN, CheckResult
 
@@ -30,31 +25,16 @@ RATIO_OUT_WARN = 1e-3   # share of tokens with pi_train / pi_rollout outside [0.
 def check_mismatch(ctx: Context) -> CheckResult:
     cfg, tok = ctx.cfg, ctx.tokenizer
     r, d = cfg.rollout, cfg.data
-    rows = ctx.train_rows[:PROBE_PROMPTS]
-    items = build_prompt_dataset(rows, tok, max_prompt_length=d.max_prompt_length, overlong="truncate_left",
-                                 apply_chat_template=d.apply_chat_template).items
-    actor = HybridActor(ctx.policy, tok, hybrid_engine_config=cfg.actor.hybrid_engine)
-    actor.configure_rollout(r.engine, EngineConfig(max_slots=r.engine_max_slots,
-                                                   memory_fraction=r.engine_memory_fraction,
-                                                   cuda_graphs=False, compile=False,
-                                                   max_seq_tokens=d.max_prompt_length + r.max_new_tokens))
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    temperature = r.temperature if r.temperature > 0 else 1.0
+    items = build_prompt_dataset(ctx.train_rows[:PROBE_PROMPTS], tok, max_prompt_length=d.max_prompt_length,
+                                 overlong="truncate_left", apply_chat_template=d.apply_chat_template).items
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
-    prompts = [list(item.prompt_ids) for item in items for _ in range(r.n)]
-    generator = torch.Generator(device=ctx.device).manual_seed(cfg.trainer.seed)
-    with actor.rollout_mode():
-        result = actor.generate(prompts, params, eos_token_ids=eos, pad_token_id=pad, batch_size=len(prompts),
-                                generator=generator)
-    batch = build_rollout_batch(items, r.n, result, tokenizer=tok, pad_token_id=pad, group_offset=0,
-                                device=ctx.device)
-    ctx.policy.eval()
-    trainer_logprobs = batch_logprobs(ctx.policy, batch, temperature=temperature,
-                                      token_budget=cfg.ppo.forward_micro_batch_tokens, packing=False)
-    m = mismatch_metrics(trainer_logprobs, batch.rollout_logprobs, batch.response_mask)
-    path = "builtin engine" if actor.engine is not None else "transformers generate"
-    tokens = int(batch.response_mask.sum())
+    actor = HybridActor(ctx.policy, tok, hybrid_engine_config=cfg.actor.hybrid_engine)
+    m, tokens, path = measure_mismatch(
+        actor, [list(item.prompt_ids) for item in items], n=r.n, engine=r.engine, max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_token_ids=eos, pad_token_id=pad,
+        token_budget=cfg.ppo.forward_micro_batch_tokens, seed=cfg.trainer.seed)
+    temperature = r.temperature if r.temperature > 0 else 1.0
     message = (f"{tokens} sampled tokens ({path}, T = {temperature:g}): k3 {m['mismatch/k3']:.2e}, "
                f"|Δ log p| mean {m['mismatch/abs_diff_mean']:.2e} max {m['mismatch/abs_diff_max']:.2e}, "
                f"ratio outside [0.5, 2] {100 * m['mismatch/ratio_out_frac']:.2f}%")
