@@ -94,7 +94,7 @@ class ZeroVarianceMonitor:
             every = frac == 1.0 and not self.warned_all
             if (frac > 0 and not self.warned_some) or every:
                 what = "every group" if frac == 1.0 else f"{zero:.0f} of {groups:.0f} groups ({100 * frac:.1f}%)"
-                log.warning(f"step {step}: {what} got the same reward for all rollout.n responses, so their "
+                log.warning(f"step {step}: {what} scored all rollout.n responses alike, so their "
                             f"{self.estimator_name} advantages are 0 and they add nothing to the update. Turn on "
                             "algorithm.dynamic_sampling (DAPO), raise rollout.n, or make the reward less all-or-nothing "
                             "(train/zero_variance_group_frac is logged every step)")
