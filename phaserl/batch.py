@@ -72,6 +72,22 @@ class Scores:
 
 
 @dataclass
+class ScoredBatch:
+    """What phases 2-3 (rollout, score) produce together; dynamic sampling joins several of these."""
+
+    batch: RolloutBatch
+    scores: Scores
+    baseline_scores: Optional[torch.Tensor] = None  # [B] score of the prompt's greedy response (remax), else None
+
+    def select(self, index: torch.Tensor) -> "ScoredBatch":
+        """Rows `index` (a 1-D long tensor on the batch's device) of the batch, its scores and baseline."""
+        take = _row_taker(index)
+        scores = Scores(total=take(self.scores.total), by_source={k: take(v) for k, v in self.scores.by_source.items()})
+        baseline = None if self.baseline_scores is None else take(self.baseline_scores)
+        return ScoredBatch(self.batch.select(index), scores, baseline)
+
+
+@dataclass
 class TrainBatch:
     """Everything the update phase needs, one row per response."""
 

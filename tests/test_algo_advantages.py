@@ -18,8 +18,12 @@ def close(actual, expected, atol=1e-5):
 
 
 def test_registry_names_match_the_config_choices():
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus",
-                                         "reinforce_plus_plus_baseline", "remax"}
+    from phaserl.config.schema import AlgorithmConfig
+
+    choices = AlgorithmConfig.__dataclass_fields__["adv_estimator"].metadata["choices"]
+    assert set(ADVANTAGE_ESTIMATORS) == set(choices) == {
+        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk", "opo",
+        "gpg"}
 
 
 def test_gae_returns_and_whitened_advantages():
@@ -154,3 +158,55 @@ def test_every_estimator_is_zero_beyond_the_mask_and_finite(name):
     assert adv.shape == ret.shape == (4, 5)
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
+
+
+def test_remax_with_kl_in_the_reward_uses_the_reward_to_go_as_verl():
+    # KL shaped in: token rewards [-0.1, 0.9] (score 1 on the last token minus KL 0.1 on each)
+    rewards = torch.tensor([[-0.1, 0.9]])
+    adv, ret = run("remax", token_rewards=rewards, response_mask=torch.ones(1, 2), group_ids=torch.tensor([0]),
+                   baseline_scores=torch.tensor([0.25]))
+    close(ret, [[0.8, 0.9]])  # reward-to-go: -0.1 + 0.9; 0.9
+    close(adv, [[0.55, 0.65]])  # minus the greedy score
+
+
+def test_passk_credits_only_the_best_response_of_each_group():
+    # group 0 scores [0.2, 1.0, 0.5, 0.0]: best 1.0, second 0.5 -> 0.5 / unbiased std
+    # mean 0.425, squared deviations sum 0.5675, var 0.5675 / 3; group 1 [1, 1]: a tie -> 0
+    scores = torch.tensor([0.2, 1.0, 0.5, 0.0, 1.0, 1.0])
+    rewards = torch.stack([torch.zeros(6), scores], dim=1)  # score on the last of 2 tokens
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    adv, _ = run("grpo_passk", token_rewards=rewards, response_mask=torch.ones(6, 2), group_ids=groups)
+    best = 0.5 / (math.sqrt(0.5675 / 3) + 1e-6)
+    close(adv[:, 0], [0.0, best, 0.0, 0.0, 0.0, 0.0])
+    adv, _ = run("grpo_passk", token_rewards=rewards, response_mask=torch.ones(6, 2), group_ids=groups,
+                 norm_by_std=False)
+    close(adv[:, 1], [0.0, 0.5, 0.0, 0.0, 0.0, 0.0])
+    with pytest.raises(ConfigError, match="at least 2"):
+        run("grpo_passk", token_rewards=rewards[:1], response_mask=torch.ones(1, 2), group_ids=groups[:1])
+
+
+def test_opo_baseline_is_the_length_weighted_group_mean():
+    # scores [1, 0] with lengths [1, 3]: b = (1 * 1 + 3 * 0) / 4 = 0.25
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    adv, _ = run("opo", token_rewards=rewards, response_mask=mask, group_ids=torch.tensor([7, 7]))
+    close(adv, [[0.75, 0.0, 0.0], [-0.25, -0.25, -0.25]])
+
+
+def test_gpg_rescales_by_the_share_of_informative_responses():
+    # group 0 [1, 0] informative, group 1 [1, 1] not: B = 4, M = 2 -> alpha = 4 / 2
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
+    adv, _ = run("gpg", token_rewards=rewards, response_mask=torch.ones(4, 1), group_ids=torch.tensor([0, 0, 1, 1]))
+    close(adv[:, 0], [1.0, -1.0, 0.0, 0.0])  # 2 * (1 - 0.5), 2 * (0 - 0.5)
+    # over two ranks the counts are summed, so alpha is the global B / (B - M) = 8 / 2
+    adv, _ = run("gpg", token_rewards=rewards, response_mask=torch.ones(4, 1), group_ids=torch.tensor([0, 0, 1, 1]),
+                 total=lambda t: t + t.new_tensor([4.0, 0.0]))  # the other rank: 4 responses, none informative
+    close(adv[:, 0], [2.0, -2.0, 0.0, 0.0])
+
+
+def test_group_has_variance_is_exact_and_per_group():
+    from phaserl.algo import group_has_variance
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 3.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    assert group_has_variance(scores, groups).tolist() == [False, False, True, True, False, False, False]

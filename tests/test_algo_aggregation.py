@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from phaserl.algo import LOSS_AGG_MODES, aggregate, ppo_policy_loss, token_logprobs_from_logits
+from phaserl.algo import (LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS, aggregate, bind_policy_loss,
+                          rollout_correction, token_logprobs_from_logits)
 from phaserl.algo.masked import masked_mean
 from phaserl.errors import ConfigError
 
@@ -15,6 +16,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
     ("seq-mean-token-sum", 5.0),  # (6 + 4) / 2 responses
     ("seq-mean-token-mean", 3.0),  # (6/3 + 4/1) / 2
     ("seq-mean-token-sum-norm", 1.0),  # 10 / (2 responses * max_len 5)
+    ("token-sum", 10.0),  # 1 + 2 + 3 + 4, no denominator
 ])
 def test_modes_by_hand(mode, expected):
     out = aggregate(LOSS, MASK, mode, global_tokens=4, global_seqs=2, max_len=5)
@@ -48,21 +50,34 @@ def _batch():
     return feats, targets, mask, adv, old, weight0
 
 
-def _micro_loss(weight, feats, targets, mask, adv, old, mode, n_tokens, n_seqs):
+HYPER = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, tau_pos=1.0, tau_neg=1.05, beta=0.1, delta=0.1,
+             ratio_cap=20.0)
+
+
+def _micro_loss(weight, feats, targets, mask, adv, old, mode, n_tokens, n_seqs, loss="ppo", correction=None):
     width = int(mask.sum(-1).max())  # trim padding: the width must not matter either
     feats, targets, mask, adv, old = (x[:, :width] for x in (feats, targets, mask, adv, old))
     logp = token_logprobs_from_logits(feats @ weight.t(), targets)  # [b, width]
-    loss_mat, _ = ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
+    loss_mat, _ = bind_policy_loss(loss, **HYPER)(logp, old, adv, mask)
+    if correction is not None:  # the rollout's log-probs: the old ones, perturbed
+        rollout = old + 0.4 * torch.sin(7.0 * old)
+        loss_mat = loss_mat * rollout_correction(old, rollout, mask, mode=correction, cap=1.3)[0]
     return aggregate(loss_mat, mask, mode, global_tokens=n_tokens, global_seqs=n_seqs, max_len=MAX_LEN)
 
 
-@pytest.mark.parametrize("mode", list(LOSS_AGG_MODES))
-def test_gradient_does_not_depend_on_the_micro_batch_split(mode):
+CASES = ([(mode, "ppo", None) for mode in LOSS_AGG_MODES] + [("token-mean", name, None) for name in POLICY_LOSSES]
+         + [("token-sum", name, None) for name in POLICY_LOSSES]
+         + [("seq-mean-token-mean", name, fix) for name in ("ppo", "gmpo") for fix in ROLLOUT_CORRECTIONS])
+
+
+@pytest.mark.parametrize("mode, loss, correction", CASES)
+def test_gradient_does_not_depend_on_the_micro_batch_split(mode, loss, correction):
     feats, targets, mask, adv, old, weight0 = _batch()
     n_tokens, n_seqs = mask.sum().item(), B
+    extra = dict(loss=loss, correction=correction)
 
     whole = weight0.clone().requires_grad_()
-    full_loss = _micro_loss(whole, feats, targets, mask, adv, old, mode, n_tokens, n_seqs)
+    full_loss = _micro_loss(whole, feats, targets, mask, adv, old, mode, n_tokens, n_seqs, **extra)
     full_loss.backward()
 
     split = weight0.clone().requires_grad_()
@@ -70,7 +85,7 @@ def test_gradient_does_not_depend_on_the_micro_batch_split(mode):
     for size in SPLIT:
         rows = slice(start, start + size)
         micro = _micro_loss(split, feats[rows], targets[rows], mask[rows], adv[rows], old[rows], mode,
-                            n_tokens, n_seqs)
+                            n_tokens, n_seqs, **extra)
         micro.backward()  # gradients accumulate, as in gradient accumulation
         total += micro.item()
         start += size

@@ -68,3 +68,26 @@ def test_adaptive_controller_follows_ziegler_2019():
 def test_adaptive_controller_rejects_a_zero_target():
     with pytest.raises(ConfigError, match="kl_target"):
         AdaptiveKLController(init_coef=0.1, target=0.0, horizon=100)
+
+
+def test_abs_and_verl_names():
+    assert torch.allclose(kl_penalty(LOGP, REF, "abs"), torch.tensor([[0.5, 1.0]]))
+    for verl_name, ours in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("low_var_kl+", "k3+")):
+        assert torch.equal(kl_penalty(LOGP, REF, verl_name), kl_penalty(LOGP, REF, ours))
+
+
+def test_the_config_accepts_exactly_the_estimators_kl_penalty_knows():
+    from phaserl.algo import KL_ESTIMATOR_NAMES
+    from phaserl.config.schema import AlgorithmConfig
+
+    assert AlgorithmConfig.__dataclass_fields__["kl_estimator"].metadata["choices"] == list(KL_ESTIMATOR_NAMES)
+
+
+@pytest.mark.parametrize("name, value", [("k1+", [0.5, -1.0]), ("k3+", [math.exp(-0.5) - 0.5, math.e - 2.0]),
+                                         ("abs+", [0.5, 1.0])])
+def test_straight_through_has_the_base_value_and_the_k2_gradient(name, value):
+    logp = LOGP.clone().requires_grad_()
+    kl = kl_penalty(logp, REF, name)
+    assert torch.allclose(kl, torch.tensor([value]), atol=1e-6)
+    kl.sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.5, -1.0]]))  # d/dlogp 0.5 (log r)^2 = log r

@@ -5,7 +5,7 @@ import pathlib
 import phaserl.algo
 
 ALGO_DIR = pathlib.Path(phaserl.algo.__file__).parent
-ALLOWED_ROOTS = {"__future__", "dataclasses", "typing", "math", "torch",
+ALLOWED_ROOTS = {"__future__", "dataclasses", "functools", "inspect", "typing", "math", "torch",
                  "triton"}  # the same math as GPU kernels (logprob_kernels.py), imported only when used
 ALLOWED_PHASERL = {"phaserl.errors", "phaserl.algo"}
 FORBIDDEN_NAMES = {"open", "print", "nn", "distributed", "Module"}

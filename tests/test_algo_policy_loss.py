@@ -81,7 +81,7 @@ def test_gspo_token_gradient_equals_the_sequence_level_gradient():
     assert torch.allclose(token_form, logp.grad, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", ["ppo", "gspo"])  # the losses with a dual clip
 def test_bad_clip_settings_are_config_errors(name):
     x = torch.zeros(1, 1)
     with pytest.raises(ConfigError, match="dual_clip_c"):

@@ -263,3 +263,25 @@ def test_explain_shows_formulas_numbers_and_what_each_batch_size_counts():
     assert "per rank" in batch_lines["ppo.micro_batch_tokens"]
     assert "ref.enable = null → on, because algorithm.kl_placement = loss" in text
     assert "  n: 8" in text and "# responses sampled per prompt" in text  # the annotated YAML
+
+
+def test_gspo_sapo_gmpo_off_the_papers_aggregation_warn_and_the_recipes_do_not():
+    for extra, word in ((["actor.policy_loss=gspo"], "GSPO paper"),
+                        (["actor.policy_loss=sapo"], "seq-mean-token-mean")):
+        with pytest.warns(UserWarning, match=word):
+            load_config(None, extra)
+    for recipe in ("gspo", "sapo", "gmpo"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_config(f"examples/{recipe}.yaml")
+
+
+def test_new_algorithm_rules_name_the_key_and_the_fix():
+    for extra, message in ((["algorithm.dynamic_sampling=true", "rollout.n=1", "algorithm.adv_estimator=remax"],
+                            "dynamic_sampling = true needs rollout.n >= 2"),
+                           (["algorithm.overlong_buffer=999"], "overlong_buffer = 999"),
+                           (["actor.policy_loss=cispo", "actor.clip_ratio_low=1.5"], "clip_ratio_low = 1.5"),
+                           (["algorithm.rollout_correction=tis", "algorithm.rollout_correction_cap=1.0"],
+                            "rollout_correction_cap = 1.0")):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            load_config(None, extra)

@@ -19,7 +19,14 @@ GRPO = ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss", "algorith
         "ref.fsdp.sharding_strategy=NO_SHARD", "actor.gradient_checkpointing=true"]
 PPO = ["algorithm.adv_estimator=gae", "algorithm.kl_placement=reward", "actor.fsdp.sharding_strategy=SHARD_GRAD_OP",
        "critic.fsdp.sharding_strategy=NO_SHARD", "critic.optim.lr=1e-3"]
-SCENARIOS = {"grpo": GRPO, "ppo": PPO}
+# The 2026 menu on the invariance bench: GPG's global alpha, CISPO, token-sum, TIS on the rollout/trainer ratio,
+# the straight-through k3+ in the loss.
+FAMILIES = ["algorithm.adv_estimator=gpg", "actor.policy_loss=cispo", "actor.clip_ratio_low=1.0",
+            "actor.loss_agg_mode=token-sum", "algorithm.rollout_correction=tis", "algorithm.kl_placement=loss",
+            "algorithm.kl_estimator=k3+", "algorithm.kl_coef=0.1", "ref.fsdp.sharding_strategy=NO_SHARD"]
+DAPO = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=2", "algorithm.overlong_buffer=2",
+        "actor.clip_ratio_high=0.28"]
+SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO}
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
 # actor/grad_norm also proves gradients are summed over ranks: averaged, it would be halved (Adam would hide that
@@ -28,7 +35,10 @@ EXACT_METRICS = {
     "grpo": ("train/reward_mean", "train/response_length_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
              "actor/pg_clipfrac", "actor/kl_loss"),
     "ppo": ("train/reward_mean", "train/response_length_mean", "critic/vf_loss", "critic/grad_norm", "actor/pg_loss",
-            "actor/grad_norm")}
+            "actor/grad_norm"),
+    "families": ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "mismatch/k3",
+                 "mismatch/correction_weight_mean", "train/zero_variance_group_frac"),
+    "dapo": ()}  # dynamic sampling fills each rank's share on its own: not the 1-rank step
 TIMEOUT_S = 300
 
 
@@ -244,6 +254,22 @@ def test_ppo_actor_update_on_two_ranks_equals_one_rank(runs):
     single, ranks = runs
     two = _two(ranks, "ppo")
     assert _max_weight_diff(two[0]["weights"]["actor"], single["ppo"]["weights"]["actor"]) < 1e-5
+
+
+def test_new_losses_token_sum_and_rollout_correction_on_two_ranks_equal_one_rank(runs):
+    single, ranks = runs
+    two = _two(ranks, "families")
+    assert two[0]["responses"] + two[1]["responses"] == single["families"]["responses"]
+    assert _max_weight_diff(two[0]["weights"]["actor"], single["families"]["weights"]["actor"]) < 1e-5
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
+    # the metrics (actor/pg_loss, grad_norm: a token-sum gradient summed over ranks) are in EXACT_METRICS
+
+
+def test_dynamic_sampling_agrees_on_its_rounds_across_ranks(runs):
+    _, ranks = runs
+    two = _two(ranks, "dapo")  # no rank left waiting in a collective: both ran the same number of rounds
+    assert two[0]["metrics"]["sampling/rounds"] == two[1]["metrics"]["sampling/rounds"] >= 1
+    assert two[0]["metrics"]["train/zero_variance_group_frac"] == 0.0 or two[0]["metrics"]["sampling/filled_groups"] > 0
 
 
 def test_each_role_is_sharded_by_its_own_settings(runs):

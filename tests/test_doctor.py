@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 CHECK_NAMES = ["config rules", "parallel settings", "batch sizes", "shared paths", "device", "model", "write paths",
                "tokenizer/model", "context length", "data", "chat template", "reward functions", "reward model",
-               "reference frozen", "memory"]
+               "reference frozen", "memory", "rollout/training mismatch"]
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +184,22 @@ def test_a_good_tiny_config_passes_every_check(run):
     assert "2 × 2 layers × 2 kv heads × 8 head dim × 4 B × 36 tokens = 9.0 KB per sequence" in details
     assert "suggested for this machine: rollout.batch_size=4 ppo.micro_batch_tokens=" in details
     assert "actor   FULL_SHARD" in "\n".join(results["parallel settings"].details)
+
+
+def test_the_mismatch_check_measures_one_sampled_batch(run):
+    result = doctor(run, "rollout.temperature=0.7")["rollout/training mismatch"]
+    assert result.status == OK and result.message.startswith("32 sampled tokens (builtin engine, T = 0.7)"), result
+    hf = doctor(run, "rollout.engine=hf")["rollout/training mismatch"]
+    assert hf.status == OK and "transformers generate" in hf.message
+
+
+def test_a_trainer_that_ignores_the_temperature_is_caught_by_the_mismatch_check(run, monkeypatch):
+    import phaserl.roles.mismatch_probe as check
+
+    right = check.batch_logprobs
+    monkeypatch.setattr(check, "batch_logprobs", lambda *a, **kw: right(*a, **{**kw, "temperature": 1.0}))
+    result = doctor(run, "rollout.temperature=0.3")["rollout/training mismatch"]
+    assert result.status == WARN and "algorithm.rollout_correction" in result.fix, result
 
 
 def test_each_broken_rule_is_reported_once_under_the_check_that_owns_it(run):

@@ -26,3 +26,6 @@ def test_example_runs_in_smoke_mode(example, tmp_path):
 def test_examples_exist_for_every_algorithm():
     names = {os.path.basename(p) for p in EXAMPLES}
     assert {"grpo.yaml", "ppo.yaml", "rloo.yaml", "reinforce_plus_plus.yaml", "remax.yaml"} <= names
+    # the 2026 menu: one per estimator / loss family, the DAPO and GSPO recipes, a mismatch correction
+    assert {f"{name}.yaml" for name in ("grpo_passk", "opo", "gpg", "cispo", "sapo", "gmpo", "dro", "dppo", "gspo",
+                                        "dapo", "grpo_icepop")} <= names

@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE, GRPO (+ Dr.GRPO), RLOO, REINFORCE++ (+ baseline) and ReMax.
+"""Advantage estimators: GAE, GRPO (+ Dr.GRPO), pass@k, OPO, GPG, RLOO, REINFORCE++ (+ baseline), ReMax.
 
 Each estimator takes one `AdvantageInputs` and returns `(advantages [B, T], returns [B, T])`, both 0
 beyond the response mask. The trainer picks one from `ADVANTAGE_ESTIMATORS` when the run is built.
@@ -70,6 +70,22 @@ def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
     sq_dev = torch.zeros_like(size).index_add_(0, index, (scores - mean) ** 2)  # [G]
     std = (sq_dev / (size - 1).clamp(min=1)).sqrt()[index]  # [B]; 0 for a group of one
     return index, size[index], mean, std
+
+
+def group_has_variance(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """[B] bool: True where the response's group holds at least two different scores.
+
+    A group whose scores are all equal (all right, all wrong) has zero variance: every group-baseline
+    estimator gives its responses advantage 0, so it teaches nothing. Exact comparison (max == min),
+    as DAPO's filter (std == 0). A group of one has no variance.
+    """
+    _, index = torch.unique(group_ids, return_inverse=True)  # [B] in [0, G)
+    G = int(index.max()) + 1 if index.numel() else 0
+    high = torch.full((G,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    low = torch.full((G,), float("inf"), dtype=scores.dtype, device=scores.device)
+    high = high.scatter_reduce(0, index, scores, reduce="amax")  # [G]
+    low = low.scatter_reduce(0, index, scores, reduce="amin")  # [G]
+    return (high > low)[index]
 
 
 def _broadcast(per_response: Tensor, mask: Tensor) -> Tensor:
@@ -149,10 +165,7 @@ def compute_rloo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     rewards, mask = _check(inputs)
     scores = _scores(rewards, mask)  # [B]
     _, size, mean, _ = _group_stats(scores, inputs.group_ids)
-    if bool((size < 2).any()):
-        lonely = inputs.group_ids[size < 2].tolist()
-        raise ConfigError(f"rloo needs at least 2 responses per prompt, but group id(s) {lonely[:5]} "
-                          "have 1; set rollout.n >= 2 (or pick algorithm.adv_estimator=grpo)")
+    _require_pairs(size, inputs.group_ids, "rloo")
     adv = _broadcast((scores - mean) * size / (size - 1), mask)
     return adv, adv
 
@@ -188,8 +201,11 @@ def compute_reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> 
 def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2024): the greedy response's score is the baseline.
 
-    A_i = s_i - baseline_scores_i, broadcast to tokens. Needs `baseline_scores` [B] (the score of
-    the greedy response to the same prompt). returns = advantages. Returns ([B, T], [B, T]).
+    Per token, as verl: returns G_t = sum_{k >= t} r_k (the reward-to-go, undiscounted) and
+    A_t = G_t - baseline_scores_i. With all reward on the last token G_t is the response's score s_i
+    at every token; with the KL shaped into the reward a token's return counts only the KL that
+    follows it. Needs `baseline_scores` [B] (the score of the greedy response to the same prompt,
+    without KL, as verl). Returns ([B, T], [B, T]).
     """
     rewards, mask = _check(inputs)
     if inputs.baseline_scores is None:
@@ -198,8 +214,93 @@ def compute_remax_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     if inputs.baseline_scores.shape != rewards.shape[:1]:
         raise ValueError(f"baseline_scores must be [B] = [{rewards.shape[0]}], "
                          f"got {tuple(inputs.baseline_scores.shape)}")
-    adv = _broadcast(_scores(rewards, mask) - upcast(inputs.baseline_scores), mask)
+    returns = _reverse_scan(rewards, mask, 1.0, None, 1.0)  # [B, T] reward-to-go
+    adv = (returns - upcast(inputs.baseline_scores).unsqueeze(-1)) * mask
+    return adv, returns
+
+
+@torch.no_grad()
+def compute_passk_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """GRPO with the pass@k objective, as verl's `grpo_passk` (after Tang et al. 2025, arXiv 2503.19595).
+
+    Only the best response of each group is credited: A_best = s_max - s_second (divided by the
+    unbiased group std + eps when `norm_by_std`), every other response gets 0, so the policy is
+    pushed to make its best of k better rather than its average. Ties for the best go to the first
+    response of the group (verl: whichever torch.topk returns); a tie gives A = 0. Every group needs
+    at least 2 responses. returns = advantages. Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    scores = _scores(rewards, mask)  # [B]
+    index, size, _, std = _group_stats(scores, inputs.group_ids)
+    _require_pairs(size, inputs.group_ids, "grpo_passk")
+    G = int(index.max()) + 1
+    best = torch.full((G,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    best = best.scatter_reduce(0, index, scores, reduce="amax")  # [G]
+    rows = torch.arange(len(scores), device=scores.device)
+    candidate = torch.where(scores == best[index], rows, len(scores))  # [B] row number where it is a best
+    first_best = torch.full((G,), len(scores), device=scores.device).scatter_reduce(
+        0, index, candidate, reduce="amin")  # [G]
+    is_best = rows == first_best[index]  # [B] one per group
+    others = torch.where(is_best, torch.full_like(scores, float("-inf")), scores)
+    second = torch.full((G,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    second = second.scatter_reduce(0, index, others, reduce="amax")  # [G]
+    adv = torch.where(is_best, scores - second[index], torch.zeros_like(scores))  # [B]
+    if inputs.norm_by_std:
+        adv = adv / (std + inputs.eps)
+    adv = _broadcast(adv, mask)
     return adv, adv
+
+
+@torch.no_grad()
+def compute_opo_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal reward baseline", arXiv 2505.23585).
+
+    The baseline is the length-weighted group mean, b = sum_j L_j s_j / sum_j L_j (L = response
+    length in tokens), the variance-minimising baseline when the gradient norm grows with length;
+    A_i = s_i - b, broadcast to tokens. Difference from verl: a group of one is its own baseline
+    (A = 0, as our GRPO), where verl uses baseline 0 (A = s). returns = advantages.
+    Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    scores = _scores(rewards, mask)  # [B]
+    lengths = mask.sum(dim=-1)  # [B]
+    index, _, _, _ = _group_stats(scores, inputs.group_ids)
+    G = int(index.max()) + 1
+    weighted = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, index, lengths * scores)
+    total_len = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, index, lengths)
+    baseline = (weighted / total_len.clamp(min=1))[index]  # [B]
+    adv = _broadcast(scores - baseline, mask)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_gpg_advantages(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline", arXiv 2504.02546).
+
+    A_i = alpha * (s_i - mean_group(s)), alpha = B / (B - M), with B the responses of the batch and M
+    those in zero-variance groups (advantage 0): the gradient is rescaled as if only the informative
+    responses were in the batch. Pair it with `actor.policy_loss=gpg` (the plain -A log p loss).
+    B and M are counted over every rank (`total`). Difference from verl: verl's alpha is
+    B / (number of non-zero scores), which equals the paper's only for some 0/1 rewards; phaserl
+    follows the paper. returns = advantages. Returns ([B, T], [B, T]).
+    """
+    rewards, mask = _check(inputs)
+    scores = _scores(rewards, mask)  # [B]
+    _, _, mean, _ = _group_stats(scores, inputs.group_ids)
+    informative = group_has_variance(scores, inputs.group_ids)  # [B]
+    total = inputs.total or (lambda t: t)
+    counts = total(torch.stack([torch.tensor(float(len(scores)), dtype=scores.dtype, device=scores.device),
+                                informative.to(scores.dtype).sum()]))  # [2] = (B, B - M)
+    alpha = counts[0] / counts[1].clamp(min=1)
+    adv = _broadcast(alpha * (scores - mean), mask)
+    return adv, adv
+
+
+def _require_pairs(size: Tensor, group_ids: Tensor, name: str) -> None:
+    if bool((size < 2).any()):
+        lonely = group_ids[size < 2].tolist()
+        raise ConfigError(f"{name} needs at least 2 responses per prompt, but group id(s) {lonely[:5]} "
+                          "have 1; set rollout.n >= 2 (or pick algorithm.adv_estimator=grpo)")
 
 
 AdvantageEstimator = Callable[[AdvantageInputs], "tuple[Tensor, Tensor]"]
@@ -211,4 +312,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_plus_plus": compute_reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantages,
     "remax": compute_remax_advantages,
+    "grpo_passk": compute_passk_advantages,
+    "opo": compute_opo_advantages,
+    "gpg": compute_gpg_advantages,
 }

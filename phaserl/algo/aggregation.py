@@ -6,7 +6,8 @@ exact share of the mini-batch loss, so summing `.backward()` over micro-batches 
 gradient however the mini-batch was split (and however unevenly). Averaging per-micro-batch means
 instead would weight a token by the size of the micro-batch it happened to land in.
 
-Across ranks: FSDP/DDP *average* gradients over the R ranks, so pass the global counts divided by R
+Across ranks: phaserl's FSDP *sums* gradients over the R ranks (`parallel/fsdp.py`), so the global
+counts go in as they are; with a wrapper that averages (plain DDP/FSDP), pass the counts divided by R
 (or multiply the loss by R) to keep the sum semantics.
 
 Modes (verl's names; Dr.GRPO is Liu et al. 2025, "Understanding R1-Zero-Like Training"):
@@ -14,6 +15,11 @@ Modes (verl's names; Dr.GRPO is Liu et al. 2025, "Understanding R1-Zero-Like Tra
     seq-mean-token-sum       sum over responses of their token sums / global_seqs
     seq-mean-token-mean      sum over responses of their token means / global_seqs (GRPO paper, GSPO)
     seq-mean-token-sum-norm  sum of real-token losses / (global_seqs * max_len) (Dr.GRPO)
+    token-sum                sum of real-token losses, no denominator (verl's token-sum)
+
+token-sum makes the gradient grow with the number of tokens in the mini-batch (a step on 2x the
+tokens is 2x as large), so the learning rate must be sized for the batch; it is split-invariant by
+construction (a sum of sums), and on R ranks the summed gradients add each rank's local sum.
 
 Legend: B = responses, T = response tokens (right-padded), mask = response_mask [B, T].
 """
@@ -51,11 +57,17 @@ def _seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor, global_tokens: floa
     return masked_sum(loss_mat, mask) / (global_seqs * max_len)
 
 
+def _token_sum(loss_mat: Tensor, mask: Tensor, global_tokens: float, global_seqs: float,
+               max_len: Optional[int]) -> Tensor:
+    return masked_sum(loss_mat, mask)
+
+
 LOSS_AGG_MODES: dict[str, Callable[..., Tensor]] = {
     "token-mean": _token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+    "token-sum": _token_sum,
 }
 
 

@@ -42,24 +42,54 @@ def kl_k3(log_ratio: Tensor) -> Tensor:
     return (torch.exp(neg) - 1.0 - neg).clamp(-_K3_BOUND, _K3_BOUND)
 
 
-KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+def kl_abs(log_ratio: Tensor) -> Tensor:
+    """abs = |log r|: always >= 0, biased; verl's `abs`. Its gradient is sign(log r), not the KL's."""
+    return log_ratio.abs()
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs}
+
+# verl's names for the same estimators (`algorithm.kl_penalty` / `actor.kl_loss_type`).
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+# Every accepted `algorithm.kl_estimator`: the base estimators, verl's aliases, and each with "+" appended:
+# the straight-through variant (the value of the base estimator, the gradient of k2).
+KL_ESTIMATOR_NAMES = tuple(name + plus for name in (*KL_ESTIMATORS, *KL_ALIASES) for plus in ("", "+"))
+
+
+def canonical_kl_estimator(name: str) -> str:
+    """verl's alias resolved, the "+" kept ("low_var_kl+" -> "k3+"); a ConfigError naming the choices."""
+    base, plus = (name[:-1], "+") if name.endswith("+") else (name, "")
+    base = KL_ALIASES.get(base, base)
+    if base not in KL_ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_estimator={name!r} is unknown; use one of {', '.join(KL_ESTIMATOR_NAMES)}")
+    return base + plus
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token KL estimate of the policy from the reference (Schulman 2020's k1/k2/k3).
+    """Per-token KL estimate of the policy from the reference (Schulman 2020's k1/k2/k3, and abs).
+
+    A name ending in "+" is the straight-through variant (verl's `k1+`, `k3+`): its value is the base
+    estimator's, its gradient k2's, whose expected gradient is the true KL's (k1's and k3's are not):
+        kl = k2 - sg[k2] + sg[base]          (sg = stop-gradient)
+    verl's names `kl`, `mse`, `low_var_kl` are k1, k2, k3. As in verl, `k2+` is k2 itself.
 
     Args:
         logprobs: [B, T] log-probs of the sampled tokens under the policy.
         ref_logprobs: [B, T] the same tokens under the reference policy.
-        estimator: "k1", "k2" or "k3".
+        estimator: one of `KL_ESTIMATOR_NAMES`.
 
     Returns:
         [B, T] (at least float32), not masked (padding holds whatever its inputs give). Differentiable in
         `logprobs`, so it also serves as the KL-in-loss term.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"algorithm.kl_estimator={estimator!r} is unknown; use one of {sorted(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[estimator](upcast(logprobs) - upcast(ref_logprobs))
+    name = canonical_kl_estimator(estimator)
+    log_ratio = upcast(logprobs) - upcast(ref_logprobs)  # [B, T]
+    if not name.endswith("+"):
+        return KL_ESTIMATORS[name](log_ratio)
+    value = KL_ESTIMATORS[name[:-1]](log_ratio.detach())
+    k2 = kl_k2(log_ratio)
+    return k2 - k2.detach() + value
 
 
 def apply_kl_to_rewards(token_rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,

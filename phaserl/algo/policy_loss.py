@@ -1,41 +1,38 @@
-"""Policy-gradient losses: PPO's clipped surrogate (token ratio) and GSPO (sequence ratio).
+"""Policy-gradient losses: PPO's clipped surrogate (token ratio), GSPO (sequence ratio), and the registry.
 
-Both return a per-token loss [B, T] (0 beyond the mask) that the caller turns into one number with
+The other families (CISPO, SAPO, GMPO, DRO, DPPO, GPG) live in `policy_loss_families`; every loss is
+in `POLICY_LOSSES`, and `bind_policy_loss` binds its hyper-parameters once.
+
+Every loss returns a per-token loss [B, T] (0 beyond the mask) that the caller turns into one number with
 `aggregation.aggregate`, plus detached statistics over the real tokens of this batch. The entropy
 bonus and the KL-in-loss term are separate per-token terms the caller adds before aggregating.
-The trainer picks one from `POLICY_LOSSES` when the run is built; all share one signature:
+The trainer picks one from `POLICY_LOSSES` when the run is built; all share one positional signature
+and each declares its own keyword-only hyper-parameters (PPO and GSPO: clip_low, clip_high, dual_clip_c):
 
-    fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, dual_clip_c) -> (loss, stats)
+    fn(logprobs, old_logprobs, advantages, mask, *, <its hyper-parameters>) -> (loss, stats)
 
 Legend: B = responses, T = response tokens (right-padded), mask = response_mask [B, T].
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from phaserl.algo.masked import masked_mean, upcast
+from phaserl.algo.ratio import approx_kl as _approx_kl
+from phaserl.algo.policy_loss_families import (cispo_policy_loss, dppo_kl_policy_loss, dppo_tv_policy_loss,
+                                               dro_policy_loss, gmpo_policy_loss, gpg_policy_loss, sapo_policy_loss)
+from phaserl.algo.ratio import bounded_ratio, check_clip, zero_padding
 from phaserl.errors import ConfigError
-
-# exp() of a log-ratio beyond this overflows and only happens when something is already broken.
-_LOG_RATIO_BOUND = 20.0
-
-
-def _check_clip(clip_low: float, clip_high: float, dual_clip_c: Optional[float]) -> None:
-    if not 0.0 <= clip_low < 1.0:
-        raise ConfigError(f"actor.clip_ratio_low must be in [0, 1), got {clip_low}")
-    if clip_high < 0.0:
-        raise ConfigError(f"actor.clip_ratio_high must be >= 0, got {clip_high}")
-    if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ConfigError(f"actor.dual_clip_c must be > 1 (3.0 is usual) or null to turn it off, got {dual_clip_c}")
-
 
 def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
                        clip_high: float, dual_clip_c: Optional[float]) -> tuple[Tensor, dict[str, Tensor]]:
     """max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), then min(., -A c) where A < 0."""
-    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))  # [B, T]
+    ratio = bounded_ratio(log_ratio)  # [B, T]
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)  # [B, T]
@@ -45,7 +42,7 @@ def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, mask: Tensor, clip
         cap = -advantages * dual_clip_c
         dual_clipped = (advantages < 0) & (loss > cap)
         loss = torch.where(dual_clipped, cap, loss)
-    loss = torch.where(mask.bool(), loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    loss = zero_padding(loss, mask)
     with torch.no_grad():
         real = mask.bool()
         stats = {
@@ -55,12 +52,6 @@ def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, mask: Tensor, clip
             "ratio_max": ratio.masked_fill(~real, float("-inf")).max(),  # -inf with no real token
         }
     return loss, stats
-
-
-def _approx_kl(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    """k3 estimate of KL(old || new) from samples of the old policy: (r - 1) - log r, averaged."""
-    log_ratio = log_ratio.detach().clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-    return masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, mask)
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -85,7 +76,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         (tokens where the clip is active), clipfrac_dual, approx_kl (k3 of KL(old || new)),
         ratio_mean, ratio_max.
     """
-    _check_clip(clip_low, clip_high, dual_clip_c)
+    check_clip(clip_low, clip_high, dual_clip_c)
     log_ratio = upcast(logprobs) - upcast(old_logprobs)  # [B, T]
     loss, stats = _clipped_surrogate(log_ratio, upcast(advantages), mask, clip_low, clip_high, dual_clip_c)
     stats["approx_kl"] = _approx_kl(log_ratio, mask)
@@ -107,7 +98,7 @@ def gspo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
 
     Shapes, returns and stats as `ppo_policy_loss`; ratio_* describe s_i, approx_kl the tokens.
     """
-    _check_clip(clip_low, clip_high, dual_clip_c)
+    check_clip(clip_low, clip_high, dual_clip_c)
     logprobs = upcast(logprobs)
     token_log_ratio = logprobs - upcast(old_logprobs)  # [B, T]
     seq_log_ratio = masked_mean(token_log_ratio, mask, dim=-1)  # [B] log s_i
@@ -122,4 +113,32 @@ PolicyLoss = Callable[..., "tuple[Tensor, dict[str, Tensor]]"]
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+    "sapo": sapo_policy_loss,
+    "gmpo": gmpo_policy_loss,
+    "dro": dro_policy_loss,
+    "dppo_tv": dppo_tv_policy_loss,
+    "dppo_kl": dppo_kl_policy_loss,
+    "gpg": gpg_policy_loss,
 }
+
+# verl's `actor.policy_loss.loss_mode` names with the same meaning.
+POLICY_LOSS_ALIASES = {"vanilla": "ppo", "geo_mean": "gmpo"}
+
+
+def bind_policy_loss(name: str, **hyper: object) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple]:
+    """The loss `name` (or its verl alias) with its own hyper-parameters bound, picked from `hyper`.
+
+    The builder passes every loss hyper-parameter it has; each loss receives only the keyword
+    arguments it declares, so the update calls every loss alike: fn(logprobs, old, advantages, mask).
+    """
+    canonical = POLICY_LOSS_ALIASES.get(name, name)
+    if canonical not in POLICY_LOSSES:
+        raise ConfigError(f"actor.policy_loss={name!r} is unknown; use one of "
+                          f"{', '.join([*POLICY_LOSSES, *POLICY_LOSS_ALIASES])}")
+    fn = POLICY_LOSSES[canonical]
+    wanted = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    missing = [k for k in wanted if k not in hyper]
+    if missing:
+        raise TypeError(f"policy loss {canonical} needs {missing}")
+    return functools.partial(fn, **{k: hyper[k] for k in wanted})

@@ -135,15 +135,29 @@ class RewardModelConfig:
 class AlgorithmConfig:
     adv_estimator: str = spec("grpo", "advantage estimator",
                               choices=["gae", "grpo", "rloo", "reinforce_plus_plus",
-                                       "reinforce_plus_plus_baseline", "remax"])
+                                       "reinforce_plus_plus_baseline", "remax", "grpo_passk", "opo", "gpg"])
     norm_adv_by_std: bool = spec(True, "GRPO: divide by the group std (false = Dr.GRPO)")
     gamma: float = spec(1.0, "discount factor", min=0.0, max=1.0)
     lam: float = spec(1.0, "GAE lambda", min=0.0, max=1.0)
     kl_placement: str = spec("loss", "where the KL to the reference goes", choices=["loss", "reward", "none"])
-    kl_estimator: str = spec("k3", "KL estimator", choices=["k1", "k2", "k3"])
+    kl_estimator: str = spec("k3", "KL estimator (verl's kl / mse / low_var_kl = k1 / k2 / k3; a trailing + is the "
+                                   "straight-through variant: the value of the estimator, the gradient of k2)",
+                             choices=["k1", "k1+", "k2", "k2+", "k3", "k3+", "abs", "abs+", "kl", "kl+", "mse", "mse+",
+                                      "low_var_kl", "low_var_kl+"])
     kl_coef: float = spec(0.001, "KL coefficient (initial value when adaptive)", min=0.0)
     kl_target: Optional[float] = spec(None, "adaptive KL controller target (null = fixed coefficient)", min=0.0)
     kl_horizon: int = spec(10000, "adaptive KL controller horizon, in responses", min=1)
+    rollout_correction: str = spec("none", "rollout/training mismatch correction, a per-token weight on the policy "
+                                           "loss: tis (truncated IS), icepop, masked_is, seq_mask (geometric mean)",
+                                   choices=["none", "tis", "icepop", "masked_is", "seq_mask"])
+    rollout_correction_cap: float = spec(2.0, "C of the correction: TIS's cap, the masks' band [1/C, C]", min=1.0)
+    dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal and sample more prompts "
+                                         "until the step has rollout.prompts_per_step informative groups")
+    dynamic_sampling_max_rounds: int = spec(4, "dynamic sampling: extra rounds of prompts_per_step prompts at most",
+                                            min=1)
+    overlong_buffer: int = spec(0, "DAPO overlong shaping: tokens before rollout.max_new_tokens where the score "
+                                   "falls linearly by up to overlong_penalty (0 = off)", min=0)
+    overlong_penalty: float = spec(1.0, "DAPO overlong shaping: the penalty at the length limit", min=0.0)
 
 
 @dataclass
@@ -165,14 +179,22 @@ class OptimConfig:
 @dataclass
 class ActorConfig:
     optim: OptimConfig = spec(None, "optimizer", factory=OptimConfig)
-    policy_loss: str = spec("ppo", "ppo (token ratio) or gspo (sequence-level ratio)", choices=["ppo", "gspo"])
+    policy_loss: str = spec("ppo", "policy loss (docs/concepts.md); vanilla and geo_mean are verl's names for ppo and "
+                                   "gmpo", choices=["ppo", "gspo", "cispo", "sapo", "gmpo", "dro", "dppo_tv",
+                                                    "dppo_kl", "gpg", "vanilla", "geo_mean"])
     clip_ratio_low: float = spec(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", min=0.0)
     clip_ratio_high: float = spec(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (clip-higher when > low)", min=0.0)
     dual_clip_c: Optional[float] = spec(3.0, "dual-clip constant for negative advantages (null = off)", min=1.0)
     loss_agg_mode: str = spec("token-mean", "how per-token losses become one number",
                               choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                       "seq-mean-token-sum-norm"])
+                                       "seq-mean-token-sum-norm", "token-sum"])
     entropy_coef: float = spec(0.0, "entropy bonus coefficient", min=0.0)
+    sapo_tau_pos: float = spec(1.0, "SAPO gate temperature for positive advantages", min=0.0)
+    sapo_tau_neg: float = spec(1.05, "SAPO gate temperature for negative advantages", min=0.0)
+    dro_beta: float = spec(0.1, "DRO: weight of the quadratic log-ratio penalty", min=0.0)
+    dppo_delta: Optional[float] = spec(None, "DPPO trust region on the sampled token's probability change "
+                                             "(null = the paper's: 0.15 for dppo_tv, 0.05 for dppo_kl)", min=0.0)
+    dppo_ratio_cap: float = spec(20.0, "DPPO: truncated-IS cap on the ratio", min=1.0)
     gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
     compile: bool = spec(False, "torch.compile the decoder layers and the log-prob kernels of the actor and the "
                                 "reference (phaserl's decoder only; the first steps pay the compile time)")

@@ -19,7 +19,7 @@ from phaserl.config.schema import Config
 from phaserl.errors import ConfigError
 
 # Estimators whose baseline is built from the other responses to the same prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg")
 _RESUME_LOOKALIKES = ("none", "no", "false", "off", "true", "yes", "on", "latest", "last", "always")
 
 
@@ -120,7 +120,7 @@ def _rule_errors(cfg: Config) -> list[str]:
     for i, fn in enumerate(cfg.reward.functions):
         if not fn.name.strip():
             errs.append(f"reward.functions[{i}].name is empty; give a built-in rule name or 'file.py:function'")
-    if cfg.actor.clip_ratio_low >= 1:
+    if cfg.actor.clip_ratio_low >= 1 and cfg.actor.policy_loss in ("ppo", "vanilla", "gspo"):
         low = cfg.actor.clip_ratio_low
         errs.append(f"actor.clip_ratio_low = {low}: the lower clip bound 1 - clip_ratio_low = 1 - {low} = "
                     f"{1 - low:g} is not positive, so the ratio is never clipped from below; "
@@ -147,6 +147,24 @@ def _rule_errors(cfg: Config) -> list[str]:
     if not word or word in _RESUME_LOOKALIKES or (word in ("auto", "never") and resume != word):
         errs.append(f"trainer.resume = {resume!r}: expected auto (newest complete checkpoint), never, or a "
                     "checkpoint path (write ./name for a directory whose name looks like a keyword)")
+    return errs + _algorithm_errors(cfg)
+
+
+def _algorithm_errors(cfg: Config) -> list[str]:
+    """Rules of the 2026 algorithm keys (losses, corrections, DAPO's sampling and shaping)."""
+    a, actor, r, errs = cfg.algorithm, cfg.actor, cfg.rollout, []
+    if actor.policy_loss == "cispo" and actor.clip_ratio_low > 1:
+        errs.append(f"actor.clip_ratio_low = {actor.clip_ratio_low} with actor.policy_loss = cispo: the weight's lower "
+                    "bound 1 - clip_ratio_low would be negative; use a value in [0, 1] (1 = no lower bound)")
+    if a.dynamic_sampling and r.n < 2:
+        errs.append(f"algorithm.dynamic_sampling = true needs rollout.n >= 2, got {r.n}: a group of one response "
+                    "never has reward variance, so no group would ever be kept")
+    if a.overlong_buffer > r.max_new_tokens:
+        errs.append(f"algorithm.overlong_buffer = {a.overlong_buffer} is longer than rollout.max_new_tokens = "
+                    f"{r.max_new_tokens}; use at most the limit (DAPO: a quarter of it) or 0 to turn it off")
+    if a.rollout_correction != "none" and a.rollout_correction_cap <= 1:
+        errs.append(f"algorithm.rollout_correction_cap = {a.rollout_correction_cap} must be > 1 with "
+                    f"algorithm.rollout_correction = {a.rollout_correction} (2.0 is usual for tokens, 1.01 for seq_mask)")
     return errs
 
 
@@ -173,6 +191,14 @@ def _warnings(cfg: Config, world_size: int) -> list[str]:
             out.append(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} ignored: {why}"
                        f"{'' if getattr(cfg, section).enable is None else f' ({section}.enable = false)'}; "
                        "delete them, or choose an algorithm that uses them")
+    actor = cfg.actor
+    if actor.policy_loss == "gspo" and (actor.dual_clip_c is not None or actor.loss_agg_mode != "seq-mean-token-mean"):
+        out.append(f"actor.policy_loss = gspo with actor.loss_agg_mode = {actor.loss_agg_mode} and actor.dual_clip_c = "
+                   f"{actor.dual_clip_c}: the GSPO paper (and verl) use seq-mean-token-mean and no dual clip; set "
+                   "them as examples/gspo.yaml does, or keep these on purpose")
+    if actor.policy_loss in ("sapo", "gmpo", "geo_mean") and actor.loss_agg_mode != "seq-mean-token-mean":
+        out.append(f"actor.policy_loss = {actor.policy_loss} with actor.loss_agg_mode = {actor.loss_agg_mode}: its "
+                   "paper (and verl, whatever the mode) averages over responses, i.e. seq-mean-token-mean")
     rm, L = cfg.reward_model, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if rm.path and not rm.enable:
         out.append(f"reward_model.path = {rm.path!r} is ignored because reward_model.enable = false")

@@ -3,7 +3,8 @@
 It covers the five classic mistakes (per-role parallel settings, the reward model's input
 format, the frozen reference, per-phase batch sizes against this machine's memory, checkpoint and
 log paths shared by every rank) and the rest of what breaks runs (config rules, data schema and
-overlong prompts, chat template, tokenizer/model consistency, context length, rule rewards).
+overlong prompts, chat template, tokenizer/model consistency, context length, rule rewards, and the
+rollout/training log-prob mismatch on one sampled batch).
 
     cfg = load_doctor_config("cfg.yaml", ["rollout.n=8"])   # per-field checks only: the doctor reports the rest
     results = run_doctor(cfg, world_size=1)
@@ -18,6 +19,7 @@ from typing import Iterable
 from ..config import Config
 from .checks import (Context, check_batch_sizes, check_config_rules, check_context, check_device, check_model,
                      check_parallel_settings, check_shared_paths, check_tokenizer_model)
+from .mismatch import check_mismatch
 from .probes import (check_chat_template, check_data, check_memory, check_reference, check_reference_frozen,
                      check_reward_functions, check_reward_model)
 from .report import FAIL, OK, WARN, CheckResult, any_failed, format_report
@@ -26,7 +28,7 @@ from .storage import check_write_paths
 # In order: config-only checks first, then what needs the device, the policy and the data.
 CHECKS = (check_config_rules, check_parallel_settings, check_batch_sizes, check_shared_paths, check_device,
           check_model, check_write_paths, check_tokenizer_model, check_context, check_data, check_chat_template,
-          check_reward_functions, check_reward_model, check_reference, check_memory)
+          check_reward_functions, check_reward_model, check_reference, check_memory, check_mismatch)
 
 
 def run_doctor(cfg: Config, *, world_size: int = 1) -> list[CheckResult]:

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..algo import aggregate, kl_penalty
+from ..algo import aggregate, kl_penalty, mismatch_sums
 from ..batch import TrainBatch
 from ..errors import ConfigError
 from ..parallel import gather_full_params, mark_memory, rank_and_world, reshard_params
@@ -32,16 +32,15 @@ log = logging.getLogger("phaserl")
 
 @dataclass(frozen=True)
 class PolicyLossSettings:
-    loss_fn: Callable                 # algo.POLICY_LOSSES[name]
-    clip_low: float
-    clip_high: float
-    dual_clip_c: Optional[float]
+    loss_fn: Callable                 # algo.bind_policy_loss(name, ...): fn(logp, old, adv, mask) -> (loss, stats)
     agg_mode: str
     entropy_coef: float
     kl_loss_coef: float               # 0 unless algorithm.kl_placement == "loss"
     kl_estimator: str
     temperature: float                # the rollout temperature: log-probs are of the sampled distribution
     norm_len: int                     # seq-mean-token-sum-norm's constant length (rollout.max_new_tokens)
+    # algo.rollout_correction bound to its mode and cap, or None: a detached per-token weight on the policy loss
+    correction: Optional[Callable] = None
 
 
 class HybridActor:
@@ -172,6 +171,12 @@ class HybridActor:
         on_policy = mb.old_logprobs is None  # the trainer skipped the old log-prob pass (one optimizer step)
         if on_policy and mb.ref_logprobs is not None:
             stats["train/kl"] = zero  # what the skipped pass would have given: k3 to the reference, token mean
+        if on_policy:  # the trainer has no pre-update log-probs of its own: the mismatch is measured here
+            stats.update({"mismatch/k3": zero, "mismatch/abs_diff_mean": zero, "mismatch/ratio_out_frac": zero,
+                          "mismatch/abs_diff_max": zero})
+        if s.correction is not None:
+            stats["mismatch/correction_rejected_frac"] = stats["mismatch/correction_weight_mean"] = zero
+        norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
             micro = mb.select(idx)
             logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
@@ -180,14 +185,20 @@ class HybridActor:
             mask = resp_mask.float()                                          # [b, R]
             old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
             adv = micro.advantages[:, :R]
-            pg_mat, pg_stats = s.loss_fn(logp, old, adv, mask, clip_low=s.clip_low, clip_high=s.clip_high,
-                                         dual_clip_c=s.dual_clip_c)           # [b, R]
-            norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
+            rollout_logp = micro.rollout.rollout_logprobs[:, :R]              # [b, R] the sampler's
+            pg_mat, pg_stats = s.loss_fn(logp, old, adv, mask)               # [b, R]
+            if s.correction is not None:  # rollout/training mismatch: weight each token's loss (0 = rejected)
+                weights, fix = s.correction(old, rollout_logp, mask)          # [b, R] detached
+                pg_mat = pg_mat * weights
+                # out of place: every stat starts as the same `zero` tensor
+                stats["mismatch/correction_rejected_frac"] = (stats["mismatch/correction_rejected_frac"]
+                                                              + fix["rejected"] / global_tokens)
+                stats["mismatch/correction_weight_mean"] = (stats["mismatch/correction_weight_mean"]
+                                                            + fix["weight"] / global_tokens)
             pg_loss = aggregate(pg_mat, mask, s.agg_mode, **norm)
-            # Without an entropy bonus the entropy is a metric: detached, so backward skips its gradient.
-            entropy = aggregate(ent if s.entropy_coef else ent.detach(), mask, "token-mean",
-                                global_tokens=global_tokens, global_seqs=global_seqs)
-            loss = pg_loss - s.entropy_coef * entropy if s.entropy_coef else pg_loss
+            loss = pg_loss
+            if s.entropy_coef:  # the bonus follows the loss's aggregation mode, as verl
+                loss = loss - s.entropy_coef * aggregate(ent, mask, s.agg_mode, **norm)
             if s.kl_loss_coef > 0:
                 kl_mat = kl_penalty(logp, micro.ref_logprobs[:, :R], s.kl_estimator)  # [b, R]
                 kl_loss = aggregate(kl_mat, mask, s.agg_mode, **norm)
@@ -197,9 +208,16 @@ class HybridActor:
             if "train/kl" in stats:
                 k3 = kl_penalty(logp.detach(), micro.ref_logprobs[:, :R], "k3")  # [b, R]
                 stats["train/kl"] = stats["train/kl"] + (k3 * mask).sum() / global_tokens
+            if on_policy:
+                sums = mismatch_sums(old, rollout_logp, mask)
+                stats["mismatch/k3"] = stats["mismatch/k3"] + sums["k3"] / global_tokens
+                stats["mismatch/abs_diff_mean"] = stats["mismatch/abs_diff_mean"] + sums["abs_diff"] / global_tokens
+                stats["mismatch/ratio_out_frac"] = stats["mismatch/ratio_out_frac"] + sums["ratio_out"] / global_tokens
+                stats["mismatch/abs_diff_max"] = torch.maximum(stats["mismatch/abs_diff_max"], sums["abs_diff_max"])
             share = mask.sum() / global_tokens
             stats["actor/pg_loss"] = stats["actor/pg_loss"] + pg_loss.detach()
-            stats["actor/entropy"] = stats["actor/entropy"] + entropy.detach()
+            # The logged entropy is the token mean whatever the mode, so runs with different modes compare.
+            stats["actor/entropy"] = stats["actor/entropy"] + (ent.detach() * mask).sum() / global_tokens
             stats["actor/pg_clipfrac"] = stats["actor/pg_clipfrac"] + pg_stats["clipfrac"] * share
             stats["actor/ppo_kl"] = stats["actor/ppo_kl"] + pg_stats["approx_kl"] * share
         stats = {k: float(v) for k, v in stats.items()}

@@ -25,12 +25,17 @@ class Critic:
         self.optimizer: Optional[Optimizer] = None
         self.cliprange_value = 0.5
         self.loss_coef = 0.5
+        self.agg_mode, self.norm_len = "token-mean", None  # the actor's loss_agg_mode (set by setup_training)
         self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
 
-    def setup_training(self, optim: OptimSettings, *, cliprange_value: float, loss_coef: float) -> None:
+    def setup_training(self, optim: OptimSettings, *, cliprange_value: float, loss_coef: float,
+                       agg_mode: str = "token-mean", norm_len: Optional[int] = None) -> None:
+        """`agg_mode` (actor.loss_agg_mode) aggregates the value loss like the policy loss, as verl's
+        critic.loss_agg_mode; `norm_len` is seq-mean-token-sum-norm's constant (rollout.max_new_tokens)."""
         self.optimizer = Optimizer(self.model.parameters(), optim)
         self.cliprange_value = cliprange_value
         self.loss_coef = loss_coef
+        self.agg_mode, self.norm_len = agg_mode, norm_len
 
     def compute_values(self, batch, *, token_budget: int) -> torch.Tensor:
         """Values of the positions predicting each response token.  [B, R]"""
@@ -53,7 +58,8 @@ class Critic:
             mask = resp_mask.float()                                      # [b, R]
             vf_mat, vf_stats = clipped_value_loss(values, micro.old_values[:, :R], micro.returns[:, :R], mask,
                                                   clip_range=self.cliprange_value)
-            vf_loss = aggregate(vf_mat, mask, "token-mean", global_tokens=global_tokens, global_seqs=global_seqs)
+            vf_loss = aggregate(vf_mat, mask, self.agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+                                max_len=self.norm_len)
             (self.loss_coef * vf_loss).backward()
             stats["critic/vf_loss"] += float(vf_loss.detach())
             stats["critic/vf_clipfrac"] += float(vf_stats["clipfrac"]) * float(mask.sum()) / global_tokens

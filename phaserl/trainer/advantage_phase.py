@@ -5,14 +5,17 @@ module only applies them, and names the likely cause when advantages come out no
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from ..algo import AdvantageInputs, apply_kl_to_rewards
+from ..algo import AdvantageInputs, apply_kl_to_rewards, group_has_variance
 from ..batch import RolloutBatch
-from ..parallel import all_reduce_sum, is_distributed
+from ..parallel import all_reduce_sum, is_distributed, rank_and_world
+
+log = logging.getLogger("phaserl")
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,34 @@ def nonfinite_advantage_cause(advantages: torch.Tensor, scores: torch.Tensor,
     else:
         cause = "scores are finite but the estimator produced NaN/inf (check algorithm settings)"
     return f"non-finite advantages: {cause}"
+
+
+class ZeroVarianceMonitor:
+    """Groups whose rewards are all equal: their group-baseline advantage is exactly 0, so they teach nothing.
+
+    `observe` returns the global share of such groups (logged every step as
+    `train/zero_variance_group_frac`) and, for estimators whose baseline is the group (`group_based`),
+    warns on rank 0 the first step it is above 0 and the first step it is 1 (the step learns nothing
+    from the reward). It keeps only those two flags; they are not checkpointed (a resumed run warns again).
+    """
+
+    def __init__(self, estimator_name: str, group_based: bool):
+        self.estimator_name, self.group_based = estimator_name, group_based
+        self.warned_some = self.warned_all = False
+
+    def observe(self, scores: torch.Tensor, group_ids: torch.Tensor, step: int) -> float:
+        informative = group_has_variance(scores, group_ids)  # [B]
+        groups = torch.unique(group_ids).numel()
+        zero = groups - torch.unique(group_ids[informative]).numel()
+        zero, groups = all_reduce_sum(torch.tensor([float(zero), float(groups)], dtype=torch.float64)).tolist()
+        frac = zero / max(groups, 1.0)
+        if self.group_based and rank_and_world()[0] == 0:
+            every = frac == 1.0 and not self.warned_all
+            if (frac > 0 and not self.warned_some) or every:
+                what = "every group" if frac == 1.0 else f"{zero:.0f} of {groups:.0f} groups ({100 * frac:.1f}%)"
+                log.warning(f"step {step}: {what} scored all rollout.n responses alike, so their "
+                            f"{self.estimator_name} advantages are 0 and they add nothing to the update. Turn on "
+                            "algorithm.dynamic_sampling (DAPO), raise rollout.n, or make the reward less all-or-nothing "
+                            "(train/zero_variance_group_frac is logged every step)")
+                self.warned_some, self.warned_all = True, self.warned_all or frac == 1.0
+        return frac

@@ -8,20 +8,23 @@ and `config_with_trainer_kwargs`, which turns the verl-style keyword arguments o
 (checkpoint_path, log_dir, save_interval, keep_checkpoint_num) into checked config overrides.
 
 Below this module nothing reads the config: roles and the loop take explicit arguments. The advantage
-estimator, policy loss and KL placement are picked here, once, from dicts of functions. Names in the
+estimator, policy loss, KL placement, rollout correction and dynamic sampling are picked here, once. Names in the
 config ('tiny', 'auto', dtypes) are resolved by `phaserl.resolve`, shared with the doctor.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from ..algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdaptiveKLController, FixedKLController
+from ..algo import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, bind_policy_loss,
+                    canonical_kl_estimator, rollout_correction)
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.load import with_overrides
+from ..config.validate import GROUP_ESTIMATORS
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
@@ -36,9 +39,11 @@ from ..roles.actor import PolicyLossSettings
 from ..roles.optim import OptimSettings
 from ..roles.parallel_settings import FSDPSettings
 from ..rollout import EngineConfig, SamplingParams
-from .advantage_phase import AdvantageSettings
+from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
+from .dynamic_sampling import DynamicSampling, single_round
 from .guard import RuntimeGuard
 from .prompt_stream import PromptStream
+from .score_shaping import OverlongShaping, no_shaping
 from .settings import Roles, RunSettings
 
 if TYPE_CHECKING:
@@ -147,17 +152,18 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
     total_optim_steps = cfg.trainer.total_steps * d.optimizer_steps_per_rl_step
     actor.setup_training(
         _optim(a.optim, total_optim_steps),
-        PolicyLossSettings(loss_fn=POLICY_LOSSES[a.policy_loss], clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
-                           dual_clip_c=a.dual_clip_c, agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef,
+        PolicyLossSettings(loss_fn=policy_loss_fn(a), agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef,
                            kl_loss_coef=alg.kl_coef if alg.kl_placement == "loss" and ref else 0.0,
-                           kl_estimator=alg.kl_estimator, temperature=_temperature(cfg), norm_len=r.max_new_tokens))
+                           kl_estimator=canonical_kl_estimator(alg.kl_estimator), temperature=_temperature(cfg),
+                           norm_len=r.max_new_tokens, correction=rollout_correction_fn(alg)))
     actor.configure_rollout(r.engine, EngineConfig(
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
         cuda_graphs=r.engine_cuda_graphs, compile=r.engine_compile, keep_awake=r.engine_keep_awake,
         max_seq_tokens=cfg.data.max_prompt_length + r.max_new_tokens))
     if critic is not None:
         critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
-                              cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef)
+                              cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef,
+                              agg_mode=a.loss_agg_mode, norm_len=r.max_new_tokens)
     model_gradient_checkpointing(actor.model, a.gradient_checkpointing)
     set_packing([actor, critic, ref], cfg.ppo.packing)
     set_compile([actor, ref], a.compile)
@@ -202,13 +208,19 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
     has_ref = roles.ref_policy is not None
     advantage = AdvantageSettings(estimator=ADVANTAGE_ESTIMATORS[alg.adv_estimator], gamma=alg.gamma, lam=alg.lam,
                                   norm_by_std=alg.norm_adv_by_std, kl_in_reward=alg.kl_placement == "reward" and has_ref,
-                                  kl_estimator=alg.kl_estimator)
+                                  kl_estimator=canonical_kl_estimator(alg.kl_estimator))
     kl_controller = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_target is not None
                      else FixedKLController(alg.kl_coef))
     return RunSettings(
         tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, **rollout,
+        # 2.-3. one round of rollout + score, or DAPO's dynamic sampling
+        sample=DynamicSampling(alg.dynamic_sampling_max_rounds, rollout["pad_token_id"]) if alg.dynamic_sampling
+        else single_round,
         reward=roles.reward,  # 3. score
+        shape_scores=(OverlongShaping(r.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+                      if alg.overlong_buffer else no_shaping),
         forward_tokens=cfg.ppo.forward_micro_batch_tokens, advantage=advantage, kl_controller=kl_controller,
+        zero_variance=ZeroVarianceMonitor(alg.adv_estimator, alg.adv_estimator in GROUP_ESTIMATORS),
         # 6. update
         epochs=cfg.ppo.epochs, mini_batch_per_rank=d.mini_batch_per_rank, responses_per_step=d.responses_per_step,
         train_tokens=cfg.ppo.micro_batch_tokens, guard=RuntimeGuard(t.on_nonfinite),
@@ -219,6 +231,21 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
         metrics_logger=MetricsLogger(t.log_dir, t.loggers, rank=rank, config=to_dict(cfg)),
         checkpointer=build_checkpointer(cfg, rank, world_size), save_on_signal=t.save_on_signal,
         show_progress=rank == 0 and "console" in t.loggers)
+
+
+def policy_loss_fn(a) -> functools.partial:
+    """actor.policy_loss with its hyper-parameters bound (each loss takes the ones it declares)."""
+    dppo_delta = a.dppo_delta if a.dppo_delta is not None else (0.05 if a.policy_loss == "dppo_kl" else 0.15)
+    return bind_policy_loss(a.policy_loss, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
+                            dual_clip_c=a.dual_clip_c, tau_pos=a.sapo_tau_pos, tau_neg=a.sapo_tau_neg,
+                            beta=a.dro_beta, delta=dppo_delta, ratio_cap=a.dppo_ratio_cap)
+
+
+def rollout_correction_fn(alg) -> Optional[functools.partial]:
+    """algorithm.rollout_correction bound to its cap, or None (off)."""
+    if alg.rollout_correction == "none":
+        return None
+    return functools.partial(rollout_correction, mode=alg.rollout_correction, cap=alg.rollout_correction_cap)
 
 
 def build_checkpointer(cfg: Config, rank: int, world: int) -> "Checkpointer":

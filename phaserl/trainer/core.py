@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..algo import kl_penalty, masked_mean
-from ..batch import TrainBatch
+from ..algo import kl_penalty, masked_mean, mismatch_metrics
+from ..batch import ScoredBatch, TrainBatch
 from ..metrics import StepPerf
 from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
 from ..rollout import GenerationResult
@@ -130,16 +130,11 @@ class RLTrainer:
             # 1. prompts: this rank's share of the global batch
             with clock("prompts"):
                 items = run.train_prompts.next_items()
-            # 2. rollout: the actor switches to rollout mode and samples n responses per prompt
-            with clock("rollout"), self.actor.rollout_mode():
-                batch = self._generate(items, run.sampling, run.n)
-                baseline = self._generate(items, run.greedy, 1) if run.needs_greedy_baseline else None
-            # 3. score
-            with clock("score"):
-                scores = run.reward.score(batch)
-                baseline_scores = None
-                if baseline is not None:
-                    baseline_scores = run.reward.score(baseline).total.repeat_interleave(run.n)  # [B]
+            # 2-3. rollout and score: n responses per prompt, scored (with DAPO's dynamic sampling, more rounds
+            #      until every group on the step has rewards that differ)
+            scored, sampling_stats = run.sample(lambda chunk: self._rollout_and_score(chunk, clock), items,
+                                                run.train_prompts.next_items)
+            batch, scores, baseline_scores = scored.batch, scored.scores, scored.baseline_scores
             # 4. forward-only passes: old log-probs, reference log-probs, values
             with clock("forward"):
                 old_logprobs = None  # one optimizer step per batch: the update's own log-probs are the old ones
@@ -156,6 +151,7 @@ class RLTrainer:
                 advantages, returns, _, _ = compute_advantages(
                     batch, scores.total, run.advantage, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores)
+                zero_variance = run.zero_variance.observe(scores.total, batch.group_ids, self.step_num)
                 update_ok = run.guard.advantages_ok(nonfinite_advantage_cause(advantages, scores.total, values),
                                                     self.step_num)
             # 6. update: epochs × mini-batches, micro-batches by token budget
@@ -164,8 +160,11 @@ class RLTrainer:
                 update_stats = self.update(train) if update_ok else {}
                 update_stats["train/skipped_step"] = float(not update_stats)
         # 7. metrics (checkpoint and logging happen in fit)
-        metrics = reduce_metrics(  # every rank logs and adapts the KL coefficient from the same global numbers
-            self._step_metrics(batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats))
+        step_metrics = self._step_metrics(batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats)
+        step_metrics.update(sampling_stats, **{"train/zero_variance_group_frac": zero_variance})
+        if old_logprobs is not None:  # the trainer's own pre-update log-probs (else the update measured it)
+            step_metrics.update(mismatch_metrics(old_logprobs, batch.rollout_logprobs, batch.response_mask))
+        metrics = reduce_metrics(step_metrics)  # every rank logs and adapts the KL coefficient from the same numbers
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
         metrics.update(self.perf.step_metrics(batch.attention_mask, batch.response_mask, timings,
                                               update_epochs=run.epochs if update_ok else 0,
@@ -208,7 +207,8 @@ class RLTrainer:
                 stats = self.actor.update_mini_batch(mb, **norm)
                 if self.critic is not None:
                     stats.update(self.critic.update_mini_batch(mb, **norm))
-                shares = [key for key in stats if not key.endswith(("/grad_norm", "/lr"))]  # those two are global
+                # grad_norm and lr are global already; a _max is this rank's (reduce_metrics takes the max)
+                shares = [key for key in stats if not key.endswith(("/grad_norm", "/lr", "_max"))]
                 stats.update(zip(shares, all_reduce_sum(torch.tensor([stats[key] for key in shares],
                                                                      dtype=torch.float64)).tolist()))
                 for key, value in stats.items():
@@ -300,6 +300,20 @@ class RLTrainer:
                  + (f"; checkpoint {self.last_checkpoint}" if self.last_checkpoint else ""))
 
     # ------------------------------------------------------------------------------------------
+    def _rollout_and_score(self, items: list, clock) -> ScoredBatch:
+        """Phases 2-3 for `items`: the actor samples n responses per prompt in rollout mode (and ReMax's
+        greedy baseline), then the reward sources score them (DAPO's overlong shaping, when on, included)."""
+        run = self.run
+        with clock("rollout"), self.actor.rollout_mode():
+            batch = self._generate(items, run.sampling, run.n)
+            baseline = self._generate(items, run.greedy, 1) if run.needs_greedy_baseline else None
+        with clock("score"):
+            scores = run.shape_scores(run.reward.score(batch), batch)
+            baseline_scores = None
+            if baseline is not None:
+                baseline_scores = run.shape_scores(run.reward.score(baseline), baseline).total.repeat_interleave(run.n)
+        return ScoredBatch(batch, scores, baseline_scores)
+
     def _generate(self, items: list, params, n: int):
         """n responses per prompt, rollout.batch_size prompts per generate call.
 

@@ -8,7 +8,7 @@ sampling generator, the guard) change inside themselves and are saved in checkpo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from tqdm import tqdm
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..rewards import RewardSources
     from ..roles import Critic, HybridActor, ReferencePolicy
     from ..rollout import SamplingParams
-    from .advantage_phase import AdvantageSettings
+    from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
     from .guard import RuntimeGuard
     from .prompt_stream import PromptStream
 
@@ -58,11 +58,15 @@ class RunSettings:
     pad_token_id: int
     sampling_generator: torch.Generator
     ignore_eos: bool                           # rollout.ignore_eos: generate to max_new_tokens
+    # 2.-3. one round of rollout + score (dynamic_sampling.single_round) or DAPO's DynamicSampling
+    sample: Callable
     # 3. score
     reward: "RewardSources"
+    shape_scores: Callable                     # score_shaping.OverlongShaping or no_shaping
     # 4.-5. forward-only passes, advantage
     forward_tokens: int                        # token budget of a forward-only micro-batch
     advantage: "AdvantageSettings"
+    zero_variance: "ZeroVarianceMonitor"       # logs / warns about groups with all-equal rewards
     kl_controller: Union["FixedKLController", "AdaptiveKLController"]
     # 6. update
     epochs: int
