@@ -51,6 +51,13 @@ class RequestError(Exception):
         self.param, self.code, self.status = param, code, status
 
 
+class _Listener(ThreadingHTTPServer):
+    # socketserver's default backlog is 5: a harness opening hundreds of conversations at once had its
+    # connections reset (seen on the H200 with 512 conversations). One slot per conversation a rollout runs.
+    request_queue_size = 4096
+    daemon_threads = True
+
+
 class ChatServer:
     def __init__(self, backend, tokenizer, *, parser: str = "hermes", model_name: str = "phaserl-policy",
                  host: str = "127.0.0.1", port: int = 0, default_max_tokens: int = 256,
@@ -63,8 +70,7 @@ class ChatServer:
         self.metrics = {"requests": 0, "errors": 0, "prefix_mismatches": 0, "spliced_turns": 0}
         self._warned: set = set()
         self._lock = threading.Lock()
-        self._http = ThreadingHTTPServer((host, port), _handler_for(self))
-        self._http.daemon_threads = True
+        self._http = _Listener((host, port), _handler_for(self))
         self._thread: Optional[threading.Thread] = None
 
     # ----- lifecycle --------------------------------------------------------------------------
