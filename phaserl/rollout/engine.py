@@ -28,6 +28,7 @@ from phaserl.rollout.kv_pool import KVPool
 from phaserl.rollout.runner import ModelRunner
 from phaserl.rollout.sampling import SamplingParams
 from phaserl.rollout.scheduler import Scheduler, Sequence
+from phaserl.rollout.session import DecodeSession, session_slots
 
 SLOT_ROUNDING = 64  # slot lengths are rounded up to this, so that nearby calls reuse one layout and its graphs
 
@@ -179,6 +180,37 @@ class RolloutEngine:
                            "slot_len": self.runner.layout[1], "graphs": len(self.runner.graphs),
                            "new_tokens": sum(map(len, result.response_ids))}
         return result
+
+    # ----- multi-turn ------------------------------------------------------------------------------
+    @contextmanager
+    def session(self, params: SamplingParams, *, slot_len: int, eos_token_ids: list[int],
+                num_slots: Optional[int] = None, generator: Optional[torch.Generator] = None):
+        """A DecodeSession (session.py) for sequences that continue across turns in their slot.
+
+        slot_len: the longest sequence (prompt + every turn and appended observation); params.max_new_tokens
+        caps one turn. num_slots: most sequences held at once, decoding or parked (None: config.max_slots).
+        """
+        weight = self.model.output_weight
+        if (weight.dtype, weight.device) != (self.pool.dtype, self.pool.device):
+            self.release()
+            self._build()
+        slot_len = _round_slot(slot_len)
+        slots = session_slots(num_slots, self.config.max_slots, self.pool.slots_that_fit(slot_len), slot_len,
+                              self.pool.capacity_tokens)
+        stop_ids = sorted({*eos_token_ids, *params.stop_token_ids})
+        start = time.perf_counter()
+        with torch.inference_mode(), _seeded(generator, self.device):
+            self.runner.begin(slots, slot_len, params.max_new_tokens, params, stop_ids)
+            session = DecodeSession(self.runner, num_slots=slots, slot_len=slot_len,
+                                    max_turn_tokens=params.max_new_tokens, stop_ids=stop_ids,
+                                    vocab_size=weight.shape[0])
+            session.stats.extra["begin_seconds"] = time.perf_counter() - start
+            yield session
+        st = session.stats
+        self.last_stats = {"steps": st.steps, "seconds": time.perf_counter() - start, "slots": slots,
+                           "slot_len": slot_len, "graphs": len(self.runner.graphs), "new_tokens": st.new_tokens,
+                           "turns": st.turns, "extend_tokens": st.extend_tokens, "prefill_tokens": st.prefill_tokens,
+                           "busy_slot_steps": st.busy_slot_steps, **st.extra}
 
     @staticmethod
     def _caps(n: int, params: SamplingParams, max_new_tokens: Optional[list[int]]) -> list[int]:

@@ -172,7 +172,9 @@ class SlotState:
         stop = active & (self.is_stop(tokens) | (n_gen >= self.max_new[:b]))
         self.finished[:b] |= stop
         self.tokens[:b] = torch.where(active, tokens, self.tokens[:b])
-        self.pos[:b] += active & ~stop
+        # A stopped row moves on too: its frozen steps then write its last token's KV at that token's own
+        # position, so the KV of everything before stays intact for a continuation (rollout/session.py).
+        self.pos[:b] += active
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in (self.tokens, self.pos, self.n_gen, self.max_new, self.finished, self.out_tokens,

@@ -259,6 +259,52 @@ class ModelRunner:
                                         [group_of])  # one draw per sequence, from its prompt's distribution
         self.state.start(slots, tokens, logprobs, lengths[group_of], caps)
 
+    # ----- prefill at an offset (multi-turn continuation) -----------------------------------------
+    def extend(self, items: list[tuple[int, list[int], int, int]]) -> None:
+        """Append tokens to parked slots and start their next turn: items are (slot, tokens, start, cap).
+
+        `tokens` go at positions start, start + 1, ... of the slot; the KV before `start` is kept and
+        attended (no re-prefill of the conversation so far). The last token's distribution draws the
+        next turn's first token. Split into passes of <= prefill_tokens (rows x longest).
+        """
+        chunk = []
+        for item in items:
+            longest = max(len(i[1]) for i in chunk + [item])
+            if chunk and longest * (len(chunk) + 1) > self.prefill_tokens:
+                self._extend_pass(chunk)
+                chunk = []
+            chunk.append(item)
+        if chunk:
+            self._extend_pass(chunk)
+
+    def _extend_pass(self, items) -> None:
+        C, (Hq, Hkv, D), S = len(items), self.heads, self.layout[1]
+        lengths = [len(tokens) for _, tokens, _, _ in items]
+        M = max(lengths)
+        ids = torch.zeros(C, M, dtype=torch.long)  # right-padded; pad rows write KV past their end (hidden)
+        for row, (_, tokens, _, _) in enumerate(items):
+            ids[row, :len(tokens)] = torch.tensor(tokens)
+        starts = torch.tensor([start for _, _, start, _ in items])
+        host = [ids, starts, torch.tensor(lengths), torch.tensor([slot for slot, _, _, _ in items]),
+                torch.tensor([cap for _, _, _, cap in items])]
+        ids, starts, lengths, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
+        pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
+        context = max(start + len(tokens) for _, tokens, start, _ in items)  # key positions any row sees
+        visible = torch.arange(context, device=self.device)[None, None, :] <= pos[:, :, None]  # [C, M, ctx]
+        cos, sin = self.cos[pos.view(-1)], self.sin[pos.view(-1)]  # [C * M, D]
+        h = F.embedding(ids.view(-1), self.model.model.embed_tokens.weight)  # [C * M, H]
+        for keys, values, w in zip(self.keys, self.values, self.weights):
+            q, k, v = self.fns.pre(h, w, cos, sin, self.cfg.rms_norm_eps, self.heads)
+            keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
+            values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
+            attn = F.scaled_dot_product_attention(
+                q.view(C, M, Hq, D).transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
+                attn_mask=visible[:, None], enable_gqa=True)  # [C, Hq, M, D] over kept + new KV
+            h = self.fns.post(h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, self.cfg.rms_norm_eps)
+        last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
+        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, self.cfg.rms_norm_eps))
+        self.state.start(slots, tokens, logprobs, starts + lengths, caps)
+
     # ----- decode ---------------------------------------------------------------------------------
     def _sample(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         logits = F.linear(hidden, self.model.output_weight)  # [b, V]

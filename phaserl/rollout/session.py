@@ -1,0 +1,212 @@
+"""DecodeSession: sequences that live across turns in one engine layout (multi-turn episodes).
+
+A sequence starts from its prompt ids, decodes one turn (until a stop token or the turn's cap), then
+is *parked*: its slot and KV stay where they are while the caller (an episode runner) asks its
+environment what happens next. `extend(key, ids, cap)` appends the observation's ids at the slot's
+next positions, prefills only those (attending the kept KV: no re-prefill of the conversation so
+far) and starts the next turn from them; `release(key)` frees the slot for a new sequence. Every
+`step()` runs the queued prefills, one decode step over the occupied slots and returns the turns that
+ended. Like `RolloutEngine.generate`, the host runs one step ahead: it reads the finished flags of
+the previous step after launching the next one.
+
+Made by `RolloutEngine.session(...)`. Host-side bookkeeping plus calls into the runner; no threads,
+no environments, no tokenizer (phaserl.agents drives it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+import torch
+
+from phaserl.errors import DataError
+from phaserl.rollout.runner import ModelRunner
+
+
+@dataclass
+class Turn:
+    """One ended model turn of a sequence."""
+
+    key: Hashable
+    token_ids: list      # the sampled ids, in order (a stop token included when one ended the turn)
+    logprobs: list       # the sampler's log-prob of each id
+    stopped: bool        # True: a stop token ended it; False: its cap did
+
+
+@dataclass(eq=False)
+class _Live:
+    key: Hashable
+    slot: int
+    length: int = 0          # ids held by the slot's sequence (the last sampled one not yet fed)
+    last_token: int = -1
+    turn: int = 0            # turns started so far; tells a stale finished flag from a fresh one
+    decoding: bool = False
+    cap: int = 0
+
+
+@dataclass
+class SessionStats:
+    steps: int = 0
+    turns: int = 0
+    new_tokens: int = 0
+    prefill_tokens: int = 0      # prompt ids prefilled (shared prompts counted once)
+    extend_tokens: int = 0       # observation ids appended to kept KV
+    busy_slot_steps: int = 0     # sum over decode steps of slots decoding (the rest were parked or free)
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class DecodeSession:
+    def __init__(self, runner: ModelRunner, *, num_slots: int, slot_len: int, max_turn_tokens: int,
+                 stop_ids: list[int], vocab_size: int):
+        self.runner, self.num_slots, self.slot_len = runner, num_slots, slot_len
+        self.max_turn_tokens, self.stop_ids, self.vocab_size = max_turn_tokens, set(stop_ids), vocab_size
+        self.live: dict = {}                     # key -> _Live
+        self.free = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot comes out first
+        self._starts: list[_Live] = []           # queued prefills: (live), prompt ids in _prompts
+        self._prompts: dict = {}
+        self._extends: list = []                 # queued (slot, ids, start, cap)
+        self._known = None                       # the previous step's snapshot
+        self.stats = SessionStats()
+        self._t0 = time.perf_counter()
+
+    # ----- what the caller asks -------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self.free)
+
+    @property
+    def decoding(self) -> int:
+        return sum(live.decoding for live in self.live.values())
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, decoding or waiting to be read: step() would do nothing."""
+        return not (self._starts or self._extends or self.decoding or self._known)
+
+    def room(self, key: Hashable) -> int:
+        """Positions left in the sequence's slot (for appended ids plus the next turn)."""
+        return self.slot_len - self.live[key].length
+
+    def length(self, key: Hashable) -> int:
+        return self.live[key].length
+
+    def start(self, key: Hashable, prompt_ids: list[int], cap: int) -> None:
+        """Take a free slot for a new sequence; its prompt is prefilled at the next step()."""
+        if key in self.live:
+            raise KeyError(f"sequence {key!r} is already in the session")
+        if not self.free:
+            raise RuntimeError("DecodeSession.start: no free slot (check free_slots first)")
+        self._check_ids(prompt_ids, key)
+        if not 1 <= cap <= self.max_turn_tokens or len(prompt_ids) + cap > self.slot_len:
+            raise DataError(f"sequence {key!r}: {len(prompt_ids)} prompt ids + a turn of {cap} do not fit a slot of "
+                            f"{self.slot_len} (turn cap at most {self.max_turn_tokens})")
+        live = _Live(key, self.free.pop(), length=len(prompt_ids), cap=cap)
+        self.live[key] = live
+        self._starts.append(live)
+        self._prompts[key] = tuple(prompt_ids)
+
+    def extend(self, key: Hashable, ids: list[int], cap: int) -> None:
+        """Append `ids` to a parked sequence (its KV kept) and start its next turn of at most `cap` ids."""
+        live = self.live[key]
+        if live.decoding or live.last_token < 0:
+            raise RuntimeError(f"sequence {key!r} is not parked (still decoding, or not yet started)")
+        self._check_ids(ids, key)
+        if cap < 1 or cap > self.max_turn_tokens or len(ids) + cap > self.room(key):
+            raise DataError(f"sequence {key!r}: {len(ids)} appended ids + a turn of {cap} exceed the {self.room(key)} "
+                            f"positions left in its slot")
+        # The last sampled id has no KV yet (a stopped slot is never fed): it is prefilled with the new ids.
+        self._extends.append((live.slot, [live.last_token, *ids], live.length - 1, cap))
+        live.length += len(ids)
+        live.cap, live.turn, live.decoding = cap, live.turn + 1, True
+        self.stats.extend_tokens += len(ids)
+
+    def release(self, key: Hashable) -> None:
+        """Free a parked sequence's slot."""
+        live = self.live.pop(key)
+        if live.decoding:
+            raise RuntimeError(f"sequence {key!r} is still decoding; release it once its turn has ended")
+        self.free.append(live.slot)
+        self.free.sort(reverse=True)
+
+    # ----- one step -------------------------------------------------------------------------------
+    def step(self) -> list[Turn]:
+        """Queued prefills, one decode step, and the turns the previous step ended."""
+        self._prefill()
+        latest = None
+        if self.decoding:
+            span = max(live.slot for live in self.live.values()) + 1
+            self.runner.decode(self.runner.bucket_for(span))
+            self.stats.steps += 1
+            self.stats.busy_slot_steps += self.decoding
+            latest = self._snapshot()
+        ended = self._retire(self._known) if self._known is not None else []
+        self._known = latest
+        self.stats.seconds = time.perf_counter() - self._t0
+        return ended
+
+    def _prefill(self) -> None:
+        if self._starts:
+            groups: dict = {}
+            for live in self._starts:
+                groups.setdefault(self._prompts.pop(live.key), []).append(live)
+                live.turn, live.decoding = 1, True
+            self.runner.prefill([(prompt, [lv.slot for lv in lives], [lv.cap for lv in lives])
+                                 for prompt, lives in groups.items()])
+            self.stats.prefill_tokens += sum(map(len, groups))
+            self._starts = []
+        if self._extends:
+            self.runner.extend(self._extends)
+            self._extends = []
+
+    def _snapshot(self):
+        """Finished flags after the step just launched (copied without waiting) and who was decoding which turn."""
+        flags = self.runner.state.finished
+        ran = {live.slot: (live, live.turn) for live in self.live.values() if live.decoding}
+        if flags.device.type != "cuda":
+            return flags.clone(), ran, None
+        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, ran, event
+
+    def _retire(self, snapshot) -> list[Turn]:
+        flags, ran, event = snapshot
+        if event is not None:
+            event.synchronize()
+        flags = flags.tolist()
+        stopped = [live for slot, (live, turn) in ran.items()
+                   if flags[slot] and live.decoding and live.turn == turn and live.key in self.live]
+        if not stopped:
+            return []
+        tokens, logprobs, lengths = (t.tolist() for t in self.runner.collect([live.slot for live in stopped]))
+        ended = []
+        for live, toks, lps, n in zip(stopped, tokens, logprobs, lengths):
+            toks, lps = toks[:n], lps[:n]
+            live.decoding, live.last_token = False, toks[-1]
+            live.length += n
+            ended.append(Turn(live.key, toks, lps, stopped=toks[-1] in self.stop_ids))
+        self.stats.turns += len(ended)
+        self.stats.new_tokens += sum(len(t.token_ids) for t in ended)
+        return ended
+
+    def _check_ids(self, ids: list[int], key: Hashable) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise DataError(f"sequence {key!r}: token ids {bad[:5]} are outside the model's vocabulary "
+                            f"[0, {self.vocab_size})")
+
+
+def session_slots(requested: Optional[int], max_slots: int, fit: Optional[int], slot_len: int, capacity: int) -> int:
+    """Slots a session gets: the request, capped by the engine's max_slots and what the KV cache holds."""
+    from phaserl.errors import ConfigError
+
+    slots = min(requested or max_slots, max_slots)
+    if fit is not None:
+        if fit < 1:
+            raise ConfigError(f"the rollout KV cache holds {capacity} tokens, less than one episode slot of {slot_len}; "
+                              "raise token_budget / memory_fraction or lower agent.max_episode_tokens")
+        slots = min(slots, fit)
+    return slots

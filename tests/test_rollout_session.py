@@ -1,0 +1,95 @@
+"""DecodeSession: a sequence continues in its slot after appended ids, with its KV kept.
+
+The continued turn must be what a full forward over everything so far gives (greedy tokens and the
+sampler's log-probs), while only the appended ids are prefilled; parked sequences wait without
+changing, and freed slots take new sequences.
+"""
+import pytest
+import torch
+
+from phaserl.errors import DataError
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from tests.test_rollout_engine import PROMPTS, full_logits, greedy_reference, tiny_model
+
+torch.set_num_threads(1)
+
+
+def drive(session, plan: dict, caps: dict, waiting=(), prompt=None) -> dict:
+    """Run sequences whose appended ids after turn k come from plan[key][k] (None or past the end: release);
+    keys in `waiting` start with `prompt[key]` as slots free up."""
+    turns, waiting = {key: [] for key in plan}, list(waiting)
+    while not session.idle or waiting:
+        if waiting and session.free_slots:
+            key = waiting.pop(0)
+            session.start(key, prompt[key], caps[key])
+        for turn in session.step():
+            done = turns[turn.key]
+            done.append(turn)
+            nxt = plan[turn.key][len(done) - 1] if len(done) <= len(plan[turn.key]) else None
+            if nxt is not None:
+                session.extend(turn.key, nxt, caps[turn.key])
+            else:
+                session.release(turn.key)
+    return turns
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_a_continued_turn_equals_the_full_forward_and_prefills_only_the_new_ids(model_type):
+    model = tiny_model(model_type)
+    engine = RolloutEngine(model, EngineConfig(max_slots=3))
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    observations = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [None]}
+    with engine.session(params, slot_len=48, eos_token_ids=[]) as session:
+        for key in (0, 1, 2):  # 3 slots; sequence 3 waits for a free one
+            session.start(key, PROMPTS[key], cap=5)
+        turns = drive(session, observations, {k: 5 for k in observations}, waiting=[3], prompt=PROMPTS)
+    for key, obs in observations.items():
+        seq = list(PROMPTS[key])
+        for k, turn in enumerate(turns[key]):
+            assert turn.token_ids == greedy_reference(model, seq, 5)  # what the whole conversation gives
+            logits = full_logits(model, seq + turn.token_ids)[len(seq) - 1:-1]
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(turn.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(turn.logprobs), expected, atol=1e-5, rtol=0)
+            seq += turn.token_ids + (obs[k] or [] if k < len(obs) else [])
+        assert len(turns[key]) == next((i for i, o in enumerate(obs) if o is None), len(obs)) + 1
+    stats = engine.last_stats
+    assert stats["extend_tokens"] == sum(len(o) for obs in observations.values() for o in obs if o)
+    assert stats["prefill_tokens"] == sum(len(PROMPTS[k]) for k in observations)  # the conversation is not re-read
+
+
+def test_sampled_continuations_report_the_full_forward_logprobs():
+    model = tiny_model()
+    engine = RolloutEngine(model)
+    params = SamplingParams(max_new_tokens=4, temperature=0.8)
+    plan = {k: [[25 + k, 26], [27]] for k in range(4)}
+    with engine.session(params, slot_len=40, eos_token_ids=[], generator=torch.Generator().manual_seed(1)) as s:
+        for key in plan:
+            s.start(key, PROMPTS[0], cap=4)  # one shared prompt: one prefill, four different samples
+        turns = drive(s, plan, {k: 4 for k in plan})
+    for key, obs in plan.items():
+        seq = list(PROMPTS[0])
+        for k, turn in enumerate(turns[key]):
+            logits = full_logits(model, seq + turn.token_ids)[len(seq) - 1:-1] / 0.8
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(turn.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(turn.logprobs), expected, atol=1e-5, rtol=0)
+            seq += turn.token_ids + (obs[k] if k < len(obs) else [])
+    assert len({tuple(tuple(t.token_ids) for t in turns[k]) for k in plan}) > 1
+
+
+def test_stop_tokens_end_a_turn_and_the_slot_limits_are_checked():
+    model = tiny_model()
+    stop = greedy_reference(model, PROMPTS[1], 3)[2]
+    engine = RolloutEngine(model)
+    with engine.session(SamplingParams(max_new_tokens=6, temperature=0.0), slot_len=20, eos_token_ids=[stop]) as s:
+        s.start("a", PROMPTS[1], cap=6)
+        ended = []
+        while not ended:
+            ended = s.step()
+        assert ended[0].stopped and ended[0].token_ids[-1] == stop and len(ended[0].token_ids) <= 3
+        assert s.room("a") == 64 - len(PROMPTS[1]) - len(ended[0].token_ids)  # slots round up to 64
+        with pytest.raises(DataError, match="exceed"):
+            s.extend("a", [1] * s.room("a"), 1)
+        with pytest.raises(DataError, match="vocabulary"):
+            s.extend("a", [99], 1)
+        s.release("a")
+        assert s.idle and s.free_slots == s.num_slots
