@@ -82,8 +82,8 @@ class DecodeSession:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued, decoding or waiting to be read: step() would do nothing."""
-        return not (self._starts or self._extends or self.decoding or self._known)
+        """Nothing queued or decoding: step() would return no turn."""
+        return not (self._starts or self._extends or self.decoding)
 
     def room(self, key: Hashable) -> int:
         """Positions left in the sequence's slot (for appended ids plus the next turn)."""
