@@ -3,6 +3,12 @@
 Layout (as in verl): every response row is `prompt (left-padded to P) + response (right-padded to R)`.
 Legend: B = responses in the batch (prompts × n), P = padded prompt width, R = padded response width,
 S = P + R. Response-aligned tensors are [B, R]; sequence tensors are [B, S].
+
+Two masks over the response region: `response_mask` says which positions hold real tokens (what the
+forward passes attend and score), `loss_mask` which of them the policy trained on: the sampled
+tokens. They differ in multi-turn episodes, whose responses interleave model turns and observation
+tokens (phaserl.agents): losses, KL, entropy, advantages, their whitening and token counts use
+`loss_mask`; log-prob and value passes, packing and micro-batch sizes use `response_mask`.
 """
 from __future__ import annotations
 
@@ -26,9 +32,16 @@ class RolloutBatch:
     prompts: list                  # [B] the prompt (str or chat messages) of each response
     response_texts: list           # [B] decoded responses, special tokens stripped
     rows: list                     # [B] the PromptRow each response answers
-    finish_reasons: list           # [B] "stop" | "length"
+    finish_reasons: list           # [B] "stop" | "length" (episodes: why each ended, agents.episodes)
+    loss_mask: Optional[torch.Tensor] = None  # [B, R] 1 = sampled token; None -> response_mask (single turn)
+    episodes: Optional[list] = None  # [B] agents.Episode of each row (multi-turn runs), else None
+    rollout_metrics: dict = field(default_factory=dict)  # name -> float, logged with the step (agent/*)
     # CPU copies of fields (on_host), made once per batch; a new batch (select, replace) starts empty.
     _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask
 
     @property
     def num_responses(self) -> int:
@@ -49,6 +62,9 @@ class RolloutBatch:
     def response_lengths(self) -> torch.Tensor:  # [B]
         return self.response_mask.sum(dim=1)
 
+    def sampled_lengths(self) -> torch.Tensor:  # [B] tokens the policy sampled (= response_lengths in one turn)
+        return self.loss_mask.sum(dim=1)
+
     def select(self, index: torch.Tensor) -> "RolloutBatch":
         """Rows `index` (a 1-D long tensor) of every field."""
         idx = index.tolist()
@@ -60,6 +76,8 @@ class RolloutBatch:
             group_ids=take(self.group_ids), rollout_logprobs=take(self.rollout_logprobs),
             prompts=[self.prompts[i] for i in idx], response_texts=[self.response_texts[i] for i in idx],
             rows=[self.rows[i] for i in idx], finish_reasons=[self.finish_reasons[i] for i in idx],
+            loss_mask=take(self.loss_mask),
+            episodes=None if self.episodes is None else [self.episodes[i] for i in idx],
         )
 
 
@@ -69,6 +87,8 @@ class Scores:
 
     total: torch.Tensor            # [B] float32 weighted sum of every reward source
     by_source: dict = field(default_factory=dict)  # name -> [B] float32 raw score of one function / the RM
+    token_rewards: Optional[torch.Tensor] = None   # [B, R] where the total lies (per-turn rewards of an
+                                                   # episode); None = all of it on the last sampled token
 
 
 @dataclass

@@ -88,6 +88,7 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
         prompt_width=P - cut_left, group_ids=batch.group_ids,
         rollout_logprobs=batch.rollout_logprobs[:, :keep_resp], prompts=batch.prompts,
         response_texts=batch.response_texts, rows=batch.rows, finish_reasons=batch.finish_reasons,
+        loss_mask=batch.loss_mask[:, :keep_resp], episodes=batch.episodes,
     )
 
 

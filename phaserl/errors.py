@@ -27,3 +27,7 @@ class PreflightError(PhaserlError, RuntimeError):
 
 class CheckpointError(PhaserlError, RuntimeError):
     """A checkpoint is damaged, unsafe, locked by another run, or cannot be written."""
+
+
+class AgentError(PhaserlError, RuntimeError):
+    """An environment raised, hung or returned something unusable, and agent.on_env_error=stop."""

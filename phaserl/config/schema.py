@@ -263,6 +263,24 @@ class TrainerConfig:
 
 
 @dataclass
+class AgentConfig:
+    env: Optional[str] = spec(None, "multi-turn RL: the environment class, 'path/to/file.py:ClassName' or "
+                                    "'package.module:ClassName' (a fresh instance per episode; docs/agents.md). "
+                                    "null = single-turn RL")
+    kwargs: dict = spec(None, "keyword arguments of the environment's constructor", factory=dict)
+    max_turns: int = spec(4, "model turns per episode, at most (then the episode ends: agent/ended/max_turns)", min=1)
+    max_episode_tokens: int = spec(1024, "tokens of prompt + every turn + every observation, at most (capped by "
+                                         "the model's context); rollout.max_new_tokens caps one turn", min=2)
+    step_timeout_s: float = spec(60.0, "seconds an environment's reset/step call may take; then the episode "
+                                       "ends (agent/ended/env_timeout)", min=0.0)
+    on_env_error: str = spec("end", "an environment that raises, hangs or returns a bad value: end the episode "
+                                    "(counted) or stop the run", choices=["end", "stop"])
+    workers: int = spec(16, "environment calls running at once (threads), per rank", min=1)
+    overlap: bool = spec(True, "use an environment's answer as soon as it arrives (decoding never waits); false: "
+                               "at a fixed point after each decode step, so a seeded run repeats exactly")
+
+
+@dataclass
 class Config:
     model: ModelConfig = spec(None, "the policy model", factory=ModelConfig)
     data: DataConfig = spec(None, "prompt data", factory=DataConfig)
@@ -275,3 +293,5 @@ class Config:
     ref: RefConfig = spec(None, "the frozen reference policy", factory=RefConfig)
     ppo: PPOConfig = spec(None, "update-phase batch sizes", factory=PPOConfig)
     trainer: TrainerConfig = spec(None, "run length, seeds, paths, logging", factory=TrainerConfig)
+    agent: AgentConfig = spec(None, "multi-turn episodes with an environment (off unless agent.env is set)",
+                              factory=AgentConfig)

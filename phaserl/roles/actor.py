@@ -131,6 +131,19 @@ class HybridActor:
         return generate(self.model, prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                         batch_size=batch_size, generator=generator)
 
+    def decode_session(self, params: SamplingParams, *, slot_len: int, eos_token_ids: list, num_slots: int,
+                       generator: Optional[torch.Generator] = None):
+        """A multi-turn DecodeSession of the engine (a context manager: rollout/session.py), or None when the
+        model runs on the transformers fallback (the caller then re-prefills every turn through generate)."""
+        if self.mode != "rollout" and self.hybrid.enable_rollout_optimization_switch:
+            raise RuntimeError("HybridActor.decode_session called in training mode: wrap it in "
+                               "`with actor.rollout_mode():`")
+        self._ensure_engine()
+        if self.engine is None:
+            return None
+        return self.engine.session(params, slot_len=slot_len, eos_token_ids=eos_token_ids, num_slots=num_slots,
+                                   generator=generator)
+
     def configure_rollout(self, kind: str, engine_config: Optional[EngineConfig] = None) -> None:
         """rollout.engine: `builtin` (our engine; an error for models it cannot run), `hf` (plain
         generate), `auto` (the engine when the model supports it)."""
@@ -182,7 +195,7 @@ class HybridActor:
             logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
                                                  temperature=s.temperature, with_entropy=True)  # [b, R] each
             R = resp_mask.shape[1]
-            mask = resp_mask.float()                                          # [b, R]
+            mask = micro.rollout.loss_mask[:, :R].float()  # [b, R] sampled tokens only (observations are 0)
             old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
             adv = micro.advantages[:, :R]
             rollout_logp = micro.rollout.rollout_logprobs[:, :R]              # [b, R] the sampler's

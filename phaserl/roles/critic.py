@@ -55,7 +55,7 @@ class Critic:
             micro = mb.select(idx)
             values, resp_mask = rows_values(self.model, mb.rollout, idx, packing=self.packing)  # [b, R] each
             R = resp_mask.shape[1]
-            mask = resp_mask.float()                                      # [b, R]
+            mask = micro.rollout.loss_mask[:, :R].float()  # [b, R] sampled tokens only (observations are 0)
             vf_mat, vf_stats = clipped_value_loss(values, micro.old_values[:, :R], micro.returns[:, :R], mask,
                                                   clip_range=self.cliprange_value)
             vf_loss = aggregate(vf_mat, mask, self.agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,

@@ -29,9 +29,13 @@ class AdvantageSettings:
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Put each response's score on its last real token.  scores [B] → token rewards [B, R]"""
+    """Put each response's score on its last real token.  scores [B] → token rewards [B, R]
+
+    Given the loss mask of a multi-turn batch, "real" means sampled: the last model token.
+    """
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    last = (response_mask.sum(dim=1) - 1).clamp(min=0).long()             # [B]
+    columns = torch.arange(response_mask.shape[1], device=response_mask.device)
+    last = torch.where(response_mask > 0, columns, -1).amax(dim=1).clamp(min=0)  # [B] last real column
     token_rewards[torch.arange(len(scores), device=scores.device), last] = scores.float()
     return token_rewards * response_mask
 
@@ -39,10 +43,19 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
 def compute_advantages(batch: RolloutBatch, scores: torch.Tensor, s: AdvantageSettings, *,
                        old_logprobs: torch.Tensor, ref_logprobs: Optional[torch.Tensor],
                        values: Optional[torch.Tensor], kl_coef: float,
-                       baseline_scores: Optional[torch.Tensor] = None) -> tuple:
-    """Returns (advantages [B, R], returns [B, R], token_rewards [B, R], kl [B, R] or None)."""
-    mask = batch.response_mask.float()                                       # [B, R]
-    token_rewards = place_scores(scores, mask)                               # [B, R]
+                       baseline_scores: Optional[torch.Tensor] = None,
+                       token_rewards: Optional[torch.Tensor] = None) -> tuple:
+    """Returns (advantages [B, R], returns [B, R], token_rewards [B, R], kl [B, R] or None).
+
+    The mask is the batch's loss mask: observation tokens of multi-turn episodes are holes the
+    estimators skip (GAE carries its running value across them). `token_rewards` [B, R] places the
+    scores where the score phase put them (per-turn rewards); None = each score on its last sampled token.
+    """
+    mask = batch.loss_mask.float()                                           # [B, R]
+    if token_rewards is None:
+        token_rewards = place_scores(scores, mask)                           # [B, R]
+    else:
+        token_rewards = token_rewards.float() * mask
     kl = None
     if s.kl_in_reward:
         token_rewards, kl = apply_kl_to_rewards(token_rewards, old_logprobs, ref_logprobs, mask,

@@ -40,6 +40,7 @@ from ..roles.optim import OptimSettings
 from ..roles.parallel_settings import FSDPSettings
 from ..rollout import EngineConfig, SamplingParams
 from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
+from .agent_phase import with_agent
 from .dynamic_sampling import DynamicSampling, single_round
 from .guard import RuntimeGuard
 from .prompt_stream import PromptStream
@@ -133,7 +134,8 @@ def build_run(cfg: Config, roles: Roles) -> RunSettings:
     rank, world = rank_and_world()
     derived = derive(cfg, world)
     prepare_roles(cfg, roles, derived, world_size=world)
-    return run_settings(cfg, roles, derived, rank=rank, world_size=world)
+    context = getattr(roles.actor.model.config, "max_position_embeddings", None) or cfg.agent.max_episode_tokens
+    return with_agent(run_settings(cfg, roles, derived, rank=rank, world_size=world), cfg, model_context=context)
 
 
 def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> None:
@@ -159,7 +161,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
     actor.configure_rollout(r.engine, EngineConfig(
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
         cuda_graphs=r.engine_cuda_graphs, compile=r.engine_compile, keep_awake=r.engine_keep_awake,
-        max_seq_tokens=cfg.data.max_prompt_length + r.max_new_tokens))
+        max_seq_tokens=cfg.agent.max_episode_tokens if cfg.agent.env else cfg.data.max_prompt_length + r.max_new_tokens))
     if critic is not None:
         critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
                               cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef,

@@ -17,11 +17,9 @@ from ..algo import kl_penalty, masked_mean, mismatch_metrics
 from ..batch import ScoredBatch, TrainBatch
 from ..metrics import StepPerf
 from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
-from ..rollout import GenerationResult
 from . import build
 from .advantage_phase import compute_advantages, nonfinite_advantage_cause
 from .hooks import HookRunner
-from .rollout_phase import build_rollout_batch, repeat_prompts
 from .settings import Roles, RunSettings
 from .stop import StopSignals
 
@@ -150,7 +148,8 @@ class RLTrainer:
             with clock("advantage"):
                 advantages, returns, _, _ = compute_advantages(
                     batch, scores.total, run.advantage, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                    values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores)
+                    values=values, kl_coef=run.kl_controller.value, baseline_scores=baseline_scores,
+                    token_rewards=scores.token_rewards)
                 zero_variance = run.zero_variance.observe(scores.total, batch.group_ids, self.step_num)
                 update_ok = run.guard.advantages_ok(nonfinite_advantage_cause(advantages, scores.total, values),
                                                     self.step_num)
@@ -201,7 +200,7 @@ class RLTrainer:
             for k in range(K):
                 idx = (mine == k).nonzero().squeeze(1).to(train.advantages.device)  # [N / K]
                 mb = train.select(idx)
-                global_tokens = float(all_reduce_sum(mb.rollout.response_mask.sum().float()))
+                global_tokens = float(all_reduce_sum(mb.rollout.loss_mask.sum().float()))  # tokens trained on
                 global_seqs = float(all_reduce_sum(torch.tensor(float(len(idx)))))
                 norm = dict(token_budget=run.train_tokens, global_tokens=global_tokens, global_seqs=global_seqs)
                 stats = self.actor.update_mini_batch(mb, **norm)
@@ -315,31 +314,13 @@ class RLTrainer:
         return ScoredBatch(batch, scores, baseline_scores)
 
     def _generate(self, items: list, params, n: int):
-        """n responses per prompt, rollout.batch_size prompts per generate call.
-
-        Each call's generator is seeded from (seed, step, global index of the call's first prompt), never from
-        the rank: when rollout.batch_size divides the prompts per rank, a prompt's samples are the same on
-        any number of ranks (the invariance test relies on it; docs/distributed.md).
-        """
-        run = self.run
-        first = self.rank * len(items)  # global index of this rank's first prompt (contiguous, equal shares)
-        parts = []
-        for start in range(0, len(items), run.generate_batch_size):
-            chunk = repeat_prompts(items[start:start + run.generate_batch_size], n)
-            run.sampling_generator.manual_seed(hash((run.seed, self.step_num, first + start, n)) & (2**63 - 1))
-            parts.append(self.actor.generate(
-                [list(item.prompt_ids) for item in chunk], params,
-                eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
-                pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator))
-        result = GenerationResult(*([x for part in parts for x in getattr(part, name)]
-                                    for name in ("response_ids", "logprobs", "finish_reasons")))
-        group_offset = (self.rank * 1_000_000) + self.step_num * 10_000
-        return build_rollout_batch(items, n, result, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
-                                   group_offset=group_offset, device=self.actor.device)
+        """n responses (single-turn) or episodes (multi-turn) per prompt: the rollout phase chosen at build
+        time (trainer/rollout_phase.py, trainer/agent_phase.py)."""
+        return self.run.rollout_phase(self, items, params, n)
 
     def _step_metrics(self, batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats) -> dict:
-        mask = batch.response_mask.float()
-        lengths = batch.response_lengths().float()
+        mask = batch.loss_mask.float()  # [B, R] the sampled tokens
+        lengths = batch.sampled_lengths().float()
         m = {"train/reward_mean": float(scores.total.mean()), "train/reward_std": float(scores.total.std(unbiased=False)),
              "train/response_length_mean": float(lengths.mean()), "train/response_length_max": float(lengths.max()),
              "train/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
@@ -348,6 +329,7 @@ class RLTrainer:
              "train/advantage_min": float(advantages[mask.bool()].min()),
              "train/return_mean": float(masked_mean(returns, mask))}
         m.update({f"train/reward/{k}": float(v.mean()) for k, v in scores.by_source.items()})
+        m.update(batch.rollout_metrics)  # agent/* of multi-turn rollouts
         if ref_logprobs is not None and old_logprobs is not None:
             m["train/kl"] = float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask))
         m.update(update_stats)  # without an old log-prob pass, train/kl comes from the update (global mean)

@@ -1,7 +1,7 @@
-"""Phase 2 (rollout) helpers: prompts → generation requests → a padded `RolloutBatch`.
+"""Phase 2 (rollout), single turn: prompts → generation requests → a padded `RolloutBatch`.
 
 The n responses of a prompt are consecutive rows and share a group id, so group baselines (GRPO,
-RLOO) are exact and stay on one rank.
+RLOO) are exact and stay on one rank. Multi-turn episodes are trainer/agent_phase.py.
 """
 from __future__ import annotations
 
@@ -9,6 +9,34 @@ import torch
 
 from ..batch import RolloutBatch
 from ..rollout import GenerationResult
+
+
+def single_turn_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
+    """n responses per prompt, rollout.batch_size prompts per generate call.
+
+    Each call's generator is seeded from (seed, step, global index of the call's first prompt), never from
+    the rank: when rollout.batch_size divides the prompts per rank, a prompt's samples are the same on
+    any number of ranks (the invariance test relies on it; docs/distributed.md).
+    """
+    run = trainer.run
+    first = trainer.rank * len(items)  # global index of this rank's first prompt (contiguous, equal shares)
+    parts = []
+    for start in range(0, len(items), run.generate_batch_size):
+        chunk = repeat_prompts(items[start:start + run.generate_batch_size], n)
+        run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first + start, n)) & (2**63 - 1))
+        parts.append(trainer.actor.generate(
+            [list(item.prompt_ids) for item in chunk], params,
+            eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
+            pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator))
+    result = GenerationResult(*([x for part in parts for x in getattr(part, name)]
+                                for name in ("response_ids", "logprobs", "finish_reasons")))
+    return build_rollout_batch(items, n, result, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
+                               group_offset=group_offset(trainer), device=trainer.actor.device)
+
+
+def group_offset(trainer) -> int:
+    """The first group id of this rank's prompts at this step (ids unique across ranks and steps)."""
+    return (trainer.rank * 1_000_000) + trainer.step_num * 10_000
 
 
 def repeat_prompts(items: list, n: int) -> list:

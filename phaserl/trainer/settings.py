@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 from tqdm import tqdm
 
+from .rollout_phase import single_turn_rollout
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from ..roles import Critic, HybridActor, ReferencePolicy
     from ..rollout import SamplingParams
     from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
+    from .agent_phase import AgentSettings
     from .guard import RuntimeGuard
     from .prompt_stream import PromptStream
 
@@ -88,6 +91,9 @@ class RunSettings:
     show_progress: bool
     reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
     save_on_signal: bool = True         # trainer.save_on_signal: SIGINT/SIGTERM save before stopping
+    # 2.-3. chosen at build time: (trainer, items, params, n) -> RolloutBatch; agent_phase's for multi-turn runs
+    rollout_phase: Callable = single_turn_rollout
+    agent: Optional["AgentSettings"] = None    # the environment and limits of a multi-turn run
 
     def progress_bar(self, start: int):
         return tqdm(total=self.total_steps, initial=start, desc="phaserl", unit="step",

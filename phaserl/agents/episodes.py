@@ -1,0 +1,321 @@
+"""EpisodeRunner: runs multi-turn episodes of an environment, token-exact, beside decoding.
+
+Each episode gets a fresh environment (EnvironmentFactory), `reset(row, seed=...)`, then alternates
+a model turn (sampled ids, kept as they are) and `env.step(decoded turn)` until the environment says
+done or a limit ends it. Environment calls run on worker threads (workers.py): with the engine's
+DecodeSession (rollout/session.py) the other episodes keep decoding while one waits, its slot parked
+with its KV kept, and its observation ids are appended to that slot when they arrive.
+
+    overlap=True   an environment's answer is used as soon as it arrives: decoding never waits for an
+                   environment. Which decode step an episode resumes at then depends on timing, so
+                   sampling is reproducible only up to environment timing.
+    overlap=False  every answer is used at a fixed point (after the decode step that ended the turn,
+                   in episode order): environments still run in parallel with each other, decoding
+                   waits for them, and a seeded run is reproducible (and resumes bit-for-bit).
+
+`run_generate` is the fallback for models the engine does not run: one `generate()` call per turn
+over the whole conversation so far (re-prefilled every turn, still token-exact).
+Limits end an episode with a reason, counted in its record: done | max_turns | max_tokens (the
+agent.max_episode_tokens budget) | context (the model's context) | env_error | env_timeout.
+An environment that raises, returns a bad value or hangs past step_timeout_s: with
+on_env_error="end" the episode ends (its turns kept), with "stop" an AgentError stops the run; the
+message names the environment class and the episode's row (file:row, sample k).
+Not here: tools and tool-call parsing (tools.py, tool_parsers.py), turning episodes into a batch.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from phaserl.agents.env import Episode, Segment, as_step_result
+from phaserl.agents.loader import EnvironmentFactory
+from phaserl.agents.render import ObservationRenderer
+from phaserl.agents.workers import Workers
+from phaserl.errors import AgentError
+
+log = logging.getLogger("phaserl")
+FINISH_REASONS = ("done", "max_turns", "max_tokens", "context", "env_error", "env_timeout")
+WARN_AT_MOST = 3  # environment failures logged in full per rollout; the rest are counted
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int              # model turns per episode
+    max_turn_tokens: int        # sampled ids per turn (rollout.max_new_tokens)
+    max_episode_tokens: int     # prompt + every turn and observation, at most
+    context_limited: bool       # the model's context (not agent.max_episode_tokens) set max_episode_tokens
+    step_timeout_s: float       # per reset/step call
+    on_env_error: str           # "end" | "stop"
+    workers: int                # environment calls running at once
+    overlap: bool = True
+
+    @property
+    def budget_reason(self) -> str:
+        return "context" if self.context_limited else "max_tokens"
+
+
+@dataclass
+class EpisodeStart:
+    """One episode to run: the prompt item it starts from, its reset seed, and its name in messages."""
+
+    item: object                 # PromptItem (row, prompt_ids)
+    seed: int
+    label: str                   # e.g. "train.jsonl:row 12, sample 3"
+
+
+@dataclass(eq=False)
+class _Run:
+    index: int
+    start: EpisodeStart
+    segments: list
+    env: object = None
+    turn_rewards: list = field(default_factory=list)
+    num_turns: int = 0
+    metrics: dict = field(default_factory=dict)
+    finish_reason: Optional[str] = None
+    future: Optional[cf.Future] = None
+    call: str = ""                # "reset" | "step": what the future is
+    deadline: float = math.inf
+    workers: object = None        # the pool the call runs on
+    in_session: bool = False
+
+    @property
+    def ids(self) -> list:
+        return [t for s in self.segments for t in s.token_ids]
+
+
+class EpisodeRunner:
+    def __init__(self, factory: EnvironmentFactory, tokenizer, limits: AgentLimits):
+        self.factory, self.tokenizer, self.limits = factory, tokenizer, limits
+        self.renderer = ObservationRenderer(tokenizer)
+        self._warned = 0
+
+    # ----- the engine path ------------------------------------------------------------------------
+    def run_session(self, session, starts: list[EpisodeStart]) -> list[Episode]:
+        """Episodes decoded in `session` (a DecodeSession), environments on worker threads."""
+        runs, workers = self._begin(starts)
+        waiting: list = []  # reset done, waiting for a free slot (episode order)
+        overlap = self.limits.overlap
+        try:
+            while any(r.finish_reason is None for r in runs):
+                if overlap:
+                    for run in self._answers(runs, block=False):
+                        self._apply(session, run, waiting)
+                waiting.sort(key=lambda r: r.index)
+                while waiting and session.free_slots:
+                    self._start(session, waiting.pop(0))
+                if not session.idle:
+                    for turn in session.step():
+                        self._turn_ended(runs[turn.key], turn.token_ids, turn.logprobs, workers)
+                    if not overlap:  # answers used in episode order after each step: reproducible
+                        for run in self._answers(runs, block=True):
+                            self._apply(session, run, waiting)
+                elif not waiting or not session.free_slots:
+                    answered = self._answers(runs, block=True, first=overlap)
+                    assert answered or waiting or all(r.finish_reason for r in runs), "episode runner stalled"
+                    for run in answered:
+                        self._apply(session, run, waiting)
+        finally:
+            workers.shutdown()
+        return [self._episode(r) for r in runs]
+
+    def _start(self, session, run: _Run) -> None:
+        ids = run.ids
+        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - len(ids))
+        if cap < 1:
+            return self._finish(session, run, self.limits.budget_reason)
+        session.start(run.index, ids, cap)
+        run.in_session = True
+
+    def _apply(self, session, run: _Run, waiting: list) -> None:
+        """An environment answered (or failed): start, continue or end the episode."""
+        call, future = run.call, run.future
+        run.future, run.call = None, ""
+        outcome = self._outcome(run, call, future)
+        if outcome is None:
+            return self._finish(session, run, run.finish_reason or "env_error")
+        if call == "reset":
+            waiting.append(run)
+            return
+        obs_ids = self._after_step(session, run, outcome)
+        if obs_ids is None:
+            return
+        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - len(run.ids) - len(obs_ids))
+        if cap < 1:
+            return self._finish(session, run, self.limits.budget_reason)
+        if obs_ids:
+            run.segments.append(Segment("observation", obs_ids))
+        session.extend(run.index, obs_ids, cap)
+
+    # ----- the fallback path (re-prefill every turn) ----------------------------------------------
+    def run_generate(self, generate: Callable, starts: list[EpisodeStart]) -> list[Episode]:
+        """Episodes decoded by `generate(list of id lists) -> GenerationResult`, one call per turn."""
+        runs, workers = self._begin(starts)
+        try:
+            self._settle(runs, None)
+            while True:
+                active = [r for r in runs if r.finish_reason is None]
+                for run in active:
+                    if self.limits.max_episode_tokens - len(run.ids) < 1:
+                        self._finish(None, run, self.limits.budget_reason)
+                active = [r for r in active if r.finish_reason is None]
+                if not active:
+                    break
+                result = generate([r.ids for r in active])
+                for run, ids, lps in zip(active, result.response_ids, result.logprobs):
+                    cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - len(run.ids))
+                    self._turn_ended(run, ids[:cap], lps[:cap], workers)
+                self._settle(runs, None)
+        finally:
+            workers.shutdown()
+        return [self._episode(r) for r in runs]
+
+    def _settle(self, runs: list, session) -> None:
+        """Wait for every environment call, then use the answers in episode order."""
+        for run in self._answers(runs, block=True):
+            call, future = run.call, run.future
+            run.future, run.call = None, ""
+            outcome = self._outcome(run, call, future)
+            if outcome is None:
+                self._finish(session, run, run.finish_reason or "env_error")
+            elif call == "step":
+                obs_ids = self._after_step(session, run, outcome)
+                if obs_ids:
+                    run.segments.append(Segment("observation", obs_ids))
+
+    # ----- shared pieces --------------------------------------------------------------------------
+    def _begin(self, starts: list[EpisodeStart]) -> tuple[list, Workers]:
+        self._warned = 0
+        workers = Workers(self.limits.workers)
+        runs = [_Run(i, s, [Segment("prompt", list(s.item.prompt_ids))]) for i, s in enumerate(starts)]
+        for run in runs:
+            self._submit(workers, run, "reset", self._reset, run)
+        return runs, workers
+
+    def _submit(self, workers: Workers, run: _Run, call: str, fn, *args) -> None:
+        run.call, run.future = call, workers.submit(fn, *args)
+        run.deadline = time.monotonic() + self.limits.step_timeout_s
+        run.workers = workers
+
+    def _reset(self, run: _Run):
+        t0 = time.perf_counter()
+        run.env = self.factory.make()
+        row = run.start.item.row
+        record = dict(row.raw, prompt=row.prompt, data_source=row.data_source, ground_truth=row.ground_truth,
+                      extra_info=row.extra_info)
+        obs = run.env.reset(record, seed=run.start.seed)
+        _add(run.metrics, "env_seconds", time.perf_counter() - t0)
+        return obs
+
+    def _step(self, run: _Run, text: str):
+        t0 = time.perf_counter()
+        result = run.env.step(text)
+        _add(run.metrics, "env_seconds", time.perf_counter() - t0)
+        return result
+
+    def _turn_ended(self, run: _Run, ids: list, logprobs: list, workers: Workers) -> None:
+        run.segments.append(Segment("model", list(ids), list(logprobs)))
+        run.num_turns += 1
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        self._submit(workers, run, "step", self._step, run, text)
+
+    def _answers(self, runs: list, *, block: bool, first: bool = False) -> list:
+        """Runs whose environment call is over (answered, failed or timed out), in episode order.
+
+        block: wait until every call (first=True: at least one) is over or past its deadline."""
+        pending = [r for r in runs if r.future is not None]
+        if block and pending:
+            timeout = max(0.0, min(r.deadline for r in pending) - time.monotonic())
+            if first:
+                cf.wait([r.future for r in pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+            else:
+                for run in pending:
+                    cf.wait([run.future], timeout=max(0.0, run.deadline - time.monotonic()))
+        now = time.monotonic()
+        return [r for r in pending if r.future.done() or now >= r.deadline]
+
+    def _outcome(self, run: _Run, call: str, future: cf.Future):
+        """The call's value, or None after recording why the episode must end (stop: AgentError)."""
+        if not future.done():
+            future.cancel()
+            run.workers.replace()  # the stuck thread is abandoned; the pool keeps its size
+            run.finish_reason = "env_timeout"
+            self._failure(run, f"{call}() did not return within {self.limits.step_timeout_s:g} s "
+                               "(agent.step_timeout_s)")
+            return None
+        exc = future.exception()
+        if exc is not None:
+            self._failure(run, f"{call}() raised {type(exc).__name__}: {exc}")
+            return None
+        value = future.result()
+        if call == "step":
+            try:
+                return as_step_result(value, where=f"environment {self.factory.name} ({self._where(run)})")
+            except ValueError as exc:
+                self._failure(run, str(exc), full=True)
+                return None
+        if call == "reset" and value not in (None, "") and not isinstance(value, (str, list)):
+            self._failure(run, f"reset() returned {type(value).__name__}; return text or a list of chat messages")
+            return None
+        if call == "reset" and value not in (None, ""):
+            try:
+                run.segments.append(Segment("observation", self.renderer.ids(value)))
+            except (ValueError, TypeError) as exc:
+                self._failure(run, f"reset() returned an observation that cannot be tokenized: {exc}")
+                return None
+        return True
+
+    def _after_step(self, session, run: _Run, result) -> Optional[list]:
+        """Record a step's reward and info; end the episode when it is over, else its observation ids."""
+        run.turn_rewards.append(result.reward)
+        for key, value in dict(result.info.get("metrics", {})).items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                _add(run.metrics, key, float(value))
+        if result.done:
+            return self._finish(session, run, "done")
+        if run.num_turns >= self.limits.max_turns:
+            return self._finish(session, run, "max_turns")
+        try:
+            obs_ids = self.renderer.ids(result.observation)
+        except (ValueError, TypeError) as exc:
+            self._failure(run, f"step() returned an observation that cannot be tokenized: {exc}")
+            return self._finish(session, run, "env_error")
+        if len(run.ids) + len(obs_ids) + 1 > self.limits.max_episode_tokens:
+            return self._finish(session, run, self.limits.budget_reason)
+        return obs_ids
+
+    def _failure(self, run: _Run, what: str, *, full: bool = False) -> None:
+        message = what if full else f"environment {self.factory.name} ({self._where(run)}): {what}"
+        if self.limits.on_env_error == "stop":
+            raise AgentError(message + "; set agent.on_env_error=end to end such episodes and go on")
+        run.finish_reason = run.finish_reason or "env_error"
+        self._warned += 1
+        if self._warned <= WARN_AT_MOST:
+            log.warning(message + " -> the episode ends (counted in agent/ended/*)")
+
+    def _finish(self, session, run: _Run, reason: str) -> None:
+        run.finish_reason = run.finish_reason or reason
+        if session is not None and run.in_session:
+            session.release(run.index)
+            run.in_session = False
+        env, run.env = run.env, None
+        if env is not None and callable(getattr(env, "close", None)):  # on a worker: a hanging close never waits
+            closing = run.workers.submit(env.close)
+            closing.add_done_callback(lambda f, where=self._where(run): f.exception() and log.warning(
+                f"environment {self.factory.name} ({where}): close() raised {f.exception()!r}"))
+
+    def _where(self, run: _Run) -> str:
+        return run.start.label
+
+    @staticmethod
+    def _episode(run: _Run) -> Episode:
+        return Episode(row=run.start.item.row, segments=run.segments, turn_rewards=list(run.turn_rewards),
+                       finish_reason=run.finish_reason or "done", num_turns=run.num_turns, metrics=dict(run.metrics))
+
+
+def _add(metrics: dict, key: str, value: float) -> None:
+    metrics[key] = metrics.get(key, 0.0) + value
