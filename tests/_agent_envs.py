@@ -1,0 +1,78 @@
+"""Environments for the agent tests: scripted feedback, failures of every kind, and slow steps.
+
+Also loaded by path (`tests/_agent_envs.py:Name`) in the config tests.
+"""
+import math
+import threading
+import time
+
+from phaserl.agents import Environment, StepResult
+
+MADE = []  # every instance made, in order (the tests check one per episode)
+LOCK = threading.Lock()
+
+
+class Feedback(Environment):
+    """Each step: reward `reward`, observation `observation`; done after `turns` steps."""
+
+    def __init__(self, turns: int = 2, observation="ab", reward: float = 0.5):
+        self.turns, self.observation, self.reward = turns, observation, reward
+        self.steps, self.actions, self.closed = 0, [], False
+        with LOCK:
+            MADE.append(self)
+
+    def reset(self, row, *, seed):
+        self.row, self.seed = row, seed
+        return ""
+
+    def step(self, action):
+        self.steps += 1
+        self.actions.append(action)
+        return StepResult(self.observation, self.reward, self.steps >= self.turns, {"metrics": {"tool_calls": 1.0}})
+
+    def close(self):
+        self.closed = True
+
+
+class NeverDone(Feedback):
+    def step(self, action):
+        return self.observation, 0.0, False, {}  # a 4-tuple is accepted too
+
+
+class RaisesOnSecondStep(Feedback):
+    def step(self, action):
+        if self.steps == 1:
+            raise RuntimeError("the sandbox crashed")
+        return super().step(action)
+
+
+class NanReward(Feedback):
+    def step(self, action):
+        return StepResult("ab", math.nan, False)
+
+
+class Hangs(Feedback):
+    """Row 0's episode hangs in step (for far longer than the test's timeout); the others answer."""
+
+    def step(self, action):
+        if self.row["extra_info"].get("index") == 0:
+            time.sleep(30)
+        return super().step(action)
+
+
+class SlowFirstRow(Feedback):
+    """Row 0's first step takes `delay` seconds; every episode records when it ended."""
+
+    ENDED = {}
+
+    def __init__(self, delay: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.delay = delay
+
+    def step(self, action):
+        if self.row["extra_info"].get("index") == 0 and self.steps == 0:
+            time.sleep(self.delay)
+        return super().step(action)
+
+    def close(self):
+        SlowFirstRow.ENDED[(self.row["extra_info"]["index"], self.seed)] = time.monotonic()

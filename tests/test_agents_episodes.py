@@ -1,0 +1,187 @@
+"""EpisodeRunner: token-exact multi-turn episodes, limits, environment failures and concurrency.
+
+A tiny random decoder (CPU, the engine's eager path) and the tiny world's character tokenizer; the
+environments are in tests/_agent_envs.py.
+"""
+import logging
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from phaserl.agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart
+from phaserl.agents.loader import EnvironmentFactory
+from phaserl.data.prompts import PromptItem
+from phaserl.data.rows import PromptRow
+from phaserl.errors import AgentError
+from phaserl.roles.forward import batch_logprobs
+from phaserl.rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
+from phaserl.trainer.agent_phase import EpisodeScores, episodes_batch, turn_ends
+from phaserl.world.tokenizer import build_tokenizer
+from tests import _agent_envs as envs
+from tests.test_rollout_engine import tiny_model
+
+torch.set_num_threads(1)
+TOK = build_tokenizer()
+EOS = TOK.eos_token_id
+SAMPLE = SamplingParams(max_new_tokens=4, temperature=1.0)
+
+
+def limits(**overrides) -> AgentLimits:
+    base = dict(max_turns=4, max_turn_tokens=4, max_episode_tokens=64, context_limited=False, step_timeout_s=10.0,
+                on_env_error="end", workers=4, overlap=False)
+    return AgentLimits(**{**base, **overrides})
+
+
+def item(i: int, question: str = "12+34=") -> PromptItem:
+    prompt = [{"role": "user", "content": question}]
+    row = PromptRow(prompt=prompt, data_source="t", ground_truth="46", extra_info={"index": i},
+                    source=f"t.jsonl:row {i}", index=i, raw={"prompt": prompt})
+    text = TOK.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return PromptItem(row, tuple(TOK.encode(text, add_special_tokens=False)), text)
+
+
+def starts(num_rows: int = 3, n: int = 2) -> list:
+    return [EpisodeStart(item(i), seed=10 * i + k, label=f"t.jsonl:row {i}, sample {k}")
+            for i in range(num_rows) for k in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=len(TOK), max_position_embeddings=64)
+
+
+def run_engine(model, env_cls, lim=None, *, kwargs=None, params=SAMPLE, seed=0, episodes=None):
+    lim = lim or limits()
+    runner = EpisodeRunner(EnvironmentFactory(env_cls, kwargs or {}), TOK, lim)
+    engine = RolloutEngine(model, EngineConfig(max_slots=4))
+    with engine.session(params, slot_len=lim.max_episode_tokens, eos_token_ids=[EOS],
+                        generator=torch.Generator().manual_seed(seed)) as session:
+        return runner.run_session(session, episodes or starts()), engine
+
+
+def test_episodes_hold_the_sampled_and_appended_ids_and_the_trainer_recomputes_their_logprobs(model):
+    episodes, engine = run_engine(model, envs.Feedback, kwargs=dict(turns=3, observation="ab"))
+    obs_ids = TOK.encode("ab", add_special_tokens=False)
+    for ep in episodes:
+        kinds = [s.kind for s in ep.segments]
+        assert kinds == ["prompt", "model", "observation", "model", "observation", "model"] and ep.num_turns == 3
+        assert all(s.token_ids == obs_ids for s in ep.segments if s.kind == "observation")
+        assert ep.finish_reason == "done" and ep.reward == pytest.approx(1.5)
+    assert engine.last_stats["extend_tokens"] == 6 * 2 * len(obs_ids)  # observations appended, never re-read
+    batch = episodes_batch(episodes, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cpu")
+    mask = batch.loss_mask.bool()
+    assert (batch.loss_mask <= batch.response_mask).all() and mask.sum() < batch.response_mask.sum()
+    for i, ep in enumerate(episodes):  # the trained ids are exactly the episode's ids
+        resp = ep.response_ids()
+        assert batch.response_ids[i, :len(resp)].tolist() == resp
+    recomputed = batch_logprobs(model, batch, temperature=1.0, token_budget=4096)  # [B, R]
+    torch.testing.assert_close(recomputed[mask], batch.rollout_logprobs[mask], atol=1e-4, rtol=0)
+    scores = EpisodeScores().score(batch)
+    assert scores.total.tolist() == [pytest.approx(1.5)] * 6
+    for i, ep in enumerate(episodes):  # one reward per turn, on that turn's last sampled token
+        assert scores.token_rewards[i].nonzero().squeeze(1).tolist() == turn_ends(ep)
+        assert all(batch.loss_mask[i, c] == 1 for c in turn_ends(ep))
+
+
+def test_the_fallback_path_re_prefills_and_gives_the_same_greedy_episodes(model):
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    kwargs = dict(turns=3, observation=[{"role": "user", "content": "no 12+34="}])
+    fast, _ = run_engine(model, envs.Feedback, kwargs=kwargs, params=greedy)
+    runner = EpisodeRunner(EnvironmentFactory(envs.Feedback, kwargs), TOK, limits())
+    slow = runner.run_generate(lambda prompts: generate(model, prompts, greedy, eos_token_ids=[EOS], pad_token_id=0),
+                               starts())
+    assert [e.response_ids() for e in fast] == [e.response_ids() for e in slow]
+    rendered = TOK.encode("<|user|>no 12+34=<|assistant|>", add_special_tokens=False)
+    assert fast[0].segments[2].token_ids == rendered  # chat messages rendered as the template's continuation
+
+
+def _bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """'a' and 'b' are tokens, and so is their merge 'ab': decode -> encode of [a, b] gives [ab]."""
+    vocab = {"<eos>": 0, "a": 1, "b": 2, "ab": 3, "x": 4}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<eos>")
+
+
+def test_re_tokenizing_the_decoded_text_would_drift_and_the_batch_keeps_the_sampled_ids():
+    tok = _bpe_tokenizer()
+    sampled = [1, 2, 0]  # the model sampled "a", "b", EOS: two tokens whose text re-tokenizes as one
+    text = tok.decode(sampled, skip_special_tokens=True)
+    assert text == "ab" and tok.encode(text, add_special_tokens=False) == [3]  # the drift verl #6719 trains on
+    prompt = PromptItem(PromptRow("x", "t", None, {"index": 0}, "t.jsonl:row 0", 0, {}), (4,), "x")
+    runner = EpisodeRunner(EnvironmentFactory(envs.Feedback, dict(turns=2, observation="ab")), tok, limits())
+    episodes = runner.run_generate(lambda prompts: GenerationResult([sampled] * len(prompts),
+                                                                    [[-0.5] * 3] * len(prompts),
+                                                                    ["stop"] * len(prompts)),
+                                   [EpisodeStart(prompt, 0, "t.jsonl:row 0, sample 0")])
+    assert envs.MADE[-1].actions == ["ab", "ab"]  # the environment reads text...
+    batch = episodes_batch(episodes, 1, tokenizer=tok, pad_token_id=0, group_offset=0, device="cpu")
+    assert batch.response_ids[0].tolist() == [1, 2, 0, 3, 1, 2, 0]  # ...the trainer reads the sampled ids
+    assert batch.loss_mask[0].tolist() == [1, 1, 1, 0, 1, 1, 1]      # the observation ("ab" -> [3]) is masked
+
+
+def test_limits_end_episodes_with_their_reason(model):
+    eps, _ = run_engine(model, envs.NeverDone, limits(max_turns=3))
+    assert {e.finish_reason for e in eps} == {"max_turns"} and {e.num_turns for e in eps} == {3}
+    eps, _ = run_engine(model, envs.NeverDone, limits(max_episode_tokens=20))
+    assert {e.finish_reason for e in eps} == {"max_tokens"}
+    assert all(len(e.prompt_ids) + len(e.response_ids()) <= 20 for e in eps)
+    eps, _ = run_engine(model, envs.NeverDone, limits(max_episode_tokens=20, context_limited=True))
+    assert {e.finish_reason for e in eps} == {"context"}
+
+
+def test_a_fresh_environment_per_episode_each_closed(model):
+    before = len(envs.MADE)
+    run_engine(model, envs.Feedback)
+    made = envs.MADE[before:]
+    assert len(made) == 6 and len({id(e) for e in made}) == 6
+    time.sleep(0.2)  # close() runs on a worker thread
+    assert all(e.closed for e in made)
+    assert sorted(e.seed for e in made) == sorted(s.seed for s in starts())
+
+
+def test_an_environment_that_raises_ends_its_episode_with_a_message_naming_it_and_the_row(model, caplog):
+    with caplog.at_level(logging.WARNING, logger="phaserl"):
+        eps, _ = run_engine(model, envs.RaisesOnSecondStep, kwargs=dict(turns=4))
+    assert {e.finish_reason for e in eps} == {"env_error"} and {e.num_turns for e in eps} == {2}
+    assert {e.reward for e in eps} == {0.5}  # the first step's reward is kept
+    assert "environment RaisesOnSecondStep (t.jsonl:row 0, sample 0): step() raised RuntimeError: the sandbox " \
+           "crashed" in caplog.text
+    with pytest.raises(AgentError, match=r"RaisesOnSecondStep \(t.jsonl:row 0, sample 0\).*on_env_error=end"):
+        run_engine(model, envs.RaisesOnSecondStep, limits(on_env_error="stop"), kwargs=dict(turns=4))
+
+
+def test_a_non_finite_reward_ends_the_episode(model, caplog):
+    with caplog.at_level(logging.WARNING, logger="phaserl"):
+        eps, _ = run_engine(model, envs.NanReward)
+    assert {e.finish_reason for e in eps} == {"env_error"} and {e.reward for e in eps} == {0.0}
+    assert "environment NanReward (t.jsonl:row 0, sample 0): step() returned a non-finite reward (nan)" in caplog.text
+
+
+def test_a_hanging_step_times_out_and_the_other_episodes_finish(model, caplog):
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="phaserl"):
+        eps, _ = run_engine(model, envs.Hangs, limits(step_timeout_s=0.5, overlap=True))
+    assert time.monotonic() - t0 < 10
+    assert [e.finish_reason for e in eps] == ["env_timeout"] * 2 + ["done"] * 4
+    assert "step() did not return within 0.5 s (agent.step_timeout_s)" in caplog.text
+
+
+def test_decoding_goes_on_while_an_environment_waits(model):
+    envs.SlowFirstRow.ENDED.clear()
+    run_engine(model, envs.SlowFirstRow, limits(overlap=True), kwargs=dict(delay=1.5, turns=3))
+    ended = envs.SlowFirstRow.ENDED
+    slow = min(t for (row, _), t in ended.items() if row == 0)
+    assert all(t < slow - 0.5 for (row, _), t in ended.items() if row != 0)  # finished while row 0 waited
+
+
+def test_without_overlap_a_seeded_rollout_repeats_exactly(model):
+    a, _ = run_engine(model, envs.Feedback, kwargs=dict(turns=3), seed=5)
+    b, _ = run_engine(model, envs.Feedback, kwargs=dict(turns=3), seed=5)
+    c, _ = run_engine(model, envs.Feedback, kwargs=dict(turns=3), seed=6)
+    ids = lambda eps: [e.response_ids() for e in eps]  # noqa: E731
+    assert ids(a) == ids(b) != ids(c)
