@@ -14,6 +14,8 @@ import time
 log = logging.getLogger("phaserl")
 
 QUICKSTART_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "world", "quickstart.yaml")
+QUICKSTART_CONFIGS = {"arith": QUICKSTART_CONFIG,  # --task: single-turn arithmetic; multi-turn retry (docs/agents.md)
+                      "agent": os.path.join(os.path.dirname(QUICKSTART_CONFIG), "agent_quickstart.yaml")}
 
 DELEGATED = {"export": ("phaserl.checkpoint", "cli_export"), "report": ("phaserl.report", "cli_report"),
              "train-rm": (__name__, "cli_train_rm")}
@@ -100,13 +102,14 @@ def cmd_quickstart(args) -> int:
     out = args.out
     overrides = [f"trainer.log_dir={out}", f"trainer.checkpoint_path={os.path.join(out, 'checkpoints')}",
                  f"trainer.device={args.device}", *args.overrides]
-    cfg = load_config(QUICKSTART_CONFIG, overrides)  # the tiny world's recipe, then the user's overrides
+    cfg = load_config(QUICKSTART_CONFIGS[args.task], overrides)  # the tiny world's recipe, then the user's overrides
     if os.path.isdir(cfg.trainer.checkpoint_path):
         log.info(f"{out} holds an earlier quickstart run: it resumes from its newest checkpoint "
                  "(pass a new --out to train again from the start)")
     os.makedirs(out, exist_ok=True)
     dump_yaml(cfg, os.path.join(out, "config.yaml"))
-    log.info(f"phaserl quickstart: GRPO on the built-in tiny arithmetic task, {cfg.trainer.total_steps} steps "
+    task = "multi-turn retry" if args.task == "agent" else "arithmetic"
+    log.info(f"phaserl quickstart: GRPO on the built-in tiny {task} task, {cfg.trainer.total_steps} steps "
              f"on {args.device}; resolved config in {os.path.join(out, 'config.yaml')}")
     trainer = RLTrainer.from_config(cfg)
     trainer.fit()
@@ -156,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quickstart", help="GRPO on the built-in tiny task; prints the held-out score before/after")
     q.add_argument("--out", default="runs/quickstart", help="run directory (metrics.jsonl, config.yaml)")
     q.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    q.add_argument("--task", default="arith", choices=sorted(QUICKSTART_CONFIGS),
+                   help="arith: single-turn addition; agent: multi-turn episodes with an environment's feedback")
     q.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     q.set_defaults(fn=cmd_quickstart)
 
