@@ -76,3 +76,25 @@ class SlowFirstRow(Feedback):
 
     def close(self):
         SlowFirstRow.ENDED[(self.row["extra_info"]["index"], self.seed)] = time.monotonic()
+
+
+class PausingRetry(Environment):
+    """The tiny retry world (phaserl.world.agent_task), which pauses in a second-turn step while
+    `pause_file` exists: the resume test SIGKILLs the run there, mid-episode."""
+
+    def __init__(self, pause_file: str = ""):
+        from phaserl.world.agent_task import RetryArithmetic
+
+        self.inner, self.pause_file, self.steps = RetryArithmetic(), pause_file, 0
+
+    def reset(self, row, *, seed):
+        return self.inner.reset(row, seed=seed)
+
+    def step(self, action):
+        import os
+
+        self.steps += 1
+        if self.steps == 2 and self.pause_file and os.path.exists(self.pause_file):
+            print("PAUSED env", flush=True)
+            time.sleep(600)
+        return self.inner.step(action)

@@ -56,7 +56,8 @@ def agent_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
                            label=f"{item.row.source}, sample {k}")
               for i, (item, k) in enumerate((item, k) for item in items for k in range(n))]
     runner = EpisodeRunner(run.agent.factory, run.tokenizer, limits)
-    run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first, n, "agent")) & (2**63 - 1))
+    # ints only: a str in the tuple would hash differently in every process (PYTHONHASHSEED), breaking resume
+    run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first, n, 1)) & (2**63 - 1))
     eos = [] if run.ignore_eos else run.eos_token_ids
     session = actor.decode_session(params, slot_len=limits.max_episode_tokens, eos_token_ids=eos,
                                    num_slots=run.generate_batch_size * n, generator=run.sampling_generator)
