@@ -1,0 +1,17 @@
+"""benchmarks/agent_rollout.py runs on the CPU (--smoke) and prints one JSON line per case."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+
+def test_the_agent_rollout_benchmark_smoke_runs(capsys):
+    import agent_rollout
+
+    agent_rollout.main(["--smoke"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["case"], r.get("latency_ms")) for r in lines] == [("single_turn", None), ("multi_turn", 0.0),
+                                                                 ("multi_turn", 20.0)]
+    assert all(r["sampled_tokens"] == 8 * 2 * 8 for r in lines)  # 8 episodes x 2 turns x 8 tokens
+    assert lines[1]["extend_tokens"] == 8 * 4                    # one 4-token observation per episode
