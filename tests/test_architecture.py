@@ -32,12 +32,13 @@ ALLOWED = {
     "rewards": {"batch", "errors"},                    # a reward model is any `score(prompts, responses)`
     "roles": {"algo", "batch", "batching", "errors", "models", "packing", "parallel", "rollout"},
     "agents": {"batch", "data", "errors", "models", "rewards", "rollout"},  # never trainer, cli, roles
-    "world": {"data", "errors", "models", "rewards"},
+    "world": {"agents", "data", "errors", "models", "rewards"},    # agent_task: the tiny multi-turn world
     "rm": {"config", "data", "errors", "models", "roles", "world"},
     "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
     "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
-    "doctor": {"checkpoint", "config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles"},
-    "trainer": {"algo", "batch", "checkpoint", "config", "data", "errors", "metrics", "models", "parallel",
+    "doctor": {"agents", "checkpoint", "config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles",
+               "rollout"},  # rollout: generate() for the agent episode probe
+    "trainer": {"agents", "algo", "batch", "checkpoint", "config", "data", "errors", "metrics", "models", "parallel",
                 "report", "resolve", "rewards", "rm", "roles", "rollout"},
     "cli": {"config", "doctor", "errors", "parallel", "resolve", "rm", "trainer", "world"},
     "__main__": {"cli"},

@@ -53,6 +53,16 @@ class AgentLimits:
     workers: int                # environment calls running at once
     overlap: bool = True
 
+    @classmethod
+    def from_config(cls, cfg, model_context: int) -> "AgentLimits":
+        """agent.* and rollout.max_new_tokens of a Config (read here, at build time, by the trainer's builder and
+        the doctor); the episode budget is capped by the model's context."""
+        a = cfg.agent
+        return cls(max_turns=a.max_turns, max_turn_tokens=cfg.rollout.max_new_tokens,
+                   max_episode_tokens=min(a.max_episode_tokens, model_context),
+                   context_limited=model_context < a.max_episode_tokens, step_timeout_s=a.step_timeout_s,
+                   on_env_error=a.on_env_error, workers=a.workers, overlap=a.overlap)
+
     @property
     def budget_reason(self) -> str:
         return "context" if self.context_limited else "max_tokens"

@@ -3,8 +3,8 @@
 It covers the five classic mistakes (per-role parallel settings, the reward model's input
 format, the frozen reference, per-phase batch sizes against this machine's memory, checkpoint and
 log paths shared by every rank) and the rest of what breaks runs (config rules, data schema and
-overlong prompts, chat template, tokenizer/model consistency, context length, rule rewards, and the
-rollout/training log-prob mismatch on one sampled batch).
+overlong prompts, chat template, tokenizer/model consistency, context length, rule rewards, one episode
+of the configured agent environment, and the rollout/training log-prob mismatch on one sampled batch).
 
     cfg = load_doctor_config("cfg.yaml", ["rollout.n=8"])   # per-field checks only: the doctor reports the rest
     results = run_doctor(cfg, world_size=1)
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..config import Config
+from .agent_probe import check_agent
 from .checks import (Context, check_batch_sizes, check_config_rules, check_context, check_device, check_model,
                      check_parallel_settings, check_shared_paths, check_tokenizer_model)
 from .mismatch import check_mismatch
@@ -28,7 +29,7 @@ from .storage import check_write_paths
 # In order: config-only checks first, then what needs the device, the policy and the data.
 CHECKS = (check_config_rules, check_parallel_settings, check_batch_sizes, check_shared_paths, check_device,
           check_model, check_write_paths, check_tokenizer_model, check_context, check_data, check_chat_template,
-          check_reward_functions, check_reward_model, check_reference, check_memory, check_mismatch)
+          check_reward_functions, check_agent, check_reward_model, check_reference, check_memory, check_mismatch)
 
 
 def run_doctor(cfg: Config, *, world_size: int = 1) -> list[CheckResult]:

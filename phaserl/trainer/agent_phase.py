@@ -36,15 +36,11 @@ def with_agent(run, cfg, model_context: int):
     a = cfg.agent
     if not a.env:
         return run
-    budget = min(a.max_episode_tokens, model_context)
-    limits = AgentLimits(max_turns=a.max_turns, max_turn_tokens=cfg.rollout.max_new_tokens,
-                         max_episode_tokens=budget, context_limited=model_context < a.max_episode_tokens,
-                         step_timeout_s=a.step_timeout_s, on_env_error=a.on_env_error, workers=a.workers,
-                         overlap=a.overlap)
     if cfg.reward_model.enable:
         log.warning("agent.env is set: the score is the environment's rewards; reward_model.enable is ignored")
     return dataclasses.replace(run, rollout_phase=agent_rollout, reward=EpisodeScores(),
-                               agent=AgentSettings(EnvironmentFactory.from_spec(a.env, dict(a.kwargs)), limits))
+                               agent=AgentSettings(EnvironmentFactory.from_spec(a.env, dict(a.kwargs)),
+                                                   AgentLimits.from_config(cfg, model_context)))
 
 
 def agent_rollout(trainer, items: list, params, n: int) -> RolloutBatch:

@@ -1,0 +1,57 @@
+"""agent.* config: the environment class named by file or module, its kwargs, clear errors for bad
+names, and the doctor's one-episode probe."""
+import os
+
+import pytest
+
+from phaserl.agents.loader import EnvironmentFactory, load_environment_class
+from phaserl.config import load_config
+from phaserl.doctor import FAIL, OK, load_doctor_config, run_doctor
+from phaserl.errors import ConfigError
+
+ENVS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_agent_envs.py")
+QUICK = os.path.join(os.path.dirname(os.path.dirname(ENVS)), "phaserl", "world", "agent_quickstart.yaml")
+
+
+def test_a_class_is_found_by_file_or_module_path_and_each_make_is_a_fresh_instance():
+    by_file = EnvironmentFactory.from_spec(f"{ENVS}:Feedback", {"turns": 3})
+    assert by_file.name == "Feedback" and by_file.make() is not by_file.make() and by_file.make().turns == 3
+    assert load_environment_class("phaserl.world.agent_task:RetryArithmetic").__name__ == "RetryArithmetic"
+    assert load_environment_class("phaserl.world.agent_task.RetryArithmetic").__name__ == "RetryArithmetic"
+
+
+@pytest.mark.parametrize("spec, kwargs, message", [
+    ("missing.py:Env", {}, "file missing.py not found"),
+    (f"{ENVS}:Nope", {}, "defines no 'Nope'; classes defined there: Feedback"),
+    ("phaserl.nothing_here:Env", {}, "cannot import phaserl.nothing_here"),
+    ("phaserl.world.agent_task:Environment", {"x": 1}, "agent.kwargs \\['x'\\] do not fit Environment"),
+    (f"{ENVS}:math", {}, "must be a class with reset"),
+])
+def test_bad_environment_names_say_what_is_wrong(spec, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        EnvironmentFactory.from_spec(spec, kwargs)
+
+
+def test_the_config_section_and_its_ranges():
+    cfg = load_config(QUICK, ["agent.max_turns=2", "agent.kwargs={feedback: nope}"])
+    assert cfg.agent.env == "phaserl.world.agent_task:RetryArithmetic" and cfg.agent.kwargs == {"feedback": "nope"}
+    with pytest.raises(ConfigError, match="agent.on_env_error"):
+        load_config(QUICK, ["agent.on_env_error=retry"])
+    assert load_config(None).agent.env is None  # single-turn unless set
+
+
+def _agent_line(overrides):
+    results = run_doctor(load_doctor_config(QUICK, ["trainer.device=cpu", *overrides]))
+    return next(r for r in results if r.name == "agent episode")
+
+
+def test_the_doctor_runs_one_episode_and_shows_its_mask():
+    line = _agent_line([])
+    assert line.status == OK and "RetryArithmetic on " in line.message and "model turn(s), ended by" in line.message
+    assert "(masked)" in line.details[0] and "the loss sees" in line.details[0]
+
+
+def test_the_doctor_fails_on_an_environment_that_raises():
+    line = _agent_line([f"agent.env={ENVS}:RaisesOnSecondStep", "agent.kwargs={turns: 4}"])
+    assert line.status == FAIL
+    assert "environment RaisesOnSecondStep (" in line.message and "step() raised RuntimeError" in line.message
