@@ -98,3 +98,12 @@ class PausingRetry(Environment):
             print("PAUSED env", flush=True)
             time.sleep(600)
         return self.inner.step(action)
+
+
+class WithTools(Feedback):
+    """Offers one tool (its schema goes into the prompt) and ends with its own reason."""
+
+    tool_schemas = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+    def step(self, action):
+        return StepResult(None, 0.0, True, {"end_reason": "tool_timeout", "metrics": {"tool_calls": 2.0}})

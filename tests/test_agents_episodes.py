@@ -185,3 +185,20 @@ def test_without_overlap_a_seeded_rollout_repeats_exactly(model):
     c, _ = run_engine(model, envs.Feedback, kwargs=dict(turns=3), seed=6)
     ids = lambda eps: [e.response_ids() for e in eps]  # noqa: E731
     assert ids(a) == ids(b) != ids(c)
+
+
+def test_tool_schemas_go_into_the_prompt_and_an_environment_may_name_its_end(model):
+    import copy
+
+    tok = copy.deepcopy(TOK)
+    tok.chat_template = "{% if tools %}<|system|>{{ tools[0]['function']['name'] }}{% endif %}" + TOK.chat_template
+    runner = EpisodeRunner(EnvironmentFactory(envs.WithTools, {}), tok, limits())
+    engine = RolloutEngine(model)
+    with engine.session(SAMPLE, slot_len=64, eos_token_ids=[EOS]) as session:
+        eps = runner.run_session(session, starts(1, 2))
+    assert tok.decode(eps[0].prompt_ids) == "<|system|>add<|user|>12+34=<|assistant|>"
+    assert [e.finish_reason for e in eps] == ["tool_timeout"] * 2
+    from phaserl.trainer.agent_phase import episode_metrics
+
+    m = episode_metrics(eps)
+    assert m["agent/ended/tool_timeout"] == 1.0 and m["agent/tool_calls_mean"] == 2.0 and m["agent/ended/done"] == 0

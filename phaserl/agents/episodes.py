@@ -268,6 +268,13 @@ class EpisodeRunner:
             except ValueError as exc:
                 self._failure(run, str(exc), full=True)
                 return None
+        tools = getattr(run.env, "tool_schemas", None) if call == "reset" else None
+        if tools:  # the model must see the tools: the prompt is rendered with them
+            try:
+                run.segments[0] = Segment("prompt", self.renderer.prompt_ids(run.start.item.row.prompt, list(tools)))
+            except Exception as exc:  # noqa: BLE001 - a template that cannot take tools= is the user's to fix
+                self._failure(run, f"the chat template could not render the prompt with its tool_schemas: {exc}")
+                return None
         if call == "reset" and value not in (None, "") and not isinstance(value, (str, list)):
             self._failure(run, f"reset() returned {type(value).__name__}; return text or a list of chat messages")
             return None
@@ -285,8 +292,9 @@ class EpisodeRunner:
         for key, value in dict(result.info.get("metrics", {})).items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 _add(run.metrics, key, float(value))
-        if result.done:
-            return self._finish(session, run, "done")
+        if result.done:  # an environment may name its own reason (ToolEnvironment: tool_timeout)
+            reason = result.info.get("end_reason")
+            return self._finish(session, run, reason if isinstance(reason, str) and reason else "done")
         if run.num_turns >= self.limits.max_turns:
             return self._finish(session, run, "max_turns")
         try:

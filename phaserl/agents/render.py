@@ -6,6 +6,7 @@ chat template as the continuation of a conversation: the template's text for
 so a `tool` or `user` message comes out with the role markers and the next generation prompt the
 template writes. What the template writes after an assistant turn's end-of-turn token (Qwen's
 "\\n" after <|im_end|>) is put in front, since the model stopped at the token itself.
+An environment with `tool_schemas` (ToolEnvironment) gets its prompt rendered with `tools=` them.
 Not here: parsing tool calls (tool_parsers.py), deciding what the observation is (the environment).
 """
 from __future__ import annotations
@@ -25,6 +26,13 @@ class ObservationRenderer:
         if observation is None or observation == "" or observation == []:
             return []
         text = observation if isinstance(observation, str) else self.messages_text(observation)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, prompt, tools: list) -> list[int]:
+        """The prompt rendered again with `tools=` (the environment's tool schemas) in the chat template,
+        generation prompt included: what the model sees when its environment offers tools."""
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def messages_text(self, messages: list) -> str:

@@ -108,7 +108,8 @@ def episode_metrics(episodes: list) -> dict:
          "agent/env_seconds_mean": mean(ep.metrics.get("env_seconds", 0.0) for ep in episodes)}
     keys = set(TOOL_METRICS) | {k for ep in episodes for k in ep.metrics if k != "env_seconds"}
     m.update({f"agent/{k}_mean": mean(ep.metrics.get(k, 0.0) for ep in episodes) for k in sorted(keys)})
-    m.update({f"agent/ended/{r}": mean(ep.finish_reason == r for ep in episodes) for r in FINISH_REASONS})
+    reasons = list(FINISH_REASONS) + sorted({ep.finish_reason for ep in episodes} - set(FINISH_REASONS))
+    m.update({f"agent/ended/{r}": mean(ep.finish_reason == r for ep in episodes) for r in reasons})
     return m
 
 
