@@ -93,3 +93,46 @@ def test_stop_tokens_end_a_turn_and_the_slot_limits_are_checked():
             s.extend("a", [99], 1)
         s.release("a")
         assert s.idle and s.free_slots == s.num_slots
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_continued_turns_match_the_trainer_in_bf16_with_graphs(compile):
+    """CUDA graphs, Triton decode attention and (optionally) compiled layers; the appended ids go through
+    the prefill-at-offset pass. The tolerance is the single-turn engine's (test_rollout_engine)."""
+    from tests.test_rollout_engine import BF16_MAX_TOL, BF16_MEAN_TOL
+
+    from phaserl.algo import token_logprobs_from_hidden
+    from phaserl.models import CausalLM, DecoderConfig
+
+    torch.manual_seed(0)
+    cfg = DecoderConfig(model_type="qwen2", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
+                        max_position_embeddings=1024)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.1)
+    model = model.to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = {k: torch.randint(0, 4096, (int(n),), generator=g).tolist()
+               for k, n in enumerate(torch.randint(8, 64, (24,), generator=g))}
+    plan = {k: [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(0, 40, (2,), generator=g)]
+            for k in prompts}
+    engine = RolloutEngine(model, EngineConfig(compile=compile, token_budget=32768, max_slots=16))
+    params = SamplingParams(max_new_tokens=32, temperature=0.8)
+    with engine.session(params, slot_len=256, eos_token_ids=[], generator=torch.Generator("cuda").manual_seed(1)) as s:
+        turns = drive(s, plan, {k: 32 for k in plan}, waiting=list(prompts), prompt=prompts)  # 24 episodes, 16 slots
+    diffs = []
+    with torch.no_grad():
+        for key, obs in plan.items():
+            seq = list(prompts[key])
+            for k, turn in enumerate(turns[key]):
+                hidden = model(torch.tensor([seq + turn.token_ids], device="cuda"))[0]
+                trainer = token_logprobs_from_hidden(hidden[len(seq) - 1:-1], model.output_weight,
+                                                     torch.tensor(turn.token_ids, device="cuda"), temperature=0.8)[0]
+                diffs.append((trainer.float().cpu() - torch.tensor(turn.logprobs)).abs())
+                seq += turn.token_ids + (obs[k] if k < len(obs) else [])
+            assert len(turns[key]) == 3
+    diffs = torch.cat(diffs)
+    print(f"bf16 multi-turn rollout vs trainer (compile={compile}): mean {diffs.mean():.5f}, max {diffs.max():.5f}")
+    assert diffs.mean() <= BF16_MEAN_TOL and diffs.max() <= BF16_MAX_TOL

@@ -68,6 +68,7 @@ class DecodeSession:
         self._prompts: dict = {}
         self._extends: list = []                 # queued (slot, ids, start, cap)
         self._known = None                       # the previous step's snapshot
+        self._pinned: list = []                  # CUDA: two host buffers for the finished flags, alternating
         self.stats = SessionStats()
         self._t0 = time.perf_counter()
 
@@ -166,7 +167,10 @@ class DecodeSession:
         ran = {live.slot: (live, live.turn) for live in self.live.values() if live.decoding}
         if flags.device.type != "cuda":
             return flags.clone(), ran, None
-        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+        if not self._pinned:
+            self._pinned = [torch.empty(flags.shape, dtype=torch.bool, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()  # the other buffer still holds the previous step's flags, read after this launch
+        host = self._pinned[0]
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
