@@ -55,3 +55,24 @@ def test_the_doctor_fails_on_an_environment_that_raises():
     line = _agent_line([f"agent.env={ENVS}:RaisesOnSecondStep", "agent.kwargs={turns: 4}"])
     assert line.status == FAIL
     assert "environment RaisesOnSecondStep (" in line.message and "step() raised RuntimeError" in line.message
+
+
+def test_episode_budgets_are_checked_against_the_other_sizes():
+    with pytest.raises(ConfigError, match="agent.max_episode_tokens = 16 < data.max_prompt_length"):
+        load_config(QUICK, ["agent.max_episode_tokens=16"])
+    with pytest.raises(ConfigError, match="ppo.micro_batch_tokens = 100 cannot hold one whole episode"):
+        load_config(QUICK, ["agent.max_episode_tokens=200", "ppo.micro_batch_tokens=100"])
+    load_config(None, ["agent.max_episode_tokens=2"])  # no agent.env: the section is not used
+
+
+def test_a_multi_turn_step_on_the_transformers_fallback_path(tmp_path):
+    """rollout.engine=hf: every turn re-prefills through generate(); the step still trains on episodes."""
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(QUICK, ["rollout.engine=hf", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.batch_size=4",
+                              "trainer.total_steps=1", f"trainer.log_dir={tmp_path}", "trainer.loggers=[jsonl]",
+                              f"trainer.checkpoint_path={tmp_path / 'ckpt'}"])
+    trainer = RLTrainer.from_config(cfg)
+    metrics = trainer.train_step()
+    assert trainer.actor.engine is None and metrics["agent/turns_mean"] >= 1
+    assert metrics["train/skipped_step"] == 0 and "agent/ended/max_turns" in metrics

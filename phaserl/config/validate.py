@@ -142,6 +142,7 @@ def _rule_errors(cfg: Config) -> list[str]:
             errs.append(f"{role}.optim.betas = {betas}: expected two numbers in [0, 1), e.g. [0.9, 0.999]")
     if not cfg.data.train_files:
         errs.append("data.train_files is empty; give at least one .parquet/.jsonl file (or 'tiny')")
+    errs += _agent_errors(cfg)
     resume = cfg.trainer.resume
     word = resume.strip().lower()
     if not word or word in _RESUME_LOOKALIKES or (word in ("auto", "never") and resume != word):
@@ -165,6 +166,24 @@ def _algorithm_errors(cfg: Config) -> list[str]:
     if a.rollout_correction != "none" and a.rollout_correction_cap <= 1:
         errs.append(f"algorithm.rollout_correction_cap = {a.rollout_correction_cap} must be > 1 with "
                     f"algorithm.rollout_correction = {a.rollout_correction} (2.0 is usual for tokens, 1.01 for seq_mask)")
+    return errs
+
+
+def _agent_errors(cfg: Config) -> list[str]:
+    """agent.* against the sizes it shares with single-turn runs (only when agent.env is set)."""
+    ag, errs = cfg.agent, []
+    if not ag.env:
+        return errs
+    p, t = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    if ag.max_episode_tokens < p + t:
+        errs.append(f"agent.max_episode_tokens = {ag.max_episode_tokens} < data.max_prompt_length + "
+                    f"rollout.max_new_tokens = {p} + {t}: even the first turn may not fit an episode; set "
+                    f"agent.max_episode_tokens >= {p + t} (plus room for the observations and later turns)")
+    for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):
+        if getattr(cfg.ppo, key) < ag.max_episode_tokens:
+            errs.append(f"ppo.{key} = {getattr(cfg.ppo, key)} cannot hold one whole episode of up to "
+                        f"agent.max_episode_tokens = {ag.max_episode_tokens} tokens (an episode is never split "
+                        f"across micro-batches); set ppo.{key} >= {ag.max_episode_tokens}")
     return errs
 
 
