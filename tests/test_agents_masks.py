@@ -56,7 +56,7 @@ def test_grpo_compares_whole_trajectories_and_leaves_observations_at_zero():
     eps = [_episode([[11, 12], [13]], rewards=[0.5, 1.0]), _episode([[14], [15, 16, 17]], rewards=[0.0, 0.0])]
     batch = episodes_batch(eps, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cpu")
     scores = EpisodeScores().score(batch)
-    settings = AdvantageSettings(ADVANTAGE_ESTIMATORS["grpo"], "grpo", 1.0, 1.0, True, False, "k3")
+    settings = AdvantageSettings(ADVANTAGE_ESTIMATORS["grpo"], 1.0, 1.0, True, False, "k3")
     adv, _, placed, _ = compute_advantages(batch, scores.total, settings, old_logprobs=None, ref_logprobs=None,
                                            values=None, kl_coef=0.0, token_rewards=scores.token_rewards)
     a = 0.75 / math.sqrt(2 * 0.75 ** 2)
