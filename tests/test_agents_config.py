@@ -45,6 +45,7 @@ def _agent_line(overrides):
     return next(r for r in results if r.name == "agent episode")
 
 
+@pytest.mark.slow  # the doctor / a trainer step end to end
 def test_the_doctor_runs_one_episode_and_shows_its_mask():
     line = _agent_line([])
     assert line.status == OK and "RetryArithmetic on " in line.message and "model turn(s), ended by" in line.message
@@ -65,6 +66,7 @@ def test_episode_budgets_are_checked_against_the_other_sizes():
     load_config(None, ["agent.max_episode_tokens=2"])  # no agent.env: the section is not used
 
 
+@pytest.mark.slow  # the doctor / a trainer step end to end
 def test_a_multi_turn_step_on_the_transformers_fallback_path(tmp_path):
     """rollout.engine=hf: every turn re-prefills through generate(); the step still trains on episodes."""
     from phaserl.trainer import RLTrainer

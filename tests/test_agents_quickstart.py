@@ -1,8 +1,12 @@
 """`phaserl quickstart --task agent` learns: multi-turn episodes, held-out success up by at least 0.20."""
 import json
 
+import pytest
+
 from phaserl.cli import main
 from phaserl.config import load_config
+
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 
 
 def test_agent_quickstart_raises_held_out_success_by_20_points(tmp_path):

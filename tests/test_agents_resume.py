@@ -13,10 +13,13 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_COMPARED = ("timing_s/", "perf/", "agent/env_seconds")
+
+pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 
 
 def child(cfg_path: str, pause_step: str, pause_file: str, final_path: str) -> None:
