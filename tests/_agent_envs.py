@@ -61,7 +61,7 @@ class Hangs(Feedback):
 
 
 class SlowFirstRow(Feedback):
-    """Row 0's first step takes `delay` seconds; every episode records when it ended."""
+    """Row 0's first step takes `delay` seconds; every episode records when its last step returned."""
 
     ENDED = {}
 
@@ -72,10 +72,10 @@ class SlowFirstRow(Feedback):
     def step(self, action):
         if self.row["extra_info"].get("index") == 0 and self.steps == 0:
             time.sleep(self.delay)
-        return super().step(action)
-
-    def close(self):
-        SlowFirstRow.ENDED[(self.row["extra_info"]["index"], self.seed)] = time.monotonic()
+        result = super().step(action)
+        if result.done:
+            SlowFirstRow.ENDED[(self.row["extra_info"]["index"], self.seed)] = time.monotonic()
+        return result
 
 
 class PausingRetry(Environment):
