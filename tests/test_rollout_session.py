@@ -33,9 +33,12 @@ def drive(session, plan: dict, caps: dict, waiting=(), prompt=None) -> dict:
     return turns
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
-def test_a_continued_turn_equals_the_full_forward_and_prefills_only_the_new_ids(model_type):
-    model = tiny_model(model_type)
+@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {}),
+                                               ("qwen2", dict(sliding_window=6, layer_types=("sliding_attention",
+                                                                                          "full_attention")))],
+                         ids=["qwen2", "qwen3", "qwen2-sliding"])
+def test_a_continued_turn_equals_the_full_forward_and_prefills_only_the_new_ids(model_type, extra):
+    model = tiny_model(model_type, **extra)
     engine = RolloutEngine(model, EngineConfig(max_slots=3))
     params = SamplingParams(max_new_tokens=5, temperature=0.0)
     observations = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [None]}

@@ -290,19 +290,22 @@ class ModelRunner:
         ids, starts, lengths, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         context = max(start + len(tokens) for _, tokens, start, _ in items)  # key positions any row sees
-        visible = torch.arange(context, device=self.device)[None, None, :] <= pos[:, :, None]  # [C, M, ctx]
-        cos, sin = self.cos[pos.view(-1)], self.sin[pos.view(-1)]  # [C * M, D]
-        h = F.embedding(ids.view(-1), self.model.model.embed_tokens.weight)  # [C * M, H]
-        for keys, values, w in zip(self.keys, self.values, self.weights):
-            q, k, v = self.fns.pre(h, w, cos, sin, self.cfg.rms_norm_eps, self.heads)
+        key_pos = torch.arange(context, device=self.device)[None, None, :]  # [1, 1, ctx]
+        visible = {spec.window: (key_pos <= pos[:, :, None]) & (  # [C, M, ctx] causal, within a sliding window
+                   True if spec.window is None else key_pos > pos[:, :, None] - spec.window) for spec in self.specs}
+        flat = pos.view(-1)
+        rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
+        h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
+        for keys, values, w, spec in zip(self.keys, self.values, self.weights, self.specs):
+            q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
             values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
             attn = F.scaled_dot_product_attention(
                 q.view(C, M, Hq, D).transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
-                attn_mask=visible[:, None], enable_gqa=True)  # [C, Hq, M, D] over kept + new KV
-            h = self.fns.post(h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, self.cfg.rms_norm_eps)
+                attn_mask=visible[spec.window][:, None], scale=spec.scale, enable_gqa=True)  # [C, Hq, M, D]
+            h = self.fns.post(h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, spec)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
-        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, self.cfg.rms_norm_eps))
+        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
         self.state.start(slots, tokens, logprobs, starts + lengths, caps)
 
     # ----- decode ---------------------------------------------------------------------------------
