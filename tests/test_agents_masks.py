@@ -6,7 +6,7 @@ import math
 import torch
 
 from phaserl.agents import Episode, Segment
-from phaserl.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageInputs
+from phaserl.algo import ADVANTAGE_ESTIMATORS, AdvantageInputs, bind_policy_loss
 from phaserl.batch import TrainBatch
 from phaserl.data.rows import PromptRow
 from phaserl.roles import HybridActor
@@ -77,8 +77,8 @@ def test_the_update_ignores_observation_tokens():
         actor = HybridActor(copy.deepcopy(model_for_update()), TOK)
         actor.setup_training(OptimSettings(lr=0.1, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=0.0,
                                            warmup_steps=0, lr_schedule="constant", total_steps=1),
-                             PolicyLossSettings(POLICY_LOSSES["ppo"], 0.2, 0.2, 3.0, "token-mean", 0.01, 0.0, "k3",
-                                                1.0, 8))
+                             PolicyLossSettings(bind_policy_loss("ppo", clip_low=0.2, clip_high=0.2, dual_clip_c=3.0),
+                                                "token-mean", 0.01, 0.0, "k3", 1.0, 8))
         train = TrainBatch(batch, old + junk * hole, None, adv + junk * hole, adv, None)
         stats = actor.update_mini_batch(train, token_budget=4096, global_tokens=float(batch.loss_mask.sum()),
                                         global_seqs=2.0)

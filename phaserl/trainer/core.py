@@ -162,7 +162,7 @@ class RLTrainer:
         step_metrics = self._step_metrics(batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats)
         step_metrics.update(sampling_stats, **{"train/zero_variance_group_frac": zero_variance})
         if old_logprobs is not None:  # the trainer's own pre-update log-probs (else the update measured it)
-            step_metrics.update(mismatch_metrics(old_logprobs, batch.rollout_logprobs, batch.response_mask))
+            step_metrics.update(mismatch_metrics(old_logprobs, batch.rollout_logprobs, batch.loss_mask))
         metrics = reduce_metrics(step_metrics)  # every rank logs and adapts the KL coefficient from the same numbers
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
         metrics.update(self.perf.step_metrics(batch.attention_mask, batch.response_mask, timings,

@@ -120,12 +120,23 @@ def concat_batches(parts: list, pad_token_id: int) -> RolloutBatch:
             values[f.name] = P
         elif isinstance(first, list):
             values[f.name] = [x for p in parts for x in getattr(p, f.name)]
+        elif first is None:  # an optional field no part has (episodes of a single-turn run)
+            values[f.name] = None
+        elif isinstance(first, dict):  # rollout_metrics: per-row means weighted by rows, maxima as maxima
+            values[f.name] = _join_metrics(parts)
         elif isinstance(first, torch.Tensor):
             pad = pad_token_id if f.name == "input_ids" else 0
             values[f.name] = torch.cat([_repad(getattr(p, f.name), p, P, R, pad, f.name) for p in parts])
         else:
             raise TypeError(f"concat_batches cannot join RolloutBatch.{f.name} ({type(first).__name__})")
     return RolloutBatch(**values)
+
+
+def _join_metrics(parts: list) -> dict:
+    rows = sum(p.num_responses for p in parts)
+    keys = {k for p in parts for k in p.rollout_metrics}
+    return {k: max(p.rollout_metrics.get(k, 0.0) for p in parts) if k.endswith("_max") else
+            sum(p.rollout_metrics.get(k, 0.0) * p.num_responses for p in parts) / rows for k in sorted(keys)}
 
 
 def _repad(t: torch.Tensor, part: RolloutBatch, P: int, R: int, pad: int, name: str) -> torch.Tensor:
