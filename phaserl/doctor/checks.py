@@ -209,13 +209,12 @@ def check_shared_paths(ctx: Context) -> CheckResult:
         return CheckResult("shared paths", WARN, f"not verified: world_size = {ctx.world_size} but the doctor runs "
                            f"in one process", fix=f"run it the way you train (torchrun --nproc-per-node ... -m "
                            f"phaserl doctor CONFIG) so that every rank checks the paths; {fix}")
-    if local:
-        verb = "are" if len(local) > 1 else "is"
-        return CheckResult("shared paths", WARN, f"single process; {' and '.join(local)} {verb} node-local: fine "
-                                                 f"here, lost to the other nodes of a multi-node run", fix=fix)
     relative = [k for k, v in paths.items() if not os.path.isabs(v)]
     note = f" ({', '.join(relative)} relative to {os.getcwd()})" if relative else ""
-    return CheckResult("shared paths", OK, f"single process: nothing to share{note}")
+    # One process shares nothing, so a node-local path is no problem here; it is only worth a word for later.
+    later = (f"; {' and '.join(local)} {'are' if len(local) > 1 else 'is'} node-local: for a multi-node run, "
+             "put them on storage every node mounts") if local else ""
+    return CheckResult("shared paths", OK, f"single process: nothing to share{note}{later}")
 
 
 # ---- loading: device, tokenizer, policy ---------------------------------------------------------

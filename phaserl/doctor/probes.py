@@ -47,9 +47,9 @@ def check_data(ctx: Context) -> CheckResult:
     message = "; ".join(parts) + f" (data.max_prompt_length = {d.max_prompt_length})"
     if d.apply_chat_template and not tok.chat_template:
         return CheckResult("data", WARN, f"{message}; prompt lengths not checked: no chat template (see below)")
-    if cut > 0.1 * len(ctx.train_rows):
-        return CheckResult("data", WARN, message, fix=f"over 10% of prompts are cut or dropped by data.overlong_"
-                           f"prompts = {d.overlong_prompts}: raise data.max_prompt_length")
+    if cut:  # any cut prompt is reported: a truncated question may no longer say what its ground truth answers
+        return CheckResult("data", WARN, f"{cut} prompt(s) are cut or dropped by data.overlong_prompts = "
+                           f"{d.overlong_prompts}; {message}", fix="raise data.max_prompt_length to keep every prompt whole")
     return CheckResult("data", OK, message)
 
 
