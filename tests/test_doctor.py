@@ -298,8 +298,9 @@ def test_the_doctor_sizes_the_reward_model_by_the_key_its_engine_reads(run, tmp_
     # hidden 16, MLP 32, float32: (2·16 + 2·32) × 4 = 384 B + the padded mask 128 × (1 + 4) = 640 B: 1 KB a token;
     # 482_384 // 1_024 = 471 tokens fit. 300 configured hold 2 inputs of 128 = 256 tokens: fine.
     assert native["memory"].status == OK
-    assert ("reward_model.micro_batch_tokens 1.0 KB per token of a right-padded scoring forward; configured 300, "
-            "fits 471, the phase uses at most 1024") in native["memory"].details
+    # Regression (issue 23): the line says in words what the configured size uses of what is free.
+    assert ("reward_model.micro_batch_tokens = 300: uses at most 256 tokens, 256.0 KB of the 976.6 KB free (1.0 KB per "
+            "token of a right-padded scoring forward); at most 471 would fit") in native["memory"].details
     # The default 16384 tokens would score all 8 responses at once: 8 × 128 × 1 KB = 1.0 MB, over 471 tokens.
     big = doctor(run, *rm)
     assert big["memory"].status == WARN
