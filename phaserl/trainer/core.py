@@ -12,6 +12,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..algo import kl_penalty, masked_mean
 from ..batch import TrainBatch
@@ -91,20 +92,25 @@ class RLTrainer:
             check_shared_paths({"trainer.checkpoint_path": run.checkpoint_path, "trainer.log_dir": run.log_dir},
                                rank=self.rank, world_size=self.world_size)
         self._resume()
+        if self.rank == 0 and run.show_progress:
+            from .summary import run_summary
+
+            log.info(run_summary(self))
         self.hooks.fire("on_train_start", self)
-        if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
-            self._log(self.step_num, self.validate())
         progress = run.progress_bar(self.step_num)
-        while self.step_num < run.total_steps:
-            metrics = self.train_step()
-            self.step_num += 1
-            if run.val_interval and self.step_num % run.val_interval == 0 or self.step_num == run.total_steps:
-                metrics.update(self.validate())
-            self._log(self.step_num, metrics)
-            self.hooks.fire("on_step_end", self)
-            if run.save_interval and self.step_num % run.save_interval == 0 or self.step_num == run.total_steps:
-                self.save_checkpoint()
-            progress.update(1)
+        with logging_redirect_tqdm():  # step and [HybridEngine] lines print above the progress bar, not through it
+            if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
+                self._log(self.step_num, self.validate())
+            while self.step_num < run.total_steps:
+                metrics = self.train_step()
+                self.step_num += 1
+                if run.val_interval and self.step_num % run.val_interval == 0 or self.step_num == run.total_steps:
+                    metrics.update(self.validate())
+                self._log(self.step_num, metrics)
+                self.hooks.fire("on_step_end", self)
+                if run.save_interval and self.step_num % run.save_interval == 0 or self.step_num == run.total_steps:
+                    self.save_checkpoint()
+                progress.update(1)
         progress.close()
         self.hooks.fire("on_train_end", self)
         run.metrics_logger.close()
