@@ -322,6 +322,7 @@ class RLTrainer:
         mask = batch.response_mask.float()
         lengths = batch.response_lengths().float()
         m = {"train/reward_mean": float(scores.total.mean()), "train/reward_std": float(scores.total.std(unbiased=False)),
+             "train/reward_min": float(scores.total.min()), "train/reward_max": float(scores.total.max()),
              "train/response_length_mean": float(lengths.mean()), "train/response_length_max": float(lengths.max()),
              "train/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
              "train/advantage_mean": float(masked_mean(advantages, mask)),
