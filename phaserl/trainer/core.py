@@ -7,6 +7,7 @@ once; it never reads the config inside the loop. Data between phases travels as 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -275,10 +276,27 @@ class RLTrainer:
         info = self.run.checkpointer.resume(self.checkpoint_state()) if self.run.checkpointer is not None else None
         if self.rank == 0:
             drop_metrics_after(os.path.join(self.run.log_dir, "metrics.jsonl"), info.step if info else -1)
+        saved_world = info.metadata.get("world_size") if info is not None else None
+        if self.rank == 0 and saved_world and saved_world != self.world_size:
+            self._warn_if_samples_change(saved_world)
         if info is not None and self.step_num >= self.run.total_steps:
             log.info(f"{info.path} is step {self.step_num}, and trainer.total_steps={self.run.total_steps}: nothing "
                      "left to train. Raise trainer.total_steps to continue, or set trainer.resume=never and a new "
                      "trainer.checkpoint_path to train again from the start")
+
+    def _warn_if_samples_change(self, saved_world: int) -> None:
+        """A resume onto another world size samples like the uninterrupted run only where rollout.batch_size
+        divides the prompts per rank on both world sizes (docs/distributed.md)."""
+        from ..config.invariance import same_samples_world_sizes
+
+        prompts, size = self.run.responses_per_step // self.run.n, self.run.generate_batch_size
+        same = same_samples_world_sizes(prompts, size)
+        if saved_world not in same or self.world_size not in same:
+            log.warning(f"resume: the checkpoint was written by {saved_world} rank(s) and this run has "
+                        f"{self.world_size}; rollout.batch_size = {size} does not divide the prompts per rank "
+                        f"({prompts} / {saved_world} and {prompts} / {self.world_size}) on both, so from here on the "
+                        "samples differ from those of the uninterrupted run (set rollout.batch_size to a common "
+                        f"divisor, e.g. {math.gcd(prompts // saved_world, prompts // self.world_size, size)}, to keep them)")
 
     def _finish(self) -> None:
         """Rank 0: the run report, and one last console line naming what the run left on disk."""
