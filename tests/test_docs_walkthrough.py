@@ -49,6 +49,9 @@ def test_your_own_task_runs_from_an_empty_directory(tmp_path):
     assert "23+45= -> " in outputs[-1]
 
 
+@pytest.mark.skipif(not hasattr(__import__("phaserl.rewards.registry").rewards.registry, "_VERL_PARAMS"),
+                    reason="verl's compute_score signature is called by name only once the reward registry "
+                           "change of issue 22 (engineer trust) is in this checkout")
 def test_the_verl_signature_gets_the_rows_data_source(tmp_path):
     # your-own-task.md's compute_score only scores rows whose data_source is "my_adder": called with the
     # prompt in that place (positionally, as phaserl's own signature is), it would always return 0.

@@ -46,7 +46,9 @@ def test_a_resume_onto_another_world_size_warns_when_samples_will_differ(run, ca
         trainer._warn_if_samples_change(2)
     assert "written by 2 rank(s) and this run has 1; rollout.batch_size = 4 does not divide" in caplog.text
     caplog.clear()
-    trainer.run.generate_batch_size = 1
+    import dataclasses
+
+    trainer.run = dataclasses.replace(trainer.run, generate_batch_size=1)
     with caplog.at_level(logging.WARNING, logger="phaserl"):
         trainer._warn_if_samples_change(2)
     assert caplog.text == ""

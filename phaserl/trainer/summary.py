@@ -58,7 +58,7 @@ def run_summary(trainer) -> str:
         f"device     {actor.device}, {world} rank(s)",
         "model      " + "; ".join(models) + f"; tokenizer {getattr(run.tokenizer, 'name_or_path', '') or '?'}",
         f"data       {train_prompts} training prompts ({train_prompts / (per_rank * world):.1f} steps per epoch), {val}",
-        f"algorithm  {adv.estimator_name} advantages, {loss.loss_fn.__name__} policy loss ({loss.agg_mode}), {kl}; "
+        f"algorithm  {_estimator_name(adv.estimator)} advantages, {loss.loss_fn.__name__} policy loss ({loss.agg_mode}), {kl}; "
         f"reward: {', '.join(rewards)}",
         f"rollout    {per_rank * world} prompts × {run.n} = {run.responses_per_step} responses per step "
         f"({per_rank} prompts per rank, ≤ {run.generate_batch_size} per generate call), ≤ "
@@ -76,6 +76,12 @@ def run_summary(trainer) -> str:
         f"logs in {run.log_dir}",
     ]
     return "phaserl: run summary\n" + "\n".join("  " + line for line in lines)
+
+
+def _estimator_name(fn) -> str:
+    from ..algo import ADVANTAGE_ESTIMATORS
+
+    return next((name for name, candidate in ADVANTAGE_ESTIMATORS.items() if candidate is fn), fn.__name__)
 
 
 def _engine_supported(actor) -> bool:
