@@ -6,6 +6,7 @@ what the YAML asked for. Rank 0 prints it once, at the start of `fit()`. It chan
 """
 from __future__ import annotations
 
+from ..algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from ..roles.forward import supports_packing
 
 
@@ -58,7 +59,7 @@ def run_summary(trainer) -> str:
         f"device     {actor.device}, {world} rank(s)",
         "model      " + "; ".join(models) + f"; tokenizer {getattr(run.tokenizer, 'name_or_path', '') or '?'}",
         f"data       {train_prompts} training prompts ({train_prompts / (per_rank * world):.1f} steps per epoch), {val}",
-        f"algorithm  {_estimator_name(adv.estimator)} advantages, {loss.loss_fn.__name__} policy loss ({loss.agg_mode}), {kl}; "
+        f"algorithm  {_name(ADVANTAGE_ESTIMATORS, adv.estimator)} advantages, {_name(POLICY_LOSSES, loss.loss_fn)} policy loss ({loss.agg_mode}), {kl}; "
         f"reward: {', '.join(rewards)}",
         f"rollout    {per_rank * world} prompts × {run.n} = {run.responses_per_step} responses per step "
         f"({per_rank} prompts per rank, ≤ {run.generate_batch_size} per generate call), ≤ "
@@ -78,10 +79,9 @@ def run_summary(trainer) -> str:
     return "phaserl: run summary\n" + "\n".join("  " + line for line in lines)
 
 
-def _estimator_name(fn) -> str:
-    from ..algo import ADVANTAGE_ESTIMATORS
-
-    return next((name for name, candidate in ADVANTAGE_ESTIMATORS.items() if candidate is fn), fn.__name__)
+def _name(table: dict, fn) -> str:
+    """The config name under which `fn` was chosen (algorithm.adv_estimator, actor.policy_loss)."""
+    return next((name for name, candidate in table.items() if candidate is fn), fn.__name__)
 
 
 def _engine_supported(actor) -> bool:
