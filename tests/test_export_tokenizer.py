@@ -65,7 +65,5 @@ def test_the_export_loads_to_the_training_ids_or_export_names_the_call_that_does
         assert _ids(PreTrainedTokenizerFast.from_pretrained(out), texts) == _ids(tokenizer, texts)
     if model_type == "llama":
         assert _ids(auto, texts) == _ids(tokenizer, texts)
-    import transformers
-
-    if model_type == "qwen2" and int(transformers.__version__.split(".")[0]) >= 5:
-        assert warned and type(auto).__name__ == "Qwen2Tokenizer"  # the reported problem, still there upstream
+    if model_type == "qwen2" and type(auto).__name__ == "Qwen2Tokenizer":
+        assert warned  # the reported problem (transformers 5.24 here): Qwen's pre-tokenizer splits " 84"
