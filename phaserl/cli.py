@@ -55,7 +55,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .config import dump_yaml, load_config
+    from .config import load_config
     from .parallel.launch import destroy, init_distributed, rank_errors
     from .trainer import RLTrainer
 
@@ -72,28 +72,31 @@ def cmd_train(args) -> int:
                   "fix it, or pass --skip-doctor to train anyway", file=sys.stderr)
             return 1
         cfg = load_config(args.config, args.overrides, world_size=world)
-        if rank == 0:
-            _make_log_dir(cfg.trainer.log_dir)
-            dump_yaml(cfg, os.path.join(cfg.trainer.log_dir, "config.yaml"))
         with rank_errors():
-            RLTrainer.from_config(cfg).fit()
+            trainer = RLTrainer.from_config(cfg)  # loads and checks every input before the run writes a file
+            if rank == 0:
+                _write_resolved_config(cfg, cfg.trainer.log_dir)
+            trainer.fit()
         return 0
     finally:
         destroy()
 
 
-def _make_log_dir(path: str) -> None:
+def _write_resolved_config(cfg, log_dir: str) -> None:
+    """`{log_dir}/config.yaml`, the run's resolved config; called only once every input has loaded."""
+    from .config import dump_yaml
     from .errors import ConfigError
 
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(log_dir, exist_ok=True)
     except OSError as exc:  # an existing file in the way, or no permission (the doctor says so too)
-        raise ConfigError(f"trainer.log_dir={path!r} cannot be used as a directory ({exc.strerror}); point it at a "
-                          "writable directory") from None
+        raise ConfigError(f"trainer.log_dir={log_dir!r} cannot be used as a directory ({exc.strerror}); point it "
+                          "at a writable directory") from None
+    dump_yaml(cfg, os.path.join(log_dir, "config.yaml"))
 
 
 def cmd_quickstart(args) -> int:
-    from .config import dump_yaml, load_config
+    from .config import load_config
     from .trainer import RLTrainer
     from .world import prepare_tiny_world
 
@@ -103,15 +106,14 @@ def cmd_quickstart(args) -> int:
     overrides = [f"trainer.log_dir={out}", f"trainer.checkpoint_path={os.path.join(out, 'checkpoints')}",
                  f"trainer.device={args.device}", *args.overrides]
     cfg = load_config(QUICKSTART_CONFIGS[args.task], overrides)  # the tiny world's recipe, then the user's overrides
+    trainer = RLTrainer.from_config(cfg)  # a bad --device or override fails here, before anything is written
     if os.path.isdir(cfg.trainer.checkpoint_path):
         log.info(f"{out} holds an earlier quickstart run: it resumes from its newest checkpoint "
                  "(pass a new --out to train again from the start)")
-    os.makedirs(out, exist_ok=True)
-    dump_yaml(cfg, os.path.join(out, "config.yaml"))
+    _write_resolved_config(cfg, out)
     task = "multi-turn retry" if args.task == "agent" else "arithmetic"
     log.info(f"phaserl quickstart: GRPO on the built-in tiny {task} task, {cfg.trainer.total_steps} steps "
              f"on {args.device}; resolved config in {os.path.join(out, 'config.yaml')}")
-    trainer = RLTrainer.from_config(cfg)
     trainer.fit()
     before, after = trainer.val_history[0][1]["val/score_mean"], trainer.val_history[-1][1]["val/score_mean"]
     minutes = (time.perf_counter() - t0) / 60

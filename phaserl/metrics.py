@@ -44,15 +44,15 @@ class MetricsLogger:
         self._wandb = None
         if not self.enabled:
             return
-        os.makedirs(log_dir, exist_ok=True)
-        if "jsonl" in self.loggers:
-            self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")
         if "wandb" in self.loggers:
             self._wandb = _start_wandb(run_name, config)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
+        if self._jsonl is None and "jsonl" in self.loggers:  # opened at the first step: a run that fails
+            os.makedirs(self.log_dir, exist_ok=True)  # while it is being built leaves no files behind
+            self._jsonl = open(os.path.join(self.log_dir, "metrics.jsonl"), "a", encoding="utf-8")
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")

@@ -1,7 +1,9 @@
 """The run report: `{log_dir}/report.png`, four panels over steps, read from `{log_dir}/metrics.jsonl`.
 
-Reward (train/reward_mean ± train/reward_std), validation score (val/score_mean), KL (train/kl and
-actor/kl_loss) and response length (train/response_length_mean, val/response_length_mean). Written at
+Reward (train/reward_mean ± train/reward_std, the band clipped to the step's train/reward_min..max),
+validation score (val/score_mean), KL (train/kl and actor/kl_loss: one curve when they are the same
+numbers) and response length (train/response_length_mean, val/response_length_mean); every axis is
+labelled and a caption says what to look at. Written at
 the end of `fit` on rank 0 and by `phaserl report RUN_DIR`. matplotlib draws off-screen (Agg); the file
 is replaced atomically. Not here: live dashboards (TensorBoard reads the same run directory).
 """
@@ -15,13 +17,17 @@ from typing import Optional
 
 from .errors import DataError
 
-PANELS = (  # (title, [(metric, label)])
-    ("reward", [("train/reward_mean", "train reward (mean)")]),
-    ("validation score", [("val/score_mean", "val score (mean)")]),
-    ("KL to the reference", [("train/kl", "train/kl (k3, rollout)"), ("actor/kl_loss", "actor/kl_loss")]),
-    ("response length (tokens)", [("train/response_length_mean", "train (mean)"),
-                                  ("val/response_length_mean", "val (mean)")]),
+PANELS = (  # (title, y-axis label, [(metric, legend label)])
+    ("reward", "reward per response", [("train/reward_mean", "train reward (mean)")]),
+    ("validation score", "score (held-out prompts)", [("val/score_mean", "val score (mean)")]),
+    ("KL to the reference", "KL per token", [("train/kl", "train/kl (k3)"), ("actor/kl_loss", "actor/kl_loss")]),
+    ("response length (tokens)", "tokens per response", [("train/response_length_mean", "train (mean)"),
+                                                         ("val/response_length_mean", "val (mean)")]),
 )
+CAPTION = ("What to look at: reward and validation score should rise together (reward up with validation flat or "
+           "falling is reward hacking or overfitting); KL should grow slowly (a jump means the policy runs away "
+           "from the reference: lower the learning rate or raise the KL coefficient); response length should not "
+           "collapse to a few tokens nor pin at rollout.max_new_tokens.")
 
 
 def read_metrics(path: str) -> list:
@@ -67,27 +73,8 @@ def write_report(log_dir: str, out: Optional[str] = None) -> str:
 
     records = read_metrics(os.path.join(log_dir, "metrics.jsonl"))
     out = out or os.path.join(log_dir, "report.png")
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     last = max((r["step"] for r in records), default=0)
-    fig.suptitle(f"phaserl run {os.path.abspath(log_dir)} — {last} steps")
-    for ax, (title, keys) in zip(axes.flat, PANELS):
-        drawn = False
-        for key, label in keys:
-            steps, values = series(records, key)
-            if not steps:
-                continue
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
-            if key == "train/reward_mean":
-                _band(ax, records, steps, values)
-            drawn = True
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if drawn:
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
-                    color="gray")
+    fig = draw_report(records, f"phaserl run {os.path.abspath(log_dir)} — {last} steps")
     tmp = f"{out}.tmp.{os.getpid()}.png"
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
@@ -95,13 +82,53 @@ def write_report(log_dir: str, out: Optional[str] = None) -> str:
     return out
 
 
+def draw_report(records: list, title: str):
+    """The report's matplotlib Figure: four panels with labelled axes and the caption under them."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig.suptitle(title)
+    for ax, (panel, ylabel, keys) in zip(axes.flat, PANELS):
+        drawn = []
+        for key, label in keys:
+            steps, values = series(records, key)
+            twin = next((line for s, v, line in drawn if s == steps and _same(v, values)), None)
+            if twin is not None:  # one curve per distinct quantity (on policy, train/kl is the update's kl_loss)
+                twin.set_label(f"{twin.get_label()} = {label}")
+                continue
+            if not steps:
+                continue
+            (line,) = ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+            if key == "train/reward_mean":
+                _band(ax, records, steps, values)
+            drawn.append((steps, values, line))
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
+                    color="gray")
+    fig.get_layout_engine().set(rect=(0, 0.07, 1, 0.93))  # room for the caption below the panels
+    fig.text(0.01, 0.01, CAPTION, fontsize=8, wrap=True, va="bottom", color="0.25")
+    return fig
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-12 * max(1.0, abs(x)) for x, y in zip(a, b))
+
+
 def _band(ax, records: list, steps: list, means: list) -> None:
-    std_steps, stds = series(records, "train/reward_std")
-    by_step = dict(zip(std_steps, stds))
-    if all(s in by_step and math.isfinite(by_step[s]) for s in steps):
-        lo = [m - by_step[s] for s, m in zip(steps, means)]
-        hi = [m + by_step[s] for s, m in zip(steps, means)]
-        ax.fill_between(steps, lo, hi, alpha=0.2, label="± std")
+    """mean ± std, clipped to the step's lowest and highest reward (train/reward_min/max) when logged."""
+    by_step = {key: dict(zip(*series(records, key))) for key in ("train/reward_std", "train/reward_min",
+                                                                  "train/reward_max")}
+    stds = by_step["train/reward_std"]
+    if all(s in stds and math.isfinite(stds[s]) for s in steps):
+        low = [max(m - stds[s], by_step["train/reward_min"].get(s, -math.inf)) for s, m in zip(steps, means)]
+        high = [min(m + stds[s], by_step["train/reward_max"].get(s, math.inf)) for s, m in zip(steps, means)]
+        ax.fill_between(steps, low, high, alpha=0.2, label="± std (within min..max)")
 
 
 def cli_report(argv: Optional[list] = None) -> int:

@@ -1,13 +1,22 @@
-"""Test setup: import phaserl from this checkout, skip GPU tests on CPU, and fail the session when a test
-wrote into the source tree (phaserl/): a test writes under tmp_path, never next to the code."""
+"""Test setup: import phaserl from this checkout, keep every cache in a temp dir, skip GPU tests on CPU, and
+fail the session when a test wrote into the source tree (phaserl/): a test writes under tmp_path, never next
+to the code."""
 import os
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Tests never write outside temporary directories: phaserl's first-use cache (the tiny world's prompt files,
+# the tiny reward model) and matplotlib's font cache go to one temp dir that later sessions reuse (set here,
+# before anything imports phaserl, so subprocesses inherit it).
+TEST_CACHE = os.path.join(tempfile.gettempdir(), f"phaserl-test-cache-{os.getuid()}")
+os.environ["PHASERL_CACHE_DIR"] = TEST_CACHE
+os.environ["MPLCONFIGDIR"] = os.path.join(TEST_CACHE, "matplotlib")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -101,10 +101,27 @@ def test_truncate_left_keeps_the_end_and_right_keeps_the_start(tokenizer):
     assert all(len(i.prompt_ids) <= 4 for i in left.items + right.items)
 
 
-def test_truncate_left_keeps_the_generation_prompt(tokenizer):
-    (item,) = build([row("a long question")], tokenizer, max_len=12, overlong="truncate_left").items
-    # The last 12 tokens: "\n" <|im_start|> "assistant\n" (10 characters).
-    assert item.prompt_text == "\n<|im_start|>assistant\n" and len(item.prompt_ids) == 12
+# "<|im_start|>user\n" + content + "<|im_end|>\n<|im_start|>assistant\n" is 19 tokens around the content.
+@pytest.mark.parametrize("overlong, kept", [("truncate_left", "question"), ("truncate_right", "a long q")])
+def test_truncation_cuts_the_user_text_and_never_the_generation_prompt(tokenizer, overlong, kept):
+    # Regression (issue 23): truncate_right used to cut the template's `<|im_start|>assistant\n` off the end.
+    (item,) = build([row("a long question")], tokenizer, max_len=27, overlong=overlong).items
+    assert item.prompt_text == f"<|im_start|>user\n{kept}<|im_end|>\n<|im_start|>assistant\n"
+    assert len(item.prompt_ids) == 27 and tokenizer.decode(item.prompt_ids) == item.prompt_text
+
+
+def test_truncation_cuts_the_last_user_message_and_keeps_the_others(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "0123456789"}]
+    (item,) = build([row(messages)], tokenizer, max_len=42, overlong="truncate_right").items
+    assert item.prompt_text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n0123<|im_end|>\n"
+                                "<|im_start|>assistant\n")
+    assert messages[1]["content"] == "0123456789"  # the row itself is not changed
+
+
+def test_a_template_longer_than_the_limit_is_refused_not_cut(tokenizer):
+    with pytest.raises(DataError) as e:
+        build([row("a long question")], tokenizer, max_len=12, overlong="truncate_left")
+    assert "train.jsonl:row 0" in str(e.value) and "19 tokens" in str(e.value) and "drop" in str(e.value)
 
 
 def test_dropping_everything_is_an_error(tokenizer):

@@ -171,9 +171,10 @@ def test_a_tiny_size_on_a_big_gpu_is_called_idle_but_not_on_the_cpu():
 def test_a_good_tiny_config_passes_every_check(run):
     results = doctor(run)
     assert not any_failed(results.values())
-    assert all(r.status == OK for name, r in results.items() if name != "shared paths"), format_report(
-        list(results.values()))
-    assert results["shared paths"].status == WARN  # the tiny run writes under /tmp: node-local
+    assert all(r.status == OK for r in results.values()), format_report(list(results.values()))
+    # Regression (issue 23): a single-process run under /tmp (node-local) is not a warning, only a note.
+    assert "single process: nothing to share" in results["shared paths"].message
+    assert "node-local: for a multi-node run" in results["shared paths"].message
     # <|im_start|> user \n 3+4 <|im_end|> \n <|im_start|> assistant \n: 1 + 4 + 1 + 3 + 1 + 1 + 1 + 9 + 1 = 22
     assert "train: 64 rows, longest prompt 22 tokens, 0 dropped, 0 truncated; val: 8 rows" in results["data"].message
     assert results["tokenizer/model"].message.startswith("100 tokens ≤ 100 embedding rows; eos '<|im_end|>' (id 1)")
@@ -225,12 +226,26 @@ def test_overlong_prompts_fail_with_the_row_or_are_counted(run):
     failed = doctor(run, "data.max_prompt_length=18")["data"]
     assert failed.status == FAIL and "train.jsonl" in failed.message
     assert "over data.max_prompt_length=18" in failed.message
-    # Every tiny prompt is 19 tokens: all of them are cut or dropped.
-    cut = doctor(run, "data.max_prompt_length=18", "data.overlong_prompts=truncate_left")["data"]
-    assert cut.status == WARN and "train: 64 rows, longest prompt 18 tokens, 0 dropped, 64 truncated" in cut.message
+    # Every tiny prompt is 22 tokens, 19 of them the chat template's: truncation keeps 2 of the 3 user characters.
+    cut = doctor(run, "data.max_prompt_length=21", "data.overlong_prompts=truncate_left")["data"]
+    assert cut.status == WARN and cut.message.startswith("72 prompt(s) are cut or dropped")
+    assert "train: 64 rows, longest prompt 21 tokens, 0 dropped, 64 truncated" in cut.message
     assert "raise data.max_prompt_length" in cut.fix
+    refused = doctor(run, "data.max_prompt_length=18", "data.overlong_prompts=truncate_left")["data"]
+    assert refused.status == FAIL and "even with its last user message emptied" in refused.message
     dropped = doctor(run, "data.max_prompt_length=18", "data.overlong_prompts=drop")["data"]
     assert dropped.status == FAIL and dropped.message.startswith("all 64 prompts")
+
+
+def test_a_single_cut_prompt_is_reported(run, tmp_path):
+    # Regression (issue 23): the doctor used to stay OK until over 10% of the prompts were cut.
+    from phaserl.data import write_records
+
+    rows = [{"prompt": "1+1", "reward_model": {"ground_truth": "2"}}] * 20
+    write_records(tmp_path / "long.jsonl", rows + [{"prompt": "1+1 and then some", "reward_model": {"ground_truth": "2"}}])
+    result = doctor(run, f"data.train_files=[{tmp_path / 'long.jsonl'}]", "data.val_files=[]",
+                    "data.max_prompt_length=24", "data.overlong_prompts=truncate_right")["data"]
+    assert result.status == WARN and result.message.startswith("1 prompt(s) are cut or dropped")
 
 
 def test_a_tokenizer_without_chat_template_fails_the_template_check(run, tmp_path):
@@ -299,8 +314,9 @@ def test_the_doctor_sizes_the_reward_model_by_the_key_its_engine_reads(run, tmp_
     # hidden 16, MLP 32, float32: (2·16 + 2·32) × 4 = 384 B + the padded mask 128 × (1 + 4) = 640 B: 1 KB a token;
     # 482_384 // 1_024 = 471 tokens fit. 300 configured hold 2 inputs of 128 = 256 tokens: fine.
     assert native["memory"].status == OK
-    assert ("reward_model.micro_batch_tokens 1.0 KB per token of a right-padded scoring forward; configured 300, "
-            "fits 471, the phase uses at most 1024") in native["memory"].details
+    # Regression (issue 23): the line says in words what the configured size uses of what is free.
+    assert ("reward_model.micro_batch_tokens = 300: uses at most 256 tokens, 256.0 KB of the 976.6 KB free (1.0 KB per "
+            "token of a right-padded scoring forward); at most 471 would fit") in native["memory"].details
     # The default 16384 tokens would score all 8 responses at once: 8 × 128 × 1 KB = 1.0 MB, over 471 tokens.
     big = doctor(run, *rm)
     assert big["memory"].status == WARN
@@ -338,7 +354,8 @@ def test_a_kept_rollout_engine_leaves_less_room_for_the_update(run, monkeypatch)
 
 
 def test_shared_paths_in_one_process(run, monkeypatch):
-    assert doctor(run)["shared paths"].message.startswith("single process; trainer.checkpoint_path = '/tmp/")
+    local = doctor(run)["shared paths"]
+    assert local.status == OK and "; trainer.checkpoint_path = '/tmp/" in local.message
     # Relative paths are fine in one process, wherever the checkout lives (CI may clone under /tmp).
     monkeypatch.setattr("phaserl.doctor.checks.NODE_LOCAL_PREFIXES", ("/nonexistent-node-local",))
     relative = doctor(run, "trainer.checkpoint_path=runs/x/ckpt", "trainer.log_dir=runs/x")["shared paths"]

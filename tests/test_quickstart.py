@@ -1,6 +1,9 @@
-"""`phaserl quickstart` learns: the held-out score rises by at least 0.20, and config.yaml reproduces the run."""
+"""`phaserl quickstart` learns: the held-out score rises by at least 0.20, config.yaml reproduces the run, and
+the scores the README quotes are the ones this run gives (seeded, CPU, to the third decimal)."""
 import json
 import logging
+import os
+import re
 
 import pytest
 
@@ -21,3 +24,17 @@ def test_quickstart_raises_the_held_out_score_by_20_points(tmp_path, caplog):
     cfg = load_config(str(out / "config.yaml"))  # `phaserl train DIR/config.yaml` reads the same run
     assert cfg.trainer.log_dir == str(out) and cfg.algorithm.adv_estimator == "grpo"
     assert "held-out score (greedy, 200 prompts): before" in caplog.text
+    # Regression (issue 23): the README quoted 0.255 -> 0.82 after the committed model had changed.
+    quoted = readme_quickstart_scores()
+    assert quoted == {step: round(score, 3) for step, score in vals}, (
+        f"README.md quotes {quoted}; this run gives {vals}: update the README's quickstart paragraph")
+
+
+def readme_quickstart_scores() -> dict:
+    """{step: score} from the README sentence '**A → B** (step 10: x, 20: y, 30: z)'."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        text = f.read()
+    match = re.search(r"\*\*(\d\.\d+) → (\d\.\d+)\*\* \(step 10: (\d\.\d+),\s+20: (\d\.\d+),\s+30: (\d\.\d+)\)", text)
+    assert match, "README.md has no quickstart sentence '**A → B** (step 10: x, 20: y, 30: z)'"
+    first, last, s10, s20, s30 = map(float, match.groups())
+    return {0: first, 10: s10, 20: s20, 30: s30, 40: last}

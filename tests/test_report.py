@@ -111,3 +111,26 @@ def test_tensorboard_curves_after_a_resume_hold_only_the_resumed_runs_values(tmp
     acc.Reload()
     curve = [(e.step, e.value) for e in acc.Scalars("train/reward_mean")]
     assert curve == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+
+
+def test_the_report_labels_its_axes_clips_the_band_and_draws_one_kl_curve_per_quantity():
+    # Regression (issue 23): unlabelled y-axes, a ±std band past the rewards' range, two identical KL curves.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from phaserl.report import CAPTION, draw_report
+
+    records = [{"step": s, "train/reward_mean": 0.9, "train/reward_std": 0.3, "train/reward_min": 0.0,
+                "train/reward_max": 1.0, "train/kl": 0.01 * s, "actor/kl_loss": 0.01 * s,
+                "train/response_length_mean": 3.0, "val/response_length_mean": 3.5} for s in range(1, 4)]
+    fig = draw_report(records, "t")
+    reward, _, kl, length = fig.axes
+    assert all(ax.get_ylabel() for ax in fig.axes)
+    (band,) = reward.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert ys.max() == pytest.approx(1.0) and ys.min() == pytest.approx(0.6)   # 0.9 + 0.3 clipped at max 1.0
+    assert [line.get_label() for line in kl.get_lines()] == ["train/kl (k3) = actor/kl_loss"]
+    assert len(length.get_lines()) == 2                                        # different numbers: two curves
+    records[1]["actor/kl_loss"] = 0.5
+    assert len(draw_report(records, "t").axes[2].get_lines()) == 2
+    assert CAPTION in [t.get_text() for t in fig.texts]

@@ -63,6 +63,13 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, critic: bool = False, over
                           "to replace it, or choose another output directory")
     path = export_role(info.path, out_dir, role="critic" if critic else "actor")
     log.info(f"export: step {info.step} {'critic' if critic else 'actor'} written to {path}")
+    tokenizer_dir = os.path.join(info.path, TOKENIZER_DIR)
+    if os.path.isdir(tokenizer_dir):  # the usual AutoTokenizer call must give the ids the run trained on
+        from .tokenizer_check import auto_tokenizer_hint
+
+        hint = auto_tokenizer_hint(load_tokenizer(tokenizer_dir), str(path))
+        if hint:
+            log.warning(f"export: {hint}")
     return path
 
 

@@ -44,11 +44,15 @@ def save_rng(generators: dict, directory: str, rank: int) -> str:
 
 
 def load_rng(generators: dict, directory: str, rank: int, seed_hint: str) -> bool:
-    """Restore rank `rank`'s RNG states; False (and a warning) when the checkpoint has none for it."""
+    """Restore rank `rank`'s RNG states; False (and an info line) when the checkpoint has none for it."""
     path = rng_file(directory, rank)
     if not os.path.isfile(path):
-        log.warning(f"checkpoint: no RNG state for rank {rank} in {directory} (saved with fewer ranks); this "
-                    f"rank keeps its {seed_hint} RNG, so its samples differ from an uninterrupted run")
+        # Not a warning: phaserl reseeds rollout sampling per generate call (seed, step, prompt index) and the
+        # mini-batch order per step, so its own randomness does not depend on the state that is missing here.
+        log.info(f"checkpoint: no RNG state for rank {rank} in {directory} (saved with fewer ranks); this rank's "
+                 f"torch/python/numpy RNG stays {seed_hint}. phaserl's sampling does not read it (each generate "
+                 "call is reseeded from the seed, step and prompt index), so only your own code that draws random "
+                 "numbers (a reward function, a hook) can differ from an uninterrupted run")
         return False
     try:
         tensors = load_file(path)

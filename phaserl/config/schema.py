@@ -41,7 +41,8 @@ class DataConfig:
     val_files: list[str] = spec(None, "held-out prompt files; 'tiny' = built-in task", factory=lambda: ["tiny"])
     prompt_key: str = spec("prompt", "column holding the prompt (a string or a list of chat messages)")
     max_prompt_length: int = spec(128, "tokens; prompts longer than this follow data.overlong_prompts", min=1)
-    overlong_prompts: str = spec("error", "what to do with a prompt over max_prompt_length",
+    overlong_prompts: str = spec("error", "what to do with a prompt over max_prompt_length (truncate_*: "
+                                 "cut the last user message's text, never the chat template's turns)",
                                  choices=["error", "drop", "truncate_left", "truncate_right"])
     apply_chat_template: bool = spec(True, "format prompts with the tokenizer's chat template (with generation prompt)")
     shuffle: bool = spec(True, "reshuffle the training prompts every epoch (seeded by trainer.seed)")

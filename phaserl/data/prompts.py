@@ -24,7 +24,7 @@ class PromptItem:
 
     row: PromptRow
     prompt_ids: tuple[int, ...]  # [P], P <= max_prompt_length
-    prompt_text: str  # the text tokenized (after the chat template); decoded from the kept ids if truncated
+    prompt_text: str  # the text tokenized (after the chat template); after a cut, the text the kept ids spell
 
 
 @dataclass
@@ -78,6 +78,39 @@ def _overlong_error(row: PromptRow, length: int, max_prompt_length: int, others:
     )
 
 
+def _truncate_last_user_turn(row: PromptRow, tokenizer, max_prompt_length: int, *, keep_end: bool):
+    """Cut the content of the prompt's last user message (its start with keep_end, else its end) until the
+    templated prompt fits: the template's turns and its generation prompt (`<|im_start|>assistant\\n`) are
+    never cut. A prompt whose template and other messages alone are over the limit is an error."""
+    messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else [dict(m) for m in row.prompt]
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    if not users:
+        raise DataError(f"{row.source}: prompt is over data.max_prompt_length={max_prompt_length} and has no user "
+                        "message with text to cut; raise data.max_prompt_length or use data.overlong_prompts=drop.")
+    target = users[-1]
+    content_ids = tokenizer(messages[target]["content"], add_special_tokens=False)["input_ids"]
+
+    def render(keep: int):
+        kept = content_ids[len(content_ids) - keep:] if keep_end else content_ids[:keep]
+        messages[target] = {**messages[target], "content": tokenizer.decode(kept, skip_special_tokens=False)}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    low, high = 0, len(content_ids)  # the most content tokens that fit lies in [low, high); keep=0 must fit
+    text, ids = render(0)
+    if len(ids) > max_prompt_length:
+        raise DataError(f"{row.source}: even with its last user message emptied, the chat-templated prompt is "
+                        f"{len(ids)} tokens, over data.max_prompt_length={max_prompt_length}; raise "
+                        "data.max_prompt_length or use data.overlong_prompts=drop.")
+    while high - low > 1:  # re-tokenizing after a cut can merge tokens differently: search on the real length
+        mid = (low + high) // 2
+        if len(render(mid)[1]) <= max_prompt_length:
+            low = mid
+        else:
+            high = mid
+    return render(low) if low else (text, ids)
+
+
 def build_prompt_dataset(rows: Sequence[PromptRow], tokenizer, *, max_prompt_length: int, overlong: str,
                          apply_chat_template: bool) -> PromptDataset:
     """Tokenize `rows` and apply the overlong policy; errors name the file and row at fault."""
@@ -103,8 +136,11 @@ def build_prompt_dataset(rows: Sequence[PromptRow], tokenizer, *, max_prompt_len
             if overlong == "drop":
                 dropped += 1
                 continue
-            ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
-            text = tokenizer.decode(ids, skip_special_tokens=False)
+            if apply_chat_template:
+                text, ids = _truncate_last_user_turn(row, tokenizer, max_prompt_length, keep_end=overlong == "truncate_left")
+            else:
+                ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
+                text = tokenizer.decode(ids, skip_special_tokens=False)
             truncated += 1
         items.append(PromptItem(row=row, prompt_ids=tuple(ids), prompt_text=text))
 

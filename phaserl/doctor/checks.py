@@ -10,6 +10,7 @@ arithmetic is `memory.py`, the formatting `report.py`.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 import warnings
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import Config, Derived, check_context_length, derive, validate
+from ..config.invariance import same_samples_world_sizes
 from ..errors import ConfigError, PhaserlError
 from ..models import load_pretrained, load_tokenizer
 from ..parallel import rank_and_world
@@ -171,11 +173,22 @@ def check_batch_sizes(ctx: Context) -> CheckResult:
     cfg, r, ppo = ctx.cfg, ctx.cfg.rollout, ctx.cfg.ppo
     d = derive(cfg, ctx.world_size, reward_model_engine=reward_model_engine(cfg) if cfg.reward_model.enable else None)
     rm = f"{_scoring_calls(cfg, d)}, " if cfg.reward_model.enable else ""
-    return CheckResult("batch sizes", OK, (
-        f"{d.responses_per_step} responses per step ({r.prompts_per_step} prompts × {r.n}); per rank: "
-        f"{d.generate_calls_per_rank} generate call(s) of ≤ {r.batch_size} prompts, {rm}"
-        f"{d.optimizer_steps_per_rl_step} optimizer step(s) of {d.mini_batch_per_rank} responses in ≤ "
-        f"{d.max_grad_accum_steps} micro-batch(es) of {ppo.micro_batch_tokens} tokens"))
+    same = same_samples_world_sizes(r.prompts_per_step, r.batch_size)
+    per_rank = r.prompts_per_step // ctx.world_size
+    samples = (f"rollout samples are the same on {', '.join(map(str, same))} rank(s), where rollout.batch_size = "
+               f"{r.batch_size} divides the prompts per rank" if same else
+               f"rollout.batch_size = {r.batch_size} divides the prompts per rank on no world size")
+    message = (f"{d.responses_per_step} responses per step ({r.prompts_per_step} prompts × {r.n}); per rank: "
+               f"{d.generate_calls_per_rank} generate call(s) of ≤ {r.batch_size} prompts, {rm}"
+               f"{d.optimizer_steps_per_rl_step} optimizer step(s) of {d.mini_batch_per_rank} responses in ≤ "
+               f"{d.max_grad_accum_steps} micro-batch(es) of {ppo.micro_batch_tokens} tokens")
+    if ctx.world_size > 1 and per_rank % r.batch_size:
+        return CheckResult("batch sizes", WARN, (
+            f"rollout.batch_size = {r.batch_size} does not divide the {per_rank} prompts per rank: generate calls "
+            "start at other prompts than on 1 rank, so the samples (and the run) differ from a run, or a resume, "
+            "on another number of ranks"), fix=f"set rollout.batch_size to a divisor of {per_rank} (e.g. "
+            f"{math.gcd(per_rank, r.batch_size)}) if runs must agree across world sizes", details=(message, samples))
+    return CheckResult("batch sizes", OK, message, details=(samples,))
 
 
 def _scoring_calls(cfg: Config, d: Derived) -> str:
@@ -209,13 +222,12 @@ def check_shared_paths(ctx: Context) -> CheckResult:
         return CheckResult("shared paths", WARN, f"not verified: world_size = {ctx.world_size} but the doctor runs "
                            f"in one process", fix=f"run it the way you train (torchrun --nproc-per-node ... -m "
                            f"phaserl doctor CONFIG) so that every rank checks the paths; {fix}")
-    if local:
-        verb = "are" if len(local) > 1 else "is"
-        return CheckResult("shared paths", WARN, f"single process; {' and '.join(local)} {verb} node-local: fine "
-                                                 f"here, lost to the other nodes of a multi-node run", fix=fix)
     relative = [k for k, v in paths.items() if not os.path.isabs(v)]
     note = f" ({', '.join(relative)} relative to {os.getcwd()})" if relative else ""
-    return CheckResult("shared paths", OK, f"single process: nothing to share{note}")
+    # One process shares nothing, so a node-local path is no problem here; it is only worth a word for later.
+    later = (f"; {' and '.join(local)} {'are' if len(local) > 1 else 'is'} node-local: for a multi-node run, "
+             "put them on storage every node mounts") if local else ""
+    return CheckResult("shared paths", OK, f"single process: nothing to share{note}{later}")
 
 
 # ---- loading: device, tokenizer, policy ---------------------------------------------------------

@@ -19,7 +19,7 @@ from ..resolve import DTYPES, build_reward_sources, resolve_data_files, resolve_
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
 from .checks import Context, check, roles_enabled, short
-from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, fmt_bytes, judge,
+from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, effective, fmt_bytes, judge,
                      kv_cache_bytes_per_sequence, role_memory, suggest_sizes)
 from .report import FAIL, OK, WARN, CheckResult
 
@@ -50,9 +50,9 @@ def check_data(ctx: Context) -> CheckResult:
     message = "; ".join(parts) + f" (data.max_prompt_length = {d.max_prompt_length})"
     if d.apply_chat_template and not tok.chat_template:
         return CheckResult("data", WARN, f"{message}; prompt lengths not checked: no chat template (see below)")
-    if cut > 0.1 * len(ctx.train_rows):
-        return CheckResult("data", WARN, message, fix=f"over 10% of prompts are cut or dropped by data.overlong_"
-                           f"prompts = {d.overlong_prompts}: raise data.max_prompt_length")
+    if cut:  # any cut prompt is reported: a truncated question may no longer say what its ground truth answers
+        return CheckResult("data", WARN, f"{cut} prompt(s) are cut or dropped by data.overlong_prompts = "
+                           f"{d.overlong_prompts}; {message}", fix="raise data.max_prompt_length to keep every prompt whole")
     return CheckResult("data", OK, message)
 
 
@@ -275,9 +275,7 @@ def check_memory(ctx: Context) -> CheckResult:
                    "sequence")
     if kept:
         details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
-    width = max(24, *(len(s.key) for s in suggestions))
-    details += [f"{s.key:<{width}} {fmt_bytes(s.per_item)} per {_unit(s.key, sizes)}; configured {s.configured}, fits "
-                f"{s.fits}, the phase uses at most {s.cap}" for s in suggestions]
+    details += [_size_line(s, sizes, ctx.free_bytes) for s in suggestions]
     suggested = " ".join(f"{s.key}={s.fits}" if s.fits else f"{s.key}={s.whole or 1} (does not fit either)"
                          for s in suggestions)
     details.append(f"suggested for this machine: {suggested}")
@@ -294,7 +292,21 @@ def check_memory(ctx: Context) -> CheckResult:
                                      f"fits the {usable} free on {ctx.device}", details=tuple(details))
 
 
+def _size_line(s, sizes: PhaseSizes, free_bytes: int) -> str:
+    """One phase's size in words: what the configured value uses, of what is free, and what would fit."""
+    used = effective(s, sizes)
+    units = "prompts" if s.key == "rollout.batch_size" else "sequences" if s.key == "reward_model.batch_size" else "tokens"
+    if s.fits >= s.cap:
+        room = f"the most this phase can use ({s.cap}) fits"
+    elif s.fits:
+        room = f"at most {s.fits} would fit"
+    else:
+        room = "not even one full-length item fits"
+    return (f"{s.key} = {s.configured}: uses at most {used} {units}, {fmt_bytes(used * s.per_item)} of the "
+            f"{fmt_bytes(free_bytes)} free ({fmt_bytes(s.per_item)} per {_unit(s.key, sizes)}); {room}")
+
+
 def _unit(key: str, sizes: PhaseSizes) -> str:
     scoring = f"token of a {'packed' if sizes.rm_packed else 'right-padded'} scoring forward"
-    return {"rollout.batch_size": "prompt (× rollout.n sequences)", "reward_model.batch_size": "sequence",
+    return {"rollout.batch_size": "prompt with its rollout.n sequences", "reward_model.batch_size": "sequence",
             "reward_model.micro_batch_tokens": scoring}.get(key, "token")

@@ -27,13 +27,13 @@ _TINY_RECIPE = RMTrainConfig(max_length=64)
 
 def prepare_tiny_reward_model(root: Optional[str] = None) -> str:
     """The tiny world's reward model directory: trained with `_TINY_RECIPE` on first use (CPU,
-    under a minute) into `root` (default ~/.cache/phaserl/tiny-rm, next to the tiny world's data cache),
+    under a minute) into `root` (default $PHASERL_CACHE_DIR/tiny-rm, ~/.cache/phaserl/tiny-rm when unset),
     and reused while the tiny world's model and the recipe stay the same."""
     from phaserl.world import prepare_tiny_world
-    from phaserl.world.build import default_root
+    from phaserl.world.build import cache_root
 
     policy_dir = prepare_tiny_world().model_dir
-    root = str(root or default_root().parent / "tiny-rm")
+    root = str(root or cache_root() / "tiny-rm")
     model_dir, stamp = os.path.join(root, "model"), os.path.join(root, "init_fingerprint.txt")
     fingerprint = _fingerprint(policy_dir)
     if os.path.isfile(stamp) and os.path.isfile(os.path.join(model_dir, "config.json")):

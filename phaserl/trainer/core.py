@@ -7,11 +7,13 @@ once; it never reads the config inside the loop. Data between phases travels as 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..algo import kl_penalty, masked_mean, mismatch_metrics
 from ..batch import ScoredBatch, TrainBatch
@@ -99,21 +101,26 @@ class RLTrainer:
             check_shared_paths({"trainer.checkpoint_path": run.checkpoint_path, "trainer.log_dir": run.log_dir},
                                rank=self.rank, world_size=self.world_size)
         self._resume()
+        if self.rank == 0 and run.show_progress:
+            from .summary import run_summary
+
+            log.info(run_summary(self))
         self.hooks.fire("on_train_start", self)
-        if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
-            self._log(self.step_num, self.validate())
         progress = run.progress_bar(self.step_num)
-        while self.step_num < run.total_steps:
-            self._signals.check(self)  # a safe point: SIGINT/SIGTERM stop here, with a checkpoint
-            metrics = self.train_step()
-            self.step_num += 1
-            if run.val_interval and self.step_num % run.val_interval == 0 or self.step_num == run.total_steps:
-                metrics.update(self.validate())
-            self._log(self.step_num, metrics)
-            self.hooks.fire("on_step_end", self)
-            if run.save_interval and self.step_num % run.save_interval == 0 or self.step_num == run.total_steps:
-                self.save_checkpoint()
-            progress.update(1)
+        with logging_redirect_tqdm():  # step and [HybridEngine] lines print above the progress bar, not through it
+            if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
+                self._log(self.step_num, self.validate())
+            while self.step_num < run.total_steps:
+                self._signals.check(self)  # a safe point: SIGINT/SIGTERM stop here, with a checkpoint
+                metrics = self.train_step()
+                self.step_num += 1
+                if run.val_interval and self.step_num % run.val_interval == 0 or self.step_num == run.total_steps:
+                    metrics.update(self.validate())
+                self._log(self.step_num, metrics)
+                self.hooks.fire("on_step_end", self)
+                if run.save_interval and self.step_num % run.save_interval == 0 or self.step_num == run.total_steps:
+                    self.save_checkpoint()
+                progress.update(1)
         progress.close()
         self.hooks.fire("on_train_end", self)
         run.metrics_logger.close()
@@ -279,10 +286,27 @@ class RLTrainer:
         info = self.run.checkpointer.resume(self.checkpoint_state()) if self.run.checkpointer is not None else None
         if self.rank == 0:
             drop_metrics_after(os.path.join(self.run.log_dir, "metrics.jsonl"), info.step if info else -1)
+        saved_world = info.metadata.get("world_size") if info is not None else None
+        if self.rank == 0 and saved_world and saved_world != self.world_size:
+            self._warn_if_samples_change(saved_world)
         if info is not None and self.step_num >= self.run.total_steps:
             log.info(f"{info.path} is step {self.step_num}, and trainer.total_steps={self.run.total_steps}: nothing "
                      "left to train. Raise trainer.total_steps to continue, or set trainer.resume=never and a new "
                      "trainer.checkpoint_path to train again from the start")
+
+    def _warn_if_samples_change(self, saved_world: int) -> None:
+        """A resume onto another world size samples like the uninterrupted run only where rollout.batch_size
+        divides the prompts per rank on both world sizes (docs/distributed.md)."""
+        from ..config.invariance import same_samples_world_sizes
+
+        prompts, size = self.run.responses_per_step // self.run.n, self.run.generate_batch_size
+        same = same_samples_world_sizes(prompts, size)
+        if saved_world not in same or self.world_size not in same:
+            log.warning(f"resume: the checkpoint was written by {saved_world} rank(s) and this run has "
+                        f"{self.world_size}; rollout.batch_size = {size} does not divide the prompts per rank "
+                        f"({prompts} / {saved_world} and {prompts} / {self.world_size}) on both, so from here on the "
+                        "samples differ from those of the uninterrupted run (set rollout.batch_size to a common "
+                        f"divisor, e.g. {math.gcd(prompts // saved_world, prompts // self.world_size, size)}, to keep them)")
 
     def _finish(self) -> None:
         """Rank 0: the run report, and one last console line naming what the run left on disk."""
@@ -322,6 +346,7 @@ class RLTrainer:
         mask = batch.loss_mask.float()  # [B, R] the sampled tokens
         lengths = batch.sampled_lengths().float()
         m = {"train/reward_mean": float(scores.total.mean()), "train/reward_std": float(scores.total.std(unbiased=False)),
+             "train/reward_min": float(scores.total.min()), "train/reward_max": float(scores.total.max()),
              "train/response_length_mean": float(lengths.mean()), "train/response_length_max": float(lengths.max()),
              "train/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),
              "train/advantage_mean": float(masked_mean(advantages, mask)),

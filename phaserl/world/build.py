@@ -43,8 +43,16 @@ class TinyWorld:
     sft_file: str  # the teacher's (prompt, response) pairs the model was warm-started on
 
 
+CACHE_ENV = "PHASERL_CACHE_DIR"  # where phaserl keeps what it builds on first use (default ~/.cache/phaserl)
+
+
+def cache_root() -> Path:
+    """phaserl's cache directory: $PHASERL_CACHE_DIR, else ~/.cache/phaserl (the test suite points it at a temp dir)."""
+    return Path(os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/phaserl"))
+
+
 def default_root() -> Path:
-    return Path(os.path.expanduser("~/.cache/phaserl/tiny-world"))
+    return cache_root() / "tiny-world"
 
 
 def sft_record(question: str, response: str, index: int) -> dict:
@@ -53,7 +61,8 @@ def sft_record(question: str, response: str, index: int) -> dict:
 
 
 def prepare_tiny_world(root: str | os.PathLike | None = None) -> TinyWorld:
-    """Write the prompt files under `root` (default ~/.cache/phaserl/tiny-world) if missing; return all paths."""
+    """Write the prompt files under `root` (default $PHASERL_CACHE_DIR/tiny-world, ~/.cache/phaserl/tiny-world
+    when unset) if missing; return all paths."""
     data_dir = Path(root) if root is not None else default_root()
     data_dir = data_dir / DATA_VERSION
     files = {"train": data_dir / "train.jsonl", "val": data_dir / "val.jsonl", "sft": data_dir / "sft.jsonl"}
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Prepare the tiny world's data files, or rebuild its model.")
     parser.add_argument("--regenerate", action="store_true", help="rebuild the committed warm-started model")
     parser.add_argument("--out", default=str(ASSETS_DIR), help="where --regenerate writes the model")
-    parser.add_argument("--root", default=None, help="data cache directory (default ~/.cache/phaserl/tiny-world)")
+    parser.add_argument("--root", default=None, help="data cache directory (default $PHASERL_CACHE_DIR/tiny-world, else ~/.cache/phaserl/tiny-world)")
     args = parser.parse_args(argv)
     if args.regenerate:
         regenerate_assets(args.out)

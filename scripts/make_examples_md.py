@@ -1,0 +1,145 @@
+"""Regenerate docs/examples.md from real runs: `phaserl quickstart`, then every examples/*.yaml.
+
+    python scripts/make_examples_md.py            # all of them, CPU, seed 0 (a few minutes on 2 cores)
+    python scripts/make_examples_md.py --out -    # print the page instead of writing it
+
+Each run is the documented command (`phaserl train examples/NAME.yaml trainer.device=cpu`, with the run's
+files in a temporary directory) in its own process; the page is written from the runs' metrics.jsonl, so
+every number in it comes from this script. A new example file is picked up without editing anything. A run
+that fails gets a row saying so, and the script exits with status 1. It is run by hand, not in CI;
+tests/test_quickstart.py checks that the quickstart numbers quoted in the README are what a run gives.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def run(command: list, log_dir: str) -> dict:
+    """Run one documented command in a subprocess; its metrics, wall time and (on failure) the error's last line."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "phaserl", *command], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - t0
+    metrics_file = os.path.join(log_dir, "metrics.jsonl")
+    if done.returncode != 0 or not os.path.isfile(metrics_file):
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+        return {"error": lines[-1], "wall_s": wall}
+    with open(metrics_file) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {"records": records, "wall_s": wall}
+
+
+def describe(config_path: str, overrides: list) -> dict:
+    """What the example trains, in words, from its resolved config."""
+    from phaserl.config import load_config
+
+    cfg = load_config(config_path, overrides)
+    a, r = cfg.algorithm, cfg.rollout
+    kl = "no KL" if a.kl_placement == "none" else f"KL {a.kl_estimator} in the {a.kl_placement}"
+    reward = "reward model" if cfg.reward_model.enable else "+".join(f.name for f in cfg.reward.functions)
+    return {"algorithm": f"{a.adv_estimator}, {kl}, {cfg.ppo.epochs} epoch(s); reward: {reward}",
+            "responses": f"{r.prompts_per_step} × {r.n}", "steps": cfg.trainer.total_steps}
+
+
+def row(name: str, what: dict, result: dict) -> str:
+    if "error" in result:
+        return f"| `{name}` | {what['algorithm']} | {what['responses']} | failed: {result['error']} | | {result['wall_s']:.0f} s |"
+    records = result["records"]
+    vals = [(r["step"], r["val/score_mean"]) for r in records if "val/score_mean" in r]
+    rewards = [r["train/reward_mean"] for r in records if "train/reward_mean" in r]
+    curve = ", ".join(f"{step}: {score:.3f}" for step, score in vals)
+    reward = f"{rewards[0]:.3f} → {rewards[-1]:.3f}" if rewards else ""
+    return f"| `{name}` | {what['algorithm']} | {what['responses']} | {curve} | {reward} | {result['wall_s']:.0f} s |"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + (" + uncommitted changes" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def make_page(tmp: str) -> tuple[str, bool]:
+    import torch
+
+    from phaserl.cli import QUICKSTART_CONFIG
+
+    rows, ok = [], True
+    quick = os.path.join(tmp, "quickstart")
+    what = describe(QUICKSTART_CONFIG, [])
+    result = run(["quickstart", "--out", quick], quick)
+    rows.append(row("phaserl quickstart", what, result))
+    ok &= "error" not in result
+    examples = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
+    for path in examples:
+        name = os.path.basename(path)
+        log_dir = os.path.join(tmp, name.removesuffix(".yaml"))
+        overrides = ["trainer.device=cpu", f"trainer.log_dir={log_dir}", f"trainer.checkpoint_path={log_dir}/ckpt"]
+        what = describe(path, overrides)
+        result = run(["train", os.path.relpath(path, ROOT), *overrides, "--skip-doctor"], log_dir)
+        rows.append(row(name, what, result))
+        ok &= "error" not in result
+        print(rows[-1], flush=True)
+    others = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "examples", "*"))
+                    if not p.endswith(".yaml"))
+    header = f"""# Examples and their curves on the tiny world
+
+Generated by `python scripts/make_examples_md.py` (do not edit by hand; run it again after changing an
+example or the tiny world). Each config in `examples/` trains the built-in tiny world's warm-started model
+(`model.path: tiny`) on its training prompts and validates on its held-out prompts (greedy decoding;
+the score is `val/score_mean`, the run's own reward on those prompts: exact match for `tiny_exact`, the
+reward model's score for a reward-model run). The first row is `phaserl quickstart`; the others ran as
+
+    phaserl train examples/<name>.yaml trainer.device=cpu --skip-doctor
+
+(with the run's files in a temporary directory), one after the other in fresh processes, seed 0.
+
+Generated {datetime.date.today().isoformat()} at commit {git_commit()} on {platform.machine()} with
+{os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}. Wall time is the
+whole command (model load, validation and checkpoint included) and varies several-fold with the machine's
+load: it is not a benchmark.
+
+| example | algorithm | responses / step | held-out score by step | train reward, first → last step | wall time |
+|---|---|---|---|---|---|
+"""
+    footer = ""
+    if others:
+        footer = ("\nNot run here (not a training config): " + ", ".join(f"`examples/{o}`" for o in others)
+                  + ".\n")
+    footer += "\nEvery example also runs in CI as a one-step smoke test (`tests/test_examples.py`).\n"
+    return header + "\n".join(rows) + "\n" + footer, ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "examples.md"), help="the page to write ('-' prints it)")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="phaserl-examples-") as tmp:
+        page, ok = make_page(tmp)
+    if args.out == "-":
+        print(page)
+    else:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(page)
+        print(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

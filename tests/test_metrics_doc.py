@@ -1,0 +1,62 @@
+"""docs/metrics.md is checked against the metric names the code emits (issue 23): every name a GRPO run
+(KL in the loss, a custom reward function) and a PPO run (critic, KL in the reward, 2 epochs × 2 mini-batches)
+write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
+import json
+import os
+import re
+
+import pytest
+from _tiny_run import make_run_dir
+
+from phaserl.config import load_config
+from phaserl.trainer import RLTrainer
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "metrics.md")
+GPU_ONLY = {"perf/mfu", "perf/peak_memory_gb"}  # absent on CPU, as their rows say
+RUNS = {"grpo": ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss"],
+        "ppo": ["algorithm.adv_estimator=gae", "algorithm.kl_placement=reward", "critic.enable=true",
+                "ppo.num_mini_batches=2", "ppo.epochs=2"]}
+
+
+def documented_names() -> list:
+    """The backticked names in the first column of every table row of docs/metrics.md."""
+    names = []
+    for line in open(DOC, encoding="utf-8"):
+        if line.startswith("| `"):
+            names += re.findall(r"`([^`]+)`", line.split("|")[1])
+    return names
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile("^" + re.sub(r"\\\{[a-z_]+\\\}", ".+", re.escape(name)) + "$")
+
+
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory) -> set:
+    names = set()
+    for run, extra in RUNS.items():
+        root = tmp_path_factory.mktemp(run)
+        reward = root / "my_reward.py"
+        reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                          "    return float(solution_str.strip() == ground_truth)\n")
+        cfg = load_config(None, make_run_dir(str(root)) + extra + [
+            "trainer.total_steps=1", "trainer.loggers=[jsonl]",
+            f"reward.functions=[{{name: tiny_exact}}, {{name: '{reward}:compute_score'}}]"])
+        RLTrainer.from_config(cfg).fit()
+        with open(root / "logs" / "metrics.jsonl") as f:
+            for line in f:
+                names |= set(json.loads(line)) - {"step"}
+    return names
+
+
+def test_every_emitted_metric_has_a_row(emitted):
+    patterns = [_pattern(n) for n in documented_names()]
+    missing = sorted(n for n in emitted if not any(p.match(n) for p in patterns))
+    assert not missing, f"add rows to docs/metrics.md for {missing}"
+    assert "train/reward/compute_score" in emitted  # a custom function logs under its own name
+
+
+def test_every_row_names_a_metric_the_code_emits(emitted):
+    exact = [n for n in documented_names() if "{" not in n]
+    stale = sorted(n for n in exact if n not in emitted and n not in GPU_ONLY)
+    assert not stale, f"docs/metrics.md documents metrics no run logs: {stale}"
