@@ -1,6 +1,6 @@
 """docs/metrics.md is checked against the metric names the code emits (issue 23): every name a GRPO run
-(KL in the loss, a custom reward function) and a PPO run (critic, KL in the reward, 2 epochs × 2 mini-batches)
-write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
+(KL in the loss, a custom reward function), a PPO run (critic, KL in the reward, 2 epochs × 2 mini-batches),
+a DAPO run (dynamic sampling, overlong shaping, IcePop) and a multi-turn agent run write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
 import json
 import os
 import re
@@ -15,7 +15,12 @@ DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 GPU_ONLY = {"perf/mfu", "perf/peak_memory_gb"}  # absent on CPU, as their rows say
 RUNS = {"grpo": ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss"],
         "ppo": ["algorithm.adv_estimator=gae", "algorithm.kl_placement=reward", "critic.enable=true",
-                "ppo.num_mini_batches=2", "ppo.epochs=2"]}
+                "ppo.num_mini_batches=2", "ppo.epochs=2"],
+        # DAPO's dynamic sampling and overlong shaping, with a mismatch correction
+        "dapo": ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=none", "algorithm.dynamic_sampling=true",
+                 "algorithm.dynamic_sampling_max_rounds=2", "algorithm.overlong_buffer=2",
+                 "algorithm.overlong_penalty=1.0", "algorithm.rollout_correction=icepop"]}
+AGENT_CONFIG = os.path.join(os.path.dirname(DOC), "..", "phaserl", "world", "agent_quickstart.yaml")
 
 
 def documented_names() -> list:
@@ -42,11 +47,19 @@ def emitted(tmp_path_factory) -> set:
         cfg = load_config(None, make_run_dir(str(root)) + extra + [
             "trainer.total_steps=1", "trainer.loggers=[jsonl]",
             f"reward.functions=[{{name: tiny_exact}}, {{name: '{reward}:compute_score'}}]"])
-        RLTrainer.from_config(cfg).fit()
-        with open(root / "logs" / "metrics.jsonl") as f:
-            for line in f:
-                names |= set(json.loads(line)) - {"step"}
-    return names
+        names |= _run_names(cfg, root / "logs")
+    root = tmp_path_factory.mktemp("agent")  # the multi-turn world: the agent/ metrics
+    cfg = load_config(AGENT_CONFIG, [
+        f"trainer.log_dir={root / 'logs'}", f"trainer.checkpoint_path={root / 'ckpt'}", "trainer.total_steps=1",
+        "trainer.loggers=[jsonl]", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.batch_size=4",
+        "data.val_max_prompts=4"])
+    return names | _run_names(cfg, root / "logs")
+
+
+def _run_names(cfg, log_dir) -> set:
+    RLTrainer.from_config(cfg).fit()
+    with open(log_dir / "metrics.jsonl") as f:
+        return {name for line in f for name in json.loads(line)} - {"step"}
 
 
 def test_every_emitted_metric_has_a_row(emitted):

@@ -6,7 +6,7 @@ import logging
 import pytest
 from _tiny_run import make_run_dir
 
-from phaserl.checkpoint.state import load_rng
+from phaserl.checkpoint.rng import load_rng
 from phaserl.config import load_config
 from phaserl.doctor import WARN, OK, load_doctor_config, run_doctor
 from phaserl.trainer import RLTrainer

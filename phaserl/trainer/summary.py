@@ -81,7 +81,8 @@ def run_summary(trainer) -> str:
 
 def _name(table: dict, fn) -> str:
     """The config name under which `fn` was chosen (algorithm.adv_estimator, actor.policy_loss)."""
-    return next((name for name, candidate in table.items() if candidate is fn), fn.__name__)
+    fn = getattr(fn, "func", fn)  # a loss bound to its settings (functools.partial) names its function
+    return next((name for name, candidate in table.items() if candidate is fn), getattr(fn, "__name__", repr(fn)))
 
 
 def _engine_supported(actor) -> bool:
