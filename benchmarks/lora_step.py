@@ -10,11 +10,13 @@ optimizer settings as grpo_step.py lists. Prints every line grpo_step.py prints,
 targets) and a final `measure=lora_table` line.
 
     python benchmarks/lora_step.py --shape 0.5b --variants full,r16,r64 --ours-set actor.compile=true
-    python benchmarks/lora_step.py --shape 7b --variants full --ours-set actor.compile=true
-    python benchmarks/lora_step.py --shape 7b --variants r16,r64 --ours-set actor.compile=true
+    python benchmarks/lora_step.py --shape 7b --variants full --ours-set actor.compile=true --world /tmp/lora_world_7b
+    python benchmarks/lora_step.py --shape 7b --variants r16 --ours-set actor.compile=true --world /tmp/lora_world_7b
+    python benchmarks/lora_step.py --shape 7b --variants r64 --ours-set actor.compile=true --world /tmp/lora_world_7b
     python benchmarks/lora_step.py --smoke        # CPU: the tiny shape, every variant, both sides (minutes)
 
-Needs trl, datasets and peft for the TRL side. Each grpo_step.py process is bounded by --side-timeout.
+Needs trl, datasets and peft for the TRL side. Each grpo_step.py side process is bounded by --side-timeout;
+at 7B one variant per command keeps a command within 10 minutes, and --world reuses the model written once.
 """
 from __future__ import annotations
 
