@@ -152,6 +152,20 @@ def test_mfu_counts_no_weight_gradients_for_a_frozen_base():
     assert fm.body_params == FlopModel.of(tiny_decoder()).body_params + adapters
 
 
+def test_the_shared_reference_fails_when_a_base_weight_becomes_trainable():
+    from phaserl.errors import PreflightError
+
+    with pytest.raises(PreflightError, match="needs a model with LoRA adapters"):
+        ReferencePolicy.base_of(tiny_decoder())
+    model = tiny_decoder()
+    apply_lora(model, R4)
+    ref = ReferencePolicy.base_of(model)
+    ref.check_frozen()  # adapters train: that is the actor's business, not the reference's
+    model.model.layers[1].mlp.down_proj.weight.requires_grad_(True)
+    with pytest.raises(PreflightError, match="model.layers.1.mlp.down_proj.weight"):
+        ref.check_frozen()
+
+
 # ----- rollout: the engine multiplies merged copies ------------------------------------------------------------
 def test_the_engine_samples_from_the_adapted_model_and_never_writes_the_base():
     model = tiny_decoder(model_type="qwen3")

@@ -199,7 +199,7 @@ def engine_weight(linear: nn.Module, into: Optional[torch.Tensor] = None) -> tor
     """The weight the rollout engine multiplies for projection `linear`: its own tensor (read in place), or
     for a LoRALinear the merged W + scaling · B A, written into `into` (an engine-owned buffer of the same
     shape, refilled in place so captured graphs keep their pointers). The base weight is never written."""
-    if not isinstance(linear, LoRALinear):
+    if not isinstance(linear, LoRALinear) or not linear.adapter_enabled:
         return linear.weight
     merged = linear.merged_weight()
     if into is None or into.shape != merged.shape or into.data_ptr() == linear.weight.data_ptr():
