@@ -111,6 +111,7 @@ def _loss_and_grads(model, ids, **forward):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.slow  # trainer steps / torch.compile tracing: the full lane
 def test_compile_checkpointing_and_packing_give_the_same_adapter_gradients():
     model = tiny_decoder()
     apply_lora(model, LoRASettings(rank=4, alpha=8.0, dropout=0.0))
@@ -216,6 +217,7 @@ def _trainer(run_dir, tmp_path, extra=()):
     return RLTrainer.from_config(cfg), cfg
 
 
+@pytest.mark.slow  # trainer steps / torch.compile tracing: the full lane
 def test_the_reference_is_the_actors_base_and_equals_a_separately_loaded_base(run_dir, tmp_path, caplog):
     import logging
 
@@ -244,6 +246,7 @@ def test_the_reference_is_the_actors_base_and_equals_a_separately_loaded_base(ru
     assert all(p.requires_grad for n, p in trainer.actor.model.named_parameters() if ".lora_" in n)
 
 
+@pytest.mark.slow  # trainer steps / torch.compile tracing: the full lane
 def test_a_lora_checkpoint_holds_adapters_only_and_resumes_them(run_dir, tmp_path, caplog):
     import logging
 
@@ -270,6 +273,7 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_them(run_dir, tmp_pat
             assert torch.equal(v, sb["optimizer"]["state"][pid][k])
 
 
+@pytest.mark.slow  # trainer steps / torch.compile tracing: the full lane
 def test_export_merged_and_as_a_peft_adapter_give_the_actors_logits(run_dir, tmp_path):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
