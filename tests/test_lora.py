@@ -258,7 +258,7 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_them(run_dir, tmp_pat
     assert "actor adapters + optimizer state only" in caplog.text
     step = os.path.join(str(tmp_path), "ckpt", "step_2")
     keys = list(FileSystemReader(os.path.join(step, "dcp")).read_metadata().state_dict_metadata)
-    weights = [k for k in keys if k.startswith("actor.model.")]
+    weights = [k for k in keys if k.startswith("actor/model/")]  # checkpoint/state.py's keys: role/model/name
     assert weights and all(".lora_" in k for k in weights), weights
     arch = json.load(open(os.path.join(step, "architecture", "actor.json")))
     assert arch["lora"]["rank"] == 4 and os.path.isdir(arch["lora"]["base_path"])
