@@ -10,6 +10,7 @@ timed step, and the warm-up steps apart). `--only both` ends with a comparison l
 
     python benchmarks/grpo_step.py --ours-set actor.compile=true --warmup 2 --steps 3 --steps-trl 2  # BENCHMARKS.md
     python benchmarks/grpo_step.py --tiny                   # a CPU smoke run of both sides (seconds)
+    python benchmarks/grpo_step.py --shape 7b --lora-rank 16  # LoRA on both sides (benchmarks/lora_step.py runs the set)
 
 Ours is built the way `phaserl train ours.yaml KEY=VALUE ...` builds it: the YAML this script writes, plus
 --ours-set overrides -> phaserl.config.load_config -> RLTrainer.from_config (phaserl.trainer.build); then
@@ -79,6 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=["ours", "trl", "both"], default="both")
     p.add_argument("--tiny", action="store_true", help="CPU-sized model and batch (smoke test)")
+    p.add_argument("--shape", choices=["0.5b", "7b"], default="0.5b",
+                   help="0.5b: 64 x 8, 128 + 256, micro-batch 32; 7b: 16 x 8, 256 + 512, micro-batch 8 (the project brief's shapes)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA on both sides, every linear projection (ours "
+                   "actor.lora, TRL peft_config=LoraConfig(target_modules='all-linear')); 0 = full fine-tuning")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per side after warm-up")
     p.add_argument("--steps-trl", type=int, default=None, help="timed TRL steps (default --steps)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps of ours (reported)")
@@ -104,13 +110,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
-    big = dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32)
-    tiny = dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8)
-    for key, value in (tiny if a.tiny else big).items():
+    sizes = {"0.5b": dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32),
+             "7b": dict(prompts=16, n=8, prompt_len=256, new_tokens=512, micro_batch=8),
+             "tiny": dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8)}
+    a.shape = "tiny" if a.tiny else a.shape
+    for key, value in sizes[a.shape].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
     a.steps_trl = a.steps if a.steps_trl is None else a.steps_trl
-    a.shape = "tiny" if a.tiny else "0.5b"
+    if a.lora_rank:
+        a.lora_alpha = 2.0 * a.lora_rank if a.lora_alpha is None else a.lora_alpha
+        a.ours_set = a.ours_set + [f"actor.lora.rank={a.lora_rank}", f"actor.lora.alpha={a.lora_alpha}",
+                                   "actor.lora.target_modules=[all-linear]"]
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
     return a
 
@@ -230,7 +241,7 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     cfg = load_config(cfg_path, a.ours_set)
     trainer = RLTrainer.from_config(cfg)  # what `phaserl train ours.yaml KEY=VALUE ...` builds
     emit(measure="build", side="ours", seconds=round(time.perf_counter() - t0, 2), config=cfg_path,
-         overrides=a.ours_set, packing=cfg.ppo.packing, actor_compile=getattr(cfg.actor, "compile", None),
+         overrides=a.ours_set, trainable_params=_trainable(trainer.actor.model), packing=cfg.ppo.packing, actor_compile=getattr(cfg.actor, "compile", None),
          engine_compile=cfg.rollout.engine_compile, **memory_gib())
     steps = []
     for i in range(a.warmup + a.steps):
@@ -256,6 +267,7 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
     return summarize("ours", a, steps, {"kv_fraction": a.kv_fraction, "timing_s_median": phases,
                                         "overrides": a.ours_set, "micro_batch": a.micro_batch,
+                                        "lora_rank": a.lora_rank,
                                         "forward_micro_batch": a.forward_micro_batch or a.micro_batch})
 
 
@@ -268,6 +280,11 @@ def _timed_step(trainer) -> tuple[dict, float]:
     seconds = time.perf_counter() - t0
     trainer.step_num += 1
     return metrics, seconds
+
+
+def _trainable(model) -> int:
+    """Parameters that train (LoRA: the adapters alone; both sides must count the same)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _group(metrics: dict, prefix: str, digits: int) -> dict:
@@ -378,6 +395,11 @@ def run_trl(a, root: str, log_dir: str) -> dict:
     timer = StepTimer()
     trainer_kwargs = dict(model=model, reward_funcs=[reward], args=GRPOConfig(**kwargs), train_dataset=dataset,
                           callbacks=[timer])
+    if a.lora_rank:  # TRL + PEFT: its reference is then the base with the adapter disabled, like ours
+        from peft import LoraConfig
+
+        trainer_kwargs["peft_config"] = LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha, lora_dropout=0.0,
+                                                   target_modules="all-linear", task_type="CAUSAL_LM")
     try:
         trainer = GRPOTrainer(processing_class=tokenizer, **trainer_kwargs)
     except TypeError:  # TRL < 0.12 names it tokenizer
@@ -386,11 +408,12 @@ def run_trl(a, root: str, log_dir: str) -> dict:
     import datasets
 
     emit(measure="build", side="trl", trl=trl.__version__, datasets=datasets.__version__,
-         accelerate=accelerate.__version__, seconds=round(time.perf_counter() - t0, 2),
+         accelerate=accelerate.__version__, lora_rank=a.lora_rank, trainable_params=_trainable(trainer.model),
+         seconds=round(time.perf_counter() - t0, 2),
          config_dropped=dropped, gradient_checkpointing=trainer.args.gradient_checkpointing, **memory_gib())
     trainer.train()
     return summarize("trl", a, timer.steps,
-                     {"trl": trl.__version__, "micro_batch": a.micro_batch})
+                     {"trl": trl.__version__, "micro_batch": a.micro_batch, "lora_rank": a.lora_rank})
 
 
 def _json_or_none(line: str):

@@ -128,12 +128,15 @@ class FlopModel:
     A forward over rows of real lengths L_i with M scored response tokens costs
         2 * body_params * sum(L_i)  +  2 * head_params * M  +  2 * attn_width * sum(L_i^2)
     (matmuls; causal attention: QK^T and PV over about L^2 / 2 query-key pairs each, 2 FLOPs per
-    multiply-add). Forward + backward is 3 times that. The embedding lookup costs nothing; the vocabulary
-    projection runs on response tokens only, as phaserl's log-prob path does.
+    multiply-add). Forward + backward is 3 times that: forward, input gradients, weight gradients; the last
+    only for the trainable share of the parameters (a frozen LoRA base: about 2 times, `update_passes`).
+    The embedding lookup costs nothing; the vocabulary projection runs on response tokens only, as
+    phaserl's log-prob path does.
     """
     body_params: int   # parameters every token multiplies: all but the embedding and the LM head
     head_params: int   # V * H of the vocabulary projection (0 for a value model)
     attn_width: int    # num_hidden_layers * num_attention_heads * head_dim
+    update_passes: float = 3.0  # forward + backward in forward units: 2 + the trainable share of the parameters
 
     @classmethod
     def of(cls, model: torch.nn.Module, *, lm_head: bool = True) -> "FlopModel":
@@ -143,8 +146,10 @@ class FlopModel:
         total = sum(p.numel() for p in model.parameters())  # global numel, also for FSDP-sharded DTensors
         untied = getattr(model, "lm_head", None)
         untied_params = untied.weight.numel() if untied is not None and hasattr(untied, "weight") else 0
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return cls(body_params=total - V * H - untied_params, head_params=V * H if lm_head else 0,
-                   attn_width=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim)
+                   attn_width=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
+                   update_passes=2.0 + trainable / max(total, 1))
 
     def forward_flops(self, lengths: torch.Tensor, response_tokens: float) -> float:
         """lengths [B]: real tokens of each row; response_tokens: how many the vocabulary projection scores."""
@@ -190,12 +195,13 @@ class StepPerf:
                            for role, model in self.models.items() if model is not None}
         lengths = attention_mask.sum(dim=1)  # [B] real tokens per row
         responses = float(response_mask.sum())
-        trained = 3 * update_epochs  # forward + backward, in forward-pass units
-        flops = self._flops["actor"].forward_flops(lengths, responses) * (int(old_pass) + trained)
+        actor = self._flops["actor"]  # update_passes: forward + backward, in forward-pass units
+        flops = actor.forward_flops(lengths, responses) * (int(old_pass) + actor.update_passes * update_epochs)
         if "ref" in self._flops:
             flops += self._flops["ref"].forward_flops(lengths, responses)
         if "critic" in self._flops:  # its value pass always runs
-            flops += self._flops["critic"].forward_flops(lengths, 0) * (1 + trained)
+            critic = self._flops["critic"]
+            flops += critic.forward_flops(lengths, 0) * (1 + critic.update_passes * update_epochs)
         total = float(all_reduce_sum(torch.tensor(flops, dtype=torch.float64, device=self.device)))
         seconds = max(timings["forward"] + timings["update"], 1e-9)
         out["perf/mfu"] = total / (seconds * peak * self.world_size)

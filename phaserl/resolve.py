@@ -58,6 +58,14 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+def reference_is_lora_base(cfg: "Config") -> bool:
+    """A LoRA actor whose reference starts from the actor's own directory: the reference is then the actor's
+    base with its adapters off, no second copy (the builder makes it; the doctor counts it)."""
+    if not cfg.actor.lora.rank:
+        return False
+    return cfg.ref.path is None or resolve_model_path(cfg.ref.path) == resolve_model_path(cfg.model.path)
+
+
 def resolve_data_files(files: list[str], split: str) -> list[str]:
     """data.train_files / data.val_files: 'tiny' is the tiny world's file of that split ('train' | 'val')."""
     if TINY not in files:

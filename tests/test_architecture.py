@@ -177,3 +177,13 @@ def test_the_layer_math_is_written_once_for_training_and_rollout():
                     and n.module == "phaserl.models.layers" for a in n.names}
         assert not own, f"{user.name} restates layer pieces {sorted(own)}: use phaserl.models.layers"
         assert {"pre_attention", "post_attention"} <= imported, f"{user.name} must run layers.py's pieces"
+
+
+def test_lora_is_a_thin_seam_over_the_built_model():
+    """models/lora.py wraps projections by name after a model is built: it needs no decoder internals (only
+    phaserl.errors), and the decoder's layer math does not know about it (the adapters sit in its Linear slots)."""
+    lora = PKG / "models" / "lora.py"
+    units = _units()
+    assert _imported_units(lora.read_text(), ["phaserl", "models", "lora"], is_package=False, units=units) <= {
+        "errors"}
+    assert "lora" not in (PKG / "models" / "decoder.py").read_text()

@@ -26,7 +26,9 @@ FAMILIES = ["algorithm.adv_estimator=gpg", "actor.policy_loss=cispo", "actor.cli
             "algorithm.kl_estimator=k3+", "algorithm.kl_coef=0.1", "ref.fsdp.sharding_strategy=NO_SHARD"]
 DAPO = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=2", "algorithm.overlong_buffer=2",
         "actor.clip_ratio_high=0.28"]
-SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO}
+# LoRA: the base sharded with its layer, the adapters too (FULL_SHARD); the reference is the actor's model, adapters off
+LORA = GRPO[:3] + ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=3e-2", "actor.gradient_checkpointing=true"]
+SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA}
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
 # actor/grad_norm also proves gradients are summed over ranks: averaged, it would be halved (Adam would hide that
@@ -38,7 +40,8 @@ EXACT_METRICS = {
             "actor/grad_norm"),
     "families": ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "mismatch/k3",
                  "mismatch/correction_weight_mean", "train/zero_variance_group_frac"),
-    "dapo": ()}  # dynamic sampling fills each rank's share on its own: not the 1-rank step
+    "dapo": (),  # dynamic sampling fills each rank's share on its own: not the 1-rank step
+    "grpo_lora": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")}
 TIMEOUT_S = 300
 
 
@@ -241,6 +244,17 @@ def test_grpo_step_on_two_ranks_equals_one_rank(runs):
     assert _max_weight_diff(two[0]["weights"]["actor"], single["grpo"]["weights"]["actor"]) < 1e-5
     # the reference holds the initial weights: the step really moved the actor (both optimizer steps)
     assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
+
+
+def test_lora_adapters_on_two_ranks_equal_one_rank_and_the_reference_is_the_sharded_base(runs):
+    single, ranks = runs
+    two = _two(ranks, "grpo_lora")
+    assert two[0]["responses"] + two[1]["responses"] == single["grpo_lora"]["responses"]
+    actor = two[0]["weights"]["actor"]
+    assert _max_weight_diff(actor, single["grpo_lora"]["weights"]["actor"]) < 1e-5
+    assert max(actor[k].abs().max().item() for k in actor if k.endswith(".lora_B")) > 1e-4  # the adapters trained
+    assert two[0]["placements"] == {"actor": "(Shard(dim=0),)", "ref": "(Shard(dim=0),)"}  # one model, sharded once
+    assert two[0]["weights"]["ref"].keys() == actor.keys()
 
 
 def test_ppo_critic_update_on_two_ranks_equals_one_rank(runs):

@@ -12,7 +12,8 @@ from inside the rollout of a step, and checks the exit codes, the checkpoints an
 
 The chain: kill in the rollout of step 3 (resume from step_2), kill in the update of step 5 (resume from
 step_4), kill while step 6 is being written (the temporary directory is reported and skipped; resume from
-step_4 again), then run to the end.
+step_4 again), then run to the end. The same chain runs with LoRA adapters on the actor and the critic
+(their checkpoints hold the adapters and their optimizer state only).
 """
 import json
 import os
@@ -123,7 +124,12 @@ def child(cfg_path: str, spec: str, final_path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- the parent
 
-def _write_config(tmp, name: str) -> str:
+# LoRA on both trainable roles: checkpoints hold adapters (+ the critic's value head) and their optimizer state only
+LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "critic.lora.rank=4", "critic.lora.alpha=8",
+        "actor.optim.lr=3e-2", "critic.optim.lr=3e-2"]
+
+
+def _write_config(tmp, name: str, extra: tuple = ()) -> str:
     from _tiny_run import make_run_dir
     from phaserl.config import dump_yaml, load_config
 
@@ -138,7 +144,7 @@ def _write_config(tmp, name: str) -> str:
         "trainer.total_steps=6", "trainer.save_interval=2", "trainer.keep_checkpoint_num=2", "trainer.val_interval=2",
         "trainer.loggers=[console,jsonl]", "algorithm.adv_estimator=gae", "algorithm.kl_placement=reward",
         "algorithm.kl_target=0.01", "algorithm.kl_horizon=100", "actor.entropy_coef=0.01",
-        f"reward.functions=['{base / 'reward.py'}:score']", "ppo.num_mini_batches=2"]
+        f"reward.functions=['{base / 'reward.py'}:score']", "ppo.num_mini_batches=2", *extra]
     path = str(tmp / f"{name}.yaml")
     dump_yaml(load_config(None, overrides), path)
     return path
@@ -202,8 +208,9 @@ def _assert_same_state(a_path: str, b_path: str) -> None:
         assert a[f"{role}_optim"]["scheduler"] == b[f"{role}_optim"]["scheduler"]
 
 
-def test_killed_at_rollout_update_and_save_resumes_exactly(tmp_path):
-    ref_cfg, cfg = _write_config(tmp_path, "reference"), _write_config(tmp_path, "killed")
+@pytest.mark.parametrize("extra", [(), tuple(LORA)], ids=["full", "lora"])
+def test_killed_at_rollout_update_and_save_resumes_exactly(tmp_path, extra):
+    ref_cfg, cfg = _write_config(tmp_path, "reference", extra), _write_config(tmp_path, "killed", extra)
     reference = _start(ref_cfg, "none", str(tmp_path / "reference.pt"))   # runs alongside the chain
     try:
         _kill_resume_chain(tmp_path, cfg)
@@ -216,6 +223,13 @@ def test_killed_at_rollout_update_and_save_resumes_exactly(tmp_path):
     assert [r["step"] for r in expected] == [0, 1, 2, 3, 4, 5, 6]
     assert _comparable_metrics(tmp_path / "killed" / "logs") == expected
     _assert_same_state(str(tmp_path / "reference.pt"), str(tmp_path / "killed.pt"))
+    if extra:  # the adapters really trained, so equal states are not equal zeros
+        import torch
+
+        final = torch.load(str(tmp_path / "killed.pt"), weights_only=True)
+        for role in ("actor", "critic"):
+            adapters = [v for k, v in final[role].items() if k.endswith(".lora_B")]
+            assert adapters and max(float(v.abs().max()) for v in adapters) > 0, role
 
 
 def _kill_resume_chain(tmp_path, cfg: str) -> None:

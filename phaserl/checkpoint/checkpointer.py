@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import CheckpointException as _DCPException  #
 
 from .. import __version__
 from ..errors import CheckpointError, ConfigError, PhaserlError
+from ..models.lora import has_lora
 from ..parallel import is_distributed
 from . import manifest, store
 from .export import export_role
@@ -84,7 +85,9 @@ class Checkpointer:
         _barrier()
         self.last_saved = store.step_dir(self.root, state.step)
         if self.rank == 0:
-            log.info(f"checkpoint: saved step {state.step} to {self.last_saved} ({time.perf_counter() - t0:.1f} s)")
+            held = _roles_held(state.roles, os.path.join(self.last_saved, DCP_DIR))
+            log.info(f"checkpoint: saved step {state.step} to {self.last_saved} ({time.perf_counter() - t0:.1f} s; "
+                     f"{held})")
         return self.last_saved
 
     def _own_files(self, tmp: str) -> list:
@@ -295,6 +298,14 @@ def _union_over_ranks(problems: list) -> list:
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, problems)
     return sorted({p for part in parts for p in part})
+
+
+def _roles_held(roles: dict, dcp_dir: str) -> str:
+    """'dcp/ 0.7 MB: actor adapters + optimizer state only' (LoRA roles save their trainable state alone)."""
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(dcp_dir) for f in files)
+    lora = [name for name, role in roles.items() if has_lora(role.model)]
+    what = f": {', '.join(lora)} adapters + optimizer state only" if lora else ""
+    return f"dcp/ {size / 2**20:.1f} MB{what}"
 
 
 def _barrier() -> None:

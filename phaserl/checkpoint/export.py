@@ -5,7 +5,8 @@ tokenizer files) that `transformers.AutoModelForCausalLM.from_pretrained` loads 
 trainer had; the critic (`critic=True`) a `*ForSequenceClassification` directory with num_labels=1.
 Everything comes from the checkpoint itself (architecture/, tokenizer/, dcp/): the base model the run
 started from is not needed. Runs in one process, whatever world size wrote the checkpoint (DCP
-gathers the shards). Not here: pushing to the hub, merging LoRA.
+gathers the shards). LoRA checkpoints (adapters only) go through lora_export.py: merged into the base, or
+a PEFT adapter directory (`--adapter`). Not here: pushing to the hub.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..models import CausalLM, DecoderConfig, ValueModel, load_tokenizer, save_pretrained, save_value_model
 from . import manifest, store
+from .lora_export import export_lora_role
 from .state import ARCH_DIR, TOKENIZER_DIR, load_module, read_architecture
 
 log = logging.getLogger("phaserl")
@@ -54,15 +56,18 @@ def resolve_checkpoint(path: str) -> store.CheckpointInfo:
                       "trainer.checkpoint_path holding complete ones")
 
 
-def export_checkpoint(ckpt_dir: str, out_dir: str, *, critic: bool = False, overwrite: bool = False) -> Path:
-    """Write the actor (or the critic) of checkpoint `ckpt_dir` as a Hugging Face directory `out_dir`."""
+def export_checkpoint(ckpt_dir: str, out_dir: str, *, critic: bool = False, overwrite: bool = False,
+                      adapter: bool = False) -> Path:
+    """Write the actor (or the critic) of checkpoint `ckpt_dir` as a Hugging Face directory `out_dir`;
+    `adapter=True`: a LoRA actor's adapters alone, as a PEFT adapter directory."""
     info = resolve_checkpoint(ckpt_dir)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConfigError(f"{out_dir!r} already exists and is not empty; pass --overwrite (overwrite=True) "
                           "to replace it, or choose another output directory")
-    path = export_role(info.path, out_dir, role="critic" if critic else "actor")
-    log.info(f"export: step {info.step} {'critic' if critic else 'actor'} written to {path}")
+    role = "critic" if critic else "actor"
+    path = export_role(info.path, out_dir, role=role, adapter=adapter)
+    log.info(f"export: step {info.step} {role}{' adapters' if adapter else ''} written to {path}")
     tokenizer_dir = os.path.join(info.path, TOKENIZER_DIR)
     if os.path.isdir(tokenizer_dir):  # the usual AutoTokenizer call must give the ids the run trained on
         from .tokenizer_check import auto_tokenizer_hint
@@ -73,8 +78,12 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, critic: bool = False, over
     return path
 
 
-def export_role(ckpt_dir: str, out_dir: str, *, role: str) -> Path:
-    """Rebuild `role`'s model empty from architecture/{role}.json, fill it from dcp/, save it as HF."""
+def export_role(ckpt_dir: str, out_dir: str, *, role: str, adapter: bool = False) -> Path:
+    """Rebuild `role`'s model empty from architecture/{role}.json, fill it from dcp/, save it as HF.
+
+    A LoRA role's checkpoint holds its trainable state only: its base is loaded from the directory the
+    run started from (architecture/{role}.json names it), the adapters are merged into the weights, or
+    with `adapter=True` written alone in PEFT's layout (lora_export.py)."""
     arch = read_architecture(ckpt_dir, role)
     if arch is None:
         arch_dir = os.path.join(ckpt_dir, ARCH_DIR)
@@ -88,6 +97,8 @@ def export_role(ckpt_dir: str, out_dir: str, *, role: str) -> Path:
     except Exception as exc:  # whatever the tokenizer library raises on a damaged file: name the directory
         raise CheckpointError(f"{tokenizer_dir}: the tokenizer files do not load ({type(exc).__name__}: {exc}); the "
                               "checkpoint is damaged: export an earlier step_N") from None
+    if "lora" in arch or adapter:
+        return export_lora_role(ckpt_dir, out_dir, arch, role=role, adapter=adapter, tokenizer=tokenizer)
     model = _empty_model(arch, role)
     load_module(model, ckpt_dir, role)
     if role == "critic":
@@ -125,7 +136,10 @@ def cli_export(argv: Optional[list] = None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--critic", action="store_true", help="export the value model (sequence classification)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--adapter", action="store_true", help="a LoRA actor: write its adapters as a PEFT adapter "
+                   "directory (adapter_config.json + adapter_model.safetensors) instead of merged weights")
     args = p.parse_args(argv)
-    path = export_checkpoint(args.checkpoint, args.out_dir, critic=args.critic, overwrite=args.overwrite)
+    path = export_checkpoint(args.checkpoint, args.out_dir, critic=args.critic, overwrite=args.overwrite,
+                             adapter=args.adapter)
     print(f"exported to {path}")
     return 0

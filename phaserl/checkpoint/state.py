@@ -7,7 +7,8 @@
                               scheduler state (JSON, with each tensor's place marked)
     rng/rank_{r}.safetensors  rank r's RNG states (rng.py)
     trainer_state.json        the step and the small JSON states: trainer loop, KL controller, prompt loader
-    architecture/{role}.json  each role's HF config and dtype, so `export` needs no base model
+    architecture/{role}.json  each role's HF config and dtype, so `export` needs no base model (with LoRA:
+                              dcp/ holds only the trainable state, and this names the base directory)
     tokenizer/                the tokenizer files
 
 A role gives its state dicts: `role.checkpoint_state_dicts()` and `role.load_checkpoint_state_dicts(sd)`
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ..errors import CheckpointError
+from ..models.lora import has_lora, lora_record, state_dict_options
 from .safe_dcp import load_tensors, save_tensors
 from .store import write_json
 
@@ -127,10 +129,12 @@ def load_roles(roles: dict, ckpt_dir: str) -> None:
 
 
 def load_module(module: torch.nn.Module, ckpt_dir: str, role: str) -> None:
-    """Fill `module`'s weights from role `role` of a checkpoint (one process, for export)."""
-    template = {f"{role}/model/{k}": v for k, v in module.state_dict().items()}
+    """Fill `module`'s weights from role `role` of a checkpoint (one process, for export); a LoRA module takes
+    its trainable state only (the base came from its own directory)."""
+    options = state_dict_options(module)
+    template = {f"{role}/model/{k}": v for k, v in get_model_state_dict(module, options=options).items()}
     load_tensors(template, os.path.join(ckpt_dir, DCP_DIR), no_dist=True)
-    module.load_state_dict({k.removeprefix(f"{role}/model/"): v for k, v in template.items()}, strict=True)
+    set_model_state_dict(module, {k.removeprefix(f"{role}/model/"): v for k, v in template.items()}, options=options)
 
 
 # ---------------------------------------------------------------------------------------------- JSON state
@@ -169,11 +173,18 @@ def load_json_state(state: TrainingState, path: str) -> dict:
 
 def architecture(model: torch.nn.Module) -> dict:
     """What export needs to rebuild `model` empty: the HF config dict, dtype and which class family."""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = str(model.get_parameter(_first_frozen_or_any(model)).dtype).removeprefix("torch.")
     config = model.config
+    lora = {"lora": lora_record(model)} if has_lora(model) else {}  # adapters only in dcp/: the base's directory
     if hasattr(config, "to_hf_dict"):                  # our DecoderConfig (CausalLM, ValueModel)
-        return {"kind": "native", "dtype": dtype, "hf_config": config.to_hf_dict(dtype)}
-    return {"kind": "transformers", "dtype": dtype, "hf_config": config.to_dict()}
+        return {"kind": "native", "dtype": dtype, "hf_config": config.to_hf_dict(dtype), **lora}
+    return {"kind": "transformers", "dtype": dtype, "hf_config": config.to_dict(), **lora}
+
+
+def _first_frozen_or_any(model: torch.nn.Module) -> str:
+    # A LoRA model's adapters are float32 whatever the base is: the base's dtype is the model's.
+    frozen = (name for name, p in model.named_parameters() if not p.requires_grad)
+    return next(frozen, next(name for name, _ in model.named_parameters()))
 
 
 def save_architecture(state: TrainingState, directory: str) -> None:

@@ -177,6 +177,22 @@ class OptimConfig:
     lr_schedule: str = spec("constant", "after warmup", choices=["constant", "cosine"])
 
 
+# models/lora.py resolves these (short names, all-linear) to the decoder's projections; a test keeps both in step.
+LORA_TARGETS = ["all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "q", "k", "v", "o", "gate", "up", "down"]
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = spec(0, "LoRA rank r (0 = off: every parameter trains); with r > 0 only the adapters (and their "
+                        "AdamW state) train and the base weights stay frozen", min=0)
+    alpha: float = spec(16.0, "LoRA alpha: the update is (alpha / rank) * B A", min=0.0)
+    dropout: float = spec(0.0, "dropout on the adapters' input (training only)", min=0.0, max=0.99)
+    target_modules: list[str] = spec(None, "projections that get adapters: q_proj k_proj v_proj o_proj gate_proj "
+                                           "up_proj down_proj (or q, k, v, o, gate, up, down, or all-linear)",
+                                     choices=LORA_TARGETS, factory=lambda: ["all-linear"])
+
+
 @dataclass
 class ActorConfig:
     optim: OptimConfig = spec(None, "optimizer", factory=OptimConfig)
@@ -201,6 +217,8 @@ class ActorConfig:
                                 "reference (phaserl's decoder only; the first steps pay the compile time)")
     fsdp: FSDPConfig = spec(None, "parallel settings of the actor", factory=FSDPConfig)
     hybrid_engine: HybridEngineConfig = spec(None, "rollout/training mode switch", factory=HybridEngineConfig)
+    lora: LoRAConfig = spec(None, "LoRA adapters on the actor (docs/lora.md); the reference is then the actor's base "
+                                  "with adapters off, no second copy", factory=LoRAConfig)
 
 
 @dataclass
@@ -217,6 +235,8 @@ class CriticConfig:
     compile: bool = spec(False, "torch.compile the critic's decoder layers (phaserl's decoder only)")
     fsdp: FSDPConfig = spec(None, "parallel settings of the critic (never switches modes)", factory=FSDPConfig)
     hybrid_engine: Optional[HybridEngineConfig] = spec(None, "must stay null: only the actor switches modes")
+    lora: LoRAConfig = spec(None, "LoRA adapters on the critic's decoder (its value head trains fully)",
+                            factory=LoRAConfig)
 
 
 @dataclass

@@ -140,6 +140,7 @@ def _rule_errors(cfg: Config) -> list[str]:
         betas = getattr(cfg, role).optim.betas
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             errs.append(f"{role}.optim.betas = {betas}: expected two numbers in [0, 1), e.g. [0.9, 0.999]")
+    errs += _lora_errors(cfg)
     if not cfg.data.train_files:
         errs.append("data.train_files is empty; give at least one .parquet/.jsonl file (or 'tiny')")
     errs += _agent_errors(cfg)
@@ -184,6 +185,22 @@ def _agent_errors(cfg: Config) -> list[str]:
             errs.append(f"ppo.{key} = {getattr(cfg.ppo, key)} cannot hold one whole episode of up to "
                         f"agent.max_episode_tokens = {ag.max_episode_tokens} tokens (an episode is never split "
                         f"across micro-batches); set ppo.{key} >= {ag.max_episode_tokens}")
+    return errs
+
+
+def _lora_errors(cfg: Config) -> list[str]:
+    """actor.lora / critic.lora (names are checked per item by the schema's choices): some target, a nonzero alpha."""
+    errs = []
+    for role in ("actor", "critic"):
+        lora = getattr(cfg, role).lora
+        if lora.rank == 0:
+            continue
+        if not lora.target_modules:
+            errs.append(f"{role}.lora.target_modules is empty: name the projections that get adapters, e.g. "
+                        "[q_proj, v_proj] or [all-linear]")
+        if lora.alpha == 0:
+            errs.append(f"{role}.lora.alpha = 0 scales every adapter update by alpha / rank = 0: nothing would be "
+                        f"learned; set {role}.lora.alpha (commonly 2 x rank, e.g. {2 * lora.rank})")
     return errs
 
 

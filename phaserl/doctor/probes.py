@@ -15,7 +15,8 @@ from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
 from ..models import load_pretrained
 from ..models.decoder import use_varlen
-from ..resolve import DTYPES, build_reward_sources, resolve_data_files, resolve_model_path
+from ..models.lora import LoRASettings, adapter_parameter_count, resolve_targets
+from ..resolve import DTYPES, build_reward_sources, reference_is_lora_base, resolve_data_files, resolve_model_path
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
 from .checks import Context, check, roles_enabled, short
@@ -206,6 +207,9 @@ def check_reference(ctx: Context) -> CheckResult:
     if not roles_enabled(cfg)[1]:
         return CheckResult("reference frozen", OK, f"no reference policy (algorithm.kl_placement = "
                                                    f"{cfg.algorithm.kl_placement}, ref.enable = {cfg.ref.enable})")
+    if reference_is_lora_base(cfg):
+        return CheckResult("reference frozen", OK, "the actor's base weights with its LoRA adapters off (no second "
+                                                   "copy): the base is frozen, only adapters train; checked every step")
     path = cfg.ref.path or cfg.model.path
     model = ctx.policy if path == cfg.model.path else load_pretrained(
         resolve_model_path(path), dtype=DTYPES[cfg.model.dtype], device=ctx.device,
@@ -251,9 +255,22 @@ def check_memory(ctx: Context) -> CheckResult:
         return role_memory(shape.num_params, shape.param_bytes, trainable=trainable, strategy=fsdp.sharding_strategy,
                            world_size=ctx.world_size, cpu_offload=fsdp.cpu_offload)
 
-    roles = {"actor": state(cfg.actor.fsdp, True)}
-    roles.update({"critic": state(cfg.critic.fsdp, True)} if critic_on else {})
-    roles.update({"ref": state(cfg.ref.fsdp, False)} if ref_on else {})
+    def lora_state(lora, fsdp) -> RoleMemory:  # a frozen base (params only) + float32 adapters that train
+        adapters = adapter_parameter_count(ctx.policy, LoRASettings(lora.rank, lora.alpha, lora.dropout,
+                                                                    resolve_targets(lora.target_modules)))
+        base, extra = state(fsdp, False), role_memory(adapters, 4, trainable=True, strategy=fsdp.sharding_strategy,
+                                                      world_size=ctx.world_size, cpu_offload=fsdp.cpu_offload)
+        lora_lines.append(f"{'LoRA':<12} r={lora.rank} adapters: {adapters / 1e6:.2f}M float32 parameters train; "
+                          "grads and AdamW for them only, the base is frozen")
+        return RoleMemory(base.params + extra.params, extra.grads, extra.optimizer)
+
+    lora_lines: list = []
+    roles = {"actor": lora_state(cfg.actor.lora, cfg.actor.fsdp) if cfg.actor.lora.rank else state(cfg.actor.fsdp, True)}
+    if critic_on:
+        roles["critic"] = lora_state(cfg.critic.lora, cfg.critic.fsdp) if cfg.critic.lora.rank else \
+            state(cfg.critic.fsdp, True)
+    shared_ref = ref_on and reference_is_lora_base(cfg)
+    roles.update({"ref": state(cfg.ref.fsdp, False)} if ref_on and not shared_ref else {})
     if ctx.rm_shape is not None:
         rm_fsdp = cfg.reward_model.fsdp
         roles["reward model"] = role_memory(ctx.rm_shape.num_params, ctx.rm_shape.param_bytes, trainable=False,
@@ -269,6 +286,9 @@ def check_memory(ctx: Context) -> CheckResult:
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
                                                              f"{fmt_bytes(m.optimizer)}" if m.grads else "")
                + " per rank" for name, m in roles.items()]
+    details += lora_lines
+    if shared_ref:
+        details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
     kv = kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens)
     details.append(f"KV cache     2 × {shape.num_layers} layers × {shape.num_kv_heads} kv heads × {shape.head_dim} "
                    f"head dim × {shape.param_bytes} B × {sizes.sequence_tokens} tokens = {fmt_bytes(kv)} per "

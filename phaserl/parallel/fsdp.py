@@ -139,6 +139,10 @@ def shard_roles(roles: dict, device: torch.device) -> None:
     for name, role in roles.items():
         if role is None:
             continue
+        if is_sharded(role.model):  # the reference of a LoRA actor: the actor's own model, sharded once as the actor
+            if dist.get_rank() == 0:
+                log.info(f"[rank 0] {name}: shares a model sharded already (the actor's base, adapters off)")
+            continue
         apply_fsdp(role.model, world_mesh(device.type), role.fsdp, role=name)
         if dist.get_rank() == 0:
             log.info(f"[rank 0] {name}: {role.fsdp.sharding_strategy}, "

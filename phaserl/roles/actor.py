@@ -24,6 +24,7 @@ from ..parallel import gather_full_params, mark_memory, rank_and_world, reshard_
 from ..rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
 from .forward import batch_logprobs, rows_logprobs, split_rows
 from .models import as_causal_lm
+from .checkpointed import CheckpointedRole
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
 
@@ -43,7 +44,7 @@ class PolicyLossSettings:
     correction: Optional[Callable] = None
 
 
-class HybridActor:
+class HybridActor(CheckpointedRole):
     """The policy role (seed name).  `model` is our CausalLM or any transformers causal LM."""
 
     role = "actor"

@@ -9,11 +9,12 @@ from ..algo import aggregate, clipped_value_loss
 from ..batch import TrainBatch
 from ..errors import ConfigError
 from .forward import batch_values, rows_values, split_rows
+from .checkpointed import CheckpointedRole
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, reject_hybrid_config
 
 
-class Critic:
+class Critic(CheckpointedRole):
     """The value role (seed name).  `model` maps (input_ids, position_ids, attention_mask) → values [B, S]."""
 
     role = "critic"

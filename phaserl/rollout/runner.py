@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from phaserl.models.decoder import CausalLM
 from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
+from phaserl.models.lora import engine_weight
 from phaserl.rollout import kernels
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
@@ -44,7 +45,8 @@ def module_tensors(layer) -> list[Tensor]:
 
 def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeights:
     """The layer's layers.LayerWeights for the engine: [q; k; v] and [gate; up] as engine-owned concatenations
-    (one GEMM each instead of three and two), every other tensor the module's own, read in place. The copies
+    (one GEMM each instead of three and two), every other tensor the module's own, read in place (with LoRA
+    adapters on o / down, engine copies of them too, the adapters merged: models/lora.engine_weight). The copies
     cost (q + k + v + gate + up) parameters once more: 0.47 GB for Qwen2-0.5B, 8.5 GB for Qwen2-7B in bf16;
     ModelRunner.release() (engine.sleep()) frees them. With `previous`, the fused buffers are refilled in
     place (captured graphs keep pointing at them) instead of allocated again."""
@@ -53,12 +55,16 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     def cat(parts: list[Tensor], into: Optional[Tensor]) -> Tensor:
         return torch.cat(parts) if into is None else torch.cat(parts, out=into)
 
+    # engine_weight: the module's tensor, or with LoRA adapters W + s·BA merged into the engine's own copy
+    # (o and down then get one too); the actor's base weights are never written.
+    w = engine_weight
     qkv_bias = None
     if m.q.bias is not None:
         qkv_bias = cat([m.q.bias, m.k.bias, m.v.bias], previous and previous.qkv_bias)
-    return m._replace(q=None, k=None, v=None, qkv=cat([m.q.weight, m.k.weight, m.v.weight], previous and previous.qkv),
-                      qkv_bias=qkv_bias, o=m.o.weight, o_bias=m.o.bias, gate=None, up=None,
-                      gate_up=cat([m.gate.weight, m.up.weight], previous and previous.gate_up), down=m.down.weight)
+    return m._replace(q=None, k=None, v=None, qkv=cat([w(m.q), w(m.k), w(m.v)], previous and previous.qkv),
+                      qkv_bias=qkv_bias, o=w(m.o, previous and previous.o), o_bias=m.o.bias, gate=None, up=None,
+                      gate_up=cat([w(m.gate), w(m.up)], previous and previous.gate_up),
+                      down=w(m.down, previous and previous.down))
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: Optional[float] = None) -> Tensor:

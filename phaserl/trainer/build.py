@@ -43,6 +43,7 @@ from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
 from .agent_phase import with_agent
 from .dynamic_sampling import DynamicSampling, single_round
 from .guard import RuntimeGuard
+from .lora_setup import add_lora, lora_reference
 from .prompt_stream import PromptStream
 from .score_shaping import OverlongShaping, no_shaping
 from .settings import Roles, RunSettings
@@ -87,7 +88,10 @@ def build_roles(cfg: Config) -> Roles:
     policy = load(model_dir)
     check_context_length(cfg, policy.config.max_position_embeddings, source=os.path.join(model_dir, "config.json"))
     actor = HybridActor(policy, tokenizer, fsdp_config=cfg.actor.fsdp, hybrid_engine_config=cfg.actor.hybrid_engine)
-    ref = ReferencePolicy(load(cfg.ref.path or model_dir), fsdp_config=cfg.ref.fsdp) if derived.ref_enabled else None
+    add_lora(cfg, actor.model, "actor", model_dir)  # actor.lora (lora_setup.py); the reference may then be its base
+    ref = None
+    if derived.ref_enabled:
+        ref = lora_reference(cfg, actor) or ReferencePolicy(load(cfg.ref.path or model_dir), fsdp_config=cfg.ref.fsdp)
     critic = None
     if derived.critic_enabled:  # critic.init_from: policy | reward_model
         c = cfg.critic
@@ -96,6 +100,7 @@ def build_roles(cfg: Config) -> Roles:
         critic = Critic(init_critic(c.init_from, start, dtype=dtype, device=device, policy_tokenizer=tokenizer,
                                     trust_remote_code=cfg.model.trust_remote_code),
                         fsdp_config=c.fsdp, hybrid_engine_config=c.hybrid_engine)
+        add_lora(cfg, critic.model, "critic", start)
     return Roles(actor=actor, critic=critic, ref_policy=ref, reward=build_reward_sources(cfg, device),
                  tokenizer=tokenizer)
 
