@@ -77,8 +77,9 @@ class GenerateBackend:
     """Batches concurrent requests onto `target.generate` (HybridActor / RolloutEngine) or a bare model."""
 
     def __init__(self, target, *, eos_token_ids: list, pad_token_id: int, max_batch: int = 256,
-                 gather_s: float = 0.005, device=None):
+                 gather_s: float = 0.005, device=None, generator: Optional[torch.Generator] = None):
         self.generate = self._generate_fn(target)
+        self.generator = generator    # unseeded requests sample from it (the run's seeded sampling generator)
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.max_batch, self.gather_s = max_batch, gather_s
         self.device = torch.device(device) if device is not None else _device_of(target)
@@ -131,7 +132,7 @@ class GenerateBackend:
                 return
 
     def _run(self, params: SamplingParams, seed: Optional[int], items: list) -> None:
-        generator = None
+        generator = self.generator
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         try:

@@ -13,7 +13,8 @@ batching backend), and turns each recorded conversation into Episodes (recorder.
 A harness that raises gives its recorded turns as an episode with finish_reason "env_error" and
 reward 0 (logged with the row); one that outlives `timeout_s` is abandoned the same way, and its
 conversation is closed so its late requests are refused. A harness that made no request yields
-nothing. Not here: where these episodes go (the trainer's rollout phase).
+nothing. `run_harness_samples` gives the same episodes as one list per (row, sample), for a caller
+that must keep groups exact (the trainer's harness_phase). Not here: where these episodes go.
 """
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def run_harness(harness: Callable, rows: list, server, *, samples_per_row: int =
 
     episode_rows: what each Episode.row holds (e.g. the trainer's PromptRows while the harness gets
     plain dicts); default `rows`. The samples of a row come out consecutively, as a GRPO group."""
+    per_sample = run_harness_samples(harness, rows, server, samples_per_row=samples_per_row, max_workers=max_workers,
+                                     timeout_s=timeout_s, reward=reward, reward_kwargs=reward_kwargs,
+                                     episode_rows=episode_rows)
+    return [episode for episodes in per_sample for episode in episodes]
+
+
+def run_harness_samples(harness: Callable, rows: list, server, *, samples_per_row: int = 1, max_workers: int = 16,
+                        timeout_s: Optional[float] = None, reward=None, reward_kwargs: Optional[dict] = None,
+                        episode_rows: Optional[list] = None) -> list:
+    """run_harness's episodes as [[Episode] per (row, sample)], row-major: [] for a conversation that made
+    no request, several for one whose record split into pieces (recorder.py)."""
     if samples_per_row < 1 or max_workers < 1:
         raise ValueError(f"run_harness: samples_per_row={samples_per_row} and max_workers={max_workers} must be >= 1")
     episode_rows = rows if episode_rows is None else episode_rows
@@ -69,7 +81,7 @@ def run_harness(harness: Callable, rows: list, server, *, samples_per_row: int =
                 outcomes.setdefault(job, ("timeout", None))
                 del running[job]
 
-    episodes, first_error = [], None
+    per_sample, first_error = [], None
     for job in jobs:
         i, k, conv_id = job
         conv = server.store.pop(conv_id)
@@ -78,6 +90,7 @@ def run_harness(harness: Callable, rows: list, server, *, samples_per_row: int =
             first_error = first_error or (status, value, i)
             log.warning("harness on row %d (sample %d) %s; its recorded turns are kept with reward 0", i, k,
                         f"raised {type(value).__name__}: {value}" if status == "error" else f"ran past {timeout_s} s")
+        per_sample.append([])
         if conv is None or not conv.turns:
             continue
         reward = _reward(status, value, score, rows[i], conv, i)
@@ -86,13 +99,13 @@ def run_harness(harness: Callable, rows: list, server, *, samples_per_row: int =
                 episode.finish_reason = "env_error"
             episode.metrics.update({"harness_errors": float(status == "error"),
                                     "harness_timeouts": float(status == "timeout")})
-            episodes.append(episode)
-    if not episodes and first_error is not None:
+            per_sample[-1].append(episode)
+    if not any(per_sample) and first_error is not None:
         status, value, i = first_error
         raise RuntimeError(f"run_harness: no harness call recorded a completion; the first failure was on row {i}: "
                            + (f"{type(value).__name__}: {value}" if status == "error" else f"timeout after {timeout_s} s")) \
             from (value if isinstance(value, Exception) else None)
-    return episodes
+    return per_sample
 
 
 def _reward(status: str, value, score, row, conv, i: int) -> float:

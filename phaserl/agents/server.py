@@ -19,6 +19,12 @@ with the sampled text, the prompt becomes previous prompt + sampled ids + the to
 them. Otherwise the request starts a new piece of the record (recorder.py), with a warning and the
 `prefix_mismatches` metric. The model always sees the ids that training will see.
 
+Sampling. By default a request's own temperature / top_p win (OpenAI's defaults 1.0 / 1.0 when it
+gives none). With `sampling=(temperature, top_p, top_k)` (what the trainer passes: the run's rollout
+settings) every request samples with those, and a request asking for other values is answered with
+the run's settings and a one-time warning: training assumes the log-probs of rollout.temperature.
+`seed` is honoured either way (it fixes the sample, not the distribution).
+
 Not here: running a harness over data rows (harness.py). Binds 127.0.0.1 unless told otherwise;
 there is no authentication (any api_key is accepted).
 """
@@ -61,8 +67,10 @@ class _Listener(ThreadingHTTPServer):
 class ChatServer:
     def __init__(self, backend, tokenizer, *, parser: str = "hermes", model_name: str = "phaserl-policy",
                  host: str = "127.0.0.1", port: int = 0, default_max_tokens: int = 256,
-                 max_context: Optional[int] = None, chat_template: Optional[str] = None):
+                 max_context: Optional[int] = None, chat_template: Optional[str] = None,
+                 sampling: Optional[tuple] = None):
         self.backend, self.tokenizer = backend, tokenizer
+        self.sampling = sampling      # (temperature, top_p, top_k) that every request samples with, or None
         self.parse = get_tool_parser(parser)
         self.model_name, self.default_max_tokens, self.max_context = model_name, default_max_tokens, max_context
         self.chat_template = chat_template
@@ -128,7 +136,7 @@ class ChatServer:
                                        f"{self.max_context}; shorten the conversation", code="context_length_exceeded")
                 max_tokens = min(max_tokens, room)
             request = CompletionRequest(tuple(prompt_ids), max_tokens, settings["temperature"], settings["top_p"],
-                                        0, settings["stop_token_ids"], settings["seed"])
+                                        settings["top_k"], settings["stop_token_ids"], settings["seed"])
             completion = self.backend.complete(request)
             turn = Turn(list(prompt_ids), list(completion.token_ids), list(completion.logprobs),
                         completion.finish_reason, spliced)
@@ -181,8 +189,21 @@ class ChatServer:
         seed = body.get("seed")
         if seed is not None and not isinstance(seed, int):
             raise RequestError(f"seed={seed!r} must be an integer", param="seed")
-        return {"max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
+        temperature, top_p, top_k = self._sampling(body, float(temperature), float(top_p))
+        return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                 "stop_token_ids": self._stop_ids(body.get("stop"))}
+
+    def _sampling(self, body: dict, temperature: float, top_p: float) -> tuple:
+        """(temperature, top_p, top_k) of this request: the server's fixed ones when set (module docstring)."""
+        if self.sampling is None:
+            return temperature, top_p, 0
+        for key, value in zip(("temperature", "top_p"), self.sampling):
+            asked = body.get(key)
+            if asked is not None and float(asked) != float(value) and f"sampling:{key}" not in self._warned:
+                self._warned.add(f"sampling:{key}")
+                log.warning("chat completions: %s=%s asked, but this run samples with rollout.%s=%s (training "
+                            "assumes the rollout's log-probs); the request's value is ignored", key, asked, key, value)
+        return float(self.sampling[0]), float(self.sampling[1]), int(self.sampling[2])
 
     def _stop_ids(self, stop) -> tuple:
         if stop is None:

@@ -299,6 +299,14 @@ class AgentConfig:
     workers: int = spec(16, "environment calls running at once (threads), per rank", min=1)
     overlap: bool = spec(True, "use an environment's answer as soon as it arrives (decoding never waits); false: "
                                "at a fixed point after each decode step, so a seeded run repeats exactly")
+    harness: Optional[str] = spec(None, "multi-turn RL driven by an external harness instead of agent.env: "
+                                        "'path/to/file.py:function' or 'package.module:function', called as "
+                                        "harness(base_url, row) -> reward or None against phaserl's OpenAI-compatible "
+                                        "endpoint (None: reward.functions score the last reply; docs/agents.md)")
+    harness_workers: int = spec(16, "harness conversations running at once (threads), per rank", min=1)
+    harness_timeout_s: float = spec(300.0, "seconds one harness conversation may take; then its recorded turns "
+                                           "are kept with reward 0 (agent/ended/env_error)", min=0.001)
+    tool_parser: str = spec("hermes", "how the endpoint parses tool calls out of the model's replies (agent.harness)")
 
 
 @dataclass
@@ -314,5 +322,6 @@ class Config:
     ref: RefConfig = spec(None, "the frozen reference policy", factory=RefConfig)
     ppo: PPOConfig = spec(None, "update-phase batch sizes", factory=PPOConfig)
     trainer: TrainerConfig = spec(None, "run length, seeds, paths, logging", factory=TrainerConfig)
-    agent: AgentConfig = spec(None, "multi-turn episodes with an environment (off unless agent.env is set)",
+    agent: AgentConfig = spec(None, "multi-turn episodes with an environment or a harness (off unless agent.env "
+                                    "or agent.harness is set)",
                               factory=AgentConfig)

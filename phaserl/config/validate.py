@@ -171,9 +171,12 @@ def _algorithm_errors(cfg: Config) -> list[str]:
 
 
 def _agent_errors(cfg: Config) -> list[str]:
-    """agent.* against the sizes it shares with single-turn runs (only when agent.env is set)."""
+    """agent.* against the sizes it shares with single-turn runs (only when agent.env or agent.harness is set)."""
     ag, errs = cfg.agent, []
-    if not ag.env:
+    if ag.env and ag.harness:
+        errs.append(f"agent.env = {ag.env!r} and agent.harness = {ag.harness!r} are both set: an episode comes from "
+                    "an environment or from an external harness; set exactly one of them (the other null)")
+    if not (ag.env or ag.harness):
         return errs
     p, t = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
     if ag.max_episode_tokens < p + t:

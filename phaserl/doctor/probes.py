@@ -230,7 +230,7 @@ def phase_sizes(ctx: Context) -> PhaseSizes:
     prompts_per_rank = ceil_div(r.prompts_per_step, ws)
     mini = ppo.mini_batch_size or ceil_div(r.prompts_per_step * r.n, ppo.num_mini_batches)
     return PhaseSizes(n=r.n, prompt_tokens=cfg.data.max_prompt_length,
-                      sequence_tokens=(cfg.agent.max_episode_tokens if cfg.agent.env  # a whole episode
+                      sequence_tokens=(cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness  # a whole episode
                                        else cfg.data.max_prompt_length + r.max_new_tokens),
                       rollout_batch_size=r.batch_size, prompts_per_rank=prompts_per_rank,
                       rm_engine=ctx.rm_engine or rm.engine, rm_batch_size=rm.batch_size,

@@ -1,8 +1,9 @@
 """Phases 2 and 3 of a multi-turn run: episodes of the configured environment → a `RolloutBatch`,
 and their environment rewards → `Scores`.
 
-Chosen once when the run is built (`with_agent`, called by build.py when `agent.env` is set): the
-step then reads exactly as a single-turn step. A row's response is the episode after the prompt,
+Chosen once when the run is built (`with_agent`, called by build.py when `agent.env` is set; for
+`agent.harness` it picks harness_phase.harness_rollout instead): the step then reads exactly as a
+single-turn step. A row's response is the episode after the prompt,
 model turns and observations in order, exactly the ids sampled and appended; `loss_mask` is 1 on the
 sampled ids only. Each turn's reward lies on the last token of that turn, so GAE credits turns and
 GRPO/RLOO compare whole trajectories (the sum) within a prompt's group.
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..agents.episodes import FINISH_REASONS, AgentLimits, EpisodeRunner, EpisodeStart
-from ..agents.loader import EnvironmentFactory
+from ..agents.loader import EnvironmentFactory, load_harness_function
 from ..batch import RolloutBatch, Scores
+from .harness_phase import HarnessSettings, harness_rollout
 from .rollout_phase import group_offset
 
 log = logging.getLogger("phaserl")
@@ -32,15 +34,40 @@ class AgentSettings:
 
 
 def with_agent(run, cfg, model_context: int):
-    """RunSettings for a multi-turn run when cfg.agent.env is set (else `run` unchanged)."""
+    """RunSettings for a multi-turn run when cfg.agent.env or cfg.agent.harness is set (else `run` unchanged)."""
     a = cfg.agent
-    if not a.env:
+    if not (a.env or a.harness):
         return run
     if cfg.reward_model.enable:
-        log.warning("agent.env is set: the score is the environment's rewards; reward_model.enable is ignored")
+        log.warning("agent.%s is set: the score is the episode's rewards; reward_model.enable is ignored",
+                    "env" if a.env else "harness")
+    if a.harness:
+        return dataclasses.replace(run, rollout_phase=harness_rollout, reward=EpisodeScores(),
+                                   agent=harness_settings(cfg, model_context))
     return dataclasses.replace(run, rollout_phase=agent_rollout, reward=EpisodeScores(),
                                agent=AgentSettings(EnvironmentFactory.from_spec(a.env, dict(a.kwargs)),
                                                    AgentLimits.from_config(cfg, model_context)))
+
+
+def harness_settings(cfg, model_context: int) -> HarnessSettings:
+    """agent.harness* and the reward.functions that score a harness returning None (read once, here)."""
+    from ..agents.tool_parsers import get_tool_parser
+    from ..errors import ConfigError
+    from ..rewards import RuleRewards
+
+    a = cfg.agent
+    try:
+        get_tool_parser(a.tool_parser)
+    except ValueError as exc:
+        raise ConfigError(f"agent.tool_parser: {exc}") from None
+    rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
+
+    def reward(prompt, response, ground_truth, **row) -> float:  # reward.functions' weighted total
+        return rules.score([prompt], [response], [ground_truth], [row])[0][0]
+
+    return HarnessSettings(harness=load_harness_function(a.harness), reward=reward, workers=a.harness_workers,
+                           timeout_s=a.harness_timeout_s, tool_parser=a.tool_parser,
+                           max_episode_tokens=min(a.max_episode_tokens, model_context))
 
 
 def agent_rollout(trainer, items: list, params, n: int) -> RolloutBatch:

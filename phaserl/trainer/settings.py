@@ -93,7 +93,7 @@ class RunSettings:
     save_on_signal: bool = True         # trainer.save_on_signal: SIGINT/SIGTERM save before stopping
     # 2.-3. chosen at build time: (trainer, items, params, n) -> RolloutBatch; agent_phase's for multi-turn runs
     rollout_phase: Callable = single_turn_rollout
-    agent: Optional["AgentSettings"] = None    # the environment and limits of a multi-turn run
+    agent: Optional["AgentSettings"] = None    # a multi-turn run: environment + limits (or HarnessSettings)
 
     def progress_bar(self, start: int):
         return tqdm(total=self.total_steps, initial=start, desc="phaserl", unit="step",
