@@ -124,3 +124,30 @@ def _reward(status: str, value, score, row, conv, i: int) -> float:
     if not math.isfinite(number):
         raise ValueError(f"run_harness: the harness returned a non-finite reward {number} for row {i}")
     return number
+
+
+def harness_row(row) -> dict:
+    """What a harness gets for a PromptRow: the raw record with prompt, ground_truth, data_source and
+    extra_info normalized (the names rule reward functions see)."""
+    return {**row.raw, "prompt": row.prompt, "ground_truth": row.ground_truth, "data_source": row.data_source,
+            "extra_info": row.extra_info}
+
+
+def rules_reward(specs: list, *, timeout_s: float) -> Callable:
+    """`reward=` for run_harness from reward.functions [(name, weight, kwargs)]: their weighted total."""
+    from phaserl.rewards.registry import RuleRewards  # the same checks and errors as reward.functions
+
+    rules = RuleRewards(list(specs), timeout_s=timeout_s)
+
+    def reward(prompt, response, ground_truth, **row) -> float:
+        return rules.score([prompt], [response], [ground_truth], [row])[0][0]
+
+    return reward
+
+
+def quiet_client_logs() -> None:
+    """The openai client logs every request at INFO through httpx: thousands of lines a rollout. Raise
+    httpx's level to WARNING unless the user set it."""
+    if logging.getLogger("httpx").level == logging.NOTSET:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+

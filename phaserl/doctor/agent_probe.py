@@ -1,17 +1,24 @@
-"""The doctor's one-episode probe of the configured environment (agent.env; docs/agents.md).
+"""The doctor's one-episode probe of the configured environment (agent.env; docs/agents.md), or of
+the configured external harness (agent.harness).
 
 It builds the environment as `train` would, runs one episode from the first training row with the
 policy (greedy, rollout.max_new_tokens per turn, the agent.* limits) and reports what it saw: the
 reset, the first model turn, tool calls the environment counted, how the episode ended, and the
 mask of its tokens (which the loss sees, which are observations). An environment that raises, hangs
-or returns a bad value is a FAIL with the message training would give. Nothing is trained.
+or returns a bad value is a FAIL with the message training would give. For agent.harness it serves
+the policy (greedy) on the localhost endpoint as training does, runs one harness conversation on the
+first training row and reports its requests, turns, reward, prefix mismatches and token mask; a
+harness that raises, times out or makes no request is a FAIL. Nothing is trained.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from ..agents.completion import GenerateBackend
 from ..agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart
-from ..agents.loader import EnvironmentFactory
+from ..agents.harness import harness_row, quiet_client_logs, rules_reward, run_harness_samples
+from ..agents.loader import EnvironmentFactory, load_harness_function
+from ..agents.server import ChatServer
 from ..data import build_prompt_dataset
 from ..rollout import SamplingParams, generate
 from .checks import Context, check, short
@@ -23,8 +30,10 @@ NAME = "agent episode"
 @check(NAME, needs=("tokenizer", "policy", "train_rows"))
 def check_agent(ctx: Context) -> CheckResult:
     cfg, tok = ctx.cfg, ctx.tokenizer
+    if cfg.agent.harness:
+        return check_harness(ctx)
     if not cfg.agent.env:
-        return CheckResult(NAME, OK, "off: single-turn RL (agent.env is not set)")
+        return CheckResult(NAME, OK, "off: single-turn RL (agent.env and agent.harness are not set)")
     factory = EnvironmentFactory.from_spec(cfg.agent.env, dict(cfg.agent.kwargs))
     context = getattr(getattr(ctx.policy, "config", None), "max_position_embeddings", None) or cfg.agent.max_episode_tokens
     limits = dataclasses.replace(AgentLimits.from_config(cfg, context), on_env_error="stop", workers=1)
@@ -55,3 +64,47 @@ def check_agent(ctx: Context) -> CheckResult:
         return CheckResult(NAME, FAIL, message, details=details, fix="no room for a model turn after the prompt and "
                            "the reset observation: raise agent.max_episode_tokens")
     return CheckResult(NAME, OK, message, details=details)
+
+
+def check_harness(ctx: Context) -> CheckResult:
+    """One conversation of agent.harness on the first training row, served greedily by the policy."""
+    cfg, tok, a = ctx.cfg, ctx.tokenizer, ctx.cfg.agent
+    harness = load_harness_function(a.harness)
+    quiet_client_logs()
+    reward = rules_reward([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
+    row = build_prompt_dataset(ctx.train_rows[:1], tok, max_prompt_length=cfg.data.max_prompt_length,
+                               overlong=cfg.data.overlong_prompts,
+                               apply_chat_template=cfg.data.apply_chat_template).items[0].row
+    context = getattr(getattr(ctx.policy, "config", None), "max_position_embeddings", None) or a.max_episode_tokens
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or [0])[0]
+    backend = GenerateBackend(ctx.policy, eos_token_ids=eos, pad_token_id=pad, max_batch=1)
+    try:
+        with ChatServer(backend, tok, parser=a.tool_parser, default_max_tokens=cfg.rollout.max_new_tokens,
+                        max_context=min(a.max_episode_tokens, context), sampling=(0.0, 1.0, 0)) as server:
+            pieces = run_harness_samples(harness, [harness_row(row)], server, max_workers=1,
+                                         timeout_s=a.harness_timeout_s, reward=reward, episode_rows=[row])[0]
+    except (RuntimeError, ValueError) as exc:
+        return CheckResult(NAME, FAIL, f"harness {a.harness} on {row.source}: {exc}",
+                           fix="run the harness by hand against phaserl's endpoint (docs/agents.md, the endpoint)")
+    finally:
+        backend.close()
+    where = f"harness {a.harness} on {row.source}"
+    if not pieces:
+        return CheckResult(NAME, FAIL, f"{where}: the conversation made no request",
+                           fix="the harness must call client.chat.completions.create with the base_url it is given")
+    episode = pieces[-1]
+    layout = " | ".join(f"{s.kind} {len(s.token_ids)}" + (" (masked)" if s.kind == "observation" else "")
+                        for s in episode.segments)
+    message = (f"{where}: {episode.metrics.get('requests', 0.0):g} request(s), {episode.num_turns} model turn(s) "
+               f"recorded, ended by {episode.finish_reason}, reward {episode.reward:g}")
+    details = (f"tokens: {layout}; the loss sees {sum(episode.loss_mask())} sampled of "
+               f"{len(episode.response_ids())} response tokens",)
+    if episode.finish_reason == "env_error":
+        return CheckResult(NAME, FAIL, message, details=details, fix="the harness raised or timed out (logged above)")
+    if len(pieces) > 1:
+        return CheckResult(NAME, WARN, message + f"; {len(pieces) - 1} prefix mismatch(es)", details=details,
+                           fix="a later request did not continue the earlier completion token for token (the "
+                               "harness edits the history?); training keeps only the last piece")
+    return CheckResult(NAME, OK, message, details=details)
+

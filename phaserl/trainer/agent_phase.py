@@ -20,6 +20,7 @@ import torch
 from ..agents.episodes import FINISH_REASONS, AgentLimits, EpisodeRunner, EpisodeStart
 from ..agents.loader import EnvironmentFactory, load_harness_function
 from ..batch import RolloutBatch, Scores
+from ..errors import ConfigError
 from .harness_phase import HarnessSettings, harness_rollout
 from .rollout_phase import group_offset
 
@@ -51,20 +52,16 @@ def with_agent(run, cfg, model_context: int):
 
 def harness_settings(cfg, model_context: int) -> HarnessSettings:
     """agent.harness* and the reward.functions that score a harness returning None (read once, here)."""
+    from ..agents.harness import quiet_client_logs, rules_reward
     from ..agents.tool_parsers import get_tool_parser
-    from ..errors import ConfigError
-    from ..rewards import RuleRewards
 
     a = cfg.agent
     try:
         get_tool_parser(a.tool_parser)
     except ValueError as exc:
         raise ConfigError(f"agent.tool_parser: {exc}") from None
-    rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
-
-    def reward(prompt, response, ground_truth, **row) -> float:  # reward.functions' weighted total
-        return rules.score([prompt], [response], [ground_truth], [row])[0][0]
-
+    quiet_client_logs()
+    reward = rules_reward([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
     return HarnessSettings(harness=load_harness_function(a.harness), reward=reward, workers=a.harness_workers,
                            timeout_s=a.harness_timeout_s, tool_parser=a.tool_parser,
                            max_episode_tokens=min(a.max_episode_tokens, model_context))

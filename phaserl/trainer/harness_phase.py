@@ -33,7 +33,7 @@ from typing import Callable
 
 from ..agents.completion import GenerateBackend
 from ..agents.env import Episode, Segment
-from ..agents.harness import run_harness_samples
+from ..agents.harness import harness_row, run_harness_samples
 from ..agents.server import ChatServer
 from ..batch import RolloutBatch
 from .rollout_phase import group_offset
@@ -49,13 +49,6 @@ class HarnessSettings:
     timeout_s: float                  # one conversation, at most
     tool_parser: str                  # agents.tool_parsers name
     max_episode_tokens: int           # the server's context: prompt + every turn, at most
-
-
-def harness_row(row) -> dict:
-    """What the harness gets for a PromptRow: the raw record with prompt, ground_truth, data_source,
-    extra_info normalized (the names rule reward functions see)."""
-    return {**row.raw, "prompt": row.prompt, "ground_truth": row.ground_truth, "data_source": row.data_source,
-            "extra_info": row.extra_info}
 
 
 def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
