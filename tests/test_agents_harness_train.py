@@ -1,0 +1,153 @@
+"""An external harness (agent.harness, examples/agent_harness.py) as the episode source of `phaserl train`:
+the config keys and their errors, exact groups, the run's sampling winning over a request's, and an
+end-to-end run whose batch holds exactly the ids and log-probs the endpoint sampled."""
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from phaserl.agents.completion import FakeBackend
+from phaserl.agents.env import Episode, Segment
+from phaserl.config import load_config
+from phaserl.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "agent_harness.yaml")
+HARNESS = os.path.join(ROOT, "examples", "agent_harness.py")
+
+
+def _config(tmp_path, *extra):
+    return load_config(EXAMPLE, [f"agent.harness={HARNESS}:harness", f"trainer.log_dir={tmp_path / 'logs'}",
+                                 f"trainer.checkpoint_path={tmp_path / 'ckpt'}", "trainer.loggers=[jsonl]",
+                                 "rollout.prompts_per_step=4", "rollout.batch_size=4", "rollout.n=2",
+                                 "data.val_max_prompts=4", "trainer.val_interval=0", *extra])
+
+
+def test_env_and_harness_together_is_an_error_naming_both_keys(tmp_path):
+    from phaserl.config.validate import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(_config(tmp_path, "agent.env=phaserl.world.agent_task:RetryArithmetic"))
+    assert "agent.env" in str(err.value) and "agent.harness" in str(err.value) and "exactly one" in str(err.value)
+
+
+def test_harness_spec_errors_name_the_key_and_what_is_there(tmp_path):
+    from phaserl.agents.loader import load_harness_function
+
+    with pytest.raises(ConfigError, match=r"agent.harness=.*defines no 'nope'.*functions defined there: harness"):
+        load_harness_function(f"{HARNESS}:nope")
+    with pytest.raises(ConfigError, match=r"agent.harness=.*file .*missing.py not found"):
+        load_harness_function(str(tmp_path / "missing.py") + ":harness")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def harness(base_url):\n    return 0.0\n")
+    with pytest.raises(ConfigError, match=r"harness\(base_url, row\)"):
+        load_harness_function(f"{bad}:harness")
+    assert load_harness_function(f"{HARNESS}:harness").__name__ == "harness"
+
+
+def _item(i):
+    from phaserl.data.rows import PromptRow
+
+    row = PromptRow(prompt=f"q{i}", data_source="t", ground_truth="1", extra_info={}, source=f"t:row {i}",
+                    index=i, raw={})
+    return type("Item", (), {"row": row, "prompt_ids": [10 + i, 11 + i]})()
+
+
+def test_exact_groups_keeps_the_last_piece_and_fills_a_missing_conversation():
+    from phaserl.trainer.harness_phase import exact_groups
+
+    items = [_item(0), _item(0), _item(1), _item(1)]
+    ep = lambda row, ids: Episode(row=row, segments=[Segment("prompt", [1, 2]), Segment("model", ids, [-0.5] * len(ids))],
+                                  turn_rewards=[1.0], num_turns=1)  # noqa: E731
+    first, last = ep(items[2].row, [3]), ep(items[2].row, [4, 5])
+    out = exact_groups([[ep(items[0].row, [7])], [], [first, last], [ep(items[3].row, [8])]], items)
+    assert len(out) == 4 and out[2] is last
+    assert [e.metrics["harness_dropped_pieces"] for e in out] == [0.0, 0.0, 1.0, 0.0]
+    missing = out[1]
+    assert missing.finish_reason == "env_error" and missing.reward == 0.0 and missing.metrics["harness_missing"] == 1.0
+    assert missing.prompt_ids == [10, 11] and missing.response_ids() == [] and missing.row is items[1].row
+
+
+def test_the_runs_sampling_wins_over_the_requests():
+    from transformers import AutoTokenizer
+
+    from phaserl.agents.server import ChatServer
+    from phaserl.world import prepare_tiny_world
+
+    tok = AutoTokenizer.from_pretrained(prepare_tiny_world().tokenizer_dir)
+    backend = FakeBackend(lambda ids: tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+                          eos_token_ids=(tok.eos_token_id,))
+    server = ChatServer(backend, tok, sampling=(0.7, 0.9, 5), default_max_tokens=3)
+    server.chat({"messages": [{"role": "user", "content": "1+1="}], "temperature": 1.5, "top_p": 0.2})
+    server.chat({"messages": [{"role": "user", "content": "1+2="}]})
+    assert [(r.temperature, r.top_p, r.top_k, r.max_tokens) for r in backend.requests] == [(0.7, 0.9, 5, 3)] * 2
+    free = FakeBackend(backend.reply, eos_token_ids=(tok.eos_token_id,))
+    ChatServer(free, tok).chat({"messages": [{"role": "user", "content": "1+1="}], "temperature": 1.5})
+    assert (free.requests[0].temperature, free.requests[0].top_k) == (1.5, 0)  # no run settings: the request's
+
+
+@pytest.mark.slow  # two trainer steps, then a resumed third (about 20 s on 2 cores)
+def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(tmp_path, monkeypatch):
+    from phaserl.agents import completion
+    from phaserl.trainer import RLTrainer, harness_phase
+
+    recorded = []  # (prompt ids, Completion) of every request the endpoint served
+
+    class RecordingBackend(completion.GenerateBackend):
+        def complete(self, request):
+            out = super().complete(request)
+            recorded.append((list(request.prompt_ids), out))
+            return out
+    monkeypatch.setattr(harness_phase, "GenerateBackend", RecordingBackend)
+
+    torch.manual_seed(0)
+    trainer = RLTrainer.from_config(_config(tmp_path, "trainer.total_steps=2", "trainer.save_interval=1"))
+    batches, phase = [], trainer.run.rollout_phase
+
+    def keeping(tr, items, params, n):
+        batch = phase(tr, items, params, n)
+        if params is tr.run.sampling:
+            batches.append(batch)
+        return batch
+    trainer.run = dataclasses.replace(trainer.run, rollout_phase=keeping)
+    trainer.fit()
+
+    assert len(batches) == 2
+    completions = {tuple(p + c.token_ids): (len(p), c) for p, c in recorded}
+    two_turn = 0  # rows whose response holds an observation between two sampled turns
+    for batch in batches:
+        assert batch.group_ids.tolist() == sorted(batch.group_ids.tolist()) and len(batch.rows) == 8
+        assert [r.index for r in batch.rows][::2] == [r.index for r in batch.rows][1::2]  # n = 2 rows per prompt, in order
+        P = batch.prompt_width
+        for i in range(len(batch.rows)):
+            ids = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()  # prompt + response, unpadded
+            start = int(batch.attention_mask[i, :P].sum())                    # the prompt's length
+            R = len(ids) - start
+            want_mask, want_lp = [0] * R, [0.0] * R
+            assert tuple(ids) in completions, "the trained sequence is not a recorded prompt + completion"
+            for end in range(len(ids) + 1):  # every recorded completion inside this sequence
+                hit = completions.get(tuple(ids[:end]))
+                if hit is not None:
+                    p_len, c = hit
+                    for j, lp in zip(range(p_len, end), c.logprobs):
+                        want_mask[j - start], want_lp[j - start] = 1, lp
+            assert batch.loss_mask[i, :R].tolist() == want_mask and batch.loss_mask[i, R:].sum() == 0
+            assert torch.allclose(batch.rollout_logprobs[i, :R], torch.tensor(want_lp))
+            two_turn += 0 in want_mask[want_mask.index(1):len(want_mask) - want_mask[::-1].index(1)]
+    assert two_turn > 0, "no episode had a second turn: the observation mask went untested"
+    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    lines = [line for line in lines if "train/reward_mean" in line]  # (step 0: validation before training)
+    assert [line["step"] for line in lines] == [1, 2]
+    for key in ("agent/requests_mean", "agent/turns_mean", "agent/harness_missing_mean", "agent/prefix_mismatches_mean",
+                "agent/observation_tokens_mean", "train/reward_mean"):
+        assert all(key in line for line in lines), key
+    assert lines[-1]["agent/requests_mean"] >= 1 and lines[-1]["agent/harness_missing_mean"] == 0.0
+
+    resumed = RLTrainer.from_config(_config(tmp_path, "trainer.total_steps=3", "trainer.save_interval=1"))
+    resumed.fit()
+    assert resumed.step_num == 3 and os.path.basename(str(resumed.last_checkpoint)) == "step_3"
+    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    lines = [line for line in lines if "train/reward_mean" in line]
+    assert [line["step"] for line in lines] == [1, 2, 3] and "agent/requests_mean" in lines[-1]
