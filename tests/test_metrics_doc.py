@@ -1,6 +1,6 @@
 """docs/metrics.md is checked against the metric names the code emits (issue 23): every name a GRPO run
 (KL in the loss, a custom reward function), a PPO run (critic, KL in the reward, 2 epochs × 2 mini-batches),
-a DAPO run (dynamic sampling, overlong shaping, IcePop) and a multi-turn agent run write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
+a DAPO run (dynamic sampling, overlong shaping, IcePop), a multi-turn agent run and a harness run (agent.harness) write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
 import json
 import os
 import re
@@ -21,6 +21,8 @@ RUNS = {"grpo": ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss"],
                  "algorithm.dynamic_sampling_max_rounds=2", "algorithm.overlong_buffer=2",
                  "algorithm.overlong_penalty=1.0", "algorithm.rollout_correction=icepop"]}
 AGENT_CONFIG = os.path.join(os.path.dirname(DOC), "..", "phaserl", "world", "agent_quickstart.yaml")
+HARNESS_CONFIG = os.path.join(os.path.dirname(DOC), "..", "examples", "agent_harness.yaml")
+HARNESS = os.path.join(os.path.dirname(DOC), "..", "examples", "agent_harness.py")
 
 
 def documented_names() -> list:
@@ -49,10 +51,14 @@ def emitted(tmp_path_factory) -> set:
             f"reward.functions=[{{name: tiny_exact}}, {{name: '{reward}:compute_score'}}]"])
         names |= _run_names(cfg, root / "logs")
     root = tmp_path_factory.mktemp("agent")  # the multi-turn world: the agent/ metrics
-    cfg = load_config(AGENT_CONFIG, [
-        f"trainer.log_dir={root / 'logs'}", f"trainer.checkpoint_path={root / 'ckpt'}", "trainer.total_steps=1",
-        "trainer.loggers=[jsonl]", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.batch_size=4",
-        "data.val_max_prompts=4"])
+    small = ["trainer.total_steps=1", "trainer.loggers=[jsonl]", "rollout.prompts_per_step=4", "rollout.n=2",
+             "rollout.batch_size=4", "data.val_max_prompts=4"]
+    cfg = load_config(AGENT_CONFIG, [f"trainer.log_dir={root / 'logs'}", f"trainer.checkpoint_path={root / 'ckpt'}"]
+                      + small)
+    names |= _run_names(cfg, root / "logs")
+    root = tmp_path_factory.mktemp("harness")  # an external harness: the agent/harness_* and endpoint metrics
+    cfg = load_config(HARNESS_CONFIG, [f"trainer.log_dir={root / 'logs'}", f"trainer.checkpoint_path={root / 'ckpt'}",
+                                       f"agent.harness={HARNESS}:harness"] + small)
     return names | _run_names(cfg, root / "logs")
 
 
