@@ -61,6 +61,9 @@ def harness_settings(cfg, model_context: int) -> HarnessSettings:
     except ValueError as exc:
         raise ConfigError(f"agent.tool_parser: {exc}") from None
     quiet_client_logs()
+    if a.kwargs:
+        log.warning("agent.kwargs %s are ignored with agent.harness (they go to an agent.env class); a harness "
+                    "reads its settings itself", sorted(a.kwargs))
     reward = rules_reward([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
     return HarnessSettings(harness=load_harness_function(a.harness), reward=reward, workers=a.harness_workers,
                            timeout_s=a.harness_timeout_s, tool_parser=a.tool_parser,

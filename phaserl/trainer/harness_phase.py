@@ -12,7 +12,8 @@ top_p / top_k (rollout.* for training, rollout.val_* for validation) from the ru
 `sampling_generator`; a request asking for another temperature or top_p is answered with the run's
 and a one-time warning, because training computes the old log-probs at rollout.temperature. A
 request's `seed` still fixes its own sample; `max_tokens` may differ per request (capped by the room
-left in the episode budget).
+left in the episode budget). Which requests meet in one batched generate call depends on thread
+timing, so a seeded harness run is not repeated bit for bit (agent.env runs with agent.overlap=false are).
 
 Groups stay exact: each prompt contributes exactly n rows, in order. Per (row, sample):
 - one recorded piece: that episode;
@@ -61,7 +62,7 @@ def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
     run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first, n, 2)) & (2**63 - 1))
     eos = [] if run.ignore_eos else run.eos_token_ids
     backend = GenerateBackend(actor, eos_token_ids=eos, pad_token_id=run.pad_token_id,
-                              max_batch=max(1, len(items) * n), generator=run.sampling_generator)
+                              max_batch=run.generate_batch_size * n, generator=run.sampling_generator)
     try:
         server = ChatServer(backend, run.tokenizer, parser=h.tool_parser, default_max_tokens=params.max_new_tokens,
                             max_context=h.max_episode_tokens, sampling=(params.temperature, params.top_p, params.top_k))
