@@ -88,8 +88,9 @@ def test_the_runs_sampling_wins_over_the_requests():
     assert (free.requests[0].temperature, free.requests[0].top_k) == (1.5, 0)  # no run settings: the request's
 
 
-@pytest.mark.slow  # two trainer steps, then a resumed third (about 20 s on 2 cores)
-def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(tmp_path, monkeypatch):
+@pytest.mark.slow  # two trainer steps, then a resumed third (about 15 s on 2 cores)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(tmp_path, monkeypatch, device):
     from phaserl.agents import completion
     from phaserl.trainer import RLTrainer, harness_phase
 
@@ -103,7 +104,8 @@ def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(t
     monkeypatch.setattr(harness_phase, "GenerateBackend", RecordingBackend)
 
     torch.manual_seed(0)
-    trainer = RLTrainer.from_config(_config(tmp_path, "trainer.total_steps=2", "trainer.save_interval=1"))
+    trainer = RLTrainer.from_config(_config(tmp_path, "trainer.total_steps=2", "trainer.save_interval=1",
+                                            f"trainer.device={device}"))
     batches, phase = [], trainer.run.rollout_phase
 
     def keeping(tr, items, params, n):
@@ -134,7 +136,7 @@ def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(t
                     for j, lp in zip(range(p_len, end), c.logprobs):
                         want_mask[j - start], want_lp[j - start] = 1, lp
             assert batch.loss_mask[i, :R].tolist() == want_mask and batch.loss_mask[i, R:].sum() == 0
-            assert torch.allclose(batch.rollout_logprobs[i, :R], torch.tensor(want_lp))
+            assert torch.allclose(batch.rollout_logprobs[i, :R].cpu(), torch.tensor(want_lp))
             two_turn += 0 in want_mask[want_mask.index(1):len(want_mask) - want_mask[::-1].index(1)]
     assert two_turn > 0, "no episode had a second turn: the observation mask went untested"
     lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
@@ -145,7 +147,8 @@ def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(t
         assert all(key in line for line in lines), key
     assert lines[-1]["agent/requests_mean"] >= 1 and lines[-1]["agent/harness_missing_mean"] == 0.0
 
-    resumed = RLTrainer.from_config(_config(tmp_path, "trainer.total_steps=3", "trainer.save_interval=1"))
+    resumed = RLTrainer.from_config(_config(tmp_path, "trainer.total_steps=3", "trainer.save_interval=1",
+                                            f"trainer.device={device}"))
     resumed.fit()
     assert resumed.step_num == 3 and os.path.basename(str(resumed.last_checkpoint)) == "step_3"
     lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
