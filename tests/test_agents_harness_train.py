@@ -154,3 +154,24 @@ def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(t
     lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
     lines = [line for line in lines if "train/reward_mean" in line]
     assert [line["step"] for line in lines] == [1, 2, 3] and "agent/requests_mean" in lines[-1]
+
+
+def _doctor_line(tmp_path, harness: str):
+    from phaserl.doctor import load_doctor_config, run_doctor
+
+    cfg = load_doctor_config(EXAMPLE, [f"agent.harness={harness}", f"trainer.log_dir={tmp_path / 'logs'}",
+                                       f"trainer.checkpoint_path={tmp_path / 'ckpt'}"])
+    return next(r for r in run_doctor(cfg) if r.name == "agent episode")
+
+
+@pytest.mark.slow  # the whole doctor (about 5 s)
+def test_the_doctor_runs_one_harness_conversation(tmp_path):
+    from phaserl.doctor.report import FAIL, OK
+
+    line = _doctor_line(tmp_path, f"{HARNESS}:harness")
+    assert line.status == OK and "request(s)" in line.message and "model turn(s) recorded" in line.message
+    assert "the loss sees" in line.details[0]
+    broken = tmp_path / "broken.py"
+    broken.write_text("def harness(base_url, row):\n    raise RuntimeError('no such tool')\n")
+    line = _doctor_line(tmp_path, f"{broken}:harness")
+    assert line.status == FAIL and "no such tool" in line.message
