@@ -91,6 +91,8 @@ def test_the_runs_sampling_wins_over_the_requests():
 @pytest.mark.slow  # two trainer steps, then a resumed third (about 15 s on 2 cores)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(tmp_path, monkeypatch, device):
+    pytest.importorskip("openai", reason="the example harness drives the endpoint through the openai client "
+                                         "(the `agents` extra)")
     from phaserl.agents import completion
     from phaserl.trainer import RLTrainer, harness_phase
 
@@ -166,6 +168,7 @@ def _doctor_line(tmp_path, harness: str):
 
 @pytest.mark.slow  # the whole doctor (about 5 s)
 def test_the_doctor_runs_one_harness_conversation(tmp_path):
+    pytest.importorskip("openai", reason="the example harness uses the openai client (the `agents` extra)")
     from phaserl.doctor.report import FAIL, OK
 
     line = _doctor_line(tmp_path, f"{HARNESS}:harness")
