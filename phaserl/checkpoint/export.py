@@ -69,7 +69,8 @@ def export_checkpoint(ckpt_dir: str, out_dir: str, *, critic: bool = False, over
     path = export_role(info.path, out_dir, role=role, adapter=adapter)
     log.info(f"export: step {info.step} {role}{' adapters' if adapter else ''} written to {path}")
     tokenizer_dir = os.path.join(info.path, TOKENIZER_DIR)
-    if os.path.isdir(tokenizer_dir):  # the usual AutoTokenizer call must give the ids the run trained on
+    wrote_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))  # not in a PEFT adapter directory
+    if os.path.isdir(tokenizer_dir) and wrote_tokenizer:  # the usual AutoTokenizer call must give the training ids
         from .tokenizer_check import auto_tokenizer_hint
 
         hint = auto_tokenizer_hint(load_tokenizer(tokenizer_dir), str(path))

@@ -41,9 +41,12 @@ def run_summary(trainer) -> str:
     if trainer.critic is not None:
         models.append(_model_line(trainer.critic, "critic"))
     rewards = []
-    if run.reward.rules is not None:
-        rewards += [f"{r.name} (weight {r.weight:g})" for r in run.reward.rules.rewards]
-    rm = run.reward.reward_model
+    rules = getattr(run.reward, "rules", None)  # a multi-turn run scores with its environment's rewards instead
+    if not hasattr(run.reward, "rules"):
+        rewards.append("the environment's rewards (agent.*)")
+    if rules is not None:
+        rewards += [f"{r.name} (weight {r.weight:g})" for r in rules.rewards]
+    rm = getattr(run.reward, "reward_model", None)
     if rm is not None:
         unit = (f"≤ {rm.micro_batch_tokens} tokens per forward" if rm.engine == "phaserl"
                 else f"≤ {rm.batch_size} sequences per call")
