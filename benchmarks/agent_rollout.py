@@ -3,23 +3,34 @@
 One JSON line per measurement on stdout. Shape (issue 15): Qwen2-0.5B architecture, random weights,
 bf16; 256 episodes x 4 turns, prompt 128 tokens, 64 sampled tokens per turn (EOS ignored: fixed
 lengths), a 32-token observation after each of the first 3 turns; every environment step sleeps the
-simulated tool latency (0 / 50 / 500 ms) on its worker thread (one per episode) while the engine
-decodes the other episodes. The single-turn number is `RolloutEngine.generate` over the same 256
-prompts with 4 x 64 = 256 new tokens each, in the same process. Target: with 50 ms tools, multi-turn
-generated tokens/s >= 70% of single-turn.
+simulated tool latency (0 / 50 / 500 ms) on its worker thread (one per episode, from one pool kept
+across cases, as the trainer keeps it) while the engine decodes the other episodes. The single-turn
+number is `RolloutEngine.generate` over the same 256 prompts with 4 x 64 = 256 new tokens each, in
+the same process. Target: with 50 ms tools, multi-turn generated tokens/s >= 70% of single-turn.
+In this fixed-length shape every episode ends its turn at the same step, so nothing is left to
+decode while the tools run: the 3 x latency is idle device time by construction, and the best
+possible ratio at 50 ms is single / (single + 0.15 s).
+
+Both cases are timed the same way: after a warm-up of each (slot layout, fused weights, graph
+capture, compile, worker threads: none of it in a timed region), `--repeats` runs each, the median
+reported. Instead of torch.profiler (whose tracing of graph replays slowed the single-turn case 10x
+on the H200), every runner call is bracketed by CUDA events: device_s is the device time of each kind
+of call (decode steps, prefills, extends of observation ids, output gathers) and device_busy their
+sum over the wall; host_s is where the host's time went (multi-turn: inside session.step, handling
+ended turns, applying environment answers, waiting for them).
 
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
-    python benchmarks/agent_rollout.py --profile            # also the device's busy share per case
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
 
-Fields: tokens_per_s (sampled tokens / wall), vs_single_turn (that over the single-turn tokens/s),
-slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a tool or
-free), decode_steps, seconds, device_busy (with --profile: device kernel time / wall).
+Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the single-turn
+tokens/s), slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a
+tool or free), decode_steps, seconds (median) and seconds_all, device_s, device_busy, host_s, calls.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import os
 import sys
 import time
@@ -30,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from phaserl.agents import Environment, StepResult  # noqa: E402
 from phaserl.agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart  # noqa: E402
 from phaserl.agents.loader import EnvironmentFactory  # noqa: E402
+from phaserl.agents.workers import Workers  # noqa: E402
 from phaserl.data.prompts import PromptItem  # noqa: E402
 from phaserl.data.rows import PromptRow  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
@@ -52,17 +64,20 @@ class IdsTokenizer:
 
 
 class SimulatedTool(Environment):
-    """Each step sleeps `latency_s` (a tool call), then answers with `obs_tokens` token ids."""
+    """Each step sleeps `latency_s` (a tool call), then answers with `obs_tokens` token ids.
 
-    def __init__(self, latency_s: float, obs_tokens: int, turns: int):
-        self.latency_s, self.obs_tokens, self.turns, self.steps = latency_s, obs_tokens, turns, 0
+    jitter: each step sleeps uniformly in [0, 2 x latency_s] instead (the mean kept), drawn from the episode's seed."""
+
+    def __init__(self, latency_s: float, obs_tokens: int, turns: int, jitter: bool = False):
+        self.latency_s, self.obs_tokens, self.turns, self.steps, self.jitter = latency_s, obs_tokens, turns, 0, jitter
 
     def reset(self, row, *, seed):
         self.base = 100 + seed % 1000
+        self.rng = random.Random(seed)
         return ""
 
     def step(self, action):
-        time.sleep(self.latency_s)
+        time.sleep(self.latency_s * (2 * self.rng.random() if self.jitter else 1.0))
         self.steps += 1
         obs = " ".join(str(self.base + i) for i in range(self.obs_tokens))
         return StepResult(obs, 0.0, self.steps >= self.turns)
@@ -81,66 +96,115 @@ def starts(ids: list[list[int]]) -> list:
     return out
 
 
-def multi_turn(engine, ids, a, latency_s: float, profile: bool) -> dict:
+class Clock:
+    """Time per kind of call, by wrapping bound methods of one object each (undone by `close()`).
+
+    Device time: CUDA events recorded around the call on the current stream (no profiler, no sync until
+    `report`); on the CPU the calls are synchronous, so the host clock is the device's. Host time: the
+    wall inside the call (for CUDA work: launching it, plus any wait inside).
+    """
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.events, self.host, self.calls, self._wrapped = {}, {}, {}, []
+
+    def wrap(self, obj, name: str, kind: str, device: bool = True) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            if device and self.cuda:
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record()
+            out = fn(*args, **kwargs)
+            if device and self.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.events.setdefault(kind, []).append((begin, end))
+            self.host[kind] = self.host.get(kind, 0.0) + time.perf_counter() - t0
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            return out
+        setattr(obj, name, timed)
+        self._wrapped.append((obj, name))
+
+    def close(self) -> None:
+        for obj, name in self._wrapped:
+            delattr(obj, name)  # the instance attribute goes: the class's method is back
+        self._wrapped = []
+
+    def device_seconds(self, kinds) -> dict:
+        if not self.cuda:
+            return {k: round(self.host.get(k, 0.0), 4) for k in kinds}
+        torch.cuda.synchronize()
+        return {k: round(sum(b.elapsed_time(e) for b, e in self.events.get(k, [])) / 1000, 4) for k in kinds}
+
+
+DEVICE_KINDS = ("decode", "prefill", "extend", "collect", "begin")
+
+
+def wrap_runner(clock: Clock, runner) -> None:
+    for kind in DEVICE_KINDS:
+        clock.wrap(runner, kind, kind)
+    clock.wrap(runner, "_extend_pass", "extend_pass", device=False)  # passes per extend() call
+
+
+def measured(fn, clock: Clock, device: str) -> tuple:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    spent = clock.device_seconds(DEVICE_KINDS)
+    extra = dict(device_s=spent, device_busy=round(sum(spent.values()) / seconds, 3),
+                 host_s={k: round(v, 4) for k, v in clock.host.items()}, calls=dict(clock.calls))
+    clock.close()
+    return seconds, out, extra
+
+
+def median_run(cases: list) -> dict:
+    """The run of median wall time among repeats (its breakdown), with every repeat's seconds."""
+    ordered = sorted(cases, key=lambda c: c["seconds"])
+    mid = dict(ordered[len(ordered) // 2])
+    mid["seconds_all"] = [round(c["seconds"], 4) for c in cases]
+    return mid
+
+
+def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
                          context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=len(ids), overlap=True)
-    runner = EpisodeRunner(EnvironmentFactory(SimulatedTool, dict(latency_s=latency_s, obs_tokens=a.obs_tokens,
-                                                                  turns=a.turns)), IdsTokenizer(), limits)
+    env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter)
+    runner = EpisodeRunner(EnvironmentFactory(SimulatedTool, env_kwargs), IdsTokenizer(), limits, workers=pool)
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
+    clock = Clock(a.device)
+    wrap_runner(clock, engine.runner)
+    for name in ("_turn_ended", "_apply", "_answers"):
+        clock.wrap(runner, name, name.strip("_"), device=False)
 
     def once():
         with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=len(ids)) as session:
+            clock.wrap(session, "step", "session_step", device=False)
+            clock.wrap(session, "_retire", "session_retire", device=False)    # waits for the step before, gathers
+            clock.wrap(session, "_prefill", "session_prefill", device=False)  # launches prefills and extends
             return runner.run_session(session, starts(ids))
-    busy = None
-    sync(a.device)
-    t0 = time.perf_counter()
-    if profile:
-        busy, episodes = profiled(once, a.device)
-    else:
-        episodes = once()
-    sync(a.device)
-    seconds = time.perf_counter() - t0
+    seconds, episodes, extra = measured(once, clock, a.device)
     assert all(e.num_turns == a.turns for e in episodes), [e.finish_reason for e in episodes[:4]]
     sampled = sum(len(s.token_ids) for e in episodes for s in e.segments if s.kind == "model")
     st = engine.last_stats
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, decode_steps=st["steps"],
                 slot_occupancy=st["busy_slot_steps"] / max(1, st["steps"] * st["slots"]),
-                extend_tokens=st["extend_tokens"], device_busy=busy)
+                extend_tokens=st["extend_tokens"], **extra)
 
 
-def single_turn(engine, ids, a, profile: bool) -> dict:
+def single_turn(engine, ids, a) -> dict:
     params = SamplingParams(max_new_tokens=a.turns * a.turn_tokens, temperature=1.0)
-    run = lambda: engine.generate(ids, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True)  # noqa: E731
-    busy = None
-    sync(a.device)
-    t0 = time.perf_counter()
-    if profile:
-        busy, result = profiled(run, a.device)
-    else:
-        result = run()
-    sync(a.device)
-    seconds = time.perf_counter() - t0
+    clock = Clock(a.device)
+    wrap_runner(clock, engine.runner)
+    seconds, result, extra = measured(
+        lambda: engine.generate(ids, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True), clock, a.device)
     sampled = sum(map(len, result.response_ids))
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds,
-                decode_steps=engine.last_stats["steps"], device_busy=busy)
-
-
-def profiled(fn, device: str):
-    """(device kernel time / wall, fn's result) under torch.profiler (CUDA kernels only)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        out = fn()
-        sync(device)
-    wall = time.perf_counter() - t0
-    if device != "cuda":
-        return None, out
-    kernel_us = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA"
-                    and not e.key.startswith(("cudaGraph", "Memcpy", "Memset")))
-    return kernel_us / 1e6 / wall, out
+                decode_steps=engine.last_stats["steps"], **extra)
 
 
 def sync(device: str) -> None:
@@ -157,13 +221,15 @@ def main(argv=None) -> None:
     p.add_argument("--turn-tokens", type=int, default=64)
     p.add_argument("--obs-tokens", type=int, default=32)
     p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 50.0, 500.0])
-    p.add_argument("--profile", action="store_true", help="measure the device's busy share (slower)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
+    p.add_argument("--jitter-ms", type=float, nargs="*", default=[],
+                   help="also these mean latencies with each step's drawn uniformly in [0, 2 x mean]")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 8 episodes x 2 turns")
     a = p.parse_args(argv)
     a.device = "cuda"
     if a.smoke:
         a.device, a.shape, a.episodes, a.turns, a.prompt, a.turn_tokens, a.obs_tokens = "cpu", "tiny", 8, 2, 16, 8, 4
-        a.latency_ms = [0.0, 20.0]
+        a.latency_ms, a.repeats, a.jitter_ms = [0.0, 20.0], 1, [20.0]
         torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
@@ -173,18 +239,21 @@ def main(argv=None) -> None:
     engine = RolloutEngine(model, EngineConfig(max_slots=a.episodes, max_seq_tokens=episode_len))
     engine.wake()
     ids = prompts(a.episodes, a.prompt, model.config.vocab_size)
+    pool = Workers(a.episodes, name="bench-env")
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
-                  obs_tokens=a.obs_tokens)
+                  obs_tokens=a.obs_tokens, repeats=a.repeats)
     with torch.inference_mode():
-        single_turn(engine, ids, a, False)              # warm-up: layout, fused weights, graphs, compile
-        multi_turn(engine, ids, a, 0.0, False)
-        base = single_turn(engine, ids, a, a.profile)
+        single_turn(engine, ids, a)            # warm-up: layout, fused weights, graphs, compile
+        multi_turn(engine, ids, a, 0.0, pool)  # and the session's layout, extend shapes, worker threads
+        base = median_run([single_turn(engine, ids, a) for _ in range(a.repeats)])
         emit(case="single_turn", **common, **base)
-        for latency in a.latency_ms:
-            r = multi_turn(engine, ids, a, latency / 1000, a.profile)
-            emit(case="multi_turn", latency_ms=latency, **common, **r,
-                 vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"])
+        for latency, jitter in [(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms]:
+            r = median_run([multi_turn(engine, ids, a, latency / 1000, pool, jitter) for _ in range(a.repeats)])
+            # lock-step episodes idle the device for every turn's latency; with jitter, the others decode meanwhile
+            bound = None if jitter else base["seconds"] / (base["seconds"] + (a.turns - 1) * latency / 1000)
+            emit(case="multi_turn_jitter" if jitter else "multi_turn", latency_ms=latency, **common, **r,
+                 vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"], lockstep_bound=bound)
 
 
 if __name__ == "__main__":

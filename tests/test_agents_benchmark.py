@@ -12,6 +12,10 @@ def test_the_agent_rollout_benchmark_smoke_runs(capsys):
     agent_rollout.main(["--smoke"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["case"], r.get("latency_ms")) for r in lines] == [("single_turn", None), ("multi_turn", 0.0),
-                                                                 ("multi_turn", 20.0)]
+                                                                 ("multi_turn", 20.0), ("multi_turn_jitter", 20.0)]
     assert all(r["sampled_tokens"] == 8 * 2 * 8 for r in lines)  # 8 episodes x 2 turns x 8 tokens
     assert lines[1]["extend_tokens"] == 8 * 4                    # one 4-token observation per episode
+    # the breakdown counts what ran: one decode call per step, extends only in the multi-turn cases
+    assert all(r["calls"]["decode"] == r["decode_steps"] for r in lines)
+    assert "extend" not in lines[0]["calls"] and lines[1]["calls"]["extend"] >= 1
+    assert all(0 < r["device_busy"] <= 1.0 + 1e-6 for r in lines)

@@ -204,3 +204,19 @@ def test_tool_schemas_go_into_the_prompt_and_an_environment_may_name_its_end(mod
 
     m = episode_metrics(eps)
     assert m["agent/ended/tool_timeout"] == 1.0 and m["agent/tool_calls_mean"] == 2.0 and m["agent/ended/done"] == 0
+
+
+def test_a_pool_kept_across_rollouts_starts_its_threads_once(model):
+    from phaserl.agents.workers import Workers
+
+    pool = Workers(4, name="t-kept")
+    runner = EpisodeRunner(EnvironmentFactory(envs.Feedback, dict(turns=2, observation="ab")), TOK, limits(), workers=pool)
+    engine = RolloutEngine(model, EngineConfig(max_slots=4))
+    for seed in range(2):
+        with engine.session(SAMPLE, slot_len=64, eos_token_ids=[EOS], generator=torch.Generator().manual_seed(seed)) as s:
+            episodes = runner.run_session(s, starts())
+        assert [e.num_turns for e in episodes] == [2] * 6
+        if seed == 0:
+            started = pool._started
+    assert 1 <= started <= 4 and pool._started == started   # the second rollout reused the first one's threads
+    assert pool.submit(lambda: "still open").result(timeout=5) == "still open"  # the runner did not shut it down

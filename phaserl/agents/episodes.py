@@ -99,8 +99,11 @@ class _Run:
 
 
 class EpisodeRunner:
-    def __init__(self, factory: EnvironmentFactory, tokenizer, limits: AgentLimits):
-        self.factory, self.tokenizer, self.limits = factory, tokenizer, limits
+    """workers: a pool kept by the caller across rollouts (its threads start once); None: a pool of
+    limits.workers threads for each run_* call, shut down after it."""
+
+    def __init__(self, factory: EnvironmentFactory, tokenizer, limits: AgentLimits, workers: Optional[Workers] = None):
+        self.factory, self.tokenizer, self.limits, self.workers = factory, tokenizer, limits, workers
         self.renderer = ObservationRenderer(tokenizer)
         self._warned = 0
 
@@ -130,7 +133,8 @@ class EpisodeRunner:
                     for run in answered:
                         self._apply(session, run, waiting)
         finally:
-            workers.shutdown()
+            if workers is not self.workers:
+                workers.shutdown()
         return [self._episode(r) for r in runs]
 
     def _start(self, session, run: _Run) -> None:
@@ -181,7 +185,8 @@ class EpisodeRunner:
                     self._turn_ended(run, ids[:cap], lps[:cap], workers)
                 self._settle(runs, None)
         finally:
-            workers.shutdown()
+            if workers is not self.workers:
+                workers.shutdown()
         return [self._episode(r) for r in runs]
 
     def _settle(self, runs: list, session) -> None:
@@ -200,7 +205,7 @@ class EpisodeRunner:
     # ----- shared pieces --------------------------------------------------------------------------
     def _begin(self, starts: list[EpisodeStart]) -> tuple[list, Workers]:
         self._warned = 0
-        workers = Workers(self.limits.workers)
+        workers = self.workers or Workers(self.limits.workers)
         runs = [_Run(i, s, [Segment("prompt", list(s.item.prompt_ids))]) for i, s in enumerate(starts)]
         for run in runs:
             self._submit(workers, run, "reset", self._reset, run)
@@ -252,7 +257,7 @@ class EpisodeRunner:
         """The call's value, or None after recording why the episode must end (stop: AgentError)."""
         if not future.done():
             future.cancel()
-            run.workers.replace()  # the stuck thread is abandoned; the pool keeps its size
+            run.workers.abandon(future)  # the stuck thread no longer counts: the pool keeps its size
             run.finish_reason = "env_timeout"
             self._failure(run, f"{call}() did not return within {self.limits.step_timeout_s:g} s "
                                "(agent.step_timeout_s)")

@@ -1,9 +1,12 @@
-"""A small pool of daemon worker threads for environment calls, which may block or never return.
+"""A pool of daemon worker threads for environment calls, which may block or never return.
 
 `concurrent.futures.ThreadPoolExecutor` joins its threads at interpreter exit, so one environment
 call that hangs forever would hang the process after training. These workers are daemon threads:
-a call that times out is abandoned (its thread left to finish or not), `replace()` starts a new
-thread so the pool keeps its size, and nothing waits for the lost one.
+a call that times out is abandoned (`abandon(future)`: its thread exits when the call returns, if it
+ever does, and no longer counts against the pool's size), and nothing waits for the lost one.
+Threads start lazily, when a call finds no idle worker and the pool is below `size`, and stay for
+the pool's life: a pool kept across rollouts (the trainer's AgentSettings, a benchmark) starts its
+threads once, not at every rollout (256 thread starts cost 0.1-0.4 s on a busy host).
 Not here: deciding what a timeout means for the episode (episodes.py).
 """
 from __future__ import annotations
@@ -16,26 +19,49 @@ from typing import Callable
 
 class Workers:
     def __init__(self, size: int, name: str = "phaserl-env"):
-        self.name, self._queue = name, queue.Queue()
-        self._threads: list = []
-        for _ in range(max(1, size)):
-            self.replace()
+        self.size, self.name = max(1, size), name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)   # one permit per worker waiting for a job
+        self._lock = threading.Lock()
+        self._live = 0                        # started and not abandoned: what counts against `size`
+        self._started = 0
+        self._abandoned: set = set()          # futures whose thread must exit once the call returns
+        self._closed = False
+
+    @property
+    def threads(self) -> int:
+        """Workers started and not abandoned."""
+        return self._live
 
     def submit(self, fn: Callable, *args) -> Future:
+        if self._closed:
+            raise RuntimeError(f"Workers {self.name}: submit() after shutdown()")
         future: Future = Future()
         self._queue.put((future, fn, args))
+        if not self._idle.acquire(blocking=False):
+            with self._lock:
+                if self._live < self.size:
+                    self._live += 1
+                    self._started += 1
+                    threading.Thread(target=self._work, name=f"{self.name}-{self._started}", daemon=True).start()
         return future
 
-    def replace(self) -> None:
-        """Start one more worker (in place of one stuck in a call that timed out)."""
-        thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+    def abandon(self, future: Future) -> None:
+        """A call that timed out: cancel it if it has not started; else its thread stops counting against the
+        pool's size (a new one starts when needed) and exits when the call returns."""
+        if future.cancel():
+            return
+        with self._lock:
+            if not future.done() and future not in self._abandoned:
+                self._abandoned.add(future)
+                self._live -= 1
 
     def shutdown(self) -> None:
-        """Ask idle workers to stop; a worker stuck in a call is not waited for."""
-        for _ in self._threads:
-            self._queue.put(None)
+        """Ask the workers to stop once idle; a worker stuck in a call is not waited for."""
+        with self._lock:
+            self._closed = True
+            for _ in range(self._live):
+                self._queue.put(None)
 
     def _work(self) -> None:
         while True:
@@ -43,9 +69,13 @@ class Workers:
             if job is None:
                 return
             future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who names the environment
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller, who names the environment
+                    future.set_exception(exc)
+            with self._lock:
+                if future in self._abandoned:
+                    self._abandoned.discard(future)
+                    return
+            self._idle.release()

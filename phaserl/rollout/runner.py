@@ -81,6 +81,23 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, sc
     return torch.matmul(probs, values).reshape(b, Hq * D)  # [b, Hkv, G, D] -> [b, Hq * D]
 
 
+def extend_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: Optional[float] = None) -> Tensor:
+    """M queries per row over its slot's keys: q [C, M, Hq, D], keys/values [C, Hkv, ctx, D], visible [C, M, ctx]
+    (True where a query may look) -> [C * M, Hq * D].
+
+    Grouped-query heads are folded into the matmul like decode_attention's (each key/value byte read once, no
+    [C, Hq, ctx, D] expansion): SDPA takes an explicit mask with grouped-query heads only on its math backend,
+    which expands K/V to every query head in float32 first.
+    """
+    C, M, Hq, D = q.shape
+    Hkv, G = keys.shape[1], Hq // keys.shape[1]
+    qg = (q * (D ** -0.5 if scale is None else scale)).view(C, M, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [C, Hkv, G, M, D]
+    scores = torch.matmul(qg.reshape(C, Hkv, G * M, D), keys.transpose(-1, -2)).view(C, Hkv, G, M, -1)
+    probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)  # [C, Hkv, G, M, ctx]
+    out = torch.matmul(probs.view(C, Hkv, G * M, -1), values).view(C, Hkv, G, M, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(C * M, Hq * D)
+
+
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, pos: Tensor,
                      scale: Optional[float] = None, window: Optional[int] = None) -> Tensor:
     """Write the new k/v [b, Hkv, D] at each row's position pos [b], then attend: -> [b, Hq * D].
@@ -306,10 +323,9 @@ class ModelRunner:
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
             values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
-            attn = F.scaled_dot_product_attention(
-                q.view(C, M, Hq, D).transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
-                attn_mask=visible[spec.window][:, None], scale=spec.scale, enable_gqa=True)  # [C, Hq, M, D]
-            h = self.fns.post(h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, spec)
+            attn = extend_attention(q.view(C, M, Hq, D), keys[slots, :, :context], values[slots, :, :context],
+                                    visible[spec.window], spec.scale)  # [C * M, Hq * D]
+            h = self.fns.post(h, attn, w, spec)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
         self.state.start(slots, tokens, logprobs, starts + lengths, caps)

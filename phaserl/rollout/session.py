@@ -69,6 +69,7 @@ class DecodeSession:
         self._extends: list = []                 # queued (slot, ids, start, cap)
         self._known = None                       # the previous step's snapshot
         self._pinned: list = []                  # CUDA: two host buffers for the finished flags, alternating
+        self._decoding = 0                       # sequences decoding a turn (kept as they change: read every step)
         self.stats = SessionStats()
         self._t0 = time.perf_counter()
 
@@ -79,7 +80,7 @@ class DecodeSession:
 
     @property
     def decoding(self) -> int:
-        return sum(live.decoding for live in self.live.values())
+        return self._decoding
 
     @property
     def idle(self) -> bool:
@@ -121,6 +122,7 @@ class DecodeSession:
         self._extends.append((live.slot, [live.last_token, *ids], live.length - 1, cap))
         live.length += len(ids)
         live.cap, live.turn, live.decoding = cap, live.turn + 1, True
+        self._decoding += 1
         self.stats.extend_tokens += len(ids)
 
     def release(self, key: Hashable) -> None:
@@ -153,6 +155,7 @@ class DecodeSession:
             for live in self._starts:
                 groups.setdefault(self._prompts.pop(live.key), []).append(live)
                 live.turn, live.decoding = 1, True
+            self._decoding += len(self._starts)
             self.runner.prefill([(prompt, [lv.slot for lv in lives], [lv.cap for lv in lives])
                                  for prompt, lives in groups.items()])
             self.stats.prefill_tokens += sum(map(len, groups))
@@ -190,6 +193,7 @@ class DecodeSession:
         for live, toks, lps, n in zip(stopped, tokens, logprobs, lengths):
             toks, lps = toks[:n], lps[:n]
             live.decoding, live.last_token = False, toks[-1]
+            self._decoding -= 1
             live.length += n
             ended.append(Turn(live.key, toks, lps, stopped=toks[-1] in self.stop_ids))
         self.stats.turns += len(ended)

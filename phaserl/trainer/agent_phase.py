@@ -19,6 +19,7 @@ import torch
 
 from ..agents.episodes import FINISH_REASONS, AgentLimits, EpisodeRunner, EpisodeStart
 from ..agents.loader import EnvironmentFactory, load_harness_function
+from ..agents.workers import Workers
 from ..batch import RolloutBatch, Scores
 from ..errors import ConfigError
 from .harness_phase import HarnessSettings, harness_rollout
@@ -32,6 +33,7 @@ TOOL_METRICS = ("tool_calls", "tool_errors", "tool_seconds")  # always logged (0
 class AgentSettings:
     factory: EnvironmentFactory
     limits: AgentLimits
+    workers: Workers             # environment threads, kept across rollouts (started once, lazily)
 
 
 def with_agent(run, cfg, model_context: int):
@@ -47,7 +49,7 @@ def with_agent(run, cfg, model_context: int):
                                    agent=harness_settings(cfg, model_context))
     return dataclasses.replace(run, rollout_phase=agent_rollout, reward=EpisodeScores(),
                                agent=AgentSettings(EnvironmentFactory.from_spec(a.env, dict(a.kwargs)),
-                                                   AgentLimits.from_config(cfg, model_context)))
+                                                   AgentLimits.from_config(cfg, model_context), Workers(a.workers)))
 
 
 def harness_settings(cfg, model_context: int) -> HarnessSettings:
@@ -78,7 +80,7 @@ def agent_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
     starts = [EpisodeStart(item, seed=hash((run.seed, trainer.step_num, first + i)) & (2**31 - 1),
                            label=f"{item.row.source}, sample {k}")
               for i, (item, k) in enumerate((item, k) for item in items for k in range(n))]
-    runner = EpisodeRunner(run.agent.factory, run.tokenizer, limits)
+    runner = EpisodeRunner(run.agent.factory, run.tokenizer, limits, workers=run.agent.workers)
     # ints only: a str in the tuple would hash differently in every process (PYTHONHASHSEED), breaking resume
     run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first, n, 1)) & (2**63 - 1))
     eos = [] if run.ignore_eos else run.eos_token_ids
