@@ -97,6 +97,10 @@ class _Run:
     def ids(self) -> list:
         return [t for s in self.segments for t in s.token_ids]
 
+    @property
+    def length(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
 
 class EpisodeRunner:
     """workers: a pool kept by the caller across rollouts (its threads start once); None: a pool of
@@ -158,7 +162,7 @@ class EpisodeRunner:
         obs_ids = self._after_step(session, run, outcome)
         if obs_ids is None:
             return
-        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - len(run.ids) - len(obs_ids))
+        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - run.length - len(obs_ids))
         if cap < 1:
             return self._finish(session, run, self.limits.budget_reason)
         if obs_ids:
@@ -174,14 +178,14 @@ class EpisodeRunner:
             while True:
                 active = [r for r in runs if r.finish_reason is None]
                 for run in active:
-                    if self.limits.max_episode_tokens - len(run.ids) < 1:
+                    if self.limits.max_episode_tokens - run.length < 1:
                         self._finish(None, run, self.limits.budget_reason)
                 active = [r for r in active if r.finish_reason is None]
                 if not active:
                     break
                 result = generate([r.ids for r in active])
                 for run, ids, lps in zip(active, result.response_ids, result.logprobs):
-                    cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - len(run.ids))
+                    cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - run.length)
                     self._turn_ended(run, ids[:cap], lps[:cap], workers)
                 self._settle(runs, None)
         finally:
@@ -307,7 +311,7 @@ class EpisodeRunner:
         except (ValueError, TypeError) as exc:
             self._failure(run, f"step() returned an observation that cannot be tokenized: {exc}")
             return self._finish(session, run, "env_error")
-        if len(run.ids) + len(obs_ids) + 1 > self.limits.max_episode_tokens:
+        if run.length + len(obs_ids) + 1 > self.limits.max_episode_tokens:
             return self._finish(session, run, self.limits.budget_reason)
         return obs_ids
 
