@@ -18,7 +18,7 @@ from phaserl.data.rows import PromptRow
 from phaserl.errors import AgentError
 from phaserl.roles.forward import batch_logprobs
 from phaserl.rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
-from phaserl.trainer.agent_phase import EpisodeScores, episodes_batch, turn_ends
+from phaserl.trainer.episode_batch import EpisodeScores, episodes_batch, turn_ends
 from phaserl.world.tokenizer import build_tokenizer
 from tests import _agent_envs as envs
 from tests.test_rollout_engine import tiny_model
@@ -200,7 +200,7 @@ def test_tool_schemas_go_into_the_prompt_and_an_environment_may_name_its_end(mod
         eps = runner.run_session(session, starts(1, 2))
     assert tok.decode(eps[0].prompt_ids) == "<|system|>add<|user|>12+34=<|assistant|>"
     assert [e.finish_reason for e in eps] == ["tool_timeout"] * 2
-    from phaserl.trainer.agent_phase import episode_metrics
+    from phaserl.trainer.episode_batch import episode_metrics
 
     m = episode_metrics(eps)
     assert m["agent/ended/tool_timeout"] == 1.0 and m["agent/tool_calls_mean"] == 2.0 and m["agent/ended/done"] == 0

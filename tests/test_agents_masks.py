@@ -13,7 +13,7 @@ from phaserl.roles import HybridActor
 from phaserl.roles.actor import PolicyLossSettings
 from phaserl.roles.optim import OptimSettings
 from phaserl.trainer.advantage_phase import AdvantageSettings, compute_advantages
-from phaserl.trainer.agent_phase import EpisodeScores, episodes_batch
+from phaserl.trainer.episode_batch import EpisodeScores, episodes_batch
 from phaserl.world.tokenizer import build_tokenizer
 from tests.test_rollout_engine import tiny_model
 

@@ -37,6 +37,7 @@ from ..agents.env import Episode, Segment
 from ..agents.harness import harness_row, run_harness_samples
 from ..agents.server import ChatServer
 from ..batch import RolloutBatch
+from .episode_batch import episodes_batch
 from .rollout_phase import group_offset
 
 log = logging.getLogger("phaserl")
@@ -54,8 +55,6 @@ class HarnessSettings:
 
 def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
     """Phase 2, harness: n harness conversations per prompt through a localhost endpoint (module docstring)."""
-    from .agent_phase import episodes_batch  # agent_phase imports this module to choose the phase
-
     run, actor = trainer.run, trainer.actor
     h = run.agent
     first = trainer.rank * len(items) * n
