@@ -47,6 +47,18 @@ def test_harness_spec_errors_name_the_key_and_what_is_there(tmp_path):
     assert load_harness_function(f"{HARNESS}:harness").__name__ == "harness"
 
 
+def test_the_harness_endpoint_gets_the_runs_episode_limits(tmp_path):
+    """agent.max_turns and the episode budget reach the harness phase's ChatServer (server tests: the refusal)."""
+    pytest.importorskip("openai")
+    from phaserl.trainer.agent_phase import harness_settings
+
+    cfg = _config(tmp_path, "agent.max_turns=3", "agent.max_episode_tokens=200")
+    h = harness_settings(cfg, model_context=1000)
+    assert (h.max_turns, h.max_episode_tokens, h.context_reason) == (3, 200, "max_tokens")
+    h = harness_settings(cfg, model_context=150)  # the model's context is the tighter limit
+    assert (h.max_episode_tokens, h.context_reason) == (150, "context")
+
+
 def _item(i):
     from phaserl.data.rows import PromptRow
 

@@ -287,3 +287,71 @@ def test_the_openai_harness_example_runs(capsys):
     assert len(episodes) == 8 and all([s.kind for s in e.segments] == ["prompt", "model", "observation", "model"]
                                       for e in episodes)
     assert "8 episodes" in capsys.readouterr().out
+
+
+def test_a_conversation_past_max_turns_is_refused_and_its_episode_ends_with_max_turns(tok):
+    """Episode limits on the endpoint: a harness that never stops calling gets a clear HTTP 400 at
+    agent.max_turns; its episode keeps its turns, ends with max_turns (not env_error), and is scored."""
+    import urllib.error
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+    backend = scripted(tok, call)  # the model always calls the tool: a naive loop would never end
+    refusals = []
+
+    def looping(base_url, row):
+        messages = [{"role": "user", "content": row["q"]}]
+        while True:
+            try:
+                reply = post_json(base_url + "/chat/completions",
+                                  dict(model="m", messages=messages, tools=[add.schema], max_tokens=500))
+            except urllib.error.HTTPError as exc:
+                refusals.append((exc.code, json.loads(exc.read())["error"]))
+                if row["q"] == "catches":
+                    return 0.5  # a harness that catches the refusal keeps its own reward
+                raise
+            message = reply["choices"][0]["message"]
+            messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "2"}]
+
+    rows = [{"q": "raises", "ground_truth": 2}, {"q": "catches", "ground_truth": 2}]
+    with ChatServer(backend, tok, max_turns=2, max_turn_tokens=90) as server:
+        episodes = run_harness(looping, rows, server, reward=lambda prompt, response, ground_truth, **row: 0.25)
+        assert server.metrics["refused_at_limit"] == 2
+    assert [(status, err["code"]) for status, err in refusals] == [(400, "max_turns_exceeded")] * 2
+    assert "agent.max_turns=2" in refusals[0][1]["message"] and "return its reward" in refusals[0][1]["message"]
+    assert [e.finish_reason for e in episodes] == ["max_turns", "max_turns"]
+    assert [e.num_turns for e in episodes] == [2, 2]
+    assert [e.reward for e in episodes] == [0.25, 0.5]  # raised: the rule reward judges; caught: its own
+    assert all(e.metrics["harness_errors"] == 0 for e in episodes)
+    with ChatServer(scripted(tok, "a" * 20), tok, max_turn_tokens=7) as server:  # rollout.max_new_tokens caps a turn
+        reply = post_json(server.base_url + "/chat/completions",
+                          dict(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=500))
+    assert reply["usage"]["completion_tokens"] == 7 and reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_conversation_that_outgrows_the_episode_budget_ends_with_max_tokens(tok):
+    import urllib.error
+
+    with ChatServer(scripted(tok, "a" * 20), tok, max_context=60) as server:
+        url = server.conversation_url("long") + "/chat/completions"
+        messages = [{"role": "user", "content": "x"}]
+        first = post_json(url, dict(model="m", messages=messages))
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "y" * 30}]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post_json(url, dict(model="m", messages=messages))
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 400 and error["code"] == "context_length_exceeded"
+        assert "agent.max_episode_tokens" in error["message"]
+        assert server.store.get("long").ended == "max_tokens" and server.metrics["refused_at_limit"] == 1
+
+
+@needs_openai
+def test_the_openai_client_shows_the_max_turns_refusal(tok):
+    with ChatServer(scripted(tok, "a"), tok, max_turns=1) as server:
+        client = client_for(server.conversation_url("c1"))
+        first = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert first.model_extra["phaserl"]["turns_left"] == 0
+        messages = [{"role": "user", "content": "x"}, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "again"}]
+        with pytest.raises(openai.BadRequestError, match="agent.max_turns=1"):
+            client.chat.completions.create(model="m", messages=messages)
+        assert server.store.get("c1").ended == "max_turns"

@@ -11,7 +11,10 @@ A harness is a plain function that drives one conversation through an OpenAI cli
 up to `max_workers` harness calls at once in daemon threads (their requests meet in the server's
 batching backend), and turns each recorded conversation into Episodes (recorder.py), in row order.
 A harness that raises gives its recorded turns as an episode with finish_reason "env_error" and
-reward 0 (logged with the row); one that outlives `timeout_s` is abandoned the same way, and its
+reward 0 (logged with the row), unless it raised at the server's refusal of an episode limit
+(agent.max_turns, the token budget: server.py): then the episode ends with that limit as its reason,
+scored by `reward` on the last reply (0 without one; a harness that catches the error and returns
+its reward keeps that reward); one that outlives `timeout_s` is abandoned the same way, and its
 conversation is closed so its late requests are refused. A harness that made no request yields
 nothing. `run_harness_samples` gives the same episodes as one list per (row, sample), for a caller
 that must keep groups exact (the trainer's harness_phase). Not here: where these episodes go.
@@ -86,7 +89,9 @@ def run_harness_samples(harness: Callable, rows: list, server, *, samples_per_ro
         i, k, conv_id = job
         conv = server.store.pop(conv_id)
         status, value = outcomes.get(job, ("timeout", None))
-        if status != "ok":
+        if status == "error" and conv is not None and conv.ended:
+            status = "limit"  # it raised at the refusal of an episode limit (server.py): the episode ended there
+        if status not in ("ok", "limit"):
             first_error = first_error or (status, value, i)
             log.warning("harness on row %d (sample %d) %s; its recorded turns are kept with reward 0", i, k,
                         f"raised {type(value).__name__}: {value}" if status == "error" else f"ran past {timeout_s} s")
@@ -95,7 +100,7 @@ def run_harness_samples(harness: Callable, rows: list, server, *, samples_per_ro
             continue
         reward = _reward(status, value, score, rows[i], conv, i)
         for episode in conv.episodes(episode_rows[i], reward):
-            if status != "ok":
+            if status not in ("ok", "limit"):
                 episode.finish_reason = "env_error"
             episode.metrics.update({"harness_errors": float(status == "error"),
                                     "harness_timeouts": float(status == "timeout")})
@@ -109,6 +114,9 @@ def run_harness_samples(harness: Callable, rows: list, server, *, samples_per_ro
 
 
 def _reward(status: str, value, score, row, conv, i: int) -> float:
+    if status == "limit":  # no value came back: the rule reward judges the last reply, if there is one
+        return 0.0 if score is None else score(row if isinstance(row, dict) else vars(row),
+                                                (conv.reply or {}).get("content", ""))
     if status != "ok":
         return 0.0
     if value is None:

@@ -12,7 +12,8 @@ request's prompt does not start with the previous prompt + completion token for 
 edited the history, or a chat template renders past turns differently), the ids cannot be joined
 honestly: the record starts a new piece whose prompt is that request's whole prompt, and counts a
 `prefix_mismatches` metric; the server logs a warning. Each piece becomes its own Episode, all
-with the conversation's reward. Nothing is ever re-tokenized here.
+with the conversation's reward. A conversation whose request an episode limit refused (server.py)
+ends with that limit as its last piece's finish reason. Nothing is ever re-tokenized here.
 Not here: HTTP and chat templates (server.py), which tries to splice the sampled ids in first.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Conversation:
     turns: list = field(default_factory=list)   # [Turn], in request order
     messages: list = field(default_factory=list)  # the last request's normalized messages
     reply: Optional[dict] = None     # the normalized assistant message last returned
+    ended: Optional[str] = None      # the episode limit that refused a request ("max_turns", "max_tokens", "context")
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def full_ids(self) -> list:
@@ -75,6 +77,8 @@ class Conversation:
         for segments in pieces:
             last = self.turns[-1] if segments is pieces[-1] else None
             finish = "length" if last is not None and last.finish_reason == "length" else "done"
+            if last is not None and self.ended:
+                finish = self.ended
             out.append(Episode(row=row, segments=segments, turn_rewards=[float(reward)], finish_reason=finish,
                                num_turns=sum(s.kind == "model" for s in segments),
                                metrics={"requests": float(len(self.turns)), "prefix_mismatches": float(mismatches),

@@ -25,6 +25,12 @@ settings) every request samples with those, and a request asking for other value
 the run's settings and a one-time warning: training assumes the log-probs of rollout.temperature.
 `seed` is honoured either way (it fixes the sample, not the distribution).
 
+Limits (the trainer passes agent.max_turns, rollout.max_new_tokens and the episode token budget):
+`max_tokens` is capped by `max_turn_tokens` and the room left in `max_context`; a conversation that
+asks past `max_turns` completions, or outgrows `max_context`, gets an HTTP 400 (`max_turns_exceeded`,
+`context_length_exceeded`: the openai client raises BadRequestError with the message) and its
+episode ends with that limit as its finish reason (recorder.py; metric `refused_at_limit`).
+
 Not here: running a harness over data rows (harness.py). Binds 127.0.0.1 unless told otherwise;
 there is no authentication (any api_key is accepted).
 """
@@ -68,14 +74,18 @@ class ChatServer:
     def __init__(self, backend, tokenizer, *, parser: str = "hermes", model_name: str = "phaserl-policy",
                  host: str = "127.0.0.1", port: int = 0, default_max_tokens: int = 256,
                  max_context: Optional[int] = None, chat_template: Optional[str] = None,
-                 sampling: Optional[tuple] = None):
+                 sampling: Optional[tuple] = None, max_turns: Optional[int] = None,
+                 max_turn_tokens: Optional[int] = None, context_reason: str = "max_tokens"):
         self.backend, self.tokenizer = backend, tokenizer
+        # Episode limits (the trainer's agent.*): completions per conversation, sampled ids per completion, and
+        # which limit `max_context` stands for ("max_tokens": agent.max_episode_tokens, "context": the model's).
+        self.max_turns, self.max_turn_tokens, self.context_reason = max_turns, max_turn_tokens, context_reason
         self.sampling = sampling      # (temperature, top_p, top_k) that every request samples with, or None
         self.parse = get_tool_parser(parser)
         self.model_name, self.default_max_tokens, self.max_context = model_name, default_max_tokens, max_context
         self.chat_template = chat_template
         self.store = ConversationStore()
-        self.metrics = {"requests": 0, "errors": 0, "prefix_mismatches": 0, "spliced_turns": 0}
+        self.metrics = {"requests": 0, "errors": 0, "prefix_mismatches": 0, "spliced_turns": 0, "refused_at_limit": 0}
         self._warned: set = set()
         self._lock = threading.Lock()
         self._http = _Listener((host, port), _handler_for(self))
@@ -127,13 +137,24 @@ class ChatServer:
             raise RequestError(f"conversation {conversation_id} is closed (its episode was already collected, e.g. "
                                "after the harness timed out)", code="conversation_closed", status=410) from None
         with conv.lock:
+            if self.max_turns is not None and len(conv.turns) >= self.max_turns:
+                self._refuse(conv, "max_turns")
+                raise RequestError(f"conversation {conv.id} already has {len(conv.turns)} completions, the most one "
+                                   f"episode may have (agent.max_turns={self.max_turns}): the episode is over; stop "
+                                   "calling and return its reward", code="max_turns_exceeded")
             prompt_ids, spliced = self._prompt_ids(conv, messages, tools)
             max_tokens = settings["max_tokens"]
+            if self.max_turn_tokens is not None:
+                max_tokens = min(max_tokens, self.max_turn_tokens)
             if self.max_context is not None:
                 room = self.max_context - len(prompt_ids)
                 if room < 1:
+                    if conv.turns:  # a continuing conversation outgrew the episode budget: its episode ends here
+                        self._refuse(conv, self.context_reason)
+                    what = "agent.max_episode_tokens" if self.context_reason == "max_tokens" else "the model's context"
                     raise RequestError(f"the prompt has {len(prompt_ids)} tokens and the context holds "
-                                       f"{self.max_context}; shorten the conversation", code="context_length_exceeded")
+                                       f"{self.max_context} ({what}); the episode is over: stop calling and return "
+                                       "its reward", code="context_length_exceeded")
                 max_tokens = min(max_tokens, room)
             request = CompletionRequest(tuple(prompt_ids), max_tokens, settings["temperature"], settings["top_p"],
                                         settings["top_k"], settings["stop_token_ids"], settings["seed"])
@@ -158,7 +179,8 @@ class ChatServer:
                  "total_tokens": len(prompt_ids) + len(completion.token_ids)}
         return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": usage,
-                "phaserl": {"conversation_id": conv.id, "turn": len(conv.turns)}}
+                "phaserl": {"conversation_id": conv.id, "turn": len(conv.turns),
+                            "turns_left": None if self.max_turns is None else self.max_turns - len(conv.turns)}}
 
     def _settings(self, body) -> dict:
         if not isinstance(body, dict):
@@ -262,6 +284,12 @@ class ChatServer:
     def _logprob_entry(self, token_id: int, logprob: float) -> dict:
         token = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return {"token": token, "logprob": float(logprob), "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+
+    def _refuse(self, conv, reason: str) -> None:
+        """An episode limit refused a request of `conv`: its episode ends with that reason (counted)."""
+        if conv.ended is None:
+            conv.ended = reason
+            self._count("refused_at_limit")
 
     def _count(self, key: str) -> None:
         with self._lock:

@@ -65,7 +65,8 @@ def harness_settings(cfg, model_context: int) -> HarnessSettings:
     reward = rules_reward([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions], timeout_s=cfg.reward.timeout_s)
     return HarnessSettings(harness=load_harness_function(a.harness), reward=reward, workers=a.harness_workers,
                            timeout_s=a.harness_timeout_s, tool_parser=a.tool_parser,
-                           max_episode_tokens=min(a.max_episode_tokens, model_context))
+                           max_episode_tokens=min(a.max_episode_tokens, model_context), max_turns=a.max_turns,
+                           context_reason="context" if model_context < a.max_episode_tokens else "max_tokens")
 
 
 def agent_rollout(trainer, items: list, params, n: int) -> RolloutBatch:

@@ -7,6 +7,10 @@ concurrent requests) and a `ChatServer` on 127.0.0.1 (context = the episode toke
 max_tokens = rollout.max_new_tokens) start; `run_harness_samples` runs the harness n times per prompt
 row of this rank; server and backend stop (always, also when the harness or the decode fails).
 
+Limits: the server refuses a conversation's request past agent.max_turns completions or past the
+episode token budget (HTTP 400, which the openai client raises), caps each completion at
+rollout.max_new_tokens, and the episode ends with that limit as its finish reason (agent/ended/*).
+
 Sampling: the run's settings win. The server samples every request with this phase's temperature /
 top_p / top_k (rollout.* for training, rollout.val_* for validation) from the run's seeded
 `sampling_generator`; a request asking for another temperature or top_p is answered with the run's
@@ -51,6 +55,8 @@ class HarnessSettings:
     timeout_s: float                  # one conversation, at most
     tool_parser: str                  # agents.tool_parsers name
     max_episode_tokens: int           # the server's context: prompt + every turn, at most
+    max_turns: int                    # completions per conversation (agent.max_turns); then HTTP 400
+    context_reason: str               # what max_episode_tokens stands for: "max_tokens" | "context" (the model's)
 
 
 def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
@@ -64,7 +70,9 @@ def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
                               max_batch=run.generate_batch_size * n, generator=run.sampling_generator)
     try:
         server = ChatServer(backend, run.tokenizer, parser=h.tool_parser, default_max_tokens=params.max_new_tokens,
-                            max_context=h.max_episode_tokens, sampling=(params.temperature, params.top_p, params.top_k))
+                            max_context=h.max_episode_tokens, sampling=(params.temperature, params.top_p, params.top_k),
+                            max_turns=h.max_turns, max_turn_tokens=params.max_new_tokens,
+                            context_reason=h.context_reason)
         try:
             server.start()
             per_sample = run_harness_samples(h.harness, [harness_row(item.row) for item in items], server,
