@@ -102,7 +102,9 @@ class ScoredBatch:
     def select(self, index: torch.Tensor) -> "ScoredBatch":
         """Rows `index` (a 1-D long tensor on the batch's device) of the batch, its scores and baseline."""
         take = _row_taker(index)
-        scores = Scores(total=take(self.scores.total), by_source={k: take(v) for k, v in self.scores.by_source.items()})
+        placed = self.scores.token_rewards
+        scores = Scores(total=take(self.scores.total), by_source={k: take(v) for k, v in self.scores.by_source.items()},
+                        token_rewards=None if placed is None else take(placed))
         baseline = None if self.baseline_scores is None else take(self.baseline_scores)
         return ScoredBatch(self.batch.select(index), scores, baseline)
 

@@ -99,8 +99,13 @@ def join(parts: list, pad_token_id: int) -> ScoredBatch:
     if len(parts) == 1:
         return parts[0]
     first = parts[0].scores
+    placed = None  # [B, R] per-turn rewards of episodes, right-padded to the joined response width
+    if first.token_rewards is not None:
+        R = max(p.batch.response_mask.shape[1] for p in parts)
+        placed = torch.cat([F.pad(p.scores.token_rewards, (0, R - p.scores.token_rewards.shape[1])) for p in parts])
     scores = Scores(total=torch.cat([p.scores.total for p in parts]),
-                    by_source={k: torch.cat([p.scores.by_source[k] for p in parts]) for k in first.by_source})
+                    by_source={k: torch.cat([p.scores.by_source[k] for p in parts]) for k in first.by_source},
+                    token_rewards=placed)
     baseline = None if parts[0].baseline_scores is None else torch.cat([p.baseline_scores for p in parts])
     return ScoredBatch(concat_batches([p.batch for p in parts], pad_token_id), scores, baseline)
 
