@@ -17,7 +17,7 @@ reported. Instead of torch.profiler (whose tracing of graph replays slowed the s
 on the H200), every runner call is bracketed by CUDA events: device_s is the device time of each kind
 of call (decode steps, prefills, extends of observation ids, output gathers) and device_busy their
 sum over the wall; host_s is where the host's time went (multi-turn: inside session.step, handling
-ended turns, applying environment answers, waiting for them).
+ended turns, applying environment answers, waiting for them); gc the garbage collector's pauses.
 
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
@@ -29,6 +29,7 @@ tool or free), decode_steps, seconds (median) and seconds_all, device_s, device_
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import os
@@ -107,6 +108,16 @@ class Clock:
     def __init__(self, device: str):
         self.cuda = device == "cuda"
         self.events, self.host, self.calls, self._wrapped = {}, {}, {}, []
+        self.gc = {"seconds": 0.0, "gen0": 0, "gen1": 0, "gen2": 0}  # the garbage collector's pauses meanwhile
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc["seconds"] += time.perf_counter() - self._gc_t0
+            self.gc[f"gen{info['generation']}"] += 1
 
     def wrap(self, obj, name: str, kind: str, device: bool = True) -> None:
         fn = getattr(obj, name)
@@ -128,6 +139,8 @@ class Clock:
         self._wrapped.append((obj, name))
 
     def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         for obj, name in self._wrapped:
             delattr(obj, name)  # the instance attribute goes: the class's method is back
         self._wrapped = []
@@ -156,7 +169,8 @@ def measured(fn, clock: Clock, device: str) -> tuple:
     seconds = time.perf_counter() - t0
     spent = clock.device_seconds(DEVICE_KINDS)
     extra = dict(device_s=spent, device_busy=round(sum(spent.values()) / seconds, 3),
-                 host_s={k: round(v, 4) for k, v in clock.host.items()}, calls=dict(clock.calls))
+                 host_s={k: round(v, 4) for k, v in clock.host.items()}, calls=dict(clock.calls),
+                 gc={**clock.gc, "seconds": round(clock.gc["seconds"], 4)})
     clock.close()
     return seconds, out, extra
 

@@ -237,7 +237,7 @@ class EpisodeRunner:
         return result
 
     def _turn_ended(self, run: _Run, ids: list, logprobs: list, workers: Workers) -> None:
-        run.segments.append(Segment("model", list(ids), list(logprobs)))
+        run.segments.append(Segment("model", ids, logprobs))  # the caller's fresh lists: kept, not copied
         run.num_turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         self._submit(workers, run, "step", self._step, run, text)

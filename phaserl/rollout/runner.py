@@ -23,6 +23,7 @@ P longest prompt, S slot_len, H hidden, Hq/Hkv heads, D head_dim, V vocab.
 from __future__ import annotations
 
 import functools
+import gc
 from typing import NamedTuple, Optional
 
 import torch
@@ -359,12 +360,20 @@ class ModelRunner:
             self._decode_step(b)
 
     def _capture_all(self) -> None:
-        """Capture every bucket, largest first, into one memory pool (all slots are free: warm-ups are harmless)."""
+        """Capture every bucket, largest first, into one memory pool (all slots are free: warm-ups are harmless).
+
+        After a capture, gc.freeze(): what exists now (the model, compiled code, graphs: hundreds of thousands
+        of objects that live for the run) moves out of the collector's generations, so that a full collection
+        during the host's decode loop (0.3-0.5 s for 300k objects) scans only what came later. As vLLM does
+        after its capture. Objects that were already garbage in a reference cycle then are never freed.
+        """
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
+        captured = 0
         for b in reversed(decode_buckets(self.layout[0])):
             if (b, self.sampling) in self.graphs:
                 continue
+            captured += 1
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -374,6 +383,8 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 self._decode_step(b)
             self.graphs[(b, self.sampling)] = graph
+        if captured:
+            gc.freeze()
 
     # ----- slot bookkeeping -----------------------------------------------------------------------
     def move(self, moves: list[tuple[int, int]]) -> None:

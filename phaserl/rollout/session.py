@@ -63,6 +63,7 @@ class DecodeSession:
         self.runner, self.num_slots, self.slot_len = runner, num_slots, slot_len
         self.max_turn_tokens, self.stop_ids, self.vocab_size = max_turn_tokens, set(stop_ids), vocab_size
         self.live: dict = {}                     # key -> _Live
+        self.by_slot: list = [None] * num_slots  # slot -> its _Live or None
         self.free = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot comes out first
         self._starts: list[_Live] = []           # queued prefills: (live), prompt ids in _prompts
         self._prompts: dict = {}
@@ -106,6 +107,7 @@ class DecodeSession:
                             f"{self.slot_len} (turn cap at most {self.max_turn_tokens})")
         live = _Live(key, self.free.pop(), length=len(prompt_ids), cap=cap)
         self.live[key] = live
+        self.by_slot[live.slot] = live
         self._starts.append(live)
         self._prompts[key] = tuple(prompt_ids)
 
@@ -130,6 +132,7 @@ class DecodeSession:
         live = self.live.pop(key)
         if live.decoding:
             raise RuntimeError(f"sequence {key!r} is still decoding; release it once its turn has ended")
+        self.by_slot[live.slot] = None
         self.free.append(live.slot)
         self.free.sort(reverse=True)
 
@@ -139,11 +142,11 @@ class DecodeSession:
         self._prefill()
         latest = None
         if self.decoding:
-            span = max(live.slot for live in self.live.values()) + 1
+            span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None)
             self.runner.decode(self.runner.bucket_for(span))
             self.stats.steps += 1
             self.stats.busy_slot_steps += self.decoding
-            latest = self._snapshot()
+            latest = self._snapshot(span)
         ended = self._retire(self._known) if self._known is not None else []
         self._known = latest
         self.stats.seconds = time.perf_counter() - self._t0
@@ -164,10 +167,14 @@ class DecodeSession:
             self.runner.extend(self._extends)
             self._extends = []
 
-    def _snapshot(self):
-        """Finished flags after the step just launched (copied without waiting) and who was decoding which turn."""
+    def _snapshot(self, span: int):
+        """Finished flags after the step just launched (copied without waiting) and who was decoding which turn.
+
+        Two lists per step (the slots' sequences and the turn each was decoding, 0 = none), not an object
+        per slot: every step allocates them, and the garbage collector's pauses grow with what is allocated."""
         flags = self.runner.state.finished
-        ran = {live.slot: (live, live.turn) for live in self.live.values() if live.decoding}
+        lives = self.by_slot[:span]
+        ran = (lives, [lv.turn if lv is not None and lv.decoding else 0 for lv in lives])
         if flags.device.type != "cuda":
             return flags.clone(), ran, None
         if not self._pinned:
@@ -184,8 +191,10 @@ class DecodeSession:
         if event is not None:
             event.synchronize()
         flags = flags.tolist()
-        stopped = [live for slot, (live, turn) in ran.items()
-                   if flags[slot] and live.decoding and live.turn == turn and live.key in self.live]
+        lives, turns = ran
+        # A flag is this turn's when the slot still holds the same sequence, decoding the turn it was then.
+        stopped = [live for slot, (live, turn) in enumerate(zip(lives, turns))
+                   if turn and flags[slot] and live.decoding and live.turn == turn and self.by_slot[slot] is live]
         if not stopped:
             return []
         tokens, logprobs, lengths = (t.tolist() for t in self.runner.collect([live.slot for live in stopped]))
