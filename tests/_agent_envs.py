@@ -107,3 +107,11 @@ class WithTools(Feedback):
 
     def step(self, action):
         return StepResult(None, 0.0, True, {"end_reason": "tool_timeout", "metrics": {"tool_calls": 2.0}})
+
+
+class Staggered(Feedback):
+    """Feedback whose step answers after 30 ms x (seed % 4): four episodes answer at four different times."""
+
+    def step(self, action):
+        time.sleep(0.03 * (self.seed % 4))
+        return super().step(action)

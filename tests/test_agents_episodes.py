@@ -220,3 +220,24 @@ def test_a_pool_kept_across_rollouts_starts_its_threads_once(model):
             started = pool._started
     assert 1 <= started <= 4 and pool._started == started   # the second rollout reused the first one's threads
     assert pool.submit(lambda: "still open").result(timeout=5) == "still open"  # the runner did not shut it down
+
+
+@pytest.mark.parametrize("window, merged", [(1.0, True), (0.0, False)])
+def test_with_nothing_decoding_answers_due_within_a_step_resume_together(model, monkeypatch, window, merged):
+    """Four episodes end a turn on the same step; their environments answer 0, 30, 60, 90 ms later. Nothing
+    else decodes, so answers due within one decode step's time (here set to `window`) join one extend pass."""
+    from phaserl.rollout.session import DecodeSession
+
+    monkeypatch.setattr(DecodeSession, "step_seconds", property(lambda self: window))
+    passes = []
+    engine = RolloutEngine(model, EngineConfig(max_slots=4))
+    real = engine.runner.extend
+    monkeypatch.setattr(engine.runner, "extend", lambda items: (passes.append(len(items)), real(items)))
+    runner = EpisodeRunner(EnvironmentFactory(envs.Staggered, dict(turns=2, observation="ab")), TOK,
+                           limits(overlap=True, max_turn_tokens=4))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    episodes = [EpisodeStart(item(i), seed=i, label=f"t.jsonl:row {i}") for i in range(4)]
+    with engine.session(params, slot_len=64, eos_token_ids=[], generator=torch.Generator().manual_seed(0)) as s:
+        out = runner.run_session(s, episodes)
+    assert [e.num_turns for e in out] == [2] * 4 and sum(passes) == 4
+    assert (passes == [4]) == merged, passes

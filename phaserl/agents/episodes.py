@@ -7,7 +7,8 @@ DecodeSession (rollout/session.py) the other episodes keep decoding while one wa
 with its KV kept, and its observation ids are appended to that slot when they arrive.
 
     overlap=True   an environment's answer is used as soon as it arrives: decoding never waits for an
-                   environment. Which decode step an episode resumes at then depends on timing, so
+                   environment (when nothing else decodes, answers due within one decode step's time are
+                   taken together). Which decode step an episode resumes at then depends on timing, so
                    sampling is reproducible only up to environment timing.
     overlap=False  every answer is used at a fixed point (after the decode step that ended the turn,
                    in episode order): environments still run in parallel with each other, decoding
@@ -134,6 +135,10 @@ class EpisodeRunner:
                 elif not waiting or not session.free_slots:
                     answered = self._answers(runs, block=True, first=overlap)
                     assert answered or waiting or all(r.finish_reason for r in runs), "episode runner stalled"
+                    if overlap and answered and not session.decoding:
+                        # Nothing decodes: the next step would run for these alone. An answer due within one
+                        # step's time joins them (one extend pass, one resumption) instead of trailing a step.
+                        answered = self._answers(runs, block=True, within=session.step_seconds)
                     for run in answered:
                         self._apply(session, run, waiting)
         finally:
@@ -242,14 +247,17 @@ class EpisodeRunner:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         self._submit(workers, run, "step", self._step, run, text)
 
-    def _answers(self, runs: list, *, block: bool, first: bool = False) -> list:
+    def _answers(self, runs: list, *, block: bool, first: bool = False, within: Optional[float] = None) -> list:
         """Runs whose environment call is over (answered, failed or timed out), in episode order.
 
-        block: wait until every call (first=True: at least one) is over or past its deadline."""
+        block: wait until every call (first=True: at least one) is over or past its deadline; within: for
+        every call, but at most that many seconds."""
         pending = [r for r in runs if r.future is not None]
         if block and pending:
             timeout = max(0.0, min(r.deadline for r in pending) - time.monotonic())
-            if first:
+            if within is not None:
+                cf.wait([r.future for r in pending], timeout=min(within, timeout))
+            elif first:
                 cf.wait([r.future for r in pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
             else:
                 for run in pending:

@@ -15,6 +15,7 @@ no environments, no tokenizer (phaserl.agents drives it).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
@@ -71,6 +72,8 @@ class DecodeSession:
         self._known = None                       # the previous step's snapshot
         self._pinned: list = []                  # CUDA: two host buffers for the finished flags, alternating
         self._decoding = 0                       # sequences decoding a turn (kept as they change: read every step)
+        self._last_decode = None                 # host clock at the last decode launch
+        self._gaps: deque = deque(maxlen=16)     # wall between the recent decode launches
         self.stats = SessionStats()
         self._t0 = time.perf_counter()
 
@@ -87,6 +90,12 @@ class DecodeSession:
     def idle(self) -> bool:
         """Nothing queued or decoding: step() would return no turn."""
         return not (self._starts or self._extends or self.decoding)
+
+    @property
+    def step_seconds(self) -> float:
+        """A decode step's wall time, as the host sees it: launches run one step ahead, so their spacing is
+        the step's time; the least of the recent gaps (a gap that waited for something else is only longer)."""
+        return min(self._gaps, default=0.0)
 
     def room(self, key: Hashable) -> int:
         """Positions left in the sequence's slot (for appended ids plus the next turn)."""
@@ -144,6 +153,10 @@ class DecodeSession:
         if self.decoding:
             span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None)
             self.runner.decode(self.runner.bucket_for(span))
+            now = time.perf_counter()
+            if self._last_decode is not None:
+                self._gaps.append(now - self._last_decode)
+            self._last_decode = now
             self.stats.steps += 1
             self.stats.busy_slot_steps += self.decoding
             latest = self._snapshot(span)
