@@ -258,9 +258,8 @@ class ModelRunner:
         U, Hq, Hkv, D = len(groups), *self.heads
         lengths = [len(prompt) for prompt, _, _ in groups]
         P = max(lengths)
-        ids = torch.zeros(U, P, dtype=torch.long)  # right-padded: causal attention keeps real tokens clean
-        for row, (prompt, _, _) in enumerate(groups):
-            ids[row, :len(prompt)] = torch.tensor(prompt)
+        # right-padded: causal attention keeps real tokens clean; one tensor from padded lists (not one per row)
+        ids = torch.tensor([list(prompt) + [0] * (P - len(prompt)) for prompt, _, _ in groups], dtype=torch.long)
         group_of = [row for row, (_, slots, _) in enumerate(groups) for _ in slots]
         host = [ids, torch.tensor(lengths), torch.tensor(group_of),
                 torch.tensor([s for _, slots, _ in groups for s in slots]),
@@ -305,9 +304,8 @@ class ModelRunner:
         C, (Hq, Hkv, D), S = len(items), self.heads, self.layout[1]
         lengths = [len(tokens) for _, tokens, _, _ in items]
         M = max(lengths)
-        ids = torch.zeros(C, M, dtype=torch.long)  # right-padded; pad rows write KV past their end (hidden)
-        for row, (_, tokens, _, _) in enumerate(items):
-            ids[row, :len(tokens)] = torch.tensor(tokens)
+        # right-padded (pad rows write KV past their end, hidden); one tensor from padded lists
+        ids = torch.tensor([list(tokens) + [0] * (M - len(tokens)) for _, tokens, _, _ in items], dtype=torch.long)
         starts = torch.tensor([start for _, _, start, _ in items])
         host = [ids, starts, torch.tensor(lengths), torch.tensor([slot for slot, _, _, _ in items]),
                 torch.tensor([cap for _, _, _, cap in items])]
