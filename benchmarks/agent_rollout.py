@@ -101,7 +101,7 @@ class Clock:
     """Time per kind of call, by wrapping bound methods of one object each (undone by `close()`).
 
     Device time: CUDA events recorded around the call on the current stream (no profiler, no sync until
-    `report`); on the CPU the calls are synchronous, so the host clock is the device's. Host time: the
+    `device_seconds`); on the CPU the calls are synchronous, so the host clock is the device's. Host time: the
     wall inside the call (for CUDA work: launching it, plus any wait inside).
     """
 
