@@ -121,7 +121,7 @@ class EpisodeRunner:
         try:
             while any(r.finish_reason is None for r in runs):
                 if overlap:
-                    for run in self._answers(runs, block=False):
+                    for run in self._gathered(session, runs, self._answers(runs, block=False)):
                         self._apply(session, run, waiting)
                 waiting.sort(key=lambda r: r.index)
                 while waiting and session.free_slots:
@@ -135,16 +135,19 @@ class EpisodeRunner:
                 elif not waiting or not session.free_slots:
                     answered = self._answers(runs, block=True, first=overlap)
                     assert answered or waiting or all(r.finish_reason for r in runs), "episode runner stalled"
-                    if overlap and answered and not session.decoding:
-                        # Nothing decodes: the next step would run for these alone. An answer due within one
-                        # step's time joins them (one extend pass, one resumption) instead of trailing a step.
-                        answered = self._answers(runs, block=True, within=session.step_seconds)
-                    for run in answered:
+                    for run in self._gathered(session, runs, answered) if overlap else answered:
                         self._apply(session, run, waiting)
         finally:
             if workers is not self.workers:
                 workers.shutdown()
         return [self._episode(r) for r in runs]
+
+    def _gathered(self, session, runs: list, answered: list) -> list:
+        """With nothing decoding, the next step would run for the answered episodes alone: an answer due
+        within one decode step's time joins them (one extend pass, one resumption) instead of trailing a step."""
+        if not answered or session.decoding:
+            return answered
+        return self._answers(runs, block=True, within=session.step_seconds)
 
     def _start(self, session, run: _Run) -> None:
         ids = run.ids

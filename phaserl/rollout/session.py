@@ -151,7 +151,9 @@ class DecodeSession:
         self._prefill()
         latest = None
         if self.decoding:
-            span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None)
+            # Slots past the last decoding one are parked or free: not stepped at all (a parked slot's KV and
+            # state wait unchanged; its continuation re-writes its last token's KV, see extend()).
+            span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None and lv.decoding)
             self.runner.decode(self.runner.bucket_for(span))
             now = time.perf_counter()
             if self._last_decode is not None:
