@@ -60,6 +60,42 @@ def test_a_continued_turn_equals_the_full_forward_and_prefills_only_the_new_ids(
     assert stats["prefill_tokens"] == sum(len(PROMPTS[k]) for k in observations)  # the conversation is not re-read
 
 
+def test_resumed_sequences_move_down_into_parked_slots_and_continue_exactly():
+    """Sequences resume one at a time while the others stay parked: each resumed one takes the lowest slot
+    not decoding (KV exchanged with the parked one there), and every turn is still what the whole
+    conversation gives; the decode steps span only the decoding slots."""
+    model = tiny_model()
+    engine = RolloutEngine(model, EngineConfig(max_slots=4))
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    obs = {0: [20, 21], 1: [22], 2: [23, 24, 25], 3: [26]}
+    spans = []
+    with engine.session(params, slot_len=40, eos_token_ids=[]) as s:
+        real = s.runner.decode
+        s.runner.decode = lambda b: (spans.append(b), real(b))
+        for key in obs:
+            s.start(key, PROMPTS[key], cap=3)
+        first = {}
+        while len(first) < 4:
+            first.update({t.key: t for t in s.step()})
+        second = {}
+        for key in (3, 1, 2, 0):  # highest slot first: 3 takes slot 0 from the parked 0, then 1 stays, ...
+            s.extend(key, obs[key], 3)
+            spans.clear()
+            while key not in second:
+                second.update({t.key: t for t in s.step()})
+            if key == 3:
+                assert s.live[3].slot == 0 and s.live[0].slot == 3 and set(spans) == {1}  # one slot stepped
+        assert s.stats.swaps >= 1
+    for key in obs:
+        seq = list(PROMPTS[key])
+        assert first[key].token_ids == greedy_reference(model, seq, 3)
+        seq += first[key].token_ids + obs[key]
+        assert second[key].token_ids == greedy_reference(model, seq, 3)
+        logits = full_logits(model, seq + second[key].token_ids)[len(seq) - 1:-1]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(second[key].token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(second[key].logprobs), expected, atol=1e-5, rtol=0)
+
+
 def test_sampled_continuations_report_the_full_forward_logprobs():
     model = tiny_model()
     engine = RolloutEngine(model)

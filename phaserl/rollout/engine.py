@@ -210,7 +210,7 @@ class RolloutEngine:
         self.last_stats = {"steps": st.steps, "seconds": time.perf_counter() - start, "slots": slots,
                            "slot_len": slot_len, "graphs": len(self.runner.graphs), "new_tokens": st.new_tokens,
                            "turns": st.turns, "extend_tokens": st.extend_tokens, "prefill_tokens": st.prefill_tokens,
-                           "busy_slot_steps": st.busy_slot_steps, **st.extra}
+                           "busy_slot_steps": st.busy_slot_steps, "swaps": st.swaps, **st.extra}
 
     @staticmethod
     def _caps(n: int, params: SamplingParams, max_new_tokens: Optional[list[int]]) -> list[int]:

@@ -392,6 +392,15 @@ class ModelRunner:
         rows[:, :, dst] = rows[:, :, src]
         self.state.move(src, dst)
 
+    def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:
+        """Exchange the KV of slot pairs (a, b), disjoint. The decode state stays: the caller (session.py) swaps
+        only slots whose state is rewritten before use. In chunks, so the gathered copy stays small."""
+        rows = self.pool.slot_rows(self.layout[0], self.layout[1])  # [L, 2, slots, Hkv * S * D]
+        for i in range(0, len(pairs), chunk):
+            a, b = zip(*pairs[i:i + chunk])
+            src, dst = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
+            rows[:, :, dst] = rows[:, :, src]  # the right side is gathered first: a true exchange
+
     def collect(self, slots: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [k, N+1], logprobs [k, N+1], lengths [k]) of finished slots, gathered on the device."""
         idx, st = torch.tensor(slots, device=self.device), self.state

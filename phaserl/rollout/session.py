@@ -7,7 +7,10 @@ next positions, prefills only those (attending the kept KV: no re-prefill of the
 far) and starts the next turn from them; `release(key)` frees the slot for a new sequence. Every
 `step()` runs the queued prefills, one decode step over the occupied slots and returns the turns that
 ended. Like `RolloutEngine.generate`, the host runs one step ahead: it reads the finished flags of
-the previous step after launching the next one.
+the previous step after launching the next one. A decode step covers the slots up to the last decoding
+one only, and a resumed sequence moves down into the lowest slot that is not decoding (exchanging KV
+with the parked sequence or free slot there), so that while some sequences wait for their
+environment the others decode in a smaller step.
 
 Made by `RolloutEngine.session(...)`. Host-side bookkeeping plus calls into the runner; no threads,
 no environments, no tokenizer (phaserl.agents drives it).
@@ -54,6 +57,7 @@ class SessionStats:
     prefill_tokens: int = 0      # prompt ids prefilled (shared prompts counted once)
     extend_tokens: int = 0       # observation ids appended to kept KV
     busy_slot_steps: int = 0     # sum over decode steps of slots decoding (the rest were parked or free)
+    swaps: int = 0               # resumed sequences moved down into a free or parked slot (DecodeSession._pack)
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -68,7 +72,7 @@ class DecodeSession:
         self.free = list(range(num_slots - 1, -1, -1))  # a stack: the lowest slot comes out first
         self._starts: list[_Live] = []           # queued prefills: (live), prompt ids in _prompts
         self._prompts: dict = {}
-        self._extends: list = []                 # queued (slot, ids, start, cap)
+        self._extends: list = []                 # queued (live, ids, start, cap)
         self._known = None                       # the previous step's snapshot
         self._pinned: list = []                  # CUDA: two host buffers for the finished flags, alternating
         self._decoding = 0                       # sequences decoding a turn (kept as they change: read every step)
@@ -130,7 +134,7 @@ class DecodeSession:
             raise DataError(f"sequence {key!r}: {len(ids)} appended ids + a turn of {cap} exceed the {self.room(key)} "
                             f"positions left in its slot")
         # The last sampled id has no KV yet (a stopped slot is never fed): it is prefilled with the new ids.
-        self._extends.append((live.slot, [live.last_token, *ids], live.length - 1, cap))
+        self._extends.append((live, [live.last_token, *ids], live.length - 1, cap))
         live.length += len(ids)
         live.cap, live.turn, live.decoding = cap, live.turn + 1, True
         self._decoding += 1
@@ -179,8 +183,33 @@ class DecodeSession:
             self.stats.prefill_tokens += sum(map(len, groups))
             self._starts = []
         if self._extends:
-            self.runner.extend(self._extends)
+            self._pack([item[0] for item in self._extends])
+            self.runner.extend([(live.slot, ids, start, cap) for live, ids, start, cap in self._extends])
             self._extends = []
+
+    def _pack(self, resumed: list) -> None:
+        """Resumed sequences move down into the lowest slots that are not decoding (free, or parked: the two
+        exchange their KV), so that decoding sequences gather in low slots and the steps' span stays small
+        while others wait for their environment. Only KV moves: both slots' decode state is rewritten
+        before it is read again (the resumed one's by this extend, the parked one's by its own)."""
+        targets = [slot for slot, lv in enumerate(self.by_slot) if lv is None or not lv.decoding]  # ascending
+        pairs, taken = [], 0
+        for live in sorted(resumed, key=lambda lv: lv.slot):
+            if taken == len(targets) or targets[taken] > live.slot:
+                continue  # nothing lower to take (a later, higher one may still move down)
+            target, taken = targets[taken], taken + 1
+            other = self.by_slot[target]
+            pairs.append((live.slot, target))
+            self.by_slot[live.slot], self.by_slot[target] = other, live
+            if other is None:  # a free slot: the resumed one's old slot is free instead
+                self.free[self.free.index(target)] = live.slot
+            else:
+                other.slot = live.slot
+            live.slot = target
+        if pairs:
+            self.free.sort(reverse=True)
+            self.runner.swap_slots(pairs)
+            self.stats.swaps += len(pairs)
 
     def _snapshot(self, span: int):
         """Finished flags after the step just launched (copied without waiting) and who was decoding which turn.
