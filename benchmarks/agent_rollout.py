@@ -24,7 +24,8 @@ ended turns, applying environment answers, waiting for them); gc the garbage col
 
 Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the single-turn
 tokens/s), slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a
-tool or free), decode_steps, seconds (median) and seconds_all, device_s, device_busy, host_s, calls.
+tool or free), decode_steps, swaps (resumed episodes moved down into a parked slot), seconds (median)
+and seconds_all, device_s, device_busy, host_s, calls, gc.
 """
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
     st = engine.last_stats
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, decode_steps=st["steps"],
                 slot_occupancy=st["busy_slot_steps"] / max(1, st["steps"] * st["slots"]),
-                extend_tokens=st["extend_tokens"], **extra)
+                extend_tokens=st["extend_tokens"], swaps=st["swaps"], **extra)
 
 
 def single_turn(engine, ids, a) -> dict:
