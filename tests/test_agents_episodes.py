@@ -225,10 +225,10 @@ def test_a_pool_kept_across_rollouts_starts_its_threads_once(model):
 @pytest.mark.parametrize("window, merged", [(1.0, True), (0.0, False)])
 def test_with_nothing_decoding_answers_due_within_a_step_resume_together(model, monkeypatch, window, merged):
     """Four episodes end a turn on the same step; their environments answer 0, 30, 60, 90 ms later. Nothing
-    else decodes, so answers due within one decode step's time (here set to `window`) join one extend pass."""
+    else decodes, so answers due within what a separate resumption costs (here set to `window`) join one extend pass."""
     from phaserl.rollout.session import DecodeSession
 
-    monkeypatch.setattr(DecodeSession, "step_seconds", property(lambda self: window))
+    monkeypatch.setattr(DecodeSession, "gather_seconds", property(lambda self: window))
     passes = []
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
     real = engine.runner.extend

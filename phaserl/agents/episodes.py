@@ -7,8 +7,8 @@ DecodeSession (rollout/session.py) the other episodes keep decoding while one wa
 with its KV kept, and its observation ids are appended to that slot when they arrive.
 
     overlap=True   an environment's answer is used as soon as it arrives: decoding never waits for an
-                   environment (when nothing else decodes, answers due within one decode step's time are
-                   taken together). Which decode step an episode resumes at then depends on timing, so
+                   environment (when nothing else decodes, answers due within what a separate resumption
+                   would cost are taken together: DecodeSession.gather_seconds). Which decode step an episode resumes at then depends on timing, so
                    sampling is reproducible only up to environment timing.
     overlap=False  every answer is used at a fixed point (after the decode step that ended the turn,
                    in episode order): environments still run in parallel with each other, decoding
@@ -144,10 +144,11 @@ class EpisodeRunner:
 
     def _gathered(self, session, runs: list, answered: list) -> list:
         """With nothing decoding, the next step would run for the answered episodes alone: an answer due
-        within one decode step's time joins them (one extend pass, one resumption) instead of trailing a step."""
+        within what a separate resumption would cost (session.gather_seconds: a decode step or an extend
+        pass) joins them (one prefill or extend pass, one resumption) instead of trailing behind."""
         if not answered or session.decoding:
             return answered
-        return self._answers(runs, block=True, within=session.step_seconds)
+        return self._answers(runs, block=True, within=session.gather_seconds)
 
     def _start(self, session, run: _Run) -> None:
         ids = run.ids

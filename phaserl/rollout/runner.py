@@ -82,9 +82,9 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, sc
     return torch.matmul(probs, values).reshape(b, Hq * D)  # [b, Hkv, G, D] -> [b, Hq * D]
 
 
-def extend_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: Optional[float] = None) -> Tensor:
-    """M queries per row over its slot's keys: q [C, M, Hq, D], keys/values [C, Hkv, ctx, D], visible [C, M, ctx]
-    (True where a query may look) -> [C * M, Hq * D].
+def extend_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: Optional[float] = None) -> Tensor:
+    """M queries per row over its slot's keys: q [C, M, Hq, D], keys/values [C, Hkv, ctx, D], hidden [C, M, ctx]
+    (True where a query must not look) -> [C * M, Hq * D].
 
     Grouped-query heads are folded into the matmul like decode_attention's (each key/value byte read once, no
     [C, Hq, ctx, D] expansion): SDPA takes an explicit mask with grouped-query heads only on its math backend,
@@ -94,7 +94,7 @@ def extend_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, s
     Hkv, G = keys.shape[1], Hq // keys.shape[1]
     qg = (q * (D ** -0.5 if scale is None else scale)).view(C, M, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [C, Hkv, G, M, D]
     scores = torch.matmul(qg.reshape(C, Hkv, G * M, D), keys.transpose(-1, -2)).view(C, Hkv, G, M, -1)
-    probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)  # [C, Hkv, G, M, ctx]
+    probs = scores.masked_fill(hidden[:, None, None], float("-inf")).softmax(dim=-1)  # [C, Hkv, G, M, ctx]
     out = torch.matmul(probs.view(C, Hkv, G * M, -1), values).view(C, Hkv, G, M, D)
     return out.permute(0, 3, 1, 2, 4).reshape(C * M, Hq * D)
 
@@ -245,13 +245,13 @@ class ModelRunner:
     # ----- prefill --------------------------------------------------------------------------------
     def prefill(self, groups: list[tuple[tuple[int, ...], list[int], list[int]]]) -> None:
         """groups: (prompt, slots of its sequences, their caps); split into passes of <= prefill_tokens."""
-        chunk = []
+        chunk, longest = [], 0  # the running longest prompt of the chunk (rescanning it was O(groups^2))
         for group in groups:
-            longest = max([len(group[0])] + [len(g[0]) for g in chunk])
-            if chunk and longest * (len(chunk) + 1) > self.prefill_tokens:
+            if chunk and max(longest, len(group[0])) * (len(chunk) + 1) > self.prefill_tokens:
                 self._prefill_pass(chunk)
-                chunk = []
+                chunk, longest = [], 0
             chunk.append(group)
+            longest = max(longest, len(group[0]))
         self._prefill_pass(chunk)
 
     def _prefill_pass(self, groups) -> None:
@@ -290,13 +290,13 @@ class ModelRunner:
         attended (no re-prefill of the conversation so far). The last token's distribution draws the
         next turn's first token. Split into passes of <= prefill_tokens (rows x longest).
         """
-        chunk = []
+        chunk, longest = [], 0
         for item in items:
-            longest = max(len(i[1]) for i in chunk + [item])
-            if chunk and longest * (len(chunk) + 1) > self.prefill_tokens:
+            if chunk and max(longest, len(item[1])) * (len(chunk) + 1) > self.prefill_tokens:
                 self._extend_pass(chunk)
-                chunk = []
+                chunk, longest = [], 0
             chunk.append(item)
+            longest = max(longest, len(item[1]))
         if chunk:
             self._extend_pass(chunk)
 
@@ -313,17 +313,24 @@ class ModelRunner:
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         context = max(start + len(tokens) for _, tokens, start, _ in items)  # key positions any row sees
         key_pos = torch.arange(context, device=self.device)[None, None, :]  # [1, 1, ctx]
-        visible = {spec.window: (key_pos <= pos[:, :, None]) & (  # [C, M, ctx] causal, within a sliding window
-                   True if spec.window is None else key_pos > pos[:, :, None] - spec.window) for spec in self.specs}
+        hidden = {}  # window -> [C, M, ctx] True where a query must not look (later, or before its window)
+        for window in {spec.window for spec in self.specs}:
+            hidden[window] = key_pos > pos[:, :, None]
+            if window is not None:
+                hidden[window] |= key_pos <= pos[:, :, None] - window
+        # Where each new token's K/V goes, as rows of a layer's cache viewed [slots * Hkv * S, D]: one index_copy_
+        # per layer and tensor instead of a two-axis advanced-index assignment.
+        heads = torch.arange(Hkv, device=self.device)
+        rows = ((slots[:, None, None] * Hkv + heads[None, None, :]) * S + pos[:, :, None]).view(-1)  # [C * M * Hkv]
         flat = pos.view(-1)
         rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
         for keys, values, w, spec in zip(self.keys, self.values, self.weights, self.specs):
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
-            keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
-            values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
+            keys.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))  # k [C * M, Hkv * D]: rows in (C, M, Hkv) order
+            values.view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
             attn = extend_attention(q.view(C, M, Hq, D), keys[slots, :, :context], values[slots, :, :context],
-                                    visible[spec.window], spec.scale)  # [C * M, Hq * D]
+                                    hidden[spec.window], spec.scale)  # [C * M, Hq * D]
             h = self.fns.post(h, attn, w, spec)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))

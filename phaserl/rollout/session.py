@@ -28,6 +28,9 @@ from phaserl.errors import DataError
 from phaserl.rollout.runner import ModelRunner
 
 
+FIRST_GATHER_S = 0.01  # before the first step: resets answering within this of the first one prefill together
+
+
 @dataclass
 class Turn:
     """One ended model turn of a sequence."""
@@ -78,6 +81,7 @@ class DecodeSession:
         self._decoding = 0                       # sequences decoding a turn (kept as they change: read every step)
         self._last_decode = None                 # host clock at the last decode launch
         self._gaps: deque = deque(maxlen=16)     # wall between the recent decode launches
+        self._extend_seconds = 0.0               # host wall of the last extend call (its launches: eager, per layer)
         self.stats = SessionStats()
         self._t0 = time.perf_counter()
 
@@ -100,6 +104,15 @@ class DecodeSession:
         """A decode step's wall time, as the host sees it: launches run one step ahead, so their spacing is
         the step's time; the least of the recent gaps (a gap that waited for something else is only longer)."""
         return min(self._gaps, default=0.0)
+
+    @property
+    def gather_seconds(self) -> float:
+        """How long a caller with nothing decoding may wait for more sequences to resume together: what a
+        separate resumption for them would cost, one decode step or one more extend call (whichever is
+        more; the extend pass is eager, tens of ms on a GPU host); FIRST_GATHER_S before any step."""
+        if not self._gaps:
+            return FIRST_GATHER_S
+        return max(self.step_seconds, self._extend_seconds)
 
     def room(self, key: Hashable) -> int:
         """Positions left in the sequence's slot (for appended ids plus the next turn)."""
@@ -184,7 +197,9 @@ class DecodeSession:
             self._starts = []
         if self._extends:
             self._pack([item[0] for item in self._extends])
+            t0 = time.perf_counter()
             self.runner.extend([(live.slot, ids, start, cap) for live, ids, start, cap in self._extends])
+            self._extend_seconds = time.perf_counter() - t0
             self._extends = []
 
     def _pack(self, resumed: list) -> None:
