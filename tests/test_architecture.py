@@ -187,3 +187,15 @@ def test_lora_is_a_thin_seam_over_the_built_model():
     assert _imported_units(lora.read_text(), ["phaserl", "models", "lora"], is_package=False, units=units) <= {
         "errors"}
     assert "lora" not in (PKG / "models" / "decoder.py").read_text()
+
+
+def test_the_expert_mixture_is_written_once_in_models_moe():
+    """models/moe.py holds the MoE math (routing, expert mixtures, aux loss) and imports nothing of phaserl; the
+    decoder, the engine's runner and the layer pieces reach it through layers.post_attention, never restate it."""
+    moe = PKG / "models" / "moe.py"
+    assert _imported_units(moe.read_text(), ["phaserl", "models", "moe"], is_package=False, units=_units()) == set()
+    pieces = {n.name for n in ast.parse(moe.read_text()).body if isinstance(n, ast.FunctionDef)}
+    for user in PKG.rglob("*.py"):
+        if user != moe:
+            own = {n.name for n in ast.walk(ast.parse(user.read_text())) if isinstance(n, ast.FunctionDef)} & pieces
+            assert not own, f"{user.relative_to(PKG)} restates MoE pieces {sorted(own)}: use phaserl.models.moe"

@@ -53,6 +53,14 @@ class DecoderConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list, None] = None
     pad_token_id: Optional[int] = None
+    # Mixture of experts (Qwen3-MoE; moe.py). num_experts 0: every layer is a dense gated MLP.
+    num_experts: int = 0                     # E
+    num_experts_per_tok: int = 0             # k, the experts each token is routed to
+    moe_intermediate_size: int = 0           # I of each expert's SwiGLU MLP
+    norm_topk_prob: bool = False             # renormalize the k kept router probabilities to sum 1
+    decoder_sparse_step: int = 1             # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple = ()              # ... and i is not listed here
+    router_aux_loss_coef: float = 0.0        # weight of the router's load-balancing loss in training
 
     def __post_init__(self):
         from phaserl.models.families import FAMILIES
@@ -83,6 +91,12 @@ class DecoderConfig:
                 raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0):
+            raise ConfigError(f"MoE config: need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                              f"({self.num_experts}), moe_intermediate_size > 0 ({self.moe_intermediate_size}) and "
+                              f"decoder_sparse_step > 0 ({self.decoder_sparse_step})")
         if self.rope_scaling is not None:
             self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
             if self.rope_scaling["rope_type"] == "default":
@@ -106,6 +120,15 @@ class DecoderConfig:
     def local_rope(self, layer: int) -> bool:
         """True when layer `layer` takes the local (sliding layers') RoPE table instead of the global one."""
         return self.local_rope_theta is not None and self.window(layer) is not None
+
+    def is_moe(self, layer: int) -> bool:
+        """True when layer `layer` has a mixture of experts instead of the dense MLP (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe(i)]
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -30,6 +30,7 @@ from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_
 from phaserl.models.config import DecoderConfig
 from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention, rms_norm,
                                    rope_tables)
+from phaserl.models.moe import MoEWeights, Route, Routing, prepare_device
 from phaserl.models.rope import RotaryEmbedding
 
 
@@ -120,6 +121,25 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
 
+class Experts(nn.Module):
+    """A MoE layer's experts as stacked weights (transformers 5's names and layout; moe.py has the math)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # [gate; up] of each expert
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+class SparseMoE(nn.Module):
+    """A MoE layer's parameters: the router `gate` [E, H] and the stacked `experts`."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+
 # Which transformers norm name plays which role (LayerWeights field), per config.LAYER_NORMS.
 NORM_NAMES = {
     "pre": {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"},
@@ -137,37 +157,44 @@ class DecoderLayer(nn.Module):
         for name in self.norm_roles.values():
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style))
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if self.spec.moe is not None else MLP(cfg)
         self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend of cache-free calls
 
     def weights(self) -> LayerWeights:
         """The layer's parameters for layers.py: projections as modules (so wrappers of them are honoured)."""
         a, m = self.self_attn, self.mlp
         norms = {role: getattr(self, name).weight for role, name in self.norm_roles.items()}
+        if isinstance(m, SparseMoE):
+            dense = dict(gate=None, up=None, down=None, moe=MoEWeights(m.gate.weight, m.experts.gate_up_proj,
+                                                                       m.experts.down_proj))
+        else:
+            dense = dict(gate=m.gate_proj, up=m.up_proj, down=m.down_proj)
         return LayerWeights(
             attn_in=norms.get("attn_in"), q=a.q_proj, k=a.k_proj, v=a.v_proj, qkv=None, qkv_bias=None,
             q_norm=a.q_norm.weight if a.qk_norm else None, k_norm=a.k_norm.weight if a.qk_norm else None,
             o=a.o_proj, o_bias=None, attn_out=norms.get("attn_out"), mlp_in=norms.get("mlp_in"),
-            gate=m.gate_proj, up=m.up_proj, gate_up=None, down=m.down_proj, mlp_out=norms.get("mlp_out"))
+            gate_up=None, mlp_out=norms.get("mlp_out"), **dense)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, route: Optional[Route] = None) -> torch.Tensor:
         # The module call (and any FSDP hook on it) stays outside torch.compile; only the math is compiled.
-        if self.compiled and kv_cache is None:
+        if self.compiled and kv_cache is None and route is None:
             return _COMPILED_BLOCKS[self.compiled](self, h, cos, sin, attn)
-        return layer_block(self, h, cos, sin, attn, kv_cache)
+        return layer_block(self, h, cos, sin, attn, kv_cache, route)
 
 
 def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-    """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D]."""
+                attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None,
+                route: Optional[Route] = None) -> torch.Tensor:
+    """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D];
+    route: a MoE layer's routing in/out (moe.Route)."""
     spec, w = layer.spec, layer.weights()
     q, k, v = pre_attention(h, w, spec, cos, sin)  # [B, T, Hq|Hkv, D]
     if kv_cache is not None:
         k, v = kv_cache.update(layer.self_attn.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D]
     out = _attend(q, k, v, attn, spec.scale)  # [B, T, Hq, D]
-    return post_attention(h, out.flatten(-2), w, spec)
+    return post_attention(h, out.flatten(-2), w, spec, route)
 
 
 _COMPILED_BLOCKS: dict = {}  # backend -> torch.compile(layer_block), made once per process by enable_compile
@@ -232,7 +259,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
-                boundaries: Optional[PackedSeqs] = None) -> torch.Tensor:
+                boundaries: Optional[PackedSeqs] = None, routing: Optional[Routing] = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H].
 
         attention_mask [B, T]: 1 = real token, 0 = padding (either side). position_ids [B, T]: when None,
@@ -241,7 +268,8 @@ class DecoderModel(nn.Module):
         seq_ids [B, T] (packed rows, phaserl.packing): token i sees token j only when their ids are equal
         (and j <= i); needs explicit position_ids and no cache. boundaries: the same rows as the varlen
         kernel sees them (phaserl.packing.Packed.boundaries), when the caller knows them: saves the host
-        sync of working them out from seq_ids.
+        sync of working them out from seq_ids. routing (MoE models, moe.Routing): experts to replay
+        ([B, T, L, k], -1 = route by the router) and, filled here, the experts and router logits every MoE layer used.
         """
         if seq_ids is not None and (kv_cache is not None or position_ids is None):
             raise ValueError("DecoderModel.forward(seq_ids=...) packs sequences for a cache-free forward: "
@@ -266,13 +294,19 @@ class DecoderModel(nn.Module):
             if seq_ids is not None:  # block-diagonal: packed sequences never see each other
                 attn = {w: block_diagonal(m, seq_ids) for w, m in attn.items()}
         rope = self.rope(position_ids, h.dtype)
+        moe_layers = 0
+        if self.config.num_experts:
+            prepare_device(h.device)
         for layer in self.layers:
             cos, sin = rope[layer.spec.local_rope]
             a = attn[layer.spec.window]
+            route = None
+            if routing is not None and layer.spec.moe is not None:
+                route, moe_layers = routing.route(moe_layers), moe_layers + 1
             if self.gradient_checkpointing and self.training and kv_cache is None:
-                h = checkpoint(layer, h, cos, sin, a, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, a, kv_cache)
+                h = layer(h, cos, sin, a, kv_cache, route)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h)
@@ -289,6 +323,9 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
                 nn.init.normal_(m.weight, std=std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+            elif isinstance(m, Experts):
+                nn.init.normal_(m.gate_up_proj, std=std)
+                nn.init.normal_(m.down_proj, std=std)
             elif isinstance(m, RMSNorm):
                 (nn.init.zeros_ if m.style == "gemma" else nn.init.ones_)(m.weight)
 
@@ -333,6 +370,7 @@ class CausalLM(DecoderWrapper):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
-                boundaries: Optional[PackedSeqs] = None) -> torch.Tensor:
+                boundaries: Optional[PackedSeqs] = None, routing: Optional[Routing] = None) -> torch.Tensor:
         """input_ids [B, T] -> hidden [B, T, H]; see DecoderModel.forward for the arguments."""
-        return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids, boundaries=boundaries)
+        return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids, boundaries=boundaries,
+                          routing=routing)

@@ -11,6 +11,9 @@ same network. The layer math those fields select lives in `layers.py`, once for 
   gemma3_text           sandwich norms x * (1 + w), GeGLU, sqrt(H) embedding scale, per-head qk-norm,
                         query_pre_attn_scalar, local (sliding, own RoPE theta) / global layers
   olmo2                 norms after attention and MLP only, (w * x) rounding, qk-norm over the projection
+  qwen3_moe             Qwen3 with a mixture of experts in place of the MLP (moe.py: top-k softmax routing,
+                        stacked experts in memory, one tensor per expert in the files, the router's aux loss
+                        as output_router_logits + router_aux_loss_coef say); no sliding window
   phi3                  Llama with fused qkv_proj / gate_up_proj tensors in the checkpoint (split on load,
                         fused again on save: `native_state` / `hf_state`) and an optional sliding window
                         on every layer; partial rotary and longrope (Phi-3.5 / Phi-4-mini, 128k) are refused
@@ -27,6 +30,7 @@ import torch
 
 from phaserl.errors import ConfigError
 from phaserl.models.config import DecoderConfig, read_rope
+from phaserl.models.moe import file_expert, unstack_experts
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ FAMILIES: dict[str, Family] = {
                            "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                            "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh"},
                           {"qk_norm": True, "layer_norms": "sandwich", "norm_style": "gemma"}),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
+                        {**_LLAMA_LIKE, "max_position_embeddings": 32768, "decoder_sparse_step": 1,
+                         "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "output_router_logits": False},
+                        {"qk_norm": True}),
     "phi3": Family("Phi3ForCausalLM", "Phi3ForSequenceClassification",
                    {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}),
     "olmo2": Family("Olmo2ForCausalLM", "Olmo2ForSequenceClassification",
@@ -103,6 +111,8 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
         sliding_window=sliding_window, layer_types=layer_types, local_rope_theta=local_theta,
         bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
         **family.layout)
+    if model_type == "qwen3_moe":
+        fields.update(_read_moe(d, value, source))
     if model_type == "gemma3_text":
         fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"))
     try:
@@ -115,7 +125,7 @@ def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Opt
     """(sliding_window, layer_types) with layer_types None when every layer attends fully."""
     n = d["num_hidden_layers"]
     window = value("sliding_window")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         window = window if d.get("use_sliding_window") else None
     types = d.get("layer_types")
     if types is None:
@@ -134,6 +144,24 @@ def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Opt
     if window is None:
         raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
     return int(window), tuple(types)
+
+
+def _read_moe(d: dict, value, source: str) -> dict:
+    """The DecoderConfig MoE fields of a qwen3_moe config.json (num_experts is num_local_experts in 5.x files)."""
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", d.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", d.get("moe_intermediate_size"))) if v is None]
+    if missing:
+        raise ConfigError(f"{source}: missing key(s) {missing} needed to build a qwen3_moe model")
+    if d.get("use_sliding_window"):
+        raise ConfigError(f"{source}: use_sliding_window=true is not supported natively for qwen3_moe "
+                          "(model.implementation=transformers runs it)")
+    # transformers adds the aux loss only when output_router_logits is set: so does the actor.
+    coef = float(value("router_aux_loss_coef")) if value("output_router_logits") else 0.0
+    return dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=bool(value("norm_topk_prob")),
+                decoder_sparse_step=int(value("decoder_sparse_step")),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()), router_aux_loss_coef=coef)
 
 
 def _gemma3_rope(d: dict, source: str, value) -> tuple[Optional[dict], float]:
@@ -205,6 +233,12 @@ def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
                  attn_logit_softcapping=None)
     else:
         d["hidden_act"] = cfg.hidden_act
+    if t == "qwen3_moe":
+        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                 decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                 output_router_logits=cfg.router_aux_loss_coef > 0,
+                 router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001, use_sliding_window=False)
     if t in ("qwen2", "qwen3"):
         d["use_sliding_window"] = sliding
         d["max_window_layers"] = cfg.num_hidden_layers
@@ -236,6 +270,9 @@ def _fused_suffix(name: str) -> Optional[str]:
 
 def native_names(cfg: DecoderConfig, name: str) -> list[str]:
     """The names of our tensors that checkpoint tensor `name` holds (itself, unless the family fuses it)."""
+    expert = file_expert(name) if cfg.num_experts else None
+    if expert is not None:  # one file tensor per expert: it fills a slice of our stacked parameter
+        return [expert[0]]
     suffix = _fused_suffix(name) if cfg.model_type == "phi3" else None
     if suffix is None:
         return [name]
@@ -254,7 +291,9 @@ def native_state(cfg: DecoderConfig, name: str, tensor) -> dict:
 
 
 def hf_state(cfg: DecoderConfig, state: dict) -> dict:
-    """Our state dict -> the checkpoint layout of the family (fused tensors for Phi-3)."""
+    """Our state dict -> the checkpoint layout of the family (fused tensors for Phi-3, one per expert for MoE)."""
+    if cfg.num_experts:
+        return unstack_experts(state)
     if cfg.model_type != "phi3":
         return state
     out = {}

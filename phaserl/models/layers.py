@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaserl.models.config import DecoderConfig
+from phaserl.models.moe import MoESpec, MoEWeights, Route, moe_mlp
 
 Tensor = torch.Tensor
 Linear = Union[Tensor, nn.Module]  # a weight [out, in] (F.linear) or a module called on x
@@ -38,13 +39,15 @@ class LayerSpec:
     scale: Optional[float]          # attention scale; None = D ** -0.5
     window: Optional[int]           # sliding window (keys seen, own included); None = full attention
     local_rope: bool                # takes the sliding layers' RoPE table (Gemma 3)
+    moe: Optional[MoESpec] = None   # a mixture of experts instead of the gated MLP (moe.py)
 
 
 def layer_spec(cfg: DecoderConfig, layer: int) -> LayerSpec:
     scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
+    moe = MoESpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) if cfg.is_moe(layer) else None
     return LayerSpec((cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim), cfg.rms_norm_eps,
                      cfg.norm_style, cfg.qk_norm_scope if cfg.qk_norm else "", cfg.hidden_act, scale,
-                     cfg.window(layer), cfg.local_rope(layer))
+                     cfg.window(layer), cfg.local_rope(layer), moe)
 
 
 class LayerWeights(NamedTuple):
@@ -66,6 +69,7 @@ class LayerWeights(NamedTuple):
     gate_up: Optional[Tensor]       # [2 I, H] fused copy
     down: Linear
     mlp_out: Optional[Tensor]       # norm of the MLP output (sandwich, post)
+    moe: Optional[MoEWeights] = None  # router and stacked experts (gate/up/down are then None)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, style: str = "llama") -> Tensor:
@@ -131,14 +135,18 @@ def activation(gate: Tensor, act: str) -> Tensor:
     return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
 
 
-def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec) -> Tensor:
+def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, route: Optional[Route] = None) -> Tensor:
     """Residual stream after the attention core: h [N, H], attn [N, Hq * D] -> h [N, H]
-    (o_proj, its output norm, residual, MLP input norm, gated MLP, its output norm, residual)."""
+    (o_proj, its output norm, residual, MLP input norm, gated MLP or experts, its output norm, residual).
+    route: a MoE layer's routing in/out (moe.Route: replayed experts, the experts and router logits used)."""
     if w.attn_out is None:
         h = linear(attn, w.o, w.o_bias, residual=h)
     else:
         h = h + rms_norm(linear(attn, w.o, w.o_bias), w.attn_out, spec.eps, spec.norm_style)
     x = h if w.mlp_in is None else rms_norm(h, w.mlp_in, spec.eps, spec.norm_style)
+    if spec.moe is not None:
+        y = moe_mlp(x, w.moe, spec.moe, route)
+        return h + (y if w.mlp_out is None else rms_norm(y, w.mlp_out, spec.eps, spec.norm_style))
     if w.gate_up is not None:
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [N, I] each
     else:

@@ -1,0 +1,253 @@
+"""Qwen3-MoE natively (models/moe.py): fp32 logits equal transformers' Qwen3MoeForCausalLM both ways through
+Hugging Face directories (per-expert tensors in the files, stacked experts in memory), packed == padded, the
+grouped-GEMM expert mixture equals the readable loop, the auxiliary loss equals transformers', and the rollout
+engine's greedy decode equals the uncached loop. Routing replay: tests/test_moe_replay.py."""
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from phaserl.errors import ConfigError
+from phaserl.models import CausalLM, load_pretrained, save_pretrained
+from phaserl.models import moe
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+            num_experts=8, num_experts_per_tok=3)
+
+
+def hf_config(**changes):
+    # Layer 1 is a dense MLP (mlp_only_layers), so a mixed stack is what every test sees.
+    return transformers.Qwen3MoeConfig(**{**TINY, "norm_topk_prob": True, "mlp_only_layers": [1], **changes})
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
+    return module.eval()
+
+
+def left_padded_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (3, 9), generator=g)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "raw_topk"])
+def pair(request, tmp_path_factory):
+    """(transformers model, ours loaded from the directory transformers wrote)."""
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(hf_config(norm_topk_prob=request.param)))
+    directory = tmp_path_factory.mktemp("qwen3moe")
+    hf.save_pretrained(directory)
+    ours = load_pretrained(directory)
+    assert isinstance(ours, CausalLM)
+    return hf, ours, directory
+
+
+def test_transformers_files_hold_one_tensor_per_expert(pair):
+    # What phaserl must read: transformers 5 stacks experts in memory but writes them one by one.
+    _, _, directory = pair
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in names
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
+
+
+def test_logits_equal_transformers_in_float32(pair):
+    hf, ours, _ = pair
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = ours.logits(ours(ids, attention_mask=mask))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_routing_is_what_makes_them_equal(pair):
+    # The parity above can fail: routing every token to its lowest-probability experts changes the logits.
+    hf, ours, _ = pair
+    ids, mask, _ = left_padded_batch()
+    E, k = TINY["num_experts"], TINY["num_experts_per_tok"]
+    worst = torch.arange(E - k, E).expand(3, 9, 2, k)  # ids E-k.. for both MoE layers
+    with torch.no_grad():
+        normal = ours.logits(ours(ids, attention_mask=mask))
+        forced = ours.logits(ours(ids, attention_mask=mask, routing=moe.Routing(replay=worst)))
+    assert (normal - forced)[mask.bool()].abs().max() > 1e-3
+
+
+def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+    hf, ours, _ = pair
+    save_pretrained(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)
+    assert load_pretrained(tmp_path / "out").config == ours.config
+
+
+def test_packed_rows_equal_padded_rows(pair):
+    _, ours, _ = pair
+    ids, mask, _ = left_padded_batch()
+    lengths = mask.sum(-1).tolist()
+    rows = [ids[i, mask[i].bool()] for i in range(3)]
+    packed = torch.cat(rows)[None]  # [1, N]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        padded = ours(ids, attention_mask=mask)[mask.bool()]  # [N, H]
+        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
+    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+
+
+def expert_case(seed=0, N=37, H=16, I=8, E=6, k=2):
+    g = torch.Generator().manual_seed(seed)
+    w = moe.MoEWeights(torch.randn(E, H, generator=g), torch.randn(E, 2 * I, H, generator=g) * 0.3,
+                       torch.randn(E, H, I, generator=g) * 0.3)
+    x = torch.randn(N, H, generator=g)
+    ids, weights, _ = moe.route_tokens(x, w.router, moe.MoESpec(E, k, True))
+    return x, ids, weights, w
+
+
+@pytest.mark.skipif(not moe.grouped_mm_available(), reason="this torch has no grouped_mm")
+def test_grouped_gemm_mixture_equals_the_loop_on_the_cpu():
+    x, ids, weights, w = expert_case()
+    ids[:5] = 0  # a crowded expert; expert 5 gets nobody (an empty group)
+    ids = torch.where(ids == 5, 4, ids)
+    try:
+        grouped = moe.experts_grouped(x, ids, weights, w)
+    except (RuntimeError, NotImplementedError) as e:  # torch < 2.10 has no CPU kernel
+        pytest.skip(f"grouped_mm does not run on this CPU build: {e}")
+    torch.testing.assert_close(grouped, moe.experts_loop(x, ids, weights, w), atol=1e-5, rtol=1e-5)
+
+
+def test_gathered_mixture_equals_the_loop():
+    x, ids, weights, w = expert_case(seed=2)
+    torch.testing.assert_close(moe.experts_gathered(x, ids, weights, w), moe.experts_loop(x, ids, weights, w),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_the_auxiliary_loss_equals_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(12, 8, generator=g) for _ in range(3)]  # 3 layers, 2 rows x 6 tokens
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    expected = load_balancing_loss_func(tuple(logits), 8, 2, mask)
+    torch.testing.assert_close(moe.load_balancing_loss(logits, 2, mask), expected)
+    torch.testing.assert_close(moe.load_balancing_loss(logits, 2), load_balancing_loss_func(tuple(logits), 8, 2))
+
+
+def test_config_reads_transformers_keys_and_refuses_what_it_lacks(pair):
+    from phaserl.models.config import DecoderConfig
+
+    _, ours, _ = pair
+    cfg = ours.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_layers) == (8, 3, [0, 2])
+    assert cfg.router_aux_loss_coef == 0.0  # transformers adds it only with output_router_logits
+    d = hf_config(output_router_logits=True, router_aux_loss_coef=0.02).to_dict()
+    assert DecoderConfig.from_hf_dict(d).router_aux_loss_coef == 0.02
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        DecoderConfig.from_hf_dict({**d, "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        DecoderConfig.from_hf_dict({**d, "num_experts_per_tok": None})
+
+
+def test_a_missing_expert_in_the_files_is_named(pair, tmp_path):
+    from safetensors.torch import save_file
+
+    _, _, directory = pair
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        state = {n: f.get_tensor(n) for n in f.keys() if n != "model.layers.2.mlp.experts.5.gate_proj.weight"}
+    out = tmp_path / "broken"
+    out.mkdir()
+    (out / "config.json").write_text((directory / "config.json").read_text())
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(ConfigError, match="5.gate_proj"):
+        load_pretrained(out)
+
+
+def greedy_reference(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            seq.append(int(model.logits(model(torch.tensor([seq], device=model.output_weight.device)))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
+
+
+def test_engine_greedy_equals_the_uncached_loop(pair):
+    _, ours, _ = pair
+    engine = RolloutEngine(ours, EngineConfig(max_slots=3))  # 4 prompts through 3 slots: refill too
+    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert result.response_ids == [greedy_reference(ours, p, 8) for p in PROMPTS]
+    assert result.routes is None  # recorded only when asked (routing replay)
+
+
+def test_engine_keeps_the_expert_weights_in_place(pair):
+    _, ours, _ = pair
+    engine = RolloutEngine(ours, EngineConfig())
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, temperature=0.0), eos_token_ids=[], pad_token_id=0)
+    w = engine.runner.weights[0].moe
+    assert w.gate_up.data_ptr() == ours.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
+    assert w.down.data_ptr() == ours.model.layers[0].mlp.experts.down_proj.data_ptr()
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_gemm_equals_the_cpu_loop():
+    x, ids, weights, w = expert_case(N=64, H=64, I=32, E=8, k=2)
+    ids[:9] = 3  # a crowded expert
+    ids = torch.where(ids == 7, 6, ids)  # an empty one
+    on = lambda t: t.cuda().bfloat16()  # noqa: E731
+    assert moe.pick_mixture(on(x)) is moe.experts_grouped, "the H200 in bf16 must take the grouped kernel"
+    grouped = moe.experts_grouped(on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w)))
+    loop = moe.experts_loop(x.bfloat16().float(), ids, weights.bfloat16().float(),
+                            moe.MoEWeights(*(t.bfloat16().float() for t in w)))
+    torch.testing.assert_close(grouped.float().cpu(), loop, atol=5e-2, rtol=2e-2)
+    gathered = moe.experts_gathered(x.cuda(), ids.cuda(), weights.cuda(), moe.MoEWeights(*(t.cuda() for t in w)))
+    torch.testing.assert_close(gathered.cpu(), moe.experts_loop(x, ids, weights, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_engine_under_cuda_graphs_equals_the_engine_without(pair):
+    # The grouped kernel (bf16) captured in decode graphs computes what it computes eagerly.
+    _, ours, _ = pair
+    model = CausalLM(ours.config).cuda()
+    model.load_state_dict(ours.state_dict())
+    model = model.bfloat16().eval()
+    runs = []
+    for graphs in (True, False):
+        engine = RolloutEngine(model, EngineConfig(max_slots=8, token_budget=4096, cuda_graphs=graphs,
+                                                   record_routes=True))
+        result = engine.generate(PROMPTS * 5, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                                 pad_token_id=0)
+        runs.append((result.response_ids, [r.cpu() for r in result.routes]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_with_cuda_graphs_equals_the_uncached_loop(pair):
+    _, ours, _ = pair
+    model = CausalLM(ours.config).cuda()
+    model.load_state_dict(ours.state_dict())
+    model.eval()
+    prompts = PROMPTS * 5
+    engine = RolloutEngine(model, EngineConfig(max_slots=8, token_budget=4096))
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert engine.last_stats["graphs"] > 1
+    reference = {tuple(p): greedy_reference(model, p, 8) for p in PROMPTS}
+    assert result.response_ids == [reference[tuple(p)] for p in prompts]
