@@ -68,6 +68,7 @@ class Route:
 class Routing:
     """The routes of every MoE layer of one forward, in layer order (filled by the decoder)."""
     replay: Optional[Tensor] = None           # [..., L, k] ids aligned with the forward's tokens, -1 = none
+    mask: Optional[Tensor] = None             # [...] 1 = a real token (what the aux loss counts); None = all
     routes: list[Route] = field(default_factory=list)
 
     def route(self, moe_index: int) -> Route:
@@ -80,6 +81,10 @@ class Routing:
     def experts(self) -> Tensor:
         """[N, L, k] the experts every layer used."""
         return torch.stack([r.experts for r in self.routes], dim=1)
+
+    def aux_loss(self, top_k: int) -> Tensor:
+        """load_balancing_loss over this forward's MoE layers and real tokens."""
+        return load_balancing_loss([r.logits for r in self.routes], top_k, self.mask)
 
 
 def route_tokens(x: Tensor, router: Tensor, spec: MoESpec, replay: Optional[Tensor] = None
