@@ -251,3 +251,24 @@ def test_gpu_greedy_with_cuda_graphs_equals_the_uncached_loop(pair):
     assert engine.last_stats["graphs"] > 1
     reference = {tuple(p): greedy_reference(model, p, 8) for p in PROMPTS}
     assert result.response_ids == [reference[tuple(p)] for p in prompts]
+
+
+def test_lora_puts_adapters_on_attention_and_leaves_the_experts_frozen(pair):
+    import copy
+
+    from phaserl.models.lora import LoRASettings, apply_lora
+
+    _, ours, _ = pair
+    model = copy.deepcopy(ours)
+    apply_lora(model, LoRASettings(rank=4, alpha=8, target_modules=("all-linear",)))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("self_attn.q_proj.lora_A" in n for n in trainable)
+    assert not any(".experts." in n or ".mlp.gate." in n for n in trainable)
+    with torch.no_grad():  # adapters that change the output, so the engine must merge them to agree
+        for m in model.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.normal_(0.0, 0.3)
+    engine = RolloutEngine(model, EngineConfig())
+    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert result.response_ids == [greedy_reference(model, p, 6) for p in PROMPTS]
