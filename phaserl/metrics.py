@@ -131,7 +131,8 @@ class FlopModel:
     multiply-add). Forward + backward is 3 times that: forward, input gradients, weight gradients; the last
     only for the trainable share of the parameters (a frozen LoRA base: about 2 times, `update_passes`).
     The embedding lookup costs nothing; the vocabulary projection runs on response tokens only, as
-    phaserl's log-prob path does.
+    phaserl's log-prob path does. In a mixture of experts a token multiplies only its k of E experts: the
+    expert parameters count k / E of their number.
     """
     body_params: int   # parameters every token multiplies: all but the embedding and the LM head
     head_params: int   # V * H of the vocabulary projection (0 for a value model)
@@ -147,7 +148,9 @@ class FlopModel:
         untied = getattr(model, "lm_head", None)
         untied_params = untied.weight.numel() if untied is not None and hasattr(untied, "weight") else 0
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return cls(body_params=total - V * H - untied_params, head_params=V * H if lm_head else 0,
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+        idle = experts - experts * getattr(cfg, "num_experts_per_tok", 0) // max(getattr(cfg, "num_experts", 0), 1)
+        return cls(body_params=total - V * H - untied_params - idle, head_params=V * H if lm_head else 0,
                    attn_width=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
                    update_passes=2.0 + trainable / max(total, 1))
 

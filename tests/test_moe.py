@@ -272,3 +272,15 @@ def test_lora_puts_adapters_on_attention_and_leaves_the_experts_frozen(pair):
     result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0), eos_token_ids=[],
                              pad_token_id=0)
     assert result.response_ids == [greedy_reference(model, p, 6) for p in PROMPTS]
+
+
+def test_model_flops_count_the_active_experts_only(pair):
+    from phaserl.metrics import FlopModel
+
+    _, ours, _ = pair
+    cfg = ours.config
+    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    dense = FlopModel.of(ours).body_params
+    total = sum(p.numel() for p in ours.parameters()) - 2 * cfg.vocab_size * H  # untied head
+    expert_params = 2 * E * 3 * I * H  # two MoE layers
+    assert dense == total - expert_params + expert_params * k // E
