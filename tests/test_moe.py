@@ -284,3 +284,22 @@ def test_model_flops_count_the_active_experts_only(pair):
     total = sum(p.numel() for p in ours.parameters()) - 2 * cfg.vocab_size * H  # untied head
     expert_params = 2 * E * 3 * I * H  # two MoE layers
     assert dense == total - expert_params + expert_params * k // E
+
+
+def test_a_continued_turn_extends_the_slot_like_the_full_forward(pair):
+    # The engine's extend pass (multi-turn: appended ids prefilled at an offset) through MoE layers.
+    from tests.test_rollout_session import drive
+
+    _, ours, _ = pair
+    engine = RolloutEngine(ours, EngineConfig(max_slots=2))
+    observations = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [None]}
+    with engine.session(SamplingParams(max_new_tokens=4, temperature=0.0), slot_len=48, eos_token_ids=[]) as session:
+        for key in (0, 1):
+            session.start(key, PROMPTS[key], cap=4)
+        turns = drive(session, observations, {k: 4 for k in observations}, waiting=[2], prompt=PROMPTS)
+    for key, obs in observations.items():
+        seq = list(PROMPTS[key])
+        for k, turn in enumerate(turns[key]):
+            assert turn.token_ids == greedy_reference(ours, seq, 4)
+            seq += turn.token_ids + (obs[k] or [] if k < len(obs) else [])
+    assert engine.last_stats["extend_tokens"] == 6
