@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -166,7 +165,7 @@ def mismatch_replay(shape: str, root: str, device: str, dtype: torch.dtype) -> N
     from phaserl.models import moe
     from phaserl.roles.forward import batch_logprobs, rows_logprobs, split_rows
     from phaserl.roles.mismatch_probe import _batch
-    from phaserl.trainer.rollout_phase import routed_experts
+    from phaserl.batch import layout_routes
 
     model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native").eval()
     prompts = prompt_ids(shape)
@@ -175,7 +174,7 @@ def mismatch_replay(shape: str, root: str, device: str, dtype: torch.dtype) -> N
                           eos_token_ids=[], pad_token_id=0, generator=torch.Generator(device=device).manual_seed(0))
     batch = _batch(prompts, out.response_ids, out.logprobs, 0, device)
     P, R = batch.prompt_width, batch.response_mask.shape[1]
-    batch.routed_experts = routed_experts([SimpleNamespace(prompt_ids=p) for p in prompts], out.routes, P, R)
+    batch.routed_experts = layout_routes(list(map(len, prompts)), out.routes, P, R)
     engine.release()
     budget = 16384
     for replay in (False, True):

@@ -135,6 +135,16 @@ class TrainBatch:
         )
 
 
+def layout_routes(prompt_lengths: list, routes: list, P: int, R: int) -> torch.Tensor:
+    """The engine's per-sequence expert routes (GenerationResult.routes: [prompt + response, L, k] each) laid out
+    like input_ids (prompt left-padded to P, response right-padded to R), -1 at padding.  [B, P + R, L, k]"""
+    first = routes[0]
+    out = torch.full((len(routes), P + R, *first.shape[1:]), -1, dtype=first.dtype, device=first.device)
+    for i, (p, route) in enumerate(zip(prompt_lengths, routes)):
+        out[i, P - p:P - p + route.shape[0]] = route
+    return out
+
+
 def _row_taker(index: torch.Tensor):
     """t -> t[index], the index sent once to each device it meets, without waiting: indexing a CUDA
     tensor with a CPU index copies the index with a host sync, once per field and micro-batch."""

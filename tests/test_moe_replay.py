@@ -9,13 +9,12 @@ import pytest
 import torch
 import transformers
 
-from phaserl.batch import RolloutBatch
+from phaserl.batch import RolloutBatch, layout_routes
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, moe
 from phaserl.roles.forward import batch_logprobs, rows_logprobs
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from phaserl.trainer.dynamic_sampling import concat_batches
-from phaserl.trainer.rollout_phase import routed_experts
 
 torch.set_num_threads(1)
 
@@ -80,11 +79,7 @@ def rollout_batch(prompts, result) -> RolloutBatch:
     for i, (p, r) in enumerate(zip(prompts, result.response_ids)):
         ids[i, P - len(p):P], ids[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
         attention[i, P - len(p):P + len(r)] = 1
-
-    class Item:  # what routed_experts reads of a prompt item
-        def __init__(self, p):
-            self.prompt_ids = p
-    routes = routed_experts([Item(p) for p in prompts], result.routes, P, R)
+    routes = layout_routes(list(map(len, prompts)), result.routes, P, R)
     return RolloutBatch(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
                         response_mask=attention[:, P:], prompt_width=P, group_ids=torch.arange(B),
                         rollout_logprobs=torch.zeros(B, R), prompts=prompts, response_texts=[""] * B,
@@ -212,3 +207,16 @@ def test_a_train_step_replays_routes_and_adds_the_aux_loss(tmp_path, monkeypatch
     assert line["actor/router_aux_loss"] > 0 and math.isfinite(line["actor/grad_norm"])
     assert "mismatch/abs_diff_mean" in line
     assert replayed and all(r is not None and r.shape[-2:] == (2, 2) and (r >= 0).any() for r in replayed)
+
+
+def test_the_doctors_mismatch_probe_replays_when_the_run_does():
+    from phaserl.roles import HybridActor
+    from phaserl.roles.mismatch_probe import measure_mismatch
+
+    actor = HybridActor(tiny_moe())
+    metrics, tokens, path = measure_mismatch(
+        actor, PROMPTS, n=2, engine="builtin", max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
+        eos_token_ids=[], pad_token_id=0, token_budget=256, seed=0, replay=True)
+    assert tokens == 24 and path == "builtin engine"
+    assert metrics["mismatch/abs_diff_max"] < 1e-4  # fp32 on the CPU: the same experts, the same numbers
+    assert actor.engine.runner.record_routes

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, layout_routes
 from ..rollout import GenerationResult
 
 
@@ -65,20 +65,12 @@ def build_rollout_batch(items: list, n: int, result: GenerationResult, *, tokeni
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)         # [B, S]
     group_ids = torch.arange(len(items)).repeat_interleave(n) + group_offset  # [B]
     texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
-    return RolloutBatch(routed_experts=None if result.routes is None else routed_experts(rows, result.routes, P, R),
+    routes = None if result.routes is None else layout_routes([len(r.prompt_ids) for r in rows], result.routes, P, R)
+    return RolloutBatch(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
         position_ids=position_ids.to(device), response_mask=attention_mask[:, P:].to(device),
         prompt_width=P, group_ids=group_ids.to(device), rollout_logprobs=logprobs.to(device),
         prompts=[item.row.prompt for item in rows], response_texts=texts,
-        rows=[item.row for item in rows], finish_reasons=list(result.finish_reasons),
+        rows=[item.row for item in rows], finish_reasons=list(result.finish_reasons), routed_experts=routes,
     )
 
-
-def routed_experts(rows: list, routes: list, P: int, R: int) -> torch.Tensor:
-    """The engine's per-sequence routes ([prompt + response, L, k] each) laid out like input_ids.  [B, P + R, L, k]"""
-    first = routes[0]
-    out = torch.full((len(rows), P + R, *first.shape[1:]), -1, dtype=first.dtype, device=first.device)
-    for i, (item, route) in enumerate(zip(rows, routes)):
-        start = P - len(item.prompt_ids)
-        out[i, start:start + route.shape[0]] = route
-    return out
