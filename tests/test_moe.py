@@ -147,6 +147,17 @@ def test_the_auxiliary_loss_equals_transformers():
     torch.testing.assert_close(moe.load_balancing_loss(logits, 2), load_balancing_loss_func(tuple(logits), 8, 2))
 
 
+def test_a_forwards_aux_loss_equals_the_one_transformers_reports(pair):
+    hf, ours, _ = pair
+    ids, mask, positions = left_padded_batch()
+    routing = moe.Routing(mask=mask)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions, output_router_logits=True).aux_loss
+        ours(ids, attention_mask=mask, routing=routing)
+    assert len(routing.routes) == 2  # the two MoE layers, not the dense one
+    torch.testing.assert_close(routing.aux_loss(TINY["num_experts_per_tok"]), expected, atol=1e-6, rtol=1e-5)
+
+
 def test_config_reads_transformers_keys_and_refuses_what_it_lacks(pair):
     from phaserl.models.config import DecoderConfig
 
@@ -303,3 +314,24 @@ def test_a_continued_turn_extends_the_slot_like_the_full_forward(pair):
             assert turn.token_ids == greedy_reference(ours, seq, 4)
             seq += turn.token_ids + (obs[k] or [] if k < len(obs) else [])
     assert engine.last_stats["extend_tokens"] == 6
+
+
+@pytest.mark.slow  # dynamo tracing: ~10 s on 2 cores
+def test_the_engines_layer_functions_compile_whole_graphs_through_moe_layers(pair):
+    # fullgraph=True, as the engine compiles them on CUDA: routing, the expert mixture and the recorded experts
+    # trace without a graph break (the eager backend: tracing only, no code generation on the CPU).
+    import phaserl.rollout.runner as runner
+    from phaserl.models.layers import post_attention, pre_attention, rms_norm
+
+    _, ours, _ = pair
+    c = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True, backend="eager")  # noqa: E731
+    results = []
+    for compiled in (True, False):
+        engine = RolloutEngine(ours, EngineConfig(record_routes=True))
+        if compiled:
+            engine.runner.fns = runner.LayerFns(c(pre_attention), c(post_attention), c(rms_norm),
+                                                runner.cached_attention, c(runner.sample_tokens), None)
+        results.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0), eos_token_ids=[],
+                                       pad_token_id=0))
+    assert results[0].response_ids == results[1].response_ids
+    assert all(torch.equal(a, b) for a, b in zip(results[0].routes, results[1].routes))

@@ -12,7 +12,8 @@ This is transformers' Qwen3MoeSparseMoeBlock, computed two ways:
                    reads N*k expert copies, so only for what the grouped kernel lacks (fp32 on CUDA: tests).
 CUDA takes the grouped path in bf16 on sm90/sm100 (where torch's grouped kernel runs; elsewhere torch falls back
 to a loop with a host sync, which CUDA graphs cannot capture) and the gathered path otherwise; the CPU takes the
-loop (torch >= 2.10 also runs grouped_mm on the CPU, which the tests use to check the paths against each other).
+loop (gathered under torch.compile; torch >= 2.10 also runs grouped_mm on the CPU, which the tests use to check the
+paths against each other).
 Routing replay: `Route.replay` [N, k] holds expert ids to use instead of the router's top-k (-1: route this
 token by the router); the gate weights are then the router's probabilities of those experts, recomputed
 (and differentiable). Every call writes the experts it used to `Route.experts` and the router logits to
@@ -168,8 +169,8 @@ def prepare_device(device: torch.device) -> None:
 
 def pick_mixture(x: Tensor):
     """The expert-mixture function for x's device and dtype (see the module docstring)."""
-    if not x.is_cuda:
-        return experts_loop
+    if not x.is_cuda:  # the loop's shapes depend on the routing: torch.compile traces the gathered form instead
+        return experts_gathered if torch.compiler.is_compiling() else experts_loop
     grouped = _GROUPED_KERNEL.get(x.device.index, False)  # a CUDA tensor always has its index
     return experts_grouped if x.dtype == torch.bfloat16 and grouped else experts_gathered
 
