@@ -130,6 +130,28 @@ def test_grouped_gemm_mixture_equals_the_loop_on_the_cpu():
     torch.testing.assert_close(grouped, moe.experts_loop(x, ids, weights, w), atol=1e-5, rtol=1e-5)
 
 
+def mixture_grads(fn, x, ids, weights, w):
+    """Gradients of a fixed linear functional of fn's output w.r.t. x, the gate weights and the experts."""
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    experts = [t.clone().requires_grad_() for t in w[1:]]
+    out = fn(x, ids, weights, moe.MoEWeights(w.router, *experts))
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return [x.grad, weights.grad] + [t.grad for t in experts]
+
+
+@pytest.mark.parametrize("mixture", ["experts_grouped", "experts_gathered"])
+def test_every_mixture_has_the_loops_gradients(mixture):
+    if mixture == "experts_grouped" and not moe.grouped_mm_available():
+        pytest.skip("this torch has no grouped_mm")
+    case = expert_case(seed=4)
+    try:
+        got = mixture_grads(getattr(moe, mixture), *case)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"{mixture} does not run backward on this CPU build: {e}")
+    for g, expected in zip(got, mixture_grads(moe.experts_loop, *case)):
+        torch.testing.assert_close(g, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_gathered_mixture_equals_the_loop():
     x, ids, weights, w = expert_case(seed=2)
     torch.testing.assert_close(moe.experts_gathered(x, ids, weights, w), moe.experts_loop(x, ids, weights, w),
