@@ -249,6 +249,13 @@ def test_gpu_grouped_gemm_equals_the_cpu_loop():
     loop = moe.experts_loop(x.bfloat16().float(), ids, weights.bfloat16().float(),
                             moe.MoEWeights(*(t.bfloat16().float() for t in w)))
     torch.testing.assert_close(grouped.float().cpu(), loop, atol=5e-2, rtol=2e-2)
+    # and its backward (training runs it): bf16 gradients against the fp32 loop's, relative to their scale
+    got = mixture_grads(moe.experts_grouped, on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w)))
+    rounded = [t.bfloat16().float() for t in (x, weights)]
+    expected = mixture_grads(moe.experts_loop, rounded[0], ids, rounded[1],
+                             moe.MoEWeights(*(t.bfloat16().float() for t in w)))
+    for g, e in zip(got, expected):
+        assert (g.float().cpu() - e).norm() <= 2e-2 * e.norm()
     gathered = moe.experts_gathered(x.cuda(), ids.cuda(), weights.cuda(), moe.MoEWeights(*(t.cuda() for t in w)))
     torch.testing.assert_close(gathered.cpu(), moe.experts_loop(x, ids, weights, w), atol=1e-4, rtol=1e-4)
 
