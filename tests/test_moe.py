@@ -195,6 +195,27 @@ def test_config_reads_transformers_keys_and_refuses_what_it_lacks(pair):
         DecoderConfig.from_hf_dict({**d, "num_experts_per_tok": None})
 
 
+def test_experts_spread_over_shard_files_stack_like_one_file(pair, tmp_path):
+    # Released checkpoints split a layer's experts over several shards (transformers 5 keeps them together).
+    import json
+
+    from safetensors.torch import save_file
+
+    _, ours, directory = pair
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        names = sorted(f.keys())
+        shards = {f"model-0000{i + 1}-of-00003.safetensors": {n: f.get_tensor(n) for n in names[i::3]} for i in range(3)}
+    for file, tensors in shards.items():
+        save_file(tensors, tmp_path / file)
+    weight_map = {n: file for file, tensors in shards.items() for n in tensors}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    assert len({weight_map[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(8)}) == 3
+    sharded = load_pretrained(tmp_path)
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(sharded.state_dict()[name], tensor), name
+
+
 def test_a_missing_expert_in_the_files_is_named(pair, tmp_path):
     from safetensors.torch import save_file
 

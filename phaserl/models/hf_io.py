@@ -115,8 +115,12 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
                 if not any(name in expected for name in native_names(cfg, stored)):
                     continue
                 expert = file_expert(stored) if cfg.num_experts else None
-                if expert is not None:  # MoE: one tensor per expert, stacked below
-                    expert_parts.setdefault(expert[0], {})[expert[1:]] = f.get_tensor(stored)
+                if expert is not None:  # MoE: one tensor per expert, stacked once a parameter has them all
+                    parts = expert_parts.setdefault(expert[0], {})
+                    parts[expert[1:]] = f.get_tensor(stored)
+                    if len(parts) == cfg.num_experts * (1 if expert[0].endswith("down_proj") else 2):
+                        state[expert[0]] = _stacked(directory, expert[0], expert_parts.pop(expert[0]), cfg,
+                                                    expected, dtype, device)
                     continue
                 try:
                     pieces = native_state(cfg, stored, f.get_tensor(stored))
@@ -127,16 +131,21 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
                         raise ConfigError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
                                           f"implies {tuple(expected[name].shape)}")
                     state[name] = tensor.to(device=device, dtype=dtype)
-    for name, parts in expert_parts.items():
-        try:
-            tensor = stack_experts(name, parts, cfg.num_experts)
-        except ValueError as e:
-            raise ConfigError(f"{directory}: {e}") from None
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ConfigError(f"{directory}: experts of {name!r} stack to shape {tuple(tensor.shape)}, config.json "
-                              f"implies {tuple(expected[name].shape)}")
-        state[name] = tensor.to(device=device, dtype=dtype)
+    for name, parts in expert_parts.items():  # incomplete: the error names the missing experts
+        state[name] = _stacked(directory, name, parts, cfg, expected, dtype, device)
     module.load_state_dict(state, strict=not missing, assign=not missing)
+
+
+def _stacked(directory: Path, name: str, parts: dict, cfg: DecoderConfig, expected: dict, dtype, device):
+    """Our stacked expert parameter `name` from its per-expert file tensors, checked against config.json."""
+    try:
+        tensor = stack_experts(name, parts, cfg.num_experts)
+    except ValueError as e:
+        raise ConfigError(f"{directory}: {e}") from None
+    if tuple(tensor.shape) != tuple(expected[name].shape):
+        raise ConfigError(f"{directory}: experts of {name!r} stack to shape {tuple(tensor.shape)}, config.json "
+                          f"implies {tuple(expected[name].shape)}")
+    return tensor.to(device=device, dtype=dtype)
 
 
 def _build_on_meta(cfg: DecoderConfig, factory):
