@@ -152,6 +152,12 @@ def test_every_mixture_has_the_loops_gradients(mixture):
         torch.testing.assert_close(g, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_mixture_is_picked_by_device_dtype_and_size():
+    x, _, _, w = expert_case()  # CPU
+    assert moe.pick_mixture(x, w, 2) is moe.experts_loop
+    assert moe.pick_mixture(x.bfloat16(), w, 2) is moe.experts_loop  # no grouped kernel on the CPU
+
+
 def test_gathered_mixture_equals_the_loop():
     x, ids, weights, w = expert_case(seed=2)
     torch.testing.assert_close(moe.experts_gathered(x, ids, weights, w), moe.experts_loop(x, ids, weights, w),
@@ -265,7 +271,8 @@ def test_gpu_grouped_gemm_equals_the_cpu_loop():
     ids[:9] = 3  # a crowded expert
     ids = torch.where(ids == 7, 6, ids)  # an empty one
     on = lambda t: t.cuda().bfloat16()  # noqa: E731
-    assert moe.pick_mixture(on(x)) is moe.experts_grouped, "the H200 in bf16 must take the grouped kernel"
+    moe.prepare_device(torch.device("cuda"))
+    assert moe.pick_mixture(on(x), w, 2) is moe.experts_grouped, "the H200 in bf16 must take the grouped kernel"
     grouped = moe.experts_grouped(on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w)))
     loop = moe.experts_loop(x.bfloat16().float(), ids, weights.bfloat16().float(),
                             moe.MoEWeights(*(t.bfloat16().float() for t in w)))

@@ -9,11 +9,13 @@ This is transformers' Qwen3MoeSparseMoeBlock, computed two ways:
   experts_grouped  sort the (token, expert) pairs by expert, two grouped GEMMs (torch grouped_mm: one kernel
                    for all experts, no Python loop, no host sync, so CUDA graphs can capture it), unsort.
   experts_gathered each (token, expert) pair's weights gathered, one batched matmul: no sync either, but it
-                   reads N*k expert copies, so only for what the grouped kernel lacks (fp32 on CUDA: tests).
-CUDA takes the grouped path in bf16 on sm90/sm100 (where torch's grouped kernel runs; elsewhere torch falls back
-to a loop with a host sync, which CUDA graphs cannot capture) and the gathered path otherwise; the CPU takes the
-loop (gathered under torch.compile; torch >= 2.10 also runs grouped_mm on the CPU, which the tests use to check the
-paths against each other).
+                   copies N*k experts' weights, so only for what the grouped kernel lacks, at small sizes
+                   (fp32 on CUDA: tests) or under torch.compile.
+pick_mixture: CUDA in bf16 on sm90/sm100 (where torch's grouped kernel runs; elsewhere torch falls back to a loop
+with a host sync, which CUDA graphs cannot capture) takes the grouped path; otherwise CUDA takes the gathered path
+while its copy stays under GATHER_LIMIT, and the loop beyond (then no CUDA graphs: fp32 MoE at real sizes is for
+checking, not speed); the CPU takes the loop (gathered under torch.compile). torch >= 2.10 also runs grouped_mm on
+the CPU, which the tests use to check the paths against each other.
 Routing replay: `Route.replay` [N, k] holds expert ids to use instead of the router's top-k (-1: route this
 token by the router); the gate weights are then the router's probabilities of those experts, recomputed
 (and differentiable). Every call writes the experts it used to `Route.experts` and the router logits to
@@ -167,19 +169,26 @@ def prepare_device(device: torch.device) -> None:
             _GROUPED_KERNEL[index] = _GROUPED_MM is not None and major in (9, 10)
 
 
-def pick_mixture(x: Tensor):
-    """The expert-mixture function for x's device and dtype (see the module docstring)."""
-    if not x.is_cuda:  # the loop's shapes depend on the routing: torch.compile traces the gathered form instead
-        return experts_gathered if torch.compiler.is_compiling() else experts_loop
-    grouped = _GROUPED_KERNEL.get(x.device.index, False)  # a CUDA tensor always has its index
-    return experts_grouped if x.dtype == torch.bfloat16 and grouped else experts_gathered
+GATHER_LIMIT = 2**28  # most expert-weight elements experts_gathered may copy (1 GiB in fp32); beyond: the loop
+
+
+def pick_mixture(x: Tensor, w: MoEWeights, k: int):
+    """The expert-mixture function for x [N, H] (its device, dtype and size; see the module docstring)."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and _GROUPED_KERNEL.get(x.device.index, False):
+        return experts_grouped
+    gathered = x.shape[0] * k * (w.gate_up[0].numel() + w.down[0].numel())  # elements experts_gathered copies
+    # The loop syncs with the host (CUDA graphs cannot capture it) and its shapes depend on the routing (compile
+    # cannot trace it): the gathered form wherever it fits, and wherever compile traces.
+    if (x.is_cuda and gathered <= GATHER_LIMIT) or torch.compiler.is_compiling():
+        return experts_gathered
+    return experts_loop
 
 
 def moe_mlp(x: Tensor, w: MoEWeights, spec: MoESpec, route: Optional[Route] = None) -> Tensor:
     """x [..., H] -> [..., H]: route, then mix the experts (pick_mixture: grouped GEMMs on CUDA, a loop on CPU)."""
     flat = x.reshape(-1, x.shape[-1])  # [N, H]
     ids, weights, logits = route_tokens(flat, w.router, spec, None if route is None else route.replay)
-    out = pick_mixture(flat)(flat, ids, weights, w)
+    out = pick_mixture(flat, w, spec.top_k)(flat, ids, weights, w)
     if route is not None:
         route.experts, route.logits = ids, logits
     return out.view(x.shape)
