@@ -8,6 +8,8 @@ norms, o_proj, down_proj and embedding in place, and keeps its own concatenated 
 [gate; up] weights (one GEMM instead of three and two), refilled from the module at every call.
 Sliding layers attend within their window in prefill (an explicit mask), in the torch decode path and in
 the Triton kernel (which then reads only the window); their slots still hold the whole sequence.
+MoE layers (models/moe.py) read their router and experts in place; with `record_routes` every pass also
+writes the experts each MoE layer chose at each position into `routes` [slots, S, L, k] (routing replay).
   prefill  the prompts of newly admitted sequences, each distinct prompt once: its KV is written into
            every slot of the sequences that share it, and each sequence draws its own first token.
   decode   one token for every slot in [0, b); b is a bucket size, and on CUDA each (bucket, sampling
@@ -237,7 +239,7 @@ class ModelRunner:
         """Decode rows for slots [0, span): the smallest captured bucket, or exactly span without graphs."""
         return next(b for b in decode_buckets(self.layout[0]) if b >= span) if self.use_graphs else span
 
-    def _post(self, layer: int, h: Tensor, attn: Tensor, w: LayerWeights, spec) -> tuple[Tensor, Optional[Tensor]]:
+    def _post(self, h: Tensor, attn: Tensor, w: LayerWeights, spec) -> tuple[Tensor, Optional[Tensor]]:
         """layers.post_attention; with routes recorded, also the experts a MoE layer chose ([N, k], else None)."""
         if self.routes is None or spec.moe is None:
             return self.fns.post(h, attn, w, spec), None
@@ -279,7 +281,7 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(q.view(U, P, Hq, D).transpose(1, 2), k, v, attn_mask=mask,
                                                   is_causal=mask is None, scale=spec.scale,
                                                   enable_gqa=True)  # [U, Hq, P, D]
-            h, experts = self._post(layer, h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec)
+            h, experts = self._post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec)
             if experts is not None:  # the prompt's routing, into every slot that shares it (right padding too)
                 self.routes[slots, :P, self.moe_index[layer]] = experts.view(U, P, -1)[group_of]
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
@@ -331,7 +333,7 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(
                 q.view(C, M, Hq, D).transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
                 attn_mask=visible[spec.window][:, None], scale=spec.scale, enable_gqa=True)  # [C, Hq, M, D]
-            h, experts = self._post(layer, h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, spec)
+            h, experts = self._post(h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, spec)
             if experts is not None:
                 self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
@@ -354,12 +356,12 @@ class ModelRunner:
         tokens, pos = st.tokens[:b], st.pos[:b]
         rope = [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
         h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
+        rows = torch.arange(b, device=self.device)
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
-            h, experts = self._post(layer, h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window),
-                                    w, spec)
+            h, experts = self._post(h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window), w, spec)
             if experts is not None:  # at the fed token's position (idle rows: their own frozen one)
-                self.routes[torch.arange(b, device=self.device), pos, self.moe_index[layer]] = experts
+                self.routes[rows, pos, self.moe_index[layer]] = experts
         st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, *self.final_norm)))
 
     def decode(self, b: int) -> None:
