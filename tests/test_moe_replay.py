@@ -207,6 +207,15 @@ def test_a_train_step_replays_routes_and_adds_the_aux_loss(tmp_path, monkeypatch
     assert line["actor/router_aux_loss"] > 0 and math.isfinite(line["actor/grad_norm"])
     assert "mismatch/abs_diff_mean" in line
     assert replayed and all(r is not None and r.shape[-2:] == (2, 2) and (r >= 0).any() for r in replayed)
+    # the trained checkpoint (DCP, stacked experts) exports to per-expert files transformers loads, same logits
+    from phaserl.checkpoint import export_checkpoint
+
+    out = export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[5, 9, 14, 3, 7, 21]])
+    actor = trainer.actor.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, actor.logits(actor(ids)), atol=1e-5, rtol=1e-5)
 
 
 def test_the_doctors_mismatch_probe_replays_when_the_run_does():
