@@ -52,6 +52,8 @@ def tiny_config(model_type: str, vocab: int, eos: int, pad: int):
         "phi3": ("Phi3Config", dict(T, sliding_window=8)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(T, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                              num_experts_per_tok=2)),
+        "qwen2_moe": ("Qwen2MoeConfig", dict(T, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                             num_experts=4, num_experts_per_tok=2)),
         "qwen3_5_text": ("Qwen3_5TextConfig", dict(T, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
                                                    linear_key_head_dim=8, linear_value_head_dim=8,
                                                    layer_types=["linear_attention", "full_attention"])),

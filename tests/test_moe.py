@@ -19,9 +19,14 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediat
             num_experts=8, num_experts_per_tok=3)
 
 
-def hf_config(**changes):
-    # Layer 1 is a dense MLP (mlp_only_layers), so a mixed stack is what every test sees.
-    return transformers.Qwen3MoeConfig(**{**TINY, "norm_topk_prob": True, "mlp_only_layers": [1], **changes})
+def hf_config(kind: str = "norm_topk", **changes):
+    """qwen3_moe with renormalized or raw top-k weights, or qwen2_moe (q/k/v bias, a shared expert). Layer 1 is a
+    dense MLP (mlp_only_layers), so a mixed stack is what every test sees."""
+    if kind == "qwen2_shared":
+        return transformers.Qwen2MoeConfig(**{**TINY, "mlp_only_layers": [1], "shared_expert_intermediate_size": 24,
+                                              **changes})
+    return transformers.Qwen3MoeConfig(**{**TINY, "norm_topk_prob": kind == "norm_topk", "mlp_only_layers": [1],
+                                          **changes})
 
 
 def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -40,10 +45,10 @@ def left_padded_batch():
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "raw_topk"])
+@pytest.fixture(scope="module", params=["norm_topk", "raw_topk", "qwen2_shared"])
 def pair(request, tmp_path_factory):
     """(transformers model, ours loaded from the directory transformers wrote)."""
-    hf = randomize(transformers.AutoModelForCausalLM.from_config(hf_config(norm_topk_prob=request.param)))
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(hf_config(request.param)))
     directory = tmp_path_factory.mktemp("qwen3moe")
     hf.save_pretrained(directory)
     ours = load_pretrained(directory)
@@ -133,7 +138,7 @@ def test_grouped_gemm_mixture_equals_the_loop_on_the_cpu():
 def mixture_grads(fn, x, ids, weights, w):
     """Gradients of a fixed linear functional of fn's output w.r.t. x, the gate weights and the experts."""
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
-    experts = [t.clone().requires_grad_() for t in w[1:]]
+    experts = [t.clone().requires_grad_() for t in (w.gate_up, w.down)]
     out = fn(x, ids, weights, moe.MoEWeights(w.router, *experts))
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return [x.grad, weights.grad] + [t.grad for t in experts]
@@ -193,7 +198,7 @@ def test_config_reads_transformers_keys_and_refuses_what_it_lacks(pair):
     cfg = ours.config
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_layers) == (8, 3, [0, 2])
     assert cfg.router_aux_loss_coef == 0.0  # transformers adds it only with output_router_logits
-    d = hf_config(output_router_logits=True, router_aux_loss_coef=0.02).to_dict()
+    d = hf_config(output_router_logits=True, router_aux_loss_coef=0.02).to_dict()  # qwen3_moe
     assert DecoderConfig.from_hf_dict(d).router_aux_loss_coef == 0.02
     with pytest.raises(ConfigError, match="use_sliding_window"):
         DecoderConfig.from_hf_dict({**d, "use_sliding_window": True})
@@ -273,22 +278,22 @@ def test_gpu_grouped_gemm_equals_the_cpu_loop():
     on = lambda t: t.cuda().bfloat16()  # noqa: E731
     moe.prepare_device(torch.device("cuda"))
     assert moe.pick_mixture(on(x), w, 2) is moe.experts_grouped, "the H200 in bf16 must take the grouped kernel"
-    grouped = moe.experts_grouped(on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w))).float().cpu()
+    grouped = moe.experts_grouped(on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w[:3]))).float().cpu()
     # bf16 rounds gate/up, the product and each expert's output (0.4% of the norm here, on the CPU as on the
     # H200); a wrong group or weight is O(1). Elementwise, the bf16 loop rounds at the same points.
     loop = moe.experts_loop(x.bfloat16().float(), ids, weights.bfloat16().float(),
-                            moe.MoEWeights(*(t.bfloat16().float() for t in w)))
+                            moe.MoEWeights(*(t.bfloat16().float() for t in w[:3])))
     assert (grouped - loop).norm() <= 1e-2 * loop.norm()
-    loop_bf16 = moe.experts_loop(on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w))).float().cpu()
+    loop_bf16 = moe.experts_loop(on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w[:3]))).float().cpu()
     torch.testing.assert_close(grouped, loop_bf16, atol=2e-2 * float(loop.abs().max()), rtol=2e-2)
     # and its backward (training runs it): bf16 gradients against the fp32 loop's, relative to their scale
-    got = mixture_grads(moe.experts_grouped, on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w)))
+    got = mixture_grads(moe.experts_grouped, on(x), ids.cuda(), on(weights), moe.MoEWeights(*map(on, w[:3])))
     rounded = [t.bfloat16().float() for t in (x, weights)]
     expected = mixture_grads(moe.experts_loop, rounded[0], ids, rounded[1],
-                             moe.MoEWeights(*(t.bfloat16().float() for t in w)))
+                             moe.MoEWeights(*(t.bfloat16().float() for t in w[:3])))
     for g, e in zip(got, expected):
         assert (g.float().cpu() - e).norm() <= 2e-2 * e.norm()
-    gathered = moe.experts_gathered(x.cuda(), ids.cuda(), weights.cuda(), moe.MoEWeights(*(t.cuda() for t in w)))
+    gathered = moe.experts_gathered(x.cuda(), ids.cuda(), weights.cuda(), moe.MoEWeights(*(t.cuda() for t in w[:3])))
     torch.testing.assert_close(gathered.cpu(), moe.experts_loop(x, ids, weights, w), atol=1e-4, rtol=1e-4)
 
 

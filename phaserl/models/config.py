@@ -61,6 +61,7 @@ class DecoderConfig:
     decoder_sparse_step: int = 1             # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple = ()              # ... and i is not listed here
     router_aux_loss_coef: float = 0.0        # weight of the router's load-balancing loss in training
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert MLP of this width beside the routed ones
 
     def __post_init__(self):
         from phaserl.models.families import FAMILIES
@@ -108,8 +109,8 @@ class DecoderConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        # Qwen2 puts a bias on q/k/v only; the other families use one `attention_bias` flag for all four.
-        return self.attention_bias and self.model_type != "qwen2"
+        # Qwen2 (and Qwen2-MoE) put a bias on q/k/v only; the other families use one `attention_bias` flag for all four.
+        return self.attention_bias and self.model_type not in ("qwen2", "qwen2_moe")
 
     def window(self, layer: int) -> Optional[int]:
         """The sliding window of layer `layer` (keys it sees, its own included), or None for full attention."""

@@ -30,7 +30,7 @@ from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_
 from phaserl.models.config import DecoderConfig
 from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention, rms_norm,
                                    rope_tables)
-from phaserl.models.moe import MoEWeights, Route, Routing, prepare_device
+from phaserl.models.moe import MoEWeights, Route, Routing, SharedExpert, prepare_device
 from phaserl.models.rope import RotaryEmbedding
 
 
@@ -114,11 +114,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The gated MLP's parameters: down(act(gate(x)) * up(x)), act = silu (SwiGLU) or gelu-tanh (GeGLU)."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, width: Optional[int] = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
 
 class Experts(nn.Module):
@@ -132,12 +133,21 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A MoE layer's parameters: the router `gate` [E, H] and the stacked `experts`."""
+    """A MoE layer's parameters: the router `gate` [E, H], the stacked `experts`, and Qwen2-MoE's shared expert
+    with its sigmoid gate."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def weights(self) -> MoEWeights:
+        s = getattr(self, "shared_expert", None)
+        shared = None if s is None else SharedExpert(s.gate_proj, s.up_proj, s.down_proj, self.shared_expert_gate.weight)
+        return MoEWeights(self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, shared)
 
 
 # Which transformers norm name plays which role (LayerWeights field), per config.LAYER_NORMS.
@@ -165,8 +175,7 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         norms = {role: getattr(self, name).weight for role, name in self.norm_roles.items()}
         if isinstance(m, SparseMoE):
-            dense = dict(gate=None, up=None, down=None, moe=MoEWeights(m.gate.weight, m.experts.gate_up_proj,
-                                                                       m.experts.down_proj))
+            dense = dict(gate=None, up=None, down=None, moe=m.weights())
         else:
             dense = dict(gate=m.gate_proj, up=m.up_proj, down=m.down_proj)
         return LayerWeights(

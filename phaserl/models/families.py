@@ -14,6 +14,8 @@ same network. The layer math those fields select lives in `layers.py`, once for 
   qwen3_moe             Qwen3 with a mixture of experts in place of the MLP (moe.py: top-k softmax routing,
                         stacked experts in memory, one tensor per expert in the files, the router's aux loss
                         as output_router_logits + router_aux_loss_coef say); no sliding window
+  qwen2_moe             Qwen2 (q/k/v bias: qkv_bias) with the same experts plus a shared expert MLP, gated by
+                        sigmoid(shared_expert_gate · x); no sliding window
   phi3                  Llama with fused qkv_proj / gate_up_proj tensors in the checkpoint (split on load,
                         fused again on save: `native_state` / `hf_state`) and an optional sliding window
                         on every layer; partial rotary and longrope (Phi-3.5 / Phi-4-mini, 128k) are refused
@@ -63,6 +65,9 @@ FAMILIES: dict[str, Family] = {
                         {**_LLAMA_LIKE, "max_position_embeddings": 32768, "decoder_sparse_step": 1,
                          "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "output_router_logits": False},
                         {"qk_norm": True}),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification",
+                        {**_LLAMA_LIKE, **_QWEN_WINDOW, "decoder_sparse_step": 1, "norm_topk_prob": False,
+                         "router_aux_loss_coef": 0.001, "output_router_logits": False, "qkv_bias": True}),
     "phi3": Family("Phi3ForCausalLM", "Phi3ForSequenceClassification",
                    {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}),
     "olmo2": Family("Olmo2ForCausalLM", "Olmo2ForSequenceClassification",
@@ -106,12 +111,12 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
         rope_theta=float(rope_theta), rope_scaling=rope_scaling, rms_norm_eps=value("rms_norm_eps"),
         tie_word_embeddings=value("tie_word_embeddings"),
         # Qwen2's q/k/v bias is fixed by its architecture, not read from config.json.
-        attention_bias=True if model_type == "qwen2" else value("attention_bias"),
+        attention_bias={"qwen2": True, "qwen2_moe": value("qkv_bias")}.get(model_type, value("attention_bias")),
         hidden_act=value("hidden_activation") if model_type == "gemma3_text" else value("hidden_act", "silu"),
         sliding_window=sliding_window, layer_types=layer_types, local_rope_theta=local_theta,
         bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
         **family.layout)
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         fields.update(_read_moe(d, value, source))
     if model_type == "gemma3_text":
         fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"))
@@ -125,7 +130,7 @@ def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Opt
     """(sliding_window, layer_types) with layer_types None when every layer attends fully."""
     n = d["num_hidden_layers"]
     window = value("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         window = window if d.get("use_sliding_window") else None
     types = d.get("layer_types")
     if types is None:
@@ -151,17 +156,21 @@ def _read_moe(d: dict, value, source: str) -> dict:
     experts = d.get("num_experts", d.get("num_local_experts"))
     missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", d.get("num_experts_per_tok")),
                               ("moe_intermediate_size", d.get("moe_intermediate_size"))) if v is None]
+    shared = d.get("shared_expert_intermediate_size") if d["model_type"] == "qwen2_moe" else 0
+    if shared is None:
+        missing.append("shared_expert_intermediate_size")
     if missing:
-        raise ConfigError(f"{source}: missing key(s) {missing} needed to build a qwen3_moe model")
+        raise ConfigError(f"{source}: missing key(s) {missing} needed to build a {d['model_type']} model")
     if d.get("use_sliding_window"):
-        raise ConfigError(f"{source}: use_sliding_window=true is not supported natively for qwen3_moe "
+        raise ConfigError(f"{source}: use_sliding_window=true is not supported natively for {d['model_type']} "
                           "(model.implementation=transformers runs it)")
     # transformers adds the aux loss only when output_router_logits is set: so does the actor.
     coef = float(value("router_aux_loss_coef")) if value("output_router_logits") else 0.0
     return dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]),
                 moe_intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=bool(value("norm_topk_prob")),
                 decoder_sparse_step=int(value("decoder_sparse_step")),
-                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()), router_aux_loss_coef=coef)
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()), router_aux_loss_coef=coef,
+                shared_expert_intermediate_size=int(shared))
 
 
 def _gemma3_rope(d: dict, source: str, value) -> tuple[Optional[dict], float]:
@@ -233,7 +242,9 @@ def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
                  attn_logit_softcapping=None)
     else:
         d["hidden_act"] = cfg.hidden_act
-    if t == "qwen3_moe":
+    if t == "qwen2_moe":
+        d.update(qkv_bias=cfg.attention_bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    if t in ("qwen3_moe", "qwen2_moe"):
         d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                  moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                  decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, top-k routing), shared by the training decoder and the rollout engine.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE; top-k routing), shared by the training decoder and the rollout engine.
 
 A MoE layer replaces the gated MLP: a router (a linear map [E, H]) scores E experts per token, softmax in
 float32, the top k are kept (their probabilities renormalized to sum 1 when `norm_topk_prob`), and the
@@ -24,7 +24,8 @@ transformers' load_balancing_loss_func).
 Checkpoint files hold one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, the format
 of every transformers version and of released checkpoints): `file_expert` / `stack_experts` /
 `unstack_experts` map between them and the stacked parameters.
-Not here: shared experts (Qwen2-MoE), expert parallelism (experts are sharded like any weight, by FSDP2),
+Qwen2-MoE adds a shared expert (`SharedExpert`): a SwiGLU MLP every token goes through, scaled by a sigmoid gate.
+Not here: expert parallelism (experts are sharded like any weight, by FSDP2),
 capacity limits or token dropping (none: every token gets its k experts, as in transformers), LoRA on
 experts (adapters go on the attention projections only).
 
@@ -34,10 +35,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 Tensor = torch.Tensor
 
@@ -53,10 +55,19 @@ class MoESpec:
     norm_topk_prob: bool    # renormalize the k kept probabilities to sum 1
 
 
+class SharedExpert(NamedTuple):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token goes through, scaled by sigmoid(score · x)."""
+    gate: Union[Tensor, nn.Module]  # [Is, H] (a module where adapters may wrap it: the decoder passes its Linears)
+    up: Union[Tensor, nn.Module]    # [Is, H]
+    down: Union[Tensor, nn.Module]  # [H, Is]
+    score: Tensor                   # [1, H]
+
+
 class MoEWeights(NamedTuple):
     router: Tensor          # [E, H]
     gate_up: Tensor         # [E, 2I, H]
     down: Tensor            # [E, H, I]
+    shared: Optional[SharedExpert] = None
 
 
 @dataclass
@@ -189,9 +200,17 @@ def moe_mlp(x: Tensor, w: MoEWeights, spec: MoESpec, route: Optional[Route] = No
     flat = x.reshape(-1, x.shape[-1])  # [N, H]
     ids, weights, logits = route_tokens(flat, w.router, spec, None if route is None else route.replay)
     out = pick_mixture(flat, w, spec.top_k)(flat, ids, weights, w)
+    if w.shared is not None:
+        s = w.shared
+        out = out + torch.sigmoid(F.linear(flat, s.score)) * _apply(F.silu(_apply(flat, s.gate)) * _apply(flat, s.up),
+                                                                     s.down)
     if route is not None:
         route.experts, route.logits = ids, logits
     return out.view(x.shape)
+
+
+def _apply(x: Tensor, w: Union[Tensor, nn.Module]) -> Tensor:
+    return w(x) if isinstance(w, nn.Module) else F.linear(x, w)
 
 
 def load_balancing_loss(logits: list[Tensor], top_k: int, mask: Optional[Tensor] = None) -> Tensor:

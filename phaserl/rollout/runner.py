@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from phaserl.models.decoder import CausalLM
 from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
 from phaserl.models.lora import engine_weight
-from phaserl.models.moe import Route, prepare_device
+from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import kernels
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
@@ -65,10 +65,21 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     if m.q.bias is not None:
         qkv_bias = cat([m.q.bias, m.k.bias, m.v.bias], previous and previous.qkv_bias)
     # A MoE layer's router and stacked experts are read in place (m.moe): no copy of the expert weights.
-    mlp = {} if m.moe is not None else dict(gate=None, up=None, down=w(m.down, previous and previous.down),
-                                            gate_up=cat([w(m.gate), w(m.up)], previous and previous.gate_up))
+    if m.moe is not None:
+        mlp = dict(moe=m.moe if m.moe.shared is None else m.moe._replace(
+            shared=shared_expert_weights(m.moe.shared, previous and previous.moe.shared)))
+    else:
+        mlp = dict(gate=None, up=None, down=w(m.down, previous and previous.down),
+                   gate_up=cat([w(m.gate), w(m.up)], previous and previous.gate_up))
     return m._replace(q=None, k=None, v=None, qkv=cat([w(m.q), w(m.k), w(m.v)], previous and previous.qkv),
                       qkv_bias=qkv_bias, o=w(m.o, previous and previous.o), o_bias=m.o.bias, **mlp)
+
+
+def shared_expert_weights(s: SharedExpert, previous: Optional[SharedExpert]) -> SharedExpert:
+    """Qwen2-MoE's shared expert for the engine: its projections as tensors (LoRA adapters merged, engine_weight)."""
+    return s._replace(gate=engine_weight(s.gate, previous and previous.gate),
+                      up=engine_weight(s.up, previous and previous.up),
+                      down=engine_weight(s.down, previous and previous.down))
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: Optional[float] = None) -> Tensor:
