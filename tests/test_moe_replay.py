@@ -229,3 +229,23 @@ def test_the_doctors_mismatch_probe_replays_when_the_run_does():
     assert tokens == 24 and path == "builtin engine"
     assert metrics["mismatch/abs_diff_max"] < 1e-4  # fp32 on the CPU: the same experts, the same numbers
     assert actor.engine.runner.record_routes
+
+
+def test_gradient_checkpointing_recomputes_the_replayed_routing_exactly():
+    model = tiny_moe()
+    prompts, result = sample(model)
+    batch = rollout_batch(prompts, result)
+    perturb_router(model)
+    grads = []
+    for checkpointed in (False, True):
+        model.zero_grad()
+        model.train()
+        model.gradient_checkpointing = checkpointed
+        routing = moe.Routing()
+        logp, _, mask = rows_logprobs(model, batch, torch.arange(len(prompts)), packing=True, temperature=1.0,
+                                      with_entropy=False, routing=routing)
+        (-(logp * mask).sum() + 0.1 * routing.aux_loss(K)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-6)
