@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -76,8 +76,9 @@ class HybridActor(CheckpointedRole):
         self.loss = loss
 
     def setup_routing(self, *, replay: bool) -> None:
-        """MoE actors (models/moe.py): routing replay (the engine records the experts of every position and the
-        training forwards use them; actor.routing_replay) and the router's aux loss, as the model's config says."""
+        """MoE actors (models/moe.py): routing replay (the engine, made at the first rollout, records the experts of
+        every position and the training forwards use them; actor.routing_replay) and the router's aux loss, as the
+        model's config says."""
         native_moe = isinstance(self.model, CausalLM) and self.model.config.num_experts > 0
         if replay and not native_moe:
             raise ConfigError(f"actor.routing_replay=true needs a mixture-of-experts model on phaserl's decoder "
@@ -172,7 +173,10 @@ class HybridActor(CheckpointedRole):
 
     def _ensure_engine(self) -> None:
         if self.engine is None and self.engine_kind != "hf" and RolloutEngine.supports(self.model):
-            self.engine = RolloutEngine(self.model, self.engine_config)
+            config = self.engine_config or EngineConfig()
+            if self.routing_replay:  # the engine records each position's experts for the training forwards
+                config = replace(config, record_routes=True)
+            self.engine = RolloutEngine(self.model, config)
 
     # ----- forward-only -----------------------------------------------------------------------
     def compute_logprobs(self, batch, *, token_budget: int) -> torch.Tensor:
