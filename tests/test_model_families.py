@@ -1,4 +1,4 @@
-"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 text, OLMo 2, Phi-3), each against transformers'
+"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 and 4 text, OLMo 2, Phi-3), each against transformers'
 own class: fp32 logits both ways through Hugging Face directories, packed == padded, the engine's greedy
 decode == the uncached loop, and sliding windows honoured by every attention core (mask, engine torch path,
 Triton decode kernel)."""
@@ -15,6 +15,8 @@ torch.set_num_threads(1)
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
 ALTERNATE = ["sliding_attention", "full_attention"] * 2
+GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e4},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 
 
 def family_configs():
@@ -27,6 +29,14 @@ def family_configs():
         ("gemma3-local-global", transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=3,
                                                               query_pre_attn_scalar=24, layer_types=ALTERNATE,
                                                               rope_parameters=gemma_rope)),
+        # Gemma 4: global layers with their own head_dim, kv heads, proportional RoPE and v = k; soft-capped logits.
+        ("gemma4-global-k-eq-v", transformers.Gemma4TextConfig(
+            **TINY, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+            hidden_size_per_layer_input=0, sliding_window=3, layer_types=ALTERNATE, final_logit_softcapping=5.0,
+            rope_parameters=GEMMA4_ROPE)),
+        ("gemma4-global-head-dim", transformers.Gemma4TextConfig(
+            **TINY, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, sliding_window=3,
+            layer_types=ALTERNATE, rope_parameters=GEMMA4_ROPE)),
         ("olmo2-postnorm", transformers.Olmo2Config(**TINY)),
         ("phi3-fused-sliding", transformers.Phi3Config(**TINY, sliding_window=3, pad_token_id=0, eos_token_id=2)),
         ("qwen2-sliding-layers", transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=3,
@@ -44,6 +54,9 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for name, p in module.named_parameters():
             base = 1.0 if name.endswith("norm.weight") else 0.0
             p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, a checkpoint buffer
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
     return module.eval()
 
 
@@ -81,7 +94,8 @@ def test_the_sliding_window_is_what_makes_them_equal(pair):
     hf, ours, _ = pair
     if ours.config.layer_types is None:
         pytest.skip("no sliding layers in this family's test config")
-    full = CausalLM(ours.config.replace(layer_types=None, sliding_window=None))
+    # A window wider than any test sequence: the same layers (shapes, RoPE tables), only the window differs.
+    full = CausalLM(ours.config.replace(sliding_window=10_000))
     full.load_state_dict(ours.state_dict())
     ids, mask, _ = left_padded_batch()
     with torch.no_grad():
