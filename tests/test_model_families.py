@@ -252,3 +252,43 @@ def test_config_round_trips_through_config_json(pair):
 
     _, ours, _ = pair
     assert DecoderConfig.from_hf_dict(ours.config.to_hf_dict()) == ours.config
+
+
+GEMMA4_REFUSED = {
+    "per-layer inputs": (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=96),
+                         "hidden_size_per_layer_input=8"),
+    # With per-layer inputs, as in E2B/E4B (transformers 5.24's own forward needs them with shared KV).
+    "shared kv": (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2),
+                  "num_kv_shared_layers=2"),
+    "moe block": (dict(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                       moe_intermediate_size=16), "enable_moe_block=true"),
+}
+
+
+@pytest.mark.parametrize("part", list(GEMMA4_REFUSED))
+def test_gemma4_parts_we_do_not_implement_are_refused_and_the_transformers_path_runs_them(tmp_path, part):
+    from phaserl.errors import ConfigError
+
+    extra, message = GEMMA4_REFUSED[part]
+    config = transformers.Gemma4TextConfig(**TINY, head_dim=8, global_head_dim=16, sliding_window=3,
+                                           layer_types=ALTERNATE, final_logit_softcapping=5.0, **extra)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=f"{message}.*model.implementation=transformers runs it exactly"):
+        load_pretrained(tmp_path)
+    exact = load_pretrained(tmp_path, implementation="transformers")  # its head probe passed: exact log-probs
+    assert not exact.plain_head  # soft-capped: scored through the model's own head
+
+
+def test_soft_capping_is_what_makes_gemma4_logits_equal(pair):
+    # The soft-capped parity above must be able to fail: the same model without the cap differs.
+    _, ours, _ = pair
+    if ours.config.final_logit_softcapping is None:
+        pytest.skip("no soft-capping in this family's test config")
+    assert not ours.plain_head
+    plain = CausalLM(ours.config.replace(final_logit_softcapping=None))
+    plain.load_state_dict(ours.state_dict())
+    assert plain.plain_head
+    ids, mask, _ = left_padded_batch()
+    with torch.no_grad():
+        a, b = ours.logits(ours(ids, attention_mask=mask)), plain.logits(plain(ids, attention_mask=mask))
+    assert (a - b)[mask.bool()].abs().max() > 1e-2

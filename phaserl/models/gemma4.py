@@ -35,16 +35,19 @@ LAYOUT = {"qk_norm": True, "layer_norms": "sandwich", "norm_style": "olmo2", "v_
 
 
 def reject_unsupported(d: dict, source: str, value) -> None:
-    """The parts of Gemma 4 the native decoder does not implement: an error, never different logits."""
+    """The parts of Gemma 4 the native decoder does not implement: an error naming all of them, never
+    different logits."""
+    parts = []
     if value("hidden_size_per_layer_input"):
-        raise ConfigError(f"{source}: hidden_size_per_layer_input={value('hidden_size_per_layer_input')} (per-layer "
-                          f"input embeddings, Gemma 4 E2B/E4B) is not implemented natively; {FALLBACK}")
+        parts.append(f"hidden_size_per_layer_input={value('hidden_size_per_layer_input')} (per-layer input "
+                     "embeddings, Gemma 4 E2B/E4B)")
     if value("num_kv_shared_layers"):
-        raise ConfigError(f"{source}: num_kv_shared_layers={d['num_kv_shared_layers']} (layers that reuse earlier "
-                          f"layers' keys and values) is not implemented natively; {FALLBACK}")
+        parts.append(f"num_kv_shared_layers={d['num_kv_shared_layers']} (layers that reuse earlier layers' keys "
+                     "and values)")
     if d.get("enable_moe_block"):
-        raise ConfigError(f"{source}: enable_moe_block=true (Gemma 4's mixture-of-experts block) is not "
-                          f"implemented natively; {FALLBACK}")
+        parts.append("enable_moe_block=true (the mixture-of-experts block, Gemma 4 26B-A4B)")
+    if parts:
+        raise ConfigError(f"{source}: {'; '.join(parts)}: not implemented natively; {FALLBACK}")
 
 
 def global_heads(d: dict, source: str, value, layer_types: Optional[tuple]) -> tuple[int, Optional[int]]:
