@@ -292,3 +292,25 @@ def test_soft_capping_is_what_makes_gemma4_logits_equal(pair):
     with torch.no_grad():
         a, b = ours.logits(ours(ids, attention_mask=mask)), plain.logits(plain(ids, attention_mask=mask))
     assert (a - b)[mask.bool()].abs().max() > 1e-2
+
+
+def test_kv_pool_lays_out_per_layer_head_shapes_and_moves_whole_slots():
+    # Gemma 4: sliding layers 2 kv heads of 8, global layers 1 of 16; every layer's slot moves with one copy.
+    from phaserl.models import DecoderConfig
+    from phaserl.rollout.kv_pool import KVPool
+
+    cfg = DecoderConfig(model_type="gemma4_text", **TINY, head_dim=8, global_head_dim=16, global_kv_heads=1,
+                        sliding_window=3, layer_types=ALTERNATE)
+    pool = KVPool(cfg, torch.float32, "cpu")
+    keys, values = pool.layout(num_slots=3, slot_len=5)
+    assert [tuple(k.shape) for k in keys] == [(3, 2, 5, 8), (3, 1, 5, 16)] * 2
+    assert pool.bytes_per_token == 2 * 4 * 16 * 4  # K and V, 4 layers, the widest layer's 16 elements, fp32
+    g = torch.Generator().manual_seed(0)
+    for t in keys + values:
+        t.copy_(torch.randn(t.shape, generator=g))
+    before = [t.clone() for t in keys + values]
+    rows = pool.slot_rows(3, 5)
+    rows[:, :, torch.tensor([0])] = rows[:, :, torch.tensor([2])]
+    for old, new in zip(before, keys + values):
+        torch.testing.assert_close(new[0], old[2], rtol=0, atol=0)
+        torch.testing.assert_close(new[1:], old[1:], rtol=0, atol=0)
