@@ -34,9 +34,9 @@ def family_configs():
             **TINY, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
             hidden_size_per_layer_input=0, sliding_window=3, layer_types=ALTERNATE, final_logit_softcapping=5.0,
             rope_parameters=GEMMA4_ROPE)),
-        ("gemma4-global-head-dim", transformers.Gemma4TextConfig(
+        ("gemma4-global-head-dim", transformers.Gemma4TextConfig(  # "vision": bidirectional for images only
             **TINY, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, sliding_window=3,
-            layer_types=ALTERNATE, rope_parameters=GEMMA4_ROPE)),
+            layer_types=ALTERNATE, rope_parameters=GEMMA4_ROPE, use_bidirectional_attention="vision")),
         ("olmo2-postnorm", transformers.Olmo2Config(**TINY)),
         ("phi3-fused-sliding", transformers.Phi3Config(**TINY, sliding_window=3, pad_token_id=0, eos_token_id=2)),
         ("qwen2-sliding-layers", transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=3,

@@ -169,7 +169,9 @@ def _reject_unsupported(d: dict, source: str, value) -> None:
         if d.get(key) is not None and not (key == "final_logit_softcapping" and d.get("model_type") == "gemma4_text"):
             raise ConfigError(f"{source}: {key}={d[key]} is not implemented natively; the transformers path "
                               "computes it exactly (model.engine: transformers)")
-    if d.get("use_bidirectional_attention"):
+    # Gemma 4's "vision" makes image tokens attend both ways, in the multimodal model only: text stays causal.
+    if d.get("use_bidirectional_attention") and not (d.get("model_type") == "gemma4_text"
+                                                     and d["use_bidirectional_attention"] == "vision"):
         raise ConfigError(f"{source}: use_bidirectional_attention=true is not a causal LM")
     if d.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported natively")
