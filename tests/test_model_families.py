@@ -314,3 +314,20 @@ def test_kv_pool_lays_out_per_layer_head_shapes_and_moves_whole_slots():
     for old, new in zip(before, keys + values):
         torch.testing.assert_close(new[0], old[2], rtol=0, atol=0)
         torch.testing.assert_close(new[1:], old[1:], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, window", [(256, None), (512, None), (512, 100)])
+def test_gpu_triton_decode_attention_at_gemma_head_dims(head_dim, window):
+    # Gemma 4's global layers have head_dim 512: the kernel takes smaller key blocks there (shared memory).
+    g = torch.Generator().manual_seed(0)
+    Hq, Hkv, slots, S = 8, 1, 4, 700
+    keys, values = (torch.randn(slots, Hkv, S, head_dim, generator=g).cuda().bfloat16() for _ in range(2))
+    q = torch.randn(4, Hq, head_dim, generator=g).cuda().bfloat16()
+    k, v = (torch.randn(4, Hkv, head_dim, generator=g).cuda().bfloat16() for _ in range(2))
+    pos = torch.tensor([0, 63, 300, 699], device="cuda")
+    ref_keys, ref_values = keys.clone(), values.clone()
+    out = kernels.decode_attention(q, k, v, keys, values, pos, 1.0 / 16, window)
+    expected = cached_attention(q.float(), k.float(), v.float(), ref_keys.float(), ref_values.float(), pos, 1.0 / 16,
+                                window)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
