@@ -240,10 +240,24 @@ def test_what_a_family_has_and_we_do_not_is_refused_not_approximated(tmp_path):
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported natively"):
         load_pretrained(tmp_path / "phi")
     assert load_pretrained(tmp_path / "phi", implementation="transformers").plain_head
-    capped = transformers.Gemma3TextConfig(**TINY, head_dim=8, final_logit_softcapping=30.0)
+    capped = transformers.Gemma3TextConfig(**TINY, head_dim=8, attn_logit_softcapping=50.0)
     transformers.AutoModelForCausalLM.from_config(capped).save_pretrained(tmp_path / "gemma")
-    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not implemented natively"):
+    with pytest.raises(ConfigError, match="attn_logit_softcapping=50.0 is not implemented natively"):
         load_pretrained(tmp_path / "gemma")
+
+
+def test_gemma3_with_final_logit_soft_capping_is_native_and_exact(tmp_path):
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(transformers.Gemma3TextConfig(
+        **TINY, head_dim=8, sliding_window=3, layer_types=ALTERNATE, final_logit_softcapping=2.0)))
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    assert isinstance(ours, CausalLM) and not ours.plain_head
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = ours.logits(ours(ids, attention_mask=mask))
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert expected.abs().max() < 2.0  # the cap shaped these logits
 
 
 def test_config_round_trips_through_config_json(pair):

@@ -16,7 +16,7 @@ same network. The layer math those fields select lives in `layers.py`, once for 
   phi3                  Llama with fused qkv_proj / gate_up_proj tensors in the checkpoint (split on load,
                         fused again on save: `native_state` / `hf_state`) and an optional sliding window
                         on every layer; partial rotary and longrope (Phi-3.5 / Phi-4-mini, 128k) are refused
-Features a family has in transformers but not here (logit/attention soft-capping, bidirectional attention,
+Features a family has in transformers but not here (attention soft-capping, bidirectional attention,
 partial rotary, mlp_bias) are errors, never silently different logits. Not here: weights (hf_io.py).
 """
 from __future__ import annotations
@@ -112,7 +112,8 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
         bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
         **family.layout)
     if model_type == "gemma3_text":
-        fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"))
+        fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"),
+                      final_logit_softcapping=d.get("final_logit_softcapping"))
     if model_type == "gemma4_text":
         fields.update(gemma4.fields(d, source, value, layer_types))
     try:
@@ -166,7 +167,7 @@ def _reject_unsupported(d: dict, source: str, value) -> None:
     if act not in allowed:
         raise ConfigError(f"{source}: {act_key}={act!r} is not supported natively (only {allowed})")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if d.get(key) is not None and not (key == "final_logit_softcapping" and d.get("model_type") == "gemma4_text"):
+        if d.get(key) is not None and not (key == "final_logit_softcapping" and d.get("model_type") in _GEMMA):
             raise ConfigError(f"{source}: {key}={d[key]} is not implemented natively; the transformers path "
                               "computes it exactly (model.engine: transformers)")
     # Gemma 4's "vision" makes image tokens attend both ways, in the multimodal model only: text stays causal.
@@ -213,7 +214,7 @@ def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
         d["mlp_bias"] = False
     if t == "gemma3_text":
         d.update(hidden_activation=cfg.hidden_act, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                 rope_local_base_freq=cfg.local_rope_theta, final_logit_softcapping=None,
+                 rope_local_base_freq=cfg.local_rope_theta, final_logit_softcapping=cfg.final_logit_softcapping,
                  attn_logit_softcapping=None)
     elif t == "gemma4_text":  # rope_parameters per layer type instead of rope_theta / rope_scaling
         d.update(gemma4.hf_fields(cfg))
