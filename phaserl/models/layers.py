@@ -157,4 +157,5 @@ def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec) ->
         h = linear(a, w.down, residual=h)
     else:
         h = h + rms_norm(linear(a, w.down), w.mlp_out, spec.eps, spec.norm_style)
-    return h if w.layer_scalar is None else h * w.layer_scalar
+    # In h's dtype, as transformers' in-place `h *= layer_scalar` (an fp32 buffer under bf16 compute included).
+    return h if w.layer_scalar is None else h * w.layer_scalar.to(h.dtype)
