@@ -1,5 +1,5 @@
-"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 and 4 text, OLMo 2, Phi-3), each against transformers'
-own class: fp32 logits both ways through Hugging Face directories, packed == padded, the engine's greedy
+"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 and 4 text, OLMo 2, Phi-3), each against
+transformers' own class: fp32 logits both ways through Hugging Face directories, packed == padded, the engine's greedy
 decode == the uncached loop, and sliding windows honoured by every attention core (mask, engine torch path,
 Triton decode kernel)."""
 import pytest
@@ -345,3 +345,19 @@ def test_gpu_triton_decode_attention_at_gemma_head_dims(head_dim, window):
     expected = cached_attention(q.float(), k.float(), v.float(), ref_keys.float(), ref_values.float(), pos, 1.0 / 16,
                                 window)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_gemma4_without_sliding_layers_exports_a_config_transformers_accepts(tmp_path):
+    # Every layer global: each takes global_head_dim; transformers' config still wants an int sliding_window.
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(transformers.Gemma4TextConfig(
+        **TINY, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, layer_types=["full_attention"] * 4)))
+    hf.save_pretrained(tmp_path / "in")
+    ours = load_pretrained(tmp_path / "in")
+    assert ours.config.layer_types is None and ours.config.heads(0) == (4, 2, 16)
+    save_pretrained(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)

@@ -89,8 +89,9 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
     local_theta = None
     if model_type == "gemma4_text":
         gemma4.reject_unsupported(d, source, value)
-        d = {**d, "rope_parameters": gemma4.rope_parameters(d), "layer_types": gemma4.last_layer_full(d.get("layer_types"))}
-    if model_type in ("gemma3_text", "gemma4_text"):
+        d = {**d, "rope_parameters": gemma4.rope_parameters(d),
+             "layer_types": gemma4.last_layer_full(d.get("layer_types"))}
+    if model_type in _GEMMA:
         rope_params, local_theta = _gemma3_rope(d, source, value)
     elif isinstance(rope_params, dict) and "full_attention" in rope_params:
         raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported natively for {model_type}")
@@ -169,11 +170,12 @@ def _reject_unsupported(d: dict, source: str, value) -> None:
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if d.get(key) is not None and not (key == "final_logit_softcapping" and d.get("model_type") in _GEMMA):
             raise ConfigError(f"{source}: {key}={d[key]} is not implemented natively; the transformers path "
-                              "computes it exactly (model.engine: transformers)")
+                              "computes it exactly (model.implementation=transformers)")
     # Gemma 4's "vision" makes image tokens attend both ways, in the multimodal model only: text stays causal.
     if d.get("use_bidirectional_attention") and not (d.get("model_type") == "gemma4_text"
                                                      and d["use_bidirectional_attention"] == "vision"):
-        raise ConfigError(f"{source}: use_bidirectional_attention=true is not a causal LM")
+        raise ConfigError(f"{source}: use_bidirectional_attention={d['use_bidirectional_attention']!r} is not a causal "
+                          "LM")
     if d.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported natively")
     if d.get("pretraining_tp", 1) not in (1, None):
@@ -227,6 +229,8 @@ def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
     if t in ("mistral", "phi3") and sliding and set(cfg.layer_types) != {"sliding_attention"}:
         raise ConfigError(f"a {t} config slides on every layer or none; use model_type ministral for a mix")
     d["sliding_window"] = cfg.sliding_window if sliding else None
+    if t == "gemma4_text" and not sliding:  # transformers' Gemma4TextConfig wants an int; no layer uses it
+        d["sliding_window"] = gemma4.DEFAULTS["sliding_window"]
     if t == "phi3":
         d.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_position_embeddings)
     if t not in ("mistral", "phi3", "gemma4_text"):

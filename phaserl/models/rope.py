@@ -9,7 +9,8 @@ float32, following the formulas transformers uses so that logits match bit for b
   yarn     NTK-by-parts interpolation + an attention temperature applied to cos/sin
   proportional  Gemma 4's global layers: the first partial_rotary_factor * D / 2 frequencies are
            theta^(-2i/D) (D the whole head_dim), the rest 0 (those dims are not rotated), all / factor
-Not here: Phi-style partial rotary (a rotated prefix of each head), longrope, multimodal rope (their configs are rejected in config.py).
+Not here: Phi-style partial rotary (a rotated prefix of each head), longrope, multimodal rope (their configs are
+rejected in config.py).
 
 Legend: B batch, T tokens, D head_dim.
 """
@@ -94,7 +95,8 @@ def proportional_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
     s, dim = cfg.rope_scaling, cfg.head_dim
     rotated = int(s.get("partial_rotary_factor", 1.0) * dim // 2)  # frequencies that rotate
     inv_freq = _default_inv_freq(cfg.rope_theta, dim)[:rotated]
-    inv_freq = torch.cat([inv_freq, torch.zeros(dim // 2 - rotated, device="cpu")])  # angle 0: cos 1, sin 0, not rotated
+    # The rest get angle 0: cos 1, sin 0, so those dims pass unrotated.
+    inv_freq = torch.cat([inv_freq, torch.zeros(dim // 2 - rotated, device="cpu")])
     return inv_freq / s.get("factor", 1.0), 1.0
 
 
