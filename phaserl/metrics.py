@@ -136,7 +136,7 @@ class FlopModel:
     """
     body_params: int   # parameters every token multiplies: all but the embedding and the LM head
     head_params: int   # V * H of the vocabulary projection (0 for a value model)
-    attn_width: int    # num_hidden_layers * num_attention_heads * head_dim
+    attn_width: int    # sum over layers of num_attention_heads * head_dim
     update_passes: float = 3.0  # forward + backward in forward units: 2 + the trainable share of the parameters
 
     @classmethod
@@ -150,8 +150,11 @@ class FlopModel:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
         idle = experts - experts * getattr(cfg, "num_experts_per_tok", 0) // max(getattr(cfg, "num_experts", 0), 1)
+        attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+        if hasattr(cfg, "heads"):  # a native DecoderConfig: per-layer head shapes (Gemma 4's global layers)
+            attn_width = sum(cfg.heads(i)[0] * cfg.heads(i)[2] for i in range(cfg.num_hidden_layers))
         return cls(body_params=total - V * H - untied_params - idle, head_params=V * H if lm_head else 0,
-                   attn_width=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
+                   attn_width=attn_width,
                    update_passes=2.0 + trainable / max(total, 1))
 
     def forward_flops(self, lengths: torch.Tensor, response_tokens: float) -> float:

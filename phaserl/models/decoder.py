@@ -1,4 +1,4 @@
-"""The native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2, Phi-3): one readable implementation for training.
+"""The native decoder (Llama, Qwen2/3, Mistral, Gemma 3/4, OLMo 2, Phi-3): one readable implementation for training.
 
 `CausalLM(cfg)(input_ids, ...)` returns the final-normed hidden states, not logits: callers project to
 the vocabulary in chunks (`model.output_weight`) so that a [B, T, V] tensor never has to exist.
@@ -7,7 +7,9 @@ names), so safetensors files load by name. The modules here only hold parameters
 each layer runs `layers.pre_attention` -> an attention core (attention.py: SDPA with an explicit boolean
 mask, or the varlen kernel for packed rows) -> `layers.post_attention`, the same functions the rollout
 engine runs, so training and rollout compute one thing. Sliding layers get their window in the mask or
-the kernel; Gemma 3's sliding layers get their own RoPE table.
+the kernel; Gemma 3/4's sliding layers get their own RoPE table (Gemma 4's global layers their own head_dim).
+Soft-capped logits (Gemma 4's final_logit_softcapping) make `plain_head` False: `logits()` applies the cap
+and the roles score tokens through `token_logprobs` (heads.py), never the plain projection.
 `enable_compile(model)` runs each decoder layer through `torch.compile` (attention stays eager).
 Not here: loading weights (hf_io.py), sampling (phaserl/rollout), paged caches.
 
@@ -28,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_attention_mask,  # noqa: F401
                                       packed_boundaries, use_varlen, varlen_takes_windows)
 from phaserl.models.config import DecoderConfig
+from phaserl.models.heads import chunked_token_logprobs, softcap
 from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention, rms_norm,
                                    rope_tables)
 from phaserl.models.moe import MoEWeights, Route, Routing, SharedExpert, prepare_device
@@ -49,10 +52,9 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: DecoderConfig, batch_size: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str) -> "KVCache":
-        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        layers = range(cfg.num_hidden_layers)
-        return cls(keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
-                   values=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
+        shapes = [(batch_size, cfg.heads(i)[1], max_len, cfg.heads(i)[2]) for i in range(cfg.num_hidden_layers)]
+        return cls(keys=[torch.zeros(shape, dtype=dtype, device=device) for shape in shapes],
+                   values=[torch.zeros(shape, dtype=dtype, device=device) for shape in shapes],
                    key_valid=torch.zeros(batch_size, max_len, dtype=torch.bool, device=device))
 
     @property
@@ -99,10 +101,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        Hq, Hkv, H, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, cfg.head_dim
+        (Hq, Hkv, D), H = cfg.heads(layer_idx), cfg.hidden_size
         self.q_proj = nn.Linear(H, Hq * D, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
+        # Gemma 4's attention_k_eq_v layers have no v_proj: their values are the keys' projection.
+        self.v_proj = None if cfg.v_from_k(layer_idx) else nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(Hq * D, H, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
@@ -168,6 +171,8 @@ class DecoderLayer(nn.Module):
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style))
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = SparseMoE(cfg) if self.spec.moe is not None else MLP(cfg)
+        if cfg.layer_scalar:  # Gemma 4: a checkpoint buffer (not trained) that scales the layer's output
+            self.register_buffer("layer_scalar", torch.ones(1))
         self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend of cache-free calls
 
     def weights(self) -> LayerWeights:
@@ -182,7 +187,7 @@ class DecoderLayer(nn.Module):
             attn_in=norms.get("attn_in"), q=a.q_proj, k=a.k_proj, v=a.v_proj, qkv=None, qkv_bias=None,
             q_norm=a.q_norm.weight if a.qk_norm else None, k_norm=a.k_norm.weight if a.qk_norm else None,
             o=a.o_proj, o_bias=None, attn_out=norms.get("attn_out"), mlp_in=norms.get("mlp_in"),
-            gate_up=None, mlp_out=norms.get("mlp_out"), **dense)
+            gate_up=None, mlp_out=norms.get("mlp_out"), layer_scalar=getattr(self, "layer_scalar", None), **dense)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
                 kv_cache: Optional[KVCache] = None, route: Optional[Route] = None) -> torch.Tensor:
@@ -252,7 +257,8 @@ class DecoderModel(nn.Module):
     def build_rotary(self, device=None) -> None:
         """(Re)make the RoPE tables' frequencies, derived from the config (a meta-built model needs this)."""
         cfg = self.config
-        self.rotary_emb = RotaryEmbedding(cfg).to(device or "cpu")
+        full = cfg if cfg.global_head_dim is None else cfg.replace(head_dim=cfg.global_head_dim)  # Gemma 4
+        self.rotary_emb = RotaryEmbedding(full).to(device or "cpu")
         self.rotary_emb_local = None
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: default RoPE, their own theta
             local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
@@ -357,11 +363,11 @@ class DecoderWrapper(nn.Module):
 
 
 class CausalLM(DecoderWrapper):
-    plain_head = True  # logits are exactly hidden @ output_weight.T (the roles' fused log-prob path relies on it)
-
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.config = cfg
+        # True when logits are exactly hidden @ output_weight.T (the roles' fused log-prob path relies on it).
+        self.plain_head = cfg.final_logit_softcapping is None
         self.model = DecoderModel(cfg)
         # Tied models have no lm_head at all, like the checkpoints transformers writes for them.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -373,8 +379,14 @@ class CausalLM(DecoderWrapper):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V], in the parameter dtype."""
-        return F.linear(hidden, self.output_weight)
+        """hidden [..., H] -> logits [..., V], in the parameter dtype (soft-capped where the config says)."""
+        return softcap(F.linear(hidden, self.output_weight), self.config.final_logit_softcapping)
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                       with_entropy: bool = False, chunk_size: int = 1024):
+        """log softmax(logits(hidden) / temperature)[targets], chunked: the roles' path when not plain_head."""
+        return chunked_token_logprobs(self.logits, hidden, targets, temperature=temperature,
+                                      with_entropy=with_entropy, chunk_size=chunk_size)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,

@@ -324,6 +324,10 @@ def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
                      dtype: Optional[torch.dtype] = None) -> Path:
     """Write a `*ForSequenceClassification` directory (num_labels=1, `score.weight`)."""
     cfg = model.config
+    if FAMILIES[cfg.model_type].classifier is None:
+        raise ConfigError(f"transformers has no *ForSequenceClassification class for model_type "
+                          f"{cfg.model_type!r}, so a value model of it cannot be exported as a Hugging Face directory "
+                          "(the run's own checkpoints still save and resume the critic)")
     state = hf_state(cfg, _cpu_state(model, dtype))
     config = cfg.to_hf_dict(_dtype_name(dtype or model.score.weight.dtype))
     config.update(architectures=[FAMILIES[cfg.model_type].classifier], id2label={"0": "LABEL_0"},

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from phaserl.models.decoder import CausalLM
+from phaserl.models.heads import softcap
 from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
 from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
@@ -61,9 +62,10 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     # engine_weight: the module's tensor, or with LoRA adapters W + s·BA merged into the engine's own copy
     # (o and down then get one too); the actor's base weights are never written.
     w = engine_weight
+    v = m.k if m.v is None else m.v  # Gemma 4's k_eq_v layers: the value rows repeat the key rows
     qkv_bias = None
     if m.q.bias is not None:
-        qkv_bias = cat([m.q.bias, m.k.bias, m.v.bias], previous and previous.qkv_bias)
+        qkv_bias = cat([m.q.bias, m.k.bias, v.bias], previous and previous.qkv_bias)
     # A MoE layer's router and stacked experts are read in place (m.moe): no copy of the expert weights.
     if m.moe is not None:
         mlp = dict(moe=m.moe if m.moe.shared is None else m.moe._replace(
@@ -71,7 +73,7 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     else:
         mlp = dict(gate=None, up=None, down=w(m.down, previous and previous.down),
                    gate_up=cat([w(m.gate), w(m.up)], previous and previous.gate_up))
-    return m._replace(q=None, k=None, v=None, qkv=cat([w(m.q), w(m.k), w(m.v)], previous and previous.qkv),
+    return m._replace(q=None, k=None, v=None, qkv=cat([w(m.q), w(m.k), w(v)], previous and previous.qkv),
                       qkv_bias=qkv_bias, o=w(m.o, previous and previous.o), o_bias=m.o.bias, **mlp)
 
 
@@ -190,7 +192,6 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.fns = layer_fns(self.device, compile)
         self.prefill_tokens = prefill_tokens
-        self.heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim)
         self.specs = [layer.spec for layer in model.model.layers]  # layers.LayerSpec: the same as training's
         self.final_norm = (self.cfg.rms_norm_eps, self.cfg.norm_style)
         self.layout: Optional[tuple[int, int, int]] = None  # (num_slots, slot_len, max_new)
@@ -270,7 +271,7 @@ class ModelRunner:
         self._prefill_pass(chunk)
 
     def _prefill_pass(self, groups) -> None:
-        U, Hq, Hkv, D = len(groups), *self.heads
+        U = len(groups)
         lengths = [len(prompt) for prompt, _, _ in groups]
         P = max(lengths)
         ids = torch.zeros(U, P, dtype=torch.long)  # right-padded: causal attention keeps real tokens clean
@@ -285,6 +286,7 @@ class ModelRunner:
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
         masks = {spec.window: prefill_mask(P, spec.window, self.device) for spec in self.specs}
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
+            Hq, Hkv, D = spec.heads  # per layer: Gemma 4's global layers have their own
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             k, v = k.view(U, P, Hkv, D).transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # [U, Hkv, P, D]
             keys[slots, :, :P], values[slots, :, :P] = k[group_of], v[group_of]  # shared prompt KV -> every slot
@@ -319,7 +321,7 @@ class ModelRunner:
             self._extend_pass(chunk)
 
     def _extend_pass(self, items) -> None:
-        C, (Hq, Hkv, D), S = len(items), self.heads, self.layout[1]
+        C, S = len(items), self.layout[1]
         lengths = [len(tokens) for _, tokens, _, _ in items]
         M = max(lengths)
         ids = torch.zeros(C, M, dtype=torch.long)  # right-padded; pad rows write KV past their end (hidden)
@@ -338,6 +340,7 @@ class ModelRunner:
         rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
+            Hq, Hkv, D = spec.heads
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
             values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
@@ -353,7 +356,7 @@ class ModelRunner:
 
     # ----- decode ---------------------------------------------------------------------------------
     def _sample(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        logits = F.linear(hidden, self.model.output_weight)  # [b, V]
+        logits = softcap(F.linear(hidden, self.model.output_weight), self.cfg.final_logit_softcapping)  # [b, V]
         greedy, temperature, top_k, top_p = self.sampling
         if self.fns.fast_sample is not None and top_k == 0 and top_p >= 1.0:
             drawn = self.fns.fast_sample(logits, self.seed, greedy, temperature)
