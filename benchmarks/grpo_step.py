@@ -106,7 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra phaserl config override (as on `phaserl train` command lines), repeatable")
     p.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
                    help="extra GRPOConfig keyword (value parsed as JSON, else a string), repeatable")
-    p.add_argument("--profile", action="store_true", help="ours: one more step under torch.profiler (not timed)")
+    p.add_argument("--profile", action="store_true", help="ours: one more step under torch.profiler (not timed): "
+                   "kernel groups, top kernels, and the top kernels of each phase")
+    p.add_argument("--rollout-probe", type=_fractions, default=[], metavar="F[,F...]",
+                   help="ours: after the timed steps, the rollout alone once per KV memory fraction (and with a "
+                        "LoRA actor, once with the adapters merged and once off, i.e. the full fine-tune's engine "
+                        "path): slots, decode steps, begin/refill seconds")
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
@@ -124,6 +129,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                    "actor.lora.target_modules=[all-linear]"]
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
     return a
+
+
+def _fractions(text: str) -> list:
+    values = [float(x) for x in text.split(",") if x.strip()]
+    if not values or not all(0 < v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give memory fractions in (0, 1), comma-separated, e.g. 0.03,0.1")
+    return values
 
 
 # ----- the world both sides share ---------------------------------------------------------------
@@ -255,11 +267,13 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                     eos_finished=round(sequences * (1.0 - metrics["train/truncated_frac"])),
                     reward_mean=metrics["train/reward_mean"], kl=metrics.get("train/kl"),
                     kv_cache_gib=round(abs(trainer.actor.last_switch.get("kv_cache_gb", 0.0)), 2),
-                    engine=_engine_stats(trainer.actor),
+                    engine=_engine_stats(trainer.actor), dynamo=_dynamo_counters(),
                     timing_s=_group(metrics, "timing_s", 3), perf=_group(metrics, "perf", 4),
                     **memory_gib())
         steps.append(step)
         emit(**step)
+    if a.rollout_probe:
+        _rollout_probe(trainer, a.rollout_probe)
     if a.profile:
         _profile_one_step(trainer)
     trainer.run.metrics_logger.close()
@@ -303,6 +317,64 @@ def _profile_one_step(trainer) -> None:
     emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3))
     for record in profiling.summarize(prof, wall):
         emit(measure="profile", side="ours", **record)
+    for record in profiling.by_phase(prof):
+        emit(measure="profile_phase", side="ours", **record)
+
+
+def _rollout_probe(trainer, fractions: list) -> None:
+    """The rollout phase alone, on one set of prompts, once per (KV memory fraction, adapters merged | off).
+
+    Each line: the switch to rollout (seconds, KV cache allocated), generate's wall seconds, the engine's own
+    stats (slots, decode steps, begin seconds = layout + weight refill + graph capture) and the seconds of one
+    more refill of the engine's weight copies (with adapters merged: the LoRA merge). `off` runs the base
+    weights the way a full fine-tune's engine does (o/down read in place, no merge), in the same process.
+    The actor's engine is rebuilt per fraction, then once more with the run's own settings.
+    """
+    from contextlib import nullcontext
+
+    from phaserl.models.lora import adapters_disabled, has_lora
+    from phaserl.rollout import RolloutEngine
+    from phaserl.rollout.runner import fused_weights
+
+    actor, run = trainer.actor, trainer.run
+    items = run.train_prompts.next_items()
+    prompts = [list(item.prompt_ids) for item in items for _ in range(run.n)]
+    eos = [] if run.ignore_eos else run.eos_token_ids
+    layers = actor.model.model.layers
+    for fraction in fractions:
+        for mode in (("merged", "off") if has_lora(actor.model) else ("full",)):
+            if actor.engine is not None:
+                actor.engine.release()
+            actor.engine = RolloutEngine(actor.model, dataclasses.replace(actor.engine_config, memory_fraction=fraction))
+            with actor.rollout_mode(), (adapters_disabled(actor.model) if mode == "off" else nullcontext()):
+                switch = dict(actor.last_switch)
+                sync()
+                t0 = time.perf_counter()
+                actor.generate(prompts, run.sampling, eos_token_ids=eos, pad_token_id=run.pad_token_id,
+                               batch_size=len(prompts), generator=run.sampling_generator)
+                sync()
+                seconds = time.perf_counter() - t0
+                runner = actor.engine.runner
+                with torch.inference_mode():
+                    t1 = time.perf_counter()
+                    runner.weights = [fused_weights(layer, old) for layer, old in zip(layers, runner.weights)]
+                    sync()
+                    refill = time.perf_counter() - t1
+                stats = _engine_stats(actor)
+            emit(measure="rollout_probe", side="ours", memory_fraction=fraction, adapters=mode,
+                 seconds=round(seconds, 3), refill_s=round(refill, 4), switch_s=round(switch["seconds"], 3),
+                 kv_cache_gib=round(switch["kv_cache_gb"], 2), engine=stats, **memory_gib())
+    actor.engine.release()
+    actor.engine = RolloutEngine(actor.model, actor.engine_config)
+
+
+def _dynamo_counters() -> dict:
+    """torch._dynamo's running totals (frames compiled, unique graphs, graph breaks): growth between timed steps
+    means recompiles in the steady state."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": dict(counters["frames"]), "unique_graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def _engine_stats(actor) -> dict:
