@@ -17,6 +17,7 @@ ROOT = "phaserl"  # phaserl/__init__.py itself (`from .. import __version__` imp
 # unit -> the phaserl units it may import. Bottom layer first; README's layout tree says what each is.
 ALLOWED = {
     "errors": set(),
+    "userfiles": {"errors"},                           # user code named in a config (file.py or module)
     "batch": set(),                                    # typed data between phases: torch only
     ROOT: {"errors"},                                  # public names, loaded lazily
     "config": {"errors"},
@@ -29,9 +30,9 @@ ALLOWED = {
     "packing": {"batch", "models"},
     "rollout": {"errors", "models"},
     "metrics": {"parallel"},
-    "rewards": {"batch", "errors"},                    # a reward model is any `score(prompts, responses)`
+    "rewards": {"batch", "errors", "userfiles"},                    # a reward model is any `score(prompts, responses)`
     "roles": {"algo", "batch", "batching", "errors", "models", "packing", "parallel", "rollout"},
-    "agents": {"batch", "data", "errors", "models", "rewards", "rollout"},  # never trainer, cli, roles
+    "agents": {"batch", "data", "errors", "models", "rewards", "rollout", "userfiles"},  # never trainer, cli, roles
     "world": {"agents", "data", "errors", "models", "rewards"},    # agent_task: the tiny multi-turn world
     "rm": {"config", "data", "errors", "models", "roles", "world"},
     "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
