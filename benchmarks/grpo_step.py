@@ -327,45 +327,58 @@ def _rollout_probe(trainer, fractions: list) -> None:
     Each line: the switch to rollout (seconds, KV cache allocated), generate's wall seconds, the engine's own
     stats (slots, decode steps, begin seconds = layout + weight refill + graph capture) and the seconds of one
     more refill of the engine's weight copies (with adapters merged: the LoRA merge). `off` runs the base
-    weights the way a full fine-tune's engine does (o/down read in place, no merge), in the same process.
-    The actor's engine is rebuilt per fraction, then once more with the run's own settings.
+    weights the way a full fine-tune's engine does (o/down read in place, no merge), in the same process; a
+    short untimed call per mode first, so that compiling the engine's functions for it is not measured.
+    The actor's engine is rebuilt per line, then once more with the run's own settings.
     """
-    from contextlib import nullcontext
-
-    from phaserl.models.lora import adapters_disabled, has_lora
+    from phaserl.models.lora import has_lora
     from phaserl.rollout import RolloutEngine
-    from phaserl.rollout.runner import fused_weights
 
     actor, run = trainer.actor, trainer.run
     items = run.train_prompts.next_items()
     prompts = [list(item.prompt_ids) for item in items for _ in range(run.n)]
-    eos = [] if run.ignore_eos else run.eos_token_ids
-    layers = actor.model.model.layers
+    modes = ("merged", "off") if has_lora(actor.model) else ("full",)
+    short = dataclasses.replace(run.sampling, max_new_tokens=min(8, run.sampling.max_new_tokens))
+    for mode in modes:
+        _probe_call(trainer, prompts[:2], short, fractions[0], mode)  # warm-up: compiles, not measured
     for fraction in fractions:
-        for mode in (("merged", "off") if has_lora(actor.model) else ("full",)):
-            if actor.engine is not None:
-                actor.engine.release()
-            actor.engine = RolloutEngine(actor.model, dataclasses.replace(actor.engine_config, memory_fraction=fraction))
-            with actor.rollout_mode(), (adapters_disabled(actor.model) if mode == "off" else nullcontext()):
-                switch = dict(actor.last_switch)
-                sync()
-                t0 = time.perf_counter()
-                actor.generate(prompts, run.sampling, eos_token_ids=eos, pad_token_id=run.pad_token_id,
-                               batch_size=len(prompts), generator=run.sampling_generator)
-                sync()
-                seconds = time.perf_counter() - t0
-                runner = actor.engine.runner
-                with torch.inference_mode():
-                    t1 = time.perf_counter()
-                    runner.weights = [fused_weights(layer, old) for layer, old in zip(layers, runner.weights)]
-                    sync()
-                    refill = time.perf_counter() - t1
-                stats = _engine_stats(actor)
-            emit(measure="rollout_probe", side="ours", memory_fraction=fraction, adapters=mode,
-                 seconds=round(seconds, 3), refill_s=round(refill, 4), switch_s=round(switch["seconds"], 3),
-                 kv_cache_gib=round(switch["kv_cache_gb"], 2), engine=stats, **memory_gib())
+        for mode in modes:
+            line = _probe_call(trainer, prompts, run.sampling, fraction, mode)
+            emit(measure="rollout_probe", side="ours", memory_fraction=fraction, adapters=mode, **line)
     actor.engine.release()
     actor.engine = RolloutEngine(actor.model, actor.engine_config)
+
+
+def _probe_call(trainer, prompts: list, params, fraction: float, mode: str) -> dict:
+    """One generate() in rollout mode on a fresh engine of KV memory `fraction`; `mode` off = adapters off."""
+    from contextlib import nullcontext
+
+    from phaserl.models.lora import adapters_disabled
+    from phaserl.rollout import RolloutEngine
+    from phaserl.rollout.runner import fused_weights
+
+    actor, run = trainer.actor, trainer.run
+    if actor.engine is not None:
+        actor.engine.release()
+    actor.engine = RolloutEngine(actor.model, dataclasses.replace(actor.engine_config, memory_fraction=fraction))
+    layers = actor.model.model.layers
+    with actor.rollout_mode(), (adapters_disabled(actor.model) if mode == "off" else nullcontext()):
+        switch = dict(actor.last_switch)
+        sync()
+        t0 = time.perf_counter()
+        actor.generate(prompts, params, eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
+                       pad_token_id=run.pad_token_id, batch_size=len(prompts), generator=run.sampling_generator)
+        sync()
+        seconds = time.perf_counter() - t0
+        runner = actor.engine.runner
+        with torch.inference_mode():
+            t1 = time.perf_counter()
+            runner.weights = [fused_weights(layer, old) for layer, old in zip(layers, runner.weights)]
+            sync()
+            refill = time.perf_counter() - t1
+        stats = _engine_stats(actor)
+    return dict(seconds=round(seconds, 3), refill_s=round(refill, 4), switch_s=round(switch["seconds"], 3),
+                kv_cache_gib=round(switch["kv_cache_gb"], 2), engine=stats, **memory_gib())
 
 
 def _dynamo_counters() -> dict:
