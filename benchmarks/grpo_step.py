@@ -41,7 +41,8 @@ Differences, by design of each library:
 - ours computes old log-probs with one extra forward pass per step; TRL skips it when generation and
   optimizer steps are aligned (it uses the detached current log-probs);
 - ours rolls out with its built-in engine: a preallocated KV pool of rollout.engine_memory_fraction of
-  the free memory, capped at what the run can use (--kv-fraction 0.03; 2.25 GiB at this shape), CUDA
+  the free memory, capped at what the run can use (--kv-fraction 0.03; 2.25 GiB at this shape; 0.25 at
+  --shape 7b, where 0.03 would hold fewer slots than sequences), CUDA
   graphs and torch.compile (the first step pays the compilation: warm-up). TRL rolls out with
   `model.generate` (dynamic cache) on the training model, no compile;
 - ours trains with phaserl's defaults (ppo.packing=null = auto: varlen flash attention on CUDA; with
@@ -100,7 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (ours kl_coef, TRL beta)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--gradient-checkpointing", action="store_true", help="on for both sides (default off)")
-    p.add_argument("--kv-fraction", type=float, default=0.03, help="ours: rollout.engine_memory_fraction")
+    p.add_argument("--kv-fraction", type=float, default=None,
+                   help="ours: rollout.engine_memory_fraction (default 0.03 at 0.5b, 0.25 at 7b: either way the "
+                        "cap, every sequence of the step in a slot, is what binds on an H200)")
     p.add_argument("--side-timeout", type=float, default=280.0, help="--only both: seconds per side process")
     p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra phaserl config override (as on `phaserl train` command lines), repeatable")
@@ -115,9 +118,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
-    sizes = {"0.5b": dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32),
-             "7b": dict(prompts=16, n=8, prompt_len=256, new_tokens=512, micro_batch=8),
-             "tiny": dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8)}
+    # kv_fraction: 0.03 of free memory holds the 0.5B step's 512 x 384 tokens (2.25 GiB); at 7B the 128 x 768
+    # tokens take 5.25 GiB, more than 0.03 of what is free (a 7B LoRA actor: ~91 slots by the arithmetic, so
+    # two decode waves).
+    sizes = {"0.5b": dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32, kv_fraction=0.03),
+             "7b": dict(prompts=16, n=8, prompt_len=256, new_tokens=512, micro_batch=8, kv_fraction=0.25),
+             "tiny": dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8, kv_fraction=0.03)}
     a.shape = "tiny" if a.tiny else a.shape
     for key, value in sizes[a.shape].items():
         if getattr(a, key) is None:
