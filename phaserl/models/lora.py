@@ -68,9 +68,10 @@ class LoRALinear(nn.Module):
 
     The adapter path runs in x's dtype (A and B are cast, a small copy per call; their gradients come
     back in float32): with a bf16 base nothing of size [N, in] is upcast. The scaling rides on B (an
-    [out, r] multiply), and B's product is added to the base output inside one addmm, so no [N, out]
-    tensor is scaled or summed on its own, forward or backward. With dropout 0 the adapter reads x itself
-    (no copy). The frozen W gets no gradient (autograd skips it: requires_grad is False), only x does.
+    [out, r] multiply), so no [N, out] tensor is scaled, forward or backward; the sum with the base output
+    is one add, which torch.compile fuses into whatever reads the projection next (RoPE, SiLU·up, the
+    residual). With dropout 0 the adapter reads x itself (no copy). The frozen W gets no gradient (autograd
+    skips it: requires_grad is False), only x does.
     `adapter_enabled = False` gives the base projection exactly.
     """
 
@@ -92,9 +93,7 @@ class LoRALinear(nn.Module):
         if not self.adapter_enabled:
             return out
         low = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # [N, r]
-        summed = torch.addmm(out.reshape(-1, self.out_features), low.reshape(-1, low.shape[-1]),
-                             self.scaled_B(x.dtype).t())  # [N, out] = out + low (s B)ᵀ
-        return summed.view(out.shape)
+        return out + F.linear(low, self.scaled_B(x.dtype))  # a plain add: compiled, it fuses into the next kernel
 
     def scaled_B(self, dtype: torch.dtype) -> torch.Tensor:
         """scaling · B in `dtype`.  [out, r]"""
