@@ -111,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra GRPOConfig keyword (value parsed as JSON, else a string), repeatable")
     p.add_argument("--profile", action="store_true", help="ours: one more step under torch.profiler (not timed): "
                    "kernel groups, top kernels, and the top kernels of each phase")
+    p.add_argument("--profile-phases", default="all", metavar="all|rollout,forward,update",
+                   help="--profile: the whole step (all), or only the calls of these phases, each under its own "
+                        "profiler (a 7B rollout alone is ~300k kernels: summarizing the whole step takes minutes)")
     p.add_argument("--rollout-probe", type=_fractions, default=[], metavar="F[,F...]",
                    help="ours: after the timed steps, the rollout alone once per KV memory fraction (and with a "
                         "LoRA actor, once with the adapters merged and once off, i.e. the full fine-tune's engine "
@@ -281,7 +284,7 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     if a.rollout_probe:
         _rollout_probe(trainer, a.rollout_probe)
     if a.profile:
-        _profile_one_step(trainer)
+        _profile_one_step(trainer, a.profile_phases)
     trainer.run.metrics_logger.close()
     timed = [s["timing_s"] for s in steps if not s["warmup"]] or [{}]
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
@@ -312,19 +315,55 @@ def _group(metrics: dict, prefix: str, digits: int) -> dict:
     return {k.split("/", 1)[1]: round(v, digits) for k, v in metrics.items() if k.startswith(prefix + "/")}
 
 
-def _profile_one_step(trainer) -> None:
-    """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was."""
+def _profile_one_step(trainer, phases: str = "all") -> None:
+    """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was, and
+    the top kernels per phase. `phases` other than "all" (e.g. "forward,update"): only those phases' calls are
+    profiled (the actor's generate, the reference's log-probs, the trainer's update), one profiler each."""
     import profiling
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    if phases == "all":
+        with profile(activities=activities) as prof:
+            metrics, wall = _timed_step(trainer)
+        emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3))
+        for record in profiling.summarize(prof, wall):
+            emit(measure="profile", side="ours", **record)
+        for record in profiling.by_phase(prof):
+            emit(measure="profile_phase", side="ours", **record)
+        return
+    calls = {"rollout": (trainer.actor, "generate"), "forward": (trainer.ref_policy, "compute_logprobs"),
+             "update": (trainer, "update")}
+    wanted = [name.strip() for name in phases.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(calls))
+    if unknown:
+        raise SystemExit(f"--profile-phases: {unknown} are not phases; choose from all or {', '.join(calls)}")
+    profiled: list = []  # (phase, profiler, wall seconds of the call)
+
+    def under_profiler(phase: str, fn):
+        def call(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            with profile(activities=activities) as prof:
+                out = fn(*args, **kwargs)
+                sync()
+            profiled.append((phase, prof, time.perf_counter() - t0))
+            return out
+        return call
+
+    wrapped = [(*calls[name], name) for name in wanted if calls[name][0] is not None]  # no reference: no forward
+    for obj, attr, name in wrapped:
+        setattr(obj, attr, under_profiler(name, getattr(obj, attr)))  # an instance attribute over the method
+    try:
         metrics, wall = _timed_step(trainer)
-    emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3))
-    for record in profiling.summarize(prof, wall):
-        emit(measure="profile", side="ours", **record)
-    for record in profiling.by_phase(prof):
-        emit(measure="profile_phase", side="ours", **record)
+    finally:
+        for obj, attr, _ in wrapped:
+            delattr(obj, attr)
+    emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3),
+         profiled=wanted)
+    for phase, prof, seconds in profiled:
+        for record in profiling.summarize(prof, seconds):
+            emit(measure="profile", side="ours", phase=phase, **record)
 
 
 def _rollout_probe(trainer, fractions: list) -> None:
