@@ -161,13 +161,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     assert keys.stride() == values.stride()
     out = torch.empty(b, Hq, D, dtype=q.dtype, device=q.device)
     G = Hq // Hkv
+    # Key/value tiles of BLOCK_N x BLOCK_D, pipelined in num_stages copies, must fit in shared memory: head_dim
+    # 512 (Gemma 4's global layers) takes half as many keys per block as head_dim <= 256.
+    block_d = max(16, triton.next_power_of_2(D))
     _decode_attention_kernel[(b, Hkv)](
         q, k, v, keys, values, pos, out, D ** -0.5 if scale is None else scale,
         keys.shape[2] + 1 if window is None else int(window),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0), out.stride(1),
-        GROUP=G, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_N=block_n or ATTENTION_BLOCK_N, IEEE=q.dtype == torch.float32, PER_ROW_BOUND=not INTERPRET,
+        GROUP=G, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=block_d,
+        BLOCK_N=block_n or min(ATTENTION_BLOCK_N, 16384 // block_d), IEEE=q.dtype == torch.float32,
+        PER_ROW_BOUND=not INTERPRET,
         SLOT_LEN=keys.shape[2] if INTERPRET else 0, num_warps=num_warps or ATTENTION_WARPS,
         num_stages=num_stages or ATTENTION_STAGES)
     return out.view(b, Hq * D)
