@@ -25,6 +25,9 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
   update          per token: layers × (8h + 4I + 2 × kv_heads × head_dim) × b of saved activations
                   (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits
                   × 3 for the log-prob projection of up to 1024 tokens at a time.
+  kept engine     rollout.engine_keep_awake: the KV cache of its slots + the weights once more (fused copies,
+                  graph temporaries), through the update; `config/auto.py` turns it on when the update's peak
+                  with it stays under 75% of the device (the builder and the doctor both ask it).
 Not here: reading the config or loading models (`checks.py` does that and calls these functions).
 """
 from __future__ import annotations
@@ -184,6 +187,30 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool) -> in
     if gradient_checkpointing:
         return (shape.num_layers * shape.hidden_size + per_layer) * shape.param_bytes
     return shape.num_layers * per_layer * shape.param_bytes
+
+
+def kept_engine_bytes(shape: ModelShape, slots: int, sequence_tokens: int) -> int:
+    """What a kept rollout engine (rollout.engine_keep_awake) holds through the update: the KV cache of `slots`
+    sequences of `sequence_tokens`, plus its fused weight copies and graph temporaries, counted as the
+    weights once more (the copies alone are ~half of a 0.5B model's weights; the rest covers the graphs)."""
+    return slots * kv_cache_bytes_per_sequence(shape, sequence_tokens) + shape.num_params * shape.param_bytes
+
+
+def update_peak_bytes(shape: ModelShape, *, resident: int, grads: int, micro_batch_tokens: int,
+                      gradient_checkpointing: bool) -> int:
+    """The update's peak on one rank: the resident roles, the actor's gradients, one micro-batch's saved
+    activations and its log-prob chunk."""
+    tokens = micro_batch_tokens
+    return (resident + grads + tokens * train_bytes_per_token(shape, gradient_checkpointing)
+            + logprob_chunk_bytes(shape, tokens))
+
+
+def loaded_role_memory(model: torch.nn.Module, *, trains: bool) -> RoleMemory:
+    """Device bytes of a loaded, unsharded role: its parameters, and for a role that trains a gradient and two
+    AdamW moments per trainable element (LoRA: the adapters' only)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if trains else 0
+    return RoleMemory(params, trainable, 2 * trainable)
 
 
 def logprob_chunk_bytes(shape: ModelShape, tokens: int) -> int:
