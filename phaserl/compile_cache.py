@@ -118,15 +118,42 @@ def _clear_torch_memo() -> None:
 
 
 # ----- a corrupt cache: move it aside and compile cold ------------------------------------------------------
-def _names_cache(exc: BaseException, path: str) -> bool:
-    """True when `exc` (or an exception it chains) names a file under the cache directory `path`."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if path in str(exc):
-            return True
+def _chain(exc: Optional[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in out):
+        out.append(exc)
         exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _raised_in(exc: BaseException, path: str) -> bool:
+    """True when `exc`'s message or one of its traceback frames names a file under `path`."""
+    if path in str(exc):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(path + os.sep):
+            return True
+        tb = tb.tb_next
     return False
+
+
+def _cache_failure(exc: BaseException, path: str) -> bool:
+    """A failure of torch.compile itself (not of the compiled code running) caused by a file in the cache
+    directory `path`: a compile error in the chain, and some exception of the chain names or ran that file."""
+    import torch._dynamo.exc as dynamo_exc
+
+    kinds = tuple(k for k in (getattr(dynamo_exc, "BackendCompilerFailed", None), _inductor_error()) if k)
+    chain = _chain(exc)
+    return any(isinstance(e, kinds) for e in chain) and any(_raised_in(e, path) for e in chain)
+
+
+def _inductor_error():
+    try:
+        from torch._inductor.exc import InductorError
+        return InductorError
+    except ImportError:
+        return None
 
 
 def quarantine(reason: str) -> Optional[str]:
@@ -149,15 +176,17 @@ def quarantine(reason: str) -> Optional[str]:
 
 
 def guard_compiled(compiled: Callable) -> Callable:
-    """`compiled` (a torch.compile'd function) that survives a corrupt cache: when a call fails with an error
-    naming a file in the active cache directory, the directory is moved aside, dynamo forgets what it compiled,
-    and the call runs again (the failure happens while compiling, before anything ran). Other errors pass."""
+    """`compiled` (a torch.compile'd function) that survives a corrupt cache: when torch.compile fails (a backend
+    or inductor error, not an error of the compiled code running) because of a file in the active cache
+    directory (named in a message or a traceback frame), the directory is moved aside, dynamo forgets what it
+    compiled, and the call runs again: the failure happened while compiling, before anything ran. Other errors
+    pass through, and so does a second failure."""
     def call(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)
         except Exception as exc:
             cache = _ACTIVE
-            if cache is None or cache.path is None or not _names_cache(exc, cache.path):
+            if cache is None or cache.path is None or not _cache_failure(exc, cache.path):
                 raise
             if quarantine(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") is None:
                 raise
