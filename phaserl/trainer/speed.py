@@ -8,7 +8,7 @@ setting left at auto (null); true / false in the config win. The builder applies
 `RunSettings.speed`; the run summary prints `SpeedChoices.block()`:
 
     speed      actor.compile=auto -> on: CUDA, phaserl's decoder, Triton
-               rollout.engine_keep_awake=auto -> on: 24.9 GiB needed of 139 GiB
+               rollout.engine_keep_awake=auto -> on: 24.3 GiB needed of 139 GiB
                ...
 
 Not here: the rules (config/auto.py), the memory formulas (doctor/memory.py), torch's compile caches
