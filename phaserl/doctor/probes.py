@@ -21,6 +21,7 @@ from ..resolve import DTYPES, build_reward_sources, reference_is_lora_base, reso
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
 from ..rollout import RolloutEngine
+from ..rollout.engine import engine_slot_tokens
 from .checks import Context, check, roles_enabled, short
 from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, effective, fmt_bytes, judge,
                      kept_engine_bytes, kv_cache_bytes_per_sequence, role_memory, suggest_sizes, update_peak_bytes)
@@ -280,7 +281,7 @@ def check_memory(ctx: Context) -> CheckResult:
                                             cpu_offload=rm_fsdp.cpu_offload)
     resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
     keep, auto_line = _keep_awake(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
-    kept = keep_candidate(cfg, shape, sizes) if keep else 0
+    kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if keep else 0
     suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads + kept,
                                 free_bytes=ctx.free_bytes)
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
@@ -312,10 +313,12 @@ def check_memory(ctx: Context) -> CheckResult:
                                      f"fits the {usable} free on {ctx.device}", details=tuple(details))
 
 
-def keep_candidate(cfg, shape: ModelShape, sizes: PhaseSizes) -> int:
-    """What the engine would hold through the update if kept awake (its slots of full-length sequences)."""
-    slots = min(cfg.rollout.engine_max_slots, cfg.rollout.batch_size * cfg.rollout.n)
-    return kept_engine_bytes(shape, slots, sizes.sequence_tokens)
+def keep_candidate(cfg, shape: ModelShape, sizes: PhaseSizes, free_bytes: int) -> int:
+    """What the engine would hold through the update if kept awake: the KV pool it allocates (engine.py's
+    sizing) and its weight copies."""
+    r = cfg.rollout
+    return kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(sizes.sequence_tokens),
+                             kv_limit=int(r.engine_memory_fraction * free_bytes))
 
 
 def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int, grads: int) -> tuple[bool, str]:
@@ -330,7 +333,7 @@ def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident:
     choice = choose("rollout.engine_keep_awake", None, keep_awake_rule(
         engine_runs=cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy), device_type=ctx.device.type,
         world_size=ctx.world_size, actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",
-        needed_bytes=peak + keep_candidate(cfg, shape, sizes), budget_bytes=ctx.free_bytes))
+        needed_bytes=peak + keep_candidate(cfg, shape, sizes, ctx.free_bytes), budget_bytes=ctx.free_bytes))
     return choice.value, choice.line()
 
 

@@ -29,6 +29,7 @@ from ..doctor.memory import (ModelShape, UnknownShape, kept_engine_bytes, loaded
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
+from ..rollout.engine import engine_slot_tokens
 
 if TYPE_CHECKING:
     from ..config import Config, Derived
@@ -119,10 +120,10 @@ def _keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived") -> dict:
     micro = min(cfg.ppo.micro_batch_tokens, d.mini_batch_per_rank * seq)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                              gradient_checkpointing=cfg.actor.gradient_checkpointing)
-    slots = min(cfg.rollout.engine_max_slots, cfg.rollout.batch_size * cfg.rollout.n)
-    free, _ = torch.cuda.mem_get_info(actor.device)
-    return {"needed_bytes": peak + kept_engine_bytes(shape, slots, seq),
-            "budget_bytes": int(free) + torch.cuda.memory_reserved(actor.device)}
+    r, (free, _) = cfg.rollout, torch.cuda.mem_get_info(actor.device)
+    kept = kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
+                             kv_limit=int(r.engine_memory_fraction * free))
+    return {"needed_bytes": peak + kept, "budget_bytes": int(free) + torch.cuda.memory_reserved(actor.device)}
 
 
 def packing_choice(asked: Optional[bool], enabled: bool, device: torch.device) -> Choice:
