@@ -116,6 +116,26 @@ def test_on_the_cpu_the_defaults_stay_eager_and_the_summary_says_why(tmp_path):
         assert choice.line() in summary
 
 
+def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
+    from phaserl.config import derive
+    from phaserl.doctor.memory import logprob_chunk_bytes, train_bytes_per_token
+    from phaserl.trainer import RLTrainer
+    from phaserl.trainer.settings import Roles
+    from phaserl.trainer.speed import keep_awake_count
+
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
+    t = RLTrainer.from_config(cfg)
+    roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
+    count = keep_awake_count(cfg, roles, derive(cfg, 1), free_bytes=1_000_000, held_bytes=234)
+    shape = ModelShape.of(t.actor.model)
+    weights = 21_920 * 4  # the tiny float32 policy; the reference is a second copy of it
+    # resident: actor weights + AdamW (2x) + reference weights; gradients of the actor; one micro-batch of
+    # ppo.micro_batch_tokens = 64 tokens; the engine's pool: 512 slots x 64 tokens would be 8.4 MB, so
+    # engine_memory_fraction 0.4 of the 1,000,000 B free = 400,000 B, + the weights once more.
+    peak = 3 * weights + weights + weights + 64 * train_bytes_per_token(shape, False) + logprob_chunk_bytes(shape, 64)
+    assert count == {"needed_bytes": peak + 400_000 + weights, "budget_bytes": 1_000_234}
+
+
 def test_explicit_settings_reach_the_roles(tmp_path, fresh_cache, monkeypatch):
     from phaserl.models import decoder
     from phaserl.trainer import RLTrainer

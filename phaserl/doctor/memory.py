@@ -210,14 +210,6 @@ def update_peak_bytes(shape: ModelShape, *, resident: int, grads: int, micro_bat
             + logprob_chunk_bytes(shape, tokens))
 
 
-def loaded_role_memory(model: torch.nn.Module, *, trains: bool) -> RoleMemory:
-    """Device bytes of a loaded, unsharded role: its parameters, and for a role that trains a gradient and two
-    AdamW moments per trainable element (LoRA: the adapters' only)."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if trains else 0
-    return RoleMemory(params, trainable, 2 * trainable)
-
-
 def logprob_chunk_bytes(shape: ModelShape, tokens: int) -> int:
     """The chunked vocabulary projection: logits, log-softmax and their gradient in float32."""
     return 3 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4

@@ -25,7 +25,7 @@ import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import Choice, choose, compile_rule, engine_compile_rule, keep_awake_rule
-from ..doctor.memory import (ModelShape, UnknownShape, kept_engine_bytes, loaded_role_memory, update_peak_bytes)
+from ..doctor.memory import ModelShape, UnknownShape, kept_engine_bytes, update_peak_bytes
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
@@ -86,8 +86,10 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_runs=engine_runs, device_type=device.type, triton=triton_available()))
     keep_rule = (False, "")  # not used when the config sets it
     if r.engine_keep_awake is None:
-        count = (_keep_awake_count(cfg, roles, d) if engine_runs and device.type == "cuda"
-                 else {"needed_bytes": 0, "budget_bytes": 0})
+        count = {"needed_bytes": 0, "budget_bytes": 0}
+        if engine_runs and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            count = keep_awake_count(cfg, roles, d, free_bytes=int(free), held_bytes=torch.cuda.memory_reserved(device))
         keep_rule = keep_awake_rule(engine_runs=engine_runs, device_type=device.type, world_size=world_size,
                                     actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD", **count)
     return SpeedChoices(
@@ -98,9 +100,11 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_keep_awake=choose("rollout.engine_keep_awake", r.engine_keep_awake, keep_rule))
 
 
-def _keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived") -> dict:
-    """The doctor's count for this run on this device: the update's peak with the engine kept (needed_bytes) and
-    the device memory this process can have: free + what it holds already (budget_bytes)."""
+def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes: int, held_bytes: int) -> dict:
+    """The doctor's count for this run: the update's peak with the engine kept (needed_bytes: the loaded roles'
+    weights, the trainable ones' gradients and AdamW moments, one micro-batch's activations and log-prob chunk,
+    the engine's KV pool and weight copies) and the device memory this process can have (budget_bytes: free +
+    what it holds already)."""
     actor = roles.actor
     try:
         shape = ModelShape.of(actor.model)
@@ -110,20 +114,22 @@ def _keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived") -> dict:
               (roles.ref_policy.model if roles.ref_policy else None, False),
               (getattr(roles.reward.reward_model, "model", None), False)]
     seen, resident, grads = set(), 0, 0
-    for model, trains in models:  # a LoRA reference is the actor's own model: counted once
-        if model is None or id(model) in seen:
-            continue
-        seen.add(id(model))
-        m = loaded_role_memory(model, trains=trains)
-        resident, grads = resident + m.params + m.optimizer, grads + m.grads
+    for model, trains in models:  # the doctor's role_memory, per tensor: a LoRA reference shares the actor's base
+        for p in model.parameters() if model is not None else ():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            size = p.numel() * p.element_size()
+            trainable = size if trains and p.requires_grad else 0
+            resident, grads = resident + size + 2 * trainable, grads + trainable  # params + AdamW; gradients
     seq = d.max_sequence_tokens
     micro = min(cfg.ppo.micro_batch_tokens, d.mini_batch_per_rank * seq)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                              gradient_checkpointing=cfg.actor.gradient_checkpointing)
-    r, (free, _) = cfg.rollout, torch.cuda.mem_get_info(actor.device)
+    r = cfg.rollout
     kept = kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
-                             kv_limit=int(r.engine_memory_fraction * free))
-    return {"needed_bytes": peak + kept, "budget_bytes": int(free) + torch.cuda.memory_reserved(actor.device)}
+                             kv_limit=int(r.engine_memory_fraction * free_bytes))
+    return {"needed_bytes": peak + kept, "budget_bytes": free_bytes + held_bytes}
 
 
 def packing_choice(asked: Optional[bool], enabled: bool, device: torch.device) -> Choice:
