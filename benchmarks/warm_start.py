@@ -72,8 +72,13 @@ def child_env(cache: str) -> dict:
 def one_run(a, label: str, world: str, cache: str) -> dict:
     """One grpo_step.py process: its lines echoed, its summary and wall time returned."""
     t0 = time.perf_counter()
-    proc = subprocess.run(run_argv(a, world), env=child_env(cache), stdout=subprocess.PIPE, text=True,
-                          timeout=a.run_timeout)
+    try:
+        proc = subprocess.run(run_argv(a, world), env=child_env(cache), stdout=subprocess.PIPE, text=True,
+                              timeout=a.run_timeout)
+    except subprocess.TimeoutExpired as exc:
+        print(exc.stdout or "", end="", flush=True)
+        emit(measure="error", run=label, note=f"killed after --run-timeout {a.run_timeout:.0f} s")
+        return {}
     wall = time.perf_counter() - t0
     summary, build = None, None
     for line in proc.stdout.splitlines():
