@@ -76,7 +76,8 @@ def one_run(a, label: str, world: str, cache: str) -> dict:
         proc = subprocess.run(run_argv(a, world), env=child_env(cache), stdout=subprocess.PIPE, text=True,
                               timeout=a.run_timeout)
     except subprocess.TimeoutExpired as exc:
-        print(exc.stdout or "", end="", flush=True)
+        out = exc.stdout or b""  # bytes even with text=True
+        print(out.decode(errors="replace") if isinstance(out, bytes) else out, end="", flush=True)
         emit(measure="error", run=label, note=f"killed after --run-timeout {a.run_timeout:.0f} s")
         return {}
     wall = time.perf_counter() - t0
