@@ -198,13 +198,19 @@ def guard_compiled(compiled: Callable) -> Callable:
 
 
 # ----- the console lines around the first compiled step -----------------------------------------------------
-def _compile_seconds() -> float:
-    """Seconds torch.compile spent in this process so far (dynamo's own account; 0 when it has none)."""
+# dynamo's timers (torch._dynamo.utils.compilation_time_metrics) the report splits the compile into; the names
+# are torch's own (2.11, 2.13) and may change: a missing one reads 0
+TIMERS = {"compile_s": "_compile.compile_inner", "tracing_s": "bytecode_tracing",
+          "cache_load_s": "PyCodeCache.load_by_key_path", "kernel_build_s": "compile_file"}
+
+
+def _timers() -> dict:
+    """Seconds so far in this process per TIMERS entry (0 when torch keeps no such timer)."""
     try:
         from torch._dynamo.utils import compilation_time_metrics
-        return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
-    except (ImportError, AttributeError):
-        return 0.0
+    except ImportError:
+        return {k: 0.0 for k in TIMERS}
+    return {k: float(sum(compilation_time_metrics.get(name, []))) for k, name in TIMERS.items()}
 
 
 def _cache_counts() -> tuple[int, int]:
@@ -237,7 +243,7 @@ class CompileWatch:
         self.record_path = os.path.join(cache.path, RECORD) if cache.path else None
         self.previous = _read_records(self.record_path).get(key) if self.record_path else None
         self.report: Optional[dict] = None  # the first step's measurements, once step_done ran
-        self._start = (_compile_seconds(), *_cache_counts())
+        self._start = (_timers(), *_cache_counts())
 
     @property
     def cold(self) -> bool:
@@ -256,8 +262,9 @@ class CompileWatch:
         """After the first step (later calls: None): the measured line; the timings are kept for the next run."""
         if self.report is not None:
             return None
-        spent, hits, misses = _compile_seconds(), *_cache_counts()
-        self.report = {"first_step_s": round(seconds, 2), "compile_s": round(spent - self._start[0], 2),
+        timers, hits, misses = _timers(), *_cache_counts()
+        self.report = {"first_step_s": round(seconds, 2),
+                       **{k: round(v - self._start[0][k], 2) for k, v in timers.items()},
                        "cache_hits": hits - self._start[1], "cache_misses": misses - self._start[2],
                        "cold": self.cold, "torch": torch.__version__}
         self._remember()
