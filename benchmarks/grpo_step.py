@@ -82,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=["ours", "trl", "both"], default="both")
     p.add_argument("--tiny", action="store_true", help="CPU-sized model and batch (smoke test)")
-    p.add_argument("--shape", choices=["0.5b", "7b"], default="0.5b",
-                   help="0.5b: 64 x 8, 128 + 256, micro-batch 32; 7b: 16 x 8, 256 + 512, micro-batch 8 (the project brief's shapes)")
+    p.add_argument("--shape", choices=["0.5b", "1.5b", "7b"], default="0.5b",
+                   help="0.5b: 64 x 8, 128 + 256, micro-batch 32; 1.5b: 32 x 8, 256 + 1024 (long responses), "
+                        "micro-batch 8; 7b: 16 x 8, 256 + 512, micro-batch 8 (the project brief's shapes)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA on both sides, every linear projection (ours "
                    "actor.lora, TRL peft_config=LoraConfig(target_modules='all-linear')); 0 = full fine-tuning")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
@@ -125,8 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     # kv_fraction: 0.03 of free memory holds the 0.5B step's 512 x 384 tokens (2.25 GiB); at 7B the 128 x 768
     # tokens take 5.25 GiB, more than 0.03 of what is free (a 7B LoRA actor: ~91 slots by the arithmetic, so
-    # two decode waves).
+    # two decode waves); at 1.5B the 256 x 1280 tokens take 8.75 GiB.
     sizes = {"0.5b": dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32, kv_fraction=0.03),
+             "1.5b": dict(prompts=32, n=8, prompt_len=256, new_tokens=1024, micro_batch=8, kv_fraction=0.1),
              "7b": dict(prompts=16, n=8, prompt_len=256, new_tokens=512, micro_batch=8, kv_fraction=0.25),
              "tiny": dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8, kv_fraction=0.03)}
     a.shape = "tiny" if a.tiny else a.shape
