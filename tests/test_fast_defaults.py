@@ -136,6 +136,24 @@ def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
     assert count == {"needed_bytes": peak + 400_000 + weights, "budget_bytes": 1_000_234}
 
 
+@pytest.mark.gpu
+def test_on_one_gpu_the_tiny_run_keeps_the_engine_awake_and_stays_eager(tmp_path):
+    import torch
+
+    from phaserl.trainer import RLTrainer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[]", "trainer.device=cuda", "rollout.engine_compile=false"]))
+    speed = trainer.run.speed
+    assert not speed.actor_compile.value and "small model" in speed.actor_compile.why  # 0.1M parameters
+    assert speed.engine_keep_awake.value and "GiB needed of" in speed.engine_keep_awake.why
+    assert trainer.actor.engine_config.keep_awake is True
+    trainer.train_step()
+    assert trainer.actor.engine.kept_awake  # the switch back to training kept the KV cache
+
+
 def test_explicit_settings_reach_the_roles(tmp_path, fresh_cache, monkeypatch):
     from phaserl.models import decoder
     from phaserl.trainer import RLTrainer
