@@ -122,7 +122,7 @@ def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes:
             size = p.numel() * p.element_size()
             trainable = size if trains and p.requires_grad else 0
             resident, grads = resident + size + 2 * trainable, grads + trainable  # params + AdamW; gradients
-    seq = d.max_sequence_tokens
+    seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else d.max_sequence_tokens  # a slot
     micro = min(cfg.ppo.micro_batch_tokens, d.mini_batch_per_rank * seq)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                              gradient_checkpointing=cfg.actor.gradient_checkpointing)
