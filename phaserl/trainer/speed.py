@@ -5,9 +5,9 @@ which were chosen and why.
 decoder and how big, world size, and for `rollout.engine_keep_awake` the doctor's memory count of the update
 with the engine kept against this process's device memory) and applies `config/auto.py`'s rule to every
 setting left at auto (null); true / false in the config win. The builder applies the choices and keeps them in
-`RunSettings.speed`; the run summary prints `SpeedChoices.block()`:
+`RunSettings.speed`; the run summary prints one line per choice (`Choice.line()`):
 
-    speed      actor.compile=auto -> on: CUDA, phaserl's decoder, Triton
+    auto       actor.compile=auto -> on: CUDA, phaserl's decoder, Triton
                rollout.engine_keep_awake=auto -> on: 24.3 GiB needed of 139 GiB
                ...
 
@@ -57,10 +57,6 @@ class SpeedChoices:
         """Some torch.compile will run in this process (the first steps pay it)."""
         return self.actor_compile.value or bool(self.critic_compile and self.critic_compile.value) or \
             self.engine_compile.value
-
-    def block(self, indent: str = "") -> str:
-        """One line per setting: `key=asked -> on/off: why`."""
-        return "\n".join(indent + c.line() for c in self.all())
 
 
 def triton_available() -> bool:
