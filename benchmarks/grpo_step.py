@@ -8,7 +8,8 @@ warm-up), tokens/s (prompt + response tokens of the step's 512 sequences / step 
 memory (torch.cuda.max_memory_allocated / max_memory_reserved, reset before every step: the largest
 timed step, and the warm-up steps apart). `--only both` ends with a comparison line.
 
-    python benchmarks/grpo_step.py --ours-set actor.compile=true --warmup 2 --steps 3 --steps-trl 2  # BENCHMARKS.md
+    python benchmarks/grpo_step.py --warmup 2 --steps 3 --steps-trl 2   # phaserl's defaults (auto: compile, keep_awake)
+    python benchmarks/grpo_step.py --only ours --ours-set actor.compile=false --ours-set rollout.engine_keep_awake=false
     python benchmarks/grpo_step.py --tiny                   # a CPU smoke run of both sides (seconds)
     python benchmarks/grpo_step.py --shape 7b --lora-rank 16  # LoRA on both sides (benchmarks/lora_step.py runs the set)
 
@@ -26,10 +27,10 @@ Same on both sides:
   are printed (`response_length_mean`, `eos_finished`);
 - 512 responses per step and ONE optimizer step per rollout batch (ours: ppo.num_mini_batches=1,
   epochs=1; TRL: gradient_accumulation_steps = steps_per_generation = 512 / micro_batch, num_iterations=1);
-- micro-batches of --micro-batch sequences (default 32 = 12,288 tokens) for training and, unless
-  --forward-micro-batch says otherwise for ours, for the forward-only passes (ours: ppo.micro_batch_tokens =
-  ppo.forward_micro_batch_tokens = 32 * 384; TRL: per_device_train_batch_size, which it also uses for its
-  reference pass: it has no separate key);
+- micro-batches of --micro-batch sequences (default 32 = 12,288 tokens) for training (ours:
+  ppo.micro_batch_tokens = 32 * 384; TRL: per_device_train_batch_size, which it also uses for its reference
+  pass: it has no separate key). Ours runs its forward-only passes with its default
+  ppo.forward_micro_batch_tokens (32,768) unless --forward-micro-batch sets sequences per forward micro-batch;
 - KL in the loss, k3 estimator, coefficient --beta 0.001 (ours algorithm.kl_coef, TRL beta);
 - PPO clip 0.2 both ways, no dual clip (ours actor.dual_clip_c=null); token-mean loss over the whole
   mini-batch (ours loss_agg_mode=token-mean, TRL loss_type=dapo); group-std advantages; entropy computed
@@ -45,10 +46,10 @@ Differences, by design of each library:
   --shape 7b, where 0.03 would hold fewer slots than sequences), CUDA
   graphs and torch.compile (the first step pays the compilation: warm-up). TRL rolls out with
   `model.generate` (dynamic cache) on the training model, no compile;
-- ours trains with phaserl's defaults (ppo.packing=null = auto: varlen flash attention on CUDA; with
-  fixed-length rows it removes no padding) plus whatever --ours-set adds (BENCHMARKS.md: actor.compile=true,
-  compiled decoder layers and fused log-prob kernels for the actor and the reference); TRL with its
-  defaults (sdpa attention, its own fused chunked LM-head log-probs, torch_compile off).
+- ours trains with phaserl's defaults plus whatever --ours-set adds. With no --ours-set that is what
+  `phaserl train` picks on this machine (the `speed` list of the build line: actor.compile, engine compile,
+  rollout.engine_keep_awake and ppo.packing are auto, config/auto.py; on one H200 at this shape all on);
+  TRL with its defaults (sdpa attention, its own fused chunked LM-head log-probs, torch_compile off).
 """
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=["ours", "trl", "both"], default="both")
     p.add_argument("--tiny", action="store_true", help="CPU-sized model and batch (smoke test)")
-    p.add_argument("--shape", choices=["0.5b", "7b"], default="0.5b",
-                   help="0.5b: 64 x 8, 128 + 256, micro-batch 32; 7b: 16 x 8, 256 + 512, micro-batch 8 (the project brief's shapes)")
+    p.add_argument("--shape", choices=["0.5b", "1.5b", "7b"], default="0.5b",
+                   help="0.5b: 64 x 8, 128 + 256, micro-batch 32; 1.5b: 32 x 8, 256 + 1024 (long responses), "
+                        "micro-batch 8; 7b: 16 x 8, 256 + 512, micro-batch 8 (the project brief's shapes)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA on both sides, every linear projection (ours "
                    "actor.lora, TRL peft_config=LoraConfig(target_modules='all-linear')); 0 = full fine-tuning")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
@@ -96,8 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens (256; --tiny 8)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per training micro-batch (32; --tiny 8)")
     p.add_argument("--forward-micro-batch", type=int, default=None,
-                   help="ours: sequences per forward-only micro-batch (reference, old log-probs); default "
-                        "--micro-batch. TRL has no such key: its reference pass uses the training micro-batch")
+                   help="ours: sequences per forward-only micro-batch (reference, old log-probs); default: "
+                        "phaserl's ppo.forward_micro_batch_tokens. TRL has no such key: its reference pass uses the "
+                        "training micro-batch")
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (ours kl_coef, TRL beta)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--gradient-checkpointing", action="store_true", help="on for both sides (default off)")
@@ -123,8 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     # kv_fraction: 0.03 of free memory holds the 0.5B step's 512 x 384 tokens (2.25 GiB); at 7B the 128 x 768
     # tokens take 5.25 GiB, more than 0.03 of what is free (a 7B LoRA actor: ~91 slots by the arithmetic, so
-    # two decode waves).
+    # two decode waves); at 1.5B the 256 x 1280 tokens take 8.75 GiB.
     sizes = {"0.5b": dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32, kv_fraction=0.03),
+             "1.5b": dict(prompts=32, n=8, prompt_len=256, new_tokens=1024, micro_batch=8, kv_fraction=0.1),
              "7b": dict(prompts=16, n=8, prompt_len=256, new_tokens=512, micro_batch=8, kv_fraction=0.25),
              "tiny": dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8, kv_fraction=0.03)}
     a.shape = "tiny" if a.tiny else a.shape
@@ -238,7 +242,8 @@ def ours_config(a, root: str, log_dir: str) -> dict:
                   "loss_agg_mode": "token-mean", "entropy_coef": 0.0,
                   "gradient_checkpointing": a.gradient_checkpointing},
         "ppo": {"num_mini_batches": 1, "epochs": 1, "micro_batch_tokens": a.micro_batch * seq,
-                "forward_micro_batch_tokens": (a.forward_micro_batch or a.micro_batch) * seq},
+                # phaserl's own default forward budget unless --forward-micro-batch sets one
+                **({"forward_micro_batch_tokens": a.forward_micro_batch * seq} if a.forward_micro_batch else {})},
         "trainer": {"total_steps": a.warmup + a.steps, "seed": 0, "device": a.device, "log_dir": log_dir,
                     "checkpoint_path": os.path.join(log_dir, "checkpoints"), "val_before_train": False,
                     "loggers": ["jsonl"], "resume": "never"},
@@ -262,8 +267,9 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     cfg = load_config(cfg_path, a.ours_set)
     trainer = RLTrainer.from_config(cfg)  # what `phaserl train ours.yaml KEY=VALUE ...` builds
     emit(measure="build", side="ours", seconds=round(time.perf_counter() - t0, 2), config=cfg_path,
-         overrides=a.ours_set, trainable_params=_trainable(trainer.actor.model), packing=cfg.ppo.packing, actor_compile=getattr(cfg.actor, "compile", None),
-         engine_compile=cfg.rollout.engine_compile, **memory_gib())
+         overrides=a.ours_set, trainable_params=_trainable(trainer.actor.model),
+         speed=[c.line() for c in trainer.run.speed.all()] if trainer.run.speed else None,
+         forward_micro_batch_tokens=trainer.run.forward_tokens, **memory_gib())
     steps = []
     for i in range(a.warmup + a.steps):
         reset_peak()  # each step line holds that step's own peak
@@ -288,10 +294,11 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     trainer.run.metrics_logger.close()
     timed = [s["timing_s"] for s in steps if not s["warmup"]] or [{}]
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
+    watch = trainer.run.compile_watch
     return summarize("ours", a, steps, {"kv_fraction": a.kv_fraction, "timing_s_median": phases,
                                         "overrides": a.ours_set, "micro_batch": a.micro_batch,
-                                        "lora_rank": a.lora_rank,
-                                        "forward_micro_batch": a.forward_micro_batch or a.micro_batch})
+                                        "lora_rank": a.lora_rank, "forward_micro_batch_tokens": trainer.run.forward_tokens,
+                                        "compile": watch.report if watch is not None else None})
 
 
 def _timed_step(trainer) -> tuple[dict, float]:

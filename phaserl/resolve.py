@@ -8,6 +8,7 @@ One home for every resolver, shared by the trainer's builder (`trainer/build.py`
               as a reward-model path: the tiny world's reward model, trained on first use (phaserl.rm)
               as a train-rm preference file: tiny-world pairs written under the run's out_dir
     'auto'    as a device: cuda when a GPU is visible, else cpu; cuda means this rank's GPU
+    the compile cache: torch.compile's persistent caches under phaserl's cache directory (compile_cache.py)
 
 What it does not do: load models (phaserl.models), read rows (phaserl.data) or validate the config
 (phaserl.config). The tiny world and the tiny RM are imported on first use, so that importing this
@@ -47,6 +48,13 @@ def resolve_device(name: str, *, key: str = "trainer.device") -> torch.device:
 
         return torch.device("cuda", rank_and_world()[0] % torch.cuda.device_count())
     return torch.device(name)
+
+
+def resolve_compile_cache_dir() -> str:
+    """Where torch.compile's caches persist across runs: $PHASERL_CACHE_DIR/torch-compile (~/.cache/phaserl/...)."""
+    from .world.build import cache_root
+
+    return str(cache_root() / "torch-compile")
 
 
 def resolve_model_path(path: str) -> str:

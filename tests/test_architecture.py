@@ -18,11 +18,12 @@ ROOT = "phaserl"  # phaserl/__init__.py itself (`from .. import __version__` imp
 ALLOWED = {
     "errors": set(),
     "userfiles": {"errors"},                           # user code named in a config (file.py or module)
+    "compile_cache": set(),                            # torch.compile's persistent caches: torch only
     "batch": set(),                                    # typed data between phases: torch only
     ROOT: {"errors"},                                  # public names, loaded lazily
     "config": {"errors"},
     "algo": {"errors"},                                # pure tensor math
-    "models": {"errors"},
+    "models": {"compile_cache", "errors"},
     "parallel": {"errors"},
     "data": {"errors"},
     "report": {"errors"},
@@ -39,8 +40,8 @@ ALLOWED = {
     "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
     "doctor": {"agents", "checkpoint", "config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles",
                "rollout"},  # rollout: generate() for the agent episode probe
-    "trainer": {"agents", "algo", "batch", "checkpoint", "config", "data", "errors", "metrics", "models", "parallel",
-                "report", "resolve", "rewards", "rm", "roles", "rollout"},
+    "trainer": {"agents", "algo", "batch", "checkpoint", "compile_cache", "config", "data", "doctor", "errors",
+                "metrics", "models", "parallel", "report", "resolve", "rewards", "rm", "roles", "rollout"},
     "cli": {"config", "doctor", "errors", "parallel", "resolve", "rm", "trainer", "world"},
     "__main__": {"cli"},
 }

@@ -345,12 +345,17 @@ def test_little_free_memory_gives_a_warning_with_sizes_that_fit(run, monkeypatch
 
 def test_a_kept_rollout_engine_leaves_less_room_for_the_update(run, monkeypatch):
     monkeypatch.setattr("phaserl.doctor.checks.free_memory_bytes", lambda device: 2_000_000)
-    base, kept = (doctor(run, *extra)["memory"] for extra in ([], ["rollout.engine_keep_awake=true"]))
-    # 8 sequences (batch_size 4 x n 2) x 9,216 B of KV (2 x 2 layers x 2 heads x 8 x 4 B x 36 tokens)
-    # + 87,616 B of fused weight copies (the actor's 85.6 KB of params) = 161,344 B = 157.6 KB less for the
-    # update's activations at 4.2 KB per token: 216 -> 180 tokens per micro-batch.
-    assert "rollout.engine_keep_awake: 157.6 KB" in "\n".join(kept.details)
+    keep = ["rollout.engine_keep_awake=true"]
+    base, kept, capped = (doctor(run, *extra)["memory"] for extra in ([], keep + ["rollout.engine_max_slots=8"], keep))
+    # The engine's KV pool: 8 slots x 64 tokens (36 rounded up to the engine's 64-token slots) x 256 B per token
+    # (2 x 2 layers x 2 heads x 8 x 4 B) = 131,072 B, + 87,680 B of fused weight copies (the actor's 21,920
+    # float32 params) = 218,752 B = 213.6 KB less for the update's activations at 4.2 KB per token: 216 -> 180
+    # tokens (6 -> 5 sequences of 36) per micro-batch.
+    assert "rollout.engine_keep_awake: 213.6 KB" in "\n".join(kept.details)
     assert "ppo.micro_batch_tokens=216" in base.details[-1] and "ppo.micro_batch_tokens=180" in kept.details[-1]
+    # 512 slots (the default) would be 8.4 MB: the pool takes engine_memory_fraction 0.4 of the 2,000,000 B free
+    # instead, 800,000 B, + 87,680 B = 866.9 KB.
+    assert "rollout.engine_keep_awake: 866.9 KB" in "\n".join(capped.details)
 
 
 def test_shared_paths_in_one_process(run, monkeypatch):

@@ -18,7 +18,8 @@ def test_a_step_on_the_gpu_samples_every_phase_and_both_ends_of_each_switch(tmp_
     from phaserl.config import load_config
     from phaserl.trainer import RLTrainer
 
-    overrides = make_run_dir(str(tmp_path)) + ["trainer.device=cuda", "rollout.engine_compile=false"]
+    overrides = make_run_dir(str(tmp_path)) + ["trainer.device=cuda", "rollout.engine_compile=false",
+                                               "rollout.engine_keep_awake=false"]  # the switch frees the KV cache
     trainer = RLTrainer.from_config(load_config(None, overrides))
     record_memory(trainer.actor.device)
     trainer.train_step()

@@ -1,6 +1,6 @@
 """`phaserl config CFG --explain`: the resolved config, every key annotated with its help text, then
-the batch arithmetic of one RL step (formula, numbers, result), what each batch size counts, and
-which roles run.
+the batch arithmetic of one RL step (formula, numbers, result), what each batch size counts, which
+roles run, and the rule behind each `auto` speed setting (config/auto.py).
 
 Pure formatting on top of `derive`; no rules of its own. Every non-YAML line is a `#` comment, so
 the whole text still loads as the same config (`phaserl config cfg.yaml --explain > resolved.yaml`).
@@ -11,6 +11,7 @@ import dataclasses
 
 import yaml
 
+from phaserl.config.auto import AUTO_RULES
 from phaserl.config.load import YamlDumper
 from phaserl.config.schema import Config
 from phaserl.config.validate import Derived, derive
@@ -168,8 +169,23 @@ def explain(cfg: Config, world_size: int = 1) -> str:
         "#",
         _heading("Roles"),
         *_roles(cfg, d),
+        "#",
+        _heading("Speed settings: auto (null) is decided for the machine when the run starts"),
+        *_auto_settings(cfg),
         "",
     ])
+
+
+def _auto_settings(cfg: Config) -> list[str]:
+    """Each auto-able speed setting: its value here and, when auto, the rule the run will apply (auto.py)."""
+    lines = []
+    for key, rule in AUTO_RULES.items():
+        value, _ = _lookup(cfg, key)
+        shown = "auto" if value is None else f"{str(value).lower()} (set: the rule is not applied)"
+        lines.append(f"#   {key:<26} = {shown}")
+        lines.append(f"#   {'':<26}   rule: {rule}")
+    lines.append("#   (`phaserl train` prints the choices and why at start; `phaserl doctor` counts keep_awake's memory)")
+    return lines
 
 
 def _heading(title: str) -> str:

@@ -65,12 +65,15 @@ class RolloutConfig:
                                               "switch to rollout mode, at most engine_max_slots sequences of "
                                               "data.max_prompt_length + max_new_tokens", min=0.01, max=0.95)
     engine_cuda_graphs: bool = spec(True, "builtin engine: capture decode steps in CUDA graphs (GPU only)")
-    engine_keep_awake: bool = spec(False, "builtin engine: keep its KV cache, fused weight copies and CUDA graphs "
-                                          "on the GPU during training, so the next rollout does not re-capture "
-                                          "its graphs (one GPU with memory to spare; their memory stays taken in "
-                                          "the update)")
-    engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = on CUDA when "
-                                                "Triton is installed; the first rollout then pays ~40 s)")
+    engine_keep_awake: Optional[bool] = spec(None, "builtin engine: keep its KV cache, fused weight copies and CUDA "
+                                                   "graphs on the GPU during training, so the next rollout does not "
+                                                   "re-capture its graphs (their memory stays taken in the update). "
+                                                   "null = auto: on with one GPU (or an unsharded actor) when the "
+                                                   "doctor's memory count says they fit beside the update with "
+                                                   "margin; off on the CPU, with FSDP or tight memory")
+    engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = auto: on CUDA when "
+                                                "Triton is installed; the first rollout on a machine then pays the "
+                                                "compile, cached for later runs: docs/performance.md)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "
@@ -213,8 +216,11 @@ class ActorConfig:
                                              "(null = the paper's: 0.15 for dppo_tv, 0.05 for dppo_kl)", min=0.0)
     dppo_ratio_cap: float = spec(20.0, "DPPO: truncated-IS cap on the ratio", min=1.0)
     gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
-    compile: bool = spec(False, "torch.compile the decoder layers and the log-prob kernels of the actor and the "
-                                "reference (phaserl's decoder only; the first steps pay the compile time)")
+    compile: Optional[bool] = spec(None, "torch.compile the decoder layers and the log-prob kernels of the actor and "
+                                         "the reference (phaserl's decoder only). null = auto: on for phaserl's "
+                                         "decoder on one CUDA GPU with Triton and >= 100M parameters, off on the "
+                                         "CPU; the first run on a machine pays the compile, later runs read "
+                                         "torch's cache (docs/performance.md)")
     fsdp: FSDPConfig = spec(None, "parallel settings of the actor", factory=FSDPConfig)
     hybrid_engine: HybridEngineConfig = spec(None, "rollout/training mode switch", factory=HybridEngineConfig)
     lora: LoRAConfig = spec(None, "LoRA adapters on the actor (docs/lora.md); the reference is then the actor's base "
@@ -234,7 +240,8 @@ class CriticConfig:
     cliprange_value: float = spec(0.5, "value clipping around the old values", min=0.0)
     loss_coef: float = spec(0.5, "value loss coefficient", min=0.0)
     gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
-    compile: bool = spec(False, "torch.compile the critic's decoder layers (phaserl's decoder only)")
+    compile: Optional[bool] = spec(None, "torch.compile the critic's decoder layers (phaserl's decoder only); "
+                                         "null = auto: actor.compile's rule, for the critic's model")
     fsdp: FSDPConfig = spec(None, "parallel settings of the critic (never switches modes)", factory=FSDPConfig)
     hybrid_engine: Optional[HybridEngineConfig] = spec(None, "must stay null: only the actor switches modes")
     lora: LoRAConfig = spec(None, "LoRA adapters on the critic's decoder (its value head trains fully)",

@@ -25,6 +25,10 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
   update          per token: layers × (8h + 4I + 2 × kv_heads × head_dim) × b of saved activations
                   (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits
                   × 3 for the log-prob projection of up to 1024 tokens at a time.
+  kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
+                  up to 64 tokens, at most engine_memory_fraction of the free memory) + the weights once more
+                  (fused copies, graph temporaries), through the update; `config/auto.py` turns it on when the update's peak
+                  with it stays under 75% of the device (the builder and the doctor both ask it).
 Not here: reading the config or loading models (`checks.py` does that and calls these functions).
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -184,6 +189,25 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool) -> in
     if gradient_checkpointing:
         return (shape.num_layers * shape.hidden_size + per_layer) * shape.param_bytes
     return shape.num_layers * per_layer * shape.param_bytes
+
+
+def kept_engine_bytes(shape: ModelShape, slots: int, slot_tokens: int, *, kv_limit: Optional[int] = None) -> int:
+    """What a kept rollout engine (rollout.engine_keep_awake) holds through the update: its KV pool, `slots`
+    slots of `slot_tokens` (rollout.engine_max_slots of the rounded-up longest sequence: what the pool
+    allocates) but at most `kv_limit` bytes (rollout.engine_memory_fraction of the free memory), plus its
+    fused weight copies and graph temporaries, counted as the weights once more (the copies alone are about
+    half of a 0.5B model's weights; the rest covers the graphs)."""
+    kv = slots * kv_cache_bytes_per_sequence(shape, slot_tokens)
+    return (kv if kv_limit is None else min(kv, kv_limit)) + shape.num_params * shape.param_bytes
+
+
+def update_peak_bytes(shape: ModelShape, *, resident: int, grads: int, micro_batch_tokens: int,
+                      gradient_checkpointing: bool) -> int:
+    """The update's peak on one rank: the resident roles, the actor's gradients, one micro-batch's saved
+    activations and its log-prob chunk."""
+    tokens = micro_batch_tokens
+    return (resident + grads + tokens * train_bytes_per_token(shape, gradient_checkpointing)
+            + logprob_chunk_bytes(shape, tokens))
 
 
 def logprob_chunk_bytes(shape: ModelShape, tokens: int) -> int:

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from ..config.auto import choose, keep_awake_rule
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
 from ..models import load_pretrained
@@ -19,9 +20,11 @@ from ..models.lora import LoRASettings, adapter_parameter_count, resolve_targets
 from ..resolve import DTYPES, build_reward_sources, reference_is_lora_base, resolve_data_files, resolve_model_path
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
+from ..rollout import RolloutEngine
+from ..rollout.engine import engine_slot_tokens
 from .checks import Context, check, roles_enabled, short
 from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, effective, fmt_bytes, judge,
-                     kv_cache_bytes_per_sequence, role_memory, suggest_sizes)
+                     kept_engine_bytes, kv_cache_bytes_per_sequence, role_memory, suggest_sizes, update_peak_bytes)
 from .report import FAIL, OK, WARN, CheckResult
 
 log = logging.getLogger("phaserl")
@@ -277,16 +280,14 @@ def check_memory(ctx: Context) -> CheckResult:
                                             strategy=rm_fsdp.sharding_strategy, world_size=ctx.world_size,
                                             cpu_offload=rm_fsdp.cpu_offload)
     resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
-    kept = 0
-    if cfg.rollout.engine_keep_awake:  # the engine's KV cache and fused weight copies stay through training
-        slots = min(cfg.rollout.engine_max_slots, cfg.rollout.batch_size * cfg.rollout.n)
-        kept = slots * kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens) + shape.num_params * shape.param_bytes
+    keep, auto_line = _keep_awake(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
+    kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if keep else 0
     suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads + kept,
                                 free_bytes=ctx.free_bytes)
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
                                                              f"{fmt_bytes(m.optimizer)}" if m.grads else "")
                + " per rank" for name, m in roles.items()]
-    details += lora_lines
+    details += lora_lines + ([auto_line] if auto_line else [])
     if shared_ref:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
     kv = kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens)
@@ -310,6 +311,30 @@ def check_memory(ctx: Context) -> CheckResult:
         return CheckResult("memory", WARN, "; ".join(problems), fix=fix, details=tuple(details))
     return CheckResult("memory", OK, f"~{fmt_bytes(resident)} of weights and optimizer state per rank; every phase "
                                      f"fits the {usable} free on {ctx.device}", details=tuple(details))
+
+
+def keep_candidate(cfg, shape: ModelShape, sizes: PhaseSizes, free_bytes: int) -> int:
+    """What the engine would hold through the update if kept awake: the KV pool it allocates (engine.py's
+    sizing) and its weight copies."""
+    r = cfg.rollout
+    return kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(sizes.sequence_tokens),
+                             kv_limit=int(r.engine_memory_fraction * free_bytes))
+
+
+def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int, grads: int) -> tuple[bool, str]:
+    """rollout.engine_keep_awake as the run will choose it (config/auto.py's rule on this count), and the
+    details line saying so when it was auto ('' when set)."""
+    cfg = ctx.cfg
+    if cfg.rollout.engine_keep_awake is not None:
+        return cfg.rollout.engine_keep_awake, ""
+    micro = min(cfg.ppo.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
+    peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
+                             gradient_checkpointing=sizes.gradient_checkpointing)
+    choice = choose("rollout.engine_keep_awake", None, keep_awake_rule(
+        engine_runs=cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy), device_type=ctx.device.type,
+        world_size=ctx.world_size, actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",
+        needed_bytes=peak + keep_candidate(cfg, shape, sizes, ctx.free_bytes), budget_bytes=ctx.free_bytes))
+    return choice.value, choice.line()
 
 
 def _size_line(s, sizes: PhaseSizes, free_bytes: int) -> str:

@@ -37,6 +37,11 @@ def _round_slot(tokens: int) -> int:
     return -(-tokens // SLOT_ROUNDING) * SLOT_ROUNDING
 
 
+def engine_slot_tokens(max_seq_tokens: int) -> int:
+    """The length of one KV slot for sequences of up to `max_seq_tokens` (the doctor counts the pool with it)."""
+    return _round_slot(max_seq_tokens)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_slots: int = 512                  # most sequences decoded together (the largest graph bucket)

@@ -13,6 +13,7 @@ config ('tiny', 'auto', dtypes) are resolved by `phaserl.resolve`, shared with t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -22,6 +23,7 @@ import torch
 
 from ..algo import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, bind_policy_loss,
                     canonical_kl_estimator, rollout_correction)
+from ..compile_cache import enable_compile_cache
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.load import with_overrides
 from ..config.validate import GROUP_ESTIMATORS
@@ -30,8 +32,8 @@ from ..errors import ConfigError
 from ..metrics import MetricsLogger
 from ..models import load_pretrained, load_tokenizer
 from ..parallel import is_distributed, rank_and_world
-from ..resolve import (build_reward_sources, resolve_data_files, resolve_device, resolve_dtype, resolve_model_path,
-                       resolve_reward_model_path)
+from ..resolve import (build_reward_sources, resolve_compile_cache_dir, resolve_data_files, resolve_device,
+                       resolve_dtype, resolve_model_path, resolve_reward_model_path)
 from ..rewards import RewardSources, RuleRewards
 from ..rm import init_critic
 from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
@@ -47,6 +49,7 @@ from .lora_setup import add_lora, lora_reference
 from .prompt_stream import PromptStream
 from .score_shaping import OverlongShaping, no_shaping
 from .settings import Roles, RunSettings
+from .speed import SpeedChoices, choose_speed, compile_watch, packing_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -138,14 +141,17 @@ def build_run(cfg: Config, roles: Roles) -> RunSettings:
     """Set the roles up for training (`prepare_roles`), then resolve the rest of the run (`run_settings`)."""
     rank, world = rank_and_world()
     derived = derive(cfg, world)
-    prepare_roles(cfg, roles, derived, world_size=world)
+    speed = prepare_roles(cfg, roles, derived, world_size=world)
     context = getattr(roles.actor.model.config, "max_position_embeddings", None) or cfg.agent.max_episode_tokens
-    return with_agent(run_settings(cfg, roles, derived, rank=rank, world_size=world), cfg, model_context=context)
+    settings = run_settings(cfg, roles, derived, rank=rank, world_size=world)
+    settings = dataclasses.replace(settings, speed=speed, compile_watch=compile_watch(speed, roles, rank=rank))
+    return with_agent(settings, cfg, model_context=context)
 
 
-def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> None:
+def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> SpeedChoices:
     """What each role needs before its first step, from its own section of the config: FSDP2 shards (2+
-    ranks), optimizers and losses, the rollout engine, packing, compile, gradient checkpointing."""
+    ranks), optimizers and losses, the rollout engine, packing, compile, gradient checkpointing. The auto
+    speed settings are chosen here for this machine (trainer/speed.py) and returned."""
     actor, critic, ref = roles.actor, roles.critic, roles.ref_policy
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     if alg.adv_estimator == "gae" and critic is None:
@@ -156,6 +162,9 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         shard_roles({"actor": actor, "critic": critic, "ref": ref}, actor.device)
     if ref is not None:
         ref.check_separate_from(actor.model)
+    speed = choose_speed(cfg, roles, d, world_size=world_size)  # auto compile / keep_awake, before optimizer state
+    if speed.compiles:  # before the first compile: torch's caches persist in phaserl's cache directory
+        enable_compile_cache(resolve_compile_cache_dir())
     total_optim_steps = cfg.trainer.total_steps * d.optimizer_steps_per_rl_step
     actor.setup_training(
         _optim(a.optim, total_optim_steps),
@@ -165,7 +174,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
                            norm_len=r.max_new_tokens, correction=rollout_correction_fn(alg)))
     actor.configure_rollout(r.engine, EngineConfig(
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
-        cuda_graphs=r.engine_cuda_graphs, compile=r.engine_compile, keep_awake=r.engine_keep_awake,
+        cuda_graphs=r.engine_cuda_graphs, compile=speed.engine_compile.value, keep_awake=speed.engine_keep_awake.value,
         max_seq_tokens=cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else cfg.data.max_prompt_length + r.max_new_tokens))
     actor.setup_routing(replay=a.routing_replay)
     if critic is not None:
@@ -174,16 +183,18 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
                               agg_mode=a.loss_agg_mode, norm_len=r.max_new_tokens)
     model_gradient_checkpointing(actor.model, a.gradient_checkpointing)
     set_packing([actor, critic, ref], cfg.ppo.packing)
-    set_compile([actor, ref], a.compile)
+    set_compile([actor, ref], speed.actor_compile.value)
     if critic is not None:
         model_gradient_checkpointing(critic.model, cfg.critic.gradient_checkpointing)
-        set_compile([critic], cfg.critic.compile)
+        set_compile([critic], speed.critic_compile.value)
     rm = roles.reward.reward_model
     if world_size > 1 and rm is not None:  # forward only, like the reference
         from ..parallel.fsdp import shard_roles
 
         rm.fsdp = FSDPSettings.from_any(cfg.reward_model.fsdp, role="reward_model")
         shard_roles({"reward_model": rm}, actor.device)
+    return dataclasses.replace(speed, packing=packing_choice(cfg.ppo.packing, actor.packing, actor.device))
+
 
 
 def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size: int) -> RunSettings:
@@ -315,7 +326,8 @@ def set_packing(roles: list, setting: Optional[bool]) -> None:
 
 
 def set_compile(roles: list, enabled: bool) -> None:
-    """actor.compile / critic.compile: torch.compile the decoder layers of each role whose model is ours."""
+    """actor.compile / critic.compile as chosen (trainer/speed.py): torch.compile the decoder layers of each
+    role whose model is ours."""
     from ..models.decoder import enable_compile
     from ..roles.forward import supports_packing
 

@@ -177,6 +177,8 @@ class RLTrainer:
                                               old_pass=old_logprobs is not None))
         run.kl_controller.update(metrics.get("train/kl", 0.0), run.responses_per_step)
         metrics["train/kl_coef"] = run.kl_controller.value
+        if run.compile_watch is not None and (line := run.compile_watch.step_done(timings["step"])):
+            log.info(line)  # the first step: how long the compile warm-up took, what torch's cache served
         return metrics
 
     def _on_policy(self, batch) -> bool:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from ..algo import AdaptiveKLController, FixedKLController
     from ..checkpoint import Checkpointer
+    from ..compile_cache import CompileWatch
     from ..data import PromptItem
     from ..metrics import MetricsLogger
     from ..rewards import RewardSources
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .agent_phase import AgentSettings
     from .guard import RuntimeGuard
     from .prompt_stream import PromptStream
+    from .speed import SpeedChoices
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,10 @@ class RunSettings:
     # 2.-3. chosen at build time: (trainer, items, params, n) -> RolloutBatch; agent_phase's for multi-turn runs
     rollout_phase: Callable = single_turn_rollout
     agent: Optional["AgentSettings"] = None    # a multi-turn run: environment + limits (or HarnessSettings)
+    # the auto speed settings as chosen for this machine (trainer/speed.py), and the first compiled step's
+    # console lines (rank 0, when something compiles; compile_cache.py)
+    speed: Optional["SpeedChoices"] = None
+    compile_watch: Optional["CompileWatch"] = None
 
     def progress_bar(self, start: int):
         return tqdm(total=self.total_steps, initial=start, desc="phaserl", unit="step",

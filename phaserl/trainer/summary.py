@@ -74,12 +74,20 @@ def run_summary(trainer) -> str:
         f"speed      rollout: {engine}; micro-batches: {'packed' if actor.packing else 'padded'}; gradient "
         f"checkpointing: {_on_off(getattr(actor.model, 'gradient_checkpointing', False))}; compile: "
         f"{_on_off(_compiled(actor.model))}; optimizer offload in rollout: {_on_off(actor.hybrid.offload_optimizer)}",
+        *_speed_lines(run.speed),
         f"run        {run.total_steps} steps; validation "
         f"{f'every {run.val_interval} steps' if run.val_interval else 'at the end'}; checkpoints "
         f"{f'every {run.save_interval} steps' if run.save_interval else 'at the end'} in {run.checkpoint_path}; "
         f"logs in {run.log_dir}",
     ]
     return "phaserl: run summary\n" + "\n".join("  " + line for line in lines)
+
+
+def _speed_lines(speed) -> list[str]:
+    """The auto-able speed settings as chosen for this machine, one per line, with why (trainer/speed.py)."""
+    if speed is None:
+        return []
+    return [("auto       " if i == 0 else " " * 11) + c.line() for i, c in enumerate(speed.all())]
 
 
 def _name(table: dict, fn) -> str:

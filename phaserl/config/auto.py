@@ -1,0 +1,94 @@
+"""The `auto` speed settings: the rule behind each one, as words (for `--explain` and the docs) and as pure
+functions of plain facts (for the builder and the doctor, which gather the facts).
+
+A setting left at null (written `auto` or `null` in YAML / on the command line) is decided once, when the run
+is built, from the machine and the run: `trainer/speed.py` measures the facts (device, Triton, model size,
+world size, the doctor's memory count) and calls the rules below; `phaserl doctor` calls the same rules on
+its own count. `true` / `false` always win over the rule. Nothing here looks at a device or a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+COMPILE_MIN_PARAMS = 100_000_000   # smaller models stay eager: the compile costs more than it saves in a run
+KEEP_AWAKE_SHARE = 0.75            # a kept engine: the update's peak with it stays under this share of the device
+
+# key -> the rule, in words; the order is the order of the start-of-run block
+AUTO_RULES = {
+    "actor.compile": "on for phaserl's decoder on one CUDA GPU with Triton installed and a model of at least "
+                     f"{COMPILE_MIN_PARAMS // 10**6}M parameters; off on the CPU, for transformers models, for tiny "
+                     "models and on several ranks (not measured with FSDP yet). The reference policy follows it",
+    "critic.compile": "the same rule as actor.compile, for the critic's model",
+    "rollout.engine_compile": "on when the built-in engine runs on CUDA with Triton installed; off on the CPU",
+    "rollout.engine_keep_awake": "on when the built-in engine runs on CUDA, the actor is not sharded over several "
+                                 "ranks, and the doctor's memory count of the update's peak plus the kept KV cache, "
+                                 f"fused weights and graphs is at most {KEEP_AWAKE_SHARE:.0%} of this process's "
+                                 "device memory; off otherwise (CPU, FSDP, tight memory)",
+    "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One setting as chosen for this run: what the config asked (None = auto), the value used, and why."""
+
+    key: str
+    asked: object      # None (auto), True or False
+    value: bool
+    why: str
+
+    def line(self) -> str:
+        asked = "auto" if self.asked is None else str(self.asked).lower()
+        return f"{self.key}={asked} -> {'on' if self.value else 'off'}: {self.why}"
+
+
+def choose(key: str, asked, rule: tuple[bool, str]) -> Choice:
+    """`asked` (None = auto) resolved with `rule` = (value, why) when auto; an explicit value wins."""
+    if asked is None:
+        return Choice(key, None, *rule)
+    return Choice(key, asked, bool(asked), "set in the config")
+
+
+def compile_rule(*, native: bool, device_type: str, triton: bool, num_params: int, world_size: int,
+                 model_name: str) -> tuple[bool, str]:
+    """actor.compile / critic.compile when auto: (on?, why)."""
+    if not native:
+        return False, f"the model ({model_name}) is not phaserl's decoder"
+    if device_type != "cuda":
+        return False, f"{device_type.upper()} (compiling costs more than it saves off CUDA)"
+    if not triton:
+        return False, "Triton is not installed"
+    if num_params < COMPILE_MIN_PARAMS:
+        return False, f"a small model ({num_params / 1e6:.1f}M parameters): the compile would cost more than it saves"
+    if world_size > 1:
+        return False, f"{world_size} ranks (compile with FSDP is not measured yet; set true to try it)"
+    return True, "CUDA, phaserl's decoder, Triton"
+
+
+def engine_compile_rule(*, engine_runs: bool, device_type: str, triton: bool) -> tuple[bool, str]:
+    """rollout.engine_compile when auto (the engine's own rule, phaserl/rollout/engine.py)."""
+    if not engine_runs:
+        return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
+    if device_type != "cuda":
+        return False, device_type.upper()
+    if not triton:
+        return False, "Triton is not installed"
+    return True, "CUDA, Triton"
+
+
+def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, actor_sharded: bool,
+                    needed_bytes: int, budget_bytes: int) -> tuple[bool, str]:
+    """rollout.engine_keep_awake when auto. `needed_bytes`: the doctor's count of the update's peak with the
+    engine kept; `budget_bytes`: the device memory this process can have."""
+    if not engine_runs:
+        return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
+    if device_type != "cuda":
+        return False, f"{device_type.upper()} (no CUDA graphs to keep)"
+    if world_size > 1 and actor_sharded:
+        return False, (f"the actor is sharded over {world_size} ranks (FSDP): its gathered weights move every "
+                       "step, so the graphs would be re-captured anyway")
+    words = f"{needed_bytes / GIB:.1f} GiB needed of {budget_bytes / GIB:.0f} GiB"
+    if needed_bytes > KEEP_AWAKE_SHARE * budget_bytes:
+        return False, f"{words} (more than {KEEP_AWAKE_SHARE:.0%}: tight memory)"
+    return True, words

@@ -1,0 +1,298 @@
+"""Fast by default (issue 18): the auto speed settings' rules, the builder's choices and the start-of-run block,
+`--explain`'s rules; and the warm start: torch.compile's caches in phaserl's cache directory, safe when that
+directory is unwritable or corrupt, and a second process that compiles from the first one's cache."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _tiny_run import make_run_dir
+from phaserl import compile_cache
+from phaserl.config import explain, load_config
+from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, choose, compile_rule,
+                                 keep_awake_rule)
+from phaserl.doctor.memory import ModelShape, kept_engine_bytes, update_peak_bytes
+from phaserl.errors import ConfigError
+
+GIB = 2**30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----- the rules ---------------------------------------------------------------------------------------------
+def _compile(**kw):
+    facts = dict(native=True, device_type="cuda", triton=True, num_params=494_000_000, world_size=1,
+                 model_name="CausalLM")
+    return compile_rule(**{**facts, **kw})
+
+
+def test_compile_is_on_only_for_our_decoder_on_one_cuda_gpu_with_triton_and_a_real_model():
+    assert _compile() == (True, "CUDA, phaserl's decoder, Triton")
+    assert _compile(device_type="cpu")[0] is False and "CPU" in _compile(device_type="cpu")[1]
+    assert _compile(triton=False) == (False, "Triton is not installed")
+    assert _compile(native=False, model_name="Qwen2ForCausalLM")[1] == "the model (Qwen2ForCausalLM) is not phaserl's decoder"
+    small = _compile(num_params=COMPILE_MIN_PARAMS - 1)
+    assert small[0] is False and "small model" in small[1]
+    assert _compile(world_size=2)[0] is False and "2 ranks" in _compile(world_size=2)[1]
+
+
+def _keep(**kw):
+    facts = dict(engine_runs=True, device_type="cuda", world_size=1, actor_sharded=True,
+                 needed_bytes=21 * GIB, budget_bytes=139 * GIB)
+    return keep_awake_rule(**{**facts, **kw})
+
+
+def test_keep_awake_is_on_when_the_count_fits_with_margin_and_off_under_fsdp_cpu_or_tight_memory():
+    assert _keep() == (True, "21.0 GiB needed of 139 GiB")
+    edge = int(KEEP_AWAKE_SHARE * 139 * GIB)
+    assert _keep(needed_bytes=edge)[0] and not _keep(needed_bytes=edge + 1)[0]
+    tight = _keep(needed_bytes=120 * GIB)
+    assert tight == (False, "120.0 GiB needed of 139 GiB (more than 75%: tight memory)")
+    assert _keep(world_size=2)[0] is False and "FSDP" in _keep(world_size=2)[1]
+    assert _keep(world_size=2, actor_sharded=False)[0]  # replicas (NO_SHARD): the memory decides
+    assert _keep(device_type="cpu")[0] is False
+    assert _keep(engine_runs=False)[0] is False
+
+
+def test_an_explicit_value_wins_over_the_rule_and_says_so():
+    assert choose("actor.compile", None, (True, "why")).line() == "actor.compile=auto -> on: why"
+    assert choose("actor.compile", False, (True, "why")).line() == "actor.compile=false -> off: set in the config"
+    assert choose("rollout.engine_keep_awake", True, (False, "x")).value is True
+
+
+def test_the_memory_count_behind_keep_awake_by_hand():
+    shape = ModelShape(num_params=1000, num_layers=2, hidden_size=8, intermediate_size=16, num_kv_heads=2,
+                       head_dim=4, vocab_size=50, param_bytes=2)
+    # KV per sequence of 10 tokens: 2 x 2 layers x 2 heads x 4 x 2 B x 10 = 640 B; 3 slots + the weights once more
+    assert kept_engine_bytes(shape, 3, 10) == 3 * 640 + 2000
+    # activations per token: 2 layers x (8*8 + 4*16 + 2*2*4) x 2 B = 576 B; 20 tokens; log-prob chunk 3 x 20 x 50 x 4
+    assert update_peak_bytes(shape, resident=100, grads=10, micro_batch_tokens=20,
+                             gradient_checkpointing=False) == 100 + 10 + 20 * 576 + 3 * 20 * 50 * 4
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    """No cache chosen yet in this process, no TORCHINDUCTOR_CACHE_DIR (restored afterwards)."""
+    monkeypatch.setattr(compile_cache, "_ACTIVE", None)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    yield
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+
+# ----- the config and the run ---------------------------------------------------------------------------------
+def test_auto_is_a_spelling_of_null_for_on_off_settings(tmp_path):
+    cfg = load_config(None, ["actor.compile=auto", "rollout.engine_keep_awake=true"])
+    assert cfg.actor.compile is None and cfg.rollout.engine_keep_awake is True and cfg.critic.compile is None
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  engine_keep_awake: auto\n")
+    assert load_config(str(path)).rollout.engine_keep_awake is None
+    with pytest.raises(ConfigError, match=r"actor.compile = 'maybe': expected true, false, or auto \(null\)"):
+        load_config(None, ["actor.compile=maybe"])
+
+
+def test_explain_shows_each_auto_rule_and_what_a_set_value_means():
+    text = explain(load_config(None, ["rollout.engine_keep_awake=false"]))
+    for key, rule in AUTO_RULES.items():
+        assert rule in text, key
+    assert "actor.compile              = auto" in text
+    assert "rollout.engine_keep_awake  = false (set: the rule is not applied)" in text
+
+
+def test_on_the_cpu_the_defaults_stay_eager_and_the_summary_says_why(tmp_path):
+    from phaserl.trainer import RLTrainer
+    from phaserl.trainer.summary import run_summary
+
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"]))
+    speed = trainer.run.speed
+    assert not trainer.actor.model.compiled and not trainer.ref_policy.model.compiled
+    assert trainer.actor.engine_config.keep_awake is False and trainer.actor.engine_config.compile is False
+    assert speed.actor_compile.line() == "actor.compile=auto -> off: CPU (compiling costs more than it saves off CUDA)"
+    assert speed.engine_keep_awake.line() == "rollout.engine_keep_awake=auto -> off: CPU (no CUDA graphs to keep)"
+    assert speed.critic_compile is None and not speed.compiles and trainer.run.compile_watch is None
+    summary = run_summary(trainer)
+    for choice in speed.all():
+        assert choice.line() in summary
+
+
+def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
+    from phaserl.config import derive
+    from phaserl.doctor.memory import logprob_chunk_bytes, train_bytes_per_token
+    from phaserl.trainer import RLTrainer
+    from phaserl.trainer.settings import Roles
+    from phaserl.trainer.speed import keep_awake_count
+
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
+    t = RLTrainer.from_config(cfg)
+    roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
+    count = keep_awake_count(cfg, roles, derive(cfg, 1), free_bytes=1_000_000, held_bytes=234)
+    shape = ModelShape.of(t.actor.model)
+    weights = 21_920 * 4  # the tiny float32 policy; the reference is a second copy of it
+    # resident: actor weights + AdamW (2x) + reference weights; gradients of the actor; one micro-batch of
+    # ppo.micro_batch_tokens = 64 tokens; the engine's pool: 512 slots x 64 tokens would be 8.4 MB, so
+    # engine_memory_fraction 0.4 of the 1,000,000 B free = 400,000 B, + the weights once more.
+    peak = 3 * weights + weights + weights + 64 * train_bytes_per_token(shape, False) + logprob_chunk_bytes(shape, 64)
+    assert count == {"needed_bytes": peak + 400_000 + weights, "budget_bytes": 1_000_234}
+
+
+@pytest.mark.gpu
+def test_on_one_gpu_the_tiny_run_keeps_the_engine_awake_and_stays_eager(tmp_path):
+    import torch
+
+    from phaserl.trainer import RLTrainer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[]", "trainer.device=cuda", "rollout.engine_compile=false"]))
+    speed = trainer.run.speed
+    assert not speed.actor_compile.value and "small model" in speed.actor_compile.why  # 0.1M parameters
+    assert speed.engine_keep_awake.value and "GiB needed of" in speed.engine_keep_awake.why
+    assert trainer.actor.engine_config.keep_awake is True
+    trainer.train_step()
+    assert trainer.actor.engine.kept_awake  # the switch back to training kept the KV cache
+
+
+def test_explicit_settings_reach_the_roles(tmp_path, fresh_cache, monkeypatch):
+    from phaserl.models import decoder
+    from phaserl.trainer import RLTrainer
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PHASERL_CACHE_DIR", str(cache))
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[]", "actor.compile=true", "rollout.engine_keep_awake=true"]))
+    assert trainer.actor.model.compiled and trainer.actor.engine_config.keep_awake is True
+    assert trainer.run.speed.actor_compile.line() == "actor.compile=true -> on: set in the config"
+    watch = trainer.run.compile_watch  # announced at build time; nothing compiled yet
+    assert watch.cold and watch.cache.path == str(cache / "torch-compile")
+    decoder.enable_compile(trainer.actor.model, enabled=False)  # nothing was run compiled: keep the suite fast
+    decoder.enable_compile(trainer.ref_policy.model, enabled=False)
+
+
+def test_the_doctor_counts_keep_awake_as_the_run_will_choose_it(tmp_path):
+    from phaserl.doctor import load_doctor_config, run_doctor
+
+    memory = {r.name: r for r in run_doctor(load_doctor_config(None, make_run_dir(str(tmp_path)))) }["memory"]
+    assert "rollout.engine_keep_awake=auto -> off: CPU (no CUDA graphs to keep)" in memory.details
+
+
+# ----- the compile cache --------------------------------------------------------------------------------------
+def test_the_cache_directory_is_phaserls_unless_the_user_chose_one(tmp_path, fresh_cache, monkeypatch):
+    cache = compile_cache.enable_compile_cache(str(tmp_path / "c"))
+    assert (cache.path, cache.source) == (str(tmp_path / "c"), "phaserl")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c")
+    assert compile_cache.enable_compile_cache(str(tmp_path / "other")) is cache  # once per process
+    monkeypatch.setattr(compile_cache, "_ACTIVE", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache.enable_compile_cache(str(tmp_path / "c")).source == "TORCHINDUCTOR_CACHE_DIR"
+
+
+def test_an_unwritable_cache_directory_warns_and_leaves_torchs_default(tmp_path, fresh_cache, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="phaserl"):
+        cache = compile_cache.enable_compile_cache(str(blocker / "cache"))
+    assert cache.path is None and cache.problem and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert "cannot be written" in caplog.text and str(blocker / "cache") in caplog.text
+
+
+def test_a_corrupt_cache_entry_is_moved_aside_and_the_call_compiles_again(tmp_path, fresh_cache, caplog, monkeypatch):
+    import torch
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    cache = compile_cache.enable_compile_cache(str(tmp_path / "c"))
+    (tmp_path / "c" / "entry.py").write_text("garbage")
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+
+    def compiled(x):  # a generated module in the cache that runs into an error while torch.compile loads it
+        calls.append(x)
+        if len(calls) == 1:
+            try:
+                exec(compile("this is not python", f"{cache.path}/entry.py", "exec"), {})
+            except NameError as inner:
+                failure = BackendCompilerFailed.__new__(BackendCompilerFailed)  # its __init__ differs by version
+                Exception.__init__(failure, f"backend='inductor' raised: NameError: {inner}")
+                raise failure from inner
+        return x + 1
+
+    with caplog.at_level(logging.WARNING, logger="phaserl"):
+        assert compile_cache.guard_compiled(compiled)(1) == 2
+    assert calls == [1, "reset", 1]
+    moved = [p for p in os.listdir(tmp_path) if p.startswith("c.corrupt-")]
+    assert len(moved) == 1 and (tmp_path / moved[0] / "entry.py").is_file()
+    assert os.listdir(tmp_path / "c") == [] and "moved it to" in caplog.text
+
+    def unrelated(x):
+        raise ValueError(f"a shape error of the model itself, in {cache.path}/generated.py")
+
+    with pytest.raises(ValueError, match="shape error"):  # the compiled code's own errors pass through
+        compile_cache.guard_compiled(unrelated)(1)
+
+
+def test_the_watch_announces_cold_then_warm_and_survives_a_damaged_record(tmp_path, fresh_cache, caplog):
+    cache = compile_cache.enable_compile_cache(str(tmp_path / "c"))
+    first = compile_cache.CompileWatch("the decoder layers", "k", cache, device_type="cuda")
+    assert first.cold and first.announce() == ("compile: compiling the decoder layers (first run on this machine: "
+                                               f"~40 s; cached afterwards in {cache.path})")
+    assert first.step_done(12.34).startswith("compile: first step 12.3 s, of which torch.compile")
+    assert first.step_done(1.0) is None and first.report["first_step_s"] == 12.34
+    second = compile_cache.CompileWatch("the decoder layers", "k", cache, device_type="cuda")
+    assert not second.cold and "from the cache" in second.announce() and "took 12.3 s then" in second.announce()
+    assert compile_cache.CompileWatch("x", "other key", cache, device_type="cuda").cold
+    (tmp_path / "c" / compile_cache.RECORD).write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="phaserl"):
+        assert compile_cache.CompileWatch("x", "k", cache, device_type="cuda").cold
+    assert "ignoring" in caplog.text
+
+
+# ----- two processes, inductor on the CPU ---------------------------------------------------------------------
+CHILD = r"""
+import json, sys, time, torch
+torch.set_num_threads(1)
+from phaserl import compile_cache
+from phaserl.models.config import DecoderConfig
+from phaserl.models.decoder import CausalLM, enable_compile
+compile_cache.enable_compile_cache(sys.argv[1])
+torch.manual_seed(0)
+model = CausalLM(DecoderConfig(model_type="qwen2", vocab_size=50, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=64, tie_word_embeddings=True, attention_bias=True))
+enable_compile(model)  # inductor: C++ kernels on the CPU
+t0 = time.perf_counter()
+with torch.no_grad():
+    out = model(torch.randint(0, 50, (2, 8)))
+hits, misses = compile_cache._cache_counts()
+print(json.dumps({"seconds": time.perf_counter() - t0, "hits": hits, "misses": misses,
+                  "sum": float(out.double().sum())}))
+"""
+
+
+def _child(cache: str) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, "-c", CHILD, cache], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.slow  # three processes compile with inductor (C++): ~1-2 min on a 2-core CPU
+def test_a_second_process_compiles_from_the_first_ones_cache_and_a_corrupt_one_recompiles(tmp_path):
+    import shutil
+
+    cache = str(tmp_path / "cache")
+    cold, _ = _child(cache)
+    warm, _ = _child(cache)
+    assert cold["misses"] > 0 and cold["hits"] == 0
+    assert warm["hits"] == cold["misses"] and warm["misses"] == 0
+    assert warm["seconds"] < cold["seconds"] and warm["sum"] == cold["sum"]
+    broken = str(tmp_path / "broken")
+    shutil.copytree(cache, broken)
+    modules = [os.path.join(d, f) for d, _, files in os.walk(broken) for f in files if f.endswith(".py")]
+    assert modules  # inductor's generated wrapper modules
+    for path in modules:
+        with open(path, "w") as f:
+            f.write("this is not python")
+    again, stderr = _child(broken)  # a cache torch itself cannot load: a warning and a cold compile, no crash
+    assert again["sum"] == cold["sum"] and "moved it to" in stderr
