@@ -1,0 +1,57 @@
+"""The decode step's layer with the Triton kernels: the same math as layers.pre_attention -> attention ->
+layers.post_attention, in 7 kernels instead of ~25 (what a 0.5B decode step at 512 rows spends most of its
+time launching).
+
+  rms_norm -> [q; k; v] GEMM (no bias) -> attention (bias + RoPE + KV write + split-K attention, kernels.py)
+  -> o GEMM with the residual (addmm) -> rms_norm -> [gate; up] GEMM -> act(gate) * up -> down GEMM + residual
+
+Only for the layers whose math is exactly that (pre-norm, fused weights, no qk-norm, no extra pieces):
+`fusable` says which; every other layer runs layers.py's functions (runner.py). Each kernel rounds where
+the torch path rounds, so bf16 results differ from it only by accumulation order (and by the bias, added
+after the GEMM's rounding instead of inside its epilogue); tests/test_rollout_fused.py pins that.
+Not here: prefill (runner.py, SDPA), sampling (kernels.sample).
+
+Legend: b decode rows, H hidden, Hq/Hkv heads, D head_dim, S slot_len.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from phaserl.models.layers import LayerSpec, LayerWeights, linear
+from phaserl.rollout import kernels
+
+Tensor = torch.Tensor
+
+# The LayerWeights / LayerSpec fields this module implements; a family that sets anything else (a new norm,
+# experts, a layer scale: fields added to layers.py later) is not fusable and keeps the layers.py path.
+USED_WEIGHTS = {"attn_in", "qkv", "qkv_bias", "o", "o_bias", "mlp_in", "gate_up", "down"}
+USED_SPEC = {"heads", "eps", "norm_style", "act", "scale", "window", "local_rope"}
+SPEC_OFF = {"qk_norm": ""}  # spec fields that must hold these values
+
+
+def fusable(w: LayerWeights, spec: LayerSpec) -> bool:
+    """True when fused_decode_layer computes exactly what layers.pre_attention/post_attention compute."""
+    weights_ok = w.qkv is not None and w.gate_up is not None and isinstance(w.o, Tensor) and isinstance(
+        w.down, Tensor) and all(getattr(w, f) is None for f in LayerWeights._fields if f not in USED_WEIGHTS)
+    spec_ok = spec.act in ("silu", "gelu_pytorch_tanh") and all(
+        getattr(spec, f) == SPEC_OFF[f] if f in SPEC_OFF else getattr(spec, f) in (None, False, 0)
+        for f in spec.__dataclass_fields__ if f not in USED_SPEC)
+    return weights_ok and spec_ok
+
+
+def fused_decode_layer(h: Tensor, w: LayerWeights, spec: LayerSpec, keys: Tensor, values: Tensor, pos: Tensor,
+                       cos: Tensor, sin: Tensor) -> Tensor:
+    """h [b, H] -> h [b, H] after one layer; writes the rows' k/v at pos [b] into keys/values [slots, Hkv, S, D].
+    cos/sin: the layer's layers.rope_tables over all positions [S, D] (indexed by pos inside the kernel)."""
+    Hq, Hkv, D = spec.heads
+    b = h.shape[0]
+    x = h if w.attn_in is None else kernels.rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
+    q, k, v = F.linear(x, w.qkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [b, heads * D] views, no bias
+    bias = None if w.qkv_bias is None else w.qkv_bias.split([Hq * D, Hkv * D, Hkv * D])
+    attn = kernels.decode_attention(q.view(b, Hq, D), k.view(b, Hkv, D), v.view(b, Hkv, D), keys, values, pos,
+                                    spec.scale, spec.window, bias=bias, rope=(cos, sin))  # [b, Hq * D]
+    h = linear(attn, w.o, w.o_bias, residual=h)
+    x = h if w.mlp_in is None else kernels.rms_norm(h, w.mlp_in, spec.eps, spec.norm_style)
+    a = kernels.gated(F.linear(x, w.gate_up), spec.act)  # [b, I]
+    return linear(a, w.down, residual=h)
