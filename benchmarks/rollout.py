@@ -30,6 +30,7 @@ from phaserl.algo import token_logprobs_from_hidden  # noqa: E402
 from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
+from phaserl.rollout import fused as rollout_fused  # noqa: E402
 from phaserl.rollout import runner as rollout_runner  # noqa: E402
 from phaserl.rollout.runner import decode_attention  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
@@ -278,8 +279,47 @@ def profile_step(model: CausalLM, engine: RolloutEngine, b: int, args) -> None:
             times["triton_fused_greedy_ms"] = timer(
                 lambda: rollout_kernels.sample(logits, runner.seed, True, 1.0))
     emit(case="sampling", shape=args.shape, rows=b, vocab=cfg.vocab_size, logits_gb=logits.numel() * 2 / 1e9, **times)
+    if DEVICE == "cuda":
+        gemm_times(runner, b, args)
+        if any(runner.fused):
+            variant_steps(runner, b, args)
     if args.sweep and rollout_kernels.available(keys.device):
         sweep_kernels(q, k, v, keys, values, pos, logits, runner.seed, args, runner)
+
+
+def variant_steps(runner, b: int, args) -> None:
+    """The graph step with each fused.RESIDUAL_IN_GEMM setting (re-captured), the default restored after."""
+    default = rollout_fused.RESIDUAL_IN_GEMM
+    with torch.inference_mode():
+        for setting in (True, False):
+            rollout_fused.RESIDUAL_IN_GEMM = setting
+            runner.graphs, runner.graph_pool = {}, None  # a fresh pool: the old one dies with its graphs
+            emit(case="variant", shape=args.shape, residual_in_gemm=setting,
+                 graph_step_ms=per_call_ms(lambda: runner.decode(b), 50))  # its warm-up call captures
+    rollout_fused.RESIDUAL_IN_GEMM = default
+    runner.graphs, runner.graph_pool = {}, None
+
+
+def gemm_times(runner, b: int, args) -> None:
+    """The decode step's GEMMs at b rows, each alone in a graph: with the bias / residual in cuBLAS's epilogue
+    (what the step runs) and without (the add left to a neighbouring kernel), against the matmul rate."""
+    w, x = runner.weights[0], torch.randn(b, runner.cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    mid = torch.randn(b, w.down.shape[1], device=DEVICE, dtype=torch.bfloat16)
+    attn = torch.randn(b, w.o.shape[1], device=DEVICE, dtype=torch.bfloat16)
+    F = torch.nn.functional
+    cases = {"qkv": (lambda: F.linear(x, w.qkv), w.qkv),
+             "o_residual": (lambda: torch.addmm(x, attn, w.o.t()), w.o), "o": (lambda: F.linear(attn, w.o), w.o),
+             "gate_up": (lambda: F.linear(x, w.gate_up), w.gate_up),
+             "down_residual": (lambda: torch.addmm(x, mid, w.down.t()), w.down),
+             "down": (lambda: F.linear(mid, w.down), w.down),
+             "lm_head": (lambda: F.linear(x, runner.model.output_weight), runner.model.output_weight)}
+    if w.qkv_bias is not None:
+        cases["qkv_bias"] = (lambda: F.linear(x, w.qkv, w.qkv_bias), w.qkv)
+    with torch.inference_mode():
+        for name, (fn, weight) in cases.items():
+            ms = graph_ms(fn)
+            emit(case="gemm", shape=args.shape, name=name, rows=b, out_in=list(weight.shape), us=1e3 * ms,
+                 tflop_s=2 * b * weight.numel() / ms / 1e9)
 
 
 def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:

@@ -15,6 +15,8 @@ Legend: b decode rows, H hidden, Hq/Hkv heads, D head_dim, S slot_len.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,9 @@ Tensor = torch.Tensor
 USED_WEIGHTS = {"attn_in", "qkv", "qkv_bias", "o", "o_bias", "mlp_in", "gate_up", "down"}
 USED_SPEC = {"heads", "eps", "norm_style", "act", "scale", "window", "local_rope"}
 SPEC_OFF = {"qk_norm": ""}  # spec fields that must hold these values
+# True: each residual add rides in its GEMM (addmm); False: the o/down GEMMs write their output alone and the
+# next norm kernel adds it to the residual stream (one read more, but cuBLAS may pick a better beta = 0 kernel).
+RESIDUAL_IN_GEMM = True
 
 
 def fusable(w: LayerWeights, spec: LayerSpec) -> bool:
@@ -40,18 +45,33 @@ def fusable(w: LayerWeights, spec: LayerSpec) -> bool:
     return weights_ok and spec_ok
 
 
-def fused_decode_layer(h: Tensor, w: LayerWeights, spec: LayerSpec, keys: Tensor, values: Tensor, pos: Tensor,
-                       cos: Tensor, sin: Tensor) -> Tensor:
-    """h [b, H] -> h [b, H] after one layer; writes the rows' k/v at pos [b] into keys/values [slots, Hkv, S, D].
-    cos/sin: the layer's layers.rope_tables over all positions [S, D] (indexed by pos inside the kernel)."""
+def add_norm(h: Tensor, carry: Optional[Tensor], weight: Optional[Tensor], spec: LayerSpec) -> tuple[Tensor, Tensor]:
+    """(the sublayer's input, the residual stream) from h plus a pending sublayer output `carry` (or None)."""
+    if weight is None:
+        h = h if carry is None else h + carry
+        return h, h
+    if carry is None:
+        return kernels.rms_norm(h, weight, spec.eps, spec.norm_style), h
+    return kernels.add_rms_norm(carry, h, weight, spec.eps, spec.norm_style)
+
+
+def fused_decode_layer(h: Tensor, carry: Optional[Tensor], w: LayerWeights, spec: LayerSpec, keys: Tensor,
+                       values: Tensor, pos: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """(h [b, H], carry) -> (h, carry) after one layer, where the residual stream is h + carry (carry: the last
+    MLP output not added yet, or None; see RESIDUAL_IN_GEMM). Writes the rows' k/v at pos [b] into keys/values
+    [slots, Hkv, S, D]. cos/sin: the layer's layers.rope_tables over all positions [S, D] (indexed in the kernel)."""
     Hq, Hkv, D = spec.heads
     b = h.shape[0]
-    x = h if w.attn_in is None else kernels.rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
+    x, h = add_norm(h, carry, w.attn_in, spec)
     q, k, v = F.linear(x, w.qkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [b, heads * D] views, no bias
     bias = None if w.qkv_bias is None else w.qkv_bias.split([Hq * D, Hkv * D, Hkv * D])
     attn = kernels.decode_attention(q.view(b, Hq, D), k.view(b, Hkv, D), v.view(b, Hkv, D), keys, values, pos,
                                     spec.scale, spec.window, bias=bias, rope=(cos, sin))  # [b, Hq * D]
-    h = linear(attn, w.o, w.o_bias, residual=h)
-    x = h if w.mlp_in is None else kernels.rms_norm(h, w.mlp_in, spec.eps, spec.norm_style)
+    if RESIDUAL_IN_GEMM:
+        x, h = add_norm(linear(attn, w.o, w.o_bias, residual=h), None, w.mlp_in, spec)
+    else:
+        x, h = add_norm(h, linear(attn, w.o, w.o_bias), w.mlp_in, spec)
     a = kernels.gated(F.linear(x, w.gate_up), spec.act)  # [b, I]
-    return linear(a, w.down, residual=h)
+    if RESIDUAL_IN_GEMM:
+        return linear(a, w.down, residual=h), None
+    return h, linear(a, w.down)

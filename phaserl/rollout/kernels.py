@@ -172,15 +172,19 @@ if HAVE_TRITON:
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=gd_ok)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_sb, o_sb, eps, H: tl.constexpr, BLOCK: tl.constexpr,
-                         STYLE: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, r_ptr, h_ptr, w_ptr, out_ptr, x_sb, r_sb, h_sb, o_sb, eps, H: tl.constexpr,
+                         BLOCK: tl.constexpr, STYLE: tl.constexpr, RESIDUAL: tl.constexpr):
         """One row: float32 statistics, the weight applied where layers.rms_norm's style rounds it
-        (0 llama: w * bf16(norm); 1 gemma: norm * (1 + w); 2 olmo2: w * norm)."""
+        (0 llama: w * bf16(norm); 1 gemma: norm * (1 + w); 2 olmo2: w * norm). RESIDUAL: x + r first
+        (rounded, stored to h: the residual stream), and that is normed."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
         x = tl.load(x_ptr + row * x_sb + cols, mask=ok, other=0.0)
         dtype = x.dtype
+        if RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * r_sb + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(h_ptr + row * h_sb + cols, x, mask=ok)
         x = x.to(tl.float32)
         norm = x / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -308,13 +312,26 @@ NORM_STYLES = {"llama": 0, "gemma": 1, "olmo2": 2}
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
     """layers.rms_norm in one kernel: x [N, H] -> [N, H] in x's dtype."""
+    return _rms_norm(x, None, weight, eps, style)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 style: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h), h) with h = residual + x, all [N, H], in one kernel (h rounded to x's dtype first)."""
+    return _rms_norm(x, residual, weight, eps, style)
+
+
+def _rms_norm(x, residual, weight, eps, style):
     N, H = x.shape
-    assert x.stride(-1) == 1 and weight.is_contiguous()
+    assert x.stride(-1) == 1 and weight.is_contiguous() and (residual is None or residual.stride(-1) == 1)
     out = torch.empty_like(x)
+    h = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual
     block = triton.next_power_of_2(H)
-    _rms_norm_kernel[(N,)](x, weight, out, x.stride(0), out.stride(0), eps, H=H, BLOCK=block,
-                           STYLE=NORM_STYLES[style], num_warps=4 if block <= 2048 else 8)
-    return out
+    _rms_norm_kernel[(N,)](x, r, h, weight, out, x.stride(0), r.stride(0), h.stride(0), out.stride(0), eps, H=H,
+                           BLOCK=block, STYLE=NORM_STYLES[style], RESIDUAL=residual is not None,
+                           num_warps=4 if block <= 2048 else 8)
+    return out, h
 
 
 def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:

@@ -336,14 +336,20 @@ class ModelRunner:
         tokens, pos = st.tokens[:b], st.pos[:b]
         rope = None if all(self.fused) else [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
         h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
+        carry = None  # a fused layer's MLP output not yet added to h (fused.RESIDUAL_IN_GEMM)
         for keys, values, w, spec, fused in zip(self.keys, self.values, self.weights, self.specs, self.fused):
             if fused:
-                h = fused_decode_layer(h, w, spec, keys, values, pos, *self.rope[spec.local_rope])
+                h, carry = fused_decode_layer(h, carry, w, spec, keys, values, pos, *self.rope[spec.local_rope])
                 continue
+            h, carry = h if carry is None else h + carry, None
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             h = self.fns.post(h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window), w, spec)
-        norm = kernels.rms_norm if any(self.fused) else self.fns.norm
-        st.record(b, *self._sample(norm(h, self.model.model.norm.weight, *self.final_norm)))
+        weight = self.model.model.norm.weight
+        if carry is not None:
+            h = kernels.add_rms_norm(carry, h, weight, *self.final_norm)[0]
+        else:
+            h = (kernels.rms_norm if any(self.fused) else self.fns.norm)(h, weight, *self.final_norm)
+        st.record(b, *self._sample(h))
 
     def decode(self, b: int) -> None:
         """One step for slots [0, b): b must come from bucket_for()."""
