@@ -106,6 +106,26 @@ def test_gated_kernel_equals_activation_times_up(act):
     torch.testing.assert_close(kernels.gated(gate_up, act), activation(gate, act) * up, atol=1e-5, rtol=1e-5)
 
 
+def test_record_kernel_changes_the_slot_state_as_slot_state_record_does():
+    from phaserl.rollout.kv_pool import SlotState
+
+    device = kernel_device()
+    g = torch.Generator().manual_seed(0)
+    states = [SlotState(7, 5, torch.device(device)) for _ in range(2)]
+    for st in states:
+        st.reset([3, 9])
+        st.start(torch.tensor([0, 1, 2, 4, 5], device=device), torch.tensor([1, 2, 3, 4, 5], device=device),
+                 torch.zeros(5, device=device), torch.tensor([4, 2, 6, 1, 3], device=device),
+                 torch.tensor([5, 2, 5, 5, 4], device=device))  # slot 2 starts on a stop id; 3 and 6 stay idle
+    for step in range(5):
+        tokens = torch.randint(0, 12, (6,), generator=g).to(device)  # 6 of the 7 slots: b < slots
+        logprobs = torch.randn(6, generator=g).to(device)
+        states[0].record(6, tokens, logprobs)
+        kernels.record(states[1], 6, tokens, logprobs)
+        for name in ("tokens", "pos", "n_gen", "finished", "out_tokens", "out_logprobs"):
+            assert torch.equal(getattr(states[0], name), getattr(states[1], name)), (step, name)
+
+
 def test_fusable_says_which_layers_the_fused_path_computes_exactly():
     def first_layer(model):
         return fused_weights(model.model.layers[0]), model.model.layers[0].spec

@@ -189,6 +189,7 @@ class ModelRunner:
         self.pointers: Optional[list[int]] = None
         self.seed = torch.zeros(1, dtype=torch.long, device=self.device)  # fast_sample's noise key, advanced per draw
         self.fused: list[bool] = []  # per layer: decode through fused.py (set at begin(), from the weights)
+        self.fused_record = False    # SlotState.record as kernels.record
 
     def release(self) -> None:
         """Drop graphs, views (they pin the pool's memory) and the fused weight copies. The graph memory
@@ -222,6 +223,7 @@ class ModelRunner:
         self.weights = [fused_weights(layer, old) for layer, old in zip(layers, previous)]
         use = FUSED_DECODE and kernels.available(self.device)
         self.fused = [use and fusable(w, spec) for w, spec in zip(self.weights, self.specs)]
+        self.fused_record = use
         self.sampling = (params.greedy, 1.0 if params.greedy else params.temperature, params.top_k, params.top_p)
         self.seed.copy_(torch.randint(2**62, (1,), device=self.device))  # from the (seeded) default generator
         self.state.reset(stop_ids)
@@ -349,7 +351,10 @@ class ModelRunner:
             h = kernels.add_rms_norm(carry, h, weight, *self.final_norm)[0]
         else:
             h = (kernels.rms_norm if any(self.fused) else self.fns.norm)(h, weight, *self.final_norm)
-        st.record(b, *self._sample(h))
+        if self.fused_record:
+            kernels.record(st, b, *self._sample(h))  # SlotState.record's ~15 small kernels as one
+        else:
+            st.record(b, *self._sample(h))
 
     def decode(self, b: int) -> None:
         """One step for slots [0, b): b must come from bucket_for()."""
