@@ -1,17 +1,24 @@
-"""Triton kernels for the decode step: attention over each row's used context, and one-pass sampling.
+"""Triton kernels for the decode step: attention over each row's used context, norms, the gated activation,
+the slot-state update and one-pass sampling.
 
   decode_attention  one query token per row against its slot's cached keys/values [0, pos) (a sliding
                     layer's: the window before pos), plus the row's own new key/value, which the
-                    kernel also writes into the cache at `pos`.
+                    kernel also writes into the cache at `pos`. Optionally adds the q/k/v biases and
+                    applies RoPE first (then q/k/v are raw views into the [q; k; v] GEMM output).
                     Reads K/V only up to each row's length (the torch fallback reads the whole slot),
-                    online softmax in float32, grouped-query heads share each K/V load.
+                    online softmax in float32, grouped-query heads share each K/V load; the keys are
+                    split into chunks, one program each, merged by a second small kernel (flash-decoding).
+  rms_norm          layers.rms_norm (every rounding style) in one kernel; add_rms_norm adds a residual first.
+  gated             layers.activation(gate) * up from the [gate; up] GEMM output.
+  record            kv_pool.SlotState.record: the step's tokens and log-probs into the slot state.
   sample            per row, one pass over the logits: max and log-sum-exp (online), and a draw from
                     softmax(z / T) by two-level Gumbel-max (a vocabulary block by its mass, then a token
                     in that block, re-read), with noise from Philox keyed by a device-side seed; greedy =
                     argmax z. Returns the token and its log-prob under log_softmax(z / T), like
                     runner.sample_tokens.
-Both run inside CUDA graphs (no host sync; the seed lives in a device tensor that the caller advances).
-The pure-torch versions of the same math live in runner.py and are used on the CPU and without Triton.
+All run inside CUDA graphs (no host sync; the seed lives in a device tensor that the caller advances).
+The pure-torch versions of the same math live in layers.py, runner.py and kv_pool.py and are used on the CPU
+and without Triton; tests/test_rollout_fused.py compares each kernel with its twin.
 Not here: top-k / top-p filtering (the torch path does it), prefill attention (SDPA).
 
 Legend: b rows, Hq/Hkv heads, G = Hq / Hkv, D head_dim, S slot_len, V vocab.
