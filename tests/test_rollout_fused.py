@@ -131,13 +131,14 @@ def test_fusable_says_which_layers_the_fused_path_computes_exactly():
         return fused_weights(model.model.layers[0]), model.model.layers[0].spec
     assert fusable(*first_layer(tiny_model("qwen2")))
     assert fusable(*first_layer(tiny_model("llama")))
-    assert not fusable(*first_layer(tiny_model("qwen3")))  # qk-norm: layers.py's path
+    assert fusable(*first_layer(tiny_model("qwen3")))  # qk-norm per head: inside the attention kernel
+    assert not fusable(*first_layer(tiny_model("qwen3", qk_norm_scope="projection")))  # OLMo 2's: layers.py
     assert not fusable(*first_layer(tiny_model("llama", layer_norms="sandwich")))  # norms after the sublayers
     assert not fusable(*first_layer(tiny_model("llama", layer_norms="post")))
 
 
 @pytest.mark.parametrize("residual_in_gemm", [True, False])
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
 def test_fused_layer_equals_pre_attention_cached_attention_post_attention(model_type, residual_in_gemm,
                                                                            monkeypatch):
     monkeypatch.setattr(fused, "RESIDUAL_IN_GEMM", residual_in_gemm)
@@ -166,7 +167,7 @@ def test_fused_layer_equals_pre_attention_cached_attention_post_attention(model_
 
 
 @pytest.mark.parametrize("residual_in_gemm", [True, False])
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3"])
 def test_engine_greedy_through_the_fused_layers_equals_the_uncached_loop(model_type, residual_in_gemm, monkeypatch):
     device = kernel_device()
     monkeypatch.setattr(fused, "RESIDUAL_IN_GEMM", residual_in_gemm)

@@ -2,10 +2,11 @@
 layers.post_attention, in 7 kernels instead of ~25 (what a 0.5B decode step at 512 rows spends most of its
 time launching).
 
-  rms_norm -> [q; k; v] GEMM (no bias) -> attention (bias + RoPE + KV write + split-K attention, kernels.py)
+  rms_norm -> [q; k; v] GEMM (no bias) -> attention (bias + qk-norm + RoPE + KV write + split-K attention)
   -> o GEMM with the residual (addmm) -> rms_norm -> [gate; up] GEMM -> act(gate) * up -> down GEMM + residual
 
-Only for the layers whose math is exactly that (pre-norm, fused weights, no qk-norm, no extra pieces):
+Only for the layers whose math is exactly that (pre-norm, fused weights, qk-norm per head or none, nothing
+else):
 `fusable` says which; every other layer runs layers.py's functions (runner.py). Each kernel rounds where
 the torch path rounds, so bf16 results differ from it only by accumulation order (and by the bias, added
 after the GEMM's rounding instead of inside its epilogue); tests/test_rollout_fused.py pins that.
@@ -27,9 +28,9 @@ Tensor = torch.Tensor
 
 # The LayerWeights / LayerSpec fields this module implements; a family that sets anything else (a new norm,
 # experts, a layer scale: fields added to layers.py later) is not fusable and keeps the layers.py path.
-USED_WEIGHTS = {"attn_in", "qkv", "qkv_bias", "o", "o_bias", "mlp_in", "gate_up", "down"}
+USED_WEIGHTS = {"attn_in", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_in", "gate_up", "down"}
 USED_SPEC = {"heads", "eps", "norm_style", "act", "scale", "window", "local_rope"}
-SPEC_OFF = {"qk_norm": ""}  # spec fields that must hold these values
+SPEC_ALLOWED = {"qk_norm": ("", "head")}  # spec fields that must hold one of these values (not "projection")
 # True: each residual add rides in its GEMM (addmm); False: the o/down GEMMs write their output alone and the
 # next norm kernel adds it to the residual stream (one read more, but cuBLAS may pick a better beta = 0 kernel).
 RESIDUAL_IN_GEMM = True
@@ -40,7 +41,7 @@ def fusable(w: LayerWeights, spec: LayerSpec) -> bool:
     weights_ok = w.qkv is not None and w.gate_up is not None and isinstance(w.o, Tensor) and isinstance(
         w.down, Tensor) and all(getattr(w, f) is None for f in LayerWeights._fields if f not in USED_WEIGHTS)
     spec_ok = spec.act in ("silu", "gelu_pytorch_tanh") and all(
-        getattr(spec, f) == SPEC_OFF[f] if f in SPEC_OFF else getattr(spec, f) in (None, False, 0)
+        getattr(spec, f) in SPEC_ALLOWED[f] if f in SPEC_ALLOWED else getattr(spec, f) in (None, False, 0)
         for f in spec.__dataclass_fields__ if f not in USED_SPEC)
     return weights_ok and spec_ok
 
@@ -65,8 +66,10 @@ def fused_decode_layer(h: Tensor, carry: Optional[Tensor], w: LayerWeights, spec
     x, h = add_norm(h, carry, w.attn_in, spec)
     q, k, v = F.linear(x, w.qkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [b, heads * D] views, no bias
     bias = None if w.qkv_bias is None else w.qkv_bias.split([Hq * D, Hkv * D, Hkv * D])
+    qk_norm = (w.q_norm, w.k_norm, spec.eps, spec.norm_style) if spec.qk_norm == "head" else None
     attn = kernels.decode_attention(q.view(b, Hq, D), k.view(b, Hkv, D), v.view(b, Hkv, D), keys, values, pos,
-                                    spec.scale, spec.window, bias=bias, rope=(cos, sin))  # [b, Hq * D]
+                                    spec.scale, spec.window, bias=bias, rope=(cos, sin),
+                                    qk_norm=qk_norm)  # [b, Hq * D]
     if RESIDUAL_IN_GEMM:
         x, h = add_norm(linear(attn, w.o, w.o_bias, residual=h), None, w.mlp_in, spec)
     else:

@@ -69,32 +69,54 @@ if HAVE_TRITON:
         return m_new, total, acc
 
     @triton.jit
-    def _load_head(ptr, bias_ptr, cos, sin, offset, heads, d, mask, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   ROPE: tl.constexpr):
-        """Rows `heads` of one token's q, k or v (+ bias, then RoPE as layers.rotate rounds it) -> [*, BLOCK_D]."""
-        x = tl.load(ptr + offset + heads[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    def _styled(norm, w, dtype, STYLE: tl.constexpr):
+        """The weight applied to a float32 norm where layers.rms_norm's style rounds (see _rms_norm_kernel)."""
+        if STYLE == 0:
+            y = norm.to(dtype).to(tl.float32) * w
+        elif STYLE == 1:
+            y = norm * (1.0 + w)
+        else:
+            y = norm * w
+        return y.to(dtype)
+
+    @triton.jit
+    def _load_head(ptr, bias_ptr, norm_ptr, eps, cos, sin, offset, heads, d, mask, HEAD_DIM: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STYLE: tl.constexpr, ROPE: tl.constexpr):
+        """Rows `heads` of one token's q, k or v -> [*, BLOCK_D]: + bias, then each head RMS-normed (QK_NORM:
+        Qwen3's), then RoPE, each rounded where layers.pre_attention rounds it."""
+        at = ptr + offset + heads[:, None] * HEAD_DIM
+        x = tl.load(at + d[None, :], mask=mask, other=0.0)
         dtype = x.dtype
         if HAS_BIAS:
             x = (x.to(tl.float32) + tl.load(bias_ptr + heads[:, None] * HEAD_DIM + d[None, :], mask=mask,
                                             other=0.0).to(tl.float32)).to(dtype)
+        if QK_NORM:
+            xf = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)  # [rows]
+            x = _styled(xf * rstd[:, None], tl.load(norm_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :],
+                        dtype, STYLE)
         if ROPE:  # x * cos + roll(x, D/2) * signed_sin: the partner lane read again, rounded as torch does
             partner = (d + HEAD_DIM // 2) % HEAD_DIM
-            xp = tl.load(ptr + offset + heads[:, None] * HEAD_DIM + partner[None, :], mask=mask, other=0.0)
+            xp = tl.load(at + partner[None, :], mask=mask, other=0.0)
             if HAS_BIAS:
                 xp = (xp.to(tl.float32) + tl.load(bias_ptr + heads[:, None] * HEAD_DIM + partner[None, :],
                                                   mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            if QK_NORM:
+                w_p = tl.load(norm_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+                xp = _styled(xp.to(tl.float32) * rstd[:, None], w_p[None, :], dtype, STYLE)
             x = ((x.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
                  + xp.to(tl.float32) * sin[None, :]).to(dtype)
         return x
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, kn_ptr, vn_ptr, qb_ptr, kb_ptr, vb_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr,
-                                 pos_ptr, out_ptr, part_ptr, stat_ptr, scale, window,
+    def _decode_attention_kernel(q_ptr, kn_ptr, vn_ptr, qb_ptr, kb_ptr, vb_ptr, qn_ptr, kn_norm_ptr, eps, cos_ptr,
+                                 sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, stat_ptr, scale, window,
                                  q_sb, kn_sb, vn_sb, cos_ss, c_sb, c_sh, c_ss, o_sb,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                                  SPLITS: tl.constexpr, IEEE: tl.constexpr, PER_ROW_BOUND: tl.constexpr,
-                                 HAS_BIAS: tl.constexpr, ROPE: tl.constexpr):
+                                 HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STYLE: tl.constexpr,
+                                 ROPE: tl.constexpr):
         """Program (row, kv head, split): keys [split * CHUNK, (split + 1) * CHUNK) of the row's visible range.
         The split holding `pos` also takes the row's own key and writes the new k/v into the cache. One split:
         the output directly; several: (max, sum, acc) per split into part/stat, for _combine_kernel."""
@@ -114,13 +136,13 @@ if HAVE_TRITON:
             cos = tl.zeros([BLOCK_D], tl.float32)
             sin = tl.zeros([BLOCK_D], tl.float32)
         heads = kv_head * GROUP + g
-        q = _load_head(q_ptr, qb_ptr, cos, sin, row * q_sb, heads, d, g_ok[:, None] & d_ok[None, :], HEAD_DIM,
-                       HAS_BIAS, ROPE)  # [BLOCK_G, BLOCK_D]
+        q = _load_head(q_ptr, qb_ptr, qn_ptr, eps, cos, sin, row * q_sb, heads, d, g_ok[:, None] & d_ok[None, :],
+                       HEAD_DIM, HAS_BIAS, QK_NORM, STYLE, ROPE)  # [BLOCK_G, BLOCK_D]
         kv_mask = (one[:, None] >= 0) & d_ok[None, :]
-        k_new = _load_head(kn_ptr, kb_ptr, cos, sin, row * kn_sb, kv_head + one, d, kv_mask, HEAD_DIM, HAS_BIAS,
-                           ROPE)  # [1, BLOCK_D]
-        v_new = _load_head(vn_ptr, vb_ptr, cos, sin, row * vn_sb, kv_head + one, d, kv_mask, HEAD_DIM, HAS_BIAS,
-                           False)
+        k_new = _load_head(kn_ptr, kb_ptr, kn_norm_ptr, eps, cos, sin, row * kn_sb, kv_head + one, d, kv_mask,
+                           HEAD_DIM, HAS_BIAS, QK_NORM, STYLE, ROPE)  # [1, BLOCK_D]
+        v_new = _load_head(vn_ptr, vb_ptr, vn_ptr, eps, cos, sin, row * vn_sb, kv_head + one, d, kv_mask, HEAD_DIM,
+                           HAS_BIAS, False, STYLE, False)
         own = split == pos // CHUNK
         cache = row * c_sb + kv_head * c_sh
         write = kv_mask & ((one[:, None] + split) == pos // CHUNK)  # [1, BLOCK_D]: own split only
@@ -195,13 +217,7 @@ if HAVE_TRITON:
         x = x.to(tl.float32)
         norm = x / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        if STYLE == 0:
-            y = norm.to(dtype).to(tl.float32) * w
-        elif STYLE == 1:
-            y = norm * (1.0 + w)
-        else:
-            y = norm * w
-        tl.store(out_ptr + row * o_sb + cols, y.to(dtype), mask=ok)
+        tl.store(out_ptr + row * o_sb + cols, _styled(norm, w, dtype, STYLE), mask=ok)
 
     @triton.jit
     def _gated_kernel(x_ptr, out_ptr, x_sb, o_sb, WIDTH: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
@@ -296,7 +312,9 @@ def available(device: torch.device) -> bool:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      pos: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None, *,
                      bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-                     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, block_n: Optional[int] = None,
+                     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                     qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float, str]] = None,
+                     block_n: Optional[int] = None,
                      chunk: Optional[int] = None, num_warps: Optional[int] = None,
                      num_stages: Optional[int] = None) -> torch.Tensor:
     """q [b, Hq, D], the new k/v [b, Hkv, D], cache keys/values [slots >= b, Hkv, S, D], pos [b] -> [b, Hq * D].
@@ -305,7 +323,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     [pos - window + 1, pos] for a sliding layer. scale: of the scores (None: D ** -0.5).
     With `bias` (q, k, v biases [heads * D]) and `rope` (layers.rope_tables cos, signed sin [S, D]), q/k/v are
     the raw projections (views into one [q; k; v] GEMM output): the kernel adds the biases and applies RoPE
-    at each row's position first (rounded as layers.pre_attention rounds), so the caller needs no other kernel.
+    at each row's position first (rounded as layers.pre_attention rounds), so the caller needs no other kernel;
+    qk_norm = (q_norm [D], k_norm [D], eps, norm style) RMS-norms each q/k head before RoPE (Qwen3's "head").
     The keys are split into chunks of `chunk` positions, one program each, merged by a second kernel
     (flash-decoding): b x Hkv programs alone leave an H200 half idle at 512 rows with Hkv = 2.
     """
@@ -323,13 +342,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     stat = torch.empty(b, Hkv, splits, G, 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
     qb, kb, vb = bias if bias is not None else (q, q, q)  # unread without HAS_BIAS
     cos, sin = rope if rope is not None else (q, q)
+    q_norm, k_norm, eps, style = qk_norm if qk_norm is not None else (q, q, 0.0, "llama")
     BLOCK_G, BLOCK_D = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
     _decode_attention_kernel[(b, Hkv, splits)](
-        q, k, v, qb, kb, vb, cos, sin, keys, values, pos, out, part, stat, D ** -0.5 if scale is None else scale,
+        q, k, v, qb, kb, vb, q_norm, k_norm, eps, cos, sin, keys, values, pos, out, part, stat,
+        D ** -0.5 if scale is None else scale,
         S + 1 if window is None else int(window), q.stride(0), k.stride(0), v.stride(0),
         cos.stride(0) if rope is not None else 0, keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
         GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, PER_ROW_BOUND=not INTERPRET, HAS_BIAS=bias is not None, ROPE=rope is not None,
+        IEEE=q.dtype == torch.float32, PER_ROW_BOUND=not INTERPRET, HAS_BIAS=bias is not None,
+        QK_NORM=qk_norm is not None, STYLE=NORM_STYLES[style], ROPE=rope is not None,
         num_warps=num_warps or ATTENTION_WARPS, num_stages=num_stages or ATTENTION_STAGES)
     if splits > 1:
         _combine_kernel[(b, Hkv)](part, stat, out, out.stride(0), GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G,
