@@ -288,15 +288,17 @@ def profile_step(model: CausalLM, engine: RolloutEngine, b: int, args) -> None:
 
 
 def variant_steps(runner, b: int, args) -> None:
-    """The graph step with each fused.RESIDUAL_IN_GEMM setting (re-captured), the default restored after."""
-    default = rollout_fused.RESIDUAL_IN_GEMM
+    """The graph step with each fused.RESIDUAL_IN_GEMM setting and the capture's cost with each
+    runner.LEAN_CAPTURE setting (re-captured each time), the defaults restored after."""
+    defaults = rollout_fused.RESIDUAL_IN_GEMM, rollout_runner.LEAN_CAPTURE
     with torch.inference_mode():
-        for setting in (True, False):
-            rollout_fused.RESIDUAL_IN_GEMM = setting
+        for residual, lean in ((True, True), (False, True), (True, False)):
+            rollout_fused.RESIDUAL_IN_GEMM, rollout_runner.LEAN_CAPTURE = residual, lean
             runner.graphs, runner.graph_pool = {}, None  # a fresh pool: the old one dies with its graphs
-            emit(case="variant", shape=args.shape, residual_in_gemm=setting,
-                 graph_step_ms=per_call_ms(lambda: runner.decode(b), 50))  # its warm-up call captures
-    rollout_fused.RESIDUAL_IN_GEMM = default
+            capture_s = timed(lambda: runner.decode(b))  # the eager step, then its capture
+            emit(case="variant", shape=args.shape, residual_in_gemm=residual, lean_capture=lean,
+                 first_step_with_capture_s=capture_s, graph_step_ms=per_call_ms(lambda: runner.decode(b), 50))
+    rollout_fused.RESIDUAL_IN_GEMM, rollout_runner.LEAN_CAPTURE = defaults
     runner.graphs, runner.graph_pool = {}, None
 
 
@@ -395,7 +397,8 @@ def hf_seconds(args, static: bool, shape_too: bool = False):
 
 
 # ----- driver -------------------------------------------------------------------------------------
-DEFAULT_PLAN = "roofline,ours-0.5b,hf-0.5b,ours-0.5b-compile,hf_static-0.5b,varlen-0.5b,ours-1.5b,ours-7b"
+DEFAULT_PLAN = ("roofline,ours-0.5b,hf-0.5b,ours-0.5b-compile,hf_static-0.5b,varlen-0.5b,longtail-0.5b,ours-1.5b,"
+                "ours-7b")
 LIMITS = {"roofline": 60, "ours": 90, "hf": 90, "hf_static": 200, "varlen": 120, "profile": 90, "longtail": 120,
           "longtail_hf": 90}  # s, x2 compiled
 

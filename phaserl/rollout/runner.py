@@ -41,6 +41,9 @@ from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
 
 Tensor = torch.Tensor
 FUSED_DECODE = True  # decode layers through fused.py's kernels where Triton runs (benchmarks flip it to compare)
+# Capture with CUDAGraph.capture_begin/end on our side stream: torch.cuda.graph() also runs gc.collect() and
+# empty_cache() at every capture (tens of ms each in a trainer's process, and the cache is lost).
+LEAN_CAPTURE = True
 
 
 def module_tensors(layer) -> list[Tensor]:
@@ -378,8 +381,17 @@ class ModelRunner:
             self._decode_step(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            self._decode_step(b)
+        if LEAN_CAPTURE:
+            side.synchronize()  # the eager step's memory is settled before the capture reuses the allocator
+            with torch.cuda.stream(side):
+                graph.capture_begin(self.graph_pool)
+                try:
+                    self._decode_step(b)
+                finally:
+                    graph.capture_end()
+        else:
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._decode_step(b)
         self.graphs[(b, self.sampling)] = graph
 
     # ----- slot bookkeeping -----------------------------------------------------------------------
