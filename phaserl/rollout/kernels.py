@@ -336,14 +336,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     out = torch.empty(b, Hq, D, dtype=q.dtype, device=q.device)
     G = Hq // Hkv
     chunk = chunk or ATTENTION_CHUNK
-    block_n = min(block_n or ATTENTION_BLOCK_N, chunk)
+    BLOCK_G, BLOCK_D = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
+    # Key/value tiles of BLOCK_N x BLOCK_D, pipelined in num_stages copies, must fit in shared memory: head_dim
+    # 512 (Gemma 4's global layers) takes half as many keys per block as head_dim <= 256.
+    block_n = min(block_n or min(ATTENTION_BLOCK_N, 16384 // BLOCK_D), chunk)
     splits = triton.cdiv(S, chunk)
     part = torch.empty(b, Hkv, splits, G, D if splits > 1 else 1, dtype=torch.float32, device=q.device)
     stat = torch.empty(b, Hkv, splits, G, 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
     qb, kb, vb = bias if bias is not None else (q, q, q)  # unread without HAS_BIAS
     cos, sin = rope if rope is not None else (q, q)
     q_norm, k_norm, eps, style = qk_norm if qk_norm is not None else (q, q, 0.0, "llama")
-    BLOCK_G, BLOCK_D = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
     _decode_attention_kernel[(b, Hkv, splits)](
         q, k, v, qb, kb, vb, q_norm, k_norm, eps, cos, sin, keys, values, pos, out, part, stat,
         D ** -0.5 if scale is None else scale,
