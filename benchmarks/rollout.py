@@ -348,12 +348,15 @@ def fused_attention(q, k, v, keys, values, pos, runner, **launch):
 def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args, runner) -> None:
     """Launch settings of the Triton kernels, timed inside CUDA graphs (kernels.py's constants come from here)."""
     with torch.inference_mode():
-        for block_n, chunk, warps, stages in [(64, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2),
-                                              (64, 192, 4, 2), (64, 512, 4, 2), (128, 128, 4, 2), (64, 128, 8, 2),
-                                              (64, 128, 4, 3), (64, 128, 2, 2), (32, 64, 2, 3), (16, 64, 2, 2)]:
-            ms = graph_ms(lambda: fused_attention(q, k, v, keys, values, pos, runner, block_n=block_n, chunk=chunk,
-                                                  num_warps=warps, num_stages=stages))
-            emit(case="sweep_attention", shape=args.shape, block_n=block_n, chunk=chunk, num_warps=warps,
+        # chunk None: kernels.py's choice (one split at 512 rows; a few 128-key splits for a 64-row bucket)
+        for rows, block_n, chunk, warps, stages in [
+                (512, 64, None, 4, 2), (512, 64, None, 4, 1), (512, 64, None, 4, 3), (512, 128, None, 4, 2),
+                (512, 128, None, 8, 2), (512, 128, None, 4, 1), (512, 32, None, 4, 2), (512, 64, None, 2, 2),
+                (512, 32, None, 2, 2), (512, 64, 128, 4, 2), (64, 64, None, 4, 2), (64, 64, 512, 4, 2),
+                (64, 64, 64, 4, 2)]:
+            ms = graph_ms(lambda: fused_attention(q[:rows], k[:rows], v[:rows], keys, values, pos[:rows], runner,
+                                                  block_n=block_n, chunk=chunk, num_warps=warps, num_stages=stages))
+            emit(case="sweep_attention", shape=args.shape, rows=rows, block_n=block_n, chunk=chunk, num_warps=warps,
                  num_stages=stages, ms=ms)
         for block, warps in ((2048, 4), (4096, 4), (4096, 8)):
             rollout_kernels.SAMPLE_BLOCK, rollout_kernels.SAMPLE_WARPS = block, warps

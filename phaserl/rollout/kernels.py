@@ -33,9 +33,13 @@ import torch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: how the kernels are tested here
-# Launch settings. Sampling's were swept on an H200 at the reference shape (BENCHMARKS.md); attention's are
-# a first guess (`benchmarks/rollout.py --case ours --profile --sweep` times the options inside CUDA graphs).
-ATTENTION_BLOCK_N, ATTENTION_CHUNK, ATTENTION_WARPS, ATTENTION_STAGES = 64, 128, 4, 2
+# Launch settings, swept on an H200 at the reference shape inside CUDA graphs (BENCHMARKS.md;
+# `benchmarks/rollout.py --case ours --profile --sweep`). Attention at 512 rows: one program per (row, kv head)
+# over its whole context, 30.4 us a layer; split into 128-key chunks 35.7 us (each split repeats the q/RoPE
+# prologue, plus the merge). So keys are split only when (rows x kv heads) programs leave SMs idle: below
+# SPLIT_PROGRAMS programs, into chunks of at least MIN_CHUNK keys.
+ATTENTION_BLOCK_N, ATTENTION_WARPS, ATTENTION_STAGES = 64, 4, 2
+SPLIT_PROGRAMS, MIN_CHUNK = 512, 128
 GATED_BLOCK = 1024
 SAMPLE_BLOCK, SAMPLE_WARPS = 4096, 8
 
@@ -325,8 +329,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     the raw projections (views into one [q; k; v] GEMM output): the kernel adds the biases and applies RoPE
     at each row's position first (rounded as layers.pre_attention rounds), so the caller needs no other kernel;
     qk_norm = (q_norm [D], k_norm [D], eps, norm style) RMS-norms each q/k head before RoPE (Qwen3's "head").
-    The keys are split into chunks of `chunk` positions, one program each, merged by a second kernel
-    (flash-decoding): b x Hkv programs alone leave an H200 half idle at 512 rows with Hkv = 2.
+    With few rows the keys are split into chunks of `chunk` positions (None: see SPLIT_PROGRAMS), one program
+    each, merged by a second kernel (flash-decoding), so that small buckets still fill the SMs.
     """
     b, Hq, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
@@ -335,11 +339,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     assert keys.stride(-1) == 1 and keys.stride() == values.stride()
     out = torch.empty(b, Hq, D, dtype=q.dtype, device=q.device)
     G = Hq // Hkv
-    chunk = chunk or ATTENTION_CHUNK
     BLOCK_G, BLOCK_D = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
     # Key/value tiles of BLOCK_N x BLOCK_D, pipelined in num_stages copies, must fit in shared memory: head_dim
     # 512 (Gemma 4's global layers) takes half as many keys per block as head_dim <= 256.
-    block_n = min(block_n or min(ATTENTION_BLOCK_N, 16384 // BLOCK_D), chunk)
+    block_n = block_n or min(ATTENTION_BLOCK_N, 16384 // BLOCK_D)
+    if chunk is None:
+        splits = max(1, min(triton.cdiv(SPLIT_PROGRAMS, b * Hkv), S // MIN_CHUNK))
+        chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n  # [0, S) in `splits` whole blocks
+    block_n = min(block_n, chunk)
     splits = triton.cdiv(S, chunk)
     part = torch.empty(b, Hkv, splits, G, D if splits > 1 else 1, dtype=torch.float32, device=q.device)
     stat = torch.empty(b, Hkv, splits, G, 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
