@@ -11,7 +11,7 @@ import torch
 
 from phaserl.models.layers import activation, post_attention, pre_attention, rms_norm, rope_tables, rotate
 from phaserl.rollout import EngineConfig, fused, kernels
-from phaserl.rollout.fused import fusable, fused_decode_layer
+from phaserl.rollout.fused import decodes_fused, fusable, fused_decode_layer
 from phaserl.rollout.runner import cached_attention, fused_weights
 from test_rollout_engine import PROMPTS, greedy_reference, run, tiny_model
 
@@ -159,6 +159,10 @@ def test_fusable_says_which_layers_the_fused_path_computes_exactly():
     assert not fusable(*first_layer(tiny_model("qwen3", qk_norm_scope="projection")))  # OLMo 2's: layers.py
     assert not fusable(*first_layer(tiny_model("llama", layer_norms="sandwich")))  # norms after the sublayers
     assert not fusable(*first_layer(tiny_model("llama", layer_norms="post")))
+    # the same answer from the modules alone (what EngineConfig.compile=None decides with: no compile when fused)
+    assert decodes_fused(tiny_model("qwen2")) and decodes_fused(tiny_model("qwen3"))
+    assert not decodes_fused(tiny_model("llama", layer_norms="sandwich"))
+    assert not decodes_fused(tiny_model("qwen3", qk_norm_scope="projection"))
 
 
 @pytest.mark.parametrize("residual_in_gemm", [True, False])

@@ -69,8 +69,9 @@ class RolloutConfig:
                                           "on the GPU during training, so the next rollout does not re-capture "
                                           "its graphs (one GPU with memory to spare; their memory stays taken in "
                                           "the update)")
-    engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = on CUDA when "
-                                                "Triton is installed; the first rollout then pays ~40 s)")
+    engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = on CUDA with "
+                                                "Triton where some layer has no fused decode kernels; compiling "
+                                                "makes the first rollout pay ~40 s)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "

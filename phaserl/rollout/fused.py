@@ -39,13 +39,31 @@ RESIDUAL_IN_GEMM = False
 
 
 def fusable(w: LayerWeights, spec: LayerSpec) -> bool:
-    """True when fused_decode_layer computes exactly what layers.pre_attention/post_attention compute."""
+    """True when fused_decode_layer computes exactly what layers.pre_attention/post_attention compute, for the
+    engine's weights (runner.fused_weights: [q; k; v] and [gate; up] copies, o and down as tensors)."""
     weights_ok = w.qkv is not None and w.gate_up is not None and isinstance(w.o, Tensor) and isinstance(
         w.down, Tensor) and all(getattr(w, f) is None for f in LayerWeights._fields if f not in USED_WEIGHTS)
-    spec_ok = spec.act in ("silu", "gelu_pytorch_tanh") and all(
+    return weights_ok and spec_fusable(spec)
+
+
+def decodes_fused(model) -> bool:
+    """True when every decoder layer of `model` (a CausalLM) would decode through fused_decode_layer where the
+    kernels run: its modules have the pieces fused_weights concatenates and nothing fusable() refuses."""
+    for layer in model.model.layers:
+        if not (hasattr(layer, "weights") and hasattr(layer, "spec")):  # another kind of layer (linear attention)
+            return False
+        w = layer.weights()  # the modules: q/k/v and gate/up separate, fused by runner.fused_weights
+        parts = (w.q, w.k, w.v, w.gate, w.up, w.o, w.down)
+        rest = (getattr(w, f) for f in LayerWeights._fields if f not in USED_WEIGHTS | {"q", "k", "v", "gate", "up"})
+        if any(p is None for p in parts) or any(r is not None for r in rest) or not spec_fusable(layer.spec):
+            return False
+    return True
+
+
+def spec_fusable(spec: LayerSpec) -> bool:
+    return spec.act in ("silu", "gelu_pytorch_tanh") and all(
         getattr(spec, f) in SPEC_ALLOWED[f] if f in SPEC_ALLOWED else getattr(spec, f) in (None, False, 0)
         for f in spec.__dataclass_fields__ if f not in USED_SPEC)
-    return weights_ok and spec_ok
 
 
 def add_norm(h: Tensor, carry: Optional[Tensor], weight: Optional[Tensor], spec: LayerSpec) -> tuple[Tensor, Tensor]:
