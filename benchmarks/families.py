@@ -1,4 +1,5 @@
-"""Native decoder + engine vs the transformers path, for the new families: Gemma-3-1B and Mistral-7B shapes.
+"""Native decoder + engine vs the transformers path, for the new families: Gemma-3-1B, Gemma-4-1B, Mistral-7B and
+Qwen3-MoE shapes.
 
 Random weights in bf16, one GPU, one JSON line per measurement on stdout:
   rollout_native  phaserl's RolloutEngine (CUDA graphs, Triton decode attention with sliding windows) on
@@ -9,15 +10,27 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
                   one whole GRPO step (benchmarks/grpo_step.py --only ours on this script's world) with
                   model.implementation=native / transformers: the same model files, the two paths (the
                   transformers path rolls out with transformers' KV cache through rollout/generate.py)
+  grpo_native_replay  MoE shapes: grpo_native with actor.routing_replay=true
+  mismatch_replay MoE shapes: sample with the engine (recording experts), recompute the log-probs with the
+                  training forward (packed, as ppo.packing), routing replay off and on: the mismatch/* metrics
+                  of each, and how often the training forward picks the rollout's experts without replay
 Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
   gemma3-1b   Gemma 3 1B text: 26 layers, hidden 1152, 4 q / 1 kv heads of 256, sliding 512 on 5 of 6
               layers, vocab 262144; 64 x 8 x (128 + 256)
+  gemma4-1b   Gemma 4 text at Gemma 3 1B's size (no such Gemma 4 model exists; the features are the 31B's):
+              26 layers, hidden 1152, 4 q / 1 kv heads of 256 on sliding layers (512 on 5 of 6), global layers
+              with 1 kv head of 512 (v = k), proportional RoPE 0.25, soft-capping 30, vocab 262144;
+              64 x 8 x (128 + 256)
   mistral-7b  Mistral 7B: 32 layers, hidden 4096, 32 q / 8 kv heads of 128, sliding window 4096 on every
               layer, vocab 32768; 16 x 8 x (256 + 512)
+  qwen3-moe-a3b  Qwen3-30B-A3B's layers (128 experts, top-8, expert width 768, hidden 2048, 32 q / 4 kv heads of
+              128, vocab 151936) but 8 of its 48 layers (--layers): 32 x 8 x (256 + 512)
 
     python benchmarks/families.py --shape gemma3-1b --case all
     python benchmarks/families.py --shape mistral-7b --case rollout_native,rollout_hf
-    python benchmarks/families.py --smoke            # CPU, tiny shapes of both families, a few tokens
+    python benchmarks/families.py --shape qwen3-moe-a3b --case all
+    python benchmarks/families.py --shape gemma3-1b --case grpo_native,grpo_transformers --grpo-steps 1
+    python benchmarks/families.py --smoke            # CPU, tiny shapes of every family, a few tokens
 
 Not here: TRL (grpo_step.py compares with it), the Qwen2 reference shape (rollout.py).
 """
@@ -50,6 +63,24 @@ SHAPES = {
         vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, sliding_window=4096, max_position_embeddings=32768,
         rope_theta=1e6)),
+    "qwen3-moe-a3b": dict(cls="Qwen3MoeConfig", run=(32, 8, 256, 512), config=dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=32768, rope_theta=1e6)),
+    "qwen3-moe-tiny": dict(cls="Qwen3MoeConfig", run=(2, 2, 8, 6), config=dict(
+        vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64)),
+    "gemma4-1b": dict(cls="Gemma4TextConfig", run=(64, 8, 128, 256), config=dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=512, final_logit_softcapping=30.0,
+        max_position_embeddings=32768, tie_word_embeddings=True)),
+    "gemma4-tiny": dict(cls="Gemma4TextConfig", run=(2, 2, 8, 6), config=dict(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, sliding_window=4, final_logit_softcapping=30.0, max_position_embeddings=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     "gemma3-tiny": dict(cls="Gemma3TextConfig", run=(2, 2, 8, 6), config=dict(
         vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8, sliding_window=4, max_position_embeddings=64,
@@ -58,7 +89,8 @@ SHAPES = {
         vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)),
 }
-CASES = ("rollout_native", "rollout_hf", "grpo_native", "grpo_transformers")
+CASES = ("rollout_native", "rollout_hf", "grpo_native", "grpo_transformers", "grpo_native_replay", "mismatch_replay")
+MOE_CASES = ("grpo_native_replay", "mismatch_replay")  # skipped for dense shapes
 
 
 def emit(**record) -> None:
@@ -144,14 +176,54 @@ def rollout_hf(shape: str, root: str, device: str, dtype: torch.dtype, repeats: 
             RESULTS["hf"] = max(RESULTS.get("hf", 0.0), tokens / seconds)
 
 
-def grpo(shape: str, root: str, implementation: str, smoke: bool) -> None:
+def mismatch_replay(shape: str, root: str, device: str, dtype: torch.dtype) -> None:
+    from phaserl.algo import mismatch_metrics
+    from phaserl.models import moe
+    from phaserl.roles.forward import batch_logprobs, rows_logprobs, split_rows
+    from phaserl.roles.mismatch_probe import _batch
+    from phaserl.batch import layout_routes
+
+    model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native").eval()
+    prompts = prompt_ids(shape)
+    engine = RolloutEngine(model, EngineConfig(max_slots=len(prompts), record_routes=True))
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=SHAPES[shape]["run"][3], temperature=1.0),
+                          eos_token_ids=[], pad_token_id=0, generator=torch.Generator(device=device).manual_seed(0))
+    batch = _batch(prompts, out.response_ids, out.logprobs, 0, device)
+    P, R = batch.prompt_width, batch.response_mask.shape[1]
+    batch.routed_experts = layout_routes(list(map(len, prompts)), out.routes, P, R)
+    engine.release()
+    budget = 16384
+    for replay in (False, True):
+        trainer = batch_logprobs(model, batch, temperature=1.0, token_budget=budget, packing=True, replay=replay)
+        emit(measure="mismatch", case="replay_on" if replay else "replay_off", shape=shape,
+             tokens=int(batch.response_mask.sum()),
+             **{k.removeprefix("mismatch/"): round(v, 6) for k, v in
+                mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask).items()})
+    same, total = 0, 0  # (token, layer) pairs whose k experts the training forward picks as the rollout did
+    saved, batch.routed_experts = batch.routed_experts, None
+    with torch.no_grad():
+        for idx in split_rows(batch, budget, packing=True):
+            routing = moe.Routing()
+            rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False, routing=routing)
+            real = batch.attention_mask[idx.to(device)].bool()
+            recorded = saved[idx.to(device)][real].long()  # [N, L, k]
+            fed = recorded[:, 0, 0] >= 0
+            used = routing.experts()[fed].sort(-1).values
+            same += int((used == recorded[fed].sort(-1).values).all(-1).sum())
+            total += used.shape[0] * used.shape[1]
+    emit(measure="routing_agreement", shape=shape, same_experts_frac=round(same / max(total, 1), 4))
+
+
+def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, extra: tuple = ()) -> None:
     prompts, n, prompt_len, new = SHAPES[shape]["run"]
     argv = [sys.executable, os.path.join(HERE, "grpo_step.py"), "--only", "ours", "--world", root,
             "--prompts", str(prompts), "--n", str(n), "--prompt-len", str(prompt_len), "--new-tokens", str(new),
             "--micro-batch", str(min(8, prompts * n)), "--ours-set", f"model.implementation={implementation}",
-            "--log-dir", os.path.join(root, f"logs-{implementation}")]
+            "--log-dir", os.path.join(root, f"logs-{implementation}{'-extra' if extra else ''}")]
+    for setting in extra:
+        argv += ["--ours-set", setting]
     # The KV pool sized for every sequence of the step (grpo_step's default fraction is sized for 0.5B).
-    argv += ["--tiny", "--steps", "1", "--warmup", "0"] if smoke else ["--steps", "2", "--warmup", "1",
+    argv += ["--tiny", "--steps", "1", "--warmup", "0"] if smoke else ["--steps", str(steps), "--warmup", "1",
                                                                         "--kv-fraction", "0.25"]
     proc = subprocess.run(argv, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
@@ -160,7 +232,8 @@ def grpo(shape: str, root: str, implementation: str, smoke: bool) -> None:
         except json.JSONDecodeError:
             continue
         if record.get("measure") == "summary":
-            emit(measure="grpo_step", case=implementation, shape=shape, s_per_step=record["s_per_step_median"],
+            emit(measure="grpo_step", case=implementation + "".join(f" {s}" for s in extra), shape=shape,
+                 s_per_step=record["s_per_step_median"],
                  tokens_per_s=record["tokens_per_s"], peak=record["timed_peak"])
     if proc.returncode != 0:
         emit(measure="error", case=f"grpo_{implementation}", shape=shape, returncode=proc.returncode,
@@ -173,7 +246,10 @@ def main(argv=None) -> None:
     p.add_argument("--case", default="all", help=f"'all' or a comma-separated subset of {CASES}")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--world", default=None, help="reuse a world directory made before (same shape)")
-    p.add_argument("--smoke", action="store_true", help="CPU, both tiny shapes, every case")
+    p.add_argument("--grpo-steps", type=int, default=2, help="timed GRPO steps per path (after one warm-up step)")
+    p.add_argument("--smoke", action="store_true", help="CPU, every tiny shape, every case")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's num_hidden_layers")
+    p.add_argument("--run", default=None, metavar="PROMPTS,N,PROMPT_LEN,NEW", help="override the shape's run")
     a = p.parse_args(argv)
     cases = CASES if a.case == "all" else tuple(a.case.split(","))
     unknown = [c for c in cases if c not in CASES]
@@ -183,16 +259,26 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if device == "cpu":
         torch.set_num_threads(1)
-    for shape in (("gemma3-tiny", "mistral-tiny") if a.smoke else (a.shape,)):
+    if a.layers is not None:
+        SHAPES[a.shape]["config"]["num_hidden_layers"] = a.layers
+    if a.run is not None:
+        SHAPES[a.shape]["run"] = tuple(int(x) for x in a.run.split(","))
+    for shape in (("gemma3-tiny", "gemma4-tiny", "mistral-tiny", "qwen3-moe-tiny") if a.smoke else (a.shape,)):
         root = make_world(shape, a.world or tempfile.mkdtemp(prefix=f"families_{shape}_"), device)
         emit(measure="world", shape=shape, dir=root, device=device, run=SHAPES[shape]["run"])
         for case in cases:
-            if case == "rollout_native":
+            if case in MOE_CASES and "num_experts" not in SHAPES[shape]["config"]:
+                continue
+            if case == "mismatch_replay":
+                mismatch_replay(shape, root, device, dtype)
+            elif case == "grpo_native_replay":
+                grpo(shape, root, "native", a.smoke, a.grpo_steps, ("actor.routing_replay=true",))
+            elif case == "rollout_native":
                 rollout_native(shape, root, device, dtype, 1 if a.smoke else a.repeats)
             elif case == "rollout_hf":
                 rollout_hf(shape, root, device, dtype, 1 if a.smoke else a.repeats)
             else:
-                grpo(shape, root, case.removeprefix("grpo_"), a.smoke)
+                grpo(shape, root, case.removeprefix("grpo_"), a.smoke, a.grpo_steps)
         if "native" in RESULTS and "hf" in RESULTS:
             speedup = RESULTS["native"] / RESULTS["hf"]
             emit(measure="compare", shape=shape, native_tokens_per_s=round(RESULTS["native"], 1),

@@ -41,7 +41,8 @@ Differences, by design of each library:
 - ours computes old log-probs with one extra forward pass per step; TRL skips it when generation and
   optimizer steps are aligned (it uses the detached current log-probs);
 - ours rolls out with its built-in engine: a preallocated KV pool of rollout.engine_memory_fraction of
-  the free memory, capped at what the run can use (--kv-fraction 0.03; 2.25 GiB at this shape), CUDA
+  the free memory, capped at what the run can use (--kv-fraction 0.03; 2.25 GiB at this shape; 0.25 at
+  --shape 7b, where 0.03 would hold fewer slots than sequences), CUDA
   graphs and torch.compile (the first step pays the compilation: warm-up). TRL rolls out with
   `model.generate` (dynamic cache) on the training model, no compile;
 - ours trains with phaserl's defaults (ppo.packing=null = auto: varlen flash attention on CUDA; with
@@ -100,19 +101,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.001, help="KL coefficient (ours kl_coef, TRL beta)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--gradient-checkpointing", action="store_true", help="on for both sides (default off)")
-    p.add_argument("--kv-fraction", type=float, default=0.03, help="ours: rollout.engine_memory_fraction")
+    p.add_argument("--kv-fraction", type=float, default=None,
+                   help="ours: rollout.engine_memory_fraction (default 0.03 at 0.5b, 0.25 at 7b: either way the "
+                        "cap, every sequence of the step in a slot, is what binds on an H200)")
     p.add_argument("--side-timeout", type=float, default=280.0, help="--only both: seconds per side process")
     p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra phaserl config override (as on `phaserl train` command lines), repeatable")
     p.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
                    help="extra GRPOConfig keyword (value parsed as JSON, else a string), repeatable")
-    p.add_argument("--profile", action="store_true", help="ours: one more step under torch.profiler (not timed)")
+    p.add_argument("--profile", action="store_true", help="ours: one more step under torch.profiler (not timed): "
+                   "kernel groups, top kernels, and the top kernels of each phase")
+    p.add_argument("--profile-phases", default="all", metavar="all|rollout,forward,update",
+                   help="--profile: the whole step (all), or only the calls of these phases, each under its own "
+                        "profiler (a 7B rollout alone is ~300k kernels: summarizing the whole step takes minutes)")
+    p.add_argument("--rollout-probe", type=_fractions, default=[], metavar="F[,F...]",
+                   help="ours: after the timed steps, the rollout alone once per KV memory fraction (and with a "
+                        "LoRA actor, once with the adapters merged and once off, i.e. the full fine-tune's engine "
+                        "path): slots, decode steps, begin/refill seconds")
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
-    sizes = {"0.5b": dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32),
-             "7b": dict(prompts=16, n=8, prompt_len=256, new_tokens=512, micro_batch=8),
-             "tiny": dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8)}
+    # kv_fraction: 0.03 of free memory holds the 0.5B step's 512 x 384 tokens (2.25 GiB); at 7B the 128 x 768
+    # tokens take 5.25 GiB, more than 0.03 of what is free (a 7B LoRA actor: ~91 slots by the arithmetic, so
+    # two decode waves).
+    sizes = {"0.5b": dict(prompts=64, n=8, prompt_len=128, new_tokens=256, micro_batch=32, kv_fraction=0.03),
+             "7b": dict(prompts=16, n=8, prompt_len=256, new_tokens=512, micro_batch=8, kv_fraction=0.25),
+             "tiny": dict(prompts=4, n=4, prompt_len=16, new_tokens=8, micro_batch=8, kv_fraction=0.03)}
     a.shape = "tiny" if a.tiny else a.shape
     for key, value in sizes[a.shape].items():
         if getattr(a, key) is None:
@@ -124,6 +138,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                    "actor.lora.target_modules=[all-linear]"]
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
     return a
+
+
+def _fractions(text: str) -> list:
+    values = [float(x) for x in text.split(",") if x.strip()]
+    if not values or not all(0 < v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give memory fractions in (0, 1), comma-separated, e.g. 0.03,0.1")
+    return values
 
 
 # ----- the world both sides share ---------------------------------------------------------------
@@ -255,13 +276,15 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                     eos_finished=round(sequences * (1.0 - metrics["train/truncated_frac"])),
                     reward_mean=metrics["train/reward_mean"], kl=metrics.get("train/kl"),
                     kv_cache_gib=round(abs(trainer.actor.last_switch.get("kv_cache_gb", 0.0)), 2),
-                    engine=_engine_stats(trainer.actor),
+                    engine=_engine_stats(trainer.actor), dynamo=_dynamo_counters(),
                     timing_s=_group(metrics, "timing_s", 3), perf=_group(metrics, "perf", 4),
                     **memory_gib())
         steps.append(step)
         emit(**step)
+    if a.rollout_probe:
+        _rollout_probe(trainer, a.rollout_probe)
     if a.profile:
-        _profile_one_step(trainer)
+        _profile_one_step(trainer, a.profile_phases)
     trainer.run.metrics_logger.close()
     timed = [s["timing_s"] for s in steps if not s["warmup"]] or [{}]
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
@@ -292,17 +315,124 @@ def _group(metrics: dict, prefix: str, digits: int) -> dict:
     return {k.split("/", 1)[1]: round(v, digits) for k, v in metrics.items() if k.startswith(prefix + "/")}
 
 
-def _profile_one_step(trainer) -> None:
-    """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was."""
+def _profile_one_step(trainer, phases: str = "all") -> None:
+    """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was, and
+    the top kernels per phase. `phases` other than "all" (e.g. "forward,update"): only those phases' calls are
+    profiled (the actor's generate, the reference's log-probs, the trainer's update), one profiler each."""
     import profiling
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    if phases == "all":
+        with profile(activities=activities) as prof:
+            metrics, wall = _timed_step(trainer)
+        emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3))
+        for record in profiling.summarize(prof, wall):
+            emit(measure="profile", side="ours", **record)
+        for record in profiling.by_phase(prof):
+            emit(measure="profile_phase", side="ours", **record)
+        return
+    calls = {"rollout": (trainer.actor, "generate"), "forward": (trainer.ref_policy, "compute_logprobs"),
+             "update": (trainer, "update")}
+    wanted = [name.strip() for name in phases.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(calls))
+    if unknown:
+        raise SystemExit(f"--profile-phases: {unknown} are not phases; choose from all or {', '.join(calls)}")
+    profiled: list = []  # (phase, profiler, wall seconds of the call)
+
+    def under_profiler(phase: str, fn):
+        def call(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            with profile(activities=activities) as prof:
+                out = fn(*args, **kwargs)
+                sync()
+            profiled.append((phase, prof, time.perf_counter() - t0))
+            return out
+        return call
+
+    wrapped = [(*calls[name], name) for name in wanted if calls[name][0] is not None]  # no reference: no forward
+    for obj, attr, name in wrapped:
+        setattr(obj, attr, under_profiler(name, getattr(obj, attr)))  # an instance attribute over the method
+    try:
         metrics, wall = _timed_step(trainer)
-    emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3))
-    for record in profiling.summarize(prof, wall):
-        emit(measure="profile", side="ours", **record)
+    finally:
+        for obj, attr, _ in wrapped:
+            delattr(obj, attr)
+    emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3),
+         profiled=wanted)
+    for phase, prof, seconds in profiled:
+        for record in profiling.summarize(prof, seconds):
+            emit(measure="profile", side="ours", phase=phase, **record)
+
+
+def _rollout_probe(trainer, fractions: list) -> None:
+    """The rollout phase alone, on one set of prompts, once per (KV memory fraction, adapters merged | off).
+
+    Each line: the switch to rollout (seconds, KV cache allocated), generate's wall seconds, the engine's own
+    stats (slots, decode steps, begin seconds = layout + weight refill + graph capture) and the seconds of one
+    more refill of the engine's weight copies (with adapters merged: the LoRA merge). `off` runs the base
+    weights the way a full fine-tune's engine does (o/down read in place, no merge), in the same process; a
+    short untimed call per mode first, so that compiling the engine's functions for it is not measured.
+    The actor's engine is rebuilt per line, then once more with the run's own settings.
+    """
+    from phaserl.models.lora import has_lora
+    from phaserl.rollout import RolloutEngine
+
+    actor, run = trainer.actor, trainer.run
+    items = run.train_prompts.next_items()
+    prompts = [list(item.prompt_ids) for item in items for _ in range(run.n)]
+    modes = ("merged", "off") if has_lora(actor.model) else ("full",)
+    short = dataclasses.replace(run.sampling, max_new_tokens=min(8, run.sampling.max_new_tokens))
+    for mode in modes:
+        _probe_call(trainer, prompts[:2], short, fractions[0], mode)  # warm-up: compiles, not measured
+    for fraction in fractions:
+        for mode in modes:
+            line = _probe_call(trainer, prompts, run.sampling, fraction, mode)
+            emit(measure="rollout_probe", side="ours", memory_fraction=fraction, adapters=mode, **line)
+    actor.engine.release()
+    actor.engine = RolloutEngine(actor.model, actor.engine_config)
+
+
+def _probe_call(trainer, prompts: list, params, fraction: float, mode: str) -> dict:
+    """One generate() in rollout mode on a fresh engine of KV memory `fraction`; `mode` off = adapters off."""
+    from contextlib import nullcontext
+
+    from phaserl.models.lora import adapters_disabled
+    from phaserl.rollout import RolloutEngine
+    from phaserl.rollout.runner import fused_weights
+
+    actor, run = trainer.actor, trainer.run
+    if actor.engine is not None:
+        actor.engine.release()
+    actor.engine = RolloutEngine(actor.model, dataclasses.replace(actor.engine_config, memory_fraction=fraction))
+    layers = actor.model.model.layers
+    with actor.rollout_mode(), (adapters_disabled(actor.model) if mode == "off" else nullcontext()):
+        switch = dict(actor.last_switch)
+        sync()
+        t0 = time.perf_counter()
+        actor.generate(prompts, params, eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
+                       pad_token_id=run.pad_token_id, batch_size=len(prompts), generator=run.sampling_generator)
+        sync()
+        seconds = time.perf_counter() - t0
+        runner = actor.engine.runner
+        with torch.inference_mode():
+            t1 = time.perf_counter()
+            runner.weights = [fused_weights(layer, old) for layer, old in zip(layers, runner.weights)]
+            sync()
+            refill = time.perf_counter() - t1
+        stats = _engine_stats(actor)
+    return dict(seconds=round(seconds, 3), refill_s=round(refill, 4), switch_s=round(switch["seconds"], 3),
+                kv_cache_gib=round(switch["kv_cache_gb"], 2), engine=stats, **memory_gib())
+
+
+def _dynamo_counters() -> dict:
+    """torch._dynamo's running totals (frames compiled, unique graphs, graph breaks): growth between timed steps
+    means recompiles in the steady state."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": dict(counters["frames"]), "unique_graphs": counters["stats"].get("unique_graphs", 0),
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def _engine_stats(actor) -> dict:

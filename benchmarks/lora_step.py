@@ -14,6 +14,7 @@ targets) and a final `measure=lora_table` line.
     python benchmarks/lora_step.py --shape 7b --variants r16 --ours-set actor.compile=true --world /tmp/lora_world_7b
     python benchmarks/lora_step.py --shape 7b --variants r64 --ours-set actor.compile=true --world /tmp/lora_world_7b
     python benchmarks/lora_step.py --smoke        # CPU: the tiny shape, every variant, both sides (minutes)
+    python benchmarks/lora_step.py --floor --shape 7b   # no GPU: each phase's lower bound (FLOPs / rate, bytes / bandwidth)
 
 Needs trl, datasets and peft for the TRL side. Each grpo_step.py side process is bounded by --side-timeout;
 at 7B one variant per command keeps a command within 10 minutes, and --world reuses the model written once.
@@ -28,6 +29,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 BENCH = "lora_step"
 TARGETS_7B = {"s_per_step_le": 8.0, "peak_gib_le": 55.0}  # issue 17: 7B LoRA r16
 SPEEDUP_TARGET = 3.0
@@ -47,7 +49,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--side-timeout", type=float, default=280.0)
     p.add_argument("--world", default=None, help="a world directory made by grpo_step.py for this shape")
+    p.add_argument("--floor", action="store_true", help="print each phase's lower bound at --shape and exit")
+    p.add_argument("--rank", type=int, default=16, help="--floor: the LoRA rank")
+    p.add_argument("--matmul-tflops", type=float, default=650.0, help="--floor: bf16 matmul rate reached at "
+                   "these shapes (H200: 782-786 measured at 8192^3, ~650 at the step's own shapes)")
+    p.add_argument("--hbm-tbs", type=float, default=4.26, help="--floor: memory bandwidth (H200 D2D copy, measured)")
     return p.parse_args(argv)
+
+
+# The shapes' sequences: prompts x n responses of prompt_len + new_tokens (grpo_step.py's --shape sizes).
+SEQUENCES = {"0.5b": (64, 8, 128, 256), "7b": (16, 8, 256, 512)}
+
+
+def step_floor(shape: str, rank: int, matmul_tflops: float, hbm_tbs: float) -> dict:
+    """Seconds no implementation can beat, per phase of the GRPO step at `shape` (KL on: a reference pass).
+
+    FLOPs are 2 per multiply-add over every token (prompt + response) through the decoder's linear layers,
+    the LM head on response tokens only, causal attention (2 Hq D S^2 per layer and sequence forward, 2.5x
+    that backward), the adapters (2 r (in + out) per token and target). ref = forward; LoRA update =
+    forward + activation gradients (no weight gradient for the frozen base); full update adds the weight
+    gradients. Rollout: one decode step per new token for all sequences at once (all in slots), each
+    reading every weight but the embedding once plus the KV of its context (mean prompt + new/2), and
+    doing 2 x params x sequences FLOPs: the larger of bytes / bandwidth and FLOPs / rate; plus the prefill
+    of the distinct prompts. No recomputation, no launch gaps, no optimizer step (AdamW on LoRA is tiny).
+    """
+    from qwen2_shapes import SHAPES
+
+    c = SHAPES[shape]
+    H, L, I, V = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    Hq, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    D = H // Hq
+    prompts, n, P, R = SEQUENCES[shape]
+    B, S = prompts * n, P + R
+    linear = L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H + 3 * H * I)  # decoder linear weights
+    adapters = L * rank * ((H + Hq * D) + 2 * (H + Hkv * D) + (Hq * D + H) + 2 * (H + I) + (I + H))
+    tokens = B * S
+    forward = 2 * linear * tokens + 2 * H * V * B * R + L * B * 2 * Hq * D * S * S  # FLOPs
+    lora_fwd = 2 * adapters * tokens
+    backward_acts = 2 * linear * tokens + 2 * H * V * B * R + 2.5 * L * B * 2 * Hq * D * S * S
+    weight_grads = 2 * linear * tokens + 2 * H * V * B * R
+    rate, bw = matmul_tflops * 1e12, hbm_tbs * 1e12
+    kv_per_token = 2 * L * Hkv * D * 2  # bf16 keys + values
+    step_bytes = 2 * (linear + H * V) + B * (P + R / 2) * kv_per_token
+    step_flops = 2 * (linear + H * V) * B
+    rollout = R * max(step_bytes / bw, step_flops / rate) + 2 * linear * prompts * P / rate
+    lora = {"rollout": rollout, "forward": forward / rate,
+            "update": (forward + lora_fwd + backward_acts + 2 * lora_fwd) / rate}
+    full = {"rollout": rollout, "forward": forward / rate, "update": (forward + backward_acts + weight_grads) / rate}
+    return {"shape": shape, "sequences": B, "tokens": tokens, "matmul_tflops": matmul_tflops, "hbm_tbs": hbm_tbs,
+            "decode_step_ms": round(1e3 * max(step_bytes / bw, step_flops / rate), 3),
+            "decode_step_gb": round(step_bytes / 1e9, 2), "decoder_linear_params": linear, "adapter_params": adapters,
+            "lora": {**{k: round(v, 3) for k, v in lora.items()}, "step": round(sum(lora.values()), 3)},
+            "full": {**{k: round(v, 3) for k, v in full.items()}, "step": round(sum(full.values()), 3)}}
 
 
 def variant_argv(a, variant: str, world: str) -> list:
@@ -106,6 +159,9 @@ def compare(a, variant: str, sums: dict) -> dict:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if a.floor:
+        emit(measure="floor", rank=a.rank, **step_floor(a.shape, a.rank, a.matmul_tflops, a.hbm_tbs))
+        return
     world = a.world or tempfile.mkdtemp(prefix=f"lora_step_{'tiny' if a.smoke else a.shape}_")
     rows = []
     for variant in [v.strip() for v in a.variants.split(",") if v.strip()]:

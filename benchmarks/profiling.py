@@ -1,9 +1,10 @@
 """Summaries of a torch.profiler run for the benchmarks: device time per kernel group, the top kernels,
-host-side waits, and how busy the device was over the wall time of the profiled region.
+host-side waits, and how busy the device was over the wall time of the profiled region; `by_phase` splits
+the kernels by the trainer's phases (the `phase/<name>` ranges RLTrainer.train_step records).
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         ...  # the region, ending with a device sync
-    for record in summarize(prof, wall_s): print(json.dumps(record))
+    for record in summarize(prof, wall_s) + by_phase(prof): print(json.dumps(record))
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ GROUPS = (("flash_attention", ("flash",)), ("gemm", ("gemm", "cutlass", "nvjet",
           ("logprob_triton", ("stats_kernel", "grad_kernel")), ("rollout_triton", ("decode_attention", "sample")),
           ("inductor_triton", ("triton",)), ("copy_or_fill", ("copy", "fill", "memset", "cat")))
 HOST_WAITS = ("Synchronize", "_local_scalar_dense", "aten::nonzero")
+PHASE = "phase/"  # trainer/core.py's record_function ranges (on the host, and mirrored on the device by kineto)
 
 
 def group(name: str) -> str:
@@ -20,7 +22,8 @@ def group(name: str) -> str:
 
 def summarize(prof, wall_s: float, top: int = 15) -> list[dict]:
     """JSON-ready records: one per kernel group, `top` kernels, and a totals line."""
-    kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels = [e for e in prof.key_averages()
+               if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.key.startswith(PHASE)]
     total_us = sum(e.self_device_time_total for e in kernels)
     groups: dict = {}
     for e in kernels:
@@ -34,4 +37,35 @@ def summarize(prof, wall_s: float, top: int = 15) -> list[dict]:
     waits = {e.key: e.count for e in prof.key_averages() if any(w in e.key for w in HOST_WAITS)}
     out.append(dict(total_device_ms=total_us / 1000, wall_ms=wall_s * 1000,
                     device_busy=total_us / 1e6 / wall_s if wall_s else None, host_waits=waits))
+    return out
+
+
+def by_phase(prof, top: int = 8) -> list[dict]:
+    """One record per trainer phase: its device time, kernel launches and `top` kernels, each kernel counted in
+    the innermost `phase/<name>` range around its start (the device-side copy of the range where kineto made
+    one, else the host range). Without CUDA kernels (a CPU run) the host ops' self time stands in for them."""
+    events = list(prof.events())
+    on_cuda = [e for e in events if str(e.device_type).endswith("CUDA")]
+    ranges = [e for e in (on_cuda or events) if e.name.startswith(PHASE)] or [
+        e for e in events if e.name.startswith(PHASE)]
+    work = [e for e in on_cuda if not e.name.startswith(PHASE)]
+    cost = (lambda e: e.time_range.elapsed_us()) if work else (lambda e: e.self_cpu_time_total)
+    if not work:
+        work = [e for e in events if not str(e.device_type).endswith("CUDA") and not e.name.startswith(PHASE)]
+    spans = sorted(((r.time_range.start, r.time_range.end, r.name[len(PHASE):]) for r in ranges),
+                   key=lambda s: s[1] - s[0])  # innermost (shortest) first
+    phases: dict = {}
+    for e in work:
+        start = e.time_range.start
+        name = next((n for a, b, n in spans if a <= start <= b), "outside")
+        per = phases.setdefault(name, {})
+        us, n = per.get(e.name, (0.0, 0))
+        per[e.name] = (us + cost(e), n + 1)
+    out = []
+    for name, per in sorted(phases.items(), key=lambda kv: -sum(us for us, _ in kv[1].values())):
+        best = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+        out.append(dict(phase=name, device_ms=sum(us for us, _ in per.values()) / 1000,
+                        launches=sum(n for _, n in per.values()),
+                        top=[dict(kernel=k[:100], ms=round(us / 1000, 3), launches=n, group=group(k))
+                             for k, (us, n) in best]))
     return out

@@ -36,6 +36,8 @@ class RolloutBatch:
     loss_mask: Optional[torch.Tensor] = None  # [B, R] 1 = sampled token; None -> response_mask (single turn)
     episodes: Optional[list] = None  # [B] agents.Episode of each row (multi-turn runs), else None
     rollout_metrics: dict = field(default_factory=dict)  # name -> float, logged with the step (agent/*)
+    # MoE routing replay (actor.routing_replay): the experts the rollout engine used at each position, per MoE layer
+    routed_experts: Optional[torch.Tensor] = None  # [B, S, L, k] int16, -1 = not recorded (padding, last token)
     # CPU copies of fields (on_host), made once per batch; a new batch (select, replace) starts empty.
     _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -78,6 +80,7 @@ class RolloutBatch:
             rows=[self.rows[i] for i in idx], finish_reasons=[self.finish_reasons[i] for i in idx],
             loss_mask=take(self.loss_mask),
             episodes=None if self.episodes is None else [self.episodes[i] for i in idx],
+            routed_experts=None if self.routed_experts is None else take(self.routed_experts),
         )
 
 
@@ -130,6 +133,16 @@ class TrainBatch:
             ref_logprobs=pick(self.ref_logprobs), advantages=take(self.advantages),
             returns=take(self.returns), old_values=pick(self.old_values),
         )
+
+
+def layout_routes(prompt_lengths: list, routes: list, P: int, R: int) -> torch.Tensor:
+    """The engine's per-sequence expert routes (GenerationResult.routes: [prompt + response, L, k] each) laid out
+    like input_ids (prompt left-padded to P, response right-padded to R), -1 at padding.  [B, P + R, L, k]"""
+    first = routes[0]
+    out = torch.full((len(routes), P + R, *first.shape[1:]), -1, dtype=first.dtype, device=first.device)
+    for i, (p, route) in enumerate(zip(prompt_lengths, routes)):
+        out[i, P - p:P - p + route.shape[0]] = route
+    return out
 
 
 def _row_taker(index: torch.Tensor):

@@ -131,11 +131,12 @@ class FlopModel:
     multiply-add). Forward + backward is 3 times that: forward, input gradients, weight gradients; the last
     only for the trainable share of the parameters (a frozen LoRA base: about 2 times, `update_passes`).
     The embedding lookup costs nothing; the vocabulary projection runs on response tokens only, as
-    phaserl's log-prob path does.
+    phaserl's log-prob path does. In a mixture of experts a token multiplies only its k of E experts: the
+    expert parameters count k / E of their number.
     """
     body_params: int   # parameters every token multiplies: all but the embedding and the LM head
     head_params: int   # V * H of the vocabulary projection (0 for a value model)
-    attn_width: int    # num_hidden_layers * num_attention_heads * head_dim
+    attn_width: int    # sum over layers of num_attention_heads * head_dim
     update_passes: float = 3.0  # forward + backward in forward units: 2 + the trainable share of the parameters
 
     @classmethod
@@ -147,8 +148,13 @@ class FlopModel:
         untied = getattr(model, "lm_head", None)
         untied_params = untied.weight.numel() if untied is not None and hasattr(untied, "weight") else 0
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return cls(body_params=total - V * H - untied_params, head_params=V * H if lm_head else 0,
-                   attn_width=cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+        idle = experts - experts * getattr(cfg, "num_experts_per_tok", 0) // max(getattr(cfg, "num_experts", 0), 1)
+        attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+        if hasattr(cfg, "heads"):  # a native DecoderConfig: per-layer head shapes (Gemma 4's global layers)
+            attn_width = sum(cfg.heads(i)[0] * cfg.heads(i)[2] for i in range(cfg.num_hidden_layers))
+        return cls(body_params=total - V * H - untied_params - idle, head_params=V * H if lm_head else 0,
+                   attn_width=attn_width,
                    update_passes=2.0 + trainable / max(total, 1))
 
     def forward_flops(self, lengths: torch.Tensor, response_tokens: float) -> float:

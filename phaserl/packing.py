@@ -37,6 +37,7 @@ class Packed:
     response_mask: torch.Tensor  # [b, R] bool, R = longest packed response (at least 1)
     max_len: int = 0             # longest packed row (the varlen kernel's max_seqlen)
     response_index: Optional[torch.Tensor] = None  # [M] flat positions of the real tokens of response_mask
+    routed_experts: Optional[torch.Tensor] = None  # [1, N, L, k] the rollout's experts (routing replay), or None
 
     @property
     def boundaries(self) -> PackedSeqs:
@@ -99,6 +100,7 @@ def pack_rows(batch: RolloutBatch, idx: torch.Tensor) -> Packed:
         predict_index=to_device(predict_index), target_ids=batch.input_ids.reshape(-1)[target_source],
         response_mask=to_device(resp_mask), max_len=int(lengths.max()) if len(idx) else 0,
         response_index=to_device(resp_mask.reshape(-1).nonzero().squeeze(1)),
+        routed_experts=None if batch.routed_experts is None else batch.routed_experts.flatten(0, 1)[source][None],
     )
 
 

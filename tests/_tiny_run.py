@@ -14,14 +14,15 @@ from phaserl.data import write_records
 from phaserl.models import CausalLM, DecoderConfig, save_pretrained
 
 
-def make_model_dir(root: str, *, seed: int = 0, model_type: str = "qwen2") -> str:
+def make_model_dir(root: str, *, seed: int = 0, model_type: str = "qwen2", name: str = "model", **arch) -> str:
+    """arch: further DecoderConfig fields (a MoE model's experts)."""
     tokenizer = build_tiny_tokenizer()
     torch.manual_seed(seed)
     cfg = DecoderConfig(model_type=model_type, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=256, tie_word_embeddings=True, attention_bias=model_type == "qwen2",
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    path = os.path.join(root, "model")
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **arch)
+    path = os.path.join(root, name)
     save_pretrained(CausalLM(cfg), path, tokenizer=tokenizer)
     return path
 

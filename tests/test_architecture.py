@@ -17,6 +17,7 @@ ROOT = "phaserl"  # phaserl/__init__.py itself (`from .. import __version__` imp
 # unit -> the phaserl units it may import. Bottom layer first; README's layout tree says what each is.
 ALLOWED = {
     "errors": set(),
+    "userfiles": {"errors"},                           # user code named in a config (file.py or module)
     "batch": set(),                                    # typed data between phases: torch only
     ROOT: {"errors"},                                  # public names, loaded lazily
     "config": {"errors"},
@@ -29,9 +30,9 @@ ALLOWED = {
     "packing": {"batch", "models"},
     "rollout": {"errors", "models"},
     "metrics": {"parallel"},
-    "rewards": {"batch", "errors"},                    # a reward model is any `score(prompts, responses)`
+    "rewards": {"batch", "errors", "userfiles"},                    # a reward model is any `score(prompts, responses)`
     "roles": {"algo", "batch", "batching", "errors", "models", "packing", "parallel", "rollout"},
-    "agents": {"batch", "data", "errors", "models", "rewards", "rollout"},  # never trainer, cli, roles
+    "agents": {"batch", "data", "errors", "models", "rewards", "rollout", "userfiles"},  # never trainer, cli, roles
     "world": {"agents", "data", "errors", "models", "rewards"},    # agent_task: the tiny multi-turn world
     "rm": {"config", "data", "errors", "models", "roles", "world"},
     "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
@@ -187,3 +188,16 @@ def test_lora_is_a_thin_seam_over_the_built_model():
     assert _imported_units(lora.read_text(), ["phaserl", "models", "lora"], is_package=False, units=units) <= {
         "errors"}
     assert "lora" not in (PKG / "models" / "decoder.py").read_text()
+
+
+def test_the_expert_mixture_is_written_once_in_models_moe():
+    """models/moe.py holds the MoE math (routing, expert mixtures, aux loss) and imports nothing of phaserl; the
+    decoder, the engine's runner and the layer pieces reach it through layers.post_attention, never restate it."""
+    moe = PKG / "models" / "moe.py"
+    assert _imported_units(moe.read_text(), ["phaserl", "models", "moe"], is_package=False, units=_units()) == set()
+    pieces = {n.name for n in ast.parse(moe.read_text()).body
+              if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    for user in PKG.rglob("*.py"):
+        if user != moe:
+            own = {n.name for n in ast.walk(ast.parse(user.read_text())) if isinstance(n, ast.FunctionDef)} & pieces
+            assert not own, f"{user.relative_to(PKG)} restates MoE pieces {sorted(own)}: use phaserl.models.moe"

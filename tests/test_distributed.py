@@ -28,7 +28,9 @@ DAPO = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_round
         "actor.clip_ratio_high=0.28"]
 # LoRA: the base sharded with its layer, the adapters too (FULL_SHARD); the reference is the actor's model, adapters off
 LORA = GRPO[:3] + ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=3e-2", "actor.gradient_checkpointing=true"]
-SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA}
+# Qwen3-MoE, its stacked experts sharded by FSDP2, the rollout's experts replayed in training ({root}: the fixture's)
+MOE = GRPO[:3] + ["model.path={root}/moe", "actor.routing_replay=true"]
+SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA, "moe_replay": MOE}
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
 # actor/grad_norm also proves gradients are summed over ranks: averaged, it would be halved (Adam would hide that
@@ -41,7 +43,8 @@ EXACT_METRICS = {
     "families": ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "mismatch/k3",
                  "mismatch/correction_weight_mean", "train/zero_variance_group_frac"),
     "dapo": (),  # dynamic sampling fills each rank's share on its own: not the 1-rank step
-    "grpo_lora": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")}
+    "grpo_lora": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
+    "moe_replay": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/k3")}
 TIMEOUT_S = 300
 
 
@@ -173,7 +176,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     out = {}
     for name, extra in SCENARIOS.items():
         try:
-            out[name] = _one_step(_overrides(root, name, f"ranks{world}") + extra)
+            out[name] = _one_step(_overrides(root, name, f"ranks{world}") + [e.format(root=root) for e in extra])
         except Exception:  # noqa: BLE001 - reported by the test in the parent
             out[name] = {"error": traceback.format_exc()}
     out["reduced"] = _reduce_distinct_metrics(rank)
@@ -198,9 +201,11 @@ def runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
     from _tiny_rm import make_reward_model_dir
-    from _tiny_run import make_run_dir
+    from _tiny_run import make_model_dir, make_run_dir
 
     root = str(tmp_path_factory.mktemp("distributed"))
+    make_model_dir(root, model_type="qwen3_moe", name="moe", head_dim=8, qk_norm=True, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=16)  # root/moe
     make_reward_model_dir(root)  # root/rm
     reward = os.path.join(root, "spread.py")  # varied rewards, so the advantages (and gradients) are not 0
     with open(reward, "w") as f:
@@ -212,7 +217,8 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     ctx = mp.start_processes(_worker, args=(2, free_port(), root), nprocs=2, join=False, start_method="spawn")
     try:
-        single = {name: _one_step(_overrides(root, name, "ranks1") + extra) for name, extra in SCENARIOS.items()}
+        single = {name: _one_step(_overrides(root, name, "ranks1") + [e.format(root=root) for e in extra])
+                  for name, extra in SCENARIOS.items()}
         while not ctx.join(timeout=5):
             if time.monotonic() - t0 > TIMEOUT_S:
                 pytest.fail(f"the 2-rank workers did not finish within {TIMEOUT_S} s")
@@ -243,6 +249,16 @@ def test_grpo_step_on_two_ranks_equals_one_rank(runs):
     assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
     assert _max_weight_diff(two[0]["weights"]["actor"], single["grpo"]["weights"]["actor"]) < 1e-5
     # the reference holds the initial weights: the step really moved the actor (both optimizer steps)
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
+
+
+def test_moe_with_routing_replay_on_two_ranks_equals_one_rank(runs):
+    single, ranks = runs
+    two = _two(ranks, "moe_replay")
+    assert two[0]["responses"] + two[1]["responses"] == single["moe_replay"]["responses"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in two[0]["weights"]["actor"]
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
+    assert _max_weight_diff(two[0]["weights"]["actor"], single["moe_replay"]["weights"]["actor"]) < 1e-5
     assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
 
 

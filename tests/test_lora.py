@@ -16,7 +16,7 @@ from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, ValueModel, load_pretrained
 from phaserl.models.decoder import enable_compile
 from phaserl.models.lora import (ALIASES, PROJECTIONS, LoRALinear, LoRASettings, adapters_disabled, apply_lora,
-                                 resolve_targets)
+                                 engine_weight, resolve_targets)
 from phaserl.roles import ReferencePolicy
 from phaserl.rollout import RolloutEngine, SamplingParams
 
@@ -192,6 +192,26 @@ def test_the_engine_samples_from_the_adapted_model_and_never_writes_the_base():
             assert torch.equal(p, base[n]), f"{n} changed"
 
 
+def test_the_engine_merge_is_one_rounding_of_w_plus_the_bf16_factors_product_into_the_engines_buffer():
+    """engine_weight writes W + (s B)·A straight into the engine's buffer (no float32 [out, in] temporaries), equal
+    to the exact sum rounded once to bf16 (within one bf16 step); the base is not written."""
+    torch.manual_seed(0)
+    m = LoRALinear(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16), rank=8, alpha=16.0)
+    with torch.no_grad():
+        m.lora_B.normal_(std=0.05)
+    base = m.weight.detach().clone()
+    buffer = torch.empty_like(m.weight)
+    with torch.inference_mode():
+        merged = engine_weight(m, buffer)
+        fresh = engine_weight(m)  # no buffer (the fused q/k/v, gate/up parts): a new tensor
+    assert merged.data_ptr() == buffer.data_ptr() and fresh.data_ptr() != m.weight.data_ptr()
+    exact = (m.weight.double() + m.scaled_B(torch.bfloat16).double() @ m.lora_A.to(torch.bfloat16).double())
+    torch.testing.assert_close(merged.double(), exact.to(torch.bfloat16).double(), atol=0, rtol=2 ** -7)
+    assert torch.equal(merged, fresh) and torch.equal(m.weight, base)
+    with adapters_disabled(m):
+        assert engine_weight(m, buffer) is m.weight  # off: the base, read in place
+
+
 # ----- the trainer: reference for free, base bit-identical, checkpoints ----------------------------------------
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
@@ -244,6 +264,19 @@ def test_the_reference_is_the_actors_base_and_equals_a_separately_loaded_base(ru
     mask = batches[-1].response_mask.bool()
     assert (actor - got)[mask].abs().max() > 1e-3  # the adapters did move the policy away from the reference
     assert all(p.requires_grad for n, p in trainer.actor.model.named_parameters() if ".lora_" in n)
+
+
+@pytest.mark.slow  # trainer steps: the full lane
+def test_one_optimizer_step_with_lora_runs_the_reference_pass_alone(run_dir, tmp_path):
+    """1 epoch x 1 mini-batch: the old log-probs are the update's own (no pass of their own), as for a full
+    fine-tune; the forward phase is the reference (the base, adapters off) once."""
+    trainer, _ = _trainer(run_dir, tmp_path, ["ppo.num_mini_batches=1"])
+    calls = {"old": 0, "ref": 0}
+    old, ref = trainer.actor.compute_logprobs, trainer.ref_policy.compute_logprobs
+    trainer.actor.compute_logprobs = lambda *a, **k: calls.__setitem__("old", calls["old"] + 1) or old(*a, **k)
+    trainer.ref_policy.compute_logprobs = lambda *a, **k: calls.__setitem__("ref", calls["ref"] + 1) or ref(*a, **k)
+    metrics = trainer.train_step()
+    assert calls == {"old": 0, "ref": 1} and metrics["actor/grad_norm"] > 0
 
 
 @pytest.mark.slow  # trainer steps / torch.compile tracing: the full lane

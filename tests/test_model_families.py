@@ -1,5 +1,5 @@
-"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 text, OLMo 2, Phi-3), each against transformers'
-own class: fp32 logits both ways through Hugging Face directories, packed == padded, the engine's greedy
+"""The native families beyond Llama/Qwen (Mistral, Ministral, Gemma 3 and 4 text, OLMo 2, Phi-3), each against
+transformers' own class: fp32 logits both ways through Hugging Face directories, packed == padded, the engine's greedy
 decode == the uncached loop, and sliding windows honoured by every attention core (mask, engine torch path,
 Triton decode kernel)."""
 import pytest
@@ -15,6 +15,8 @@ torch.set_num_threads(1)
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
 ALTERNATE = ["sliding_attention", "full_attention"] * 2
+GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e4},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 
 
 def family_configs():
@@ -27,6 +29,14 @@ def family_configs():
         ("gemma3-local-global", transformers.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=3,
                                                               query_pre_attn_scalar=24, layer_types=ALTERNATE,
                                                               rope_parameters=gemma_rope)),
+        # Gemma 4: global layers with their own head_dim, kv heads, proportional RoPE and v = k; soft-capped logits.
+        ("gemma4-global-k-eq-v", transformers.Gemma4TextConfig(
+            **TINY, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+            hidden_size_per_layer_input=0, sliding_window=3, layer_types=ALTERNATE, final_logit_softcapping=5.0,
+            rope_parameters=GEMMA4_ROPE)),
+        ("gemma4-global-head-dim", transformers.Gemma4TextConfig(  # "vision": bidirectional for images only
+            **TINY, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, sliding_window=3,
+            layer_types=ALTERNATE, rope_parameters=GEMMA4_ROPE, use_bidirectional_attention="vision")),
         ("olmo2-postnorm", transformers.Olmo2Config(**TINY)),
         ("phi3-fused-sliding", transformers.Phi3Config(**TINY, sliding_window=3, pad_token_id=0, eos_token_id=2)),
         ("qwen2-sliding-layers", transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=3,
@@ -44,6 +54,9 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for name, p in module.named_parameters():
             base = 1.0 if name.endswith("norm.weight") else 0.0
             p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, a checkpoint buffer
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
     return module.eval()
 
 
@@ -81,7 +94,8 @@ def test_the_sliding_window_is_what_makes_them_equal(pair):
     hf, ours, _ = pair
     if ours.config.layer_types is None:
         pytest.skip("no sliding layers in this family's test config")
-    full = CausalLM(ours.config.replace(layer_types=None, sliding_window=None))
+    # A window wider than any test sequence: the same layers (shapes, RoPE tables), only the window differs.
+    full = CausalLM(ours.config.replace(sliding_window=10_000))
     full.load_state_dict(ours.state_dict())
     ids, mask, _ = left_padded_batch()
     with torch.no_grad():
@@ -226,10 +240,24 @@ def test_what_a_family_has_and_we_do_not_is_refused_not_approximated(tmp_path):
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported natively"):
         load_pretrained(tmp_path / "phi")
     assert load_pretrained(tmp_path / "phi", implementation="transformers").plain_head
-    capped = transformers.Gemma3TextConfig(**TINY, head_dim=8, final_logit_softcapping=30.0)
+    capped = transformers.Gemma3TextConfig(**TINY, head_dim=8, attn_logit_softcapping=50.0)
     transformers.AutoModelForCausalLM.from_config(capped).save_pretrained(tmp_path / "gemma")
-    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not implemented natively"):
+    with pytest.raises(ConfigError, match="attn_logit_softcapping=50.0 is not implemented natively"):
         load_pretrained(tmp_path / "gemma")
+
+
+def test_gemma3_with_final_logit_soft_capping_is_native_and_exact(tmp_path):
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(transformers.Gemma3TextConfig(
+        **TINY, head_dim=8, sliding_window=3, layer_types=ALTERNATE, final_logit_softcapping=2.0)))
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    assert isinstance(ours, CausalLM) and not ours.plain_head
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = ours.logits(ours(ids, attention_mask=mask))
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert expected.abs().max() < 2.0  # the cap shaped these logits
 
 
 def test_config_round_trips_through_config_json(pair):
@@ -238,3 +266,98 @@ def test_config_round_trips_through_config_json(pair):
 
     _, ours, _ = pair
     assert DecoderConfig.from_hf_dict(ours.config.to_hf_dict()) == ours.config
+
+
+GEMMA4_REFUSED = {
+    "per-layer inputs": (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=96),
+                         "hidden_size_per_layer_input=8"),
+    # With per-layer inputs, as in E2B/E4B (transformers 5.24's own forward needs them with shared KV).
+    "shared kv": (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2),
+                  "num_kv_shared_layers=2"),
+    "moe block": (dict(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                       moe_intermediate_size=16), "enable_moe_block=true"),
+}
+
+
+@pytest.mark.parametrize("part", list(GEMMA4_REFUSED))
+def test_gemma4_parts_we_do_not_implement_are_refused_and_the_transformers_path_runs_them(tmp_path, part):
+    from phaserl.errors import ConfigError
+
+    extra, message = GEMMA4_REFUSED[part]
+    config = transformers.Gemma4TextConfig(**TINY, head_dim=8, global_head_dim=16, sliding_window=3,
+                                           layer_types=ALTERNATE, final_logit_softcapping=5.0, **extra)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=f"{message}.*model.implementation=transformers runs it exactly"):
+        load_pretrained(tmp_path)
+    exact = load_pretrained(tmp_path, implementation="transformers")  # its head probe passed: exact log-probs
+    assert not exact.plain_head  # soft-capped: scored through the model's own head
+
+
+def test_soft_capping_is_what_makes_gemma4_logits_equal(pair):
+    # The soft-capped parity above must be able to fail: the same model without the cap differs.
+    _, ours, _ = pair
+    if ours.config.final_logit_softcapping is None:
+        pytest.skip("no soft-capping in this family's test config")
+    assert not ours.plain_head
+    plain = CausalLM(ours.config.replace(final_logit_softcapping=None))
+    plain.load_state_dict(ours.state_dict())
+    assert plain.plain_head
+    ids, mask, _ = left_padded_batch()
+    with torch.no_grad():
+        a, b = ours.logits(ours(ids, attention_mask=mask)), plain.logits(plain(ids, attention_mask=mask))
+    assert (a - b)[mask.bool()].abs().max() > 1e-2
+
+
+def test_kv_pool_lays_out_per_layer_head_shapes_and_moves_whole_slots():
+    # Gemma 4: sliding layers 2 kv heads of 8, global layers 1 of 16; every layer's slot moves with one copy.
+    from phaserl.models import DecoderConfig
+    from phaserl.rollout.kv_pool import KVPool
+
+    cfg = DecoderConfig(model_type="gemma4_text", **TINY, head_dim=8, global_head_dim=16, global_kv_heads=1,
+                        sliding_window=3, layer_types=ALTERNATE)
+    pool = KVPool(cfg, torch.float32, "cpu")
+    keys, values = pool.layout(num_slots=3, slot_len=5)
+    assert [tuple(k.shape) for k in keys] == [(3, 2, 5, 8), (3, 1, 5, 16)] * 2
+    assert pool.bytes_per_token == 2 * 4 * 16 * 4  # K and V, 4 layers, the widest layer's 16 elements, fp32
+    g = torch.Generator().manual_seed(0)
+    for t in keys + values:
+        t.copy_(torch.randn(t.shape, generator=g))
+    before = [t.clone() for t in keys + values]
+    rows = pool.slot_rows(3, 5)
+    rows[:, :, torch.tensor([0])] = rows[:, :, torch.tensor([2])]
+    for old, new in zip(before, keys + values):
+        torch.testing.assert_close(new[0], old[2], rtol=0, atol=0)
+        torch.testing.assert_close(new[1:], old[1:], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, window", [(256, None), (512, None), (512, 100)])
+def test_gpu_triton_decode_attention_at_gemma_head_dims(head_dim, window):
+    # Gemma 4's global layers have head_dim 512: the kernel takes smaller key blocks there (shared memory).
+    g = torch.Generator().manual_seed(0)
+    Hq, Hkv, slots, S = 8, 1, 4, 700
+    keys, values = (torch.randn(slots, Hkv, S, head_dim, generator=g).cuda().bfloat16() for _ in range(2))
+    q = torch.randn(4, Hq, head_dim, generator=g).cuda().bfloat16()
+    k, v = (torch.randn(4, Hkv, head_dim, generator=g).cuda().bfloat16() for _ in range(2))
+    pos = torch.tensor([0, 63, 300, 699], device="cuda")
+    ref_keys, ref_values = keys.clone(), values.clone()
+    out = kernels.decode_attention(q, k, v, keys, values, pos, 1.0 / 16, window)
+    expected = cached_attention(q.float(), k.float(), v.float(), ref_keys.float(), ref_values.float(), pos, 1.0 / 16,
+                                window)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_gemma4_without_sliding_layers_exports_a_config_transformers_accepts(tmp_path):
+    # Every layer global: each takes global_head_dim; transformers' config still wants an int sliding_window.
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(transformers.Gemma4TextConfig(
+        **TINY, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, layer_types=["full_attention"] * 4)))
+    hf.save_pretrained(tmp_path / "in")
+    ours = load_pretrained(tmp_path / "in")
+    assert ours.config.layer_types is None and ours.config.heads(0) == (4, 2, 16)
+    save_pretrained(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids, mask, positions = left_padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)

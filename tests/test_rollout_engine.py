@@ -26,8 +26,8 @@ def tiny_model(model_type: str = "qwen2", seed: int = 0, **overrides) -> CausalL
     """A random decoder whose next-token distributions are far from uniform (weights ~ 0.2 N(0, 1))."""
     shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg = DecoderConfig(model_type=model_type, attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-                        **{**shape, **overrides})
+    cfg = DecoderConfig(model_type=model_type, attention_bias=model_type == "qwen2",
+                        qk_norm=model_type in ("qwen3", "gemma4_text"), **{**shape, **overrides})
     model = CausalLM(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -14,6 +14,14 @@ from tests.test_rollout_engine import PROMPTS, full_logits, greedy_reference, ti
 torch.set_num_threads(1)
 
 
+# Gemma 4's layout: per-layer head shapes (global: 1 kv head of 16, v = k, proportional RoPE), soft-capped logits.
+GEMMA4 = dict(head_dim=8, global_head_dim=16, global_kv_heads=1, attention_k_eq_v=True, sliding_window=6,
+              layer_types=("sliding_attention", "full_attention"), local_rope_theta=100.0,
+              rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5}, layer_norms="sandwich",
+              norm_style="olmo2", v_norm=True, layer_scalar=True, hidden_act="gelu_pytorch_tanh", embed_scale=5.0,
+              query_pre_attn_scalar=1.0, final_logit_softcapping=5.0)
+
+
 def drive(session, plan: dict, caps: dict, waiting=(), prompt=None) -> dict:
     """Run sequences whose appended ids after turn k come from plan[key][k] (None or past the end: release);
     keys in `waiting` start with `prompt[key]` as slots free up."""
@@ -35,8 +43,9 @@ def drive(session, plan: dict, caps: dict, waiting=(), prompt=None) -> dict:
 
 @pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {}),
                                                ("qwen2", dict(sliding_window=6, layer_types=("sliding_attention",
-                                                                                          "full_attention")))],
-                         ids=["qwen2", "qwen3", "qwen2-sliding"])
+                                                                                          "full_attention"))),
+                                               ("gemma4_text", GEMMA4)],
+                         ids=["qwen2", "qwen3", "qwen2-sliding", "gemma4-global-layers"])
 def test_a_continued_turn_equals_the_full_forward_and_prefills_only_the_new_ids(model_type, extra):
     model = tiny_model(model_type, **extra)
     engine = RolloutEngine(model, EngineConfig(max_slots=3))

@@ -187,6 +187,17 @@ def test_flop_model_counts_by_hand():
     assert device_peak_flops(torch.device("cpu")) is None  # no perf/mfu on CPU
 
 
+
+def test_flop_model_counts_each_layers_own_head_shape():
+    # Gemma 4: 2 sliding layers with 4 heads of 8, 2 global layers with 4 heads of 16.
+    from phaserl.models import CausalLM, DecoderConfig
+
+    cfg = DecoderConfig(model_type="gemma4_text", vocab_size=37, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        global_head_dim=16, sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert FlopModel.of(CausalLM(cfg)).attn_width == 2 * 4 * 8 + 2 * 4 * 16
+
+
 # ----- GPU: the varlen kernel, compiled kernels ------------------------------------------------------------
 def _gpu_model(dtype, seed=0) -> CausalLM:
     torch.manual_seed(seed)

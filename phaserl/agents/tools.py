@@ -29,13 +29,9 @@ Not here: parsing calls from text (tool_parsers.py), the environment around them
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import json
-import os
 import re
-import sys
 import threading
 import time
 import types
@@ -44,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from phaserl.agents.tool_parsers import ToolCall
+from phaserl.userfiles import load_module
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array"}
 
@@ -153,26 +150,7 @@ def load_object(spec: str, *, what: str):
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
         raise ValueError(f"{what} {spec!r}: write 'path/to/file.py:name' or 'package.module:name'")
-    if path.endswith(".py"):
-        full = os.path.abspath(path)
-        if not os.path.isfile(full):
-            raise ValueError(f"{what} {spec!r}: file {path} not found (looked at {full})")
-        module_name = f"phaserl_user_{os.path.splitext(os.path.basename(full))[0]}_{abs(hash(full)):x}"
-        module = sys.modules.get(module_name)
-        if module is None:
-            file_spec = importlib.util.spec_from_file_location(module_name, full)
-            module = importlib.util.module_from_spec(file_spec)
-            sys.modules[module_name] = module
-            try:
-                file_spec.loader.exec_module(module)
-            except Exception:
-                del sys.modules[module_name]
-                raise
-    else:
-        try:
-            module = importlib.import_module(path)
-        except ImportError as exc:
-            raise ValueError(f"{what} {spec!r}: cannot import module {path!r} ({exc})") from exc
+    module = load_module(path, f"{what} {spec!r}")  # a ConfigError (a ValueError) naming the file and the fix
     if not hasattr(module, name):
         raise ValueError(f"{what} {spec!r}: {path} defines no {name!r}")
     return getattr(module, name)

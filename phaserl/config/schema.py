@@ -220,6 +220,8 @@ class ActorConfig:
     hybrid_engine: HybridEngineConfig = spec(None, "rollout/training mode switch", factory=HybridEngineConfig)
     lora: LoRAConfig = spec(None, "LoRA adapters on the actor (docs/lora.md); the reference is then the actor's base "
                                   "with adapters off, no second copy", factory=LoRAConfig)
+    routing_replay: bool = spec(False, "MoE models: the rollout engine records each position's experts and the "
+                                       "training forwards use them (docs/models.md)")
 
 
 @dataclass

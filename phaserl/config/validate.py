@@ -110,6 +110,12 @@ def _rule_errors(cfg: Config) -> list[str]:
     if a.kl_placement != "none" and cfg.ref.enable is False:
         errs.append(f"algorithm.kl_placement = {a.kl_placement} measures the KL to the reference policy, but "
                     "ref.enable = false; set ref.enable to true (or null), or algorithm.kl_placement = none")
+    if cfg.actor.routing_replay and r.engine == "hf":
+        errs.append("actor.routing_replay = true needs the experts recorded by phaserl's rollout engine, but "
+                    "rollout.engine = hf; set rollout.engine = auto (or builtin), or actor.routing_replay = false")
+    if cfg.actor.routing_replay and (cfg.agent.env or cfg.agent.harness):
+        errs.append("actor.routing_replay = true replays single-turn rollouts only (multi-turn episodes do not "
+                    "record their experts yet); drop agent.env / agent.harness or set actor.routing_replay = false")
     rm = cfg.reward_model
     if not cfg.reward.functions and not rm.enable:
         errs.append("no reward: reward.functions is empty and reward_model.enable = false; add a rule function "

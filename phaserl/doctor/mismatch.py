@@ -33,9 +33,10 @@ def check_mismatch(ctx: Context) -> CheckResult:
     m, tokens, path = measure_mismatch(
         actor, [list(item.prompt_ids) for item in items], n=r.n, engine=r.engine, max_new_tokens=r.max_new_tokens,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_token_ids=eos, pad_token_id=pad,
-        token_budget=cfg.ppo.forward_micro_batch_tokens, seed=cfg.trainer.seed)
+        token_budget=cfg.ppo.forward_micro_batch_tokens, seed=cfg.trainer.seed, replay=cfg.actor.routing_replay)
     temperature = r.temperature if r.temperature > 0 else 1.0
-    message = (f"{tokens} sampled tokens ({path}, T = {temperature:g}): k3 {m['mismatch/k3']:.2e}, "
+    replay = ", routing replay" if cfg.actor.routing_replay else ""
+    message = (f"{tokens} sampled tokens ({path}{replay}, T = {temperature:g}): k3 {m['mismatch/k3']:.2e}, "
                f"|Δ log p| mean {m['mismatch/abs_diff_mean']:.2e} max {m['mismatch/abs_diff_max']:.2e}, "
                f"ratio outside [0.5, 2] {100 * m['mismatch/ratio_out_frac']:.2f}%")
     if m["mismatch/k3"] > K3_WARN or m["mismatch/ratio_out_frac"] > RATIO_OUT_WARN:

@@ -1,4 +1,4 @@
-"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2, Phi-3), and its
+"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Mistral, Gemma 3/4, OLMo 2, Phi-3), and its
 Hugging Face config.json form.
 
 This module only describes shapes and hyper-parameters. What differs between families (which norms a layer
@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from phaserl.errors import ConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "proportional")
 LAYER_NORMS = ("pre", "sandwich", "post")   # norms before the sublayer / before and after it / after it only
 NORM_STYLES = ("llama", "olmo2", "gemma")   # weight * x.to(dtype) / (weight * x).to(dtype) / x * (1 + weight)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -50,9 +50,26 @@ class DecoderConfig:
     sliding_window: Optional[int] = None     # keys a sliding layer sees, its own token included
     layer_types: Optional[tuple] = None      # per layer "full_attention" | "sliding_attention"; None: all full
     local_rope_theta: Optional[float] = None  # Gemma 3: sliding layers use default RoPE with this theta
+    # Gemma 4 (gemma4.py): full-attention layers may have their own head_dim / kv heads, values equal to the
+    # keys' projection, values RMS-normed without a weight, a scalar per layer, and soft-capped logits.
+    global_head_dim: Optional[int] = None    # head_dim of full-attention layers (None: head_dim)
+    global_kv_heads: Optional[int] = None    # num_key_value_heads of full-attention layers (None: the same)
+    attention_k_eq_v: bool = False           # full-attention layers have no v_proj: v = k_proj(x)
+    v_norm: bool = False                     # values RMS-normed per head, no weight
+    layer_scalar: bool = False               # each layer's output times its `layer_scalar` buffer [1]
+    final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap)
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list, None] = None
     pad_token_id: Optional[int] = None
+    # Mixture of experts (Qwen3-MoE; moe.py). num_experts 0: every layer is a dense gated MLP.
+    num_experts: int = 0                     # E
+    num_experts_per_tok: int = 0             # k, the experts each token is routed to
+    moe_intermediate_size: int = 0           # I of each expert's SwiGLU MLP
+    norm_topk_prob: bool = False             # renormalize the k kept router probabilities to sum 1
+    decoder_sparse_step: int = 1             # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple = ()              # ... and i is not listed here
+    router_aux_loss_coef: float = 0.0        # weight of the router's load-balancing loss in training
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert MLP of this width beside the routed ones
 
     def __post_init__(self):
         from phaserl.models.families import FAMILIES
@@ -81,8 +98,19 @@ class DecoderConfig:
                                   f"got {list(self.layer_types)}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+        for layer in range(self.num_hidden_layers):
+            Hq, Hkv, D = self.heads(layer)
+            if Hq % Hkv or D % 2:
+                raise ConfigError(f"layer {layer}: num_attention_heads={Hq} must be a multiple of its "
+                                  f"{Hkv} key/value heads and its head_dim={D} even (rotary embeddings)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0):
+            raise ConfigError(f"MoE config: need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                              f"({self.num_experts}), moe_intermediate_size > 0 ({self.moe_intermediate_size}) and "
+                              f"decoder_sparse_step > 0 ({self.decoder_sparse_step})")
         if self.rope_scaling is not None:
             self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
             if self.rope_scaling["rope_type"] == "default":
@@ -94,8 +122,8 @@ class DecoderConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        # Qwen2 puts a bias on q/k/v only; the other families use one `attention_bias` flag for all four.
-        return self.attention_bias and self.model_type != "qwen2"
+        # Qwen2 (and Qwen2-MoE) put a bias on q/k/v only; the other families use one `attention_bias` flag for all four.
+        return self.attention_bias and self.model_type not in ("qwen2", "qwen2_moe")
 
     def window(self, layer: int) -> Optional[int]:
         """The sliding window of layer `layer` (keys it sees, its own included), or None for full attention."""
@@ -103,9 +131,29 @@ class DecoderConfig:
             return None
         return self.sliding_window
 
+    def heads(self, layer: int) -> tuple[int, int, int]:
+        """(Hq, Hkv, D) of layer `layer`: full-attention layers may differ (Gemma 4's global_head_dim)."""
+        full = self.layer_types is None or self.layer_types[layer] == "full_attention"
+        return (self.num_attention_heads,
+                (self.global_kv_heads or self.num_key_value_heads) if full else self.num_key_value_heads,
+                (self.global_head_dim or self.head_dim) if full else self.head_dim)
+
+    def v_from_k(self, layer: int) -> bool:
+        """True when layer `layer` has no v_proj and takes the keys' projection as its values (Gemma 4)."""
+        return self.attention_k_eq_v and self.window(layer) is None
+
     def local_rope(self, layer: int) -> bool:
         """True when layer `layer` takes the local (sliding layers') RoPE table instead of the global one."""
         return self.local_rope_theta is not None and self.window(layer) is not None
+
+    def is_moe(self, layer: int) -> bool:
+        """True when layer `layer` has a mixture of experts instead of the dense MLP (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe(i)]
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -142,7 +190,7 @@ def read_rope(params: Optional[dict], d: dict, source: str, default_max_position
         theta = 10000.0 if d.get("rope_theta") is None else d["rope_theta"]
         scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if scaling.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+    if scaling.get("partial_rotary_factor", 1.0) not in (1, 1.0, None) and rope_type != "proportional":
         raise ConfigError(f"{source}: partial_rotary_factor={scaling['partial_rotary_factor']} is not supported "
                           "natively (model.implementation=transformers runs it exactly)")
     if rope_type == "default":
@@ -166,10 +214,10 @@ def normalize_rope_scaling(scaling: dict) -> dict:
         raise ConfigError(f"rope_scaling.rope_type={rope_type!r} is not supported (supported: {ROPE_TYPES})")
     needed = {"linear": ["factor"], "dynamic": ["factor"], "default": [],
               "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
-              "yarn": ["factor", "original_max_position_embeddings"]}[rope_type]
+              "yarn": ["factor", "original_max_position_embeddings"], "proportional": []}[rope_type]
     missing = [k for k in needed if scaling.get(k) is None]
     if missing:
         raise ConfigError(f"rope_scaling of type {rope_type!r} is missing {missing}")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0 and rope_type != "proportional":
         raise ConfigError("rope_scaling.partial_rotary_factor != 1 is not supported natively")
     return scaling

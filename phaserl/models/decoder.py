@@ -1,4 +1,4 @@
-"""The native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2, Phi-3): one readable implementation for training.
+"""The native decoder (Llama, Qwen2/3, Mistral, Gemma 3/4, OLMo 2, Phi-3): one readable implementation for training.
 
 `CausalLM(cfg)(input_ids, ...)` returns the final-normed hidden states, not logits: callers project to
 the vocabulary in chunks (`model.output_weight`) so that a [B, T, V] tensor never has to exist.
@@ -7,7 +7,9 @@ names), so safetensors files load by name. The modules here only hold parameters
 each layer runs `layers.pre_attention` -> an attention core (attention.py: SDPA with an explicit boolean
 mask, or the varlen kernel for packed rows) -> `layers.post_attention`, the same functions the rollout
 engine runs, so training and rollout compute one thing. Sliding layers get their window in the mask or
-the kernel; Gemma 3's sliding layers get their own RoPE table.
+the kernel; Gemma 3/4's sliding layers get their own RoPE table (Gemma 4's global layers their own head_dim).
+Soft-capped logits (Gemma 4's final_logit_softcapping) make `plain_head` False: `logits()` applies the cap
+and the roles score tokens through `token_logprobs` (heads.py), never the plain projection.
 `enable_compile(model)` runs each decoder layer through `torch.compile` (attention stays eager).
 Not here: loading weights (hf_io.py), sampling (phaserl/rollout), paged caches.
 
@@ -28,8 +30,10 @@ from torch.utils.checkpoint import checkpoint
 from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_attention_mask,  # noqa: F401
                                       packed_boundaries, use_varlen, varlen_takes_windows)
 from phaserl.models.config import DecoderConfig
+from phaserl.models.heads import chunked_token_logprobs, softcap
 from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention, rms_norm,
                                    rope_tables)
+from phaserl.models.moe import MoEWeights, Route, Routing, SharedExpert, prepare_device
 from phaserl.models.rope import RotaryEmbedding
 
 
@@ -48,10 +52,9 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: DecoderConfig, batch_size: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str) -> "KVCache":
-        shape = (batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        layers = range(cfg.num_hidden_layers)
-        return cls(keys=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
-                   values=[torch.zeros(shape, dtype=dtype, device=device) for _ in layers],
+        shapes = [(batch_size, cfg.heads(i)[1], max_len, cfg.heads(i)[2]) for i in range(cfg.num_hidden_layers)]
+        return cls(keys=[torch.zeros(shape, dtype=dtype, device=device) for shape in shapes],
+                   values=[torch.zeros(shape, dtype=dtype, device=device) for shape in shapes],
                    key_valid=torch.zeros(batch_size, max_len, dtype=torch.bool, device=device))
 
     @property
@@ -98,10 +101,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        Hq, Hkv, H, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size, cfg.head_dim
+        (Hq, Hkv, D), H = cfg.heads(layer_idx), cfg.hidden_size
         self.q_proj = nn.Linear(H, Hq * D, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
+        # Gemma 4's attention_k_eq_v layers have no v_proj: their values are the keys' projection.
+        self.v_proj = None if cfg.v_from_k(layer_idx) else nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(Hq * D, H, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
@@ -113,11 +117,40 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The gated MLP's parameters: down(act(gate(x)) * up(x)), act = silu (SwiGLU) or gelu-tanh (GeGLU)."""
 
+    def __init__(self, cfg: DecoderConfig, width: Optional[int] = None):
+        super().__init__()
+        width = width or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+
+
+class Experts(nn.Module):
+    """A MoE layer's experts as stacked weights (transformers 5's names and layout; moe.py has the math)."""
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # [gate; up] of each expert
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+class SparseMoE(nn.Module):
+    """A MoE layer's parameters: the router `gate` [E, H], the stacked `experts`, and Qwen2-MoE's shared expert
+    with its sigmoid gate."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def weights(self) -> MoEWeights:
+        s = getattr(self, "shared_expert", None)
+        shared = None if s is None else SharedExpert(s.gate_proj, s.up_proj, s.down_proj, self.shared_expert_gate.weight)
+        return MoEWeights(self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, shared)
 
 
 # Which transformers norm name plays which role (LayerWeights field), per config.LAYER_NORMS.
@@ -137,37 +170,45 @@ class DecoderLayer(nn.Module):
         for name in self.norm_roles.values():
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style))
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if self.spec.moe is not None else MLP(cfg)
+        if cfg.layer_scalar:  # Gemma 4: a checkpoint buffer (not trained) that scales the layer's output
+            self.register_buffer("layer_scalar", torch.ones(1))
         self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend of cache-free calls
 
     def weights(self) -> LayerWeights:
         """The layer's parameters for layers.py: projections as modules (so wrappers of them are honoured)."""
         a, m = self.self_attn, self.mlp
         norms = {role: getattr(self, name).weight for role, name in self.norm_roles.items()}
+        if isinstance(m, SparseMoE):
+            dense = dict(gate=None, up=None, down=None, moe=m.weights())
+        else:
+            dense = dict(gate=m.gate_proj, up=m.up_proj, down=m.down_proj)
         return LayerWeights(
             attn_in=norms.get("attn_in"), q=a.q_proj, k=a.k_proj, v=a.v_proj, qkv=None, qkv_bias=None,
             q_norm=a.q_norm.weight if a.qk_norm else None, k_norm=a.k_norm.weight if a.qk_norm else None,
             o=a.o_proj, o_bias=None, attn_out=norms.get("attn_out"), mlp_in=norms.get("mlp_in"),
-            gate=m.gate_proj, up=m.up_proj, gate_up=None, down=m.down_proj, mlp_out=norms.get("mlp_out"))
+            gate_up=None, mlp_out=norms.get("mlp_out"), layer_scalar=getattr(self, "layer_scalar", None), **dense)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
-                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, route: Optional[Route] = None) -> torch.Tensor:
         # The module call (and any FSDP hook on it) stays outside torch.compile; only the math is compiled.
-        if self.compiled and kv_cache is None:
+        if self.compiled and kv_cache is None and route is None:
             return _COMPILED_BLOCKS[self.compiled](self, h, cos, sin, attn)
-        return layer_block(self, h, cos, sin, attn, kv_cache)
+        return layer_block(self, h, cos, sin, attn, kv_cache, route)
 
 
 def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-    """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D]."""
+                attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None,
+                route: Optional[Route] = None) -> torch.Tensor:
+    """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D];
+    route: a MoE layer's routing in/out (moe.Route)."""
     spec, w = layer.spec, layer.weights()
     q, k, v = pre_attention(h, w, spec, cos, sin)  # [B, T, Hq|Hkv, D]
     if kv_cache is not None:
         k, v = kv_cache.update(layer.self_attn.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D]
     out = _attend(q, k, v, attn, spec.scale)  # [B, T, Hq, D]
-    return post_attention(h, out.flatten(-2), w, spec)
+    return post_attention(h, out.flatten(-2), w, spec, route)
 
 
 _COMPILED_BLOCKS: dict = {}  # backend -> torch.compile(layer_block), made once per process by enable_compile
@@ -216,7 +257,8 @@ class DecoderModel(nn.Module):
     def build_rotary(self, device=None) -> None:
         """(Re)make the RoPE tables' frequencies, derived from the config (a meta-built model needs this)."""
         cfg = self.config
-        self.rotary_emb = RotaryEmbedding(cfg).to(device or "cpu")
+        full = cfg if cfg.global_head_dim is None else cfg.replace(head_dim=cfg.global_head_dim)  # Gemma 4
+        self.rotary_emb = RotaryEmbedding(full).to(device or "cpu")
         self.rotary_emb_local = None
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: default RoPE, their own theta
             local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
@@ -232,7 +274,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
-                boundaries: Optional[PackedSeqs] = None) -> torch.Tensor:
+                boundaries: Optional[PackedSeqs] = None, routing: Optional[Routing] = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H].
 
         attention_mask [B, T]: 1 = real token, 0 = padding (either side). position_ids [B, T]: when None,
@@ -241,7 +283,8 @@ class DecoderModel(nn.Module):
         seq_ids [B, T] (packed rows, phaserl.packing): token i sees token j only when their ids are equal
         (and j <= i); needs explicit position_ids and no cache. boundaries: the same rows as the varlen
         kernel sees them (phaserl.packing.Packed.boundaries), when the caller knows them: saves the host
-        sync of working them out from seq_ids.
+        sync of working them out from seq_ids. routing (MoE models, moe.Routing): experts to replay
+        ([B, T, L, k], -1 = route by the router) and, filled here, the experts and router logits every MoE layer used.
         """
         if seq_ids is not None and (kv_cache is not None or position_ids is None):
             raise ValueError("DecoderModel.forward(seq_ids=...) packs sequences for a cache-free forward: "
@@ -266,13 +309,19 @@ class DecoderModel(nn.Module):
             if seq_ids is not None:  # block-diagonal: packed sequences never see each other
                 attn = {w: block_diagonal(m, seq_ids) for w, m in attn.items()}
         rope = self.rope(position_ids, h.dtype)
+        moe_layers = 0
+        if self.config.num_experts:
+            prepare_device(h.device)
         for layer in self.layers:
             cos, sin = rope[layer.spec.local_rope]
             a = attn[layer.spec.window]
+            route = None
+            if routing is not None and layer.spec.moe is not None:
+                route, moe_layers = routing.route(moe_layers), moe_layers + 1
             if self.gradient_checkpointing and self.training and kv_cache is None:
-                h = checkpoint(layer, h, cos, sin, a, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, a, kv_cache)
+                h = layer(h, cos, sin, a, kv_cache, route)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h)
@@ -289,6 +338,9 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
                 nn.init.normal_(m.weight, std=std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+            elif isinstance(m, Experts):
+                nn.init.normal_(m.gate_up_proj, std=std)
+                nn.init.normal_(m.down_proj, std=std)
             elif isinstance(m, RMSNorm):
                 (nn.init.zeros_ if m.style == "gemma" else nn.init.ones_)(m.weight)
 
@@ -311,11 +363,11 @@ class DecoderWrapper(nn.Module):
 
 
 class CausalLM(DecoderWrapper):
-    plain_head = True  # logits are exactly hidden @ output_weight.T (the roles' fused log-prob path relies on it)
-
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.config = cfg
+        # True when logits are exactly hidden @ output_weight.T (the roles' fused log-prob path relies on it).
+        self.plain_head = cfg.final_logit_softcapping is None
         self.model = DecoderModel(cfg)
         # Tied models have no lm_head at all, like the checkpoints transformers writes for them.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -327,12 +379,19 @@ class CausalLM(DecoderWrapper):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V], in the parameter dtype."""
-        return F.linear(hidden, self.output_weight)
+        """hidden [..., H] -> logits [..., V], in the parameter dtype (soft-capped where the config says)."""
+        return softcap(F.linear(hidden, self.output_weight), self.config.final_logit_softcapping)
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                       with_entropy: bool = False, chunk_size: int = 1024):
+        """log softmax(logits(hidden) / temperature)[targets], chunked: the roles' path when not plain_head."""
+        return chunked_token_logprobs(self.logits, hidden, targets, temperature=temperature,
+                                      with_entropy=with_entropy, chunk_size=chunk_size)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
-                boundaries: Optional[PackedSeqs] = None) -> torch.Tensor:
+                boundaries: Optional[PackedSeqs] = None, routing: Optional[Routing] = None) -> torch.Tensor:
         """input_ids [B, T] -> hidden [B, T, H]; see DecoderModel.forward for the arguments."""
-        return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids, boundaries=boundaries)
+        return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids, boundaries=boundaries,
+                          routing=routing)

@@ -10,11 +10,18 @@ same network. The layer math those fields select lives in `layers.py`, once for 
   ministral             Mistral with per-layer layer_types
   gemma3_text           sandwich norms x * (1 + w), GeGLU, sqrt(H) embedding scale, per-head qk-norm,
                         query_pre_attn_scalar, local (sliding, own RoPE theta) / global layers
+  gemma4_text           Gemma 3's layout with plain norms, value norm, global layers' own head_dim / kv heads /
+                        proportional RoPE / k_eq_v, a layer scalar and soft-capped logits (gemma4.py)
   olmo2                 norms after attention and MLP only, (w * x) rounding, qk-norm over the projection
+  qwen3_moe             Qwen3 with a mixture of experts in place of the MLP (moe.py: top-k softmax routing,
+                        stacked experts in memory, one tensor per expert in the files, the router's aux loss
+                        as output_router_logits + router_aux_loss_coef say); no sliding window
+  qwen2_moe             Qwen2 (q/k/v bias: qkv_bias) with the same experts plus a shared expert MLP, gated by
+                        sigmoid(shared_expert_gate · x); no sliding window
   phi3                  Llama with fused qkv_proj / gate_up_proj tensors in the checkpoint (split on load,
                         fused again on save: `native_state` / `hf_state`) and an optional sliding window
                         on every layer; partial rotary and longrope (Phi-3.5 / Phi-4-mini, 128k) are refused
-Features a family has in transformers but not here (logit/attention soft-capping, bidirectional attention,
+Features a family has in transformers but not here (attention soft-capping, bidirectional attention,
 partial rotary, mlp_bias) are errors, never silently different logits. Not here: weights (hf_io.py).
 """
 from __future__ import annotations
@@ -26,7 +33,9 @@ from typing import Any, Optional
 import torch
 
 from phaserl.errors import ConfigError
+from phaserl.models import gemma4
 from phaserl.models.config import DecoderConfig, read_rope
+from phaserl.models.moe import file_expert, unstack_experts
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,14 @@ FAMILIES: dict[str, Family] = {
                            "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                            "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh"},
                           {"qk_norm": True, "layer_norms": "sandwich", "norm_style": "gemma"}),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
+                        {**_LLAMA_LIKE, "max_position_embeddings": 32768, "decoder_sparse_step": 1,
+                         "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "output_router_logits": False},
+                        {"qk_norm": True}),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification",
+                        {**_LLAMA_LIKE, **_QWEN_WINDOW, "decoder_sparse_step": 1, "norm_topk_prob": False,
+                         "router_aux_loss_coef": 0.001, "output_router_logits": False, "qkv_bias": True}),
+    "gemma4_text": Family("Gemma4ForCausalLM", None, {**_LLAMA_LIKE, **gemma4.DEFAULTS}, gemma4.LAYOUT),
     "phi3": Family("Phi3ForCausalLM", "Phi3ForSequenceClassification",
                    {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}),
     "olmo2": Family("Olmo2ForCausalLM", "Olmo2ForSequenceClassification",
@@ -62,6 +79,7 @@ FAMILIES: dict[str, Family] = {
                     {"qk_norm": True, "qk_norm_scope": "projection", "layer_norms": "post", "norm_style": "olmo2"}),
 }
 NATIVE_MODEL_TYPES = tuple(FAMILIES)
+_GEMMA = ("gemma3_text", "gemma4_text")  # hidden_activation (not hidden_act), Gemma's layer_types pattern
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -82,7 +100,11 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
     _reject_unsupported(d, source, value)
     rope_params = d.get("rope_parameters")
     local_theta = None
-    if model_type == "gemma3_text":
+    if model_type == "gemma4_text":
+        gemma4.reject_unsupported(d, source, value)
+        d = {**d, "rope_parameters": gemma4.rope_parameters(d),
+             "layer_types": gemma4.last_layer_full(d.get("layer_types"))}
+    if model_type in _GEMMA:
         rope_params, local_theta = _gemma3_rope(d, source, value)
     elif isinstance(rope_params, dict) and "full_attention" in rope_params:
         raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported natively for {model_type}")
@@ -98,13 +120,18 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
         rope_theta=float(rope_theta), rope_scaling=rope_scaling, rms_norm_eps=value("rms_norm_eps"),
         tie_word_embeddings=value("tie_word_embeddings"),
         # Qwen2's q/k/v bias is fixed by its architecture, not read from config.json.
-        attention_bias=True if model_type == "qwen2" else value("attention_bias"),
-        hidden_act=value("hidden_activation") if model_type == "gemma3_text" else value("hidden_act", "silu"),
+        attention_bias={"qwen2": True, "qwen2_moe": value("qkv_bias")}.get(model_type, value("attention_bias")),
+        hidden_act=value("hidden_activation") if model_type in _GEMMA else value("hidden_act", "silu"),
         sliding_window=sliding_window, layer_types=layer_types, local_rope_theta=local_theta,
         bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
         **family.layout)
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        fields.update(_read_moe(d, value, source))
     if model_type == "gemma3_text":
-        fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"))
+        fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"),
+                      final_logit_softcapping=d.get("final_logit_softcapping"))
+    if model_type == "gemma4_text":
+        fields.update(gemma4.fields(d, source, value, layer_types))
     try:
         return cls(**fields)
     except ConfigError as e:
@@ -115,7 +142,7 @@ def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Opt
     """(sliding_window, layer_types) with layer_types None when every layer attends fully."""
     n = d["num_hidden_layers"]
     window = value("sliding_window")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         window = window if d.get("use_sliding_window") else None
     types = d.get("layer_types")
     if types is None:
@@ -123,7 +150,7 @@ def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Opt
             types = None
         elif model_type in ("mistral", "ministral", "phi3"):
             types = ["sliding_attention"] * n
-        elif model_type == "gemma3_text":
+        elif model_type in _GEMMA:
             pattern = d.get("sliding_window_pattern") or 6
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
         else:  # qwen2/qwen3 4.x: the layers from max_window_layers on slide
@@ -134,6 +161,28 @@ def _read_layer_types(model_type: str, d: dict, value, source: str) -> tuple[Opt
     if window is None:
         raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
     return int(window), tuple(types)
+
+
+def _read_moe(d: dict, value, source: str) -> dict:
+    """The DecoderConfig MoE fields of a qwen3_moe config.json (num_experts is num_local_experts in 5.x files)."""
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", d.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", d.get("moe_intermediate_size"))) if v is None]
+    shared = d.get("shared_expert_intermediate_size") if d["model_type"] == "qwen2_moe" else 0
+    if shared is None:
+        missing.append("shared_expert_intermediate_size")
+    if missing:
+        raise ConfigError(f"{source}: missing key(s) {missing} needed to build a {d['model_type']} model")
+    if d.get("use_sliding_window"):
+        raise ConfigError(f"{source}: use_sliding_window=true is not supported natively for {d['model_type']} "
+                          "(model.implementation=transformers runs it)")
+    # transformers adds the aux loss only when output_router_logits is set: so does the actor.
+    coef = float(value("router_aux_loss_coef")) if value("output_router_logits") else 0.0
+    return dict(num_experts=int(experts), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=bool(value("norm_topk_prob")),
+                decoder_sparse_step=int(value("decoder_sparse_step")),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()), router_aux_loss_coef=coef,
+                shared_expert_intermediate_size=int(shared))
 
 
 def _gemma3_rope(d: dict, source: str, value) -> tuple[Optional[dict], float]:
@@ -150,17 +199,20 @@ def _gemma3_rope(d: dict, source: str, value) -> tuple[Optional[dict], float]:
 
 def _reject_unsupported(d: dict, source: str, value) -> None:
     """Features of these families that the native decoder does not implement: fail rather than differ."""
-    act_key = "hidden_activation" if d.get("model_type") == "gemma3_text" else "hidden_act"
+    act_key = "hidden_activation" if d.get("model_type") in _GEMMA else "hidden_act"
     act = value(act_key, "silu")
-    allowed = ("gelu_pytorch_tanh",) if d.get("model_type") == "gemma3_text" else ("silu",)
+    allowed = ("gelu_pytorch_tanh",) if d.get("model_type") in _GEMMA else ("silu",)
     if act not in allowed:
         raise ConfigError(f"{source}: {act_key}={act!r} is not supported natively (only {allowed})")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if d.get(key) is not None:
+        if d.get(key) is not None and not (key == "final_logit_softcapping" and d.get("model_type") in _GEMMA):
             raise ConfigError(f"{source}: {key}={d[key]} is not implemented natively; the transformers path "
-                              "computes it exactly (model.engine: transformers)")
-    if d.get("use_bidirectional_attention"):
-        raise ConfigError(f"{source}: use_bidirectional_attention=true is not a causal LM")
+                              "computes it exactly (model.implementation=transformers)")
+    # Gemma 4's "vision" makes image tokens attend both ways, in the multimodal model only: text stays causal.
+    if d.get("use_bidirectional_attention") and not (d.get("model_type") == "gemma4_text"
+                                                     and d["use_bidirectional_attention"] == "vision"):
+        raise ConfigError(f"{source}: use_bidirectional_attention={d['use_bidirectional_attention']!r} is not a causal "
+                          "LM")
     if d.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias=true is not supported natively")
     if d.get("pretraining_tp", 1) not in (1, None):
@@ -201,19 +253,32 @@ def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
         d["mlp_bias"] = False
     if t == "gemma3_text":
         d.update(hidden_activation=cfg.hidden_act, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                 rope_local_base_freq=cfg.local_rope_theta, final_logit_softcapping=None,
+                 rope_local_base_freq=cfg.local_rope_theta, final_logit_softcapping=cfg.final_logit_softcapping,
                  attn_logit_softcapping=None)
+    elif t == "gemma4_text":  # rope_parameters per layer type instead of rope_theta / rope_scaling
+        d.update(gemma4.hf_fields(cfg))
+        del d["rope_theta"], d["rope_scaling"]
     else:
         d["hidden_act"] = cfg.hidden_act
+    if t == "qwen2_moe":
+        d.update(qkv_bias=cfg.attention_bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    if t in ("qwen3_moe", "qwen2_moe"):
+        d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                 moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                 decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+                 output_router_logits=cfg.router_aux_loss_coef > 0,
+                 router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001, use_sliding_window=False)
     if t in ("qwen2", "qwen3"):
         d["use_sliding_window"] = sliding
         d["max_window_layers"] = cfg.num_hidden_layers
     if t in ("mistral", "phi3") and sliding and set(cfg.layer_types) != {"sliding_attention"}:
         raise ConfigError(f"a {t} config slides on every layer or none; use model_type ministral for a mix")
     d["sliding_window"] = cfg.sliding_window if sliding else None
+    if t == "gemma4_text" and not sliding:  # transformers' Gemma4TextConfig wants an int; no layer uses it
+        d["sliding_window"] = gemma4.DEFAULTS["sliding_window"]
     if t == "phi3":
         d.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_position_embeddings)
-    if t not in ("mistral", "phi3"):
+    if t not in ("mistral", "phi3", "gemma4_text"):
         d["layer_types"] = list(cfg.layer_types) if sliding else ["full_attention"] * cfg.num_hidden_layers
     return d
 
@@ -236,6 +301,9 @@ def _fused_suffix(name: str) -> Optional[str]:
 
 def native_names(cfg: DecoderConfig, name: str) -> list[str]:
     """The names of our tensors that checkpoint tensor `name` holds (itself, unless the family fuses it)."""
+    expert = file_expert(name) if cfg.num_experts else None
+    if expert is not None:  # one file tensor per expert: it fills a slice of our stacked parameter
+        return [expert[0]]
     suffix = _fused_suffix(name) if cfg.model_type == "phi3" else None
     if suffix is None:
         return [name]
@@ -254,7 +322,9 @@ def native_state(cfg: DecoderConfig, name: str, tensor) -> dict:
 
 
 def hf_state(cfg: DecoderConfig, state: dict) -> dict:
-    """Our state dict -> the checkpoint layout of the family (fused tensors for Phi-3)."""
+    """Our state dict -> the checkpoint layout of the family (fused tensors for Phi-3, one per expert for MoE)."""
+    if cfg.num_experts:
+        return unstack_experts(state)
     if cfg.model_type != "phi3":
         return state
     out = {}

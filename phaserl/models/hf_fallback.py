@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from phaserl.errors import ConfigError
+from phaserl.models.heads import chunked_token_logprobs, softcap
 
 log = logging.getLogger("phaserl")
 
@@ -66,9 +66,7 @@ class HFCausalLM(nn.Module):
             z = z * self.logit_scale
         if self.logits_scaling not in (None, 1, 1.0):
             z = z / self.logits_scaling
-        if self.softcap is not None:
-            z = torch.tanh(z / self.softcap) * self.softcap
-        return z
+        return softcap(z, self.softcap)
 
     @torch.no_grad()
     def verify_head(self) -> None:
@@ -97,22 +95,9 @@ class HFCausalLM(nn.Module):
                        with_entropy: bool = False,
                        chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """log softmax(logits(hidden) / temperature)[target]: hidden [N, H], targets [N] -> [N] float32 (and
-        entropies [N]); chunked, each chunk recomputed in backward, so [N, V] never exists at once."""
-        def chunk(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            z = self.logits(h).float() / temperature  # [n, V]
-            lse = torch.logsumexp(z, dim=-1)
-            out = [z.gather(-1, t[:, None]).squeeze(-1) - lse]
-            if with_entropy:
-                out.append(lse - (z.softmax(-1) * z).sum(-1))
-            return torch.stack(out)  # [1 or 2, n]
-
-        parts = []
-        for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size].long()
-            parts.append(checkpoint(chunk, h, t, use_reentrant=False) if torch.is_grad_enabled() and h.requires_grad
-                         else chunk(h, t))
-        out = torch.cat(parts, dim=1) if parts else hidden.new_zeros(2 if with_entropy else 1, 0, dtype=torch.float32)
-        return out[0], (out[1] if with_entropy else None)
+        entropies [N]); chunked (heads.chunked_token_logprobs), so [N, V] never exists at once."""
+        return chunked_token_logprobs(self.logits, hidden, targets, temperature=temperature,
+                                      with_entropy=with_entropy, chunk_size=chunk_size)
 
     @property
     def gradient_checkpointing(self) -> bool:

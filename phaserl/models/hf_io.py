@@ -26,6 +26,7 @@ from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM
 from phaserl.models.families import FAMILIES, NATIVE_MODEL_TYPES, hf_state, native_names, native_state
 from phaserl.models.hf_fallback import HFCausalLM
+from phaserl.models.moe import file_expert, stack_experts
 from phaserl.models.value import ValueModel
 
 log = logging.getLogger("phaserl")
@@ -93,7 +94,8 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
                   allow_missing: bool = False):
     """Fill `module` (built on the meta device; with allow_missing, a materialized module whose missing tensors
     keep their init) with the tensors of `directory`, checking names and shapes. Fused checkpoint tensors
-    (Phi-3's qkv_proj, gate_up_proj) are split into ours by name (families.native_state)."""
+    (Phi-3's qkv_proj, gate_up_proj) are split into ours by name (families.native_state); per-expert tensors (MoE)
+    are stacked into ours (moe.stack_experts)."""
     cfg = module.config
     locations = {native: file for name, file in _weight_locations(directory).items()
                  if not name.endswith(_IGNORED_SUFFIXES) and name not in ignore
@@ -106,11 +108,19 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
     if missing:
         log.warning("%s: %d tensor(s) missing, randomly initialized (model.allow_random_init): %s", directory,
                     len(missing), missing[:5])
-    state = {}
+    state, expert_parts = {}, {}
     for file in sorted(set(locations.values())):
         with _open_weights(file) as f:
             for stored in f.keys():
                 if not any(name in expected for name in native_names(cfg, stored)):
+                    continue
+                expert = file_expert(stored) if cfg.num_experts else None
+                if expert is not None:  # MoE: one tensor per expert, stacked once a parameter has them all
+                    parts = expert_parts.setdefault(expert[0], {})
+                    parts[expert[1:]] = f.get_tensor(stored)
+                    if len(parts) == cfg.num_experts * (1 if expert[0].endswith("down_proj") else 2):
+                        state[expert[0]] = _stacked(directory, expert[0], expert_parts.pop(expert[0]), cfg,
+                                                    expected, dtype, device)
                     continue
                 try:
                     pieces = native_state(cfg, stored, f.get_tensor(stored))
@@ -121,7 +131,21 @@ def _load_weights(module: nn.Module, directory: Path, dtype: torch.dtype, device
                         raise ConfigError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
                                           f"implies {tuple(expected[name].shape)}")
                     state[name] = tensor.to(device=device, dtype=dtype)
+    for name, parts in expert_parts.items():  # incomplete: the error names the missing experts
+        state[name] = _stacked(directory, name, parts, cfg, expected, dtype, device)
     module.load_state_dict(state, strict=not missing, assign=not missing)
+
+
+def _stacked(directory: Path, name: str, parts: dict, cfg: DecoderConfig, expected: dict, dtype, device):
+    """Our stacked expert parameter `name` from its per-expert file tensors, checked against config.json."""
+    try:
+        tensor = stack_experts(name, parts, cfg.num_experts)
+    except ValueError as e:
+        raise ConfigError(f"{directory}: {e}") from None
+    if tuple(tensor.shape) != tuple(expected[name].shape):
+        raise ConfigError(f"{directory}: experts of {name!r} stack to shape {tuple(tensor.shape)}, config.json "
+                          f"implies {tuple(expected[name].shape)}")
+    return tensor.to(device=device, dtype=dtype)
 
 
 def _build_on_meta(cfg: DecoderConfig, factory):
@@ -300,6 +324,10 @@ def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
                      dtype: Optional[torch.dtype] = None) -> Path:
     """Write a `*ForSequenceClassification` directory (num_labels=1, `score.weight`)."""
     cfg = model.config
+    if FAMILIES[cfg.model_type].classifier is None:
+        raise ConfigError(f"transformers has no *ForSequenceClassification class for model_type "
+                          f"{cfg.model_type!r}, so a value model of it cannot be exported as a Hugging Face directory "
+                          "(the run's own checkpoints still save and resume the critic)")
     state = hf_state(cfg, _cpu_state(model, dtype))
     config = cfg.to_hf_dict(_dtype_name(dtype or model.score.weight.dtype))
     config.update(architectures=[FAMILIES[cfg.model_type].classifier], id2label={"0": "LABEL_0"},

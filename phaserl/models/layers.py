@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaserl.models.config import DecoderConfig
+from phaserl.models.moe import MoESpec, MoEWeights, Route, moe_mlp
 
 Tensor = torch.Tensor
 Linear = Union[Tensor, nn.Module]  # a weight [out, in] (F.linear) or a module called on x
@@ -38,17 +39,21 @@ class LayerSpec:
     scale: Optional[float]          # attention scale; None = D ** -0.5
     window: Optional[int]           # sliding window (keys seen, own included); None = full attention
     local_rope: bool                # takes the sliding layers' RoPE table (Gemma 3)
+    moe: Optional[MoESpec] = None   # a mixture of experts instead of the gated MLP (moe.py)
+    v_norm: bool = False            # values RMS-normed per head without a weight (Gemma 4)
 
 
 def layer_spec(cfg: DecoderConfig, layer: int) -> LayerSpec:
     scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar) ** -0.5
-    return LayerSpec((cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim), cfg.rms_norm_eps,
+    moe = MoESpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) if cfg.is_moe(layer) else None
+    return LayerSpec(cfg.heads(layer), cfg.rms_norm_eps,
                      cfg.norm_style, cfg.qk_norm_scope if cfg.qk_norm else "", cfg.hidden_act, scale,
-                     cfg.window(layer), cfg.local_rope(layer))
+                     cfg.window(layer), cfg.local_rope(layer), moe=moe, v_norm=cfg.v_norm)
 
 
 class LayerWeights(NamedTuple):
-    """One layer's parameters; None where the family has none. Either q/k/v or qkv is set (gate/up or gate_up)."""
+    """One layer's parameters; None where the family has none. Either q/k/v or qkv is set (gate/up or gate_up);
+    with q/k set and v None the values are the keys' projection (Gemma 4's attention_k_eq_v layers)."""
     attn_in: Optional[Tensor]       # norm before attention (pre, sandwich)
     q: Optional[Linear]
     k: Optional[Linear]
@@ -66,13 +71,18 @@ class LayerWeights(NamedTuple):
     gate_up: Optional[Tensor]       # [2 I, H] fused copy
     down: Linear
     mlp_out: Optional[Tensor]       # norm of the MLP output (sandwich, post)
+    moe: Optional[MoEWeights] = None  # router and stacked experts (gate/up/down are then None)
+    layer_scalar: Optional[Tensor] = None  # [1]: the layer's output is scaled by it (Gemma 4)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, style: str = "llama") -> Tensor:
+def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str = "llama") -> Tensor:
     """Statistics in float32 for every style; they differ in where the weight meets the rounding:
-    llama  weight * norm(x).to(dtype)        olmo2  (weight * norm(x)).to(dtype)
-    gemma  (norm(x) * (1 + weight)).to(dtype), the weight stored as an offset from 1."""
+    llama  weight * norm(x).to(dtype)        olmo2  (weight * norm(x)).to(dtype) (also Gemma 4)
+    gemma  (norm(x) * (1 + weight)).to(dtype), the weight stored as an offset from 1.
+    weight None: norm(x).to(dtype), no weight (Gemma 4's value norm)."""
     x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if weight is None:
+        return x32.to(x.dtype)
     if style == "llama":
         return weight * x32.to(x.dtype)
     if style == "gemma":
@@ -118,12 +128,15 @@ def pre_attention(h: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin:
     if w.qkv is not None:
         q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [N, heads * D] each
     else:
-        q, k, v = linear(x, w.q), linear(x, w.k), linear(x, w.v)
+        q, k = linear(x, w.q), linear(x, w.k)
+        v = k if w.v is None else linear(x, w.v)  # Gemma 4's k_eq_v layers: the values are the raw keys
     if spec.qk_norm == "projection":  # OLMo 2: over all heads at once
         q, k = rms_norm(q, w.q_norm, spec.eps, spec.norm_style), rms_norm(k, w.k_norm, spec.eps, spec.norm_style)
     q, k, v = q.unflatten(-1, (Hq, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D))
     if spec.qk_norm == "head":  # Qwen3, Gemma 3: each head on its own
         q, k = rms_norm(q, w.q_norm, spec.eps, spec.norm_style), rms_norm(k, w.k_norm, spec.eps, spec.norm_style)
+    if spec.v_norm:
+        v = rms_norm(v, None, spec.eps)
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
@@ -131,19 +144,26 @@ def activation(gate: Tensor, act: str) -> Tensor:
     return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
 
 
-def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec) -> Tensor:
+def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, route: Optional[Route] = None) -> Tensor:
     """Residual stream after the attention core: h [N, H], attn [N, Hq * D] -> h [N, H]
-    (o_proj, its output norm, residual, MLP input norm, gated MLP, its output norm, residual)."""
+    (o_proj, its output norm, residual, MLP input norm, gated MLP or experts, its output norm, residual).
+    route: a MoE layer's routing in/out (moe.Route: replayed experts, the experts and router logits used)."""
     if w.attn_out is None:
         h = linear(attn, w.o, w.o_bias, residual=h)
     else:
         h = h + rms_norm(linear(attn, w.o, w.o_bias), w.attn_out, spec.eps, spec.norm_style)
     x = h if w.mlp_in is None else rms_norm(h, w.mlp_in, spec.eps, spec.norm_style)
+    if spec.moe is not None:
+        y = moe_mlp(x, w.moe, spec.moe, route)
+        return h + (y if w.mlp_out is None else rms_norm(y, w.mlp_out, spec.eps, spec.norm_style))
     if w.gate_up is not None:
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [N, I] each
     else:
         gate, up = linear(x, w.gate), linear(x, w.up)
     a = activation(gate, spec.act) * up
     if w.mlp_out is None:
-        return linear(a, w.down, residual=h)
-    return h + rms_norm(linear(a, w.down), w.mlp_out, spec.eps, spec.norm_style)
+        h = linear(a, w.down, residual=h)
+    else:
+        h = h + rms_norm(linear(a, w.down), w.mlp_out, spec.eps, spec.norm_style)
+    # In h's dtype, as transformers' in-place `h *= layer_scalar` (an fp32 buffer under bf16 compute included).
+    return h if w.layer_scalar is None else h * w.layer_scalar.to(h.dtype)

@@ -67,8 +67,12 @@ class LoRALinear(nn.Module):
     """y = x Wᵀ + b + scaling · dropout(x) Aᵀ Bᵀ; W and b are the wrapped nn.Linear's own (frozen) parameters.
 
     The adapter path runs in x's dtype (A and B are cast, a small copy per call; their gradients come
-    back in float32): with a bf16 base nothing of size [N, in] is upcast. `adapter_enabled = False`
-    gives the base projection exactly.
+    back in float32): with a bf16 base nothing of size [N, in] is upcast. The scaling rides on B (an
+    [out, r] multiply), so no [N, out] tensor is scaled, forward or backward; the sum with the base output
+    is one add, which torch.compile fuses into whatever reads the projection next (RoPE, SiLU·up, the
+    residual). With dropout 0 the adapter reads x itself (no copy). The frozen W gets no gradient (autograd
+    skips it: requires_grad is False), only x does.
+    `adapter_enabled = False` gives the base projection exactly.
     """
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
@@ -89,12 +93,23 @@ class LoRALinear(nn.Module):
         if not self.adapter_enabled:
             return out
         low = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # [N, r]
-        return out + F.linear(low, self.lora_B.to(x.dtype)) * self.scaling
+        return out + F.linear(low, self.scaled_B(x.dtype))  # a plain add: compiled, it fuses into the next kernel
+
+    def scaled_B(self, dtype: torch.dtype) -> torch.Tensor:
+        """scaling · B in `dtype`.  [out, r]"""
+        return (self.lora_B * self.scaling).to(dtype)
 
     def merged_weight(self) -> torch.Tensor:
-        """W + scaling · B A, summed in float32 and rounded once to W's dtype.  [out, in]"""
+        """W + scaling · B A, summed in float32 and rounded once to W's dtype (export).  [out, in]"""
         merged = torch.addmm(self.weight.float(), self.lora_B.float(), self.lora_A.float(), alpha=self.scaling)
         return merged.to(self.weight.dtype)
+
+    def merge_into(self, out: torch.Tensor) -> torch.Tensor:
+        """W + (s B)·A written into `out` [out, in] (W's dtype) by one GEMM: the factors rounded to W's dtype as the
+        forward rounds them, the product and W summed in the GEMM's float32 accumulator, rounded once. No
+        float32 [out, in] temporaries (a 7B layer's gate/up/down would take 0.8 GB of them, every switch)."""
+        dtype = self.weight.dtype
+        return torch.addmm(self.weight, self.scaled_B(dtype), self.lora_A.to(dtype), out=out)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling:g}"
@@ -197,14 +212,15 @@ def _enable(module: nn.Module, on: bool) -> None:
 
 def engine_weight(linear: nn.Module, into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The weight the rollout engine multiplies for projection `linear`: its own tensor (read in place), or
-    for a LoRALinear the merged W + scaling · B A, written into `into` (an engine-owned buffer of the same
-    shape, refilled in place so captured graphs keep their pointers). The base weight is never written."""
+    for a LoRALinear the merged W + scaling · B A (`LoRALinear.merge_into`), written straight into `into` (an
+    engine-owned buffer of the same shape and dtype, refilled in place so captured graphs keep their
+    pointers) or into a new tensor. The base weight is never written."""
     if not isinstance(linear, LoRALinear) or not linear.adapter_enabled:
         return linear.weight
-    merged = linear.merged_weight()
-    if into is None or into.shape != merged.shape or into.data_ptr() == linear.weight.data_ptr():
-        return merged
-    return into.copy_(merged)
+    w = linear.weight
+    if into is None or (into.shape, into.dtype) != (w.shape, w.dtype) or into.data_ptr() == w.data_ptr():
+        into = torch.empty_like(w)
+    return linear.merge_into(into)
 
 
 def adapter_parameter_count(model: nn.Module, settings: LoRASettings) -> int:

@@ -7,7 +7,10 @@ float32, following the formulas transformers uses so that logits match bit for b
   dynamic  NTK-aware: theta grows with the longest position of the current call (no state kept)
   llama3   Llama 3.1: long wavelengths / factor, short ones kept, a smooth ramp in between
   yarn     NTK-by-parts interpolation + an attention temperature applied to cos/sin
-Not here: partial rotary, longrope, multimodal rope (their configs are rejected in config.py).
+  proportional  Gemma 4's global layers: the first partial_rotary_factor * D / 2 frequencies are
+           theta^(-2i/D) (D the whole head_dim), the rest 0 (those dims are not rotated), all / factor
+Not here: Phi-style partial rotary (a rotated prefix of each head), longrope, multimodal rope (their configs are
+rejected in config.py).
 
 Legend: B batch, T tokens, D head_dim.
 """
@@ -88,8 +91,18 @@ def yarn_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def proportional_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
+    s, dim = cfg.rope_scaling, cfg.head_dim
+    rotated = int(s.get("partial_rotary_factor", 1.0) * dim // 2)  # frequencies that rotate
+    inv_freq = _default_inv_freq(cfg.rope_theta, dim)[:rotated]
+    # The rest get angle 0: cos 1, sin 0, so those dims pass unrotated.
+    inv_freq = torch.cat([inv_freq, torch.zeros(dim // 2 - rotated, device="cpu")])
+    return inv_freq / s.get("factor", 1.0), 1.0
+
+
 ROPE_FUNCTIONS = {"default": default_rope, "linear": linear_rope, "dynamic": dynamic_rope,
-                  "llama3": llama3_rope, "yarn": yarn_rope}
+                  "llama3": llama3_rope, "yarn": yarn_rope,
+                  "proportional": proportional_rope}
 
 
 class RotaryEmbedding(nn.Module):

@@ -22,15 +22,11 @@ cannot block the run; a C extension that holds the GIL forever cannot be interru
 from __future__ import annotations
 
 import difflib
-import hashlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 import queue
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +36,7 @@ import torch
 
 from phaserl.errors import ConfigError, RewardError
 from phaserl.rewards.rules import BUILTIN_REWARDS
+from phaserl.userfiles import import_module, load_file
 
 _RESERVED_ROW_KEYS = ("prompt", "response", "ground_truth")
 _VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
@@ -47,7 +44,6 @@ SIGNATURES = ("phaserl: def fn(prompt, response, ground_truth, **row) -> float  
               "other fields; name only those you need, or take **row)\n"
               "  verl:    def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float")
 DEFAULT_TIMEOUT_S = 300.0
-_loaded_modules: dict[str, object] = {}  # absolute file path -> module, so a file runs only once
 
 
 def resolve_reward_fn(name: str) -> Callable:
@@ -62,7 +58,7 @@ def resolve_reward_fn(name: str) -> Callable:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown reward function {name!r}.{hint} Built-ins: {', '.join(BUILTIN_REWARDS)}; "
                           f"your own function is written 'path/to/file.py:function_name' or 'package.module:function_name'.")
-    module = _load_file(path, name)
+    module = load_file(path, f"reward function {name!r}")
     if not hasattr(module, fn_name):
         defined = [n for n, obj in vars(module).items()
                    if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not n.startswith("_")]
@@ -76,37 +72,11 @@ def resolve_reward_fn(name: str) -> Callable:
 
 
 def _from_module(module_name: str, fn_name: str, name: str) -> Callable:
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"reward function {name!r}: cannot import {module_name} ({exc}); install its package "
-                          "or give a file as 'path/to/file.py:function_name'") from exc
+    module = import_module(module_name, f"reward function {name!r}", name_hint="function_name")
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ConfigError(f"reward function {name!r}: {module_name} has no function {fn_name!r}")
     return fn
-
-
-def _load_file(path: str, name: str):
-    full = os.path.abspath(path)
-    if full in _loaded_modules:
-        return _loaded_modules[full]
-    if not os.path.isfile(full):
-        raise ConfigError(f"reward function {name!r}: file {path} not found (looked at {full}; relative paths "
-                          f"are relative to the working directory {os.getcwd()}).")
-    stem = os.path.splitext(os.path.basename(full))[0]
-    module_name = f"phaserl_user_reward_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(module_name, full)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise ConfigError(f"reward function {name!r}: importing {path} failed with "
-                          f"{type(exc).__name__}: {exc}") from exc
-    _loaded_modules[full] = module
-    return module
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -20,6 +20,8 @@ import torch
 from ..algo import aggregate, kl_penalty, mismatch_sums
 from ..batch import TrainBatch
 from ..errors import ConfigError
+from ..models import CausalLM
+from ..models.moe import Routing
 from ..parallel import gather_full_params, mark_memory, rank_and_world, reshard_params
 from ..rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
 from .forward import batch_logprobs, rows_logprobs, split_rows
@@ -62,6 +64,8 @@ class HybridActor(CheckpointedRole):
         self.engine_kind = "auto"                     # auto | builtin | hf (rollout.engine)
         self.engine_config: Optional[EngineConfig] = None
         self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
+        self.routing_replay = False  # MoE: training forwards use the rollout's experts (setup_routing)
+        self.router_aux = (0.0, 0)   # MoE: (router_aux_loss_coef, top_k); coefficient 0 = no aux loss
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +74,19 @@ class HybridActor(CheckpointedRole):
     def setup_training(self, optim: OptimSettings, loss: PolicyLossSettings) -> None:
         self.optimizer = Optimizer(self.model.parameters(), optim)
         self.loss = loss
+
+    def setup_routing(self, *, replay: bool) -> None:
+        """MoE actors (models/moe.py): routing replay (the engine, made at the first rollout, records the experts of
+        every position and the training forwards use them; actor.routing_replay) and the router's aux loss, as the
+        model's config says."""
+        native_moe = isinstance(self.model, CausalLM) and self.model.config.num_experts > 0
+        if replay and not native_moe:
+            raise ConfigError(f"actor.routing_replay=true needs a mixture-of-experts model on phaserl's decoder "
+                              f"(model_type qwen3_moe); this actor is {type(self.model).__name__} "
+                              f"({getattr(getattr(self.model, 'config', None), 'model_type', '?')})")
+        self.routing_replay = replay
+        if native_moe:
+            self.router_aux = (self.model.config.router_aux_loss_coef, self.model.config.num_experts_per_tok)
 
     # ----- mode switching ---------------------------------------------------------------------
     @contextmanager
@@ -156,7 +173,10 @@ class HybridActor(CheckpointedRole):
 
     def _ensure_engine(self) -> None:
         if self.engine is None and self.engine_kind != "hf" and RolloutEngine.supports(self.model):
-            self.engine = RolloutEngine(self.model, self.engine_config)
+            config = self.engine_config or EngineConfig()
+            if self.routing_replay:  # the engine records each position's experts for the training forwards
+                config = replace(config, record_routes=True)
+            self.engine = RolloutEngine(self.model, config)
 
     # ----- forward-only -----------------------------------------------------------------------
     def compute_logprobs(self, batch, *, token_budget: int) -> torch.Tensor:
@@ -165,7 +185,7 @@ class HybridActor(CheckpointedRole):
         self.model.eval()
         try:
             return batch_logprobs(self.model, batch, temperature=self.loss.temperature, token_budget=token_budget,
-                                  packing=self.packing)
+                                  packing=self.packing, replay=self.routing_replay)
         finally:
             self.model.train(was_training)
 
@@ -190,11 +210,17 @@ class HybridActor(CheckpointedRole):
                           "mismatch/abs_diff_max": zero})
         if s.correction is not None:
             stats["mismatch/correction_rejected_frac"] = stats["mismatch/correction_weight_mean"] = zero
+        aux_coef, top_k = self.router_aux
+        if aux_coef > 0:
+            stats["actor/router_aux_loss"] = zero
         norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
             micro = mb.select(idx)
+            routing = Routing() if aux_coef > 0 or (self.routing_replay and mb.rollout.routed_experts is not None) \
+                else None
             logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
-                                                 temperature=s.temperature, with_entropy=True)  # [b, R] each
+                                                 temperature=s.temperature, with_entropy=True,
+                                                 routing=routing)  # [b, R] each
             R = resp_mask.shape[1]
             mask = micro.rollout.loss_mask[:, :R].float()  # [b, R] sampled tokens only (observations are 0)
             old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
@@ -218,6 +244,10 @@ class HybridActor(CheckpointedRole):
                 kl_loss = aggregate(kl_mat, mask, s.agg_mode, **norm)
                 loss = loss + s.kl_loss_coef * kl_loss
                 stats["actor/kl_loss"] = stats["actor/kl_loss"] + kl_loss.detach()
+            if aux_coef > 0:  # the router's load balancing, over this micro-batch's tokens, weighted by its share
+                aux = routing.aux_loss(top_k) * (mask.sum() / global_tokens)
+                loss = loss + aux_coef * aux
+                stats["actor/router_aux_loss"] = stats["actor/router_aux_loss"] + aux.detach()
             loss.backward()
             if "train/kl" in stats:
                 k3 = kl_penalty(logp.detach(), micro.ref_logprobs[:, :R], "k3")  # [b, R]

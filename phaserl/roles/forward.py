@@ -20,13 +20,24 @@ from ..algo import token_logprobs_from_hidden
 from ..batch import RolloutBatch
 from ..batching import pad_response_tensor, split_by_tokens, trim_padding
 from ..models import CausalLM, ValueModel
+from ..models.moe import Routing
 from ..packing import Packed, pack_rows, split_packed_by_tokens
 from ..parallel import all_reduce_sum, rank_and_world
 
 
-def response_hidden(model, mb: RolloutBatch) -> torch.Tensor:
+def _routing_kwargs(routing: Optional[Routing], replay: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> dict:
+    """`routing=` for a MoE forward (replaying the rollout's experts when the batch has them), else nothing
+    (transformers models take no such argument)."""
+    if routing is None:
+        return {}
+    routing.replay, routing.mask = replay, mask
+    return {"routing": routing}
+
+
+def response_hidden(model, mb: RolloutBatch, routing: Optional[Routing] = None) -> torch.Tensor:
     """Hidden states that predict each response token.  [b, R, H]"""
-    hidden = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)  # [b, S, H]
+    hidden = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                   **_routing_kwargs(routing, mb.routed_experts, mb.attention_mask))  # [b, S, H]
     P = mb.prompt_width
     return hidden[:, P - 1: -1]  # position t predicts token t + 1
 
@@ -43,10 +54,10 @@ def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, tempera
                                 chunk_size=chunk_size)
 
 
-def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy: bool,
-                   chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy: bool, chunk_size: int = 1024,
+                   routing: Optional[Routing] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens of one trimmed micro-batch.  [b, R] each."""
-    h = response_hidden(model, mb)                      # [b, R, H]
+    h = response_hidden(model, mb, routing)             # [b, R, H]
     mask = mb.response_mask.bool()                       # [b, R]
     targets = mb.response_ids[mask]                      # [N]
     logp, ent = head_logprobs(model, h[mask], targets, temperature=temperature, chunk_size=chunk_size,
@@ -61,12 +72,15 @@ def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy:
 
 @torch.no_grad()
 def batch_logprobs(model, batch: RolloutBatch, *, temperature: float, token_budget: int,
-                   packing: bool = False) -> torch.Tensor:
-    """Forward-only log-probs of every response token of `batch`.  [B, R] float32"""
+                   packing: bool = False, replay: bool = False) -> torch.Tensor:
+    """Forward-only log-probs of every response token of `batch`.  [B, R] float32
+    replay: a MoE model uses the experts the rollout recorded (batch.routed_experts; routing replay)."""
     R = batch.response_mask.shape[1]
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
     for idx in split_rows(batch, token_budget, packing=packing):
-        logp, _, _ = rows_logprobs(model, batch, idx, packing=packing, temperature=temperature, with_entropy=False)
+        routing = Routing() if replay and batch.routed_experts is not None else None
+        logp, _, _ = rows_logprobs(model, batch, idx, packing=packing, temperature=temperature, with_entropy=False,
+                                   routing=routing)
         out[idx.to(out.device, non_blocking=True)] = pad_response_tensor(logp, R)  # a CPU index would sync
     return out
 
@@ -121,11 +135,11 @@ def _fused(model) -> str | bool:
     return True if backend == "inductor" else (backend or False)
 
 
-def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool,
-                          chunk_size: int = 1024) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool, chunk_size: int = 1024,
+                          routing: Optional[Routing] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each."""
     hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
-                   boundaries=packed.boundaries)  # [1, N, H]
+                   boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))  # [1, N, H]
     logp, ent = head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, temperature=temperature,
                               chunk_size=chunk_size, with_entropy=with_entropy)  # [M], [M]
     entropy = packed.unpack(ent.float()) if with_entropy else None
@@ -140,14 +154,18 @@ def packed_micro_values(value_model, packed: Packed) -> torch.Tensor:
 
 
 def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: bool, temperature: float,
-                  with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each."""
+                  with_entropy: bool, routing: Optional[Routing] = None
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
+    routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
+    batch's routed_experts where the batch has them (routing replay)."""
     if packing:
         packed = pack_rows(batch, idx)
-        logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy)
+        logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy,
+                                          routing=routing)
         return logp, ent, packed.response_mask
     mb = trim_padding(batch.select(idx))
-    logp, ent = micro_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy)
+    logp, ent = micro_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy, routing=routing)
     return logp, ent, mb.response_mask.bool()
 
 

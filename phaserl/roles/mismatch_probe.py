@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..algo import mismatch_metrics
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, layout_routes
 from ..rollout import EngineConfig, SamplingParams
 from .actor import HybridActor
 from .forward import batch_logprobs
@@ -19,10 +19,11 @@ from .forward import batch_logprobs
 
 def measure_mismatch(actor: HybridActor, prompts: list, *, n: int, engine: str, max_new_tokens: int,
                      temperature: float, top_p: float, top_k: int, eos_token_ids: list, pad_token_id: int,
-                     token_budget: int, seed: int) -> tuple[dict, int, str]:
+                     token_budget: int, seed: int, replay: bool = False) -> tuple[dict, int, str]:
     """(the `mismatch/*` metrics, sampled tokens, "builtin engine" | "transformers generate") for `n`
-    responses to each prompt (token ids) sampled the way the run samples (rollout.engine = `engine`)."""
-    actor.configure_rollout(engine, EngineConfig(cuda_graphs=False, compile=False,
+    responses to each prompt (token ids) sampled the way the run samples (rollout.engine = `engine`;
+    replay: MoE routing replay, actor.routing_replay)."""
+    actor.configure_rollout(engine, EngineConfig(cuda_graphs=False, compile=False, record_routes=replay,
                                                  max_seq_tokens=max(map(len, prompts)) + max_new_tokens))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     ids = [p for p in prompts for _ in range(n)]
@@ -31,8 +32,11 @@ def measure_mismatch(actor: HybridActor, prompts: list, *, n: int, engine: str, 
         result = actor.generate(ids, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                 batch_size=len(ids), generator=generator)
     batch = _batch(ids, result.response_ids, result.logprobs, pad_token_id, actor.device)
+    if result.routes is not None:
+        batch.routed_experts = layout_routes(list(map(len, ids)), result.routes, batch.prompt_width,
+                                             batch.response_mask.shape[1])
     trainer = batch_logprobs(actor.model, batch, temperature=temperature if temperature > 0 else 1.0,
-                             token_budget=token_budget, packing=False)  # [B, R]
+                             token_budget=token_budget, packing=False, replay=replay)  # [B, R]
     path = "builtin engine" if actor.engine is not None else "transformers generate"
     return mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask), int(batch.response_mask.sum()), path
 

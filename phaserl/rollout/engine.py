@@ -52,6 +52,8 @@ class EngineConfig:
                                           # max_slots slots of that length (None = memory_fraction alone)
     keep_awake: bool = False              # sleep() keeps the KV cache, fused weights and graphs: no re-capture
                                           # at the next rollout, their memory stays taken during training
+    record_routes: bool = False           # MoE models: return the experts chosen at every position (routing
+                                          # replay; GenerationResult.routes)
 
     def __post_init__(self):
         if self.max_seq_tokens is not None and self.max_seq_tokens < 1:
@@ -100,7 +102,7 @@ class RolloutEngine:
             compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None and (
                 not decodes_fused(self.model))
         self.runner = ModelRunner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
-                                  prefill_tokens=c.prefill_tokens)
+                                  prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
         self._pinned: list[torch.Tensor] = []
 
     @staticmethod
@@ -256,7 +258,9 @@ class RolloutEngine:
         flags = flags.tolist()
         stopped = [seq for slot, seq in ran.items() if flags[slot] and not seq.done]
         if stopped:
-            finished.append((stopped, *self.runner.collect([seq.slot for seq in stopped])))
+            slots = [seq.slot for seq in stopped]
+            routes = self.runner.collect_routes(slots) if self.runner.routes is not None else None
+            finished.append((stopped, *self.runner.collect(slots), routes))
             for seq in stopped:
                 scheduler.finish(seq)
 
@@ -273,4 +277,10 @@ class RolloutEngine:
             result.response_ids[seq.index] = toks[:length]
             result.logprobs[seq.index] = lps[:length]
             result.finish_reasons[seq.index] = "stop" if toks[length - 1] in stop_ids else "length"
+        if finished[0][4] is not None:  # routes of every position; the last token was never fed: -1 there
+            result.routes = [None] * n
+            routes = [row for f in finished for row in f[4]]  # [S, L, k] each
+            for seq, row, length in zip(seqs, routes, lengths):
+                end = len(seq.prompt) + length
+                result.routes[seq.index] = torch.cat([row[:end - 1], torch.full_like(row[:1], -1)])
         return result

@@ -27,6 +27,8 @@ class GenerationResult:
     response_ids: list[list[int]]    # per prompt; ends with the EOS/stop token when one ended it
     logprobs: list[list[float]]      # per sampled token: log_softmax(logits / T), T = 1 when greedy
     finish_reasons: list[str]        # "stop" (EOS or stop token) or "length" (max_new_tokens reached)
+    routes: Optional[list] = None    # MoE routing replay (engine, record_routes): per prompt [prompt + response,
+                                     # L, k] int16 experts each MoE layer chose at each position, on the device
 
 
 class _CachedDecoder:

@@ -31,8 +31,12 @@ class KVPool:
             raise ConfigError(f"KVPool token_budget={token_budget}: must be >= 1 (or None to size from memory)")
         if not 0 < memory_fraction < 1:
             raise ConfigError(f"KVPool memory_fraction={memory_fraction}: must be in (0, 1)")
-        self.num_layers, self.num_kv_heads, self.head_dim = (cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                             cfg.head_dim)
+        self.num_layers = cfg.num_hidden_layers
+        # (Hkv, D) per layer: Gemma 4's global layers differ from its sliding ones. Every layer's row in the
+        # buffer is as wide as the widest layer's (the narrower layers leave the rest of their row unused), so
+        # slot s sits at the same offset in every layer and whole slots move with one index copy.
+        self.layer_heads = [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers)]
+        self.token_width = max(h * d for h, d in self.layer_heads)  # elements of one token's K (or V) per layer
         self.dtype, self.device = dtype, torch.device(device)
         self.token_budget, self.memory_fraction, self.max_tokens = token_budget, memory_fraction, max_tokens
         self.buffer: Optional[torch.Tensor] = None  # [L, 2, capacity * Hkv * D]
@@ -42,7 +46,7 @@ class KVPool:
     def bytes_per_token(self) -> int:
         """Keys + values of one token over all layers."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.token_width * itemsize
 
     @property
     def awake(self) -> bool:
@@ -64,7 +68,7 @@ class KVPool:
 
     def _allocate(self, tokens: int) -> None:
         self.buffer = None  # free the old buffer before taking the new one
-        per_token = self.num_kv_heads * self.head_dim
+        per_token = self.token_width
         # Zeros, not empty: attention multiplies masked-out positions by 0, and 0 * NaN garbage is NaN.
         self.buffer = torch.zeros(self.num_layers, 2, tokens * per_token, dtype=self.dtype, device=self.device)
         self.capacity_tokens = tokens
@@ -106,14 +110,14 @@ class KVPool:
             raise ConfigError(f"KVPool holds {self.capacity_tokens} tokens but {num_slots} slots x {slot_len} "
                               f"positions = {needed} were asked for; raise token_budget / memory_fraction or "
                               "lower max_new_tokens")
-        shape = (num_slots, self.num_kv_heads, slot_len, self.head_dim)
-        used = self.buffer[:, :, :needed * self.num_kv_heads * self.head_dim]
-        kv = used.view(self.num_layers, 2, *shape)  # splits the contiguous last dim: a view, no copy
-        return [kv[i, 0] for i in range(self.num_layers)], [kv[i, 1] for i in range(self.num_layers)]
+        rows = self.slot_rows(num_slots, slot_len)  # [L, 2, slots, S * width]: a view, no copy
+        views = [rows[i, :, :, :slot_len * h * d].unflatten(-1, (h, slot_len, d))  # [2, slots, Hkv, S, D]
+                 for i, (h, d) in enumerate(self.layer_heads)]
+        return [v[0] for v in views], [v[1] for v in views]
 
     def slot_rows(self, num_slots: int, slot_len: int) -> torch.Tensor:
-        """All of the KV as [L, 2, num_slots, Hkv * S * D], for moving whole slots with one index copy."""
-        used = self.buffer[:, :, :num_slots * slot_len * self.num_kv_heads * self.head_dim]
+        """All of the KV as [L, 2, num_slots, S * width], for moving whole slots with one index copy."""
+        used = self.buffer[:, :, :num_slots * slot_len * self.token_width]
         return used.view(self.num_layers, 2, num_slots, -1)
 
 

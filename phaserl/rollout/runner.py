@@ -8,6 +8,8 @@ norms, o_proj, down_proj and embedding in place, and keeps its own concatenated 
 [gate; up] weights (one GEMM instead of three and two), refilled from the module at every call.
 Sliding layers attend within their window in prefill (an explicit mask), in the torch decode path and in
 the Triton kernel (which then reads only the window); their slots still hold the whole sequence.
+MoE layers (models/moe.py) read their router and experts in place; with `record_routes` every pass also
+writes the experts each MoE layer chose at each position into `routes` [slots, S, L, k] (routing replay).
   prefill  the prompts of newly admitted sequences, each distinct prompt once: its KV is written into
            every slot of the sequences that share it, and each sequence draws its own first token.
   decode   one token for every slot in [0, b); b is a bucket size, and on CUDA each (bucket, sampling
@@ -32,8 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from phaserl.models.decoder import CausalLM
+from phaserl.models.heads import softcap
 from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
 from phaserl.models.lora import engine_weight
+from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer
 from phaserl.rollout.kv_pool import KVPool, SlotState
@@ -66,13 +70,26 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     # engine_weight: the module's tensor, or with LoRA adapters W + s·BA merged into the engine's own copy
     # (o and down then get one too); the actor's base weights are never written.
     w = engine_weight
+    v = m.k if m.v is None else m.v  # Gemma 4's k_eq_v layers: the value rows repeat the key rows
     qkv_bias = None
     if m.q.bias is not None:
-        qkv_bias = cat([m.q.bias, m.k.bias, m.v.bias], previous and previous.qkv_bias)
-    return m._replace(q=None, k=None, v=None, qkv=cat([w(m.q), w(m.k), w(m.v)], previous and previous.qkv),
-                      qkv_bias=qkv_bias, o=w(m.o, previous and previous.o), o_bias=m.o.bias, gate=None, up=None,
-                      gate_up=cat([w(m.gate), w(m.up)], previous and previous.gate_up),
-                      down=w(m.down, previous and previous.down))
+        qkv_bias = cat([m.q.bias, m.k.bias, v.bias], previous and previous.qkv_bias)
+    # A MoE layer's router and stacked experts are read in place (m.moe): no copy of the expert weights.
+    if m.moe is not None:
+        mlp = dict(moe=m.moe if m.moe.shared is None else m.moe._replace(
+            shared=shared_expert_weights(m.moe.shared, previous and previous.moe.shared)))
+    else:
+        mlp = dict(gate=None, up=None, down=w(m.down, previous and previous.down),
+                   gate_up=cat([w(m.gate), w(m.up)], previous and previous.gate_up))
+    return m._replace(q=None, k=None, v=None, qkv=cat([w(m.q), w(m.k), w(v)], previous and previous.qkv),
+                      qkv_bias=qkv_bias, o=w(m.o, previous and previous.o), o_bias=m.o.bias, **mlp)
+
+
+def shared_expert_weights(s: SharedExpert, previous: Optional[SharedExpert]) -> SharedExpert:
+    """Qwen2-MoE's shared expert for the engine: its projections as tensors (LoRA adapters merged, engine_weight)."""
+    return s._replace(gate=engine_weight(s.gate, previous and previous.gate),
+                      up=engine_weight(s.up, previous and previous.up),
+                      down=engine_weight(s.down, previous and previous.down))
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: Optional[float] = None) -> Tensor:
@@ -176,13 +193,13 @@ def decode_buckets(num_slots: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, *, cuda_graphs: bool, compile: bool, prefill_tokens: int):
+    def __init__(self, model: CausalLM, pool: KVPool, *, cuda_graphs: bool, compile: bool, prefill_tokens: int,
+                 record_routes: bool = False):
         self.model, self.pool, self.cfg = model, pool, model.config
         self.device = model.output_weight.device
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.fns = layer_fns(self.device, compile)
         self.prefill_tokens = prefill_tokens
-        self.heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim)
         self.specs = [layer.spec for layer in model.model.layers]  # layers.LayerSpec: the same as training's
         self.final_norm = (self.cfg.rms_norm_eps, self.cfg.norm_style)
         self.layout: Optional[tuple[int, int, int]] = None  # (num_slots, slot_len, max_new)
@@ -193,13 +210,19 @@ class ModelRunner:
         self.seed = torch.zeros(1, dtype=torch.long, device=self.device)  # fast_sample's noise key, advanced per draw
         self.fused: list[bool] = []  # per layer: decode through fused.py (set at begin(), from the weights)
         self.fused_record = False    # SlotState.record as kernels.record
+        # Routing replay: the experts every MoE layer chose at every position of every slot (moe.py).
+        moe = [i for i, spec in enumerate(self.specs) if spec.moe is not None]
+        self.moe_index = {layer: j for j, layer in enumerate(moe)}  # layer -> its column in `routes`
+        self.record_routes = record_routes and bool(moe)
+        self.routes: Optional[Tensor] = None  # [slots, S, L, k] int16 expert ids, -1 = not forwarded
+        prepare_device(self.device)
 
     def release(self) -> None:
         """Drop graphs, views (they pin the pool's memory) and the fused weight copies. The graph memory
         pool dies with its last graph, so its handle goes too: capturing into a dead pool asserts in
         torch 2.11's allocator."""
         self.graphs, self.layout, self.keys, self.values, self.state = {}, None, None, None, None
-        self.graph_pool, self.weights, self.pointers = None, None, None
+        self.graph_pool, self.weights, self.pointers, self.routes = None, None, None, None
 
     # ----- per call -------------------------------------------------------------------------------
     def begin(self, num_slots: int, slot_len: int, max_new: int, params: SamplingParams,
@@ -218,6 +241,10 @@ class ModelRunner:
             self.layout, self.pointers = grown, pointers
             self.keys, self.values = self.pool.layout(grown[0], grown[1])
             self.state = SlotState(grown[0], grown[2], self.device)
+            if self.record_routes:
+                k = self.specs[next(iter(self.moe_index))].moe.top_k
+                self.routes = torch.full((grown[0], grown[1], len(self.moe_index), k), -1, dtype=torch.int16,
+                                         device=self.device)
             self.positions = torch.arange(grown[1], device=self.device)  # [S]
             tables = self.model.model.rope(self.positions[None], self.model.output_weight.dtype)
             self.rope = [(cos[0], sin[0]) for cos, sin in tables]  # [global, local] layers.rope_tables [S, D]
@@ -235,6 +262,13 @@ class ModelRunner:
         """Decode rows for slots [0, span): the smallest captured bucket, or exactly span without graphs."""
         return next(b for b in decode_buckets(self.layout[0]) if b >= span) if self.use_graphs else span
 
+    def _post(self, h: Tensor, attn: Tensor, w: LayerWeights, spec) -> tuple[Tensor, Optional[Tensor]]:
+        """layers.post_attention; with routes recorded, also the experts a MoE layer chose ([N, k], else None)."""
+        if self.routes is None or spec.moe is None:
+            return self.fns.post(h, attn, w, spec), None
+        route = Route()
+        return self.fns.post(h, attn, w, spec, route), route.experts.to(torch.int16)
+
     # ----- prefill --------------------------------------------------------------------------------
     def prefill(self, groups: list[tuple[tuple[int, ...], list[int], list[int]]]) -> None:
         """groups: (prompt, slots of its sequences, their caps); split into passes of <= prefill_tokens."""
@@ -248,7 +282,7 @@ class ModelRunner:
         self._prefill_pass(chunk)
 
     def _prefill_pass(self, groups) -> None:
-        U, Hq, Hkv, D = len(groups), *self.heads
+        U = len(groups)
         lengths = [len(prompt) for prompt, _, _ in groups]
         P = max(lengths)
         ids = torch.zeros(U, P, dtype=torch.long)  # right-padded: causal attention keeps real tokens clean
@@ -262,7 +296,8 @@ class ModelRunner:
         rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
         masks = {spec.window: prefill_mask(P, spec.window, self.device) for spec in self.specs}
-        for keys, values, w, spec in zip(self.keys, self.values, self.weights, self.specs):
+        for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
+            Hq, Hkv, D = spec.heads  # per layer: Gemma 4's global layers have their own
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             k, v = k.view(U, P, Hkv, D).transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # [U, Hkv, P, D]
             keys[slots, :, :P], values[slots, :, :P] = k[group_of], v[group_of]  # shared prompt KV -> every slot
@@ -270,7 +305,9 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(q.view(U, P, Hq, D).transpose(1, 2), k, v, attn_mask=mask,
                                                   is_causal=mask is None, scale=spec.scale,
                                                   enable_gqa=True)  # [U, Hq, P, D]
-            h = self.fns.post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec)
+            h, experts = self._post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec)
+            if experts is not None:  # the prompt's routing, into every slot that shares it (right padding too)
+                self.routes[slots, :P, self.moe_index[layer]] = experts.view(U, P, -1)[group_of]
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm)
                                         [group_of])  # one draw per sequence, from its prompt's distribution
@@ -295,7 +332,7 @@ class ModelRunner:
             self._extend_pass(chunk)
 
     def _extend_pass(self, items) -> None:
-        C, (Hq, Hkv, D), S = len(items), self.heads, self.layout[1]
+        C, S = len(items), self.layout[1]
         lengths = [len(tokens) for _, tokens, _, _ in items]
         M = max(lengths)
         ids = torch.zeros(C, M, dtype=torch.long)  # right-padded; pad rows write KV past their end (hidden)
@@ -313,21 +350,24 @@ class ModelRunner:
         flat = pos.view(-1)
         rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
-        for keys, values, w, spec in zip(self.keys, self.values, self.weights, self.specs):
+        for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
+            Hq, Hkv, D = spec.heads
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
             values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
             attn = F.scaled_dot_product_attention(
                 q.view(C, M, Hq, D).transpose(1, 2), keys[slots, :, :context], values[slots, :, :context],
                 attn_mask=visible[spec.window][:, None], scale=spec.scale, enable_gqa=True)  # [C, Hq, M, D]
-            h = self.fns.post(h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, spec)
+            h, experts = self._post(h, attn.transpose(1, 2).reshape(C * M, Hq * D), w, spec)
+            if experts is not None:
+                self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
         self.state.start(slots, tokens, logprobs, starts + lengths, caps)
 
     # ----- decode ---------------------------------------------------------------------------------
     def _sample(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        logits = F.linear(hidden, self.model.output_weight)  # [b, V]
+        logits = softcap(F.linear(hidden, self.model.output_weight), self.cfg.final_logit_softcapping)  # [b, V]
         greedy, temperature, top_k, top_p = self.sampling
         if self.fns.fast_sample is not None and top_k == 0 and top_p >= 1.0:
             drawn = self.fns.fast_sample(logits, self.seed, greedy, temperature)
@@ -342,13 +382,17 @@ class ModelRunner:
         rope = None if all(self.fused) else [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
         h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
         carry = None  # a fused layer's MLP output not yet added to h (fused.RESIDUAL_IN_GEMM)
-        for keys, values, w, spec, fused in zip(self.keys, self.values, self.weights, self.specs, self.fused):
+        rows = torch.arange(b, device=self.device)
+        for layer, (keys, values, w, spec, fused) in enumerate(zip(self.keys, self.values, self.weights, self.specs,
+                                                                   self.fused)):
             if fused:
                 h, carry = fused_decode_layer(h, carry, w, spec, keys, values, pos, *self.rope[spec.local_rope])
                 continue
             h, carry = h if carry is None else h + carry, None
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
-            h = self.fns.post(h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window), w, spec)
+            h, experts = self._post(h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window), w, spec)
+            if experts is not None:  # at the fed token's position (idle rows: their own frozen one)
+                self.routes[rows, pos, self.moe_index[layer]] = experts
         weight = self.model.model.norm.weight
         if carry is not None:
             h = kernels.add_rms_norm(carry, h, weight, *self.final_norm)[0]
@@ -401,8 +445,14 @@ class ModelRunner:
         rows = self.pool.slot_rows(self.layout[0], self.layout[1])  # [L, 2, slots, Hkv * S * D]
         rows[:, :, dst] = rows[:, :, src]
         self.state.move(src, dst)
+        if self.routes is not None:
+            self.routes[dst] = self.routes[src]
 
     def collect(self, slots: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [k, N+1], logprobs [k, N+1], lengths [k]) of finished slots, gathered on the device."""
         idx, st = torch.tensor(slots, device=self.device), self.state
         return st.out_tokens[idx], st.out_logprobs[idx], st.n_gen[idx]
+
+    def collect_routes(self, slots: list[int]) -> Tensor:
+        """[k, S, L, top_k] the experts recorded at every position of finished slots (record_routes)."""
+        return self.routes[torch.tensor(slots, device=self.device)]

@@ -167,6 +167,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
         cuda_graphs=r.engine_cuda_graphs, compile=r.engine_compile, keep_awake=r.engine_keep_awake,
         max_seq_tokens=cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else cfg.data.max_prompt_length + r.max_new_tokens))
+    actor.setup_routing(replay=a.routing_replay)
     if critic is not None:
         critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
                               cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef,

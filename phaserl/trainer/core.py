@@ -372,7 +372,8 @@ def _timed(timings: dict, name: str, step: int):
     set_phase(name, step)  # a collective timeout or a failure on any rank names the phase
     t0 = time.perf_counter()
     try:
-        yield
+        with torch.profiler.record_function(f"phase/{name}"):  # a profile's kernels, by phase (benchmarks/profiling.py)
+            yield
     finally:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 

@@ -125,7 +125,7 @@ def concat_batches(parts: list, pad_token_id: int) -> RolloutBatch:
         elif isinstance(first, dict):  # rollout_metrics: per-row means weighted by rows, maxima as maxima
             values[f.name] = _join_metrics(parts)
         elif isinstance(first, torch.Tensor):
-            pad = pad_token_id if f.name == "input_ids" else 0
+            pad = {"input_ids": pad_token_id, "routed_experts": -1}.get(f.name, 0)
             values[f.name] = torch.cat([_repad(getattr(p, f.name), p, P, R, pad, f.name) for p in parts])
         else:
             raise TypeError(f"concat_batches cannot join RolloutBatch.{f.name} ({type(first).__name__})")
@@ -145,6 +145,8 @@ def _repad(t: torch.Tensor, part: RolloutBatch, P: int, R: int, pad: int, name: 
     S_part, R_part = part.input_ids.shape[1], part.response_mask.shape[1]
     if t.dim() == 2 and t.shape[1] == S_part:  # [b, S]: prompt left-padded to P, response right-padded to R
         return F.pad(t, (P - part.prompt_width, R - R_part), value=pad)
+    if t.dim() == 4 and t.shape[1] == S_part:  # [b, S, L, k] routed_experts: along S like [b, S]
+        return F.pad(t, (0, 0, 0, 0, P - part.prompt_width, R - R_part), value=pad)
     if t.dim() == 2 and t.shape[1] == R_part:  # [b, R]
         return F.pad(t, (0, R - R_part), value=pad)
     raise TypeError(f"concat_batches cannot join RolloutBatch.{name} of shape {tuple(t.shape)}")

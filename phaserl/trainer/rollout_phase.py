@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, layout_routes
 from ..rollout import GenerationResult
 
 
@@ -29,7 +29,8 @@ def single_turn_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
             eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
             pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator))
     result = GenerationResult(*([x for part in parts for x in getattr(part, name)]
-                                for name in ("response_ids", "logprobs", "finish_reasons")))
+                                for name in ("response_ids", "logprobs", "finish_reasons")),
+                              routes=None if parts[0].routes is None else [r for part in parts for r in part.routes])
     return build_rollout_batch(items, n, result, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
                                group_offset=group_offset(trainer), device=trainer.actor.device)
 
@@ -64,10 +65,12 @@ def build_rollout_batch(items: list, n: int, result: GenerationResult, *, tokeni
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)         # [B, S]
     group_ids = torch.arange(len(items)).repeat_interleave(n) + group_offset  # [B]
     texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+    routes = None if result.routes is None else layout_routes([len(r.prompt_ids) for r in rows], result.routes, P, R)
     return RolloutBatch(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
         position_ids=position_ids.to(device), response_mask=attention_mask[:, P:].to(device),
         prompt_width=P, group_ids=group_ids.to(device), rollout_logprobs=logprobs.to(device),
         prompts=[item.row.prompt for item in rows], response_texts=texts,
-        rows=[item.row for item in rows], finish_reasons=list(result.finish_reasons),
+        rows=[item.row for item in rows], finish_reasons=list(result.finish_reasons), routed_experts=routes,
     )
+

@@ -1,0 +1,109 @@
+"""Gemma 4 text (`gemma4_text`) in DecoderConfig's terms: what its config.json means, and back.
+
+The native layout is Gemma 4's dense text decoder as transformers (5.17 .. 5.24) computes it:
+  - sandwich norms with plain `(w * x)` rounding (norm_style "olmo2"), per-head q/k norms, and values
+    RMS-normed per head without a weight (v_norm);
+  - attention scale 1 (the q/k norms set the scale), GeGLU (gelu-tanh), embeddings times sqrt(H), tied head;
+  - local (sliding, default RoPE with its own theta) and global (full attention) layers; global layers may
+    have their own head_dim (`global_head_dim`) and key/value heads (`num_global_key_value_heads` with
+    `attention_k_eq_v`, or a `per_layer_config` that says so), take "proportional" RoPE (only the first
+    partial_rotary_factor of each head's frequencies rotate) and, with attention_k_eq_v, no v_proj: their
+    values are the keys' projection before the key norm;
+  - a `layer_scalar` buffer per layer that scales its output, and final-logit soft-capping.
+Refused with a ConfigError that names the key and the exact fallback (model.implementation=transformers):
+per-layer input embeddings (hidden_size_per_layer_input > 0: Gemma 4 E2B/E4B), key/value sharing between
+layers (num_kv_shared_layers > 0), the mixture-of-experts block (enable_moe_block: 26B-A4B), bidirectional
+attention, and per_layer_config overrides other than the global layers' head_dim / key-value heads.
+Not here: the layer math (layers.py), weights (hf_io.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from phaserl.errors import ConfigError
+
+FALLBACK = "model.implementation=transformers runs it exactly"
+# transformers' Gemma4TextConfig values for absent keys that change the network.
+DEFAULTS = {"max_position_embeddings": 131072, "head_dim": 256, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+            "attention_bias": False, "sliding_window": 512, "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "global_head_dim": 512,
+            "rope_local_base_freq": 10000.0, "rope_theta": 1e6}
+DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+LAYOUT = {"qk_norm": True, "layer_norms": "sandwich", "norm_style": "olmo2", "v_norm": True, "layer_scalar": True}
+
+
+def reject_unsupported(d: dict, source: str, value) -> None:
+    """The parts of Gemma 4 the native decoder does not implement: an error naming all of them, never
+    different logits."""
+    parts = []
+    if value("hidden_size_per_layer_input"):
+        parts.append(f"hidden_size_per_layer_input={value('hidden_size_per_layer_input')} (per-layer input "
+                     "embeddings, Gemma 4 E2B/E4B)")
+    if value("num_kv_shared_layers"):
+        parts.append(f"num_kv_shared_layers={d['num_kv_shared_layers']} (layers that reuse earlier layers' keys "
+                     "and values)")
+    if d.get("enable_moe_block"):
+        parts.append("enable_moe_block=true (the mixture-of-experts block, Gemma 4 26B-A4B)")
+    if parts:
+        raise ConfigError(f"{source}: {'; '.join(parts)}: not implemented natively; {FALLBACK}")
+
+
+def global_heads(d: dict, source: str, value, layer_types: Optional[tuple]) -> tuple[int, Optional[int]]:
+    """(head_dim, key/value heads or None = unchanged) of the full-attention layers."""
+    n = d["num_hidden_layers"]
+    full = [i for i in range(n) if layer_types is None or layer_types[i] == "full_attention"]
+    overrides = d.get("per_layer_config")
+    if overrides is None:  # what transformers derives from global_head_dim / num_global_key_value_heads
+        kv = d.get("num_global_key_value_heads") if d.get("attention_k_eq_v") else None
+        return int(value("global_head_dim")), kv
+    per_layer = {int(k): v for k, v in overrides.items()}
+    wanted = [per_layer.get(i) for i in full]
+    unusual = sorted(set(per_layer) - set(full)) or [i for i in full if per_layer.get(i) != wanted[0]]
+    keys = {k for v in per_layer.values() for k in v} - {"head_dim", "num_key_value_heads"}
+    if unusual or keys or not wanted:
+        raise ConfigError(f"{source}: per_layer_config overrides layers {unusual} / keys {sorted(keys)}; the native "
+                          f"decoder takes one head_dim / num_key_value_heads for all full-attention layers; {FALLBACK}")
+    kv = wanted[0].get("num_key_value_heads")
+    return int(wanted[0].get("head_dim", value("head_dim"))), None if kv == value("num_key_value_heads") else kv
+
+
+def last_layer_full(layer_types: Optional[list]) -> Optional[list]:
+    """transformers makes Gemma 4's last layer full attention whatever layer_types says (with a warning)."""
+    if layer_types:
+        layer_types = [*layer_types[:-1], "full_attention"]
+    return layer_types
+
+
+def fields(d: dict, source: str, value, layer_types: Optional[tuple]) -> dict[str, Any]:
+    """DecoderConfig fields beyond the common ones (families.read_hf_config fills those)."""
+    head_dim, kv_heads = global_heads(d, source, value, layer_types)
+    return dict(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=1.0,  # attention scale 1
+                global_head_dim=head_dim, global_kv_heads=kv_heads, attention_k_eq_v=bool(d.get("attention_k_eq_v")),
+                final_logit_softcapping=d.get("final_logit_softcapping"))
+
+
+def rope_parameters(d: dict) -> dict:
+    return d.get("rope_parameters") or DEFAULT_ROPE
+
+
+def hf_fields(cfg) -> dict[str, Any]:
+    """The Gemma 4 keys of config.json for `cfg` (families.write_hf_config writes the common ones)."""
+    n = cfg.num_hidden_layers
+    full_rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+    layer_types = list(cfg.layer_types) if cfg.layer_types else ["full_attention"] * n
+    _, kv, head_dim = cfg.heads(layer_types.index("full_attention"))
+    return {
+        "hidden_activation": cfg.hidden_act, "final_logit_softcapping": cfg.final_logit_softcapping,
+        "attention_k_eq_v": cfg.attention_k_eq_v, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+        "enable_moe_block": False, "use_double_wide_mlp": False, "use_bidirectional_attention": None,
+        "global_head_dim": head_dim,
+        # Read by transformers instead of global_head_dim / num_global_key_value_heads: says exactly which layers.
+        "per_layer_config": {str(i): {"head_dim": head_dim, "num_key_value_heads": kv}
+                             for i, t in enumerate(layer_types) if t == "full_attention"},
+        "rope_parameters": {"full_attention": full_rope,
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": cfg.local_rope_theta or cfg.rope_theta}},
+        "layer_types": layer_types,
+    }
