@@ -5,8 +5,10 @@ random weights, bf16, 64 prompts x 8 samples = 512 sequences, prompt 128 tokens,
 EOS ignored (fixed lengths), temperature 1.
 
     python benchmarks/rollout.py --case all --budget 540      # the default --plan, each in its own process
-    python benchmarks/rollout.py --case ours --shape 0.5b [--compile] [--profile [--sweep]]
-    python benchmarks/rollout.py --case roofline|hf|hf_static|varlen|profile --shape 0.5b
+    python benchmarks/rollout.py --case ours --shape 0.5b [--compile] [--no-fused] [--profile [--sweep]]
+    python benchmarks/rollout.py --case roofline|hf|hf_static|varlen|longtail|longtail_hf|profile --shape 0.5b
+
+--no-fused decodes through layers.py's torch functions instead of rollout/fused.py's kernels (the comparison).
 
 `--case all` runs each --plan entry in its own process under a time limit and reports one that fails.
 """
@@ -28,6 +30,8 @@ from phaserl.algo import token_logprobs_from_hidden  # noqa: E402
 from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
+from phaserl.rollout import fused as rollout_fused  # noqa: E402
+from phaserl.rollout import runner as rollout_runner  # noqa: E402
 from phaserl.rollout.runner import decode_attention  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
@@ -148,12 +152,13 @@ def case_ours(args) -> None:
     with torch.inference_mode():  # the full-batch step alone (all slots idle now: the same work as a busy step)
         step_ms = per_call_ms(lambda: engine.runner.decode(len(ps)), 50)
     best = min(runs)
-    emit(case="ours", shape=args.shape, compile=args.compile, sequences=len(ps), new_tokens=tokens,
+    emit(case="ours", shape=args.shape, compile=args.compile, fused=rollout_runner.FUSED_DECODE,
+         fused_layers=sum(engine.runner.fused), sequences=len(ps), new_tokens=tokens,
          tokens_per_s=tokens / best, seconds=best, runs_s=runs, warmup_s=warmup, steps=engine.last_stats["steps"],
          decode_step_ms=step_ms, decode_only_tokens_per_s=len(ps) / step_ms * 1e3,
          outside_decode_s=best - engine.last_stats["steps"] * step_ms / 1e3,
          kv_pool_gb=engine.pool.allocated_bytes / 2**30, graphs=engine.last_stats["graphs"],
-         peak_allocated_gb=peak_gb())
+         begin_s=engine.last_stats["begin_seconds"], peak_allocated_gb=peak_gb())
     sleep_wake(engine, run, best, args)
     if args.shape in ("0.5b", "tiny"):
         emit(case="logprob_parity", shape=args.shape, compile=args.compile, **logprob_parity(model, ps, result))
@@ -178,6 +183,44 @@ def case_varlen(args) -> None:
              tokens_per_s=sum(lengths) / seconds, seconds=seconds, steps=engine.last_stats["steps"],
              warmup_s=warmup)
         engine.sleep()
+
+
+def longtail_lengths(n: int, cap: int, seed: int = 2) -> list[int]:
+    """Most rows stop early (cap/16 + Exp(mean cap/8) tokens: 16 + 32 at 256), 1 row in 20 runs to the cap."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (cap // 16 + torch.empty(n).exponential_(generator=g) * cap / 8).clamp(max=cap).long()
+    lengths[torch.randperm(n, generator=g)[: n // 20]] = cap
+    return lengths.tolist()
+
+
+def case_longtail(args) -> None:
+    """512 sequences with long-tail lengths in 512 slots: shrinking buckets (compaction) vs a fixed batch, and
+    2048 such sequences through 512 slots with refill vs static batching. Tokens/s count real tokens only."""
+    model = our_model(args.shape)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)
+    base = prompts()  # 512 sequences (64 prompts x 8)
+    for copies, mode in ((1, "shrinking_buckets"), (1, "fixed_batch"), (4, "refill"), (4, "static")):
+        ps = [p for p in base for _ in range(copies)]
+        lengths = longtail_lengths(len(ps), NEW_TOKENS)
+        engine = RolloutEngine(model, EngineConfig(max_slots=len(base), refill=mode != "static", compile=args.compile))
+        if mode == "fixed_batch":  # every step runs the full batch until the longest row is done
+            engine._compact = lambda scheduler: None
+        run = rollout(engine, ps, params, max_new_tokens=lengths)
+        warmup = timed(run)
+        seconds = min(timed(run) for _ in range(2))
+        emit(case="longtail", shape=args.shape, mode=mode, sequences=len(ps), slots=len(base), new_tokens=sum(lengths),
+             mean_len=sum(lengths) / len(lengths), max_len=max(lengths), tokens_per_s=sum(lengths) / seconds,
+             seconds=seconds, steps=engine.last_stats["steps"], graphs=engine.last_stats["graphs"], warmup_s=warmup)
+        engine.sleep()
+
+
+def case_longtail_hf(args) -> None:
+    """Hugging Face generate on case_longtail's 512-row distribution: a batch runs until its longest row is
+    done (EOS cannot be placed in a random model, so it runs to the cap); tokens/s count the real tokens."""
+    lengths = longtail_lengths(PROMPTS * SAMPLES, NEW_TOKENS)
+    seconds, warmup, version = hf_seconds(args, static=False)
+    emit(case="longtail_hf", shape=args.shape, sequences=len(lengths), new_tokens=sum(lengths),
+         tokens_per_s=sum(lengths) / seconds, seconds=seconds, warmup_s=warmup, version=version)
 
 
 # ----- where a decode step's time goes -------------------------------------------------------------
@@ -222,6 +265,7 @@ def profile_step(model: CausalLM, engine: RolloutEngine, b: int, args) -> None:
         if rollout_kernels.available(keys.device):
             times["triton_used_context_ms"] = timer(
                 lambda: rollout_kernels.decode_attention(q, k, v, keys, values, pos))
+            times["triton_bias_rope_split_ms"] = timer(lambda: fused_attention(q, k, v, keys, values, pos, runner))
     slot_gb = 2 * b * keys[0].numel() * keys.element_size() / 1e9
     used_gb = slot_gb * float(pos.float().mean() + 1) / keys.shape[2]
     emit(case="attention_one_layer", shape=args.shape, kv_slot_gb=slot_gb, kv_used_gb=used_gb, **times,
@@ -235,8 +279,49 @@ def profile_step(model: CausalLM, engine: RolloutEngine, b: int, args) -> None:
             times["triton_fused_greedy_ms"] = timer(
                 lambda: rollout_kernels.sample(logits, runner.seed, True, 1.0))
     emit(case="sampling", shape=args.shape, rows=b, vocab=cfg.vocab_size, logits_gb=logits.numel() * 2 / 1e9, **times)
+    if DEVICE == "cuda":
+        gemm_times(runner, b, args)
+        if any(runner.fused):
+            variant_steps(runner, b, args)
     if args.sweep and rollout_kernels.available(keys.device):
-        sweep_kernels(q, k, v, keys, values, pos, logits, runner.seed, args)
+        sweep_kernels(q, k, v, keys, values, pos, logits, runner.seed, args, runner)
+
+
+def variant_steps(runner, b: int, args) -> None:
+    """The graph step with each fused.RESIDUAL_IN_GEMM setting and the capture's cost with each
+    runner.LEAN_CAPTURE setting (re-captured each time), the defaults restored after."""
+    defaults = rollout_fused.RESIDUAL_IN_GEMM, rollout_runner.LEAN_CAPTURE
+    with torch.inference_mode():
+        for residual, lean in ((False, True), (True, True), (False, False)):
+            rollout_fused.RESIDUAL_IN_GEMM, rollout_runner.LEAN_CAPTURE = residual, lean
+            runner.graphs, runner.graph_pool = {}, None  # a fresh pool: the old one dies with its graphs
+            capture_s = timed(lambda: runner.decode(b))  # the eager step, then its capture
+            emit(case="variant", shape=args.shape, residual_in_gemm=residual, lean_capture=lean,
+                 first_step_with_capture_s=capture_s, graph_step_ms=per_call_ms(lambda: runner.decode(b), 50))
+    rollout_fused.RESIDUAL_IN_GEMM, rollout_runner.LEAN_CAPTURE = defaults
+    runner.graphs, runner.graph_pool = {}, None
+
+
+def gemm_times(runner, b: int, args) -> None:
+    """The decode step's GEMMs at b rows, each alone in a graph: with the bias / residual in cuBLAS's epilogue
+    (what the step runs) and without (the add left to a neighbouring kernel), against the matmul rate."""
+    w, x = runner.weights[0], torch.randn(b, runner.cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    mid = torch.randn(b, w.down.shape[1], device=DEVICE, dtype=torch.bfloat16)
+    attn = torch.randn(b, w.o.shape[1], device=DEVICE, dtype=torch.bfloat16)
+    F = torch.nn.functional
+    cases = {"qkv": (lambda: F.linear(x, w.qkv), w.qkv),
+             "o_residual": (lambda: torch.addmm(x, attn, w.o.t()), w.o), "o": (lambda: F.linear(attn, w.o), w.o),
+             "gate_up": (lambda: F.linear(x, w.gate_up), w.gate_up),
+             "down_residual": (lambda: torch.addmm(x, mid, w.down.t()), w.down),
+             "down": (lambda: F.linear(mid, w.down), w.down),
+             "lm_head": (lambda: F.linear(x, runner.model.output_weight), runner.model.output_weight)}
+    if w.qkv_bias is not None:
+        cases["qkv_bias"] = (lambda: F.linear(x, w.qkv, w.qkv_bias), w.qkv)
+    with torch.inference_mode():
+        for name, (fn, weight) in cases.items():
+            ms = graph_ms(fn)
+            emit(case="gemm", shape=args.shape, name=name, rows=b, out_in=list(weight.shape), us=1e3 * ms,
+                 tflop_s=2 * b * weight.numel() / ms / 1e9)
 
 
 def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
@@ -254,14 +339,25 @@ def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
     return 1e3 * timed(lambda: [graph.replay() for _ in range(replays)]) / (calls * replays)
 
 
-def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args) -> None:
-    """Launch settings of the two Triton kernels, timed inside CUDA graphs (kernels.py's constants come from here)."""
+def fused_attention(q, k, v, keys, values, pos, runner, **launch):
+    """The fused path's attention call: q/k/v + bias, RoPE at pos, KV write, split-K (bias: zeros here)."""
+    bias = tuple(torch.zeros(t.shape[1] * t.shape[2], device=t.device, dtype=t.dtype) for t in (q, k, v))
+    return rollout_kernels.decode_attention(q, k, v, keys, values, pos, bias=bias, rope=runner.rope[0], **launch)
+
+
+def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args, runner) -> None:
+    """Launch settings of the Triton kernels, timed inside CUDA graphs (kernels.py's constants come from here)."""
     with torch.inference_mode():
-        for block_n, warps, stages in [(32, 4, 3), (64, 2, 3), (64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3),
-                                       (64, 4, 2), (64, 4, 4), (32, 2, 4)]:
-            ms = graph_ms(lambda: rollout_kernels.decode_attention(q, k, v, keys, values, pos, block_n=block_n,
-                                                                   num_warps=warps, num_stages=stages))
-            emit(case="sweep_attention", shape=args.shape, block_n=block_n, num_warps=warps, num_stages=stages, ms=ms)
+        # chunk None: kernels.py's choice (one split at 512 rows; a few 128-key splits for a 64-row bucket)
+        for rows, block_n, chunk, warps, stages in [
+                (512, 64, None, 4, 2), (512, 64, None, 4, 1), (512, 64, None, 4, 3), (512, 128, None, 4, 2),
+                (512, 128, None, 8, 2), (512, 128, None, 4, 1), (512, 32, None, 4, 2), (512, 64, None, 2, 2),
+                (512, 32, None, 2, 2), (512, 64, 128, 4, 2), (64, 64, None, 4, 2), (64, 64, 512, 4, 2),
+                (64, 64, 64, 4, 2)]:
+            ms = graph_ms(lambda: fused_attention(q[:rows], k[:rows], v[:rows], keys, values, pos[:rows], runner,
+                                                  block_n=block_n, chunk=chunk, num_warps=warps, num_stages=stages))
+            emit(case="sweep_attention", shape=args.shape, rows=rows, block_n=block_n, chunk=chunk, num_warps=warps,
+                 num_stages=stages, ms=ms)
         for block, warps in ((2048, 4), (4096, 4), (4096, 8)):
             rollout_kernels.SAMPLE_BLOCK, rollout_kernels.SAMPLE_WARPS = block, warps
             emit(case="sweep_sampling", shape=args.shape, block=block, num_warps=warps,
@@ -270,6 +366,13 @@ def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args) -> None:
 
 # ----- Hugging Face -------------------------------------------------------------------------------
 def case_hf(args, static: bool = False) -> None:
+    seconds, warmup, version, new, rows = hf_seconds(args, static, shape_too=True)
+    emit(case="hf_static_compile" if static else "hf", shape=args.shape, sequences=rows, new_tokens=new,
+         tokens_per_s=new / seconds, seconds=seconds, warmup_s=warmup, peak_allocated_gb=peak_gb())
+
+
+def hf_seconds(args, static: bool, shape_too: bool = False):
+    """(seconds, warm-up seconds, transformers version[, new tokens, rows]) of one timed generate() at the shape."""
     import transformers
 
     d = decoder_config(args.shape).to_hf_dict("bfloat16")
@@ -291,13 +394,16 @@ def case_hf(args, static: bool = False) -> None:
         out = []
         seconds = timed(lambda: out.append(model.generate(ids, **kwargs)))
     new = (out[0].shape[1] - PROMPT_LEN) * out[0].shape[0]
-    emit(case=name, shape=args.shape, sequences=out[0].shape[0], new_tokens=new, tokens_per_s=new / seconds,
-         seconds=seconds, warmup_s=warmup, peak_allocated_gb=peak_gb())
+    if shape_too:
+        return seconds, warmup, transformers.__version__, new, out[0].shape[0]
+    return seconds, warmup, transformers.__version__
 
 
 # ----- driver -------------------------------------------------------------------------------------
-DEFAULT_PLAN = "roofline,ours-0.5b,hf-0.5b,ours-0.5b-compile,hf_static-0.5b,varlen-0.5b,ours-1.5b,ours-7b"
-LIMITS = {"roofline": 60, "ours": 90, "hf": 90, "hf_static": 200, "varlen": 120, "profile": 90}  # s, x2 compiled
+DEFAULT_PLAN = ("roofline,ours-0.5b,hf-0.5b,ours-0.5b-compile,hf_static-0.5b,varlen-0.5b,longtail-0.5b,ours-1.5b,"
+                "ours-7b")
+LIMITS = {"roofline": 60, "ours": 90, "hf": 90, "hf_static": 200, "varlen": 120, "profile": 90, "longtail": 120,
+          "longtail_hf": 90}  # s, x2 compiled
 
 
 def case_all(args) -> None:
@@ -317,6 +423,7 @@ def case_all(args) -> None:
         cmd += (["--compile"] if compile else []) + (["--smoke"] if args.smoke else [])
         cmd += ["--profile"] if (args.profile or profile_it) and case == "ours" else []
         cmd += ["--sweep"] if args.sweep else []
+        cmd += ["--no-fused"] if args.no_fused else []
         try:
             subprocess.run(cmd, timeout=limit, check=True)
         except subprocess.TimeoutExpired:
@@ -326,7 +433,7 @@ def case_all(args) -> None:
 
 
 CASES = {"roofline": case_roofline, "ours": case_ours, "hf": case_hf, "hf_static": lambda a: case_hf(a, static=True),
-         "varlen": case_varlen, "profile": case_profile}
+         "varlen": case_varlen, "longtail": case_longtail, "longtail_hf": case_longtail_hf, "profile": case_profile}
 
 
 def main() -> None:
@@ -337,12 +444,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=540, help="seconds for --case all")
     parser.add_argument("--plan", default=DEFAULT_PLAN, help="for --case all: comma-separated case-shape[-compile]")
     parser.add_argument("--profile", action="store_true", help="--case ours: also profile a decode step")
+    parser.add_argument("--no-fused", action="store_true", help="decode through layers.py's torch functions")
     parser.add_argument("--sweep", action="store_true", help="with the profile: sweep the Triton launch settings")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, few tokens: checks the script")
     args = parser.parse_args()
     if args.smoke:
         global DEVICE, PROMPTS, NEW_TOKENS
         DEVICE, PROMPTS, NEW_TOKENS = "cpu", 4, 16
+    rollout_runner.FUSED_DECODE = not args.no_fused
     torch.manual_seed(0)
     (case_all if args.case == "all" else CASES[args.case])(args)
 

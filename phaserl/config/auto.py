@@ -20,7 +20,8 @@ AUTO_RULES = {
                      f"{COMPILE_MIN_PARAMS // 10**6}M parameters; off on the CPU, for transformers models, for tiny "
                      "models and on several ranks (not measured with FSDP yet). The reference policy follows it",
     "critic.compile": "the same rule as actor.compile, for the critic's model",
-    "rollout.engine_compile": "on when the built-in engine runs on CUDA with Triton installed; off on the CPU",
+    "rollout.engine_compile": "on when the built-in engine runs on CUDA with Triton installed and some layer has no "
+                              "fused decode kernels (rollout/fused.py); off on the CPU",
     "rollout.engine_keep_awake": "on when the built-in engine runs on CUDA, the actor is not sharded over several "
                                  "ranks, and the doctor's memory count of the update's peak plus the kept KV cache, "
                                  f"fused weights and graphs is at most {KEEP_AWAKE_SHARE:.0%} of this process's "
@@ -66,15 +67,18 @@ def compile_rule(*, native: bool, device_type: str, triton: bool, num_params: in
     return True, "CUDA, phaserl's decoder, Triton"
 
 
-def engine_compile_rule(*, engine_runs: bool, device_type: str, triton: bool) -> tuple[bool, str]:
-    """rollout.engine_compile when auto (the engine's own rule, phaserl/rollout/engine.py)."""
+def engine_compile_rule(*, engine_runs: bool, device_type: str, triton: bool, fused: bool = False) -> tuple[bool, str]:
+    """rollout.engine_compile when auto (the engine's own rule, phaserl/rollout/engine.py). fused: every decoder
+    layer decodes through the engine's fused kernels (rollout/fused.py), where compiling adds only warm-up."""
     if not engine_runs:
         return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
     if device_type != "cuda":
         return False, device_type.upper()
     if not triton:
         return False, "Triton is not installed"
-    return True, "CUDA, Triton"
+    if fused:
+        return False, "every layer decodes through the engine's fused Triton kernels (compiling adds only warm-up)"
+    return True, "CUDA, Triton, layers without fused decode kernels"
 
 
 def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, actor_sharded: bool,

@@ -71,9 +71,10 @@ class RolloutConfig:
                                                    "null = auto: on with one GPU (or an unsharded actor) when the "
                                                    "doctor's memory count says they fit beside the update with "
                                                    "margin; off on the CPU, with FSDP or tight memory")
-    engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = auto: on CUDA when "
-                                                "Triton is installed; the first rollout on a machine then pays the "
-                                                "compile, cached for later runs: docs/performance.md)")
+    engine_compile: Optional[bool] = spec(None, "builtin engine: torch.compile its layers (null = auto: on CUDA with "
+                                                "Triton where some layer has no fused decode kernels; the first "
+                                                "rollout on a machine then pays the compile, cached for later runs: "
+                                                "docs/performance.md)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "

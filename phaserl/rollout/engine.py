@@ -23,6 +23,7 @@ import torch
 
 from phaserl.errors import ConfigError, DataError
 from phaserl.models.decoder import CausalLM
+from phaserl.rollout.fused import decodes_fused
 from phaserl.rollout.generate import GenerationResult, _check_prompts
 from phaserl.rollout.kv_pool import KVPool
 from phaserl.rollout.runner import ModelRunner
@@ -48,7 +49,8 @@ class EngineConfig:
     token_budget: Optional[int] = None    # KV cache size in tokens; None = memory_fraction of free memory
     memory_fraction: float = 0.4          # of the free accelerator memory at wake() time
     cuda_graphs: bool = True              # capture decode steps (CUDA only; ignored on the CPU)
-    compile: Optional[bool] = None        # torch.compile the layer functions; None = on CUDA when Triton exists
+    compile: Optional[bool] = None        # torch.compile the layer functions; None = on CUDA with Triton where
+                                          # some layer is not fused (rollout/fused.py)
     prefill_tokens: int = 16384           # most (padded) prompt tokens in one prefill pass
     refill: bool = True                   # False = static batching: admit only when the batch is empty
     max_seq_tokens: Optional[int] = None  # longest prompt + response of the run: caps the KV cache at
@@ -100,8 +102,10 @@ class RolloutEngine:
         self.pool = KVPool(self.model.config, weight.dtype, weight.device, token_budget=c.token_budget,
                            memory_fraction=c.memory_fraction, max_tokens=cap)
         compile = c.compile
-        if compile is None:  # H200, reference shape: 190k vs 124k tokens/s without it (BENCHMARKS.md)
-            compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        if compile is None:  # only where some layer decodes through the torch functions: the fused layers need no
+            # compile (H200, 0.5B: 2.46 ms a step eager vs 2.83 ms compiled before them), and it costs a warm-up
+            compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None and (
+                not decodes_fused(self.model))
         self.runner = ModelRunner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
                                   prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
         self._pinned: list[torch.Tensor] = []

@@ -13,10 +13,13 @@ writes the experts each MoE layer chose at each position into `routes` [slots, S
   prefill  the prompts of newly admitted sequences, each distinct prompt once: its KV is written into
            every slot of the sequences that share it, and each sequence draws its own first token.
   decode   one token for every slot in [0, b); b is a bucket size, and on CUDA each (bucket, sampling
-           settings) pair is one captured graph, replayed every step. Sampling happens inside it.
-On CUDA, decode attention (over each row's used context) and sampling are Triton kernels (kernels.py);
-with `compile=True` the norm/projection/MLP pieces go through torch.compile. The CPU path runs the very
-same functions eagerly with pure-torch attention and sampling.
+           settings) pair is one CUDA graph, captured the first time decode needs it (that step runs
+           eagerly, then is recorded) and replayed after. Sampling happens inside it.
+On CUDA, every decode layer whose math fused.py implements runs as its 7 kernels (norms, bias + RoPE + KV
+write + split-K attention, gated activation: kernels.py); other layers run layers.py's functions with the
+Triton attention kernel; sampling is a Triton kernel too. With `compile=True` the torch pieces (prefill,
+unfused layers) go through torch.compile. The CPU path runs layers.py's functions eagerly with pure-torch
+attention and sampling.
 Not here: which sequence is in which slot (scheduler.py), memory sizing (kv_pool.py), kernels (kernels.py).
 
 Legend: N tokens in the pass, b decode rows (slots), U distinct prompts, A admitted sequences,
@@ -37,10 +40,17 @@ from phaserl.models.layers import LayerWeights, embed, post_attention, pre_atten
 from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import kernels
+from phaserl.rollout.fused import fusable, fused_decode_layer
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
 
 Tensor = torch.Tensor
+FUSED_DECODE = True  # decode layers through fused.py's kernels where Triton runs (benchmarks flip it to compare)
+# Capture with CUDAGraph.capture_begin/end on our side stream: torch.cuda.graph() also runs gc.collect() and
+# empty_cache() at every capture (tens of ms each in a trainer's process, and the cache is lost).
+# Off by default until it has run on a GPU: the lean path was written after the last H200 run (2026-12-01), while
+# torch.cuda.graph() with lazy per-bucket capture ran there (benchmarks and tests flip it to compare).
+LEAN_CAPTURE = False
 
 
 def module_tensors(layer) -> list[Tensor]:
@@ -218,6 +228,8 @@ class ModelRunner:
         self.weights: Optional[list[LayerWeights]] = None
         self.pointers: Optional[list[int]] = None
         self.seed = torch.zeros(1, dtype=torch.long, device=self.device)  # fast_sample's noise key, advanced per draw
+        self.fused: list[bool] = []  # per layer: decode through fused.py (set at begin(), from the weights)
+        self.fused_record = False    # SlotState.record as kernels.record
         # Routing replay: the experts every MoE layer chose at every position of every slot (moe.py).
         moe = [i for i, spec in enumerate(self.specs) if spec.moe is not None]
         self.moe_index = {layer: j for j, layer in enumerate(moe)}  # layer -> its column in `routes`
@@ -236,7 +248,7 @@ class ModelRunner:
     def begin(self, num_slots: int, slot_len: int, max_new: int, params: SamplingParams,
               stop_ids: list[int]) -> None:
         """Lay out slots (reusing the previous layout when it is large enough), refresh the fused weights,
-        reset state, capture graphs."""
+        reset state. Graphs of the same layout and weight addresses stay valid; new ones are captured lazily."""
         want = (num_slots, slot_len, max_new)
         grown = want if self.layout is None else tuple(map(max, self.layout, want))
         fit = self.pool.slots_that_fit(grown[1])
@@ -259,11 +271,12 @@ class ModelRunner:
         # Refilled every call: training updates the parameters in place, at the same addresses.
         previous = self.weights or [None] * len(layers)
         self.weights = [fused_weights(layer, old) for layer, old in zip(layers, previous)]
+        use = FUSED_DECODE and kernels.available(self.device)
+        self.fused = [use and fusable(w, spec) for w, spec in zip(self.weights, self.specs)]
+        self.fused_record = use
         self.sampling = (params.greedy, 1.0 if params.greedy else params.temperature, params.top_k, params.top_p)
         self.seed.copy_(torch.randint(2**62, (1,), device=self.device))  # from the (seeded) default generator
         self.state.reset(stop_ids)
-        if self.use_graphs:
-            self._capture_all()
 
     def bucket_for(self, span: int) -> int:
         """Decode rows for slots [0, span): the smallest captured bucket, or exactly span without graphs."""
@@ -386,49 +399,70 @@ class ModelRunner:
     def _decode_step(self, b: int) -> None:
         st = self.state
         tokens, pos = st.tokens[:b], st.pos[:b]
-        rope = [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
+        rope = None if all(self.fused) else [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
         h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
+        carry = None  # a fused layer's MLP output not yet added to h (fused.RESIDUAL_IN_GEMM)
         rows = torch.arange(b, device=self.device)
-        for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
+        for layer, (keys, values, w, spec, fused) in enumerate(zip(self.keys, self.values, self.weights, self.specs,
+                                                                   self.fused)):
+            if fused:
+                h, carry = fused_decode_layer(h, carry, w, spec, keys, values, pos, *self.rope[spec.local_rope])
+                continue
+            h, carry = h if carry is None else h + carry, None
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             h, experts = self._post(h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window), w, spec)
             if experts is not None:  # at the fed token's position (idle rows: their own frozen one)
                 self.routes[rows, pos, self.moe_index[layer]] = experts
-        st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, *self.final_norm)))
+        weight = self.model.model.norm.weight
+        if carry is not None:
+            h = kernels.add_rms_norm(carry, h, weight, *self.final_norm)[0]
+        else:
+            h = (kernels.rms_norm if any(self.fused) else self.fns.norm)(h, weight, *self.final_norm)
+        if self.fused_record:
+            kernels.record(st, b, *self._sample(h))  # SlotState.record's ~15 small kernels as one
+        else:
+            st.record(b, *self._sample(h))
 
     def decode(self, b: int) -> None:
         """One step for slots [0, b): b must come from bucket_for()."""
-        if self.use_graphs:
-            self.graphs[(b, self.sampling)].replay()
+        graph = self.graphs.get((b, self.sampling)) if self.use_graphs else None
+        if graph is not None:
+            graph.replay()
+        elif self.use_graphs:
+            self._capture(b)
         else:
             self._decode_step(b)
 
-    def _capture_all(self) -> None:
-        """Capture every bucket, largest first, into one memory pool (all slots are free: warm-ups are harmless).
+    def _capture(self, b: int) -> None:
+        """This step, eagerly (it doubles as the warm-up: compiles, picks kernels, allocates workspaces), then
+        recorded as bucket b's graph (capture runs nothing) into the one memory pool all buckets share. Lazy:
+        a fixed-length call captures one bucket, not all 13 (0.35-0.6 s per call without keep_awake).
 
         After a capture, gc.freeze(): what exists now (the model, compiled code, graphs: hundreds of thousands
         of objects that live for the run) moves out of the collector's generations, so that a full collection
         during the host's decode loop (0.3-0.5 s for 300k objects) scans only what came later. As vLLM does
-        after its capture. Objects that were already garbage in a reference cycle then are never freed.
-        """
+        after its capture. Objects that were already garbage in a reference cycle then are never freed."""
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
-        captured = 0
-        for b in reversed(decode_buckets(self.layout[0])):
-            if (b, self.sampling) in self.graphs:
-                continue
-            captured += 1
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._decode_step(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if LEAN_CAPTURE:
+            side.synchronize()  # the eager step's memory is settled before the capture reuses the allocator
             with torch.cuda.stream(side):
-                self._decode_step(b)  # warm-up: compiles, picks kernels, allocates workspaces
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(self.graph_pool)
+                try:
+                    self._decode_step(b)
+                finally:
+                    graph.capture_end()
+        else:
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 self._decode_step(b)
-            self.graphs[(b, self.sampling)] = graph
-        if captured:
-            gc.freeze()
+        self.graphs[(b, self.sampling)] = graph
+        gc.freeze()
 
     # ----- slot bookkeeping -----------------------------------------------------------------------
     def move(self, moves: list[tuple[int, int]]) -> None:

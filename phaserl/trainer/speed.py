@@ -30,6 +30,7 @@ from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
+from ..rollout.fused import decodes_fused
 
 if TYPE_CHECKING:
     from ..config import Config, Derived
@@ -79,7 +80,8 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     device = actor.device
     engine_runs = r.engine != "hf" and RolloutEngine.supports(actor.model)
     engine_compile = choose("rollout.engine_compile", r.engine_compile, engine_compile_rule(
-        engine_runs=engine_runs, device_type=device.type, triton=triton_available()))
+        engine_runs=engine_runs, device_type=device.type, triton=triton_available(),
+        fused=engine_runs and decodes_fused(actor.model)))
     keep_rule = (False, "")  # not used when the config sets it
     if r.engine_keep_awake is None:
         count = {"needed_bytes": 0, "budget_bytes": 0}
