@@ -7,7 +7,8 @@ float32, following the formulas transformers uses so that logits match bit for b
   dynamic  NTK-aware: theta grows with the longest position of the current call (no state kept)
   llama3   Llama 3.1: long wavelengths / factor, short ones kept, a smooth ramp in between
   yarn     NTK-by-parts interpolation + an attention temperature applied to cos/sin
-Not here: partial rotary, longrope, multimodal rope (their configs are rejected in config.py).
+Partial rotary (`cfg.rotary_dim` < head_dim) exists for the default variant only (Qwen3.5).
+Not here: longrope, multimodal rope (their configs are rejected in config.py).
 
 Legend: B batch, T tokens, D head_dim.
 """
@@ -27,7 +28,8 @@ def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 
 def default_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
-    return _default_inv_freq(cfg.rope_theta, cfg.head_dim), 1.0
+    # Partial rotary (Qwen3.5) rotates the first rotary_dim dims: frequencies over that width, tables [.., rotary_dim].
+    return _default_inv_freq(cfg.rope_theta, cfg.rotary_dim), 1.0
 
 
 def linear_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:

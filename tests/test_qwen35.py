@@ -1,0 +1,148 @@
+"""Qwen3.5 (Gated DeltaNet linear attention + gated full attention) on the native decoder, against transformers'
+own Qwen3_5ForCausalLM: fp32 logits, HF directories both ways, packed sequences that never share state (the
+recurrent state and the short conv both restart at a boundary), and the chunked rule against the recurrent one."""
+import pytest
+import torch
+import transformers
+
+from phaserl.errors import ConfigError
+from phaserl.models import CausalLM, DecoderConfig, load_pretrained, save_pretrained
+from phaserl.models.linear_attention import chunk_gated_delta_rule, recurrent_step
+
+torch.set_num_threads(1)
+Qwen3_5TextConfig = getattr(transformers, "Qwen3_5TextConfig", None)
+pytestmark = pytest.mark.skipif(Qwen3_5TextConfig is None, reason="this transformers has no Qwen3.5")
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=256)
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights far from init (norm offsets, decays, conv taps included) so that a misplaced piece shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0  # the gated norm is w * x, not (1 + w)
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+    return module.eval()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**TINY)))
+    directory = tmp_path_factory.mktemp("qwen35")
+    hf.save_pretrained(directory)
+    ours = load_pretrained(directory)
+    assert isinstance(ours, CausalLM)
+    return hf, ours, directory
+
+
+def padded_batch(T: int = 70):
+    """Rows longer than one 64-token chunk, left padding of different widths."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (3, T), generator=g)
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[0, :4], mask[2, :1] = 0, 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_the_config_reads_the_hybrid_layout(pair):
+    _, ours, _ = pair
+    cfg = ours.config
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # transformers' default: every 4th
+    assert cfg.rotary_dim == 4 and cfg.attn_output_gate and cfg.num_kv_layers == 1  # partial_rotary_factor 0.25
+    assert cfg.linear_attention.conv_dim == 2 * 2 * 8 + 4 * 8
+    back = DecoderConfig.from_hf_dict(cfg.to_hf_dict())
+    assert back == cfg
+
+
+def test_logits_equal_transformers_in_float32(pair):
+    # Each row alone: transformers' own left-padded rows shift its 64-token chunks and round differently
+    # (1e-5 apart from its unpadded logits), so the reference is every row without its padding.
+    hf, ours, _ = pair
+    ids, mask, _ = padded_batch()
+    with torch.no_grad():
+        got = ours.logits(ours(ids, attention_mask=mask))
+        for row in range(len(ids)):
+            real = mask[row].bool()
+            expected = hf(input_ids=ids[row:row + 1, real]).logits[0]
+            torch.testing.assert_close(got[row, real], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+    hf, ours, _ = pair
+    save_pretrained(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
+    ids, mask, positions = padded_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)
+
+
+def _pack(rows):
+    packed = torch.cat(rows)[None]  # [1, N]
+    positions = torch.cat([torch.arange(len(r)) for r in rows])[None]
+    seq_ids = torch.cat([torch.full((len(r),), i) for i, r in enumerate(rows)])[None]
+    return packed, positions, seq_ids
+
+
+def test_packed_sequences_share_no_state(pair):
+    # Two sequences in one row (the second starts mid-chunk) must give exactly what each gives alone: the
+    # DeltaNet state and the conv's last K-1 inputs restart at the boundary.
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 96, (n,), generator=g) for n in (37, 45)]
+    packed, positions, seq_ids = _pack(rows)
+    with torch.no_grad():
+        alone = torch.cat([ours(r[None])[0] for r in rows])  # [N, H]
+        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
+        leaked = ours(packed, position_ids=positions, seq_ids=torch.zeros_like(seq_ids))[0]  # one sequence
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+    # The comparison can fail: had the state crossed the boundary, the second sequence would differ.
+    assert (leaked[37:] - alone[37:]).abs().max() > 1e-2
+
+
+def test_packed_rows_equal_padded_rows(pair):
+    _, ours, _ = pair
+    ids, mask, _ = padded_batch(20)
+    packed, positions, seq_ids = _pack([ids[i, mask[i].bool()] for i in range(3)])
+    with torch.no_grad():
+        padded = ours(ids, attention_mask=mask)[mask.bool()]
+        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
+    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_rule_equals_the_token_by_token_recurrence():
+    g = torch.Generator().manual_seed(0)
+    n, L, H, Dk, Dv = 2, 70, 3, 8, 4
+    q, k = (torch.nn.functional.normalize(torch.randn(n, L, H, Dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(n, L, H, Dv, generator=g)
+    decay, beta = -torch.rand(n, L, H, generator=g), torch.rand(n, L, H, generator=g)
+    start = torch.randn(n, H, Dk, Dv, generator=g)
+    out, final = chunk_gated_delta_rule(q, k, v, decay, beta, start, chunk=16)
+    state, steps = start, []
+    for t in range(L):
+        o, state = recurrent_step(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], state)
+        steps.append(o)
+    torch.testing.assert_close(out, torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, state, atol=1e-5, rtol=1e-5)
+
+
+def test_the_composite_vision_language_config_is_refused_with_the_way_out():
+    with pytest.raises(ConfigError, match="qwen3_5_text.*transformers|transformers.*text_config"):
+        DecoderConfig.from_hf_dict({"model_type": "qwen3_5", "text_config": dict(TINY, model_type="qwen3_5_text")})
+
+
+def test_trains_with_gradients_through_the_chunked_rule(pair):
+    _, ours, _ = pair
+    model = CausalLM(ours.config)
+    model.load_state_dict(ours.state_dict())
+    ids, mask, _ = padded_batch(20)
+    model.logits(model(ids, attention_mask=mask)).logsumexp(-1).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for name in ("model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.conv1d.weight",
+                 "model.layers.3.self_attn.q_proj.weight"):
+        assert grads[name] is not None and grads[name].abs().sum() > 0, name
