@@ -124,6 +124,11 @@ class DecoderConfig:
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     @property
+    def hybrid(self) -> bool:
+        """True when the layers are hybrid.py's (Qwen3.5: linear attention and/or gated attention)."""
+        return self.linear_attention is not None or self.attn_output_gate
+
+    @property
     def num_kv_layers(self) -> int:
         """Layers that keep keys and values (every layer but the linear-attention ones)."""
         return sum(not self.is_linear(i) for i in range(self.num_hidden_layers))

@@ -250,7 +250,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         layer_class = DecoderLayer
-        if cfg.linear_attention is not None or cfg.attn_output_gate:  # Qwen3.5: Gated DeltaNet, gated attention
+        if cfg.hybrid:  # Qwen3.5: Gated DeltaNet and gated attention layers
             from phaserl.models.hybrid import HybridLayer as layer_class
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)

@@ -211,6 +211,31 @@ def conv_step(x: Tensor, conv_state: Tensor, weight: Tensor) -> tuple[Tensor, Te
     return F.silu((window * weight[:, 0]).sum(-1)), window[:, :, 1:]
 
 
+def continue_sequences(m: GatedDeltaNet, x: Tensor, lengths: Tensor, conv_state: Tensor,
+                       state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The engine's prefill / extend: x [n, L, H] (normed, real tokens first, row i has lengths[i]), continuing
+    from conv_state [n, C, K-1] and state [n, Hv, Dk, Dv] -> (out [n, L, Hv * Dv] before out_proj, the conv
+    state and the recurrent state after each row's last real token). Zeros for both states = a fresh sequence."""
+    s = m.shape
+    real = (torch.arange(x.shape[1], device=x.device) < lengths[:, None])[..., None]  # [n, L, 1]
+    mixed, conv_state = conv_with_state(linear(x, m.in_proj_qkv), conv_state, m.conv1d.weight, lengths)
+    q, k, v, g, beta = rule_inputs(mixed, linear(x, m.in_proj_a), linear(x, m.in_proj_b), s, m.A_log, m.dt_bias)
+    o, state = chunk_gated_delta_rule(q, k, v, g * real, beta * real, state)  # padding: no decay, no write
+    z = linear(x, m.in_proj_z).unflatten(-1, (s.num_value_heads, s.value_head_dim))
+    return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2), conv_state, state
+
+
+def decode_step(m: GatedDeltaNet, x: Tensor, conv_state: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One token per row: x [b, H] (normed), conv_state [b, C, K-1], state [b, Hv, Dk, Dv] (float32)
+    -> (out [b, Hv * Dv] before out_proj, new conv state, new state)."""
+    s = m.shape
+    mixed, conv_state = conv_step(linear(x, m.in_proj_qkv), conv_state, m.conv1d.weight)
+    q, k, v, g, beta = rule_inputs(mixed, linear(x, m.in_proj_a), linear(x, m.in_proj_b), s, m.A_log, m.dt_bias)
+    o, state = recurrent_step(q, k, v, g, beta, state)
+    z = linear(x, m.in_proj_z).unflatten(-1, (s.num_value_heads, s.value_head_dim))
+    return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2), conv_state, state
+
+
 @functools.cache
 def _fla_rule():
     """fla's chunk_gated_delta_rule where the package imports (it needs Triton and CUDA), else None."""

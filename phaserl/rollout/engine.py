@@ -97,8 +97,11 @@ class RolloutEngine:
         compile = c.compile
         if compile is None:  # H200, reference shape: 190k vs 124k tokens/s without it (BENCHMARKS.md)
             compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        self.runner = ModelRunner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
-                                  prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
+        runner = ModelRunner
+        if self.model.config.hybrid:  # Qwen3.5: a recurrent state per slot beside the KV
+            from phaserl.rollout.recurrent_state import HybridRunner as runner
+        self.runner = runner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
+                             prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
         self._pinned: list[torch.Tensor] = []
 
     @staticmethod

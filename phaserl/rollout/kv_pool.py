@@ -31,8 +31,8 @@ class KVPool:
             raise ConfigError(f"KVPool token_budget={token_budget}: must be >= 1 (or None to size from memory)")
         if not 0 < memory_fraction < 1:
             raise ConfigError(f"KVPool memory_fraction={memory_fraction}: must be in (0, 1)")
-        self.num_layers, self.num_kv_heads, self.head_dim = (cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                             cfg.head_dim)
+        # Linear-attention layers (Qwen3.5) keep no KV: their state lives in rollout/recurrent_state.py.
+        self.num_layers, self.num_kv_heads, self.head_dim = (cfg.num_kv_layers, cfg.num_key_value_heads, cfg.head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.token_budget, self.memory_fraction, self.max_tokens = token_budget, memory_fraction, max_tokens
         self.buffer: Optional[torch.Tensor] = None  # [L, 2, capacity * Hkv * D]

@@ -239,12 +239,14 @@ class ModelRunner:
             self.rope = [(cos[0], sin[0]) for cos, sin in tables]  # [global, local] layers.rope_tables [S, D]
         # Refilled every call: training updates the parameters in place, at the same addresses.
         previous = self.weights or [None] * len(layers)
-        self.weights = [fused_weights(layer, old) for layer, old in zip(layers, previous)]
+        self.weights = [self.engine_weights(layer, old) for layer, old in zip(layers, previous)]
         self.sampling = (params.greedy, 1.0 if params.greedy else params.temperature, params.top_k, params.top_p)
         self.seed.copy_(torch.randint(2**62, (1,), device=self.device))  # from the (seeded) default generator
         self.state.reset(stop_ids)
         if self.use_graphs:
             self._capture_all()
+
+    engine_weights = staticmethod(fused_weights)  # a layer's LayerWeights for the engine (hybrid runners differ)
 
     def bucket_for(self, span: int) -> int:
         """Decode rows for slots [0, span): the smallest captured bucket, or exactly span without graphs."""
