@@ -7,7 +7,7 @@ import transformers
 
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, load_pretrained, save_pretrained
-from phaserl.models.linear_attention import chunk_gated_delta_rule, recurrent_step
+from phaserl.models.linear_attention import chunk_gated_delta_rule, recurrent_step_
 
 torch.set_num_threads(1)
 Qwen3_5TextConfig = getattr(transformers, "Qwen3_5TextConfig", None)
@@ -123,10 +123,9 @@ def test_chunked_rule_equals_the_token_by_token_recurrence():
     decay, beta = -torch.rand(n, L, H, generator=g), torch.rand(n, L, H, generator=g)
     start = torch.randn(n, H, Dk, Dv, generator=g)
     out, final = chunk_gated_delta_rule(q, k, v, decay, beta, start, chunk=16)
-    state, steps = start, []
+    state, steps = start.clone(), []
     for t in range(L):
-        o, state = recurrent_step(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], state)
-        steps.append(o)
+        steps.append(recurrent_step_(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], state))
     torch.testing.assert_close(out, torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, state, atol=1e-5, rtol=1e-5)
 
@@ -222,3 +221,88 @@ def test_a_multi_turn_session_continues_the_state_instead_of_starting_over(pair)
             turns = session.step()
     conversation = prompt + turn1 + observation
     assert turns[0].token_ids[:5] == greedy_reference(ours, conversation, 5)[:len(turns[0].token_ids)]
+
+
+# ----- GPU ------------------------------------------------------------------------------------------------
+def _on_cuda(ours, dtype=torch.float32):
+    model = CausalLM(ours.config).to("cuda")
+    model.load_state_dict(ours.state_dict())
+    return model.to(dtype).eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_greedy_with_cuda_graphs_equals_the_uncached_loop(pair, compile):
+    _, ours, _ = pair
+    model = _on_cuda(ours)
+    prompts = PROMPTS * 5  # 20 sequences through 8 slots: refill, several buckets, compaction
+    caps = [8, 3, 6, 1, 5] * 4
+    engine = RolloutEngine(model, EngineConfig(max_slots=8, compile=compile, token_budget=4096))
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0, max_new_tokens=caps)
+    assert engine.last_stats["graphs"] > 1
+    assert result.response_ids == [_greedy_cuda(model, p, c) for p, c in zip(prompts, caps)]
+
+
+def _greedy_cuda(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            seq.append(int(model.logits(model(torch.tensor([seq], device="cuda")))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_engine_logprobs_match_the_trainer(pair):
+    # The same bound as the dense families (tests/test_rollout_engine.py): mean <= 0.03, max <= 0.3 nats.
+    from phaserl.roles.forward import head_logprobs
+
+    _, ours, _ = pair
+    model = _on_cuda(ours, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (int(n),), generator=g).tolist() for n in torch.randint(8, 80, (8,), generator=g)]
+    prompts = [p for p in prompts for _ in range(4)]
+    result = RolloutEngine(model, EngineConfig(token_budget=16384)).generate(
+        prompts, SamplingParams(max_new_tokens=48, temperature=1.0), eos_token_ids=[], pad_token_id=0,
+        generator=torch.Generator("cuda").manual_seed(1))
+    diffs = []
+    with torch.no_grad():
+        for prompt, tokens, logprobs in zip(prompts, result.response_ids, result.logprobs):
+            hidden = model(torch.tensor([prompt + tokens], device="cuda"))[0, len(prompt) - 1:-1]
+            trainer, _ = head_logprobs(model, hidden, torch.tensor(tokens, device="cuda"), temperature=1.0,
+                                       chunk_size=64, with_entropy=False)
+            diffs.append((trainer.float().cpu() - torch.tensor(logprobs)).abs())
+    diffs = torch.cat(diffs)
+    print(f"Qwen3.5 bf16 engine vs trainer log-probs: mean |diff| {diffs.mean():.5f}, max {diffs.max():.5f}")
+    assert diffs.mean() <= 0.03 and diffs.max() <= 0.3
+
+
+@pytest.mark.gpu
+def test_gpu_packed_forward_equals_each_sequence_alone_in_bf16(pair):
+    # On CUDA the packed forward takes the varlen kernel for the attention layers and, where fla imports,
+    # fla's chunk rule with cu_seqlens for the linear ones: still no state may cross a boundary.
+    _, ours, _ = pair
+    model = _on_cuda(ours, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, 96, (n,), generator=g).cuda() for n in (37, 100, 5)]
+    packed, positions, seq_ids = (t.cuda() for t in _pack(rows))
+    with torch.no_grad():
+        alone = torch.cat([model(r[None])[0] for r in rows]).float()
+        got = model(packed, position_ids=positions, seq_ids=seq_ids)[0].float()
+    assert (got - alone).abs().max() < 0.05 * alone.abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_fla_chunk_rule_equals_the_torch_rule(pair, monkeypatch):
+    from phaserl.models import linear_attention
+
+    if linear_attention._fla_rule() is None:
+        pytest.skip("flash-linear-attention (fla) does not import here")
+    _, ours, _ = pair
+    model = _on_cuda(ours, torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 150), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad():
+        with_fla = model(ids).float()
+        monkeypatch.setattr(linear_attention, "USE_FLA", False)
+        torch_rule = model(ids).float()
+    assert (with_fla - torch_rule).abs().max() < 0.05 * torch_rule.abs().max()

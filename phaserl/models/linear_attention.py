@@ -8,7 +8,7 @@ Instead of attending over keys, the layer keeps one state per value head, S [Dk,
   out = out_proj(w * rms_norm(o) * silu(in_proj_z(h)))            (the norm per value head, then the gate)
 Training runs the rule chunk by chunk (`chunk_gated_delta_rule`: inside a chunk the updates are one
 triangular solve, the state crosses chunk edges), in float32; the engine steps it token by token
-(`recurrent_step`). Both restate transformers' Qwen3.5 reference (torch_chunk_gated_delta_rule,
+(`recurrent_step_`, in place). Both restate transformers' Qwen3.5 reference (torch_chunk_gated_delta_rule,
 torch_recurrent_gated_delta_rule, causal_conv1d_fn/_update), itself the flash-linear-attention math.
 
 Packing: the state and the convolution's memory start empty at every sequence. `Segments` gathers each
@@ -185,13 +185,13 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     return o, state
 
 
-def recurrent_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """One token per row: q, k [b, Hv, Dk], v [b, Hv, Dv], g, beta [b, Hv], state [b, Hv, Dk, Dv] (float32)
-    -> (o [b, Hv, Dv], the new state)."""
-    state = state * g.exp()[..., None, None]
-    update = (v - (state * k[..., None]).sum(-2)) * beta[..., None]  # [b, Hv, Dv]
-    state = state + k[..., None] * update[..., None, :]
-    return (state * q[..., None]).sum(-2), state
+def recurrent_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    """One token per row, the state updated in place: q, k [b, Hv, Dk], v [b, Hv, Dv], g, beta [b, Hv],
+    state [b, Hv, Dk, Dv] (float32) -> o [b, Hv, Dv]. A row with g = beta = 0 keeps its state as it is."""
+    state.mul_(g.exp()[..., None, None])
+    update = (v - (k[..., None, :] @ state).squeeze(-2)) * beta[..., None]  # [b, Hv, Dv]: beta (v - S^T k)
+    state.add_(k[..., :, None] * update[..., None, :])
+    return (q[..., None, :] @ state).squeeze(-2)
 
 
 def conv_with_state(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
@@ -225,15 +225,17 @@ def continue_sequences(m: GatedDeltaNet, x: Tensor, lengths: Tensor, conv_state:
     return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2), conv_state, state
 
 
-def decode_step(m: GatedDeltaNet, x: Tensor, conv_state: Tensor, state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One token per row: x [b, H] (normed), conv_state [b, C, K-1], state [b, Hv, Dk, Dv] (float32)
-    -> (out [b, Hv * Dv] before out_proj, new conv state, new state)."""
+def decode_step_(m: GatedDeltaNet, x: Tensor, conv_state: Tensor, state: Tensor, running: Tensor) -> Tensor:
+    """One token per row, both states updated in place where `running` [b] is True (the others keep theirs):
+    x [b, H] (normed), conv_state [b, C, K-1], state [b, Hv, Dk, Dv] (float32) -> out [b, Hv * Dv] before out_proj."""
     s = m.shape
-    mixed, conv_state = conv_step(linear(x, m.in_proj_qkv), conv_state, m.conv1d.weight)
+    mixed, new_conv = conv_step(linear(x, m.in_proj_qkv), conv_state, m.conv1d.weight)
+    conv_state.copy_(torch.where(running[:, None, None], new_conv, conv_state))
     q, k, v, g, beta = rule_inputs(mixed, linear(x, m.in_proj_a), linear(x, m.in_proj_b), s, m.A_log, m.dt_bias)
-    o, state = recurrent_step(q, k, v, g, beta, state)
+    keep = running[:, None]
+    o = recurrent_step_(q, k, v, g * keep, beta * keep, state)  # g = beta = 0: the state stays
     z = linear(x, m.in_proj_z).unflatten(-1, (s.num_value_heads, s.value_head_dim))
-    return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2), conv_state, state
+    return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2)
 
 
 @functools.cache

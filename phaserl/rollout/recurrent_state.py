@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from phaserl.models.hybrid import gated_output, gated_pre_attention
 from phaserl.models.layers import LayerWeights, embed, rms_norm
-from phaserl.models.linear_attention import continue_sequences, decode_step
+from phaserl.models.linear_attention import continue_sequences, decode_step_
 from phaserl.rollout.runner import ModelRunner, prefill_mask
 
 Tensor = torch.Tensor
@@ -176,10 +176,7 @@ class HybridRunner(ModelRunner):
         for module, kind, j, w, spec in self._layers():
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
-                conv, delta = R.conv[j][:b], R.delta[j][:b]
-                out, new_conv, new_delta = decode_step(module.linear_attn, x, conv, delta)
-                conv.copy_(torch.where(running[:, None, None], new_conv, conv))
-                delta.copy_(torch.where(running[:, None, None, None], new_delta, delta))
+                out = decode_step_(module.linear_attn, x, R.conv[j][:b], R.delta[j][:b], running)  # states in place
                 h = self.fns.post(h, out, w, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
