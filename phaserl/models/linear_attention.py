@@ -42,7 +42,7 @@ CHUNK = 64  # tokens per chunk of the chunked rule (transformers' and fla's defa
 
 
 class GatedNorm(nn.Module):
-    """RMS norm per value head, weight * norm(o) rounded to o's dtype, times silu(z) in float32 (Qwen3_5RMSNormGated)."""
+    """RMS norm per value head: weight * norm(o) rounded to o's dtype, times silu(z) in float32."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -262,6 +262,7 @@ def _fla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Se
     r = seg.real
     # q is already normed and scaled (scale=1 below); fla wants its inputs in one dtype, bf16 for speed.
     dtype = torch.bfloat16
-    o, _ = _fla_rule()(q[r][None].to(dtype), k[r][None].to(dtype), v[r][None].to(dtype), g[r][None], beta[r][None].to(dtype),
-                       scale=1.0, cu_seqlens=seg.cu_seqlens.long(), use_qk_l2norm_in_kernel=False)
+    q, k, v, beta = (t[r][None].to(dtype) for t in (q, k, v, beta))  # [1, N, ...]
+    o, _ = _fla_rule()(q, k, v, g[r][None], beta, scale=1.0, cu_seqlens=seg.cu_seqlens.long(),
+                       use_qk_l2norm_in_kernel=False)
     return o[0].float()
