@@ -223,6 +223,29 @@ def test_a_multi_turn_session_continues_the_state_instead_of_starting_over(pair)
     assert turns[0].token_ids[:5] == greedy_reference(ours, conversation, 5)[:len(turns[0].token_ids)]
 
 
+
+def test_lora_adapters_act_in_the_engine_and_switch_off_for_the_reference(pair):
+    # The hybrid layers call their projection modules (training and engine alike), so LoRA wrappers count.
+    from phaserl.models.lora import LoRASettings, adapters_disabled, apply_lora
+
+    _, ours, _ = pair
+    model = CausalLM(ours.config)
+    model.load_state_dict(ours.state_dict())
+    model.eval()
+    base = [greedy_reference(model, p, 6) for p in PROMPTS]
+    apply_lora(model, LoRASettings(rank=4, alpha=8.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    adapted = [greedy_reference(model, p, 6) for p in PROMPTS]
+    assert adapted != base  # the adapters change what the model says
+    engine = RolloutEngine(model, EngineConfig())
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    assert engine.generate(PROMPTS, params, eos_token_ids=[], pad_token_id=0).response_ids == adapted
+    with adapters_disabled(model):
+        assert engine.generate(PROMPTS, params, eos_token_ids=[], pad_token_id=0).response_ids == base
+
 # ----- GPU ------------------------------------------------------------------------------------------------
 def _on_cuda(ours, dtype=torch.float32):
     model = CausalLM(ours.config).to("cuda")

@@ -57,7 +57,7 @@ class RecurrentState:
 
 
 def hybrid_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeights:
-    """The layer's own modules, read in place (no fused copies: LoRA is not supported on hybrid layers)."""
+    """The layer's own modules, called in place (no fused copies yet; LoRA wrappers act unmerged, as in training)."""
     return layer.weights()
 
 
