@@ -187,11 +187,18 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 def recurrent_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
     """One token per row, the state updated in place: q, k [b, Hv, Dk], v [b, Hv, Dv], g, beta [b, Hv],
-    state [b, Hv, Dk, Dv] (float32) -> o [b, Hv, Dv]. A row with g = beta = 0 keeps its state as it is."""
-    state.mul_(g.exp()[..., None, None])
-    update = (v - (k[..., None, :] @ state).squeeze(-2)) * beta[..., None]  # [b, Hv, Dv]: beta (v - S^T k)
-    state.add_(k[..., :, None] * update[..., None, :])
-    return (q[..., None, :] @ state).squeeze(-2)
+    state [b, Hv, Dk, Dv] (float32, contiguous) -> o [b, Hv, Dv]. A row with g = beta = 0 keeps its state.
+
+    k^T (e^g S) = e^g (k^T S): the state is read once for it, then decayed and updated in place (baddbmm adds
+    the outer product k u^T without a temporary of the state's size), then read once more for the output."""
+    b, H, Dk, Dv = state.shape
+    flat = state.view(b * H, Dk, Dv)
+    decay = g.exp()  # [b, Hv]
+    predicted = torch.bmm(k.reshape(b * H, 1, Dk), flat).view(b, H, Dv)  # k^T S before the decay
+    update = (v - decay[..., None] * predicted) * beta[..., None]  # [b, Hv, Dv]: beta (v - (e^g S)^T k)
+    state.mul_(decay[..., None, None])
+    flat.baddbmm_(k.reshape(b * H, Dk, 1), update.reshape(b * H, 1, Dv))
+    return torch.bmm(q.reshape(b * H, 1, Dk), flat).view(b, H, Dv)
 
 
 def conv_with_state(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
@@ -208,7 +215,9 @@ def conv_with_state(x: Tensor, conv_state: Tensor, weight: Tensor, lengths: Tens
 def conv_step(x: Tensor, conv_state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """One token per row: x [b, C], conv_state [b, C, K-1] -> (silu(conv) [b, C], the new state)."""
     window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=-1)  # [b, C, K]
-    return F.silu((window * weight[:, 0]).sum(-1)), window[:, :, 1:]
+    # Accumulated in float32, as the conv kernels of the prefill and of training do.
+    y = (window.float() * weight[:, 0].float()).sum(-1).to(x.dtype)
+    return F.silu(y), window[:, :, 1:]
 
 
 def continue_sequences(m: GatedDeltaNet, x: Tensor, lengths: Tensor, conv_state: Tensor,
