@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from phaserl.models.hybrid import gated_output, gated_pre_attention
 from phaserl.models.layers import LayerWeights, embed, rms_norm
 from phaserl.models.linear_attention import continue_sequences, decode_step_
+from phaserl.models.lora import engine_weight
 from phaserl.rollout.runner import ModelRunner, prefill_mask
 
 Tensor = torch.Tensor
@@ -57,8 +58,12 @@ class RecurrentState:
 
 
 def hybrid_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeights:
-    """The layer's own modules, called in place (no fused copies yet; LoRA wrappers act unmerged, as in training)."""
-    return layer.weights()
+    """The layer's tensors for the engine: o/out_proj, gate, up, down as the tensors the compiled post_attention
+    multiplies (with LoRA adapters the merged engine copies, lora.engine_weight); q/k/v stay the modules (called
+    eagerly: their LoRA wrappers act unmerged, their biases apply). No fused [q; k; v] copies yet."""
+    m, p = layer.weights(), previous
+    return m._replace(o=engine_weight(m.o, p and p.o), o_bias=m.o.bias, gate=engine_weight(m.gate, p and p.gate),
+                      up=engine_weight(m.up, p and p.up), down=engine_weight(m.down, p and p.down))
 
 
 class HybridRunner(ModelRunner):
@@ -86,12 +91,16 @@ class HybridRunner(ModelRunner):
         if self.recurrent is None or self.recurrent.num_slots != self.layout[0]:
             self.graphs = {}  # graphs point at the state they were captured with
             self.recurrent = RecurrentState(self.cfg, self.layout[0], self.model.output_weight.dtype, self.device)
+        # What post_attention (compiled on CUDA) sees: tensors only, so one compiled graph serves every layer.
+        self.post_weights = [w._replace(q=None, k=None, v=None) for w in self.weights]
         if self.use_graphs:
             self._capture_all()
 
     def _layers(self):
-        for module, (kind, j), w, spec in zip(self.layer_modules, self.slots_of, self.weights, self.specs):
-            yield module, kind, j, w, spec
+        """(module, kind, its index in the KV pool or RecurrentState, weights, post weights, spec) per layer."""
+        for module, (kind, j), w, post, spec in zip(self.layer_modules, self.slots_of, self.weights,
+                                                     self.post_weights, self.specs):
+            yield module, kind, j, w, post, spec
 
     # ----- prefill --------------------------------------------------------------------------------
     def _prefill_pass(self, groups) -> None:
@@ -109,13 +118,13 @@ class HybridRunner(ModelRunner):
         rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, R] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
         R = self.recurrent
-        for module, kind, j, w, spec in self._layers():
+        for module, kind, j, w, post, spec in self._layers():
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style).view(U, P, -1)
                 conv0 = R.conv[j].new_zeros(U, *R.conv[j].shape[1:])
                 out, conv, delta = continue_sequences(module.linear_attn, x, lengths, conv0, None)
                 R.conv[j][slots], R.delta[j][slots] = conv[group_of], delta[group_of]  # a fresh state per sequence
-                h = self.fns.post(h, out.view(U * P, -1), w, spec)
+                h = self.fns.post(h, out.view(U * P, -1), post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
             k, v = k.view(U, P, Hkv, D).transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # [U, Hkv, P, D]
@@ -123,7 +132,7 @@ class HybridRunner(ModelRunner):
             mask = prefill_mask(P, spec.window, self.device)
             attn = F.scaled_dot_product_attention(q.view(U, P, Hq, D).transpose(1, 2), k, v, attn_mask=mask,
                                                   is_causal=mask is None, scale=spec.scale, enable_gqa=True)
-            h = gated_output(h, attn.transpose(1, 2).reshape(U * P, Hq * D), gate, w, spec)
+            h = gated_output(h, attn.transpose(1, 2).reshape(U * P, Hq * D), gate, post, spec)
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm)
                                         [group_of])
@@ -148,12 +157,12 @@ class HybridRunner(ModelRunner):
         rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, R] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
         R = self.recurrent
-        for module, kind, j, w, spec in self._layers():
+        for module, kind, j, w, post, spec in self._layers():
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style).view(C, M, -1)
                 out, R.conv[j][slots], R.delta[j][slots] = continue_sequences(
                     module.linear_attn, x, lengths, R.conv[j][slots], R.delta[j][slots])  # the slot's state goes on
-                h = self.fns.post(h, out.view(C * M, -1), w, spec)
+                h = self.fns.post(h, out.view(C * M, -1), post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
             self.keys[j][slots[:, None], :, pos] = k.view(C, M, Hkv, D)
@@ -161,7 +170,7 @@ class HybridRunner(ModelRunner):
             attn = F.scaled_dot_product_attention(
                 q.view(C, M, Hq, D).transpose(1, 2), self.keys[j][slots, :, :context],
                 self.values[j][slots, :, :context], attn_mask=visible, scale=spec.scale, enable_gqa=True)
-            h = gated_output(h, attn.transpose(1, 2).reshape(C * M, Hq * D), gate, w, spec)
+            h = gated_output(h, attn.transpose(1, 2).reshape(C * M, Hq * D), gate, post, spec)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
         self.state.start(slots, tokens, logprobs, starts + lengths, caps)
@@ -173,15 +182,15 @@ class HybridRunner(ModelRunner):
         running = ~st.finished[:b]  # [b] only these feed their token into the recurrent state
         rope = [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, R] each
         h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
-        for module, kind, j, w, spec in self._layers():
+        for module, kind, j, w, post, spec in self._layers():
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
                 out = decode_step_(module.linear_attn, x, R.conv[j][:b], R.delta[j][:b], running)  # states in place
-                h = self.fns.post(h, out, w, spec)
+                h = self.fns.post(h, out, post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
             attn = self.fns.attend(q, k, v, self.keys[j], self.values[j], pos, spec.scale, spec.window)
-            h = gated_output(h, attn, gate, w, spec)
+            h = gated_output(h, attn, gate, post, spec)
         st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, *self.final_norm)))
 
     def move(self, moves: list[tuple[int, int]]) -> None:
