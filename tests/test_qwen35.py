@@ -147,6 +147,23 @@ def test_trains_with_gradients_through_the_chunked_rule(pair):
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
 
 
+
+def test_a_qwen35_critic_round_trips_through_sequence_classification(pair, tmp_path):
+    from phaserl.models import ValueModel, load_value_model
+    from phaserl.models.hf_io import save_value_model
+
+    _, ours, _ = pair
+    value = ValueModel(CausalLM(ours.config.replace(pad_token_id=0)))  # transformers needs a pad id for B > 1
+    value.model.load_state_dict(ours.model.state_dict())
+    torch.nn.init.normal_(value.score.weight, std=0.5)
+    save_value_model(value, tmp_path / "critic")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic").eval()
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        values = value(ids)
+        torch.testing.assert_close(hf(input_ids=ids).logits[:, 0], values[:, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(load_value_model(tmp_path / "critic")(ids), values)
+
 # ----- the rollout engine -------------------------------------------------------------------------------
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 
