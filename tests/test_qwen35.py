@@ -263,6 +263,34 @@ def test_lora_adapters_act_in_the_engine_and_switch_off_for_the_reference(pair):
     with adapters_disabled(model):
         assert engine.generate(PROMPTS, params, eos_token_ids=[], pad_token_id=0).response_ids == base
 
+
+def _kernel_device() -> str:
+    from phaserl.rollout import kernels
+
+    if not kernels.available(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("needs Triton on CUDA (or TRITON_INTERPRET=1 with Triton installed)")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 8, 8), (5, 3, 16, 40), (2, 1, 12, 24)])
+def test_triton_delta_step_equals_the_torch_step(shape):
+    from phaserl.rollout.delta_kernel import delta_step_
+
+    device = _kernel_device()
+    b, H, Dk, Dv = shape
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(b, H, Dk, generator=g), dim=-1) for _ in range(2))
+    v, state = torch.randn(b, H, Dv, generator=g), torch.randn(b, H, Dk, Dv, generator=g)
+    decay, beta = -torch.rand(b, H, generator=g), torch.rand(b, H, generator=g)
+    decay[0], beta[0] = 0.0, 0.0  # a row that is not running keeps its state
+    expected_state = state.clone()
+    expected = recurrent_step_(q, k, v, decay, beta, expected_state)
+    got_state = state.to(device)
+    got = delta_step_(*(t.to(device) for t in (q, k, v, decay, beta)), got_state)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state.cpu(), expected_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state[0].cpu(), state[0])
+
 # ----- GPU ------------------------------------------------------------------------------------------------
 def _on_cuda(ours, dtype=torch.float32):
     model = CausalLM(ours.config).to("cuda")

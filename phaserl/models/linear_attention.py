@@ -234,15 +234,17 @@ def continue_sequences(m: GatedDeltaNet, x: Tensor, lengths: Tensor, conv_state:
     return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2), conv_state, state
 
 
-def decode_step_(m: GatedDeltaNet, x: Tensor, conv_state: Tensor, state: Tensor, running: Tensor) -> Tensor:
+def decode_step_(m: GatedDeltaNet, x: Tensor, conv_state: Tensor, state: Tensor, running: Tensor,
+                 step=None) -> Tensor:
     """One token per row, both states updated in place where `running` [b] is True (the others keep theirs):
-    x [b, H] (normed), conv_state [b, C, K-1], state [b, Hv, Dk, Dv] (float32) -> out [b, Hv * Dv] before out_proj."""
+    x [b, H] (normed), conv_state [b, C, K-1], state [b, Hv, Dk, Dv] (float32) -> out [b, Hv * Dv] before out_proj.
+    step: the rule's one-token update (recurrent_step_, or the engine's Triton twin with the same contract)."""
     s = m.shape
     mixed, new_conv = conv_step(linear(x, m.in_proj_qkv), conv_state, m.conv1d.weight)
     conv_state.copy_(torch.where(running[:, None, None], new_conv, conv_state))
     q, k, v, g, beta = rule_inputs(mixed, linear(x, m.in_proj_a), linear(x, m.in_proj_b), s, m.A_log, m.dt_bias)
     keep = running[:, None]
-    o = recurrent_step_(q, k, v, g * keep, beta * keep, state)  # g = beta = 0: the state stays
+    o = (step or recurrent_step_)(q, k, v, g * keep, beta * keep, state)  # g = beta = 0: the state stays
     z = linear(x, m.in_proj_z).unflatten(-1, (s.num_value_heads, s.value_head_dim))
     return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2)
 

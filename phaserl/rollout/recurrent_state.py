@@ -12,8 +12,9 @@ the functions the training decoder runs):
            steps must not feed its last token again: `extend` feeds it with the next turn)
   extend   continues each slot's state over the appended tokens (multi-turn)
   move     compaction moves the state with the KV
-On CUDA the decode step is plain torch ops captured in the graphs (no Triton kernel for the recurrence yet);
-the full-attention layers use the Triton decode attention kernel where it runs.
+On CUDA the DeltaNet state update is a Triton kernel (delta_kernel.py: the state read and written once), the
+rest of the step plain torch ops, all captured in the graphs; the full-attention layers use the Triton decode
+attention kernel. Without Triton (the CPU) the same step runs in torch.
 Not here: the math (models/), slots and scheduling (scheduler.py), the KV memory (kv_pool.py).
 
 Legend: b decode rows, U distinct prompts, P longest prompt, C rows extended, M longest extension,
@@ -28,8 +29,9 @@ import torch.nn.functional as F
 
 from phaserl.models.hybrid import gated_output, gated_pre_attention
 from phaserl.models.layers import LayerWeights, embed, rms_norm
-from phaserl.models.linear_attention import continue_sequences, decode_step_
+from phaserl.models.linear_attention import continue_sequences, decode_step_, recurrent_step_
 from phaserl.models.lora import engine_weight
+from phaserl.rollout import kernels
 from phaserl.rollout.runner import ModelRunner, prefill_mask
 
 Tensor = torch.Tensor
@@ -77,6 +79,11 @@ class HybridRunner(ModelRunner):
         # per layer: ("linear", index into RecurrentState) or ("attention", index into the KV pool's layers)
         self.slots_of = [("linear", next(rec)) if layer.linear else ("attention", next(kv)) for layer in layers]
         self.recurrent: Optional[RecurrentState] = None
+        self.delta_step = recurrent_step_  # the DeltaNet state update of a decode step; Triton where it runs
+        if kernels.available(self.device):
+            from phaserl.rollout.delta_kernel import delta_step_
+
+            self.delta_step = delta_step_
 
     def release(self) -> None:
         super().release()
@@ -185,7 +192,8 @@ class HybridRunner(ModelRunner):
         for module, kind, j, w, post, spec in self._layers():
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
-                out = decode_step_(module.linear_attn, x, R.conv[j][:b], R.delta[j][:b], running)  # states in place
+                out = decode_step_(module.linear_attn, x, R.conv[j][:b], R.delta[j][:b], running,
+                                   self.delta_step)  # both states in place
                 h = self.fns.post(h, out, post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
