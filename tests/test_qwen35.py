@@ -299,28 +299,6 @@ def _on_cuda(ours, dtype=torch.float32):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile", [False, True])
-def test_gpu_greedy_with_cuda_graphs_equals_the_uncached_loop(pair, compile):
-    _, ours, _ = pair
-    model = _on_cuda(ours)
-    prompts = PROMPTS * 5  # 20 sequences through 8 slots: refill, several buckets, compaction
-    caps = [8, 3, 6, 1, 5] * 4
-    engine = RolloutEngine(model, EngineConfig(max_slots=8, compile=compile, token_budget=4096))
-    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
-                             pad_token_id=0, max_new_tokens=caps)
-    assert engine.last_stats["graphs"] > 1
-    assert result.response_ids == [_greedy_cuda(model, p, c) for p, c in zip(prompts, caps)]
-
-
-def _greedy_cuda(model, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        with torch.no_grad():
-            seq.append(int(model.logits(model(torch.tensor([seq], device="cuda")))[0, -1].argmax()))
-    return seq[len(prompt):]
-
-
-@pytest.mark.gpu
 def test_gpu_bf16_engine_logprobs_match_the_trainer(pair):
     # The same bound as the dense families (tests/test_rollout_engine.py): mean <= 0.03, max <= 0.3 nats.
     from phaserl.roles.forward import head_logprobs
@@ -374,3 +352,25 @@ def test_gpu_fla_chunk_rule_equals_the_torch_rule(pair, monkeypatch):
         monkeypatch.setattr(linear_attention, "USE_FLA", False)
         torch_rule = model(ids).float()
     assert (with_fla - torch_rule).abs().max() < 0.05 * torch_rule.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_greedy_with_cuda_graphs_equals_the_uncached_loop(pair, compile):
+    _, ours, _ = pair
+    model = _on_cuda(ours)
+    prompts = PROMPTS * 5  # 20 sequences through 8 slots: refill, several buckets, compaction
+    caps = [8, 3, 6, 1, 5] * 4
+    engine = RolloutEngine(model, EngineConfig(max_slots=8, compile=compile, token_budget=4096))
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0, max_new_tokens=caps)
+    assert engine.last_stats["graphs"] > 1
+    assert result.response_ids == [_greedy_cuda(model, p, c) for p, c in zip(prompts, caps)]
+
+
+def _greedy_cuda(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            seq.append(int(model.logits(model(torch.tensor([seq], device="cuda")))[0, -1].argmax()))
+    return seq[len(prompt):]
