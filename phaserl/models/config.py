@@ -1,10 +1,11 @@
-"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Mistral, Gemma 3, OLMo 2, Phi-3), and its
-Hugging Face config.json form.
+"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Qwen3.5, Mistral, Gemma 3, OLMo 2, Phi-3),
+and its Hugging Face config.json form.
 
 This module only describes shapes and hyper-parameters. What differs between families (which norms a layer
 has and where, the norm's rounding, the activation, qk-norm, embedding scale, attention scale, sliding
-windows) is a field here, filled by the family's reader in `families.py`; the layer math that reads those
-fields lives once in `layers.py`, used by the training decoder and the rollout engine alike. It reads both
+windows, Qwen3.5's linear-attention layers, output gate and partial RoPE) is a field here, filled by the
+family's reader in `families.py`; the layer math that reads those fields lives once in `layers.py` (Qwen3.5's
+in `hybrid.py` and `linear_attention.py`), used by the training decoder and the rollout engine alike. It reads both
 config.json dialects that exist in the wild (transformers 4.x `rope_theta` + `rope_scaling`, transformers
 5.x `rope_parameters`) and writes the 4.x dialect, which every transformers version since 4.x still reads.
 Building the network lives in `decoder.py`; reading and writing weights in `hf_io.py`.
