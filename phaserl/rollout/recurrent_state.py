@@ -35,6 +35,7 @@ from phaserl.rollout import kernels
 from phaserl.rollout.runner import ModelRunner, prefill_mask
 
 Tensor = torch.Tensor
+USE_DELTA_KERNEL = True  # False: the torch DeltaNet step on CUDA too (benchmarks compare the two)
 
 
 class RecurrentState:
@@ -80,7 +81,7 @@ class HybridRunner(ModelRunner):
         self.slots_of = [("linear", next(rec)) if layer.linear else ("attention", next(kv)) for layer in layers]
         self.recurrent: Optional[RecurrentState] = None
         self.delta_step = recurrent_step_  # the DeltaNet state update of a decode step; Triton where it runs
-        if kernels.available(self.device):
+        if USE_DELTA_KERNEL and kernels.available(self.device):
             from phaserl.rollout.delta_kernel import delta_step_
 
             self.delta_step = delta_step_
