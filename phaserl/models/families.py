@@ -91,9 +91,11 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
     """DecoderConfig from a config.json dict (see the module docstring for what each family reads)."""
     model_type = d.get("model_type")
     if model_type == "qwen3_5":
-        raise ConfigError(f"{source}: model_type='qwen3_5' is the vision-language Qwen3.5 (weights under "
-                          "model.language_model.*); the native decoder reads the text-only qwen3_5_text config. Use "
-                          "model.implementation=transformers, or export the text model with its text_config")
+        raise ConfigError(f"{source}: model_type='qwen3_5' is the vision-language Qwen3.5 (text weights under "
+                          "model.language_model.*); the native decoder reads its text model, model_type qwen3_5_text. "
+                          "Save that once with transformers: "
+                          "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out) (same logits, no vision "
+                          "tower), or keep model.implementation=auto/transformers")
     if model_type not in FAMILIES:
         raise ConfigError(f"{source}: model_type={model_type!r} is not implemented natively "
                           f"(supported: {', '.join(FAMILIES)})")
