@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -234,19 +234,51 @@ def continue_sequences(m: GatedDeltaNet, x: Tensor, lengths: Tensor, conv_state:
     return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2), conv_state, state
 
 
+class DecodeWeights(NamedTuple):
+    """One linear layer's tensors for the decode step (plain tensors: compiled code sees no modules)."""
+    qkv: Tensor      # [C, H]
+    a: Tensor        # [Hv, H]
+    b: Tensor        # [Hv, H]
+    z: Tensor        # [Hv Dv, H]
+    conv: Tensor     # [C, 1, K]
+    A_log: Tensor    # [Hv]
+    dt_bias: Tensor  # [Hv]
+    norm: Tensor     # [Dv]
+
+
+def decode_weights(m: GatedDeltaNet) -> DecodeWeights:
+    return DecodeWeights(m.in_proj_qkv.weight, m.in_proj_a.weight, m.in_proj_b.weight, m.in_proj_z.weight,
+                         m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight)
+
+
+def decode_inputs(x: Tensor, conv_state: Tensor, w: DecodeWeights, running: Tensor,
+                  s: LinearAttentionShape) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Before the state update (pure): x [b, H], conv_state [b, C, K-1], running [b] -> q, k [b, Hv, Dk],
+    v [b, Hv, Dv], g, beta [b, Hv] (0 where not running: the state stays), the next conv state [b, C, K-1]."""
+    mixed, conv = conv_step(F.linear(x, w.qkv), conv_state, w.conv)
+    q, k, v, g, beta = rule_inputs(mixed, F.linear(x, w.a), F.linear(x, w.b), s, w.A_log, w.dt_bias)
+    keep = running[:, None]
+    return q, k, v, g * keep, beta * keep, torch.where(running[:, None, None], conv, conv_state)
+
+
+def decode_output(o: Tensor, x: Tensor, w: DecodeWeights, s: LinearAttentionShape, eps: float) -> Tensor:
+    """After the state update (pure): o [b, Hv, Dv] (float32), x [b, H] -> [b, Hv * Dv] before out_proj."""
+    z = F.linear(x, w.z).unflatten(-1, (s.num_value_heads, s.value_head_dim))
+    return gated_norm(o.to(x.dtype), z, w.norm, eps).flatten(-2)
+
+
 def decode_step_(m: GatedDeltaNet, x: Tensor, conv_state: Tensor, state: Tensor, running: Tensor,
-                 step=None) -> Tensor:
+                 step=None, fns=(decode_inputs, decode_output)) -> Tensor:
     """One token per row, both states updated in place where `running` [b] is True (the others keep theirs):
     x [b, H] (normed), conv_state [b, C, K-1], state [b, Hv, Dk, Dv] (float32) -> out [b, Hv * Dv] before out_proj.
-    step: the rule's one-token update (recurrent_step_, or the engine's Triton twin with the same contract)."""
-    s = m.shape
-    mixed, new_conv = conv_step(linear(x, m.in_proj_qkv), conv_state, m.conv1d.weight)
-    conv_state.copy_(torch.where(running[:, None, None], new_conv, conv_state))
-    q, k, v, g, beta = rule_inputs(mixed, linear(x, m.in_proj_a), linear(x, m.in_proj_b), s, m.A_log, m.dt_bias)
-    keep = running[:, None]
-    o = (step or recurrent_step_)(q, k, v, g * keep, beta * keep, state)  # g = beta = 0: the state stays
-    z = linear(x, m.in_proj_z).unflatten(-1, (s.num_value_heads, s.value_head_dim))
-    return gated_norm(o.to(x.dtype), z, m.norm.weight, m.eps).flatten(-2)
+    step: the rule's one-token update (recurrent_step_, or the engine's Triton twin with the same contract);
+    fns: decode_inputs / decode_output, or the engine's compiled twins."""
+    inputs, output = fns
+    w = decode_weights(m)
+    q, k, v, g, beta, conv = inputs(x, conv_state, w, running, m.shape)
+    conv_state.copy_(conv)
+    o = (step or recurrent_step_)(q, k, v, g, beta, state)
+    return output(o, x, w, m.shape, m.eps)
 
 
 @functools.cache

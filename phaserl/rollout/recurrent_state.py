@@ -13,8 +13,9 @@ the functions the training decoder runs):
   extend   continues each slot's state over the appended tokens (multi-turn)
   move     compaction moves the state with the KV
 On CUDA the DeltaNet state update is a Triton kernel (delta_kernel.py: the state read and written once), the
-rest of the step plain torch ops, all captured in the graphs; the full-attention layers use the Triton decode
-attention kernel. Without Triton (the CPU) the same step runs in torch.
+rest of the step torch ops before and after it (decode_inputs / decode_output, through torch.compile with
+`compile`), all captured in the graphs; the full-attention layers use the Triton decode attention kernel.
+Without Triton (the CPU) the same step runs in torch.
 Not here: the math (models/), slots and scheduling (scheduler.py), the KV memory (kv_pool.py).
 
 Legend: b decode rows, U distinct prompts, P longest prompt, C rows extended, M longest extension,
@@ -22,6 +23,7 @@ S slot_len, H hidden, Hq/Hkv heads, D head_dim, Hv/Dk/Dv DeltaNet heads and dims
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -29,13 +31,20 @@ import torch.nn.functional as F
 
 from phaserl.models.hybrid import gated_output, gated_pre_attention
 from phaserl.models.layers import LayerWeights, embed, rms_norm
-from phaserl.models.linear_attention import continue_sequences, decode_step_, recurrent_step_
+from phaserl.models.linear_attention import (continue_sequences, decode_inputs, decode_output, decode_step_,
+                                             recurrent_step_)
 from phaserl.models.lora import engine_weight
 from phaserl.rollout import kernels
 from phaserl.rollout.runner import ModelRunner, prefill_mask
 
 Tensor = torch.Tensor
 USE_DELTA_KERNEL = True  # False: the torch DeltaNet step on CUDA too (benchmarks compare the two)
+
+
+@functools.cache
+def compiled_decode_fns() -> tuple:
+    """torch.compile'd decode_inputs / decode_output (dynamic shapes: one compile serves every bucket and layer)."""
+    return tuple(torch.compile(fn, dynamic=True, fullgraph=True) for fn in (decode_inputs, decode_output))
 
 
 class RecurrentState:
@@ -72,14 +81,15 @@ def hybrid_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeigh
 class HybridRunner(ModelRunner):
     engine_weights = staticmethod(hybrid_weights)
 
-    def __init__(self, model, pool, **kwargs):
-        super().__init__(model, pool, **kwargs)
+    def __init__(self, model, pool, *, compile: bool, **kwargs):
+        super().__init__(model, pool, compile=compile, **kwargs)
         layers = model.model.layers
         self.layer_modules = list(layers)
         kv, rec = iter(range(len(layers))), iter(range(len(layers)))
         # per layer: ("linear", index into RecurrentState) or ("attention", index into the KV pool's layers)
         self.slots_of = [("linear", next(rec)) if layer.linear else ("attention", next(kv)) for layer in layers]
         self.recurrent: Optional[RecurrentState] = None
+        self.decode_fns = compiled_decode_fns() if compile else (decode_inputs, decode_output)
         self.delta_step = recurrent_step_  # the DeltaNet state update of a decode step; Triton where it runs
         if USE_DELTA_KERNEL and kernels.available(self.device):
             from phaserl.rollout.delta_kernel import delta_step_
@@ -194,7 +204,7 @@ class HybridRunner(ModelRunner):
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
                 out = decode_step_(module.linear_attn, x, R.conv[j][:b], R.delta[j][:b], running,
-                                   self.delta_step)  # both states in place
+                                   self.delta_step, self.decode_fns)  # both states in place
                 h = self.fns.post(h, out, post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
