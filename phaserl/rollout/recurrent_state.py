@@ -111,8 +111,9 @@ class HybridRunner(ModelRunner):
             self.recurrent = RecurrentState(self.cfg, self.layout[0], self.model.output_weight.dtype, self.device)
         # What post_attention (compiled on CUDA) sees: tensors only, so one compiled graph serves every layer.
         self.post_weights = [w._replace(q=None, k=None, v=None) for w in self.weights]
-        if self.use_graphs:
-            self._capture_all()
+        capture_all = getattr(self, "_capture_all", None)  # a runner that captures lazily has none: decode() will
+        if self.use_graphs and capture_all is not None:
+            capture_all()
 
     def _layers(self):
         """(module, kind, its index in the KV pool or RecurrentState, weights, post weights, spec) per layer."""
