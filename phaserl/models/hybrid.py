@@ -105,8 +105,9 @@ class HybridLayer(nn.Module):
             down=m.down_proj, mlp_out=None)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: Union[Tensor, attention.PackedSeqs, Segments],
-                kv_cache=None) -> Tensor:
-        """h [B, T, H] -> [B, T, H]; `attn` is Segments for a linear layer, a mask or PackedSeqs otherwise."""
+                kv_cache=None, route=None) -> Tensor:
+        """h [B, T, H] -> [B, T, H]; `attn` is Segments for a linear layer, a mask or PackedSeqs otherwise.
+        route: a mixture-of-experts layer's replayed routing, which Qwen3.5's dense MLP never has (always None)."""
         if kv_cache is not None:
             raise NotImplementedError("Qwen3.5 (linear attention) decodes with the rollout engine "
                                       "(phaserl.rollout.RolloutEngine); the decoder's KVCache holds no recurrent state")
