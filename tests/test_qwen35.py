@@ -296,6 +296,30 @@ def test_triton_delta_step_equals_the_torch_step(shape):
     torch.testing.assert_close(got_state.cpu(), expected_state, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_state[0].cpu(), state[0])
 
+
+def _fake_fla(wrong: bool = False, broken: bool = False):
+    """fla's chunk_gated_delta_rule API over our torch rule (q taken as given: scale 1, no in-kernel norm)."""
+    def rule(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm_in_kernel):
+        if broken:
+            raise RuntimeError("no kernel image for this device")
+        assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and scale == 1.0 and not use_qk_l2norm_in_kernel
+        outs = []
+        for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+            pieces = (t[:, a:b].float() for t in (q, k, v, g, beta))
+            outs.append(chunk_gated_delta_rule(*pieces)[0])
+        o = torch.cat(outs, dim=1)
+        return (o * 1.5 if wrong else o).to(v.dtype), None
+    return rule
+
+
+@pytest.mark.parametrize("fake, trusted", [(_fake_fla(), True), (_fake_fla(wrong=True), False),
+                                           (_fake_fla(broken=True), False)])
+def test_fla_is_used_only_after_it_agrees_with_the_torch_rule(monkeypatch, fake, trusted):
+    from phaserl.models import linear_attention
+
+    monkeypatch.setattr(linear_attention, "_fla_rule", lambda: fake)
+    assert linear_attention._fla_agrees(torch.device("cpu")) is trusted
+
 # ----- GPU ------------------------------------------------------------------------------------------------
 def _on_cuda(ours, dtype=torch.float32):
     model = CausalLM(ours.config).to("cuda")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -38,6 +39,7 @@ from phaserl.models.config import DecoderConfig, LinearAttentionShape
 from phaserl.models.layers import linear
 
 Tensor = torch.Tensor
+log = logging.getLogger("phaserl")
 CHUNK = 64  # tokens per chunk of the chunked rule (transformers' and fla's default)
 
 
@@ -294,10 +296,43 @@ def _fla_rule():
 
 
 USE_FLA = True  # False forces the torch rule on CUDA too (comparisons, debugging)
+_FLA_PROBED: dict = {}  # device -> whether fla's rule, as _fla_chunk calls it, agrees with ours here
 
 
 def _fla_usable(device: torch.device) -> bool:
-    return USE_FLA and device.type == "cuda" and _fla_rule() is not None
+    """fla on CUDA, once it has shown on a tiny packed batch (forward and backward) that it computes our rule."""
+    if not (USE_FLA and device.type == "cuda" and _fla_rule() is not None):
+        return False
+    if device not in _FLA_PROBED:
+        _FLA_PROBED[device] = _fla_agrees(device)
+    return _FLA_PROBED[device]
+
+
+def _fla_agrees(device: torch.device) -> bool:
+    """Whether fla's rule, called as _fla_chunk calls it, gives our rule's answer on two packed sequences (and
+    its backward runs): an fla whose API or numerics differ here is never trusted (logged), the torch rule runs."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n, H, Dk, Dv = 40, 2, 16, 16
+    q, k = (F.normalize(torch.randn(n, H, Dk, device=device, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(n, H, Dv, device=device, generator=g)
+    decay, beta = -torch.rand(n, H, device=device, generator=g), torch.rand(n, H, device=device, generator=g)
+    seg = Segments.of(torch.ones(1, n, device=device), (torch.arange(n, device=device) >= 17)[None].long())
+    q, k, decay, beta = (t[seg.index] for t in (q, k, decay, beta))  # [2, 23, ...]: each sequence its own row
+    want = chunk_gated_delta_rule(q, k, v[seg.index], decay, beta)[0][seg.real]  # [n, H, Dv]
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            v = v.clone().requires_grad_(True)
+            got = _fla_chunk(q, k, v[seg.index], decay, beta, seg)
+            torch.autograd.grad(got.square().sum(), v)
+    except Exception as e:  # noqa: BLE001 - whatever fla says about these inputs, the answer is no
+        log.warning("flash-linear-attention's chunk_gated_delta_rule failed here (%s): the torch rule runs", e)
+        return False
+    ok = bool(((got.detach() - want).abs().max() <= 3e-2 * want.abs().max()).item())
+    if ok:
+        log.info("Gated DeltaNet training layers use flash-linear-attention's chunk_gated_delta_rule")
+    else:
+        log.warning("flash-linear-attention's chunk_gated_delta_rule disagrees with ours here: the torch rule runs")
+    return ok
 
 
 def _fla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Segments) -> Tensor:
