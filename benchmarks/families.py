@@ -1,5 +1,5 @@
-"""Native decoder + engine vs the transformers path, for the new families: Gemma-3-1B, Gemma-4-1B, Mistral-7B and
-Qwen3-MoE shapes.
+"""Native decoder + engine vs the transformers path, for the new families: Gemma-3-1B, Gemma-4-1B, Mistral-7B,
+Qwen3-MoE and Qwen3.5 shapes.
 
 Random weights in bf16, one GPU, one JSON line per measurement on stdout:
   rollout_native  phaserl's RolloutEngine (CUDA graphs, Triton decode attention with sliding windows) on
@@ -14,6 +14,11 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
   mismatch_replay MoE shapes: sample with the engine (recording experts), recompute the log-probs with the
                   training forward (packed, as ppo.packing), routing replay off and on: the mismatch/* metrics
                   of each, and how often the training forward picks the rollout's experts without replay
+  mismatch        the engine's bf16 log-probs against the trainer's forward on the same tokens, padded and
+                  packed: mean/max |diff| and k3 (benchmarks/mismatch.py's measure), on 16 prompts x 4 of the
+                  shape's prompt length, 128 new tokens, CUDA graphs
+  rollout_native_torch_delta
+                  Qwen3.5 shapes: rollout_native with the DeltaNet decode update in torch, not the Triton kernel
 Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
   gemma3-1b   Gemma 3 1B text: 26 layers, hidden 1152, 4 q / 1 kv heads of 256, sliding 512 on 5 of 6
               layers, vocab 262144; 64 x 8 x (128 + 256)
@@ -25,11 +30,16 @@ Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
               layer, vocab 32768; 16 x 8 x (256 + 512)
   qwen3-moe-a3b  Qwen3-30B-A3B's layers (128 experts, top-8, expert width 768, hidden 2048, 32 q / 4 kv heads of
               128, vocab 151936) but 8 of its 48 layers (--layers): 32 x 8 x (256 + 512)
+  qwen35-0.8b / qwen35-2b
+              Qwen3.5-0.8B/2B-like (random weights; sizes as we read the released configs): 24 layers, 3 of
+              every 4 Gated DeltaNet (16 key / 16 value heads of 128, conv 4), the 4th gated attention
+              (8 q / 2 kv heads of 256, partial RoPE 0.25), hidden 1024 / 2048, vocab 248320; 64 x 8 x (128 + 256)
 
     python benchmarks/families.py --shape gemma3-1b --case all
     python benchmarks/families.py --shape mistral-7b --case rollout_native,rollout_hf
     python benchmarks/families.py --shape qwen3-moe-a3b --case all
     python benchmarks/families.py --shape gemma3-1b --case grpo_native,grpo_transformers --grpo-steps 1
+    python benchmarks/families.py --shape qwen35-0.8b --case mismatch,rollout_native,rollout_hf
     python benchmarks/families.py --smoke            # CPU, tiny shapes of every family, a few tokens
 
 Not here: TRL (grpo_step.py compares with it), the Qwen2 reference shape (rollout.py).
@@ -81,6 +91,18 @@ SHAPES = {
         num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
         hidden_size_per_layer_input=0, sliding_window=4, final_logit_softcapping=30.0, max_position_embeddings=64,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "qwen35-0.8b": dict(cls="Qwen3_5TextConfig", run=(64, 8, 128, 256), config=dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True)),
+    "qwen35-2b": dict(cls="Qwen3_5TextConfig", run=(64, 8, 128, 256), config=dict(
+        vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True)),
+    "qwen35-tiny": dict(cls="Qwen3_5TextConfig", run=(2, 2, 8, 6), config=dict(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=64)),
     "gemma3-tiny": dict(cls="Gemma3TextConfig", run=(2, 2, 8, 6), config=dict(
         vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8, sliding_window=4, max_position_embeddings=64,
@@ -89,8 +111,10 @@ SHAPES = {
         vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)),
 }
-CASES = ("rollout_native", "rollout_hf", "grpo_native", "grpo_transformers", "grpo_native_replay", "mismatch_replay")
+CASES = ("rollout_native", "rollout_hf", "grpo_native", "grpo_transformers", "grpo_native_replay", "mismatch_replay",
+         "mismatch", "rollout_native_torch_delta")
 MOE_CASES = ("grpo_native_replay", "mismatch_replay")  # skipped for dense shapes
+HYBRID_CASES = ("rollout_native_torch_delta",)  # Qwen3.5 shapes only
 
 
 def emit(**record) -> None:
@@ -135,7 +159,7 @@ def prompt_ids(shape: str) -> list[list[int]]:
 RESULTS: dict = {}  # case -> best tokens/s of this process (the compare line)
 
 
-def rollout_native(shape: str, root: str, device: str, dtype: torch.dtype, repeats: int) -> None:
+def rollout_native(shape: str, root: str, device: str, dtype: torch.dtype, repeats: int, case: str = "native") -> None:
     model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native").eval()
     new = SHAPES[shape]["run"][3]
     engine = RolloutEngine(model, EngineConfig(max_slots=len(prompt_ids(shape))))
@@ -148,9 +172,9 @@ def rollout_native(shape: str, root: str, device: str, dtype: torch.dtype, repea
         sync()
         seconds = time.perf_counter() - t0
         tokens = sum(len(r) for r in out.response_ids)
-        emit(measure="rollout", case="native", shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
+        emit(measure="rollout", case=case, shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
              tokens_per_s=round(tokens / seconds, 1), graphs=engine.last_stats.get("graphs"))
-        RESULTS["native"] = max(RESULTS.get("native", 0.0), tokens / seconds)
+        RESULTS[case] = max(RESULTS.get(case, 0.0), tokens / seconds)
 
 
 def rollout_hf(shape: str, root: str, device: str, dtype: torch.dtype, repeats: int) -> None:
@@ -174,6 +198,20 @@ def rollout_hf(shape: str, root: str, device: str, dtype: torch.dtype, repeats: 
             emit(measure="rollout", case="hf_generate", shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
                  tokens_per_s=round(tokens / seconds, 1))
             RESULTS["hf"] = max(RESULTS.get("hf", 0.0), tokens / seconds)
+
+
+def mismatch(shape: str, root: str, device: str, dtype: torch.dtype, smoke: bool) -> None:
+    from mismatch import measure
+
+    model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native").eval()
+    prompt_len = SHAPES[shape]["run"][2]
+    prompts = [p[:prompt_len] for p in prompt_ids(shape)[::SHAPES[shape]["run"][1]]][:2 if smoke else 16]
+    params = SamplingParams(max_new_tokens=6 if smoke else 128, temperature=1.0)
+    path = "engine" if device == "cpu" else "engine_graphs"
+    for packing in (False, True):
+        m = measure(model, path, prompts, 2 if smoke else 4, params, torch.device(device), packing)
+        emit(measure="mismatch", shape=shape, dtype=str(dtype), path=path, packing=packing,
+             **{k: round(float(v), 6) for k, v in m.items()})
 
 
 def mismatch_replay(shape: str, root: str, device: str, dtype: torch.dtype) -> None:
@@ -263,11 +301,14 @@ def main(argv=None) -> None:
         SHAPES[a.shape]["config"]["num_hidden_layers"] = a.layers
     if a.run is not None:
         SHAPES[a.shape]["run"] = tuple(int(x) for x in a.run.split(","))
-    for shape in (("gemma3-tiny", "gemma4-tiny", "mistral-tiny", "qwen3-moe-tiny") if a.smoke else (a.shape,)):
+    for shape in (("gemma3-tiny", "gemma4-tiny", "mistral-tiny", "qwen3-moe-tiny", "qwen35-tiny") if a.smoke
+                  else (a.shape,)):
         root = make_world(shape, a.world or tempfile.mkdtemp(prefix=f"families_{shape}_"), device)
         emit(measure="world", shape=shape, dir=root, device=device, run=SHAPES[shape]["run"])
         for case in cases:
             if case in MOE_CASES and "num_experts" not in SHAPES[shape]["config"]:
+                continue
+            if case in HYBRID_CASES and SHAPES[shape]["cls"] != "Qwen3_5TextConfig":
                 continue
             if case == "mismatch_replay":
                 mismatch_replay(shape, root, device, dtype)
@@ -277,6 +318,14 @@ def main(argv=None) -> None:
                 rollout_native(shape, root, device, dtype, 1 if a.smoke else a.repeats)
             elif case == "rollout_hf":
                 rollout_hf(shape, root, device, dtype, 1 if a.smoke else a.repeats)
+            elif case == "mismatch":
+                mismatch(shape, root, device, dtype, a.smoke)
+            elif case == "rollout_native_torch_delta":
+                from phaserl.rollout import recurrent_state
+
+                recurrent_state.USE_DELTA_KERNEL = False
+                rollout_native(shape, root, device, dtype, 1 if a.smoke else a.repeats, case="native_torch_delta")
+                recurrent_state.USE_DELTA_KERNEL = True
             else:
                 grpo(shape, root, case.removeprefix("grpo_"), a.smoke, a.grpo_steps)
         if "native" in RESULTS and "hf" in RESULTS:

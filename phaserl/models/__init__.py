@@ -1,9 +1,11 @@
-"""Models: our decoder (Llama, Qwen2/3, Mistral, Ministral, Gemma 3, OLMo 2, Phi-3), its value-head variant,
+"""Models: our decoder (Llama, Qwen2/3, Qwen3.5, Mistral, Ministral, Gemma 3, OLMo 2, Phi-3), its value-head variant,
 and Hugging Face directory I/O.
 
     config.py       DecoderConfig: shapes and the fields in which the families differ
     families.py     each model_type's config.json <-> DecoderConfig, checkpoint tensor layout
     layers.py       the layer pieces, once for training and rollout (norms, projections, RoPE, gated MLP)
+    hybrid.py       Qwen3.5's layers: Gated DeltaNet or gated partial-RoPE attention, then the MLP
+    linear_attention.py  Gated DeltaNet: chunked (training) and recurrent (engine) rule, packed-aware
     attention.py    attention cores: dense masks (causal, padding, sliding window) and varlen for packing
     rope.py         rotary embeddings (default, linear, dynamic, llama3, yarn)
     decoder.py      CausalLM, KVCache (forward returns hidden states; callers project to the vocabulary)

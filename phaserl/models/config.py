@@ -1,10 +1,11 @@
-"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Mistral, Gemma 3/4, OLMo 2, Phi-3), and its
-Hugging Face config.json form.
+"""DecoderConfig: the architecture of a native decoder (Llama, Qwen2/3, Qwen3.5, Mistral, Gemma 3/4, OLMo 2, Phi-3,
+Qwen2/3-MoE), and its Hugging Face config.json form.
 
 This module only describes shapes and hyper-parameters. What differs between families (which norms a layer
 has and where, the norm's rounding, the activation, qk-norm, embedding scale, attention scale, sliding
-windows) is a field here, filled by the family's reader in `families.py`; the layer math that reads those
-fields lives once in `layers.py`, used by the training decoder and the rollout engine alike. It reads both
+windows, Qwen3.5's linear-attention layers, output gate and partial RoPE) is a field here, filled by the
+family's reader in `families.py`; the layer math that reads those fields lives once in `layers.py` (Qwen3.5's
+in `hybrid.py` and `linear_attention.py`), used by the training decoder and the rollout engine alike. It reads both
 config.json dialects that exist in the wild (transformers 4.x `rope_theta` + `rope_scaling`, transformers
 5.x `rope_parameters`) and writes the 4.x dialect, which every transformers version since 4.x still reads.
 Building the network lives in `decoder.py`; reading and writing weights in `hf_io.py`.
@@ -21,7 +22,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "proportional")
 LAYER_NORMS = ("pre", "sandwich", "post")   # norms before the sublayer / before and after it / after it only
 NORM_STYLES = ("llama", "olmo2", "gemma")   # weight * x.to(dtype) / (weight * x).to(dtype) / x * (1 + weight)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # linear: Gated DeltaNet (Qwen3.5)
 
 
 @dataclass
@@ -58,6 +59,9 @@ class DecoderConfig:
     v_norm: bool = False                     # values RMS-normed per head, no weight
     layer_scalar: bool = False               # each layer's output times its `layer_scalar` buffer [1]
     final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap)
+    partial_rotary_factor: float = 1.0       # RoPE rotates the first head_dim * this dims of q and k (Qwen3.5: 0.25)
+    attn_output_gate: bool = False           # Qwen3.5: q_proj also yields a gate, attention output * sigmoid(gate)
+    linear_attention: Optional["LinearAttentionShape"] = None  # Gated DeltaNet layers' shape (layer_types says which)
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list, None] = None
     pad_token_id: Optional[int] = None
@@ -103,6 +107,9 @@ class DecoderConfig:
             if Hq % Hkv or D % 2:
                 raise ConfigError(f"layer {layer}: num_attention_heads={Hq} must be a multiple of its "
                                   f"{Hkv} key/value heads and its head_dim={D} even (rotary embeddings)")
+        if self.rotary_dim % 2 or not 0 < self.partial_rotary_factor <= 1:
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} with head_dim={self.head_dim} "
+                              "must rotate an even number (> 0) of dims")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
         self.mlp_only_layers = tuple(self.mlp_only_layers)
@@ -111,10 +118,34 @@ class DecoderConfig:
             raise ConfigError(f"MoE config: need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
                               f"({self.num_experts}), moe_intermediate_size > 0 ({self.moe_intermediate_size}) and "
                               f"decoder_sparse_step > 0 ({self.decoder_sparse_step})")
+        if isinstance(self.linear_attention, dict):
+            self.linear_attention = LinearAttentionShape(**self.linear_attention)
+        if ("linear_attention" in (self.layer_types or ())) != (self.linear_attention is not None):
+            raise ConfigError("layer_types has linear_attention layers exactly when linear_attention (their shape) "
+                              f"is set; got layer_types={self.layer_types}, linear_attention={self.linear_attention}")
         if self.rope_scaling is not None:
             self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
             if self.rope_scaling["rope_type"] == "default":
                 self.rope_scaling = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each q/k head that RoPE rotates (all of head_dim unless partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear(self, layer: int) -> bool:
+        """True when layer `layer` is a Gated DeltaNet (linear attention) layer: no KV cache, a recurrent state."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def hybrid(self) -> bool:
+        """True when the layers are hybrid.py's (Qwen3.5: linear attention and/or gated attention)."""
+        return self.linear_attention is not None or self.attn_output_gate
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep keys and values (every layer but the linear-attention ones)."""
+        return sum(not self.is_linear(i) for i in range(self.num_hidden_layers))
 
     @property
     def rope_type(self) -> str:
@@ -176,6 +207,30 @@ class DecoderConfig:
 
     def replace(self, **changes) -> "DecoderConfig":
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """The Gated DeltaNet layers' shape (Qwen3.5's linear_* keys): Hk key heads of Dk, Hv value heads of Dv
+    (Hv a multiple of Hk: each key head serves Hv / Hk consecutive value heads), a causal depthwise
+    convolution of `conv_kernel` taps over [q; k; v] before the recurrence."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self):
+        if min(self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim, self.conv_kernel) < 1:
+            raise ConfigError(f"linear attention shape {self} needs every size >= 1")
+        if self.num_value_heads % self.num_key_heads:
+            raise ConfigError(f"linear_num_value_heads={self.num_value_heads} is not a multiple of "
+                              f"linear_num_key_heads={self.num_key_heads}")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: [q; k; v] = 2 Hk Dk + Hv Dv."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
 def read_rope(params: Optional[dict], d: dict, source: str, default_max_positions: int) -> tuple[float, Optional[dict]]:

@@ -175,6 +175,11 @@ class DecoderLayer(nn.Module):
             self.register_buffer("layer_scalar", torch.ones(1))
         self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend of cache-free calls
 
+    @property
+    def attn_key(self) -> Optional[int]:
+        """Which of DecoderModel.forward's attention inputs the layer reads: the mask (or PackedSeqs) of its window."""
+        return self.spec.window
+
     def weights(self) -> LayerWeights:
         """The layer's parameters for layers.py: projections as modules (so wrappers of them are honoured)."""
         a, m = self.self_attn, self.mlp
@@ -251,7 +256,10 @@ class DecoderModel(nn.Module):
         # normal_ imports torch._dynamo, seconds of start-up for every model load.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        layer_class = DecoderLayer
+        if cfg.hybrid:  # Qwen3.5: Gated DeltaNet and gated attention layers
+            from phaserl.models.hybrid import HybridLayer as layer_class
+        self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
         self.build_rotary()
         self.gradient_checkpointing = False
@@ -310,13 +318,17 @@ class DecoderModel(nn.Module):
             attn = {w: build_attention_mask(key_valid, start, T, w) for w in windows}  # [B, 1, T, S] each
             if seq_ids is not None:  # block-diagonal: packed sequences never see each other
                 attn = {w: block_diagonal(m, seq_ids) for w, m in attn.items()}
+        if self.config.linear_attention is not None:  # linear layers read each sequence's tokens, not a mask
+            from phaserl.models.linear_attention import Segments
+
+            attn["linear"] = Segments.of(attention_mask, seq_ids)
         rope = self.rope(position_ids, h.dtype)
         moe_layers = 0
         if self.config.num_experts:
             prepare_device(h.device)
         for layer in self.layers:
             cos, sin = rope[layer.spec.local_rope]
-            a = attn[layer.spec.window]
+            a = attn[layer.attn_key]
             route = None
             if routing is not None and layer.spec.moe is not None:
                 route, moe_layers = routing.route(moe_layers), moe_layers + 1

@@ -18,6 +18,10 @@ same network. The layer math those fields select lives in `layers.py`, once for 
                         as output_router_logits + router_aux_loss_coef say); no sliding window
   qwen2_moe             Qwen2 (q/k/v bias: qkv_bias) with the same experts plus a shared expert MLP, gated by
                         sigmoid(shared_expert_gate · x); no sliding window
+  qwen3_5_text          Qwen3.5: Gated DeltaNet (linear_attention) layers between gated full-attention ones
+                        (output gate, partial RoPE, per-head (1 + w) qk-norm), (1 + w) norms; the linear_* keys
+                        and layer_types (default: every 4th layer full) say the layout. The composite
+                        vision-language `qwen3_5` config is refused natively (transformers path)
   phi3                  Llama with fused qkv_proj / gate_up_proj tensors in the checkpoint (split on load,
                         fused again on save: `native_state` / `hf_state`) and an optional sliding window
                         on every layer; partial rotary and longrope (Phi-3.5 / Phi-4-mini, 128k) are refused
@@ -72,6 +76,11 @@ FAMILIES: dict[str, Family] = {
                         {**_LLAMA_LIKE, **_QWEN_WINDOW, "decoder_sparse_step": 1, "norm_topk_prob": False,
                          "router_aux_loss_coef": 0.001, "output_router_logits": False, "qkv_bias": True}),
     "gemma4_text": Family("Gemma4ForCausalLM", None, {**_LLAMA_LIKE, **gemma4.DEFAULTS}, gemma4.LAYOUT),
+    "qwen3_5_text": Family("Qwen3_5ForCausalLM", "Qwen3_5TextForSequenceClassification",
+                           {**_LLAMA_LIKE, "max_position_embeddings": 32768, "head_dim": 256,
+                            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4},
+                           {"qk_norm": True, "norm_style": "gemma", "attn_output_gate": True}),
     "phi3": Family("Phi3ForCausalLM", "Phi3ForSequenceClassification",
                    {**_LLAMA_LIKE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}),
     "olmo2": Family("Olmo2ForCausalLM", "Olmo2ForSequenceClassification",
@@ -86,6 +95,12 @@ _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
     """DecoderConfig from a config.json dict (see the module docstring for what each family reads)."""
     model_type = d.get("model_type")
+    if model_type == "qwen3_5":
+        raise ConfigError(f"{source}: model_type='qwen3_5' is the vision-language Qwen3.5 (text weights under "
+                          "model.language_model.*); the native decoder reads its text model, model_type qwen3_5_text. "
+                          "Save that once with transformers: "
+                          "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out) (same logits, no vision "
+                          "tower), or keep model.implementation=auto/transformers")
     if model_type not in FAMILIES:
         raise ConfigError(f"{source}: model_type={model_type!r} is not implemented natively "
                           f"(supported: {', '.join(FAMILIES)})")
@@ -104,8 +119,11 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
         gemma4.reject_unsupported(d, source, value)
         d = {**d, "rope_parameters": gemma4.rope_parameters(d),
              "layer_types": gemma4.last_layer_full(d.get("layer_types"))}
+    hybrid = {}
     if model_type in _GEMMA:
         rope_params, local_theta = _gemma3_rope(d, source, value)
+    elif model_type == "qwen3_5_text":
+        rope_params, hybrid = _qwen35_layout(d, source, value)
     elif isinstance(rope_params, dict) and "full_attention" in rope_params:
         raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported natively for {model_type}")
     rope_theta, rope_scaling = read_rope(rope_params, {**d, "rope_theta": value("rope_theta")}, source,
@@ -127,6 +145,7 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
         **family.layout)
     if model_type in ("qwen3_moe", "qwen2_moe"):
         fields.update(_read_moe(d, value, source))
+    fields.update(hybrid)
     if model_type == "gemma3_text":
         fields.update(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=value("query_pre_attn_scalar"),
                       final_logit_softcapping=d.get("final_logit_softcapping"))
@@ -197,6 +216,32 @@ def _gemma3_rope(d: dict, source: str, value) -> tuple[Optional[dict], float]:
     return None, float(value("rope_local_base_freq"))
 
 
+def _qwen35_layout(d: dict, source: str, value) -> tuple[dict, dict]:
+    """(rope_parameters without Qwen3.5's extras, DecoderConfig fields of the hybrid layout)."""
+    params = dict(d.get("rope_parameters") or {"rope_theta": value("rope_theta")})
+    # transformers' Qwen3_5TextConfig defaults partial_rotary_factor to 0.25 when neither place has it.
+    partial = params.pop("partial_rotary_factor", d.get("partial_rotary_factor") or 0.25)
+    params.pop("mrope_section", None)  # text tokens sit at one position on all three axes: plain RoPE
+    params.pop("mrope_interleaved", None)
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise ConfigError(f"{source}: rope_parameters.rope_type={params.get('rope_type')!r} with partial rotary is "
+                          "not supported natively (only 'default'; model.implementation=transformers runs it)")
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        every = value("full_attention_interval")
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    bad = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+    if bad:
+        raise ConfigError(f"{source}: layer_types {bad} are not Qwen3.5 layer types (linear_attention, full_attention)")
+    shape = None
+    if "linear_attention" in types:
+        shape = dict(num_key_heads=value("linear_num_key_heads"), num_value_heads=value("linear_num_value_heads"),
+                     key_head_dim=value("linear_key_head_dim"), value_head_dim=value("linear_value_head_dim"),
+                     conv_kernel=value("linear_conv_kernel_dim"))
+    return params, dict(partial_rotary_factor=float(partial), layer_types=tuple(types), linear_attention=shape)
+
+
 def _reject_unsupported(d: dict, source: str, value) -> None:
     """Features of these families that the native decoder does not implement: fail rather than differ."""
     act_key = "hidden_activation" if d.get("model_type") in _GEMMA else "hidden_act"
@@ -217,7 +262,7 @@ def _reject_unsupported(d: dict, source: str, value) -> None:
         raise ConfigError(f"{source}: mlp_bias=true is not supported natively")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise ConfigError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported natively")
-    if d.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+    if d.get("partial_rotary_factor", 1.0) not in (1, 1.0, None) and d.get("model_type") != "qwen3_5_text":
         raise ConfigError(f"{source}: partial_rotary_factor={d['partial_rotary_factor']} is not supported natively")
 
 
@@ -278,6 +323,15 @@ def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
         d["sliding_window"] = gemma4.DEFAULTS["sliding_window"]
     if t == "phi3":
         d.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_position_embeddings)
+    if t == "qwen3_5_text":
+        d.pop("rope_scaling")
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                                "partial_rotary_factor": cfg.partial_rotary_factor}
+        s = cfg.linear_attention
+        if s is not None:
+            d.update(linear_num_key_heads=s.num_key_heads, linear_num_value_heads=s.num_value_heads,
+                     linear_key_head_dim=s.key_head_dim, linear_value_head_dim=s.value_head_dim,
+                     linear_conv_kernel_dim=s.conv_kernel)
     if t not in ("mistral", "phi3", "gemma4_text"):
         d["layer_types"] = list(cfg.layer_types) if sliding else ["full_attention"] * cfg.num_hidden_layers
     return d

@@ -172,6 +172,8 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
         raise ConfigError(f"model.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
     directory, hf_config = _read_config(path)
     model_type = hf_config.get("model_type")
+    if implementation == "native" and model_type == "qwen3_5":  # the composite Qwen3.5: the error says what to do
+        DecoderConfig.from_hf_dict(hf_config, source=str(directory / "config.json"))
     if implementation == "native" and model_type not in NATIVE_MODEL_TYPES:
         raise ConfigError(f"{directory / 'config.json'}: model_type {model_type!r} has no native implementation "
                           f"(native: {', '.join(NATIVE_MODEL_TYPES)}); use model.implementation=auto")

@@ -9,8 +9,9 @@ float32, following the formulas transformers uses so that logits match bit for b
   yarn     NTK-by-parts interpolation + an attention temperature applied to cos/sin
   proportional  Gemma 4's global layers: the first partial_rotary_factor * D / 2 frequencies are
            theta^(-2i/D) (D the whole head_dim), the rest 0 (those dims are not rotated), all / factor
-Not here: Phi-style partial rotary (a rotated prefix of each head), longrope, multimodal rope (their configs are
-rejected in config.py).
+Partial rotary (`cfg.rotary_dim` < head_dim, a rotated prefix of each head) exists for the default variant only
+(Qwen3.5).
+Not here: longrope, multimodal rope (their configs are rejected in config.py).
 
 Legend: B batch, T tokens, D head_dim.
 """
@@ -30,7 +31,8 @@ def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 
 def default_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
-    return _default_inv_freq(cfg.rope_theta, cfg.head_dim), 1.0
+    # Partial rotary (Qwen3.5) rotates the first rotary_dim dims: frequencies over that width, tables [.., rotary_dim].
+    return _default_inv_freq(cfg.rope_theta, cfg.rotary_dim), 1.0
 
 
 def linear_rope(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:

@@ -6,6 +6,8 @@
     kv_pool.py    KVPool (slot KV cache, sleep/wake), SlotState (per-slot decode state on the device)
     scheduler.py  Scheduler, Sequence: slots for sequences, continuous refill, compaction
     runner.py     ModelRunner: prefill and graph-captured decode (fused qkv / gate-up copies of the weights)
+    recurrent_state.py  HybridRunner, RecurrentState: Qwen3.5's per-slot DeltaNet/conv state beside the KV
+    delta_kernel.py     Triton kernel of the DeltaNet decode step (the state read and written once)
     kernels.py    Triton kernels of the decode step on CUDA: attention over each row's own context,
                   one-pass sampling with in-kernel random numbers (pure-torch twins in runner.py)
 """

@@ -106,8 +106,11 @@ class RolloutEngine:
             # compile (H200, 0.5B: 2.46 ms a step eager vs 2.83 ms compiled before them), and it costs a warm-up
             compile = weight.device.type == "cuda" and importlib.util.find_spec("triton") is not None and (
                 not decodes_fused(self.model))
-        self.runner = ModelRunner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
-                                  prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
+        runner = ModelRunner
+        if self.model.config.hybrid:  # Qwen3.5: a recurrent state per slot beside the KV
+            from phaserl.rollout.recurrent_state import HybridRunner as runner
+        self.runner = runner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
+                             prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
         self._pinned: list[torch.Tensor] = []
 
     @staticmethod

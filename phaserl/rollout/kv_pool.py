@@ -31,11 +31,12 @@ class KVPool:
             raise ConfigError(f"KVPool token_budget={token_budget}: must be >= 1 (or None to size from memory)")
         if not 0 < memory_fraction < 1:
             raise ConfigError(f"KVPool memory_fraction={memory_fraction}: must be in (0, 1)")
-        self.num_layers = cfg.num_hidden_layers
-        # (Hkv, D) per layer: Gemma 4's global layers differ from its sliding ones. Every layer's row in the
-        # buffer is as wide as the widest layer's (the narrower layers leave the rest of their row unused), so
+        # Linear-attention layers (Qwen3.5) keep no KV: their state lives in rollout/recurrent_state.py.
+        self.num_layers = cfg.num_kv_layers
+        # (Hkv, D) per attention layer: Gemma 4's global layers differ from its sliding ones. Every layer's row in
+        # the buffer is as wide as the widest layer's (the narrower layers leave the rest of their row unused), so
         # slot s sits at the same offset in every layer and whole slots move with one index copy.
-        self.layer_heads = [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers)]
+        self.layer_heads = [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]
         self.token_width = max(h * d for h, d in self.layer_heads)  # elements of one token's K (or V) per layer
         self.dtype, self.device = dtype, torch.device(device)
         self.token_budget, self.memory_fraction, self.max_tokens = token_budget, memory_fraction, max_tokens

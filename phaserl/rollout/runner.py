@@ -221,6 +221,8 @@ class ModelRunner:
         self.fns = layer_fns(self.device, compile)
         self.prefill_tokens = prefill_tokens
         self.specs = [layer.spec for layer in model.model.layers]  # layers.LayerSpec: the same as training's
+        self.heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim)  # every layer's
+        # but Gemma 4's global ones (they read spec.heads); Qwen3.5's HybridRunner reads these
         self.final_norm = (self.cfg.rms_norm_eps, self.cfg.norm_style)
         self.layout: Optional[tuple[int, int, int]] = None  # (num_slots, slot_len, max_new)
         self.graphs: dict = {}
@@ -270,13 +272,15 @@ class ModelRunner:
             self.rope = [(cos[0], sin[0]) for cos, sin in tables]  # [global, local] layers.rope_tables [S, D]
         # Refilled every call: training updates the parameters in place, at the same addresses.
         previous = self.weights or [None] * len(layers)
-        self.weights = [fused_weights(layer, old) for layer, old in zip(layers, previous)]
+        self.weights = [self.engine_weights(layer, old) for layer, old in zip(layers, previous)]
         use = FUSED_DECODE and kernels.available(self.device)
         self.fused = [use and fusable(w, spec) for w, spec in zip(self.weights, self.specs)]
         self.fused_record = use
         self.sampling = (params.greedy, 1.0 if params.greedy else params.temperature, params.top_k, params.top_p)
         self.seed.copy_(torch.randint(2**62, (1,), device=self.device))  # from the (seeded) default generator
         self.state.reset(stop_ids)
+
+    engine_weights = staticmethod(fused_weights)  # a layer's LayerWeights for the engine (hybrid runners differ)
 
     def bucket_for(self, span: int) -> int:
         """Decode rows for slots [0, span): the smallest captured bucket, or exactly span without graphs."""
