@@ -31,8 +31,10 @@ from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_
                                       packed_boundaries, use_varlen, varlen_takes_windows)
 from phaserl.models.config import DecoderConfig
 from phaserl.models.heads import chunked_token_logprobs, softcap
-from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention, rms_norm,
+from phaserl.models.hybrid import HybridLayer
+from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention,
                                    rope_tables)
+from phaserl.models.modules import MLP, RMSNorm  # noqa: F401  (their home; imported from here too)
 from phaserl.models.moe import MoEWeights, Route, Routing, SharedExpert, prepare_device
 from phaserl.models.rope import RotaryEmbedding
 
@@ -83,18 +85,6 @@ class KVCache:
 _attend = attend  # what layers call; enable_compile swaps in a compile-disabled wrapper (graph break)
 
 
-class RMSNorm(nn.Module):
-    """layers.rms_norm with this module's weight; `style` says how the weight meets the rounding."""
-
-    def __init__(self, dim: int, eps: float, style: str = "llama"):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.style = eps, style
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.style)
-
-
 class Attention(nn.Module):
     """The attention's parameters (q/k/v/o projections, optional qk-norms); the math is layers.py's."""
 
@@ -112,17 +102,6 @@ class Attention(nn.Module):
             per_head = cfg.qk_norm_scope == "head"
             self.q_norm = RMSNorm(D if per_head else Hq * D, cfg.rms_norm_eps, cfg.norm_style)
             self.k_norm = RMSNorm(D if per_head else Hkv * D, cfg.rms_norm_eps, cfg.norm_style)
-
-
-class MLP(nn.Module):
-    """The gated MLP's parameters: down(act(gate(x)) * up(x)), act = silu (SwiGLU) or gelu-tanh (GeGLU)."""
-
-    def __init__(self, cfg: DecoderConfig, width: Optional[int] = None):
-        super().__init__()
-        width = width or cfg.intermediate_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
 
 
 class Experts(nn.Module):
@@ -258,7 +237,7 @@ class DecoderModel(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         layer_class = DecoderLayer
         if cfg.hybrid:  # Qwen3.5: Gated DeltaNet and gated attention layers
-            from phaserl.models.hybrid import HybridLayer as layer_class
+            layer_class = HybridLayer
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
         self.build_rotary()
