@@ -140,7 +140,7 @@ def mixture_grads(fn, x, ids, weights, w):
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     experts = [t.clone().requires_grad_() for t in (w.gate_up, w.down)]
     out = fn(x, ids, weights, moe.MoEWeights(w.router, *experts))
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
     return [x.grad, weights.grad] + [t.grad for t in experts]
 
 

@@ -362,3 +362,16 @@ def test_the_kv_cache_is_capped_at_what_the_run_can_use(monkeypatch):
     assert capped._target_tokens() == 512 * 64
     engine_cap = EngineConfig(max_slots=8, max_seq_tokens=70)  # slots are rounded up to 64 positions: 128
     assert RolloutEngine(CausalLM(cfg), engine_cap).pool.max_tokens == 8 * 128
+
+
+def test_engine_compile_raises_dynamo_recompile_limit_for_many_layer_specs(monkeypatch):
+    """Regression (H200, 2026-12-01): dynamo keeps one entry per layer spec / dtype / present weights for each
+    engine function, 8 at most per process by default; with fullgraph=True the ninth model's engine failed with
+    "recompile limit exceeded" (12 GPU tests in one pytest process). compile_layer_fn raises the limit."""
+    from phaserl.rollout import runner
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    compiled = runner.compile_layer_fn(lambda x, kind: x + len(kind))
+    for k in range(12):  # twelve string constants (like spec.qk_norm): twelve entries for one code object
+        assert compiled(torch.zeros(2), "h" * k).tolist() == [k, k]
+    assert torch._dynamo.config.recompile_limit >= runner.ENGINE_RECOMPILE_LIMIT

@@ -35,7 +35,7 @@ from phaserl.models.linear_attention import (continue_sequences, decode_inputs, 
                                              recurrent_step_)
 from phaserl.models.lora import engine_weight
 from phaserl.rollout import kernels
-from phaserl.rollout.runner import ModelRunner, prefill_mask
+from phaserl.rollout.runner import ModelRunner, compile_layer_fn, prefill_mask
 
 Tensor = torch.Tensor
 USE_DELTA_KERNEL = True  # False: the torch DeltaNet step on CUDA too (benchmarks compare the two)
@@ -44,7 +44,7 @@ USE_DELTA_KERNEL = True  # False: the torch DeltaNet step on CUDA too (benchmark
 @functools.cache
 def compiled_decode_fns() -> tuple:
     """torch.compile'd decode_inputs / decode_output (dynamic shapes: one compile serves every bucket and layer)."""
-    return tuple(torch.compile(fn, dynamic=True, fullgraph=True) for fn in (decode_inputs, decode_output))
+    return tuple(compile_layer_fn(fn) for fn in (decode_inputs, decode_output))
 
 
 class RecurrentState:

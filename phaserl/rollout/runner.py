@@ -176,13 +176,26 @@ class LayerFns(NamedTuple):
 EAGER = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None)
 
 
+ENGINE_RECOMPILE_LIMIT = 64
+
+
+def compile_layer_fn(fn):
+    """torch.compile for an engine layer function: dynamic shapes (one compile serves every bucket and the
+    prefill), fullgraph. Dynamo still compiles once per distinct layer spec, dtype and set of present weights
+    (a bias or none, a qk-norm kind, Gemma's local and global layers), and counts those entries per code
+    object for the whole process: 8 by default, then fullgraph=True turns the ninth into an error. A process
+    that builds engines for several models (tests, a run with several families) passes 8 quickly (seen on the
+    H200 on 2026-12-01: 12 GPU tests failed with "recompile limit exceeded"), so the limit is raised once."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, ENGINE_RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
 @functools.cache
 def compiled_fns() -> LayerFns:
-    """torch.compile'd twins of the layer functions; dynamic shapes, so one compile serves every bucket
-    (and the prefill). cached_attention writes into the cache, so it stays eager (layer_fns swaps in
-    the Triton kernel where it runs)."""
-    def c(fn):
-        return torch.compile(fn, dynamic=True, fullgraph=True)
+    """torch.compile'd twins of the layer functions (compile_layer_fn). cached_attention writes into the
+    cache, so it stays eager (layer_fns swaps in the Triton kernel where it runs)."""
+    c = compile_layer_fn
     return LayerFns(c(pre_attention), c(post_attention), c(rms_norm), cached_attention, c(sample_tokens), None)
 
 
