@@ -121,6 +121,23 @@ def device_peak_flops(device: torch.device) -> Optional[float]:
     return None
 
 
+def attention_width(cfg) -> int:
+    """Sum over the softmax-attention layers of num_attention_heads * head_dim (linear-attention layers have no
+    quadratic term). Per layer where heads differ: a native DecoderConfig's `heads(i)`, a transformers config's
+    `per_layer_config` (Gemma 4: its global layers' head_dim; reading `config.head_dim` there raises)."""
+    L = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * L
+    if hasattr(cfg, "heads"):
+        return sum(cfg.heads(i)[0] * cfg.heads(i)[2] for i in range(L) if "linear" not in types[i])
+    layers = getattr(cfg, "per_layer_config", None) or [cfg] * L
+    width = 0
+    for i in range(L):
+        if "linear" not in types[i]:
+            heads = layers[i].num_attention_heads
+            width += heads * (getattr(layers[i], "head_dim", None) or cfg.hidden_size // heads)
+    return width
+
+
 @dataclass(frozen=True)
 class FlopModel:
     """Model FLOPs of a decoder's passes, from its config and parameter count (recomputation not counted).
@@ -143,18 +160,15 @@ class FlopModel:
     def of(cls, model: torch.nn.Module, *, lm_head: bool = True) -> "FlopModel":
         cfg = model.config
         H, V = cfg.hidden_size, cfg.vocab_size
-        head_dim = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
         total = sum(p.numel() for p in model.parameters())  # global numel, also for FSDP-sharded DTensors
         untied = getattr(model, "lm_head", None)
         untied_params = untied.weight.numel() if untied is not None and hasattr(untied, "weight") else 0
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
-        idle = experts - experts * getattr(cfg, "num_experts_per_tok", 0) // max(getattr(cfg, "num_experts", 0), 1)
-        attn_width = cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
-        if hasattr(cfg, "heads"):  # a native DecoderConfig: per-layer head shapes (Gemma 4's global layers)
-            attn_width = sum(cfg.heads(i)[0] * cfg.heads(i)[2] for i in range(cfg.num_hidden_layers))
+        chosen, of = getattr(cfg, "num_experts_per_tok", None) or 0, getattr(cfg, "num_experts", None) or 0  # None: dense
+        idle = experts - experts * chosen // max(of, 1)
         return cls(body_params=total - V * H - untied_params - idle, head_params=V * H if lm_head else 0,
-                   attn_width=attn_width,
+                   attn_width=attention_width(cfg),
                    update_passes=2.0 + trainable / max(total, 1))
 
     def forward_flops(self, lengths: torch.Tensor, response_tokens: float) -> float:

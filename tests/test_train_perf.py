@@ -198,6 +198,49 @@ def test_flop_model_counts_each_layers_own_head_shape():
     assert FlopModel.of(CausalLM(cfg)).attn_width == 2 * 4 * 8 + 2 * 4 * 16
 
 
+def test_flop_model_reads_transformers_per_layer_configs_and_skips_linear_attention():
+    """Regression (H200, 2026-12-01): a Gemma 4 GRPO step on the transformers path crashed in perf/mfu, reading
+    `config.head_dim` (transformers raises for per-layer attributes). Qwen3.5's DeltaNet layers have no
+    quadratic attention term."""
+    import transformers
+
+    gemma = transformers.Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, sliding_window=4, max_position_embeddings=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    model = transformers.AutoModelForCausalLM.from_config(gemma)
+    assert FlopModel.of(model).attn_width == 2 * 4 * 8 + 4 * 16
+    qwen35 = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, max_position_embeddings=64)
+    assert qwen35.layer_types.count("full_attention") == 1
+    assert FlopModel.of(transformers.AutoModelForCausalLM.from_config(qwen35)).attn_width == 4 * 16
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_attention_wider_than_the_flash_kernel_runs_per_sequence_and_matches_the_mask(window):
+    """Regression (H200, 2026-12-01): Gemma 4's global layers (head_dim 512) failed the packed GRPO step, the
+    varlen flash kernel taking at most 256. Wider heads take SDPA per packed sequence: same outputs and
+    gradients as the block-diagonal mask, GQA and sliding windows included."""
+    torch.manual_seed(0)
+    B, T, Hq, Hkv, D = 2, 7, 4, 2, attention.VARLEN_MAX_HEAD_DIM + 8
+    seq_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2, 2, 3, 3]])  # [B, T]
+    q = torch.randn(B, T, Hq, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, T, Hkv, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    packed = attention.packed_boundaries(seq_ids)
+    packed = attention.PackedSeqs(packed.cu_seqlens, packed.max_len, window)
+    got = attention.attend(q, k, v, packed, scale=0.3)
+    mask = attention.block_diagonal(attention.build_attention_mask(torch.ones(B, T, dtype=torch.bool), 0, T,
+                                                                   window), seq_ids)
+    want = attention.attend(q, k, v, mask, scale=0.3)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for g, w in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g, w)
+
+
 # ----- GPU: the varlen kernel, compiled kernels ------------------------------------------------------------
 def _gpu_model(dtype, seed=0) -> CausalLM:
     torch.manual_seed(seed)

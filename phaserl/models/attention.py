@@ -6,7 +6,8 @@
           row are contiguous, so a slot distance is a position distance.
   varlen  `torch.nn.attention.varlen` on CUDA in bf16/fp16: boundaries as cumulative lengths, no [T, T]
           mask; sliding layers pass `window_size=(window - 1, 0)`. A torch whose kernel has no window
-          argument gets the dense mask instead (logged once), never a full-attention answer.
+          argument gets the dense mask instead (logged once), never a full-attention answer. Heads wider
+          than the flash kernel takes (256: Gemma 4's global layers) run SDPA per packed sequence.
 Not here: the layer math around the core (layers.py), the engine's decode attention (rollout/).
 
 Legend: B batch, T queries, S key slots, Hq/Hkv heads, D head_dim.
@@ -97,6 +98,9 @@ def _varlen_takes_gqa(device: torch.device) -> bool:
     return _GQA_PROBED[device]
 
 
+VARLEN_MAX_HEAD_DIM = 256  # the flash kernel behind torch's varlen_attn; wider heads take attend_each_sequence
+
+
 def use_varlen(device: torch.device, dtype: torch.dtype) -> bool:
     """Packed forwards take the varlen kernel: CUDA, half precision, and a torch that has it."""
     return USE_VARLEN and _VARLEN is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
@@ -118,6 +122,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.
     scale: of the scores (None: D ** -0.5)."""
     B, T, Hq, D = q.shape
     groups = Hq // k.shape[2]
+    if isinstance(attn, PackedSeqs) and D > VARLEN_MAX_HEAD_DIM:
+        return attend_each_sequence(q, k, v, attn, scale)
     if isinstance(attn, PackedSeqs):
         varlen_attn, causal, native_gqa = _VARLEN
         k, v = k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)  # [B*T, Hkv, D]
@@ -139,6 +145,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.
     if groups > 1:  # grouped-query attention: each kv head serves `groups` consecutive query heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, Hq, S, D]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale).transpose(1, 2)  # [B, T, Hq, D]
+
+
+@torch.compiler.disable  # one host sync for the boundaries and a loop: kept out of a compiled layer's graph
+def attend_each_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqs,
+                         scale: Optional[float] = None) -> torch.Tensor:
+    """Packed rows without the varlen kernel, for head dims its flash kernel lacks (Gemma 4's global layers:
+    512; found on the H200 on 2026-12-01, "FlashAttention forward only supports head dimension at most 256"):
+    SDPA over each packed sequence on its own, causal, the window as a mask. Same shapes as `attend`."""
+    B, T, Hq, D = q.shape
+    groups = Hq // k.shape[2]
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(B * T, x.shape[2], D).transpose(0, 1)  # [heads, B*T, D]
+
+    q, k, v = heads_first(q), heads_first(k), heads_first(v)
+    cu = packed.cu_seqlens.tolist()
+    outs = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        qs, ks, vs = q[None, :, a:b], k[None, :, a:b], v[None, :, a:b]  # [1, heads, L, D]
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)  # [1, Hq, L, D]
+        mask = None
+        if packed.window is not None and b - a > packed.window:
+            pos = torch.arange(b - a, device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - packed.window)  # [L, L]
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                                   scale=scale)[0])  # [Hq, L, D]
+    return torch.cat(outs, dim=1).transpose(0, 1).reshape(B, T, Hq, D)
 
 
 def build_attention_mask(key_valid: torch.Tensor, start: int, num_queries: int,
