@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from phaserl.algo import token_logprobs_from_hidden  # noqa: E402
 from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
+from phaserl.models.families import config_to_hf  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
 from phaserl.rollout import fused as rollout_fused  # noqa: E402
@@ -375,7 +376,7 @@ def hf_seconds(args, static: bool, shape_too: bool = False):
     """(seconds, warm-up seconds, transformers version[, new tokens, rows]) of one timed generate() at the shape."""
     import transformers
 
-    d = decoder_config(args.shape).to_hf_dict("bfloat16")
+    d = config_to_hf(decoder_config(args.shape), "bfloat16")
     hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device(DEVICE):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16,

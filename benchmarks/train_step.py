@@ -47,6 +47,7 @@ from phaserl.batch import RolloutBatch  # noqa: E402
 from phaserl.metrics import PEAK_BF16_FLOPS, FlopModel, device_peak_flops  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.models.decoder import enable_compile  # noqa: E402
+from phaserl.models.families import config_to_hf  # noqa: E402
 from phaserl.roles.forward import rows_logprobs, split_rows  # noqa: E402
 import profiling  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
@@ -143,7 +144,7 @@ def build_model(variant: str, args, device):
     if variant == "hf":
         import transformers
 
-        d = decoder_config(args.shape).to_hf_dict("bfloat16" if args.dtype == "bf16" else "float32")
+        d = config_to_hf(decoder_config(args.shape), "bfloat16" if args.dtype == "bf16" else "float32")
         hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")

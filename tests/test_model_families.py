@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
+from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
 from phaserl.rollout.runner import cached_attention
 
@@ -261,11 +262,11 @@ def test_gemma3_with_final_logit_soft_capping_is_native_and_exact(tmp_path):
 
 
 def test_config_round_trips_through_config_json(pair):
-    # Checkpoints store to_hf_dict() and rebuild the model from it (resume, export): nothing may drift.
+    # Checkpoints store config_to_hf() and rebuild the model from it (resume, export): nothing may drift.
     from phaserl.models import DecoderConfig
 
     _, ours, _ = pair
-    assert DecoderConfig.from_hf_dict(ours.config.to_hf_dict()) == ours.config
+    assert config_from_hf(config_to_hf(ours.config)) == ours.config
 
 
 GEMMA4_REFUSED = {

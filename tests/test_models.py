@@ -12,6 +12,7 @@ from phaserl.errors import ConfigError
 from phaserl.models import (CausalLM, DecoderConfig, KVCache, ValueModel, load_pretrained, load_tokenizer,
                             load_value_model, save_pretrained, save_value_model)
 from phaserl.models.rope import ROPE_FUNCTIONS
+from phaserl.models.families import config_from_hf, config_to_hf
 
 torch.set_num_threads(1)
 
@@ -68,7 +69,7 @@ def test_transformers_checkpoint_loads_with_identical_logits(tmp_path, name, hf_
 
 @pytest.mark.parametrize("name,hf_config", hf_configs(), ids=[n for n, _ in hf_configs()])
 def test_our_checkpoint_loads_in_transformers_with_identical_logits(tmp_path, name, hf_config):
-    cfg = DecoderConfig.from_hf_dict(hf_config.to_dict())
+    cfg = config_from_hf(hf_config.to_dict())
     ours = randomize(CausalLM(cfg), seed=3)
     save_pretrained(ours, tmp_path / "out")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -97,7 +98,7 @@ def test_rope_frequencies_match_transformers(rope_scaling):
 
     params = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": 10000.0}
     hf_config = transformers.LlamaConfig(**{**TINY, "hidden_size": 64}, rope_parameters=params)
-    cfg = DecoderConfig.from_hf_dict(hf_config.to_dict())
+    cfg = config_from_hf(hf_config.to_dict())
     ours, ours_scale = ROPE_FUNCTIONS[cfg.rope_type](cfg)
     if cfg.rope_type == "default":
         expected = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
@@ -113,7 +114,7 @@ def test_dynamic_rope_beyond_the_trained_context_matches_transformers():
 
     hf_config = transformers.LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                   "rope_theta": 10000.0})
-    cfg = DecoderConfig.from_hf_dict(hf_config.to_dict())
+    cfg = config_from_hf(hf_config.to_dict())
     from phaserl.models.rope import dynamic_rope
     expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf_config, "cpu", seq_len=100)
     torch.testing.assert_close(dynamic_rope(cfg, 100)[0], expected, atol=0, rtol=1e-6)
@@ -227,7 +228,7 @@ def test_missing_directory_config_and_weights_are_named(tmp_path):
         load_pretrained(tmp_path / "nope")
     with pytest.raises(ConfigError, match="config.json: missing"):
         load_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(tiny_cfg().to_hf_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(tiny_cfg())))
     with pytest.raises(ConfigError, match="no model.safetensors"):
         load_pretrained(tmp_path)
 
@@ -249,12 +250,12 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(tmp_path):
 
 def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="model_type='gpt2' is not implemented natively"):
-        DecoderConfig.from_hf_dict({"model_type": "gpt2"})
+        config_from_hf({"model_type": "gpt2"})
     with pytest.raises(ConfigError, match="missing key.*intermediate_size"):
-        DecoderConfig.from_hf_dict({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
+        config_from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
                                     "num_hidden_layers": 1, "num_attention_heads": 2})
     with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not implemented natively"):
-        DecoderConfig.from_hf_dict({**tiny_cfg().to_hf_dict(), "final_logit_softcapping": 30.0})
+        config_from_hf({**config_to_hf(tiny_cfg()), "final_logit_softcapping": 30.0})
     with pytest.raises(ConfigError, match="longrope"):
         tiny_cfg(rope_scaling={"rope_type": "longrope", "factor": 2.0})
 

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
 from phaserl.models import moe
+from phaserl.models.families import config_from_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
 torch.set_num_threads(1)
@@ -199,11 +200,11 @@ def test_config_reads_transformers_keys_and_refuses_what_it_lacks(pair):
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_layers) == (8, 3, [0, 2])
     assert cfg.router_aux_loss_coef == 0.0  # transformers adds it only with output_router_logits
     d = hf_config(output_router_logits=True, router_aux_loss_coef=0.02).to_dict()  # qwen3_moe
-    assert DecoderConfig.from_hf_dict(d).router_aux_loss_coef == 0.02
+    assert config_from_hf(d).router_aux_loss_coef == 0.02
     with pytest.raises(ConfigError, match="use_sliding_window"):
-        DecoderConfig.from_hf_dict({**d, "use_sliding_window": True})
+        config_from_hf({**d, "use_sliding_window": True})
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
-        DecoderConfig.from_hf_dict({**d, "num_experts_per_tok": None})
+        config_from_hf({**d, "num_experts_per_tok": None})
 
 
 def test_experts_spread_over_shard_files_stack_like_one_file(pair, tmp_path):

@@ -7,6 +7,7 @@ import transformers
 
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, load_pretrained, save_pretrained
+from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.models.linear_attention import chunk_gated_delta_rule, recurrent_step_
 
 torch.set_num_threads(1)
@@ -53,7 +54,7 @@ def test_the_config_reads_the_hybrid_layout(pair):
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # transformers' default: every 4th
     assert cfg.rotary_dim == 4 and cfg.attn_output_gate and cfg.num_kv_layers == 1  # partial_rotary_factor 0.25
     assert cfg.linear_attention.conv_dim == 2 * 2 * 8 + 4 * 8
-    back = DecoderConfig.from_hf_dict(cfg.to_hf_dict())
+    back = config_from_hf(config_to_hf(cfg))
     assert back == cfg
 
 

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..models import CausalLM, DecoderConfig, ValueModel, load_tokenizer, save_pretrained, save_value_model
+from ..models import CausalLM, ValueModel, load_tokenizer, save_pretrained, save_value_model
+from ..models.families import config_from_hf
 from . import manifest, store
 from .lora_export import export_lora_role
 from .state import ARCH_DIR, TOKENIZER_DIR, load_module, read_architecture
@@ -112,7 +113,7 @@ def _empty_model(arch: dict, role: str) -> torch.nn.Module:
     dtype = getattr(torch, arch["dtype"])
     with torch.device("meta"):
         if arch["kind"] == "native":
-            lm = CausalLM(DecoderConfig.from_hf_dict(arch["hf_config"], source=f"architecture/{role}.json"))
+            lm = CausalLM(config_from_hf(arch["hf_config"], source=f"architecture/{role}.json"))
             model = ValueModel(lm) if role == "critic" else lm
         else:
             model = _transformers_model(arch["hf_config"])

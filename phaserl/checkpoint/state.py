@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ..errors import CheckpointError
+from ..models.config import DecoderConfig
+from ..models.families import config_to_hf
 from ..models.lora import has_lora, lora_record, state_dict_options
 from .safe_dcp import load_tensors, save_tensors
 from .store import write_json
@@ -176,8 +178,8 @@ def architecture(model: torch.nn.Module) -> dict:
     dtype = str(model.get_parameter(_first_frozen_or_any(model)).dtype).removeprefix("torch.")
     config = model.config
     lora = {"lora": lora_record(model)} if has_lora(model) else {}  # adapters only in dcp/: the base's directory
-    if hasattr(config, "to_hf_dict"):                  # our DecoderConfig (CausalLM, ValueModel)
-        return {"kind": "native", "dtype": dtype, "hf_config": config.to_hf_dict(dtype), **lora}
+    if isinstance(config, DecoderConfig):              # ours (CausalLM, ValueModel)
+        return {"kind": "native", "dtype": dtype, "hf_config": config_to_hf(config, dtype), **lora}
     return {"kind": "transformers", "dtype": dtype, "hf_config": config.to_dict(), **lora}
 
 

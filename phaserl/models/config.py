@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from phaserl.errors import ConfigError
 
@@ -25,9 +25,15 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # linear: Gated DeltaNet (Qwen3.5)
 
 
+# The model types the native decoder implements: families.py reads and writes each one's config.json (and asserts
+# that its table covers exactly these); config.py itself knows no family.
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3_text", "qwen3_moe", "qwen2_moe",
+               "gemma4_text", "qwen3_5_text", "phi3", "olmo2")
+
+
 @dataclass
 class DecoderConfig:
-    model_type: str                          # a key of families.FAMILIES
+    model_type: str                          # one of MODEL_TYPES
     vocab_size: int
     hidden_size: int
     intermediate_size: int                   # gated-MLP inner width
@@ -76,10 +82,8 @@ class DecoderConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert MLP of this width beside the routed ones
 
     def __post_init__(self):
-        from phaserl.models.families import FAMILIES
-
-        if self.model_type not in FAMILIES:
-            raise ConfigError(f"DecoderConfig.model_type={self.model_type!r} is not one of {tuple(FAMILIES)}")
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(f"DecoderConfig.model_type={self.model_type!r} is not one of {MODEL_TYPES}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -191,19 +195,6 @@ class DecoderConfig:
         if self.eos_token_id is None:
             return []
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
-
-    @classmethod
-    def from_hf_dict(cls, d: dict, *, source: str = "config.json") -> "DecoderConfig":
-        """Read a Hugging Face config dict; `source` names the file in error messages."""
-        from phaserl.models.families import read_hf_config
-
-        return read_hf_config(cls, d, source)
-
-    def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
-        """A config.json dict that transformers' AutoConfig / AutoModelForCausalLM understand."""
-        from phaserl.models.families import write_hf_config
-
-        return write_hf_config(self, dtype)
 
     def replace(self, **changes) -> "DecoderConfig":
         return dataclasses.replace(self, **changes)

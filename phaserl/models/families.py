@@ -1,8 +1,8 @@
 """The native families: what each model_type's config.json means in DecoderConfig's terms, and back.
 
 One `Family` per model_type says what transformers assumes for absent keys and which layer layout the
-family has (norm placement and rounding, activation, qk-norm, embedding scale); `read_hf_config` turns a
-config.json dict into a DecoderConfig and `write_hf_config` writes it back so that transformers builds the
+family has (norm placement and rounding, activation, qk-norm, embedding scale); `config_from_hf` turns a
+config.json dict into a DecoderConfig and `config_to_hf` writes it back so that transformers builds the
 same network. The layer math those fields select lives in `layers.py`, once for all families.
   llama, qwen2, qwen3   pre-norm SwiGLU (qwen2: q/k/v bias; qwen3: per-head qk-norm); sliding layers as
                         layer_types (or 4.x use_sliding_window + max_window_layers) say
@@ -38,7 +38,7 @@ import torch
 
 from phaserl.errors import ConfigError
 from phaserl.models import gemma4
-from phaserl.models.config import DecoderConfig, read_rope
+from phaserl.models.config import MODEL_TYPES, DecoderConfig, read_rope
 from phaserl.models.moe import file_expert, unstack_experts
 
 
@@ -88,12 +88,14 @@ FAMILIES: dict[str, Family] = {
                     {"qk_norm": True, "qk_norm_scope": "projection", "layer_norms": "post", "norm_style": "olmo2"}),
 }
 NATIVE_MODEL_TYPES = tuple(FAMILIES)
+assert set(NATIVE_MODEL_TYPES) == set(MODEL_TYPES), "config.MODEL_TYPES and FAMILIES list different model types"
 _GEMMA = ("gemma3_text", "gemma4_text")  # hidden_activation (not hidden_act), Gemma's layer_types pattern
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
-    """DecoderConfig from a config.json dict (see the module docstring for what each family reads)."""
+def config_from_hf(d: dict, *, source: str = "config.json") -> DecoderConfig:
+    """DecoderConfig from a config.json dict (see the module docstring for what each family reads); `source`
+    names the file in error messages."""
     model_type = d.get("model_type")
     if model_type == "qwen3_5":
         raise ConfigError(f"{source}: model_type='qwen3_5' is the vision-language Qwen3.5 (text weights under "
@@ -152,7 +154,7 @@ def read_hf_config(cls, d: dict, source: str) -> DecoderConfig:
     if model_type == "gemma4_text":
         fields.update(gemma4.fields(d, source, value, layer_types))
     try:
-        return cls(**fields)
+        return DecoderConfig(**fields)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -266,8 +268,9 @@ def _reject_unsupported(d: dict, source: str, value) -> None:
         raise ConfigError(f"{source}: partial_rotary_factor={d['partial_rotary_factor']} is not supported natively")
 
 
-def write_hf_config(cfg: DecoderConfig, dtype: str) -> dict[str, Any]:
-    """A config.json dict from which transformers builds the network `cfg` describes."""
+def config_to_hf(cfg: DecoderConfig, dtype: str = "float32") -> dict[str, Any]:
+    """A config.json dict from which transformers (AutoConfig, AutoModelForCausalLM) builds the network `cfg`
+    describes."""
     t = cfg.model_type
     d = {
         "architectures": [FAMILIES[t].architecture],

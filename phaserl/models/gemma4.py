@@ -77,7 +77,7 @@ def last_layer_full(layer_types: Optional[list]) -> Optional[list]:
 
 
 def fields(d: dict, source: str, value, layer_types: Optional[tuple]) -> dict[str, Any]:
-    """DecoderConfig fields beyond the common ones (families.read_hf_config fills those)."""
+    """DecoderConfig fields beyond the common ones (families.config_from_hf fills those)."""
     head_dim, kv_heads = global_heads(d, source, value, layer_types)
     return dict(embed_scale=math.sqrt(d["hidden_size"]), query_pre_attn_scalar=1.0,  # attention scale 1
                 global_head_dim=head_dim, global_kv_heads=kv_heads, attention_k_eq_v=bool(d.get("attention_k_eq_v")),
@@ -89,7 +89,7 @@ def rope_parameters(d: dict) -> dict:
 
 
 def hf_fields(cfg) -> dict[str, Any]:
-    """The Gemma 4 keys of config.json for `cfg` (families.write_hf_config writes the common ones)."""
+    """The Gemma 4 keys of config.json for `cfg` (families.config_to_hf writes the common ones)."""
     n = cfg.num_hidden_layers
     full_rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
     layer_types = list(cfg.layer_types) if cfg.layer_types else ["full_attention"] * n

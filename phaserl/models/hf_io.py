@@ -24,7 +24,8 @@ from torch import nn
 from phaserl.errors import ConfigError
 from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM
-from phaserl.models.families import FAMILIES, NATIVE_MODEL_TYPES, hf_state, native_names, native_state
+from phaserl.models.families import (FAMILIES, NATIVE_MODEL_TYPES, config_from_hf, config_to_hf, hf_state,
+                                     native_names, native_state)
 from phaserl.models.hf_fallback import HFCausalLM
 from phaserl.models.moe import file_expert, stack_experts
 from phaserl.models.value import ValueModel
@@ -173,13 +174,13 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
     directory, hf_config = _read_config(path)
     model_type = hf_config.get("model_type")
     if implementation == "native" and model_type == "qwen3_5":  # the composite Qwen3.5: the error says what to do
-        DecoderConfig.from_hf_dict(hf_config, source=str(directory / "config.json"))
+        config_from_hf(hf_config, source=str(directory / "config.json"))
     if implementation == "native" and model_type not in NATIVE_MODEL_TYPES:
         raise ConfigError(f"{directory / 'config.json'}: model_type {model_type!r} has no native implementation "
                           f"(native: {', '.join(NATIVE_MODEL_TYPES)}); use model.implementation=auto")
     if model_type not in NATIVE_MODEL_TYPES or implementation == "transformers":
         return _load_fallback(directory, model_type, dtype, device, trust_remote_code, allow_random_init)
-    cfg = DecoderConfig.from_hf_dict(hf_config, source=str(directory / "config.json"))
+    cfg = config_from_hf(hf_config, source=str(directory / "config.json"))
     if allow_random_init:  # materialized and initialized: what the directory lacks keeps its init
         model = CausalLM(cfg).to(device=device, dtype=dtype)
     else:
@@ -224,7 +225,7 @@ def load_value_model(path: PathLike, *, dtype: torch.dtype = torch.float32, devi
     if num_labels != 1:
         raise ConfigError(f"{source}: a value model has one output (num_labels=1), this one has {num_labels}; "
                           "to start a critic from a policy checkpoint use ValueModel(load_pretrained(path))")
-    cfg = DecoderConfig.from_hf_dict(hf_config, source=source)
+    cfg = config_from_hf(hf_config, source=source)
     model = _build_on_meta(cfg, ValueModel)
     _load_weights(model, directory, dtype, device)
     _restore_rotary(model, cfg, device)
@@ -318,7 +319,7 @@ def save_pretrained(model: Union[CausalLM, HFCausalLM], out_dir: PathLike, *, to
         return _write_atomically(out_dir, write_hf)
     # Tied models have no lm_head.weight (the HF layout for tied weights); Phi-3 stores fused tensors.
     state = hf_state(model.config, _cpu_state(model, dtype))
-    config = model.config.to_hf_dict(_dtype_name(dtype or model.output_weight.dtype))
+    config = config_to_hf(model.config, _dtype_name(dtype or model.output_weight.dtype))
     return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, model.config, tokenizer))
 
 
@@ -331,7 +332,7 @@ def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
                           f"{cfg.model_type!r}, so a value model of it cannot be exported as a Hugging Face directory "
                           "(the run's own checkpoints still save and resume the critic)")
     state = hf_state(cfg, _cpu_state(model, dtype))
-    config = cfg.to_hf_dict(_dtype_name(dtype or model.score.weight.dtype))
+    config = config_to_hf(cfg, _dtype_name(dtype or model.score.weight.dtype))
     config.update(architectures=[FAMILIES[cfg.model_type].classifier], id2label={"0": "LABEL_0"},
                   label2id={"LABEL_0": 0}, num_labels=1)
     return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, cfg, tokenizer))

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from ..errors import ConfigError
-from ..models import DecoderConfig, ValueModel, load_value_model
-from ..models.families import NATIVE_MODEL_TYPES
+from ..models import ValueModel, load_value_model
+from ..models.families import NATIVE_MODEL_TYPES, config_from_hf
 
 ENGINES = ("auto", "phaserl", "transformers")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,7 +49,7 @@ def native_support(path: str) -> str:
     if num_labels != 1:
         return f"{config_file} says num_labels={num_labels}; a reward model outputs one score (num_labels=1)"
     try:
-        DecoderConfig.from_hf_dict(config, source=config_file)
+        config_from_hf(config, source=config_file)
     except ConfigError as err:
         return str(err)
     return ""
