@@ -14,7 +14,13 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   critic the same; reference and reward model: params only. FULL_SHARD divides all of
                   it by world_size, SHARD_GRAD_OP divides grads and AdamW only, cpu_offload keeps it off
                   the device.
-  KV cache        2 × layers × kv_heads × head_dim × b × T per sequence
+  KV cache        per sequence, what the rollout engine allocates for one slot (rollout/slot_memory.py, from the
+                  code that sizes the KV pool, the recurrent state and the route record): the attention layers'
+                  K and V × T (each layer as wide as the widest: Gemma 4's global layers; sliding layers over the
+                  whole slot; no KV for Qwen3.5's linear-attention layers) + each linear layer's fixed recurrent
+                  state + with actor.routing_replay the MoE layers' int16 expert ids × k × T. Models on the
+                  transformers path (and shapes built by hand) use the dense rule 2 × layers × kv_heads × head_dim
+                  × b × T, which phaserl's engine also gives for a dense decoder.
   rollout         per sequence: KV cache + prefill temporaries (2h + 2I) × b × prompt tokens
                   + two float32 rows of vocabulary logits
   scoring         transformers engine, per sequence: the RM's KV cache + (2h + 2I) × b × max_length;
@@ -22,11 +28,15 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   + max_length × (1 + b) for the [b, 1, T, T] boolean mask and SDPA's additive copy
                   (packed with the varlen kernel: no mask; the dense block-diagonal mask of packing
                   without it is not counted)
-  update          per token: layers × (8h + 4I + 2 × kv_heads × head_dim) × b of saved activations
-                  (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits
-                  × 3 for the log-prob projection of up to 1024 tokens at a time.
+  update          per token and layer, saved activations: eager 8h + 4I + 2 × kv_heads × head_dim values,
+                  torch.compile'd layers (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see
+                  train_bytes_per_token); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
+                  plus its k gathered inputs and outputs (2k × h) and float32 router probabilities; × b
+                  (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits × 3 for the
+                  log-prob projection of up to 1024 tokens at a time.
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
-                  up to 64 tokens, at most engine_memory_fraction of the free memory) + the weights once more
+                  up to 64 tokens, at most engine_memory_fraction of the free memory), the recurrent state and
+                  route record of the slots that pool holds (outside the pool's budget) + the weights once more
                   (fused copies, graph temporaries), through the update; `config/auto.py` turns it on when the update's peak
                   with it stays under 75% of the device (the builder and the doctor both ask it).
 Not here: reading the config or loading models (`checks.py` does that and calls these functions).
@@ -39,6 +49,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from ..models.config import DecoderConfig
+from ..rollout.slot_memory import SlotMemory, slot_memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HEADROOM = 0.85          # use at most this fraction of the free memory (allocator slack, CUDA context)
@@ -59,6 +72,8 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     param_bytes: int  # bytes per parameter element (2 for bf16/fp16, 4 for fp32)
+    slot: Optional[SlotMemory] = None  # phaserl's decoder: what one engine slot holds; None: the dense KV rule
+    moe: Optional["ExpertShape"] = None  # a mixture-of-experts decoder's routed MLPs (for the update's activations)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
@@ -81,11 +96,30 @@ class ModelShape:
         if vocab is None:
             raise UnknownShape(f"{type(c).__name__} has no vocab_size")
         intermediate = _optional_field(c, "intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden
+        native = isinstance(c, DecoderConfig)  # phaserl's decoder: the engine's own layout, per layer
         return cls(num_params=sum(p.numel() for p in model.parameters()),
                    num_layers=_field(c, "num_hidden_layers", "n_layer", "num_layers"), hidden_size=hidden,
                    intermediate_size=intermediate,
                    num_kv_heads=_optional_field(c, "num_key_value_heads", "n_kv_heads", "num_kv_heads") or heads,
-                   head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size())
+                   head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size(),
+                   slot=slot_memory(c, first.dtype) if native else None,
+                   moe=ExpertShape.of(c) if native and c.num_experts else None)
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """A MoE decoder's routed MLPs, as the update's activations see them (models/moe.py)."""
+
+    layers: int        # MoE layers (the others are dense gated MLPs)
+    top_k: int         # experts per token
+    width: int         # moe_intermediate_size, each expert's SwiGLU width
+    experts: int       # E, the router's outputs
+    shared_width: int  # Qwen2-MoE's shared expert (0: none)
+
+    @classmethod
+    def of(cls, c: DecoderConfig) -> "ExpertShape":
+        return cls(len(c.moe_layers), c.num_experts_per_tok, c.moe_intermediate_size, c.num_experts,
+                   c.shared_expert_intermediate_size)
 
 
 class UnknownShape(ValueError):
@@ -134,6 +168,8 @@ class PhaseSizes:
     micro_batch_tokens: int      # configured
     mini_batch_per_rank: int     # the update's cap, in sequences
     gradient_checkpointing: bool
+    routing_replay: bool = False  # actor.routing_replay: the engine also records each position's experts
+    compiled: bool = False        # the actor's decoder layers run through torch.compile (actor.compile as chosen)
 
 
 @dataclass(frozen=True)
@@ -160,14 +196,19 @@ def role_memory(num_params: int, param_bytes: int, *, trainable: bool, strategy:
     return RoleMemory(params, grads, optimizer)
 
 
-def kv_cache_bytes_per_sequence(shape: ModelShape, tokens: int) -> int:
-    """2 (K and V) × layers × kv_heads × head_dim × bytes × tokens."""
+def kv_cache_bytes_per_sequence(shape: ModelShape, tokens: int, *, routes: bool = False) -> int:
+    """What one sequence of `tokens` holds in the rollout engine: phaserl's decoder, one engine slot
+    (SlotMemory: KV of the attention layers, the linear layers' recurrent state, with `routes` the routing-replay
+    record); otherwise the dense rule 2 (K and V) × layers × kv_heads × head_dim × bytes × tokens."""
+    if shape.slot is not None:
+        return shape.slot.slot_bytes(tokens, routes=routes)
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.param_bytes * tokens
 
 
 def rollout_bytes_per_sequence(shape: ModelShape, sizes: PhaseSizes) -> int:
     prefill = (2 * shape.hidden_size + 2 * shape.intermediate_size) * shape.param_bytes * sizes.prompt_tokens
-    return kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens) + prefill + 2 * shape.vocab_size * 4
+    kv = kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens, routes=sizes.routing_replay)
+    return kv + prefill + 2 * shape.vocab_size * 4
 
 
 def scoring_bytes_per_sequence(rm: ModelShape, max_length: int) -> int:
@@ -183,30 +224,55 @@ def scoring_bytes_per_token(rm: ModelShape, max_length: int, packed: bool) -> in
     return forward if packed else forward + max_length * (1 + rm.param_bytes)
 
 
-def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool) -> int:
-    """Activations saved for backward, per token of a micro-batch."""
-    per_layer = 8 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.num_kv_heads * shape.head_dim
+def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compiled: bool = False) -> int:
+    """Activations saved for backward, per token of a micro-batch.
+
+    Per layer, eager: the two norms' float32 input copies and normed outputs and the projections' inputs (8h), the
+    attention output and q/k/v (2 × kv_heads × head_dim beside them), gate, up, silu(gate) and their product (4I).
+    Compiled (actor.compile): torch.compile's partitioner recomputes the float32 norm statistics and silu(gate) in
+    backward instead of saving them, so a layer keeps its input and normed input, q, the attention output, the
+    residual after attention and its normed copy (6h), k and v, gate, up and their product (3I). Counting the eager
+    set for a compiled layer over-counted its activations 1.33× at the 0.5B shape (H200, 2026-12-01: 24.3 GiB
+    predicted for a measured 20.86 GiB peak, `rollout.engine_keep_awake=auto`, BENCHMARKS.md "Fast by default");
+    the compiled set gives 20.6 GiB there, and `benchmarks/saved_activations.py` counts the saved tensors of
+    either kind of layer on any device.
+    MoE layers (Qwen3-MoE) run eager in training whenever routing is recorded (aux loss, replay): their I is
+    top-k × moe_intermediate_size (+ a shared expert's width), plus the k gathered inputs and per-expert outputs
+    of each token (2k × h) and the router's float32 probabilities (2E values of b = 2 bytes)."""
+    h, kv = shape.hidden_size, 2 * shape.num_kv_heads * shape.head_dim
+    dense = (6 * h + 3 * shape.intermediate_size if compiled else 8 * h + 4 * shape.intermediate_size) + kv
+    moe_layers = shape.moe.layers if shape.moe else 0
+    layers = [dense] * (shape.num_layers - moe_layers)
+    if shape.moe:
+        m = shape.moe
+        layers += [8 * h + 4 * (m.top_k * m.width + m.shared_width) + 2 * m.top_k * h + 2 * m.experts + kv] * m.layers
     if gradient_checkpointing:
-        return (shape.num_layers * shape.hidden_size + per_layer) * shape.param_bytes
-    return shape.num_layers * per_layer * shape.param_bytes
+        return (shape.num_layers * h + max(layers)) * shape.param_bytes
+    return sum(layers) * shape.param_bytes
 
 
-def kept_engine_bytes(shape: ModelShape, slots: int, slot_tokens: int, *, kv_limit: Optional[int] = None) -> int:
+def kept_engine_bytes(shape: ModelShape, slots: int, slot_tokens: int, *, kv_limit: Optional[int] = None,
+                      routes: bool = False) -> int:
     """What a kept rollout engine (rollout.engine_keep_awake) holds through the update: its KV pool, `slots`
     slots of `slot_tokens` (rollout.engine_max_slots of the rounded-up longest sequence: what the pool
-    allocates) but at most `kv_limit` bytes (rollout.engine_memory_fraction of the free memory), plus its
-    fused weight copies and graph temporaries, counted as the weights once more (the copies alone are about
+    allocates) but at most `kv_limit` bytes (rollout.engine_memory_fraction of the free memory); the recurrent
+    state and (`routes`: routing replay) the route record of the slots that pool holds, allocated beside it; plus
+    its fused weight copies and graph temporaries, counted as the weights once more (the copies alone are about
     half of a 0.5B model's weights; the rest covers the graphs)."""
-    kv = slots * kv_cache_bytes_per_sequence(shape, slot_tokens)
-    return (kv if kv_limit is None else min(kv, kv_limit)) + shape.num_params * shape.param_bytes
+    slot = shape.slot or SlotMemory(kv_cache_bytes_per_sequence(shape, 1), 0, 0)
+    kv_slot = slot.kv_per_token * slot_tokens
+    pool = slots * kv_slot if kv_limit is None else min(slots * kv_slot, kv_limit)
+    held = slots if kv_slot == 0 else min(slots, pool // kv_slot)  # the pool caps the slots of a layout
+    beside = held * (slot.slot_bytes(slot_tokens, routes=routes) - kv_slot)
+    return pool + beside + shape.num_params * shape.param_bytes
 
 
 def update_peak_bytes(shape: ModelShape, *, resident: int, grads: int, micro_batch_tokens: int,
-                      gradient_checkpointing: bool) -> int:
+                      gradient_checkpointing: bool, compiled: bool = False) -> int:
     """The update's peak on one rank: the resident roles, the actor's gradients, one micro-batch's saved
     activations and its log-prob chunk."""
     tokens = micro_batch_tokens
-    return (resident + grads + tokens * train_bytes_per_token(shape, gradient_checkpointing)
+    return (resident + grads + tokens * train_bytes_per_token(shape, gradient_checkpointing, compiled)
             + logprob_chunk_bytes(shape, tokens))
 
 
@@ -252,7 +318,7 @@ def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, 
         out.append(Suggestion("reward_model.batch_size", sizes.rm_batch_size,
                               _largest(usable - resident, per_seq, sizes.responses_per_rank),
                               sizes.responses_per_rank, per_seq))
-    per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing)
+    per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing, sizes.compiled)
     seqs = _largest_micro_batch(usable - resident - update_extra, policy, per_token, sizes)
     out.append(Suggestion("ppo.micro_batch_tokens", sizes.micro_batch_tokens, seqs * sizes.sequence_tokens,
                           sizes.mini_batch_per_rank * sizes.sequence_tokens, per_token, whole=sizes.sequence_tokens))

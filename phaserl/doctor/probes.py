@@ -7,11 +7,12 @@ training rows. Nothing is trained. `Context` and the `check` decorator come from
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 
 import torch
 
-from ..config.auto import choose, keep_awake_rule
+from ..config.auto import choose, compile_rule, keep_awake_rule
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
 from ..models import load_pretrained
@@ -20,6 +21,7 @@ from ..models.lora import LoRASettings, adapter_parameter_count, resolve_targets
 from ..resolve import DTYPES, build_reward_sources, reference_is_lora_base, resolve_data_files, resolve_model_path
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
+from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
 from .checks import Context, check, roles_enabled, short
@@ -240,7 +242,19 @@ def phase_sizes(ctx: Context) -> PhaseSizes:
                       rm_micro_batch_tokens=rm.micro_batch_tokens, rm_packed=bool(ctx.rm_packed),
                       rm_max_length=rm.max_length,
                       responses_per_rank=prompts_per_rank * r.n, micro_batch_tokens=ppo.micro_batch_tokens,
-                      mini_batch_per_rank=ceil_div(mini, ws), gradient_checkpointing=cfg.actor.gradient_checkpointing)
+                      mini_batch_per_rank=ceil_div(mini, ws), gradient_checkpointing=cfg.actor.gradient_checkpointing,
+                      routing_replay=cfg.actor.routing_replay, compiled=actor_compiles(ctx))
+
+
+def actor_compiles(ctx: Context) -> bool:
+    """actor.compile as the run will choose it (config/auto.py's rule on this machine, as trainer/speed.py asks it)."""
+    asked = ctx.cfg.actor.compile
+    if asked is not None:
+        return bool(asked)
+    return compile_rule(native=supports_packing(ctx.policy), device_type=ctx.device.type,
+                        triton=importlib.util.find_spec("triton") is not None,
+                        num_params=sum(p.numel() for p in ctx.policy.parameters()), world_size=ctx.world_size,
+                        model_name=type(ctx.policy).__name__)[0]
 
 
 @check("memory", needs=("policy", "free_bytes"))
@@ -290,10 +304,7 @@ def check_memory(ctx: Context) -> CheckResult:
     details += lora_lines + ([auto_line] if auto_line else [])
     if shared_ref:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
-    kv = kv_cache_bytes_per_sequence(shape, sizes.sequence_tokens)
-    details.append(f"KV cache     2 × {shape.num_layers} layers × {shape.num_kv_heads} kv heads × {shape.head_dim} "
-                   f"head dim × {shape.param_bytes} B × {sizes.sequence_tokens} tokens = {fmt_bytes(kv)} per "
-                   "sequence")
+    details.append(kv_line(shape, sizes))
     if kept:
         details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
     details += [_size_line(s, sizes, ctx.free_bytes) for s in suggestions]
@@ -313,12 +324,30 @@ def check_memory(ctx: Context) -> CheckResult:
                                      f"fits the {usable} free on {ctx.device}", details=tuple(details))
 
 
+def kv_line(shape: ModelShape, sizes: PhaseSizes) -> str:
+    """The details line of what one sequence holds in the rollout engine, with the arithmetic behind it."""
+    T, slot, b = sizes.sequence_tokens, shape.slot, shape.param_bytes
+    total = fmt_bytes(kv_cache_bytes_per_sequence(shape, T, routes=sizes.routing_replay))
+    uniform = slot is None or (slot.kv_layers == shape.num_layers and slot.kv_width == shape.num_kv_heads * shape.head_dim)
+    if uniform and not (slot and (slot.state_per_slot or sizes.routing_replay and slot.routes_per_token)):
+        return (f"KV cache     2 × {shape.num_layers} layers × {shape.num_kv_heads} kv heads × {shape.head_dim} "
+                f"head dim × {b} B × {T} tokens = {total} per sequence")
+    width = "kv heads × head dim" + ("" if uniform else " of the widest layer: every layer's row is that wide")
+    parts = [f"2 × {slot.kv_layers} attention layers × {slot.kv_width} ({width}) × {b} B × {T} tokens"]
+    if slot.state_per_slot:
+        parts.append(f"{slot.linear_layers} linear-attention layers' recurrent state {fmt_bytes(slot.state_per_slot)} "
+                     "(any length)")
+    if sizes.routing_replay and slot.routes_per_token:
+        parts.append(f"routing replay's expert ids {slot.routes_per_token} B × {T} tokens")
+    return f"KV cache     {' + '.join(parts)} = {total} per sequence (the rollout engine's slot)"
+
+
 def keep_candidate(cfg, shape: ModelShape, sizes: PhaseSizes, free_bytes: int) -> int:
     """What the engine would hold through the update if kept awake: the KV pool it allocates (engine.py's
-    sizing) and its weight copies."""
+    sizing), the recurrent state and route record beside it, and its weight copies."""
     r = cfg.rollout
     return kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(sizes.sequence_tokens),
-                             kv_limit=int(r.engine_memory_fraction * free_bytes))
+                             kv_limit=int(r.engine_memory_fraction * free_bytes), routes=sizes.routing_replay)
 
 
 def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int, grads: int) -> tuple[bool, str]:
@@ -329,7 +358,7 @@ def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident:
         return cfg.rollout.engine_keep_awake, ""
     micro = min(cfg.ppo.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
-                             gradient_checkpointing=sizes.gradient_checkpointing)
+                             gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled)
     choice = choose("rollout.engine_keep_awake", None, keep_awake_rule(
         engine_runs=cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy), device_type=ctx.device.type,
         world_size=ctx.world_size, actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",

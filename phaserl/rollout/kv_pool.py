@@ -31,23 +31,37 @@ class KVPool:
             raise ConfigError(f"KVPool token_budget={token_budget}: must be >= 1 (or None to size from memory)")
         if not 0 < memory_fraction < 1:
             raise ConfigError(f"KVPool memory_fraction={memory_fraction}: must be in (0, 1)")
-        # Linear-attention layers (Qwen3.5) keep no KV: their state lives in rollout/recurrent_state.py.
-        self.num_layers = cfg.num_kv_layers
-        # (Hkv, D) per attention layer: Gemma 4's global layers differ from its sliding ones. Every layer's row in
-        # the buffer is as wide as the widest layer's (the narrower layers leave the rest of their row unused), so
-        # slot s sits at the same offset in every layer and whole slots move with one index copy.
-        self.layer_heads = [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]
+        self.cfg = cfg
+        self.layer_heads = self.kv_layer_heads(cfg)
+        self.num_layers = len(self.layer_heads)
         self.token_width = max(h * d for h, d in self.layer_heads)  # elements of one token's K (or V) per layer
         self.dtype, self.device = dtype, torch.device(device)
         self.token_budget, self.memory_fraction, self.max_tokens = token_budget, memory_fraction, max_tokens
         self.buffer: Optional[torch.Tensor] = None  # [L, 2, capacity * Hkv * D]
         self.capacity_tokens = 0
 
+    @staticmethod
+    def kv_layer_heads(cfg: DecoderConfig) -> list[tuple[int, int]]:
+        """(Hkv, D) of every layer that keeps keys and values. Linear-attention layers (Qwen3.5) keep none: their
+        state lives in rollout/recurrent_state.py. Gemma 4's global layers differ from its sliding ones. Sliding
+        layers get the whole slot, not only their window (slot positions are RoPE positions in every layer)."""
+        return [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]
+
+    @classmethod
+    def token_bytes(cls, cfg: DecoderConfig, dtype: torch.dtype) -> int:
+        """Keys + values of one token over all layers, as the buffer holds them. Every layer's row is as wide as
+        the widest layer's (the narrower layers leave the rest of their row unused), so slot s sits at the same
+        offset in every layer and whole slots move with one index copy. Gemma 4's k_eq_v layers store values too
+        (the keys' projection, but value-normed and not rotated: not the keys). The doctor's memory count calls
+        this (rollout/slot_memory.py)."""
+        heads = cls.kv_layer_heads(cfg)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * len(heads) * max(h * d for h, d in heads) * itemsize if heads else 0
+
     @property
     def bytes_per_token(self) -> int:
         """Keys + values of one token over all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.token_width * itemsize
+        return self.token_bytes(self.cfg, self.dtype)
 
     @property
     def awake(self) -> bool:

@@ -24,6 +24,7 @@ S slot_len, H hidden, Hq/Hkv heads, D head_dim, Hv/Dk/Dv DeltaNet heads and dims
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -51,18 +52,28 @@ class RecurrentState:
     """Per linear layer: conv [slots, C, K-1] in the model dtype and delta [slots, Hv, Dk, Dv] in float32."""
 
     def __init__(self, cfg, num_slots: int, dtype: torch.dtype, device: torch.device):
-        s = cfg.linear_attention
-        layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_linear(i)]
+        conv, delta = self.slot_tensors(cfg, dtype)
+        layers = sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
         self.num_slots = num_slots
-        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device) for _ in layers]
-        self.delta = [torch.zeros(num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim,
-                                  dtype=torch.float32, device=device) for _ in layers]
+        self.conv = [torch.zeros(num_slots, *conv[0], dtype=conv[1], device=device) for _ in range(layers)]
+        self.delta = [torch.zeros(num_slots, *delta[0], dtype=delta[1], device=device) for _ in range(layers)]
 
     @staticmethod
-    def bytes_per_slot(cfg, dtype: torch.dtype) -> int:
-        s, n = cfg.linear_attention, sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
-        item = torch.empty((), dtype=dtype).element_size()
-        return n * (s.conv_dim * (s.conv_kernel - 1) * item + 4 * s.num_value_heads * s.key_head_dim * s.value_head_dim)
+    def slot_tensors(cfg, dtype: torch.dtype) -> tuple[tuple[tuple, torch.dtype], tuple[tuple, torch.dtype]]:
+        """(shape, dtype) of one slot's conv and DeltaNet state in each linear layer. The state stays float32 under
+        bf16 weights: it accumulates over every token of the sequence."""
+        s = cfg.linear_attention
+        return ((s.conv_dim, s.conv_kernel - 1), dtype), ((s.num_value_heads, s.key_head_dim, s.value_head_dim),
+                                                          torch.float32)
+
+    @classmethod
+    def bytes_per_slot(cls, cfg, dtype: torch.dtype) -> int:
+        """What one slot holds over all linear layers, whatever its length (0 without linear layers)."""
+        if cfg.linear_attention is None:
+            return 0
+        layers = sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+        return layers * sum(math.prod(shape) * torch.empty((), dtype=d).element_size()
+                            for shape, d in cls.slot_tensors(cfg, dtype))
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         for t in (*self.conv, *self.delta):

@@ -216,6 +216,16 @@ def prefill_mask(P: int, window: Optional[int], device: torch.device) -> Optiona
     return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
 
 
+ROUTE_DTYPE = torch.int16  # routing replay's expert ids (-1 = not forwarded)
+
+
+def route_columns(specs) -> tuple[int, int]:
+    """(MoE layers, k) of the routing-replay record [slots, S, MoE layers, k] for these layers.LayerSpec's;
+    (0, 0) without MoE layers. The doctor's memory count calls this (rollout/slot_memory.py)."""
+    moe = [spec.moe for spec in specs if spec.moe is not None]
+    return (len(moe), moe[0].top_k) if moe else (0, 0)
+
+
 def decode_buckets(num_slots: int) -> list[int]:
     """Batch sizes that get a graph: powers of two from 2 up to 64, then every 64, then num_slots itself.
 
@@ -277,8 +287,7 @@ class ModelRunner:
             self.keys, self.values = self.pool.layout(grown[0], grown[1])
             self.state = SlotState(grown[0], grown[2], self.device)
             if self.record_routes:
-                k = self.specs[next(iter(self.moe_index))].moe.top_k
-                self.routes = torch.full((grown[0], grown[1], len(self.moe_index), k), -1, dtype=torch.int16,
+                self.routes = torch.full((grown[0], grown[1], *route_columns(self.specs)), -1, dtype=ROUTE_DTYPE,
                                          device=self.device)
             self.positions = torch.arange(grown[1], device=self.device)  # [S]
             tables = self.model.model.rope(self.positions[None], self.model.output_weight.dtype)

@@ -82,27 +82,31 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     engine_compile = choose("rollout.engine_compile", r.engine_compile, engine_compile_rule(
         engine_runs=engine_runs, device_type=device.type, triton=triton_available(),
         fused=engine_runs and decodes_fused(actor.model)))
+    actor_compile = _compile_choice("actor.compile", cfg.actor.compile, actor.model, device, world_size)
     keep_rule = (False, "")  # not used when the config sets it
     if r.engine_keep_awake is None:
         count = {"needed_bytes": 0, "budget_bytes": 0}
         if engine_runs and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            count = keep_awake_count(cfg, roles, d, free_bytes=int(free), held_bytes=torch.cuda.memory_reserved(device))
+            count = keep_awake_count(cfg, roles, d, free_bytes=int(free), held_bytes=torch.cuda.memory_reserved(device),
+                                     compiled=actor_compile.value)
         keep_rule = keep_awake_rule(engine_runs=engine_runs, device_type=device.type, world_size=world_size,
                                     actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD", **count)
     return SpeedChoices(
-        actor_compile=_compile_choice("actor.compile", cfg.actor.compile, actor.model, device, world_size),
+        actor_compile=actor_compile,
         critic_compile=None if critic is None else _compile_choice("critic.compile", cfg.critic.compile, critic.model,
                                                                    device, world_size),
         engine_compile=engine_compile,
         engine_keep_awake=choose("rollout.engine_keep_awake", r.engine_keep_awake, keep_rule))
 
 
-def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes: int, held_bytes: int) -> dict:
+def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes: int, held_bytes: int,
+                     compiled: bool = False) -> dict:
     """The doctor's count for this run: the update's peak with the engine kept (needed_bytes: the loaded roles'
-    weights, the trainable ones' gradients and AdamW moments, one micro-batch's activations and log-prob chunk,
-    the engine's KV pool and weight copies) and the device memory this process can have (budget_bytes: free +
-    what it holds already)."""
+    weights, the trainable ones' gradients and AdamW moments, one micro-batch's activations (`compiled`: the
+    actor's layers run through torch.compile) and log-prob chunk, the engine's KV pool, recurrent state, route
+    record and weight copies) and the device memory this process can have (budget_bytes: free + what it holds
+    already)."""
     actor = roles.actor
     try:
         shape = ModelShape.of(actor.model)
@@ -123,10 +127,10 @@ def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes:
     seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else d.max_sequence_tokens  # a slot
     micro = min(cfg.ppo.micro_batch_tokens, d.mini_batch_per_rank * seq)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
-                             gradient_checkpointing=cfg.actor.gradient_checkpointing)
+                             gradient_checkpointing=cfg.actor.gradient_checkpointing, compiled=compiled)
     r = cfg.rollout
     kept = kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
-                             kv_limit=int(r.engine_memory_fraction * free_bytes))
+                             kv_limit=int(r.engine_memory_fraction * free_bytes), routes=cfg.actor.routing_replay)
     return {"needed_bytes": peak + kept, "budget_bytes": free_bytes + held_bytes}
 
 
