@@ -227,15 +227,13 @@ def scoring_bytes_per_token(rm: ModelShape, max_length: int, packed: bool) -> in
 def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compiled: bool = False) -> int:
     """Activations saved for backward, per token of a micro-batch.
 
-    Per layer, eager: the two norms' float32 input copies and normed outputs and the projections' inputs (8h), the
-    attention output and q/k/v (2 × kv_heads × head_dim beside them), gate, up, silu(gate) and their product (4I).
-    Compiled (actor.compile): torch.compile's partitioner recomputes the float32 norm statistics and silu(gate) in
-    backward instead of saving them, so a layer keeps its input and normed input, q, the attention output, the
-    residual after attention and its normed copy (6h), k and v, gate, up and their product (3I). Counting the eager
-    set for a compiled layer over-counted its activations 1.33× at the 0.5B shape (H200, 2026-12-01: 24.3 GiB
-    predicted for a measured 20.86 GiB peak, `rollout.engine_keep_awake=auto`, BENCHMARKS.md "Fast by default");
-    the compiled set gives 20.6 GiB there, and `benchmarks/saved_activations.py` counts the saved tensors of
-    either kind of layer on any device.
+    Per layer, eager: 8h + 4I + 2 × kv_heads × head_dim values (norm copies, q and the attention output; gate, up,
+    silu(gate) and their product; k and v). Compiled (actor.compile): torch.compile's partitioner recomputes the
+    norms' float32 copies and silu(gate) in backward, so a layer keeps 6h + 3I + 2 × kv_heads × head_dim (its input
+    and normed input, q, the attention output, the residual after attention and its normed copy; gate, up and their
+    product; k and v: benchmarks/saved_activations.py counts them). The eager count for compiled layers was 1.33×
+    too much at the 0.5B shape and made `rollout.engine_keep_awake=auto` see 24.3 GiB where the H200 measured a
+    20.86 GiB peak (BENCHMARKS.md, "Fast by default"); the compiled count gives 20.6 GiB there.
     MoE layers (Qwen3-MoE) run eager in training whenever routing is recorded (aux loss, replay): their I is
     top-k × moe_intermediate_size (+ a shared expert's width), plus the k gathered inputs and per-expert outputs
     of each token (2k × h) and the router's float32 probabilities (2E values of b = 2 bytes)."""

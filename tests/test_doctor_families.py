@@ -1,0 +1,146 @@
+"""The doctor's memory count for the families beyond the dense decoder equals what the rollout engine allocates:
+tiny Qwen3.5 (linear-attention layers hold a fixed recurrent state, no KV), Gemma 4 (global layers with their own
+head_dim and kv heads, k_eq_v), Mistral (sliding window) and Qwen3-MoE (routing replay's record), each run through
+the real engine on the CPU and its tensors' bytes measured; dense Llama / Qwen2 keep the dense rule's numbers; and
+the update's activations of MoE and compiled layers by hand."""
+import pytest
+import torch
+import transformers
+
+from phaserl.doctor import memory
+from phaserl.doctor.memory import ExpertShape, ModelShape
+from phaserl.models import CausalLM, DecoderConfig
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+ALTERNATE = ["sliding_attention", "full_attention"] * 2
+
+
+def hf_configs():
+    """(name, transformers config), built as tests/test_qwen35.py, test_model_families.py and test_moe.py do."""
+    configs = [
+        ("gemma4-global-k-eq-v", transformers.Gemma4TextConfig(
+            **TINY, head_dim=8, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+            hidden_size_per_layer_input=0, sliding_window=3, layer_types=ALTERNATE, final_logit_softcapping=5.0)),
+        ("mistral-sliding", transformers.MistralConfig(**TINY, sliding_window=3)),
+        ("qwen3-moe", transformers.Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=8,
+                                                  moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
+                                                  norm_topk_prob=True, mlp_only_layers=[1])),
+        ("llama", transformers.LlamaConfig(**TINY)),
+        ("qwen2", transformers.Qwen2Config(**TINY)),
+    ]
+    if hasattr(transformers, "Qwen3_5TextConfig"):
+        configs.insert(0, ("qwen35", transformers.Qwen3_5TextConfig(
+            **TINY, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8)))
+    return configs
+
+
+CONFIGS = dict(hf_configs())
+
+
+def native(name: str) -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(DecoderConfig.from_hf_dict(CONFIGS[name].to_dict())).eval()
+
+
+def allocated(model: CausalLM, *, slots: int, routes: bool) -> tuple[int, int, int, int]:
+    """Run the engine on `slots` prompts at once; (slot_len, KV pool bytes, recurrent-state bytes, route bytes)
+    of the tensors it holds afterwards (on the CPU the pool is sized to exactly the layout)."""
+    engine = RolloutEngine(model, EngineConfig(max_slots=slots, record_routes=routes))
+    prompts = [[1 + i, 2, 3, 4, 5] for i in range(slots)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0), eos_token_ids=[], pad_token_id=0)
+    runner = engine.runner
+    state = getattr(runner, "recurrent", None)
+    state_bytes = 0 if state is None else sum(t.nbytes for t in (*state.conv, *state.delta))
+    route_bytes = 0 if runner.routes is None else runner.routes.nbytes
+    return runner.layout[1], engine.pool.allocated_bytes, state_bytes, route_bytes
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_doctors_slot_bytes_equal_what_the_engine_allocates(name):
+    model = native(name)
+    shape = ModelShape.of(model)
+    replay = shape.moe is not None
+    S, pool, state, routes = allocated(model, slots=3, routes=replay)
+    assert pool == 3 * S * shape.slot.kv_per_token
+    assert state == 3 * shape.slot.state_per_slot
+    assert routes == (3 * S * shape.slot.routes_per_token if replay else 0)
+    assert pool + state + routes == 3 * memory.kv_cache_bytes_per_sequence(shape, S, routes=replay)
+
+
+def test_qwen35_linear_layers_hold_a_fixed_state_and_no_kv():
+    if "qwen35" not in CONFIGS:
+        pytest.skip("this transformers has no Qwen3.5")
+    shape = ModelShape.of(native("qwen35"))
+    # 1 full-attention layer of 4 (every 4th): K and V, 2 kv heads x 16, float32
+    assert shape.slot.kv_per_token == 2 * 1 * 2 * 16 * 4
+    # 3 linear layers: conv [C = 2*2*8 + 4*8 = 64, K-1 = 3] float32 + DeltaNet state [4, 8, 8] float32
+    assert shape.slot.state_per_slot == 3 * (64 * 3 * 4 + 4 * 8 * 8 * 4)
+    one, many = (memory.kv_cache_bytes_per_sequence(shape, T) for T in (1, 1001))
+    assert many - one == 1000 * shape.slot.kv_per_token  # the state does not grow with the sequence
+    dense = 2 * 4 * 2 * 16 * 4 * 1001  # the old rule: every layer's KV
+    assert memory.kv_cache_bytes_per_sequence(shape, 1001) < dense / 3
+
+
+def test_gemma4_rows_are_as_wide_as_the_global_layers_and_k_eq_v_stores_values():
+    shape = ModelShape.of(native("gemma4-global-k-eq-v"))
+    # 4 layers, each row 1 kv head x 32 (the global layers') wide although the sliding layers use 2 x 8; K and V
+    assert shape.slot.kv_per_token == 2 * 4 * 32 * 4 and shape.slot.state_per_slot == 0
+    assert shape.head_dim == 8 and shape.num_kv_heads == 2  # what the dense rule read: half of it
+
+
+def test_mistral_sliding_layers_take_the_whole_slot_not_the_window():
+    shape = ModelShape.of(native("mistral-sliding"))
+    assert memory.kv_cache_bytes_per_sequence(shape, 100) == 2 * 4 * 2 * 8 * 4 * 100  # window 3 changes nothing
+
+
+def test_qwen3_moe_routing_replay_records_k_int16_ids_per_moe_layer():
+    shape = ModelShape.of(native("qwen3-moe"))
+    assert shape.moe == ExpertShape(layers=2, top_k=3, width=16, experts=8, shared_width=0)  # layer 1 is dense
+    assert shape.slot.routes_per_token == 2 * 3 * 2
+    assert (memory.kv_cache_bytes_per_sequence(shape, 10, routes=True)
+            - memory.kv_cache_bytes_per_sequence(shape, 10)) == 10 * 12
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_dense_decoders_keep_the_dense_rules_numbers(name):
+    shape = ModelShape.of(native(name))
+    assert shape.slot.state_per_slot == 0 and shape.moe is None
+    by_hand = dict(shape.__dict__, slot=None)  # the same shape without the engine's layout: the dense rule
+    dense = ModelShape(**by_hand)
+    for T in (1, 36, 384):
+        assert memory.kv_cache_bytes_per_sequence(shape, T) == memory.kv_cache_bytes_per_sequence(dense, T) \
+            == 2 * 4 * 2 * 8 * 4 * T
+    assert memory.train_bytes_per_token(shape, False) == memory.train_bytes_per_token(dense, False) \
+        == 4 * (8 * 32 + 4 * 48 + 2 * 2 * 8) * 4
+    assert memory.kept_engine_bytes(shape, 3, 64, kv_limit=10**9) == memory.kept_engine_bytes(dense, 3, 64)
+
+
+def test_the_update_counts_top_k_expert_widths_in_moe_layers():
+    shape = ModelShape.of(native("qwen3-moe"))
+    h, kv = 32, 2 * 2 * 8
+    dense = 8 * h + 4 * 48 + kv
+    moe = 8 * h + 4 * 3 * 16 + 2 * 3 * h + 2 * 8 + kv  # k x expert width, k gathered inputs and outputs, router probs
+    assert memory.train_bytes_per_token(shape, False) == (dense + 2 * moe) * 4
+    assert memory.train_bytes_per_token(shape, True) == (3 * h + max(dense, moe)) * 4
+
+
+def test_compiled_layers_save_fewer_activations():
+    shape = ModelShape(num_params=1000, num_layers=2, hidden_size=32, intermediate_size=64, num_kv_heads=2,
+                       head_dim=8, vocab_size=100, param_bytes=2)
+    assert memory.train_bytes_per_token(shape, False) == 2 * (8 * 32 + 4 * 64 + 32) * 2
+    assert memory.train_bytes_per_token(shape, False, compiled=True) == 2 * (6 * 32 + 3 * 64 + 32) * 2
+
+
+def test_a_kept_engine_counts_the_state_and_routes_of_the_slots_its_pool_holds():
+    shape = ModelShape.of(native("qwen3-moe"))
+    kv_slot = 64 * shape.slot.kv_per_token
+    weights = shape.num_params * 4
+    assert memory.kept_engine_bytes(shape, 4, 64, routes=True) == 4 * 64 * (shape.slot.kv_per_token + 12) + weights
+    # a pool capped at 2.5 slots holds 2: their routes, not 4 slots' worth
+    capped = memory.kept_engine_bytes(shape, 4, 64, kv_limit=int(2.5 * kv_slot), routes=True)
+    assert capped == int(2.5 * kv_slot) + 2 * 64 * 12 + weights
