@@ -144,3 +144,41 @@ def test_a_kept_engine_counts_the_state_and_routes_of_the_slots_its_pool_holds()
     # a pool capped at 2.5 slots holds 2: their routes, not 4 slots' worth
     capped = memory.kept_engine_bytes(shape, 4, 64, kv_limit=int(2.5 * kv_slot), routes=True)
     assert capped == int(2.5 * kv_slot) + 2 * 64 * 12 + weights
+
+
+def test_the_doctors_kv_line_shows_the_arithmetic_of_each_layout():
+    from phaserl.doctor.memory import PhaseSizes
+    from phaserl.doctor.probes import kv_line
+
+    sizes = PhaseSizes(n=2, prompt_tokens=32, sequence_tokens=36, rollout_batch_size=4, prompts_per_rank=4,
+                       rm_engine="transformers", rm_batch_size=16, rm_micro_batch_tokens=256, rm_packed=False,
+                       rm_max_length=64, responses_per_rank=8, micro_batch_tokens=64, mini_batch_per_rank=8,
+                       gradient_checkpointing=False, routing_replay=True)
+    line = kv_line(ModelShape.of(native("llama")), sizes)
+    assert line == "KV cache     2 × 4 layers × 2 kv heads × 8 head dim × 4 B × 36 tokens = 18.0 KB per sequence"
+    line = kv_line(ModelShape.of(native("gemma4-global-k-eq-v")), sizes)
+    assert "2 × 4 layers × 32 (the widest layer's kv heads × head dim: every layer's row is that wide) × 4 B" in line
+    line = kv_line(ModelShape.of(native("qwen3-moe")), sizes)
+    assert line.endswith("+ routing replay's expert ids 12 B × 36 tokens = 13.9 KB per sequence")
+    if "qwen35" in CONFIGS:
+        line = kv_line(ModelShape.of(native("qwen35")), sizes)
+        assert ("2 × 1 attention layers × 2 kv heads × 16 head dim × 4 B × 36 tokens + 3 linear-attention layers' "
+                "recurrent state 5.2 KB (any length) = 14.2 KB per sequence") in line
+
+
+def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
+    from _tiny_run import make_run_dir
+
+    from phaserl.config import derive, load_config
+    from phaserl.trainer import RLTrainer
+    from phaserl.trainer.settings import Roles
+    from phaserl.trainer.speed import keep_awake_count
+
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
+    t = RLTrainer.from_config(cfg)
+    roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
+    eager, compiled = (keep_awake_count(cfg, roles, derive(cfg, 1), free_bytes=10**6, held_bytes=0, compiled=c)
+                       ["needed_bytes"] for c in (False, True))
+    shape = ModelShape.of(t.actor.model)
+    per_token = memory.train_bytes_per_token(shape, False) - memory.train_bytes_per_token(shape, False, compiled=True)
+    assert eager - compiled == 64 * per_token > 0  # ppo.micro_batch_tokens = 64

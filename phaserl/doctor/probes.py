@@ -328,18 +328,19 @@ def kv_line(shape: ModelShape, sizes: PhaseSizes) -> str:
     """The details line of what one sequence holds in the rollout engine, with the arithmetic behind it."""
     T, slot, b = sizes.sequence_tokens, shape.slot, shape.param_bytes
     total = fmt_bytes(kv_cache_bytes_per_sequence(shape, T, routes=sizes.routing_replay))
-    uniform = slot is None or (slot.kv_layers == shape.num_layers and slot.kv_width == shape.num_kv_heads * shape.head_dim)
-    if uniform and not (slot and (slot.state_per_slot or sizes.routing_replay and slot.routes_per_token)):
-        return (f"KV cache     2 × {shape.num_layers} layers × {shape.num_kv_heads} kv heads × {shape.head_dim} "
-                f"head dim × {b} B × {T} tokens = {total} per sequence")
-    width = "kv heads × head dim" + ("" if uniform else " of the widest layer: every layer's row is that wide")
-    parts = [f"2 × {slot.kv_layers} attention layers × {slot.kv_width} ({width}) × {b} B × {T} tokens"]
+    heads = f"{shape.num_kv_heads} kv heads × {shape.head_dim} head dim"
+    if slot is None:
+        return f"KV cache     2 × {shape.num_layers} layers × {heads} × {b} B × {T} tokens = {total} per sequence"
+    if slot.kv_width != shape.num_kv_heads * shape.head_dim:  # Gemma 4: the global layers' rows are wider
+        heads = f"{slot.kv_width} (the widest layer's kv heads × head dim: every layer's row is that wide)"
+    layers = f"{slot.kv_layers} {'attention layers' if slot.linear_layers else 'layers'}"
+    parts = [f"2 × {layers} × {heads} × {b} B × {T} tokens"]
     if slot.state_per_slot:
         parts.append(f"{slot.linear_layers} linear-attention layers' recurrent state {fmt_bytes(slot.state_per_slot)} "
                      "(any length)")
     if sizes.routing_replay and slot.routes_per_token:
         parts.append(f"routing replay's expert ids {slot.routes_per_token} B × {T} tokens")
-    return f"KV cache     {' + '.join(parts)} = {total} per sequence (the rollout engine's slot)"
+    return f"KV cache     {' + '.join(parts)} = {total} per sequence"
 
 
 def keep_candidate(cfg, shape: ModelShape, sizes: PhaseSizes, free_bytes: int) -> int:
