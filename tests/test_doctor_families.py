@@ -100,7 +100,7 @@ def test_mistral_sliding_layers_take_the_whole_slot_not_the_window():
 
 def test_qwen3_moe_routing_replay_records_k_int16_ids_per_moe_layer():
     shape = ModelShape.of(native("qwen3-moe"))
-    assert shape.moe == ExpertShape(layers=2, top_k=3, width=16, experts=8, shared_width=0)  # layer 1 is dense
+    assert shape.moe == ExpertShape(layers=2, top_k=3, width=16, experts=8, shared_width=0, hidden=32)  # layer 1 dense
     assert shape.slot.routes_per_token == 2 * 3 * 2
     assert (memory.kv_cache_bytes_per_sequence(shape, 10, routes=True)
             - memory.kv_cache_bytes_per_sequence(shape, 10)) == 10 * 12
@@ -139,7 +139,11 @@ def test_compiled_layers_save_fewer_activations():
 def test_a_kept_engine_counts_the_state_and_routes_of_the_slots_its_pool_holds():
     shape = ModelShape.of(native("qwen3-moe"))
     kv_slot = 64 * shape.slot.kv_per_token
-    weights = shape.num_params * 4
+    experts = 2 * 8 * 3 * 32 * 16  # 2 MoE layers x 8 experts x (gate, up, down) of 32 x 16: read in place, no copy
+    model = native("qwen3-moe")
+    assert experts == sum(layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel()
+                          for layer in model.model.layers if layer.spec.moe is not None)
+    weights = (shape.num_params - experts) * 4
     assert memory.kept_engine_bytes(shape, 4, 64, routes=True) == 4 * 64 * (shape.slot.kv_per_token + 12) + weights
     # a pool capped at 2.5 slots holds 2: their routes, not 4 slots' worth
     capped = memory.kept_engine_bytes(shape, 4, 64, kv_limit=int(2.5 * kv_slot), routes=True)

@@ -37,8 +37,9 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
                   up to 64 tokens, at most engine_memory_fraction of the free memory), the recurrent state and
                   route record of the slots that pool holds (outside the pool's budget) + the weights once more
-                  (fused copies, graph temporaries), through the update; `config/auto.py` turns it on when the update's peak
-                  with it stays under 75% of the device (the builder and the doctor both ask it).
+                  (fused copies, graph temporaries; less a MoE model's routed experts, read in place), through the
+                  update; `config/auto.py` turns it on when the update's peak with it stays under 75% of the
+                  device (the builder and the doctor both ask it).
 Not here: reading the config or loading models (`checks.py` does that and calls these functions).
 """
 from __future__ import annotations
@@ -103,7 +104,7 @@ class ModelShape:
                    num_kv_heads=_optional_field(c, "num_key_value_heads", "n_kv_heads", "num_kv_heads") or heads,
                    head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size(),
                    slot=slot_memory(c, first.dtype) if native else None,
-                   moe=ExpertShape.of(c) if native and c.num_experts else None)
+                   moe=ExpertShape.of(c, hidden) if native and c.num_experts else None)
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,17 @@ class ExpertShape:
     width: int         # moe_intermediate_size, each expert's SwiGLU width
     experts: int       # E, the router's outputs
     shared_width: int  # Qwen2-MoE's shared expert (0: none)
+    hidden: int = 0    # h, for the experts' parameter count
 
     @classmethod
-    def of(cls, c: DecoderConfig) -> "ExpertShape":
+    def of(cls, c: DecoderConfig, hidden: int) -> "ExpertShape":
         return cls(len(c.moe_layers), c.num_experts_per_tok, c.moe_intermediate_size, c.num_experts,
-                   c.shared_expert_intermediate_size)
+                   c.shared_expert_intermediate_size, hidden)
+
+    @property
+    def routed_params(self) -> int:
+        """Parameters of the routed experts (gate, up and down of each): the engine reads them in place."""
+        return self.layers * self.experts * 3 * self.hidden * self.width
 
 
 class UnknownShape(ValueError):
@@ -256,13 +263,15 @@ def kept_engine_bytes(shape: ModelShape, slots: int, slot_tokens: int, *, kv_lim
     allocates) but at most `kv_limit` bytes (rollout.engine_memory_fraction of the free memory); the recurrent
     state and (`routes`: routing replay) the route record of the slots that pool holds, allocated beside it; plus
     its fused weight copies and graph temporaries, counted as the weights once more (the copies alone are about
-    half of a 0.5B model's weights; the rest covers the graphs)."""
+    half of a 0.5B model's weights; the rest covers the graphs) less a MoE model's routed experts, which the engine
+    reads in place (runner.fused_weights copies none of them: most of a MoE model's weights)."""
     slot = shape.slot or SlotMemory(kv_cache_bytes_per_sequence(shape, 1), 0, 0)
     kv_slot = slot.kv_per_token * slot_tokens
     pool = slots * kv_slot if kv_limit is None else min(slots * kv_slot, kv_limit)
     held = slots if kv_slot == 0 else min(slots, pool // kv_slot)  # the pool caps the slots of a layout
     beside = held * (slot.slot_bytes(slot_tokens, routes=routes) - kv_slot)
-    return pool + beside + shape.num_params * shape.param_bytes
+    copied = shape.num_params - (shape.moe.routed_params if shape.moe else 0)
+    return pool + beside + copied * shape.param_bytes
 
 
 def update_peak_bytes(shape: ModelShape, *, resident: int, grads: int, micro_batch_tokens: int,
