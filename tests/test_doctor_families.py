@@ -124,9 +124,38 @@ def test_the_update_counts_top_k_expert_widths_in_moe_layers():
     shape = ModelShape.of(native("qwen3-moe"))
     h, kv = 32, 2 * 2 * 8
     dense = 8 * h + 4 * 48 + kv
-    moe = 8 * h + 4 * 3 * 16 + 2 * 3 * h + 2 * 8 + kv  # k x expert width, k gathered inputs and outputs, router probs
+    # k x expert width; k gathered inputs, outputs and their unsorted copy; float32 router probs, int64 expert ids
+    moe = 8 * h + 4 * 3 * 16 + 3 * 3 * h + 2 * 8 + 4 * 3 + kv
     assert memory.train_bytes_per_token(shape, False) == (dense + 2 * moe) * 4
     assert memory.train_bytes_per_token(shape, True) == (3 * h + max(dense, moe)) * 4
+
+
+def test_the_moe_count_is_what_the_expert_mixtures_save_for_backward():
+    from phaserl.models import moe
+
+    N, H, I, E, k = 64, 32, 16, 8, 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, H, generator=g, requires_grad=True)
+    w = moe.MoEWeights(*(torch.randn(*s, generator=g, requires_grad=True) for s in ((E, H), (E, 2 * I, H), (E, H, I))),
+                       None)
+    shape = ModelShape(num_params=1, num_layers=1, hidden_size=H, intermediate_size=0, num_kv_heads=1, head_dim=2,
+                       vocab_size=1, param_bytes=4, moe=ExpertShape(1, k, I, E, 0, H))
+    predicted = memory.train_bytes_per_token(shape, False) // 4 - 8 * H - 2  # the MoE part, in values
+    skip = {t.untyped_storage().data_ptr() for t in (x, *w[:3])}
+    mixtures = [moe.experts_loop] + ([moe.experts_grouped] if moe.grouped_mm_available() else [])
+    for mixture in mixtures:  # measured 513 float32 values per token for both, the count 510
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in skip:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ids, weights, _ = moe.route_tokens(x, w.router, moe.MoESpec(E, k, True))
+            mixture(x, ids, weights, w)
+        values = sum(saved.values()) / N / 4  # float32 values per token
+        assert abs(values - predicted) <= 0.02 * predicted, (mixture.__name__, values, predicted)
 
 
 def test_compiled_layers_save_fewer_activations():

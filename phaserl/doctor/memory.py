@@ -31,7 +31,7 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
   update          per token and layer, saved activations: eager 8h + 4I + 2 × kv_heads × head_dim values,
                   torch.compile'd layers (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see
                   train_bytes_per_token); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
-                  plus its k gathered inputs and outputs (2k × h) and float32 router probabilities; × b
+                  plus 3k × h of gathered inputs and expert outputs and the router's probabilities; × b
                   (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits × 3 for the
                   log-prob projection of up to 1024 tokens at a time.
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
@@ -242,15 +242,17 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compi
     too much at the 0.5B shape and made `rollout.engine_keep_awake=auto` see 24.3 GiB where the H200 measured a
     20.86 GiB peak (BENCHMARKS.md, "Fast by default"); the compiled count gives 20.6 GiB there.
     MoE layers (Qwen3-MoE) run eager in training whenever routing is recorded (aux loss, replay): their I is
-    top-k × moe_intermediate_size (+ a shared expert's width), plus the k gathered inputs and per-expert outputs
-    of each token (2k × h) and the router's float32 probabilities (2E values of b = 2 bytes)."""
+    top-k × moe_intermediate_size (+ a shared expert's width), plus per token its k gathered inputs, the k expert
+    outputs and their unsorted copy (3k × h), the router's float32 probabilities (2E values of b = 2 bytes) and
+    its int64 expert ids (4k): what models/moe.py's grouped and loop mixtures both save (counted on the CPU)."""
     h, kv = shape.hidden_size, 2 * shape.num_kv_heads * shape.head_dim
     dense = (6 * h + 3 * shape.intermediate_size if compiled else 8 * h + 4 * shape.intermediate_size) + kv
     moe_layers = shape.moe.layers if shape.moe else 0
     layers = [dense] * (shape.num_layers - moe_layers)
     if shape.moe:
         m = shape.moe
-        layers += [8 * h + 4 * (m.top_k * m.width + m.shared_width) + 2 * m.top_k * h + 2 * m.experts + kv] * m.layers
+        experts = 4 * (m.top_k * m.width + m.shared_width) + 3 * m.top_k * h + 2 * m.experts + 4 * m.top_k
+        layers += [8 * h + experts + kv] * m.layers
     if gradient_checkpointing:
         return (shape.num_layers * h + max(layers)) * shape.param_bytes
     return sum(layers) * shape.param_bytes
