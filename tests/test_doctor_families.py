@@ -215,3 +215,19 @@ def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
     shape = ModelShape.of(t.actor.model)
     per_token = memory.train_bytes_per_token(shape, False) - memory.train_bytes_per_token(shape, False, compiled=True)
     assert eager - compiled == 64 * per_token > 0  # ppo.micro_batch_tokens = 64
+
+
+def test_the_doctor_sizes_the_update_of_a_compiled_actor_by_the_compiled_count(tmp_path):
+    from _tiny_run import make_run_dir
+
+    from phaserl.doctor import load_doctor_config, run_doctor
+
+    overrides = make_run_dir(str(tmp_path))
+    per_token = {}
+    for asked in ("false", "true"):  # on the CPU auto is off: the eager count
+        results = {r.name: r for r in run_doctor(load_doctor_config(None, overrides + [f"actor.compile={asked}"]),
+                                                 world_size=1)}
+        line = next(d for d in results["memory"].details if d.startswith("ppo.micro_batch_tokens"))
+        per_token[asked] = line.split("(")[1].split(" per token")[0]
+    # the tiny float32 policy: 2 layers x (8*32 + 4*64 + 2*2*8) x 4 B eager, 2 x (6*32 + 3*64 + 32) x 4 B compiled
+    assert per_token == {"false": "4.2 KB", "true": "3.2 KB"}
