@@ -86,6 +86,14 @@ def test_qwen35_linear_layers_hold_a_fixed_state_and_no_kv():
     assert memory.kv_cache_bytes_per_sequence(shape, 1001) < dense / 3
 
 
+def test_qwen35_layers_are_never_compiled_so_get_no_compiled_discount():
+    if "qwen35" not in CONFIGS:
+        pytest.skip("this transformers has no Qwen3.5")
+    shape = ModelShape.of(native("qwen35"))
+    assert shape.hybrid and not ModelShape.of(native("llama")).hybrid
+    assert memory.train_bytes_per_token(shape, False, compiled=True) == memory.train_bytes_per_token(shape, False)
+
+
 def test_gemma4_rows_are_as_wide_as_the_global_layers_and_k_eq_v_stores_values():
     shape = ModelShape.of(native("gemma4-global-k-eq-v"))
     # 4 layers, each row 1 kv head x 32 (the global layers') wide although the sliding layers use 2 x 8; K and V

@@ -75,6 +75,7 @@ class ModelShape:
     param_bytes: int  # bytes per parameter element (2 for bf16/fp16, 4 for fp32)
     slot: Optional[SlotMemory] = None  # phaserl's decoder: what one engine slot holds; None: the dense KV rule
     moe: Optional["ExpertShape"] = None  # a mixture-of-experts decoder's routed MLPs (for the update's activations)
+    hybrid: bool = False  # Qwen3.5's layers (models/hybrid.py): never compiled, activations not counted exactly
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
@@ -104,7 +105,8 @@ class ModelShape:
                    num_kv_heads=_optional_field(c, "num_key_value_heads", "n_kv_heads", "num_kv_heads") or heads,
                    head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size(),
                    slot=slot_memory(c, first.dtype) if native else None,
-                   moe=ExpertShape.of(c, hidden) if native and c.num_experts else None)
+                   moe=ExpertShape.of(c, hidden) if native and c.num_experts else None,
+                   hybrid=native and c.hybrid)
 
 
 @dataclass(frozen=True)
@@ -244,8 +246,13 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compi
     MoE layers (Qwen3-MoE) run eager in training whenever routing is recorded (aux loss, replay): their I is
     top-k × moe_intermediate_size (+ a shared expert's width), plus per token its k gathered inputs, the k expert
     outputs and their unsorted copy (3k × h), the router's float32 probabilities (2E values of b = 2 bytes) and
-    its int64 expert ids (4k): what models/moe.py's grouped and loop mixtures both save (counted on the CPU)."""
+    its int64 expert ids (4k): what models/moe.py's grouped and loop mixtures both save (counted on the CPU).
+    Qwen3.5's layers (hybrid) are counted as eager dense layers, which they are not: at the 0.8B shape on the CPU a
+    Gated DeltaNet layer saves ~5.8× that (the torch chunked rule's float32 intermediates and per-chunk states)
+    and a gated attention layer ~2×; `benchmarks/saved_activations.py --family qwen35-0.8b` measures them, and
+    the doctor says so in its memory details."""
     h, kv = shape.hidden_size, 2 * shape.num_kv_heads * shape.head_dim
+    compiled = compiled and not shape.hybrid  # enable_compile compiles DecoderLayer only, never hybrid.py's layers
     dense = (6 * h + 3 * shape.intermediate_size if compiled else 8 * h + 4 * shape.intermediate_size) + kv
     moe_layers = shape.moe.layers if shape.moe else 0
     layers = [dense] * (shape.num_layers - moe_layers)

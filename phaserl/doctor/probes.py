@@ -305,6 +305,10 @@ def check_memory(ctx: Context) -> CheckResult:
     if shared_ref:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
     details.append(kv_line(shape, sizes))
+    if shape.hybrid:
+        details.append("activations  Qwen3.5's layers are counted like dense attention layers; they save more for "
+                       "backward (a Gated DeltaNet layer ~5.8× at the 0.8B shape on the torch rule): the "
+                       "ppo.micro_batch_tokens that fit are an upper bound, watch the first steps' peak memory")
     if kept:
         details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
     details += [_size_line(s, sizes, ctx.free_bytes) for s in suggestions]
