@@ -364,14 +364,16 @@ def test_the_kv_cache_is_capped_at_what_the_run_can_use(monkeypatch):
     assert RolloutEngine(CausalLM(cfg), engine_cap).pool.max_tokens == 8 * 128
 
 
-def test_engine_compile_raises_dynamo_recompile_limit_for_many_layer_specs(monkeypatch):
+def test_engine_compile_raises_dynamo_recompile_limit_for_many_layer_specs():
     """Regression (H200, 2026-12-01): dynamo keeps one entry per layer spec / dtype / present weights for each
     engine function, 8 at most per process by default; with fullgraph=True the ninth model's engine failed with
-    "recompile limit exceeded" (12 GPU tests in one pytest process). compile_layer_fn raises the limit."""
+    "recompile limit exceeded" (12 GPU tests in one pytest process). compile_layer_fn raises the limit.
+    config.patch, not monkeypatch.setattr: monkeypatch's undo left the config entry hidden ("recompile_limit does
+    not exist"), and every later torch.compile in the process failed (test_train_perf in the full suite)."""
     from phaserl.rollout import runner
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    compiled = runner.compile_layer_fn(lambda x, kind: x + len(kind))
-    for k in range(12):  # twelve string constants (like spec.qk_norm): twelve entries for one code object
-        assert compiled(torch.zeros(2), "h" * k).tolist() == [k, k]
-    assert torch._dynamo.config.recompile_limit >= runner.ENGINE_RECOMPILE_LIMIT
+    with torch._dynamo.config.patch(recompile_limit=8):
+        compiled = runner.compile_layer_fn(lambda x, kind: x + len(kind))
+        for k in range(12):  # twelve string constants (like spec.qk_norm): twelve entries for one code object
+            assert compiled(torch.zeros(2), "h" * k).tolist() == [k, k]
+        assert torch._dynamo.config.recompile_limit >= runner.ENGINE_RECOMPILE_LIMIT
