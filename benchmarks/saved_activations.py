@@ -129,10 +129,10 @@ def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.d
     import transformers
 
     from families import SHAPES
-    from phaserl.models import DecoderConfig
+    from phaserl.models.families import config_from_hf
 
     spec = SHAPES[family]
-    full = DecoderConfig.from_hf_dict(getattr(transformers, spec["cls"])(**spec["config"]).to_dict())
+    full = config_from_hf(getattr(transformers, spec["cls"])(**spec["config"]).to_dict())
     kinds = {}  # kind -> its first layer index
     for i in range(full.num_hidden_layers):
         kind = "linear" if full.is_linear(i) else "moe" if full.is_moe(i) else full.layer_types[i] if full.layer_types \

@@ -9,7 +9,8 @@ import transformers
 
 from phaserl.doctor import memory
 from phaserl.doctor.memory import ExpertShape, ModelShape
-from phaserl.models import CausalLM, DecoderConfig
+from phaserl.models import CausalLM
+from phaserl.models.families import config_from_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
 torch.set_num_threads(1)
@@ -44,7 +45,7 @@ CONFIGS = dict(hf_configs())
 
 def native(name: str) -> CausalLM:
     torch.manual_seed(0)
-    return CausalLM(DecoderConfig.from_hf_dict(CONFIGS[name].to_dict())).eval()
+    return CausalLM(config_from_hf(CONFIGS[name].to_dict())).eval()
 
 
 def allocated(model: CausalLM, *, slots: int, routes: bool) -> tuple[int, int, int, int]:
