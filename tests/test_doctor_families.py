@@ -240,3 +240,17 @@ def test_the_doctor_sizes_the_update_of_a_compiled_actor_by_the_compiled_count(t
         per_token[asked] = line.split("(")[1].split(" per token")[0]
     # the tiny float32 policy: 2 layers x (8*32 + 4*64 + 2*2*8) x 4 B eager, 2 x (6*32 + 3*64 + 32) x 4 B compiled
     assert per_token == {"false": "4.2 KB", "true": "3.2 KB"}
+
+
+def test_a_transformers_gemma4_model_gets_an_estimate_not_a_crash():
+    """Regression: transformers refuses `config.head_dim` / `num_key_value_heads` on Gemma 4 (per-layer
+    attributes), so the doctor crashed on a Gemma 4 model run through model.implementation=transformers
+    (issue 19: the doctor works for any causal LM transformers loads). The dense estimate takes the widest layer."""
+    config = transformers.Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, sliding_window=4, max_position_embeddings=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    shape = ModelShape.of(transformers.AutoModelForCausalLM.from_config(config))
+    assert (shape.num_kv_heads, shape.head_dim) == (1, 32)  # the global layer: 1 x 32 > the sliding 2 x 8
+    assert memory.kv_cache_bytes_per_sequence(shape, 10) == 2 * 3 * 1 * 32 * 4 * 10

@@ -92,7 +92,7 @@ class ModelShape:
             raise UnknownShape("the model has no parameters")
         hidden = _field(c, "hidden_size", "n_embd", "d_model")
         heads = _field(c, "num_attention_heads", "n_head", "num_heads")
-        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        head_dim = _read(c, "head_dim") or hidden // heads
         output = model.output_weight if hasattr(model, "output_weight") else None
         vocab = getattr(c, "vocab_size", None) or (output.shape[0] if output is not None else None)
         if vocab is None:
@@ -136,7 +136,18 @@ class UnknownShape(ValueError):
 
 
 def _optional_field(config, *names: str):
-    return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+    return next((_read(config, n) for n in names if isinstance(_read(config, n), int)), None)
+
+
+def _read(config, name: str):
+    """config.<name>, or None. Where transformers keeps it per layer (`per_layer_attributes`: Gemma 4's head_dim
+    and num_key_value_heads; reading it from the config raises), the value of the layer whose KV row is the
+    widest (kv heads x head_dim), so that the dense estimate errs on the safe side."""
+    if name not in (getattr(config, "per_layer_attributes", None) or ()):
+        return getattr(config, name, None)
+    widest = max(config.per_layer_config, key=lambda layer: (getattr(layer, "num_key_value_heads", None) or 1)
+                 * (getattr(layer, "head_dim", None) or 1))
+    return getattr(widest, name, None)
 
 
 def _field(config, *names: str) -> int:
