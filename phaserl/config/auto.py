@@ -9,6 +9,7 @@ its own count. `true` / `false` always win over the rule. Nothing here looks at 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 GIB = 2**30
 COMPILE_MIN_PARAMS = 100_000_000   # smaller models stay eager: the compile costs more than it saves in a run
@@ -96,3 +97,24 @@ def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, act
     if needed_bytes > KEEP_AWAKE_SHARE * budget_bytes:
         return False, f"{words} (more than {KEEP_AWAKE_SHARE:.0%}: tight memory)"
     return True, words
+
+
+@dataclass(frozen=True)
+class SpeedChoices:
+    """The auto-able speed settings of one run, as chosen (config/auto.py's keys)."""
+
+    actor_compile: Choice
+    critic_compile: Optional[Choice]   # None without a critic
+    engine_compile: Choice
+    engine_keep_awake: Choice
+    packing: Optional[Choice] = None   # filled in by the builder once set_packing chose (per role; the actor's)
+
+    def all(self) -> list[Choice]:
+        return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
+                            self.packing) if c is not None]
+
+    @property
+    def compiles(self) -> bool:
+        """Some torch.compile will run in this process (the first steps pay it)."""
+        return self.actor_compile.value or bool(self.critic_compile and self.critic_compile.value) or \
+            self.engine_compile.value

@@ -25,6 +25,7 @@ from ..algo import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLControlle
                     canonical_kl_estimator, rollout_correction)
 from ..compile_cache import enable_compile_cache
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
+from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
 from ..config.validate import GROUP_ESTIMATORS
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
@@ -49,7 +50,7 @@ from .lora_setup import add_lora, lora_reference
 from .prompt_stream import PromptStream
 from .score_shaping import OverlongShaping, no_shaping
 from .settings import Roles, RunSettings
-from .speed import SpeedChoices, choose_speed, compile_watch, packing_choice
+from .speed import choose_speed, compile_watch, packing_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

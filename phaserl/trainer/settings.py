@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ..algo import AdaptiveKLController, FixedKLController
     from ..checkpoint import Checkpointer
     from ..compile_cache import CompileWatch
+    from ..config.auto import SpeedChoices
     from ..data import PromptItem
     from ..metrics import MetricsLogger
     from ..rewards import RewardSources
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from .agent_phase import AgentSettings
     from .guard import RuntimeGuard
     from .prompt_stream import PromptStream
-    from .speed import SpeedChoices
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
-from ..config.auto import Choice, choose, compile_rule, engine_compile_rule, keep_awake_rule
+from ..config.auto import Choice, SpeedChoices, choose, compile_rule, engine_compile_rule, keep_awake_rule
 from ..doctor.memory import ModelShape, UnknownShape, kept_engine_bytes, update_peak_bytes
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
@@ -37,27 +36,6 @@ if TYPE_CHECKING:
     from .settings import Roles
 
 log = logging.getLogger("phaserl")
-
-
-@dataclass(frozen=True)
-class SpeedChoices:
-    """The auto-able speed settings of one run, as chosen (config/auto.py's keys)."""
-
-    actor_compile: Choice
-    critic_compile: Optional[Choice]   # None without a critic
-    engine_compile: Choice
-    engine_keep_awake: Choice
-    packing: Optional[Choice] = None   # filled in by the builder once set_packing chose (per role; the actor's)
-
-    def all(self) -> list[Choice]:
-        return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.packing) if c is not None]
-
-    @property
-    def compiles(self) -> bool:
-        """Some torch.compile will run in this process (the first steps pay it)."""
-        return self.actor_compile.value or bool(self.critic_compile and self.critic_compile.value) or \
-            self.engine_compile.value
 
 
 def triton_available() -> bool:
