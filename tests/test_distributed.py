@@ -30,7 +30,10 @@ DAPO = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_round
 LORA = GRPO[:3] + ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=3e-2", "actor.gradient_checkpointing=true"]
 # Qwen3-MoE, its stacked experts sharded by FSDP2, the rollout's experts replayed in training ({root}: the fixture's)
 MOE = GRPO[:3] + ["model.path={root}/moe", "actor.routing_replay=true"]
-SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA, "moe_replay": MOE}
+# a native non-Qwen family: Mistral, every layer a 4-key sliding window (shorter than the prompts), FSDP2-sharded
+MISTRAL = GRPO[:3] + ["model.path={root}/mistral"]
+SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA, "moe_replay": MOE,
+             "mistral": MISTRAL}
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
 # actor/grad_norm also proves gradients are summed over ranks: averaged, it would be halved (Adam would hide that
@@ -44,7 +47,8 @@ EXACT_METRICS = {
                  "mismatch/correction_weight_mean", "train/zero_variance_group_frac"),
     "dapo": (),  # dynamic sampling fills each rank's share on its own: not the 1-rank step
     "grpo_lora": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
-    "moe_replay": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/k3")}
+    "moe_replay": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/k3"),
+    "mistral": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")}
 TIMEOUT_S = 300
 
 
@@ -206,6 +210,8 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("distributed"))
     make_model_dir(root, model_type="qwen3_moe", name="moe", head_dim=8, qk_norm=True, num_experts=4,
                    num_experts_per_tok=2, moe_intermediate_size=16)  # root/moe
+    make_model_dir(root, model_type="mistral", name="mistral", sliding_window=4,
+                   layer_types=("sliding_attention",) * 2)  # root/mistral
     make_reward_model_dir(root)  # root/rm
     reward = os.path.join(root, "spread.py")  # varied rewards, so the advantages (and gradients) are not 0
     with open(reward, "w") as f:
@@ -259,6 +265,15 @@ def test_moe_with_routing_replay_on_two_ranks_equals_one_rank(runs):
     assert "model.layers.0.mlp.experts.gate_up_proj" in two[0]["weights"]["actor"]
     assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
     assert _max_weight_diff(two[0]["weights"]["actor"], single["moe_replay"]["weights"]["actor"]) < 1e-5
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
+
+
+def test_a_native_mistral_with_sliding_windows_on_two_ranks_equals_one_rank(runs):
+    single, ranks = runs
+    two = _two(ranks, "mistral")
+    assert two[0]["responses"] + two[1]["responses"] == single["mistral"]["responses"]
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
+    assert _max_weight_diff(two[0]["weights"]["actor"], single["mistral"]["weights"]["actor"]) < 1e-5
     assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
 
 
