@@ -224,11 +224,13 @@ SWITCH_VARIANTS = {
     "no_shard_keep_awake": ["actor.fsdp.sharding_strategy=NO_SHARD", "rollout.engine_keep_awake=true",
                             "actor.hybrid_engine.offload_optimizer=false"],
 }
-PROFILE_KEYS = {  # what a switch spends, by profiler event name (host ops and device kernels)
-    "gather": ("allgather", "all_gather", "foreach_all_gather", "ncclDevKernel"),
-    "copy_h2d": ("Memcpy HtoD", "cudaMemcpyAsync"),
-    "copy_d2h": ("Memcpy DtoH",),
-    "copy_d2d": ("Memcpy DtoD", "copy_"),
+PROFILE_KEYS = {  # what a switch spends, by profiler event name (host ops and device activity)
+    "gather": ("all_gather", "allgather", "ncclDevKernel"),  # FSDP::all_gather* host ranges, NCCL kernels
+    "copy_h2d": ("Memcpy HtoD",),                            # the optimizer state coming back (offload)
+    "copy_d2h": ("Memcpy DtoH",),                            # ... and leaving
+    "copy_d2d": ("Memcpy DtoD",),
+    "copy_ops": ("aten::copy_",),                            # host side of every copy (engine weight refill too)
+    "memcpy_calls": ("cudaMemcpy",),                         # cudaMemcpy / cudaMemcpyAsync runtime calls
     "alloc": ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaFreeHost", "empty_cache"),
     "sync": ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"),
 }
@@ -262,9 +264,9 @@ def switch(args, rank: int, world: int) -> None:
     root = os.path.join(args.root, "switch")
     for variant in (args.variants or list(SWITCH_VARIANTS)):
         shared = os.path.join(args.root, "runs", f"switch-w{world}-{variant}")
-        a = _grpo_args(args, "switch", prompts=args.prompts * world, extra=(
-            f"rollout.batch_size={args.prompts}", f"trainer.log_dir={shared}", f"trainer.checkpoint_path={shared}/ckpt",
-            "trainer.loggers=[]", *SWITCH_VARIANTS[variant]))
+        a = _grpo_args(args, "switch", prompts=args.prompts * world, extra=tuple(SWITCH_VARIANTS[variant]))
+        a.ours_set = [f"rollout.batch_size={args.prompts}", f"rollout.engine_max_slots={args.prompts * a.n}",
+                      f"trainer.log_dir={shared}", f"trainer.checkpoint_path={shared}/ckpt", "trainer.loggers=[]"] + a.ours_set
         mine = os.path.join(shared, f"rank{rank}")
         os.makedirs(mine, exist_ok=True)
         with open(os.path.join(mine, "ours.yaml"), "w") as f:
