@@ -7,8 +7,8 @@
 The driver starts `torchrun --standalone --nproc-per-node N benchmarks/multi_gpu_ranks.py JOB ...` (or one plain
 process, on GPU 0 alone, for the 1-rank references) once per launch, each under its own timeout, in the
 priority order below, and stops starting launches when --budget seconds are spent. It prints one compact JSON
-line per result (`part` names which) as soon as it has it; every raw line of every launch goes to
-OUT/raw.jsonl and each launch's stderr to OUT/logs/. Parts, in priority order:
+line per result (`part` names which) as soon as it has it (whole in OUT/results.jsonl, shortened on stdout);
+every raw line of every launch goes to OUT/raw.jsonl and each launch's stderr to OUT/logs/. Parts, in priority order:
 
   world        the synthetic worlds (multi_gpu_ranks.py world)
   correctness  per scenario (grpo, ppo_rm: PPO + critic + FULL_SHARD reward model, grpo_lora, grpo_mistral,
@@ -57,8 +57,18 @@ PART_NAMES = ("world", "correctness", "scaling", "switch", "scaling_variants")  
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+RESULTS = []  # the open OUT/results.jsonl, once main() has made it
+BULKY = ("top_host", "speed", "overrides", "s_per_step_all", "warmup_seconds", "peak_reserved_gib_per_gpu")
+
+
 def emit(**record) -> None:
-    print(json.dumps({"bench": "multi_gpu", **record}), flush=True)
+    """A result: whole in OUT/results.jsonl, on stdout without its bulky keys (a device call returns only the
+    tail of stdout)."""
+    record = {"bench": "multi_gpu", **record}
+    for f in RESULTS:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+    print(json.dumps({k: v for k, v in record.items() if k not in BULKY}), flush=True)
 
 
 # ----- launching --------------------------------------------------------------------------------
@@ -121,7 +131,9 @@ class Driver:
         if proc.returncode != 0:
             timed_out = seconds >= limit - 1
             with open(log_path) as f:
-                tail = f.read()[-700:]
+                text = f.read()
+            first = text.find("Traceback (most recent call last)")  # the root cause, not torchrun's summary
+            tail = text[first:first + 1500] if first >= 0 else text[-700:]
             emit(part=part, measure="timeout" if timed_out else "error", launch=label, returncode=proc.returncode,
                  seconds=seconds, limit_s=round(limit), log=log_path, stderr_tail=tail)
             self.status[part] = "timeout" if timed_out else "failed"
@@ -334,6 +346,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     d = Driver(a)
+    RESULTS[:] = [open(os.path.join(a.out, "results.jsonl"), "a")]
     emit(part="env", measure="env", gpus=a.gpus, device=a.device, torch=torch.__version__, budget_s=a.budget,
          out=a.out, parts=a.parts, device_name=torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu")
     wanted = a.parts.split(",")

@@ -39,3 +39,6 @@ def test_the_smoke_run_prints_every_part_and_1_rank_agrees_with_2(tmp_path):
     assert by("scaling_variants", "skipped")
     assert by("done", "done")[0]["status"]["correctness"] == "ok"
     assert os.path.getsize(tmp_path / "raw.jsonl") > 0
+    with open(tmp_path / "results.jsonl") as f:  # the results whole (stdout drops the bulky keys)
+        profiles = [r for r in map(json.loads, f) if r["measure"] == "profile"]
+    assert profiles and all("top_host" in r for r in profiles) and "top_host" not in by("switch", "profile")[0]
