@@ -82,6 +82,7 @@ class Driver:
         self.raw = open(os.path.join(a.out, "raw.jsonl"), "a")
         self.status: dict = {}  # part -> ok | failed | timeout | skipped
         self.worlds = [w for w in (1, 2, 4, 8) if w <= a.gpus]  # 1 = the reference; worlds[1] = 2 = "N" below
+        self.scaling: dict = {}  # (world, settings label) -> the scaling line
 
     def scale_args(self, world: int, label: str, settings=()) -> list:
         return ["--prompts", str(self.a.prompts), "--steps", str(self.a.steps), "--warmup", str(self.a.warmup),
@@ -229,8 +230,9 @@ def scaling_line(records: list, world: int, label: str) -> dict | None:
 
 # ----- the parts --------------------------------------------------------------------------------
 def part_world(d: Driver) -> None:
-    got = d.launch("world", "world", 1, ["world"], ["--prompts", str(d.a.prompts), "--max-world", str(max(d.worlds))],
-             d.a.timeouts["world"])
+    got = d.launch("world", "world", 1, ["world"], ["--prompts", str(d.a.prompts), "--max-world", str(max(d.worlds)),
+                                                    "--steps", str(d.a.steps), "--warmup", str(d.a.warmup)],
+                   d.a.timeouts["world"])  # prompts enough for every scaling step at the largest world size
     d.status["world"] = "ok" if got is not None else d.status.get("world", "failed")
 
 
@@ -259,7 +261,7 @@ def part_scaling(d: Driver) -> None:
                        d.a.timeouts["scale"])
         line = scaling_line(got, world, "auto") if got is not None else None
         if line is not None:
-            results[world] = line
+            results[world] = d.scaling[world, "auto"] = line
             emit(part="scaling", measure="world", **line)
     if 1 in results:
         base = results[1]["tokens_per_s_per_gpu"]
@@ -275,18 +277,24 @@ SCALING_VARIANTS = {"compile": ["actor.compile=true"],
                                                     "rollout.engine_keep_awake=true", "actor.compile=true"]}
 
 
+SMOKE_VARIANTS = {"no_shard": ["actor.fsdp.sharding_strategy=NO_SHARD"]}  # --smoke: the code path, on the CPU
+
+
 def part_scaling_variants(d: Driver) -> None:
-    if d.a.smoke:
-        emit(part="scaling_variants", measure="skipped", reason="--smoke: the same code path as scaling with --set")
-        d.status["scaling_variants"] = "skipped"
-        return
     n = d.worlds[1]
-    for label, settings in SCALING_VARIANTS.items():
+    for label, settings in (SMOKE_VARIANTS if d.a.smoke else SCALING_VARIANTS).items():
         got = d.launch("scaling_variants", f"ranks{n}-{label}", n, ["scale"], d.scale_args(n, label, settings),
                        d.a.timeouts["scale"])
         line = scaling_line(got, n, label) if got is not None else None
         if line is not None:
+            d.scaling[n, label] = line
             emit(part="scaling_variants", measure="world", **line)
+    best = max((line for (w, _), line in d.scaling.items() if w == n), default=None,
+               key=lambda line: line["tokens_per_s_per_gpu"] or 0.0)
+    if (1, "auto") in d.scaling and best is not None:  # 1 GPU: its auto settings (compile, keep_awake) are the best
+        eff = best["tokens_per_s_per_gpu"] / d.scaling[1, "auto"]["tokens_per_s_per_gpu"]
+        emit(part="scaling_variants", measure="efficiency_best", world=n, best_label=best["label"],
+             per_gpu_efficiency=round(eff, 3), target=EFFICIENCY_TARGET, meets_target=eff >= EFFICIENCY_TARGET)
     d.status.setdefault("scaling_variants", "ok")
 
 
