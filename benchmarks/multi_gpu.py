@@ -2,7 +2,7 @@
 
     python benchmarks/multi_gpu.py                  # on a 2- or 4-GPU machine: every part, ~10 min at most
     python benchmarks/multi_gpu.py --smoke          # CPU, 2 gloo ranks, tiny shapes (the test runs this)
-    python benchmarks/multi_gpu.py --parts scaling,scaling_variants --budget 560
+    python benchmarks/multi_gpu.py --parts world,scaling,scaling_variants   # a second call: what the budget cut
 
 The driver starts `torchrun --standalone --nproc-per-node N benchmarks/multi_gpu_ranks.py JOB ...` (or one plain
 process, on GPU 0 alone, for the 1-rank references) once per launch, each under its own timeout, in the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,7 +78,7 @@ class Driver:
 
     def __init__(self, a):
         self.a, self.t0 = a, time.monotonic()
-        self.root = os.path.join(a.out, "work")
+        self.root = a.work  # models, prompt files, checkpoints: never under OUT (a device call copies OUT back)
         os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
         self.raw = open(os.path.join(a.out, "raw.jsonl"), "a")
         self.status: dict = {}  # part -> ok | failed | timeout | skipped
@@ -329,9 +330,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU, 2 gloo ranks, tiny shapes (well under 2 minutes)")
     p.add_argument("--gpus", type=int, default=None, help="world sizes up to this (default: the GPUs visible)")
     p.add_argument("--parts", default=",".join(PART_NAMES),
-                   help="comma-separated, run in priority order (world is needed once per --out)")
+                   help="comma-separated, run in priority order (world: needed by every other part, once per --work)")
     p.add_argument("--budget", type=float, default=None, help="seconds for everything (default 560; --smoke 170)")
     p.add_argument("--out", default=None, help="raw lines, logs, traces (default $OUT, else a temporary directory)")
+    p.add_argument("--work", default=None, help="models, prompts, checkpoints (default: a temporary directory, "
+                   "removed at the end; a directory given here is kept and its worlds are reused)")
     p.add_argument("--steps", type=int, default=2, help="scaling: timed steps per launch")
     p.add_argument("--warmup", type=int, default=1, help="scaling: warm-up steps per launch")
     a = p.parse_args(argv)
@@ -344,6 +347,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"{a.gpus} GPU(s) visible: this benchmark needs 2 or more (or --smoke on the CPU)")
     a.budget = a.budget or (170.0 if a.smoke else 560.0)
     a.out = a.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="multi_gpu_")
+    a.keep_work = a.work is not None
+    a.work = a.work or tempfile.mkdtemp(prefix="multi_gpu_work_")
     a.prompts = 2 if a.smoke else 32          # scaling: prompts per GPU (x 8 samples at 1.5B; x 4 at --smoke)
     a.switch_prompts = 2 if a.smoke else 16   # switch: prompts per GPU (x 8 samples, 64 new tokens at 0.5B)
     a.timeouts = ({"world": 60, "launch": 60, "scale": 60, "switch": 60} if a.smoke else
@@ -351,16 +356,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def _device_names():
+    """From nvidia-smi: the driver process itself never touches CUDA (its context would take GPU 0's memory)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     d = Driver(a)
     RESULTS[:] = [open(os.path.join(a.out, "results.jsonl"), "a")]
     emit(part="env", measure="env", gpus=a.gpus, device=a.device, torch=torch.__version__, budget_s=a.budget,
-         out=a.out, parts=a.parts, device_name=torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu")
+         out=a.out, parts=a.parts, device_names=_device_names() if a.device == "cuda" else "cpu")
     wanted = a.parts.split(",")
-    for name in PART_NAMES:
-        if name in wanted:
-            PARTS[name](d)
+    try:
+        for name in PART_NAMES:
+            if name in wanted:
+                PARTS[name](d)
+    finally:
+        if not a.keep_work:
+            shutil.rmtree(a.work, ignore_errors=True)
     emit(part="done", measure="done", seconds=round(time.monotonic() - d.t0, 1), status=d.status)
     return 0 if all(v in ("ok", "skipped") for v in d.status.values()) else 1
 
