@@ -12,7 +12,7 @@ every raw line of every launch goes to OUT/raw.jsonl and each launch's stderr to
 
   world        the synthetic worlds (multi_gpu_ranks.py world)
   correctness  per scenario (grpo, ppo_rm: PPO + critic + FULL_SHARD reward model, grpo_lora, grpo_mistral,
-               grpo_gemma3): one RL step on N ranks against 1 rank: the same responses, loss and grad norm
+               grpo_gemma3, grpo_moe_replay: Qwen3-MoE with routing replay): one RL step on N ranks against 1 rank: the same responses, loss and grad norm
                within TOLERANCE, and the weight update pointing the same way (cosine of the two updates)
   checkpoint   save on N ranks -> resume on 1 -> resume on N: each resume restores exactly the weights saved,
                and the end equals the uninterrupted N-rank run's within TOLERANCE
@@ -53,7 +53,8 @@ KEYS = {"grpo": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor
         "ppo_rm": ("train/reward_mean", "critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/grad_norm"),
         "grpo_lora": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
         "grpo_mistral": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
-        "grpo_gemma3": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")}
+        "grpo_gemma3": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
+        "grpo_moe_replay": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/k3")}
 PART_NAMES = ("world", "correctness", "scaling", "switch", "scaling_variants")  # correctness includes checkpoint
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

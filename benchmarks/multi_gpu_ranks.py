@@ -7,11 +7,11 @@ it compares nothing (multi_gpu.py does) and is not meant to be started by hand, 
 
 Jobs (several may run in one launch, in order):
   world   (one process) the synthetic worlds: a tiny Qwen2 (grpo_setup.py's word tokenizer and `sevens` reward),
-          a reward model for it, Mistral and Gemma 3 tiny configs made by transformers (benchmarks/families.py),
+          a reward model for it, Mistral, Gemma 3 and Qwen3-MoE tiny configs made by transformers (families.py),
           and grpo_step.py's world at the scaling shape and at the switch shape
   steps   one RL step per correctness scenario (GRPO, PPO with a critic and a FULL_SHARD reward model, GRPO with
-          LoRA, GRPO on native Mistral and Gemma 3); rank 0 saves responses, metrics and the actor's (and
-          critic's) full weights before and after the step to ROOT/steps-w{world}.pt
+          LoRA, GRPO on native Mistral, Gemma 3, and Qwen3-MoE with routing replay); rank 0 saves responses,
+          metrics and the actor's (and critic's) full weights before and after the step to ROOT/steps-w{world}.pt
   ckpt:LEG:CHAIN:N  one leg of a checkpoint chain: `fit()` up to step N, resuming from ROOT/chain-CHAIN's
           newest checkpoint; rank 0 saves the weights right after the resume and at the end to ROOT/ckpt-LEG.pt
   scale   grpo_step.py's own GRPO step (run_ours) on this world size, 32 prompts x 8 per rank at --shape 1.5b;
@@ -41,7 +41,7 @@ from memory_timeline import world_overrides  # noqa: E402
 from phaserl.parallel.fsdp import full_state_dict  # noqa: E402
 from phaserl.parallel.launch import destroy, init_distributed  # noqa: E402
 
-PROMPT_LEN = {"qwen2": 16, "mistral": 8, "gemma3": 8}  # families.py's tiny shapes have prompts of 8 tokens
+PROMPT_LEN = {"qwen2": 16, "mistral": 8, "gemma3": 8, "qwen3-moe": 8}  # families.py's tiny shapes have prompts of 8 tokens
 GRPO = ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1",
         "ref.fsdp.sharding_strategy=NO_SHARD", "actor.gradient_checkpointing=true"]
 PPO = ["algorithm.adv_estimator=gae", "algorithm.kl_placement=reward", "actor.fsdp.sharding_strategy=SHARD_GRAD_OP",
@@ -52,7 +52,8 @@ LORA = GRPO + ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=3e-2"]
 # scenario -> (world directory under ROOT, extra overrides)
 SCENARIOS = {"grpo": ("qwen2", GRPO), "ppo_rm": ("qwen2", PPO), "grpo_lora": ("qwen2", LORA),
              "grpo_mistral": ("mistral", GRPO + ["model.implementation=native"]),
-             "grpo_gemma3": ("gemma3", GRPO + ["model.implementation=native"])}
+             "grpo_gemma3": ("gemma3", GRPO + ["model.implementation=native"]),
+             "grpo_moe_replay": ("qwen3-moe", GRPO + ["model.implementation=native", "actor.routing_replay=true"])}
 
 
 def emit(**record) -> None:
@@ -86,7 +87,7 @@ def build_worlds(args) -> None:
         rm.score.weight.mul_(50.0)  # random init gives scores ~1e-3 apart; spread them
     rm.save_pretrained(os.path.join(args.root, "rm"))
     grpo_setup.build_tokenizer(4096).save_pretrained(os.path.join(args.root, "rm"))
-    for family in ("mistral", "gemma3"):
+    for family in ("mistral", "gemma3", "qwen3-moe"):
         families.make_world(f"{family}-tiny", os.path.join(args.root, family), device)
     for part, a in (("scale", _grpo_args(args, "scale", prompts=args.prompts * args.max_world)),
                     ("switch", _grpo_args(args, "switch", prompts=args.prompts * args.max_world))):

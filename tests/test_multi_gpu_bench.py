@@ -22,7 +22,8 @@ def test_the_smoke_run_prints_every_part_and_1_rank_agrees_with_2(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by = lambda part, measure: [r for r in lines if r["part"] == part and r["measure"] == measure]  # noqa: E731
     compares = {r["scenario"]: r for r in by("correctness", "compare")}
-    assert set(compares) == {"grpo", "ppo_rm", "grpo_lora", "grpo_mistral", "grpo_gemma3"}
+    assert set(compares) == {"grpo", "ppo_rm", "grpo_lora", "grpo_mistral", "grpo_gemma3",
+                             "grpo_moe_replay"}
     for name, r in compares.items():
         assert r["passed"] and r["same_responses"], name
         assert all(s["tensors_updated"] > 0 and s["max_abs_step"] > 0 for s in r["roles"].values()), name
