@@ -375,7 +375,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.prompts = 2 if a.smoke else 32          # scaling: prompts per GPU (x 8 samples at 1.5B; x 4 at --smoke)
     a.switch_prompts = 2 if a.smoke else 16   # switch: prompts per GPU (x 8 samples, 64 new tokens at 0.5B)
     a.timeouts = ({"world": 60, "launch": 60, "scale": 60, "switch": 60} if a.smoke else
-                  {"world": 90, "launch": 90, "scale": 170, "switch": 120})
+                  {"world": 90, "launch": 120, "scale": 170, "switch": 120})
     return a
 
 
