@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from _hf_pairs import PROMPTS, assert_export_matches, greedy_reference, left_padded_batch, randomize
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
@@ -48,26 +49,6 @@ def family_configs():
 IDS = [n for n, _ in family_configs()]
 
 
-def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Weights far from init so that a misplaced norm, scale or window changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
-        for name, b in module.named_buffers():
-            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, a checkpoint buffer
-                b.copy_(0.5 + torch.rand(b.shape, generator=g))
-    return module.eval()
-
-
-def left_padded_batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, TINY["vocab_size"], (3, 9), generator=g)
-    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0, 1, 1, 1, 1, 1, 1, 1, 1]])
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 @pytest.fixture(scope="module", params=family_configs(), ids=IDS)
 def pair(request, tmp_path_factory):
     """(transformers model, ours loaded from its directory, the directory)."""
@@ -82,7 +63,7 @@ def pair(request, tmp_path_factory):
 
 def test_logits_equal_transformers_in_float32(pair):
     hf, ours, _ = pair
-    ids, mask, positions = left_padded_batch()
+    ids, mask, positions = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         got = ours.logits(ours(ids, attention_mask=mask))
@@ -98,7 +79,7 @@ def test_the_sliding_window_is_what_makes_them_equal(pair):
     # A window wider than any test sequence: the same layers (shapes, RoPE tables), only the window differs.
     full = CausalLM(ours.config.replace(sliding_window=10_000))
     full.load_state_dict(ours.state_dict())
-    ids, mask, _ = left_padded_batch()
+    ids, mask, _ = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         a, b = ours.logits(ours(ids, attention_mask=mask)), full.logits(full(ids, attention_mask=mask))
     assert (a - b)[mask.bool()].abs().max() > 1e-3
@@ -106,19 +87,12 @@ def test_the_sliding_window_is_what_makes_them_equal(pair):
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     hf, ours, _ = pair
-    save_pretrained(ours, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(back) is type(hf)
-    ids, mask, positions = left_padded_batch()
-    with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)
+    assert_export_matches(hf, ours, tmp_path / "out", left_padded_batch(TINY["vocab_size"]))
 
 
 def test_packed_rows_equal_padded_rows(pair):
     _, ours, _ = pair
-    ids, mask, _ = left_padded_batch()
+    ids, mask, _ = left_padded_batch(TINY["vocab_size"])
     lengths = mask.sum(-1).tolist()
     rows = [ids[i, mask[i].bool()] for i in range(3)]
     packed = torch.cat(rows)[None]  # [1, N]
@@ -128,17 +102,6 @@ def test_packed_rows_equal_padded_rows(pair):
         padded = ours(ids, attention_mask=mask)[mask.bool()]  # [N, H]
         got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
     torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
-
-
-def greedy_reference(model, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        with torch.no_grad():
-            seq.append(int(model.logits(model(torch.tensor([seq], device=model.output_weight.device)))[0, -1].argmax()))
-    return seq[len(prompt):]
-
-
-PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
 
 
 def test_engine_greedy_equals_the_uncached_loop(pair):
@@ -253,7 +216,7 @@ def test_gemma3_with_final_logit_soft_capping_is_native_and_exact(tmp_path):
     hf.save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path)
     assert isinstance(ours, CausalLM) and not ours.plain_head
-    ids, mask, positions = left_padded_batch()
+    ids, mask, positions = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         got = ours.logits(ours(ids, attention_mask=mask))
@@ -303,7 +266,7 @@ def test_soft_capping_is_what_makes_gemma4_logits_equal(pair):
     plain = CausalLM(ours.config.replace(final_logit_softcapping=None))
     plain.load_state_dict(ours.state_dict())
     assert plain.plain_head
-    ids, mask, _ = left_padded_batch()
+    ids, mask, _ = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         a, b = ours.logits(ours(ids, attention_mask=mask)), plain.logits(plain(ids, attention_mask=mask))
     assert (a - b)[mask.bool()].abs().max() > 1e-2
@@ -357,7 +320,7 @@ def test_gemma4_without_sliding_layers_exports_a_config_transformers_accepts(tmp
     assert ours.config.layer_types is None and ours.config.heads(0) == (4, 2, 16)
     save_pretrained(ours, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    ids, mask, positions = left_padded_batch()
+    ids, mask, positions = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits

@@ -8,6 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from _hf_pairs import randomize
 from phaserl.errors import ConfigError
 from phaserl.models import (CausalLM, DecoderConfig, KVCache, ValueModel, load_pretrained, load_tokenizer,
                             load_value_model, save_pretrained, save_value_model)
@@ -31,16 +32,6 @@ def hf_configs():
         ("qwen3-qknorm-headdim", transformers.Qwen3Config(**TINY, num_key_value_heads=1, head_dim=16,
                                                           rope_parameters=yarn)),
     ]
-
-
-def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Weights far from init (norms != 1, biases != 0) so that a misplaced norm or bias changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
-    return module.eval()
 
 
 def batch_with_left_padding(vocab: int):

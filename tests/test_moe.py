@@ -7,6 +7,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from _hf_pairs import PROMPTS, assert_export_matches, greedy_reference, left_padded_batch, randomize
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
 from phaserl.models import moe
@@ -28,22 +29,6 @@ def hf_config(kind: str = "norm_topk", **changes):
                                               **changes})
     return transformers.Qwen3MoeConfig(**{**TINY, "norm_topk_prob": kind == "norm_topk", "mlp_only_layers": [1],
                                           **changes})
-
-
-def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            p.copy_(base + 0.15 * torch.randn(p.shape, generator=g))
-    return module.eval()
-
-
-def left_padded_batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, TINY["vocab_size"], (3, 9), generator=g)
-    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0, 1, 1, 1, 1, 1, 1, 1, 1]])
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @pytest.fixture(scope="module", params=["norm_topk", "raw_topk", "qwen2_shared"])
@@ -68,7 +53,7 @@ def test_transformers_files_hold_one_tensor_per_expert(pair):
 
 def test_logits_equal_transformers_in_float32(pair):
     hf, ours, _ = pair
-    ids, mask, positions = left_padded_batch()
+    ids, mask, positions = left_padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         got = ours.logits(ours(ids, attention_mask=mask))
@@ -79,7 +64,7 @@ def test_logits_equal_transformers_in_float32(pair):
 def test_routing_is_what_makes_them_equal(pair):
     # The parity above can fail: routing every token to its lowest-probability experts changes the logits.
     hf, ours, _ = pair
-    ids, mask, _ = left_padded_batch()
+    ids, mask, _ = left_padded_batch(TINY["vocab_size"])
     E, k = TINY["num_experts"], TINY["num_experts_per_tok"]
     worst = torch.arange(E - k, E).expand(3, 9, 2, k)  # ids E-k.. for both MoE layers
     with torch.no_grad():
@@ -90,20 +75,13 @@ def test_routing_is_what_makes_them_equal(pair):
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     hf, ours, _ = pair
-    save_pretrained(ours, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(back) is type(hf)
-    ids, mask, positions = left_padded_batch()
-    with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)
+    assert_export_matches(hf, ours, tmp_path / "out", left_padded_batch(TINY["vocab_size"]))
     assert load_pretrained(tmp_path / "out").config == ours.config
 
 
 def test_packed_rows_equal_padded_rows(pair):
     _, ours, _ = pair
-    ids, mask, _ = left_padded_batch()
+    ids, mask, _ = left_padded_batch(TINY["vocab_size"])
     lengths = mask.sum(-1).tolist()
     rows = [ids[i, mask[i].bool()] for i in range(3)]
     packed = torch.cat(rows)[None]  # [1, N]
@@ -183,7 +161,7 @@ def test_the_auxiliary_loss_equals_transformers():
 
 def test_a_forwards_aux_loss_equals_the_one_transformers_reports(pair):
     hf, ours, _ = pair
-    ids, mask, positions = left_padded_batch()
+    ids, mask, positions = left_padded_batch(TINY["vocab_size"])
     routing = moe.Routing(mask=mask)
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions, output_router_logits=True).aux_loss
@@ -240,17 +218,6 @@ def test_a_missing_expert_in_the_files_is_named(pair, tmp_path):
     save_file(state, out / "model.safetensors")
     with pytest.raises(ConfigError, match="5.gate_proj"):
         load_pretrained(out)
-
-
-def greedy_reference(model, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        with torch.no_grad():
-            seq.append(int(model.logits(model(torch.tensor([seq], device=model.output_weight.device)))[0, -1].argmax()))
-    return seq[len(prompt):]
-
-
-PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
 
 
 def test_engine_greedy_equals_the_uncached_loop(pair):

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 
+from _hf_pairs import PROMPTS, assert_export_matches, greedy_reference
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, load_pretrained, save_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
@@ -73,14 +74,7 @@ def test_logits_equal_transformers_in_float32(pair):
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     hf, ours, _ = pair
-    save_pretrained(ours, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(back) is type(hf)
-    ids, mask, positions = padded_batch()
-    with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        got = back(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-6, rtol=1e-6)
+    assert_export_matches(hf, ours, tmp_path / "out", padded_batch())
 
 
 def _pack(rows):
@@ -153,7 +147,6 @@ def test_trains_with_gradients_through_the_chunked_rule(pair):
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
 
 
-
 def test_a_qwen35_critic_round_trips_through_sequence_classification(pair, tmp_path):
     from phaserl.models import ValueModel, load_value_model
     from phaserl.models.hf_io import save_value_model
@@ -172,17 +165,6 @@ def test_a_qwen35_critic_round_trips_through_sequence_classification(pair, tmp_p
 
 # ----- the rollout engine -------------------------------------------------------------------------------
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-
-
-def greedy_reference(model, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        with torch.no_grad():
-            seq.append(int(model.logits(model(torch.tensor([seq])))[0, -1].argmax()))
-    return seq[len(prompt):]
-
-
-PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 8, 9, 10], [11], [12, 13, 14, 15, 16]]
 
 
 def test_engine_greedy_equals_the_uncached_loop(pair):
@@ -244,7 +226,6 @@ def test_a_multi_turn_session_continues_the_state_instead_of_starting_over(pair)
             turns = session.step()
     conversation = prompt + turn1 + observation
     assert turns[0].token_ids[:5] == greedy_reference(ours, conversation, 5)[:len(turns[0].token_ids)]
-
 
 
 def test_lora_adapters_act_in_the_engine_and_switch_off_for_the_reference(pair):
