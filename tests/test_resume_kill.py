@@ -25,8 +25,6 @@ import time
 
 import pytest
 
-import pytest
-
 pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +39,7 @@ NOT_COMPARED = ("timing_s/", "perf/")
 # ---------------------------------------------------------------------------------------------- the child
 
 def _pause(label: str) -> None:
-    print(f"PAUSED {label}", flush=True)
+    print(f"\nPAUSED {label}", flush=True)  # own line: the progress bar's text has no newline before it
     time.sleep(600)
 
 
@@ -160,11 +158,12 @@ def _run_until_paused(cfg_path: str, spec: str, final_path: str) -> str:
     proc = _start(cfg_path, spec, final_path)
     watchdog = threading.Timer(150, proc.kill)  # never hang the suite if the marker does not come
     watchdog.start()
-    out = []
+    out, paused = [], False
     try:
         for line in proc.stdout:
             out.append(line)
-            if line.startswith("PAUSED"):
+            if line.startswith(f"PAUSED {spec}"):
+                paused = True
                 proc.send_signal(signal.SIGKILL)
                 break
         proc.wait()
@@ -172,7 +171,9 @@ def _run_until_paused(cfg_path: str, spec: str, final_path: str) -> str:
         watchdog.cancel()
         proc.stdout.close()
     text = "".join(out)
-    assert proc.returncode == -signal.SIGKILL and f"PAUSED {spec}" in text, f"child did not pause:\n{text[-3000:]}"
+    # Regression: the marker once shared a line with the progress bar, was never matched, and every kill waited
+    # for the watchdog (150 s): the kill must come from the marker, not from the watchdog.
+    assert paused and proc.returncode == -signal.SIGKILL, f"child did not pause:\n{text[-3000:]}"
     return text
 
 
