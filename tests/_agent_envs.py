@@ -95,7 +95,7 @@ class PausingRetry(Environment):
 
         self.steps += 1
         if self.steps == 2 and self.pause_file and os.path.exists(self.pause_file):
-            print("PAUSED env", flush=True)
+            print("\nPAUSED env", flush=True)  # own line: the progress bar's text has no newline before it
             time.sleep(600)
         return self.inner.step(action)
 
