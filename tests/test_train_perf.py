@@ -239,6 +239,9 @@ def test_packed_attention_wider_than_the_flash_kernel_runs_per_sequence_and_matc
     grads = torch.autograd.grad(got.square().sum(), (q, k, v))
     for g, w in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
         torch.testing.assert_close(g, w)
+    # Inside a compiled layer (actor.compile): the per-sequence loop stays out of the graph, same answer.
+    compiled = torch.compile(lambda *args: attention.attend(*args, scale=0.3), backend="eager", fullgraph=False)
+    torch.testing.assert_close(compiled(q, k, v, packed), want)
 
 
 # ----- GPU: the varlen kernel, compiled kernels ------------------------------------------------------------
