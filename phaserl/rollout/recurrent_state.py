@@ -134,19 +134,8 @@ class HybridRunner(ModelRunner):
 
     # ----- prefill --------------------------------------------------------------------------------
     def _prefill_pass(self, groups) -> None:
-        U, (Hq, Hkv, D) = len(groups), self.heads
-        lengths = [len(prompt) for prompt, _, _ in groups]
-        P = max(lengths)
-        ids = torch.zeros(U, P, dtype=torch.long)  # right-padded
-        for row, (prompt, _, _) in enumerate(groups):
-            ids[row, :len(prompt)] = torch.tensor(prompt)
-        group_of = [row for row, (_, slots, _) in enumerate(groups) for _ in slots]
-        host = [ids, torch.tensor(lengths), torch.tensor(group_of),
-                torch.tensor([s for _, slots, _ in groups for s in slots]),
-                torch.tensor([c for _, _, caps in groups for c in caps])]
-        ids, lengths, group_of, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
-        rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, R] each
-        h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
+        Hq, Hkv, D = self.heads
+        U, P, lengths, group_of, slots, caps, rope, h = self._prefill_inputs(groups)  # rope: [U * P, R] each
         R = self.recurrent
         for module, kind, j, w, post, spec in self._layers():
             if kind == "linear":

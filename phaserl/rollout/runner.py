@@ -327,11 +327,14 @@ class ModelRunner:
             longest = max(longest, len(group[0]))
         self._prefill_pass(chunk)
 
-    def _prefill_pass(self, groups) -> None:
+    def _prefill_inputs(self, groups):
+        """A prefill pass's inputs on the device: U prompts right-padded to P (causal attention keeps real tokens
+        clean), their lengths [U], the prompt row of each sequence [n], its slot [n] and cap [n], the RoPE tables
+        [U * P, D] per table, the embedded tokens h [U * P, H]."""
         U = len(groups)
         lengths = [len(prompt) for prompt, _, _ in groups]
         P = max(lengths)
-        # right-padded: causal attention keeps real tokens clean; one tensor from padded lists (not one per row)
+        # one tensor from padded lists (not one per row)
         ids = torch.tensor([list(prompt) + [0] * (P - len(prompt)) for prompt, _, _ in groups], dtype=torch.long)
         group_of = [row for row, (_, slots, _) in enumerate(groups) for _ in slots]
         host = [ids, torch.tensor(lengths), torch.tensor(group_of),
@@ -340,6 +343,10 @@ class ModelRunner:
         ids, lengths, group_of, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
         rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
+        return U, P, lengths, group_of, slots, caps, rope, h
+
+    def _prefill_pass(self, groups) -> None:
+        U, P, lengths, group_of, slots, caps, rope, h = self._prefill_inputs(groups)
         masks = {spec.window: prefill_mask(P, spec.window, self.device) for spec in self.specs}
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
             Hq, Hkv, D = spec.heads  # per layer: Gemma 4's global layers have their own
