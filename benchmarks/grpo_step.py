@@ -70,6 +70,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_setup  # noqa: E402
+from step_probes import (dynamo_counters, engine_stats, memory_gib, metric_group, profile_one_step,  # noqa: E402
+                         reset_peak, rollout_probe, sync, timed_step)
 
 BENCH = "grpo_step"
 
@@ -183,24 +185,6 @@ def environment() -> dict:
     return env
 
 
-# ----- measurement helpers ----------------------------------------------------------------------
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def memory_gib() -> dict:
-    if not torch.cuda.is_available():
-        return {"peak_allocated_gib": None, "peak_reserved_gib": None}
-    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
-
-
-def reset_peak() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
 def max_peak(steps: list) -> dict:
     """The largest per-step peaks (each step line holds the peak of that step alone)."""
     keys = ("peak_allocated_gib", "peak_reserved_gib")
@@ -273,7 +257,7 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     steps = []
     for i in range(a.warmup + a.steps):
         reset_peak()  # each step line holds that step's own peak
-        metrics, seconds = _timed_step(trainer)
+        metrics, seconds = timed_step(trainer)
         trainer.run.metrics_logger.log(trainer.step_num, metrics)
         resp = metrics["train/response_length_mean"]
         sequences = a.prompts * a.n
@@ -282,15 +266,15 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                     eos_finished=round(sequences * (1.0 - metrics["train/truncated_frac"])),
                     reward_mean=metrics["train/reward_mean"], kl=metrics.get("train/kl"),
                     kv_cache_gib=round(abs(trainer.actor.last_switch.get("kv_cache_gb", 0.0)), 2),
-                    engine=_engine_stats(trainer.actor), dynamo=_dynamo_counters(),
-                    timing_s=_group(metrics, "timing_s", 3), perf=_group(metrics, "perf", 4),
+                    engine=engine_stats(trainer.actor), dynamo=dynamo_counters(),
+                    timing_s=metric_group(metrics, "timing_s", 3), perf=metric_group(metrics, "perf", 4),
                     **memory_gib())
         steps.append(step)
         emit(**step)
     if a.rollout_probe:
-        _rollout_probe(trainer, a.rollout_probe)
+        rollout_probe(trainer, a.rollout_probe, emit)
     if a.profile:
-        _profile_one_step(trainer, a.profile_phases)
+        profile_one_step(trainer, emit, a.profile_phases)
     trainer.run.metrics_logger.close()
     timed = [s["timing_s"] for s in steps if not s["warmup"]] or [{}]
     phases = {k: round(statistics.median(t[k] for t in timed), 3) for k in timed[0]}
@@ -301,151 +285,9 @@ def run_ours(a, root: str, log_dir: str) -> dict:
                                         "compile": watch.report if watch is not None else None})
 
 
-def _timed_step(trainer) -> tuple[dict, float]:
-    """One `trainer.train_step()` between device syncs: (its metrics, seconds); the step counter advances."""
-    sync()
-    t0 = time.perf_counter()
-    metrics = trainer.train_step()
-    sync()
-    seconds = time.perf_counter() - t0
-    trainer.step_num += 1
-    return metrics, seconds
-
-
 def _trainable(model) -> int:
     """Parameters that train (LoRA: the adapters alone; both sides must count the same)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def _group(metrics: dict, prefix: str, digits: int) -> dict:
-    """{name: value} of the metrics named `prefix/name`, rounded."""
-    return {k.split("/", 1)[1]: round(v, digits) for k, v in metrics.items() if k.startswith(prefix + "/")}
-
-
-def _profile_one_step(trainer, phases: str = "all") -> None:
-    """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was, and
-    the top kernels per phase. `phases` other than "all" (e.g. "forward,update"): only those phases' calls are
-    profiled (the actor's generate, the reference's log-probs, the trainer's update), one profiler each."""
-    import profiling
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    if phases == "all":
-        with profile(activities=activities) as prof:
-            metrics, wall = _timed_step(trainer)
-        emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3))
-        for record in profiling.summarize(prof, wall):
-            emit(measure="profile", side="ours", **record)
-        for record in profiling.by_phase(prof):
-            emit(measure="profile_phase", side="ours", **record)
-        return
-    calls = {"rollout": (trainer.actor, "generate"), "forward": (trainer.ref_policy, "compute_logprobs"),
-             "update": (trainer, "update")}
-    wanted = [name.strip() for name in phases.split(",") if name.strip()]
-    unknown = sorted(set(wanted) - set(calls))
-    if unknown:
-        raise SystemExit(f"--profile-phases: {unknown} are not phases; choose from all or {', '.join(calls)}")
-    profiled: list = []  # (phase, profiler, wall seconds of the call)
-
-    def under_profiler(phase: str, fn):
-        def call(*args, **kwargs):
-            sync()
-            t0 = time.perf_counter()
-            with profile(activities=activities) as prof:
-                out = fn(*args, **kwargs)
-                sync()
-            profiled.append((phase, prof, time.perf_counter() - t0))
-            return out
-        return call
-
-    wrapped = [(*calls[name], name) for name in wanted if calls[name][0] is not None]  # no reference: no forward
-    for obj, attr, name in wrapped:
-        setattr(obj, attr, under_profiler(name, getattr(obj, attr)))  # an instance attribute over the method
-    try:
-        metrics, wall = _timed_step(trainer)
-    finally:
-        for obj, attr, _ in wrapped:
-            delattr(obj, attr)
-    emit(measure="profiled_step", side="ours", seconds=round(wall, 3), timing_s=_group(metrics, "timing_s", 3),
-         profiled=wanted)
-    for phase, prof, seconds in profiled:
-        for record in profiling.summarize(prof, seconds):
-            emit(measure="profile", side="ours", phase=phase, **record)
-
-
-def _rollout_probe(trainer, fractions: list) -> None:
-    """The rollout phase alone, on one set of prompts, once per (KV memory fraction, adapters merged | off).
-
-    Each line: the switch to rollout (seconds, KV cache allocated), generate's wall seconds, the engine's own
-    stats (slots, decode steps, begin seconds = layout + weight refill + graph capture) and the seconds of one
-    more refill of the engine's weight copies (with adapters merged: the LoRA merge). `off` runs the base
-    weights the way a full fine-tune's engine does (o/down read in place, no merge), in the same process; a
-    short untimed call per mode first, so that compiling the engine's functions for it is not measured.
-    The actor's engine is rebuilt per line, then once more with the run's own settings.
-    """
-    from phaserl.models.lora import has_lora
-    from phaserl.rollout import RolloutEngine
-
-    actor, run = trainer.actor, trainer.run
-    items = run.train_prompts.next_items()
-    prompts = [list(item.prompt_ids) for item in items for _ in range(run.n)]
-    modes = ("merged", "off") if has_lora(actor.model) else ("full",)
-    short = dataclasses.replace(run.sampling, max_new_tokens=min(8, run.sampling.max_new_tokens))
-    for mode in modes:
-        _probe_call(trainer, prompts[:2], short, fractions[0], mode)  # warm-up: compiles, not measured
-    for fraction in fractions:
-        for mode in modes:
-            line = _probe_call(trainer, prompts, run.sampling, fraction, mode)
-            emit(measure="rollout_probe", side="ours", memory_fraction=fraction, adapters=mode, **line)
-    actor.engine.release()
-    actor.engine = RolloutEngine(actor.model, actor.engine_config)
-
-
-def _probe_call(trainer, prompts: list, params, fraction: float, mode: str) -> dict:
-    """One generate() in rollout mode on a fresh engine of KV memory `fraction`; `mode` off = adapters off."""
-    from contextlib import nullcontext
-
-    from phaserl.models.lora import adapters_disabled
-    from phaserl.rollout import RolloutEngine
-    from phaserl.rollout.runner import fused_weights
-
-    actor, run = trainer.actor, trainer.run
-    if actor.engine is not None:
-        actor.engine.release()
-    actor.engine = RolloutEngine(actor.model, dataclasses.replace(actor.engine_config, memory_fraction=fraction))
-    layers = actor.model.model.layers
-    with actor.rollout_mode(), (adapters_disabled(actor.model) if mode == "off" else nullcontext()):
-        switch = dict(actor.last_switch)
-        sync()
-        t0 = time.perf_counter()
-        actor.generate(prompts, params, eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
-                       pad_token_id=run.pad_token_id, batch_size=len(prompts), generator=run.sampling_generator)
-        sync()
-        seconds = time.perf_counter() - t0
-        runner = actor.engine.runner
-        with torch.inference_mode():
-            t1 = time.perf_counter()
-            runner.weights = [fused_weights(layer, old) for layer, old in zip(layers, runner.weights)]
-            sync()
-            refill = time.perf_counter() - t1
-        stats = _engine_stats(actor)
-    return dict(seconds=round(seconds, 3), refill_s=round(refill, 4), switch_s=round(switch["seconds"], 3),
-                kv_cache_gib=round(switch["kv_cache_gb"], 2), engine=stats, **memory_gib())
-
-
-def _dynamo_counters() -> dict:
-    """torch._dynamo's running totals (frames compiled, unique graphs, graph breaks): growth between timed steps
-    means recompiles in the steady state."""
-    from torch._dynamo.utils import counters
-
-    return {"frames": dict(counters["frames"]), "unique_graphs": counters["stats"].get("unique_graphs", 0),
-            "graph_breaks": sum(counters["graph_break"].values())}
-
-
-def _engine_stats(actor) -> dict:
-    """The rollout engine's own seconds (generate() alone, graph capture included) and graph count."""
-    stats = getattr(getattr(actor, "engine", None), "last_stats", None) or {}
-    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()}
 
 
 # ----- TRL --------------------------------------------------------------------------------------

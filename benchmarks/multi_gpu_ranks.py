@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import grpo_setup  # noqa: E402
 import grpo_step  # noqa: E402
+import step_probes  # noqa: E402
 from memory_timeline import world_overrides  # noqa: E402
 from phaserl.parallel.fsdp import full_state_dict  # noqa: E402
 from phaserl.parallel.launch import destroy, init_distributed  # noqa: E402
@@ -288,9 +289,9 @@ def switch(args, rank: int, world: int) -> None:
 
         actor._switch = recording
         for i in range(a.warmup + a.steps):
-            metrics, seconds = grpo_step._timed_step(trainer)
+            metrics, seconds = step_probes.timed_step(trainer)
             pair = switches[-2:]
-            stats = grpo_step._engine_stats(actor)
+            stats = step_probes.engine_stats(actor)
             emit(part="switch", measure="step", variant=variant, world=world, rank=rank, step=i,
                  warmup=i < a.warmup, seconds=round(seconds, 3),
                  to_rollout_s=round(pair[0]["seconds"], 4), to_training_s=round(pair[1]["seconds"], 4),
