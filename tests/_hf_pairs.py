@@ -1,12 +1,14 @@
 """Shared pieces of the per-family parity tests (test_models, test_model_families, test_moe, test_qwen35): a
-transformers model with weights far from init, a left-padded batch, the uncached greedy loop the engine must
-equal, and the export-reloads-with-the-same-logits check. Each test module builds its own tiny configs."""
+transformers model with weights far from init, a left-padded batch, the float32 logits and packing checks, the
+uncached greedy loop the engine must equal (on the CPU and under CUDA graphs), and the export check. Each test
+module builds its own tiny configs."""
 from __future__ import annotations
 
 import torch
 import transformers
 
-from phaserl.models import save_pretrained
+from phaserl.models import CausalLM, save_pretrained
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 8, 9, 10], [11], [12, 13, 14, 15, 16]]  # lengths 3, 7, 1, 5
 
@@ -40,6 +42,54 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
         with torch.no_grad():
             seq.append(int(model.logits(model(torch.tensor([seq], device=model.output_weight.device)))[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+def assert_logits_match(hf, ours, batch) -> None:
+    """Our float32 logits equal transformers' on batch's real tokens (positions derived from the mask)."""
+    ids, mask, positions = batch
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        got = ours.logits(ours(ids, attention_mask=mask))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def assert_packing_matches(ours, batch) -> None:
+    """batch's rows packed into one sequence (seq_ids, positions restarting) give the padded rows' hidden states."""
+    ids, mask, _ = batch
+    lengths = mask.sum(-1).tolist()
+    rows = [ids[i, mask[i].bool()] for i in range(len(ids))]
+    packed = torch.cat(rows)[None]  # [1, N]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        padded = ours(ids, attention_mask=mask)[mask.bool()]  # [N, H]
+        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
+    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+
+
+def assert_engine_greedy_matches(model, config: EngineConfig = EngineConfig(), new_tokens: int = 8):
+    """The engine's greedy answers to PROMPTS equal the uncached loop's; returns the engine's result."""
+    engine = RolloutEngine(model, config)
+    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert result.response_ids == [greedy_reference(model, p, new_tokens) for p in PROMPTS]
+    return result
+
+
+def assert_graph_greedy_matches_on_gpu(ours, **engine_config) -> None:
+    """On CUDA, with graphs: PROMPTS x 5 (20 sequences through 8 slots: refill, several buckets) decode greedily
+    as the uncached loop does."""
+    model = CausalLM(ours.config).cuda()
+    model.load_state_dict(ours.state_dict())
+    model.eval()
+    prompts = PROMPTS * 5
+    engine = RolloutEngine(model, EngineConfig(max_slots=8, token_budget=4096, **engine_config))
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert engine.last_stats["graphs"] > 1
+    reference = {tuple(p): greedy_reference(model, p, 8) for p in PROMPTS}
+    assert result.response_ids == [reference[tuple(p)] for p in prompts]
 
 
 def assert_export_matches(hf, ours, directory, batch) -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from _hf_pairs import PROMPTS, assert_export_matches, greedy_reference, left_padded_batch, randomize
+from _hf_pairs import (PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_graph_greedy_matches_on_gpu,
+                       assert_logits_match, assert_packing_matches, greedy_reference, left_padded_batch, randomize)
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
@@ -63,12 +64,7 @@ def pair(request, tmp_path_factory):
 
 def test_logits_equal_transformers_in_float32(pair):
     hf, ours, _ = pair
-    ids, mask, positions = left_padded_batch(TINY["vocab_size"])
-    with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        got = ours.logits(ours(ids, attention_mask=mask))
-    real = mask.bool()
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert_logits_match(hf, ours, left_padded_batch(TINY["vocab_size"]))
 
 
 def test_the_sliding_window_is_what_makes_them_equal(pair):
@@ -92,25 +88,13 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
 
 def test_packed_rows_equal_padded_rows(pair):
     _, ours, _ = pair
-    ids, mask, _ = left_padded_batch(TINY["vocab_size"])
-    lengths = mask.sum(-1).tolist()
-    rows = [ids[i, mask[i].bool()] for i in range(3)]
-    packed = torch.cat(rows)[None]  # [1, N]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    with torch.no_grad():
-        padded = ours(ids, attention_mask=mask)[mask.bool()]  # [N, H]
-        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
-    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+    assert_packing_matches(ours, left_padded_batch(TINY["vocab_size"]))
 
 
 def test_engine_greedy_equals_the_uncached_loop(pair):
     # Prompts longer than the window and 8 new tokens: prefill and decode both cross it.
     _, ours, _ = pair
-    engine = RolloutEngine(ours, EngineConfig())
-    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
-                             pad_token_id=0)
-    assert result.response_ids == [greedy_reference(ours, p, 8) for p in PROMPTS]
+    assert_engine_greedy_matches(ours)
 
 
 def kernel_device() -> str:
@@ -141,16 +125,7 @@ def test_triton_decode_attention_honours_the_window_and_scale(window):
 @pytest.mark.parametrize("compile", [False, True])
 def test_gpu_greedy_with_cuda_graphs_and_triton_equals_the_uncached_loop(pair, compile):
     _, ours, _ = pair
-    model = CausalLM(ours.config).cuda()
-    model.load_state_dict(ours.state_dict())
-    model.eval()
-    prompts = PROMPTS * 5  # 20 sequences through 8 slots: refill, several buckets
-    engine = RolloutEngine(model, EngineConfig(max_slots=8, compile=compile, token_budget=4096))
-    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
-                             pad_token_id=0)
-    assert engine.last_stats["graphs"] > 1
-    reference = {tuple(p): greedy_reference(model, p, 8) for p in PROMPTS}
-    assert result.response_ids == [reference[tuple(p)] for p in prompts]
+    assert_graph_greedy_matches_on_gpu(ours, compile=compile)
 
 
 def test_engine_logprobs_equal_the_trainers_log_softmax(pair):

@@ -7,7 +7,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from _hf_pairs import PROMPTS, assert_export_matches, greedy_reference, left_padded_batch, randomize
+from _hf_pairs import (PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_graph_greedy_matches_on_gpu,
+                       assert_logits_match, assert_packing_matches, greedy_reference, left_padded_batch, randomize)
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
 from phaserl.models import moe
@@ -53,12 +54,7 @@ def test_transformers_files_hold_one_tensor_per_expert(pair):
 
 def test_logits_equal_transformers_in_float32(pair):
     hf, ours, _ = pair
-    ids, mask, positions = left_padded_batch(TINY["vocab_size"])
-    with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        got = ours.logits(ours(ids, attention_mask=mask))
-    real = mask.bool()
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert_logits_match(hf, ours, left_padded_batch(TINY["vocab_size"]))
 
 
 def test_routing_is_what_makes_them_equal(pair):
@@ -81,16 +77,7 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
 
 def test_packed_rows_equal_padded_rows(pair):
     _, ours, _ = pair
-    ids, mask, _ = left_padded_batch(TINY["vocab_size"])
-    lengths = mask.sum(-1).tolist()
-    rows = [ids[i, mask[i].bool()] for i in range(3)]
-    packed = torch.cat(rows)[None]  # [1, N]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    with torch.no_grad():
-        padded = ours(ids, attention_mask=mask)[mask.bool()]  # [N, H]
-        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
-    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+    assert_packing_matches(ours, left_padded_batch(TINY["vocab_size"]))
 
 
 def expert_case(seed=0, N=37, H=16, I=8, E=6, k=2):
@@ -222,10 +209,7 @@ def test_a_missing_expert_in_the_files_is_named(pair, tmp_path):
 
 def test_engine_greedy_equals_the_uncached_loop(pair):
     _, ours, _ = pair
-    engine = RolloutEngine(ours, EngineConfig(max_slots=3))  # 4 prompts through 3 slots: refill too
-    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
-                             pad_token_id=0)
-    assert result.response_ids == [greedy_reference(ours, p, 8) for p in PROMPTS]
+    result = assert_engine_greedy_matches(ours, EngineConfig(max_slots=3))  # 4 prompts through 3 slots: refill too
     assert result.routes is None  # recorded only when asked (routing replay)
 
 
@@ -286,16 +270,7 @@ def test_gpu_bf16_engine_under_cuda_graphs_equals_the_engine_without(pair):
 @pytest.mark.gpu
 def test_gpu_greedy_with_cuda_graphs_equals_the_uncached_loop(pair):
     _, ours, _ = pair
-    model = CausalLM(ours.config).cuda()
-    model.load_state_dict(ours.state_dict())
-    model.eval()
-    prompts = PROMPTS * 5
-    engine = RolloutEngine(model, EngineConfig(max_slots=8, token_budget=4096))
-    result = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
-                             pad_token_id=0)
-    assert engine.last_stats["graphs"] > 1
-    reference = {tuple(p): greedy_reference(model, p, 8) for p in PROMPTS}
-    assert result.response_ids == [reference[tuple(p)] for p in prompts]
+    assert_graph_greedy_matches_on_gpu(ours)
 
 
 def test_lora_puts_adapters_on_attention_and_leaves_the_experts_frozen(pair):
@@ -313,10 +288,7 @@ def test_lora_puts_adapters_on_attention_and_leaves_the_experts_frozen(pair):
         for m in model.modules():
             if hasattr(m, "lora_B"):
                 m.lora_B.normal_(0.0, 0.3)
-    engine = RolloutEngine(model, EngineConfig())
-    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0), eos_token_ids=[],
-                             pad_token_id=0)
-    assert result.response_ids == [greedy_reference(model, p, 6) for p in PROMPTS]
+    assert_engine_greedy_matches(model, new_tokens=6)
 
 
 def test_model_flops_count_the_active_experts_only(pair):

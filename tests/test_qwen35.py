@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from _hf_pairs import PROMPTS, assert_export_matches, greedy_reference
+from _hf_pairs import PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_packing_matches, greedy_reference
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, load_pretrained, save_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
@@ -102,12 +102,7 @@ def test_packed_sequences_share_no_state(pair):
 
 def test_packed_rows_equal_padded_rows(pair):
     _, ours, _ = pair
-    ids, mask, _ = padded_batch(20)
-    packed, positions, seq_ids = _pack([ids[i, mask[i].bool()] for i in range(3)])
-    with torch.no_grad():
-        padded = ours(ids, attention_mask=mask)[mask.bool()]
-        got = ours(packed, position_ids=positions, seq_ids=seq_ids)[0]
-    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+    assert_packing_matches(ours, padded_batch(20))
 
 
 def test_chunked_rule_equals_the_token_by_token_recurrence():
@@ -169,10 +164,7 @@ from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa:
 
 def test_engine_greedy_equals_the_uncached_loop(pair):
     _, ours, _ = pair
-    engine = RolloutEngine(ours, EngineConfig())
-    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), eos_token_ids=[],
-                             pad_token_id=0)
-    assert result.response_ids == [greedy_reference(ours, p, 8) for p in PROMPTS]
+    assert_engine_greedy_matches(ours)
 
 
 def test_refilled_and_compacted_slots_start_from_a_fresh_state(pair):
