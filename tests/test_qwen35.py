@@ -5,7 +5,8 @@ import pytest
 import torch
 import transformers
 
-from _hf_pairs import PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_packing_matches, greedy_reference
+from _hf_pairs import (PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_packing_matches,
+                       greedy_reference)
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, load_pretrained, save_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
