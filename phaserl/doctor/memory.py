@@ -136,7 +136,7 @@ class UnknownShape(ValueError):
 
 
 def _optional_field(config, *names: str):
-    return next((_read(config, n) for n in names if isinstance(_read(config, n), int)), None)
+    return next((v for v in (_read(config, n) for n in names) if isinstance(v, int)), None)
 
 
 def _read(config, name: str):
