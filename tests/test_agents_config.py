@@ -78,3 +78,30 @@ def test_a_multi_turn_step_on_the_transformers_fallback_path(tmp_path):
     metrics = trainer.train_step()
     assert trainer.actor.engine is None and metrics["agent/turns_mean"] >= 1
     assert metrics["train/skipped_step"] == 0 and "agent/ended/max_turns" in metrics
+
+
+@pytest.mark.slow  # a trainer fit end to end
+def test_fit_leaves_no_idle_environment_threads_behind(tmp_path):
+    """The run's environment worker pool used to keep its daemon threads after fit() (42 across the agent
+    test files); they now exit when fit() returns."""
+    import threading
+
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(QUICK, ["rollout.prompts_per_step=2", "rollout.n=2", "rollout.batch_size=4",
+                              "trainer.total_steps=1", f"trainer.log_dir={tmp_path}", "trainer.loggers=[jsonl]",
+                              f"trainer.checkpoint_path={tmp_path / 'ckpt'}"])
+    trainer = RLTrainer.from_config(cfg)
+    pool = trainer.run.agent.workers
+
+    def alive() -> int:
+        return sum(t.name.startswith(pool.name + "-") and t.is_alive() for t in threading.enumerate())
+
+    before = alive()
+    trainer.fit()
+    assert pool._started > 0  # the episodes ran on the pool's threads
+    for _ in range(500):
+        if alive() <= before:
+            break
+        threading.Event().wait(0.01)
+    assert alive() <= before and pool.threads == 0

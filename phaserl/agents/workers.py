@@ -6,7 +6,9 @@ a call that times out is abandoned (`abandon(future)`: its thread exits when the
 ever does, and no longer counts against the pool's size), and nothing waits for the lost one.
 Threads start lazily, when a call finds no idle worker and the pool is below `size`, and stay for
 the pool's life: a pool kept across rollouts (the trainer's AgentSettings, a benchmark) starts its
-threads once, not at every rollout (256 thread starts cost 0.1-0.4 s on a busy host).
+threads once, not at every rollout (256 thread starts cost 0.1-0.4 s on a busy host). When the run
+ends (`RLTrainer.fit` returns or raises) `stop_idle()` lets the idle ones exit; the pool stays usable
+and starts threads again if another `fit()` submits.
 Not here: deciding what a timeout means for the episode (episodes.py).
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ class Workers:
     def __init__(self, size: int, name: str = "phaserl-env"):
         self.size, self.name = max(1, size), name
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)   # one permit per worker waiting for a job
+        self._idle = threading.Semaphore(0)   # one permit per worker waiting for a job that nobody has claimed
+        self._backlog = 0                     # jobs queued with no worker claimed for them (pool at its size)
         self._lock = threading.Lock()
         self._live = 0                        # started and not abandoned: what counts against `size`
         self._started = 0
@@ -41,9 +44,9 @@ class Workers:
         if not self._idle.acquire(blocking=False):
             with self._lock:
                 if self._live < self.size:
-                    self._live += 1
-                    self._started += 1
-                    threading.Thread(target=self._work, name=f"{self.name}-{self._started}", daemon=True).start()
+                    self._start_locked()
+                else:
+                    self._backlog += 1  # the next worker to finish takes it (and does not count itself idle)
         return future
 
     def abandon(self, future: Future) -> None:
@@ -55,6 +58,27 @@ class Workers:
             if not future.done() and future not in self._abandoned:
                 self._abandoned.add(future)
                 self._live -= 1
+                if self._backlog:  # a queued job was waiting for a worker: it gets the freed place now
+                    self._backlog -= 1
+                    self._start_locked()
+
+    def _start_locked(self) -> None:
+        self._live += 1
+        self._started += 1
+        threading.Thread(target=self._work, name=f"{self.name}-{self._started}", daemon=True).start()
+
+    def stop_idle(self) -> int:
+        """Let every idle worker exit (the end of a run); the pool stays usable and starts threads again on
+        demand. Busy workers finish their call and stay. Call it while nothing is being submitted (a
+        concurrent submit could be served by a worker counted as stopped). Returns how many were told to stop."""
+        with self._lock:
+            stopped = 0
+            while self._idle.acquire(blocking=False):  # an idle worker's permit: it is blocked in queue.get()
+                stopped += 1
+            self._live -= stopped
+            for _ in range(stopped):
+                self._queue.put(None)
+            return stopped
 
     def shutdown(self) -> None:
         """Ask the workers to stop once idle; a worker stuck in a call is not waited for."""
@@ -78,4 +102,7 @@ class Workers:
                 if future in self._abandoned:
                     self._abandoned.discard(future)
                     return
+                if self._backlog:  # a queued job nobody claimed: this worker's next get() is it
+                    self._backlog -= 1
+                    continue
             self._idle.release()

@@ -21,6 +21,7 @@ from ..metrics import StepPerf
 from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
 from . import build
 from .advantage_phase import compute_advantages, nonfinite_advantage_cause
+from .agent_phase import AgentSettings
 from .hooks import HookRunner
 from .settings import Roles, RunSettings
 from .stop import StopSignals
@@ -92,6 +93,8 @@ class RLTrainer:
                 return self._fit()
             finally:
                 close()  # the run lock of trainer.checkpoint_path
+                if isinstance(self.run.agent, AgentSettings):  # a harness run keeps no pool
+                    self.run.agent.workers.stop_idle()  # idle environment threads would outlive the run
 
     def _fit(self) -> dict:
         run = self.run
