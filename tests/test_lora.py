@@ -112,6 +112,16 @@ def _loss_and_grads(model, ids, **forward):
 
 
 @pytest.mark.slow  # trainer steps / torch.compile tracing: the full lane
+def test_all_linear_on_a_dense_model_records_the_projections_it_has():
+    """all-linear also names Qwen3.5's linear-attention projections; a dense model's record (and so its PEFT
+    adapter_config.json) lists only the seven it has."""
+    from phaserl.models.lora import DENSE_PROJECTIONS
+
+    model = tiny_decoder()
+    apply_lora(model, LoRASettings(rank=2, alpha=4.0, target_modules=resolve_targets(["all-linear"])))
+    assert model.lora_settings.target_modules == DENSE_PROJECTIONS
+
+
 def test_compile_checkpointing_and_packing_give_the_same_adapter_gradients():
     model = tiny_decoder()
     apply_lora(model, LoRASettings(rank=4, alpha=8.0, dropout=0.0))

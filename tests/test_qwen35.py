@@ -244,6 +244,46 @@ def test_lora_adapters_act_in_the_engine_and_switch_off_for_the_reference(pair):
         assert engine.generate(PROMPTS, params, eos_token_ids=[], pad_token_id=0).response_ids == base
 
 
+def test_all_linear_lora_adapts_the_deltanet_projections_and_exports_for_peft(pair, tmp_path):
+    """'all-linear' used to mean the seven dense projections only: on Qwen3.5 three layers in four (the Gated
+    DeltaNet ones) kept their token mixing frozen, unlike PEFT's all-linear. Their in_proj_* / out_proj now get
+    adapters, the record names only what the model has, and the PEFT adapter dir gives the adapted logits."""
+    peft = pytest.importorskip("peft")
+    from phaserl.checkpoint.lora_export import write_peft_adapter
+    from phaserl.models.lora import (LINEAR_ATTENTION_PROJECTIONS, LoRASettings, apply_lora, merge_lora,
+                                     resolve_targets)
+
+    _, ours, directory = pair
+    model = CausalLM(ours.config)
+    model.load_state_dict(ours.state_dict())
+    torch.manual_seed(0)  # the adapters' A init
+    names = apply_lora(model, LoRASettings(rank=4, alpha=8.0, target_modules=resolve_targets(["all-linear"])))
+    assert {n.rsplit(".", 1)[-1] for n in names if ".linear_attn." in n} == set(LINEAR_ATTENTION_PROJECTIONS)
+    assert sum(".linear_attn." in n for n in names) == 5 * 3  # every projection of the three DeltaNet layers
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    model.eval()
+    ids, mask, positions = padded_batch()
+    with torch.no_grad():
+        want = model.logits(model(ids, attention_mask=mask, position_ids=positions)).float()
+        base_logits = ours.logits(ours(ids, attention_mask=mask, position_ids=positions))
+    assert (want - base_logits)[mask.bool()].abs().max() > 0.05  # the exported adapters matter
+    adapter_dir = write_peft_adapter(model, str(tmp_path / "adapter"), str(directory))
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    with_adapter = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        got = with_adapter(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    # PEFT scales the adapter's output, ours scales B first, a merge rounds W + sBA once: float32 roundings differ
+    # (up to 4e-5 seen); a missing or misplaced adapter differs by the adapters' effect (> 0.05, asserted above)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-4, rtol=1e-5)
+    merged = merge_lora(model)
+    with torch.no_grad():
+        torch.testing.assert_close(merged.logits(merged(ids, attention_mask=mask, position_ids=positions))[mask.bool()],
+                                   want[mask.bool()], atol=1e-4, rtol=1e-5)
+
+
 def _kernel_device() -> str:
     from phaserl.rollout import kernels
 

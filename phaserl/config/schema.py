@@ -183,7 +183,8 @@ class OptimConfig:
 
 # models/lora.py resolves these (short names, all-linear) to the decoder's projections; a test keeps both in step.
 LORA_TARGETS = ["all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "q", "k", "v", "o", "gate", "up", "down"]
+                "q", "k", "v", "o", "gate", "up", "down",
+                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]  # Qwen3.5's linear attention
 
 
 @dataclass
@@ -193,7 +194,9 @@ class LoRAConfig:
     alpha: float = spec(16.0, "LoRA alpha: the update is (alpha / rank) * B A", min=0.0)
     dropout: float = spec(0.0, "dropout on the adapters' input (training only)", min=0.0, max=0.99)
     target_modules: list[str] = spec(None, "projections that get adapters: q_proj k_proj v_proj o_proj gate_proj "
-                                           "up_proj down_proj (or q, k, v, o, gate, up, down, or all-linear)",
+                                           "up_proj down_proj (or q, k, v, o, gate, up, down), Qwen3.5's linear "
+                                           "attention in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj, or "
+                                           "all-linear (every one the model has)",
                                      choices=LORA_TARGETS, factory=lambda: ["all-linear"])
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from phaserl.models.config import DecoderConfig, LinearAttentionShape
 from phaserl.models.layers import linear
+from phaserl.models.lora import engine_weight
 
 Tensor = torch.Tensor
 log = logging.getLogger("phaserl")
@@ -248,8 +249,12 @@ class DecodeWeights(NamedTuple):
     norm: Tensor     # [Dv]
 
 
-def decode_weights(m: GatedDeltaNet) -> DecodeWeights:
-    return DecodeWeights(m.in_proj_qkv.weight, m.in_proj_a.weight, m.in_proj_b.weight, m.in_proj_z.weight,
+def decode_weights(m: GatedDeltaNet, previous: Optional[DecodeWeights] = None) -> DecodeWeights:
+    """The layer's tensors, read in place; a projection with LoRA adapters gives its merged engine copy instead
+    (lora.engine_weight: refilled in place into `previous`'s buffer, so captured graphs keep their pointers)."""
+    p = previous
+    return DecodeWeights(engine_weight(m.in_proj_qkv, p and p.qkv), engine_weight(m.in_proj_a, p and p.a),
+                         engine_weight(m.in_proj_b, p and p.b), engine_weight(m.in_proj_z, p and p.z),
                          m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight)
 
 
@@ -270,13 +275,14 @@ def decode_output(o: Tensor, x: Tensor, w: DecodeWeights, s: LinearAttentionShap
 
 
 def decode_step_(m: GatedDeltaNet, x: Tensor, conv_state: Tensor, state: Tensor, running: Tensor,
-                 step=None, fns=(decode_inputs, decode_output)) -> Tensor:
+                 step=None, fns=(decode_inputs, decode_output), weights: Optional[DecodeWeights] = None) -> Tensor:
     """One token per row, both states updated in place where `running` [b] is True (the others keep theirs):
     x [b, H] (normed), conv_state [b, C, K-1], state [b, Hv, Dk, Dv] (float32) -> out [b, Hv * Dv] before out_proj.
     step: the rule's one-token update (recurrent_step_, or the engine's Triton twin with the same contract);
-    fns: decode_inputs / decode_output, or the engine's compiled twins."""
+    fns: decode_inputs / decode_output, or the engine's compiled twins. weights: decode_weights(m), kept by the
+    caller (the engine builds them once per call: with LoRA they are merged copies)."""
     inputs, output = fns
-    w = decode_weights(m)
+    w = decode_weights(m) if weights is None else weights
     q, k, v, g, beta, conv = inputs(x, conv_state, w, running, m.shape)
     conv_state.copy_(conv)
     o = (step or recurrent_step_)(q, k, v, g, beta, state)

@@ -1,6 +1,7 @@
 """LoRA adapters: low-rank updates W + (alpha / r) · B · A on chosen linear projections of a built model.
 
-`apply_lora(model, settings)` replaces the named projections (q/k/v/o/gate/up/down) of phaserl's decoder
+`apply_lora(model, settings)` replaces the named projections (q/k/v/o/gate/up/down, and Qwen3.5's linear-attention
+in_proj_qkv/z/b/a and out_proj) of phaserl's decoder
 by `LoRALinear` modules after the model is built and loaded: the layer math in decoder.py is untouched
 (a LoRALinear is called exactly where the nn.Linear was). The base weight keeps its parameter and its
 name (`...q_proj.weight`), so loading, saving and the rollout engine's reads see the same tensor;
@@ -31,9 +32,13 @@ from torch import nn
 
 from phaserl.errors import ConfigError
 
-# The decoder's projections, by full name; short names and PEFT's "all-linear" are accepted too.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ALIASES = {p.removesuffix("_proj"): p for p in PROJECTIONS}
+# The decoder's projections, by full name; short names and PEFT's "all-linear" are accepted too. Qwen3.5's Gated
+# DeltaNet layers (models/linear_attention.py) have their own (transformers' names); "all-linear" takes them too,
+# as PEFT's all-linear does. Not adapted by any name: a MoE router (`mlp.gate`) and the stacked experts.
+DENSE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+PROJECTIONS = DENSE_PROJECTIONS + LINEAR_ATTENTION_PROJECTIONS
+ALIASES = {p.removesuffix("_proj"): p for p in DENSE_PROJECTIONS}
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ def resolve_targets(names, *, key: str = "lora.target_modules") -> tuple:
     unknown = [n for n in names if n not in PROJECTIONS and n not in ALIASES]
     if unknown:
         raise ConfigError(f"{key}: unknown projection(s) {unknown}; choose from {', '.join(PROJECTIONS)} "
-                          "(or q, k, v, o, gate, up, down, or all-linear)")
+                          "(or q, k, v, o, gate, up, down, or all-linear; in_proj_* and out_proj are Qwen3.5's "
+                          "linear-attention layers')")
     wanted = {ALIASES.get(n, n) for n in names}
     return tuple(p for p in PROJECTIONS if p in wanted)
 
@@ -145,7 +151,10 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, trainable: tuple = (
         raise ConfigError(f"lora.target_modules={list(targets)} matched no linear layer of {type(model).__name__}")
     for head in trainable:
         getattr(model, head).requires_grad_(True)
-    model.lora_settings = replace(settings, target_modules=targets)
+    adapted = {name.rsplit(".", 1)[-1] for name in names}
+    # what the checkpoint record and a PEFT export name: the targets this model has (all-linear on a dense model
+    # is its seven projections, not the linear-attention names it lacks)
+    model.lora_settings = replace(settings, target_modules=tuple(t for t in targets if t in adapted))
     model.lora_base_path = os.path.abspath(base_path) if base_path and os.path.isdir(base_path) else base_path
     return names
 

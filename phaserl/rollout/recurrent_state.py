@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from phaserl.models.hybrid import gated_output, gated_pre_attention
 from phaserl.models.layers import LayerWeights, embed, rms_norm
 from phaserl.models.linear_attention import (continue_sequences, decode_inputs, decode_output, decode_step_,
-                                             recurrent_step_)
+                                             decode_weights, recurrent_step_)
 from phaserl.models.lora import engine_weight
 from phaserl.rollout import kernels
 from phaserl.rollout.runner import ModelRunner, compile_layer_fn, prefill_mask
@@ -100,6 +100,7 @@ class HybridRunner(ModelRunner):
         # per layer: ("linear", index into RecurrentState) or ("attention", index into the KV pool's layers)
         self.slots_of = [("linear", next(rec)) if layer.linear else ("attention", next(kv)) for layer in layers]
         self.recurrent: Optional[RecurrentState] = None
+        self.linear_weights: list = []  # per layer: linear_attention.DecodeWeights (None for attention layers)
         self.decode_fns = compiled_decode_fns() if compile else (decode_inputs, decode_output)
         self.delta_step = recurrent_step_  # the DeltaNet state update of a decode step; Triton where it runs
         if USE_DELTA_KERNEL and kernels.available(self.device):
@@ -109,7 +110,7 @@ class HybridRunner(ModelRunner):
 
     def release(self) -> None:
         super().release()
-        self.recurrent = None
+        self.recurrent, self.linear_weights = None, []
 
     def begin(self, num_slots, slot_len, max_new, params, stop_ids) -> None:
         graphs, self.use_graphs = self.use_graphs, False  # capture only once the recurrent state exists
@@ -122,6 +123,10 @@ class HybridRunner(ModelRunner):
             self.recurrent = RecurrentState(self.cfg, self.layout[0], self.model.output_weight.dtype, self.device)
         # What post_attention (compiled on CUDA) sees: tensors only, so one compiled graph serves every layer.
         self.post_weights = [w._replace(q=None, k=None, v=None) for w in self.weights]
+        # A linear layer's decode tensors (with LoRA on its in_proj_*, merged copies refilled in place)
+        previous = self.linear_weights or [None] * len(self.layer_modules)
+        self.linear_weights = [decode_weights(m.linear_attn, old) if m.linear else None
+                               for m, old in zip(self.layer_modules, previous)]
         capture_all = getattr(self, "_capture_all", None)  # a runner that captures lazily has none: decode() will
         if self.use_graphs and capture_all is not None:
             capture_all()
@@ -201,11 +206,11 @@ class HybridRunner(ModelRunner):
         running = ~st.finished[:b]  # [b] only these feed their token into the recurrent state
         rope = [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, R] each
         h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
-        for module, kind, j, w, post, spec in self._layers():
+        for layer, (module, kind, j, w, post, spec) in enumerate(self._layers()):
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
                 out = decode_step_(module.linear_attn, x, R.conv[j][:b], R.delta[j][:b], running,
-                                   self.delta_step, self.decode_fns)  # both states in place
+                                   self.delta_step, self.decode_fns, self.linear_weights[layer])  # states in place
                 h = self.fns.post(h, out, post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
