@@ -23,10 +23,11 @@ PROMPTS = [[5, 6, 7, 8], [1, 2, 3], [9, 10, 11, 12, 13, 14]]
 
 
 def tiny_moe(seed: int = 0, **changes) -> CausalLM:
-    cfg = DecoderConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
-                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        qk_norm=True, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16,
-                        norm_topk_prob=True, mlp_only_layers=(1,), **changes)
+    shape = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 qk_norm=True, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16,
+                 norm_topk_prob=True, mlp_only_layers=(1,))
+    cfg = DecoderConfig(**{**shape, **changes})
     torch.manual_seed(seed)
     model = CausalLM(cfg)
     with torch.no_grad():  # a router far from init: its top-k is decisive, not a near-tie
@@ -249,3 +250,82 @@ def test_gradient_checkpointing_recomputes_the_replayed_routing_exactly():
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-6)
+
+
+def test_multi_turn_episodes_record_the_experts_of_every_fed_position():
+    """agent.env episodes with routing replay: the slot's record (prompt, sampled turns, appended observations,
+    across refills and the session's slot swaps) is laid out like the episode's ids, and at every fed position it
+    holds the experts the uncached forward of the whole conversation chooses. It used to be a config error."""
+    from phaserl.agents.episodes import AgentLimits, EpisodeRunner
+    from phaserl.agents.loader import EnvironmentFactory
+    from phaserl.trainer.episode_batch import episodes_batch
+    from tests import _agent_envs as envs
+    from tests.test_agents_episodes import EOS, TOK, starts
+
+    model = tiny_moe(vocab_size=len(TOK), max_position_embeddings=64)
+    lim = AgentLimits(max_turns=4, max_turn_tokens=4, max_episode_tokens=64, context_limited=False,
+                      step_timeout_s=10.0, on_env_error="end", workers=4, overlap=False)
+    runner = EpisodeRunner(EnvironmentFactory(envs.Feedback, dict(turns=3, observation="ab")), TOK, lim)
+    engine = RolloutEngine(model, EngineConfig(max_slots=4, record_routes=True))  # 6 episodes, 4 slots: refills
+    with engine.session(SamplingParams(max_new_tokens=4, temperature=1.0), slot_len=64, eos_token_ids=[EOS],
+                        generator=torch.Generator().manual_seed(0)) as session:
+        episodes = runner.run_session(session, starts())
+        swaps = session.stats.swaps
+    assert swaps > 0  # resumed sequences moved slots: their records moved with their KV
+    batch = episodes_batch(episodes, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cpu")
+    assert batch.routed_experts.shape == (*batch.input_ids.shape, 2, K)
+    P = batch.prompt_width
+    for i, ep in enumerate(episodes):
+        seq = ep.prompt_ids + ep.response_ids()
+        start = P - len(ep.prompt_ids)
+        routes = batch.routed_experts[i, start:start + len(seq)]
+        assert (batch.routed_experts[i, :start] == -1).all() and (batch.routed_experts[i, start + len(seq):] == -1).all()
+        assert (routes[-1] == -1).all() and (routes[:-1] >= 0).all()  # all fed but the last sampled id
+        expected = forward_experts(model, seq)[:-1]
+        assert torch.equal(routes[:-1].long().sort(-1).values, expected.sort(-1).values)
+
+
+def test_routing_replay_with_an_agent_harness_is_a_config_error():
+    import os
+
+    from phaserl.config import load_config
+
+    harness = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "agent_harness.py")
+    with pytest.raises(ConfigError, match="agent.harness"):
+        load_config(None, ["actor.routing_replay=true", f"agent.harness={harness}:harness"])
+    load_config(None, ["actor.routing_replay=true", "agent.env=phaserl.world.agent_task:RetryArithmetic"])
+
+
+@pytest.mark.slow  # a trainer step end to end
+def test_a_multi_turn_train_step_replays_the_episodes_routes(tmp_path, monkeypatch):
+    import os
+
+    from _tiny_run import make_model_dir, make_prompt_files
+    from phaserl.config import load_config
+    from phaserl.trainer import RLTrainer
+    import phaserl.roles.actor as actor_module
+
+    model = make_model_dir(str(tmp_path), model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=16, head_dim=8, qk_norm=True)
+    train, val = make_prompt_files(str(tmp_path), n_train=8, n_val=2)
+    envs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_agent_envs.py")
+    cfg = load_config(None, [
+        f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]", "data.max_prompt_length=32",
+        "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.batch_size=2",
+        f"agent.env={envs}:Feedback", "agent.max_turns=3", "agent.max_episode_tokens=96", "trainer.total_steps=1",
+        "trainer.device=cpu", "trainer.loggers=[]", f"trainer.log_dir={tmp_path / 'logs'}",
+        f"trainer.checkpoint_path={tmp_path / 'ckpt'}", "ppo.micro_batch_tokens=128",
+        "ppo.forward_micro_batch_tokens=256", "actor.routing_replay=true"])
+    replayed = []
+    original = actor_module.rows_logprobs
+
+    def spy(*args, routing=None, **kwargs):
+        out = original(*args, routing=routing, **kwargs)
+        replayed.append(None if routing is None else routing.replay)  # set by the call from the batch's routes
+        return out
+    monkeypatch.setattr(actor_module, "rows_logprobs", spy)
+    trainer = RLTrainer.from_config(cfg)
+    metrics = trainer.train_step()
+    assert metrics["agent/turns_mean"] > 1 and metrics["train/skipped_step"] == 0
+    assert replayed and all(r is not None and (r >= 0).any() for r in replayed)
+    assert "mismatch/abs_diff_mean" in metrics

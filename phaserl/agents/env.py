@@ -101,6 +101,7 @@ class Episode:
     finish_reason: str = "done"          # done | max_turns | max_tokens | context | env_error | length
     num_turns: int = 0                   # model turns
     metrics: dict = field(default_factory=dict)  # tool_calls, tool_errors, tool_seconds, env info metrics
+    routes: object = None                # routing replay: [positions its slot held, L, k] int16 (DecodeSession.routes)
 
     @property
     def reward(self) -> float:

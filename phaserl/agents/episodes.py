@@ -93,6 +93,7 @@ class _Run:
     deadline: float = math.inf
     workers: object = None        # the pool the call runs on
     in_session: bool = False
+    routes: object = None         # routing replay: the slot's expert record, read when the slot is released
 
     @property
     def ids(self) -> list:
@@ -339,6 +340,7 @@ class EpisodeRunner:
     def _finish(self, session, run: _Run, reason: str) -> None:
         run.finish_reason = run.finish_reason or reason
         if session is not None and run.in_session:
+            run.routes = session.routes(run.index)  # None unless the engine records experts (routing replay)
             session.release(run.index)
             run.in_session = False
         env, run.env = run.env, None
@@ -353,7 +355,8 @@ class EpisodeRunner:
     @staticmethod
     def _episode(run: _Run) -> Episode:
         return Episode(row=run.start.item.row, segments=run.segments, turn_rewards=list(run.turn_rewards),
-                       finish_reason=run.finish_reason or "done", num_turns=run.num_turns, metrics=dict(run.metrics))
+                       finish_reason=run.finish_reason or "done", num_turns=run.num_turns, metrics=dict(run.metrics),
+                       routes=run.routes)
 
 
 def _add(metrics: dict, key: str, value: float) -> None:

@@ -113,9 +113,10 @@ def _rule_errors(cfg: Config) -> list[str]:
     if cfg.actor.routing_replay and r.engine == "hf":
         errs.append("actor.routing_replay = true needs the experts recorded by phaserl's rollout engine, but "
                     "rollout.engine = hf; set rollout.engine = auto (or builtin), or actor.routing_replay = false")
-    if cfg.actor.routing_replay and (cfg.agent.env or cfg.agent.harness):
-        errs.append("actor.routing_replay = true replays single-turn rollouts only (multi-turn episodes do not "
-                    "record their experts yet); drop agent.env / agent.harness or set actor.routing_replay = false")
+    if cfg.actor.routing_replay and cfg.agent.harness:
+        errs.append("actor.routing_replay = true replays the engine's own rollouts and agent.env episodes; the "
+                    "completions an agent.harness requests through the endpoint do not record their experts yet: "
+                    "set actor.routing_replay = false (or use agent.env)")
     rm = cfg.reward_model
     if not cfg.reward.functions and not rm.enable:
         errs.append("no reward: reward.functions is empty and reward_model.enable = false; add a rule function "

@@ -153,6 +153,20 @@ class DecodeSession:
         self._decoding += 1
         self.stats.extend_tokens += len(ids)
 
+    def routes(self, key: Hashable) -> Optional[torch.Tensor]:
+        """The experts every MoE layer chose at each position the parked sequence's slot holds, for routing replay
+        (the engine's record_routes): [length, L, k] int16, -1 at the last sampled id (never fed, as
+        RolloutEngine.generate's routes). None when the engine records none. Read it before release()."""
+        routes = self.runner.routes
+        if routes is None:
+            return None
+        live = self.live[key]
+        if live.decoding:
+            raise RuntimeError(f"sequence {key!r} is still decoding; read its routes once its turn has ended")
+        row = routes[live.slot, :live.length].clone()  # [length, L, k]
+        row[live.length - 1] = -1
+        return row
+
     def release(self, key: Hashable) -> None:
         """Free a parked sequence's slot."""
         live = self.live.pop(key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..agents.episodes import FINISH_REASONS
-from ..batch import RolloutBatch, Scores
+from ..batch import RolloutBatch, Scores, layout_routes
 
 TOOL_METRICS = ("tool_calls", "tool_errors", "tool_seconds")  # always logged (0 when the environment has no tools)
 
@@ -42,7 +42,23 @@ def episodes_batch(episodes: list, n: int, *, tokenizer, pad_token_id: int, grou
         prompts=[ep.row.prompt for ep in episodes],
         response_texts=tokenizer.batch_decode(responses, skip_special_tokens=True),
         rows=[ep.row for ep in episodes], finish_reasons=[ep.finish_reason for ep in episodes],
-        loss_mask=loss_mask.to(device), episodes=list(episodes), rollout_metrics=episode_metrics(episodes))
+        loss_mask=loss_mask.to(device), episodes=list(episodes), rollout_metrics=episode_metrics(episodes),
+        routed_experts=episode_routes(episodes, prompts, responses, P, R, device))
+
+
+def episode_routes(episodes: list, prompts: list, responses: list, P: int, R: int, device):
+    """Routing replay: each episode's expert record laid out like its ids ([B, P + R, L, k], -1 where nothing was
+    recorded: an episode that never reached a slot, or a final observation that was never fed); None when no
+    episode has one (replay off, or the transformers fallback)."""
+    template = next((ep.routes for ep in episodes if ep.routes is not None), None)
+    if template is None:
+        return None
+    routes = []
+    for ep, prompt, resp in zip(episodes, prompts, responses):
+        route = template.new_full((0, *template.shape[1:]), -1) if ep.routes is None else ep.routes
+        assert route.shape[0] <= len(prompt) + len(resp), "a slot holds the episode's ids, never more"
+        routes.append(route)
+    return layout_routes([len(p) for p in prompts], routes, P, R).to(device)
 
 
 def episode_metrics(episodes: list) -> dict:
