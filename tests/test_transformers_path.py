@@ -221,3 +221,53 @@ def test_the_doctor_estimates_memory_for_gpt2_and_fails_on_weights_that_do_not_m
               metadata={"format": "pt"})
     results = {r.name: r for r in run_doctor(load_doctor_config(None, overrides))}
     assert results["model"].status == FAIL and "transformer.h.0." in results["model"].message
+
+
+@pytest.mark.slow  # two trainer steps and an export
+def test_ppo_with_a_critic_trains_and_exports_on_the_transformers_path(tmp_path):
+    """A GAE run on a transformers-path model (GPT-2) used to stop at build: the critic wrapped the backbone as
+    our ValueModel, which reads `backbone.model` (AttributeError). Its critic now trains, resumes from the run's
+    checkpoint, and exports as transformers' own GPT2ForSequenceClassification with the same values."""
+    from phaserl.checkpoint import export_checkpoint
+    from phaserl.config import load_config
+    from phaserl.models.hf_fallback import HFValueModel
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(None, _gpt2_run(tmp_path) + [
+        "algorithm.adv_estimator=gae", "critic.enable=true", "critic.optim.lr=1e-2", "rollout.max_new_tokens=4",
+        "trainer.total_steps=2", "trainer.save_interval=2", "trainer.loggers=[]"])
+    trainer = RLTrainer.from_config(cfg)
+    critic = trainer.critic.model
+    assert isinstance(critic, HFValueModel) and not hasattr(critic.hf_model, "lm_head")  # no vocabulary head kept
+    assert critic.score.weight.abs().sum() == 0  # zero-initialised: the first values are 0
+    with torch.no_grad():
+        critic.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))  # as if trained: values
+    start = critic.score.weight.detach().clone()  # far from the (all-zero) returns, so the update moves them
+    trainer.fit()
+    assert trainer.metrics["critic/vf_loss"] > 0 and not torch.equal(critic.score.weight.detach(), start)
+    ids = torch.tensor([[3, 9, 4, 12, 7]])
+    with torch.no_grad():
+        want = critic.eval()(ids)
+    out = export_checkpoint(str(tmp_path / "c"), str(tmp_path / "critic"), critic=True)
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert type(back).__name__ == "GPT2ForSequenceClassification"
+    with torch.no_grad():
+        hidden = back.transformer(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(back.score(hidden).squeeze(-1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_all_linear_reaches_a_transformers_models_own_layers():
+    """all-linear on the transformers path used to pass our decoder's projection names to peft, which GPT-2
+    (Conv1D c_attn / c_proj / c_fc) does not have: peft raised NoMatchingPeftModuleError. peft's own all-linear
+    rule now picks the layers; names that match nothing are a ConfigError listing the model's layer names."""
+    pytest.importorskip("peft")
+    from phaserl.models.lora import LoRASettings, apply_lora, resolve_targets
+
+    config = transformers.GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=4, n_positions=64)
+    model = HFCausalLM(transformers.GPT2LMHeadModel(config))
+    names = apply_lora(model, LoRASettings(rank=2, alpha=4.0, target_modules=resolve_targets(["all-linear"])))
+    assert {n.rsplit(".", 1)[-1] for n in names} == {"c_attn", "c_proj", "c_fc"}
+    assert not any("lm_head" in n for n in names)
+    other = HFCausalLM(transformers.GPT2LMHeadModel(config))
+    with pytest.raises(ConfigError, match="c_attn"):
+        apply_lora(other, LoRASettings(rank=2, alpha=4.0, target_modules=resolve_targets(["q", "v"])))

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..models import CausalLM, ValueModel, load_tokenizer, save_pretrained, save_value_model
+from ..models import CausalLM, ValueModel, load_tokenizer, save_pretrained, save_value_model, value_model_of
 from ..models.families import config_from_hf
 from . import manifest, store
 from .lora_export import export_lora_role
@@ -117,6 +117,7 @@ def _empty_model(arch: dict, role: str) -> torch.nn.Module:
             model = ValueModel(lm) if role == "critic" else lm
         else:
             model = _transformers_model(arch["hf_config"])
+            model = value_model_of(model) if role == "critic" else model
     return model.to_empty(device="cpu").to(dtype)
 
 

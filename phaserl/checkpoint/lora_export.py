@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import ConfigError
-from ..models import ValueModel, load_pretrained, load_value_model, save_pretrained, save_value_model
+from ..models import load_pretrained, load_value_model, save_pretrained, save_value_model, value_model_of
 from ..models.lora import apply_lora, merge_lora, peft_adapter_files, settings_from_record
 from .state import load_module
 
@@ -61,7 +61,7 @@ def _load_base(base_path: str, role: str, dtype: torch.dtype) -> torch.nn.Module
         architectures = json.load(f).get("architectures") or []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):  # critic.init_from=reward_model
         return load_value_model(base_path, dtype=dtype)
-    return ValueModel(load_pretrained(base_path, dtype=dtype))
+    return value_model_of(load_pretrained(base_path, dtype=dtype))
 
 
 def write_peft_adapter(model: torch.nn.Module, out_dir: str, base_path: str) -> Path:

@@ -11,13 +11,15 @@ and Hugging Face directory I/O.
     decoder.py      CausalLM, KVCache (forward returns hidden states; callers project to the vocabulary)
     value.py        ValueModel (scalar head, HF *ForSequenceClassification names)
     hf_io.py        load_pretrained / save_pretrained / load_tokenizer / save_value_model / load_value_model
-    hf_fallback.py  HFCausalLM: any other transformers architecture behind the same interface (slow, exact)
+    hf_fallback.py  HFCausalLM: any other transformers architecture behind the same interface (slow, exact);
+                    HFValueModel, its critic; value_model_of picks the critic for a backbone
 """
 from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM, KVCache
 from phaserl.models.value import ValueModel
+from phaserl.models.hf_fallback import value_model_of
 from phaserl.models.hf_io import (load_pretrained, load_tokenizer, load_value_model, save_pretrained,
                                   save_value_model)
 
 __all__ = ["DecoderConfig", "CausalLM", "KVCache", "ValueModel", "load_pretrained", "save_pretrained",
-           "load_tokenizer", "save_value_model", "load_value_model"]
+           "load_tokenizer", "save_value_model", "load_value_model", "value_model_of"]

@@ -130,3 +130,72 @@ class HFCausalLM(nn.Module):
         out = self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask.long(),
                                        position_ids=position_ids, use_cache=False)
         return out.last_hidden_state  # [B, T, H]
+
+
+class HFValueModel(nn.Module):
+    """The PPO critic on the transformers path: a transformers causal LM's backbone (its `base_model`: the
+    decoder without the vocabulary head, which a critic never needs) and a scalar head `score`, zero-initialised
+    like ValueModel's so that the first advantages come from the rewards alone. Padded batches only (no
+    packing), like HFCausalLM. `to_sequence_classifier()` gives transformers' own *ForSequenceClassification
+    with these weights (export). The backbone sits at `hf_model`, where LoRA's peft path looks for it."""
+
+    def __init__(self, backbone: HFCausalLM):
+        super().__init__()
+        self.config = backbone.config
+        self.hf_model = backbone.hf_model.base_model
+        w = backbone.output_weight  # [V, H]: the backbone's width, dtype and device
+        self.score = nn.Linear(w.shape[1], 1, bias=False, dtype=w.dtype, device=w.device)
+        nn.init.zeros_(self.score.weight)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, kv_cache: None = None) -> torch.Tensor:
+        """input_ids [B, T] -> values [B, T] float32 (one per token: the value of the prefix ending there)."""
+        if kv_cache is not None:
+            raise NotImplementedError("HFValueModel (transformers fallback) does not support phaserl's KVCache")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        hidden = self.hf_model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
+                               use_cache=False).last_hidden_state  # [B, T, H]
+        return self.score(hidden).squeeze(-1).float()  # [B, T]
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.hf_model, "is_gradient_checkpointing", False))
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        if enabled:
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf_model.gradient_checkpointing_disable()
+
+    def to_sequence_classifier(self) -> nn.Module:
+        """transformers' AutoModelForSequenceClassification (num_labels=1) holding this backbone and head."""
+        from transformers import AutoModelForSequenceClassification
+
+        config = type(self.config).from_dict({**self.config.to_dict(), "num_labels": 1})
+        try:
+            with torch.device("meta"):
+                classifier = AutoModelForSequenceClassification.from_config(config)
+        except ValueError as exc:  # transformers has no such class for this model_type
+            raise ConfigError(f"transformers has no *ForSequenceClassification class for model_type "
+                              f"{self.config.model_type!r}, so a value model of it cannot be exported as a Hugging "
+                              "Face directory (the run's own checkpoints still save and resume the critic)") from exc
+        prefix = classifier.base_model_prefix
+        state = {f"{prefix}.{k}": v for k, v in self.hf_model.state_dict().items()}
+        state["score.weight"] = self.score.weight.detach()
+        missing, unexpected = classifier.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ConfigError(f"model_type {self.config.model_type!r}: transformers' sequence classifier does not "
+                              f"take this critic's weights (missing {missing[:4]}, unexpected {unexpected[:4]}); "
+                              "the run's own checkpoints still save and resume the critic")
+        return classifier.eval()
+
+
+def value_model_of(backbone: nn.Module) -> nn.Module:
+    """A critic started from `backbone`: ValueModel for our decoder, HFValueModel on the transformers path."""
+    from phaserl.models.value import ValueModel
+
+    return HFValueModel(backbone) if isinstance(backbone, HFCausalLM) else ValueModel(backbone)

@@ -26,7 +26,7 @@ from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM
 from phaserl.models.families import (FAMILIES, NATIVE_MODEL_TYPES, config_from_hf, config_to_hf, hf_state,
                                      native_names, native_state)
-from phaserl.models.hf_fallback import HFCausalLM
+from phaserl.models.hf_fallback import HFCausalLM, HFValueModel
 from phaserl.models.moe import file_expert, stack_experts
 from phaserl.models.value import ValueModel
 
@@ -325,7 +325,17 @@ def save_pretrained(model: Union[CausalLM, HFCausalLM], out_dir: PathLike, *, to
 
 def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
                      dtype: Optional[torch.dtype] = None) -> Path:
-    """Write a `*ForSequenceClassification` directory (num_labels=1, `score.weight`)."""
+    """Write a `*ForSequenceClassification` directory (num_labels=1, `score.weight`); a transformers-path critic
+    (HFValueModel) as transformers' own class of its model_type."""
+    if isinstance(model, HFValueModel):
+        classifier = model.to_sequence_classifier()
+
+        def write_hf(tmp: Path):
+            state = None if dtype is None else _cpu_state(classifier, dtype)
+            classifier.save_pretrained(tmp, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        return _write_atomically(out_dir, write_hf)
     cfg = model.config
     if FAMILIES[cfg.model_type].classifier is None:
         raise ConfigError(f"transformers has no *ForSequenceClassification class for model_type "

@@ -151,10 +151,12 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, trainable: tuple = (
         raise ConfigError(f"lora.target_modules={list(targets)} matched no linear layer of {type(model).__name__}")
     for head in trainable:
         getattr(model, head).requires_grad_(True)
-    adapted = {name.rsplit(".", 1)[-1] for name in names}
-    # what the checkpoint record and a PEFT export name: the targets this model has (all-linear on a dense model
-    # is its seven projections, not the linear-attention names it lacks)
-    model.lora_settings = replace(settings, target_modules=tuple(t for t in targets if t in adapted))
+    if not _is_peft_target(model):
+        # what the checkpoint record and a PEFT export name: the targets this model has (all-linear on a dense
+        # model is its seven projections, not the linear-attention names it lacks)
+        adapted = {name.rsplit(".", 1)[-1] for name in names}
+        targets = tuple(t for t in targets if t in adapted)
+    model.lora_settings = replace(settings, target_modules=targets)
     model.lora_base_path = os.path.abspath(base_path) if base_path and os.path.isdir(base_path) else base_path
     return names
 
@@ -166,9 +168,19 @@ def _inject_peft(model: nn.Module, settings: LoRASettings, targets: tuple) -> li
     except ImportError as exc:
         raise ConfigError("LoRA on a transformers-fallback model needs the `peft` package: "
                           "pip install 'phaserl[lora]' (or pip install peft)") from exc
+    # every projection = all-linear: peft's own rule then finds this architecture's linear layers (GPT-2's Conv1D
+    # c_attn / c_fc too), the vocabulary head excepted, instead of matching our decoder's names
+    wanted = "all-linear" if set(targets) == set(PROJECTIONS) else list(targets)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=list(targets), bias="none")
-    model.hf_model = inject_adapter_in_model(config, model.hf_model)
+                        target_modules=wanted, bias="none")
+    try:
+        model.hf_model = inject_adapter_in_model(config, model.hf_model)
+    except ValueError as exc:  # peft: no module of the model matches the targets
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.hf_model.named_modules()
+                         if type(m).__name__ in ("Linear", "Conv1D")})
+        raise ConfigError(f"lora.target_modules={list(targets)} matched no layer of this transformers model "
+                          f"({type(model.hf_model).__name__}); its linear layers are named {linear[:12]}: use "
+                          "all-linear") from exc
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     return sorted({name.rsplit(".lora_", 1)[0] for name, _ in model.named_parameters() if "lora_" in name})

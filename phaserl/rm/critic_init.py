@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from phaserl.errors import ConfigError
-from phaserl.models import ValueModel, load_pretrained, load_value_model
+from phaserl.models import ValueModel, load_pretrained, load_value_model, value_model_of
 
 CRITIC_SOURCES = ("policy", "reward_model")
 
@@ -33,7 +33,7 @@ def init_critic(source: str, path: Optional[str], *, dtype: torch.dtype = torch.
                           + (" or reward_model.path (the RM written by `phaserl train-rm`)" if source == "reward_model"
                              else ""))
     if source == "policy":
-        return ValueModel(load_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code))
+        return value_model_of(load_pretrained(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code))
     _check_is_reward_model(path)
     critic = load_value_model(path, dtype=dtype, device=device)
     if policy_tokenizer is not None:
