@@ -114,9 +114,10 @@ def _rule_errors(cfg: Config) -> list[str]:
         errs.append("actor.routing_replay = true needs the experts recorded by phaserl's rollout engine, but "
                     "rollout.engine = hf; set rollout.engine = auto (or builtin), or actor.routing_replay = false")
     if cfg.actor.routing_replay and cfg.agent.harness:
-        errs.append("actor.routing_replay = true replays the engine's own rollouts and agent.env episodes; the "
-                    "completions an agent.harness requests through the endpoint do not record their experts yet: "
-                    "set actor.routing_replay = false (or use agent.env)")
+        errs.append("actor.routing_replay = true replays the engine's own rollouts and agent.env episodes, where "
+                    "every position is fed once; an agent.harness request re-prefills its whole conversation, so the "
+                    "experts of a position differ between the completions that fed it and one record per position "
+                    "cannot replay them all: set actor.routing_replay = false (or use agent.env)")
     rm = cfg.reward_model
     if not cfg.reward.functions and not rm.enable:
         errs.append("no reward: reward.functions is empty and reward_model.enable = false; add a rule function "
