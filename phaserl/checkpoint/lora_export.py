@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from ..errors import ConfigError
 from ..models import load_pretrained, load_value_model, save_pretrained, save_value_model, value_model_of
+from ..models.families import fused_projections
 from ..models.lora import apply_lora, merge_lora, peft_adapter_files, settings_from_record
 from .state import load_module
 
@@ -69,7 +70,8 @@ def write_peft_adapter(model: torch.nn.Module, out_dir: str, base_path: str) -> 
     if hasattr(model, "hf_model"):
         raise ConfigError("export --adapter of a transformers-fallback model is not supported: its adapters are "
                           "peft's own; export merged weights (drop --adapter)")
-    config, tensors = peft_adapter_files(model, base_name=os.path.abspath(base_path))
+    config, tensors = peft_adapter_files(model, base_name=os.path.abspath(base_path),
+                                         fused=fused_projections(model.config))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})

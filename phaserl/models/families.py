@@ -352,6 +352,16 @@ def _fused_sizes(cfg: DecoderConfig, suffix: str) -> list[int]:
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
+def fused_projections(cfg: DecoderConfig) -> list[tuple[str, tuple, list]]:
+    """(the checkpoint's module, our modules it fuses, their output sizes) per fused projection of the family, by
+    module suffix (e.g. ("self_attn.qkv_proj", ("self_attn.q_proj", ...), [Hq D, Hkv D, Hkv D])); [] for families
+    that fuse none. PEFT adapter export (lora.peft_adapter_files) writes our adapters in that layout."""
+    if cfg.model_type != "phi3":
+        return []
+    strip = lambda name: name.removesuffix(".weight")  # noqa: E731
+    return [(strip(fused), tuple(map(strip, parts)), _fused_sizes(cfg, fused)) for fused, parts in _FUSED.items()]
+
+
 def _fused_suffix(name: str) -> Optional[str]:
     return next((s for s in _FUSED if name.endswith("." + s)), None)
 

@@ -271,19 +271,47 @@ def settings_from_record(record: dict) -> LoRASettings:
 
 
 # ----- PEFT's file layout (export) ------------------------------------------------------------------
-def peft_adapter_files(model: nn.Module, base_name: str = "") -> tuple[dict, dict]:
+def peft_adapter_files(model: nn.Module, base_name: str = "", fused: list = ()) -> tuple[dict, dict]:
     """(adapter_config.json dict, adapter_model.safetensors tensors) in the layout `peft.PeftModel.from_pretrained`
-    reads: keys `base_model.model.<module>.lora_A.weight`, float32, our decoder's names being transformers'."""
+    reads: keys `base_model.model.<module>.lora_A.weight`, float32, our decoder's names being transformers'.
+    `fused`: the family's fused checkpoint modules (families.fused_projections: Phi-3's qkv_proj, gate_up_proj),
+    whose parts' adapters are written as one exact adapter each."""
     s: LoRASettings = model.lora_settings
-    tensors = {}
-    for name, p in model.named_parameters():
-        if name.endswith((".lora_A", ".lora_B")):
-            tensors[f"base_model.model.{name}.weight"] = p.detach().float().cpu().contiguous()
+    adapters = {name: p.detach().float().cpu() for name, p in model.named_parameters()
+                if name.endswith((".lora_A", ".lora_B"))}
+    targets, ranks, alphas = list(s.target_modules), {}, {}
+    for module, parts, sizes in fused:  # Phi-3: transformers' q/k/v (gate/up) are one module
+        adapters, n = _fuse_adapters(adapters, module, parts, sizes, s.rank)
+        if n:
+            short = lambda m: m.rsplit(".", 1)[-1]  # noqa: E731
+            targets = [t for t in targets if t not in map(short, parts)] + [short(module)]
+            ranks[short(module)], alphas[short(module)] = n * s.rank, n * s.alpha  # alpha / r stays the scaling
+    tensors = {f"base_model.model.{name}.weight": t.contiguous() for name, t in adapters.items()}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": s.rank, "lora_alpha": s.alpha,
-              "lora_dropout": s.dropout, "target_modules": list(s.target_modules), "bias": "none",
+              "lora_dropout": s.dropout, "target_modules": targets, "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
-              "use_dora": False, "modules_to_save": None, "base_model_name_or_path": base_name}
+              "use_dora": False, "modules_to_save": None, "base_model_name_or_path": base_name,
+              "rank_pattern": ranks, "alpha_pattern": alphas}
     return config, tensors
+
+
+def _fuse_adapters(adapters: dict, fused: str, parts: tuple, sizes: list, rank: int) -> tuple[dict, int]:
+    """Adapters of our separate `parts` (e.g. q/k/v) as one exact adapter of the checkpoint's fused module: A
+    stacks the parts' A [n r, in], B is block-diagonal [sum(sizes), n r] (zero rows for a part without an
+    adapter), so B A = [B_q A_q; B_k A_k; B_v A_v]. Returns the new dict and n, the parts that had adapters."""
+    out, n = dict(adapters), 0
+    prefixes = {name[: -len(part) - len(".lora_A")] for name in adapters for part in parts
+                if name.endswith(f"{part}.lora_A")}
+    for prefix in sorted(prefixes):
+        have = [(i, part) for i, part in enumerate(parts) if f"{prefix}{part}.lora_A" in adapters]
+        n = len(have)
+        A = torch.cat([out.pop(f"{prefix}{part}.lora_A") for _, part in have])          # [n r, in]
+        B = torch.zeros(sum(sizes), n * rank)                                          # [out, n r]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        for j, (i, part) in enumerate(have):
+            B[offsets[i]:offsets[i] + sizes[i], j * rank:(j + 1) * rank] = out.pop(f"{prefix}{part}.lora_B")
+        out[f"{prefix}{fused}.lora_A"], out[f"{prefix}{fused}.lora_B"] = A, B
+    return out, n
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
