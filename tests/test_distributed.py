@@ -32,8 +32,11 @@ LORA = GRPO[:3] + ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=3e
 MOE = GRPO[:3] + ["model.path={root}/moe", "actor.routing_replay=true"]
 # a native non-Qwen family: Mistral, every layer a 4-key sliding window (shorter than the prompts), FSDP2-sharded
 MISTRAL = GRPO[:3] + ["model.path={root}/mistral"]
+# multi-turn episodes (agent.env) on FSDP2 ranks: each rank runs its prompts' episodes in its own decode session
+AGENT = GRPO[:3] + [f"agent.env={os.path.join(os.path.dirname(os.path.abspath(__file__)), '_varied.py')}:Varied",
+                    "agent.max_turns=2", "agent.max_episode_tokens=64"]
 SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA, "moe_replay": MOE,
-             "mistral": MISTRAL}
+             "mistral": MISTRAL, "agent": AGENT}
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
 # actor/grad_norm also proves gradients are summed over ranks: averaged, it would be halved (Adam would hide that
@@ -48,7 +51,8 @@ EXACT_METRICS = {
     "dapo": (),  # dynamic sampling fills each rank's share on its own: not the 1-rank step
     "grpo_lora": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
     "moe_replay": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/k3"),
-    "mistral": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss")}
+    "mistral": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
+    "agent": ()}  # a rank's session draws its episodes' noise as one batch: 2 ranks sample other tokens than 1
 TIMEOUT_S = 300
 
 
@@ -286,6 +290,17 @@ def test_lora_adapters_on_two_ranks_equal_one_rank_and_the_reference_is_the_shar
     assert max(actor[k].abs().max().item() for k in actor if k.endswith(".lora_B")) > 1e-4  # the adapters trained
     assert two[0]["placements"] == {"actor": "(Shard(dim=0),)", "ref": "(Shard(dim=0),)"}  # one model, sharded once
     assert two[0]["weights"]["ref"].keys() == actor.keys()
+
+
+def test_multi_turn_episodes_train_on_two_ranks(runs):
+    """Each rank runs its own prompts' episodes (environments seeded by the global episode index) and the update
+    is one FSDP2 step: both ranks end with the same weights, moved from the reference, and every episode is there."""
+    single, ranks = runs
+    two = _two(ranks, "agent")
+    assert len(two[0]["responses"]) + len(two[1]["responses"]) == len(single["agent"]["responses"])
+    assert two[0]["metrics"]["agent/turns_mean"] > 1
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
 
 
 def test_ppo_critic_update_on_two_ranks_equals_one_rank(runs):
