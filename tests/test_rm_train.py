@@ -183,3 +183,35 @@ def test_the_built_in_tiny_rm_is_trained_once_and_retrained_when_its_recipe_chan
     rm.prepare_tiny_reward_model(str(tmp_path))
     assert len(runs) == 2
     assert resolve_reward_model_path("runs/rm/model") == "runs/rm/model" and resolve_reward_model_path(None) is None
+
+
+@pytest.mark.slow  # a short RM training run on the transformers path
+def test_a_transformers_path_reward_model_trains_exports_and_starts_a_critic(tmp_path):
+    """train-rm on an architecture without our decoder (GPT-2) used to stop at its start (AttributeError: the
+    value head wrapped `backbone.model`). It now trains the transformers model's backbone with a one-output head
+    (HFValueModel), exports transformers' own GPT2ForSequenceClassification that scores what training scored,
+    and a PPO critic starts from that directory with its trained head."""
+    import transformers
+
+    from phaserl.models.hf_fallback import HFValueModel
+
+    tokenizer = build_tiny_tokenizer()
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    # held-out prompts as long as the training ones: GPT-2's learned absolute positions, briefly trained, do not
+    # carry 'good' over 'bad' to a response one position later (a 3-digit question)
+    stats = train_reward_model(str(tmp_path / "policy"), None, toy_pairs(10, 32), toy_pairs(60, 8), steps=25,
+                               lr=3e-3, batch_size=8, max_length=64, apply_chat_template=True, seed=0,
+                               out_dir=str(tmp_path / "rm"))
+    assert stats.val_after.accuracy > stats.val_before.accuracy  # it learned 'good' over 'bad'
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    assert type(hf).__name__ == "GPT2ForSequenceClassification" and hf.config.num_labels == 1
+    theirs = RewardModelWrapper(hf, load_tokenizer(tmp_path / "rm"))
+    assert evaluate_pairs(theirs, toy_pairs(60, 8)) == stats.val_after  # the export scores what training did
+    critic = init_critic("reward_model", str(tmp_path / "rm"), policy_tokenizer=tokenizer)
+    assert isinstance(critic, HFValueModel)
+    torch.testing.assert_close(critic.score.weight, hf.score.weight)

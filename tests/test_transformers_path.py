@@ -250,7 +250,8 @@ def test_ppo_with_a_critic_trains_and_exports_on_the_transformers_path(tmp_path)
         want = critic.eval()(ids)
     out = export_checkpoint(str(tmp_path / "c"), str(tmp_path / "critic"), critic=True)
     back = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
-    assert type(back).__name__ == "GPT2ForSequenceClassification"
+    assert type(back).__name__ == "GPT2ForSequenceClassification" and back.config.num_labels == 1
+    assert back.score.weight.shape == (1, 32)
     with torch.no_grad():
         hidden = back.transformer(input_ids=ids).last_hidden_state
         torch.testing.assert_close(back.score(hidden).squeeze(-1), want, atol=1e-5, rtol=1e-5)

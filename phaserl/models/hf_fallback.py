@@ -17,6 +17,7 @@ Legend: B batch, T tokens, H hidden, V vocab, N scored tokens.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Optional
 
@@ -133,19 +134,37 @@ class HFCausalLM(nn.Module):
 
 
 class HFValueModel(nn.Module):
-    """The PPO critic on the transformers path: a transformers causal LM's backbone (its `base_model`: the
-    decoder without the vocabulary head, which a critic never needs) and a scalar head `score`, zero-initialised
-    like ValueModel's so that the first advantages come from the rewards alone. Padded batches only (no
-    packing), like HFCausalLM. `to_sequence_classifier()` gives transformers' own *ForSequenceClassification
-    with these weights (export). The backbone sits at `hf_model`, where LoRA's peft path looks for it."""
+    """A value model on the transformers path (the PPO critic; a reward model being trained): a transformers
+    model's backbone (its `base_model`: the decoder without the vocabulary head) and a scalar head `score`.
+    `from_causal_lm` starts the head at zero, like ValueModel, so that the first advantages come from the rewards
+    alone; `from_classifier` takes a trained *ForSequenceClassification's (a reward model's) backbone and head.
+    Padded batches only (no packing), like HFCausalLM. `to_sequence_classifier()` gives transformers' own
+    *ForSequenceClassification with these weights (export). The backbone sits at `hf_model`, where LoRA's peft
+    path looks for it. `config` is the model's, with one label (a causal LM's config says 2)."""
 
-    def __init__(self, backbone: HFCausalLM):
+    def __init__(self, config, backbone: nn.Module, score: nn.Linear):
         super().__init__()
-        self.config = backbone.config
-        self.hf_model = backbone.hf_model.base_model
-        w = backbone.output_weight  # [V, H]: the backbone's width, dtype and device
-        self.score = nn.Linear(w.shape[1], 1, bias=False, dtype=w.dtype, device=w.device)
-        nn.init.zeros_(self.score.weight)
+        self.config = copy.deepcopy(config)
+        self.config.num_labels = 1
+        self.hf_model, self.score = backbone, score
+
+    @classmethod
+    def from_causal_lm(cls, lm: HFCausalLM) -> "HFValueModel":
+        w = lm.output_weight  # [V, H]: the backbone's width, dtype and device
+        score = nn.Linear(w.shape[1], 1, bias=False, dtype=w.dtype, device=w.device)
+        nn.init.zeros_(score.weight)
+        return cls(lm.config, lm.hf_model.base_model, score)
+
+    @classmethod
+    def from_classifier(cls, classifier: nn.Module) -> "HFValueModel":
+        score = getattr(classifier, "score", None)
+        if not isinstance(score, nn.Linear) or score.out_features != 1:
+            raise ConfigError(f"{type(classifier).__name__}: a value model needs a one-output `score` head "
+                              "(num_labels=1), as transformers' *ForSequenceClassification classes have")
+        return cls(classifier.config, classifier.base_model, score)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.hf_model.get_input_embeddings()
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: None = None) -> torch.Tensor:
@@ -175,7 +194,7 @@ class HFValueModel(nn.Module):
         """transformers' AutoModelForSequenceClassification (num_labels=1) holding this backbone and head."""
         from transformers import AutoModelForSequenceClassification
 
-        config = type(self.config).from_dict({**self.config.to_dict(), "num_labels": 1})
+        config = type(self.config).from_dict(self.config.to_dict())  # one label (see __init__)
         try:
             with torch.device("meta"):
                 classifier = AutoModelForSequenceClassification.from_config(config)
@@ -198,4 +217,4 @@ def value_model_of(backbone: nn.Module) -> nn.Module:
     """A critic started from `backbone`: ValueModel for our decoder, HFValueModel on the transformers path."""
     from phaserl.models.value import ValueModel
 
-    return HFValueModel(backbone) if isinstance(backbone, HFCausalLM) else ValueModel(backbone)
+    return HFValueModel.from_causal_lm(backbone) if isinstance(backbone, HFCausalLM) else ValueModel(backbone)

@@ -217,14 +217,22 @@ def _load_fallback(directory: Path, model_type, dtype, device, trust_remote_code
     return HFCausalLM(hf_model.to(device))
 
 
-def load_value_model(path: PathLike, *, dtype: torch.dtype = torch.float32, device="cpu") -> ValueModel:
-    """A ValueModel from a `*ForSequenceClassification` directory written by save_value_model (or transformers)."""
+def load_value_model(path: PathLike, *, dtype: torch.dtype = torch.float32,
+                     device="cpu") -> Union[ValueModel, HFValueModel]:
+    """A ValueModel from a `*ForSequenceClassification` directory written by save_value_model (or transformers);
+    an architecture without a native decoder loads through transformers' own class (HFValueModel)."""
     directory, hf_config = _read_config(path)
     source = str(directory / "config.json")
     num_labels = len(hf_config["id2label"]) if "id2label" in hf_config else hf_config.get("num_labels", 2)
     if num_labels != 1:
         raise ConfigError(f"{source}: a value model has one output (num_labels=1), this one has {num_labels}; "
                           "to start a critic from a policy checkpoint use ValueModel(load_pretrained(path))")
+    if hf_config.get("model_type") not in NATIVE_MODEL_TYPES:
+        from transformers import AutoModelForSequenceClassification
+
+        _weight_locations(directory)  # the same clear error as the native path when weights are missing
+        classifier = AutoModelForSequenceClassification.from_pretrained(directory, dtype=dtype, local_files_only=True)
+        return HFValueModel.from_classifier(classifier).to(device)
     cfg = config_from_hf(hf_config, source=source)
     model = _build_on_meta(cfg, ValueModel)
     _load_weights(model, directory, dtype, device)

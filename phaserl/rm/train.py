@@ -61,7 +61,8 @@ class SequenceScorer(nn.Module):
         self.config = value_model.config  # the wrapper reads pad_token_id here (and sets it when missing)
 
     def get_input_embeddings(self) -> nn.Embedding:
-        return self.value_model.model.embed_tokens
+        vm = self.value_model
+        return vm.model.embed_tokens if isinstance(vm, ValueModel) else vm.get_input_embeddings()  # HFValueModel
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         values = self.value_model(input_ids, attention_mask=attention_mask)        # [N, T]
