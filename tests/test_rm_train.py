@@ -215,3 +215,25 @@ def test_a_transformers_path_reward_model_trains_exports_and_starts_a_critic(tmp
     critic = init_critic("reward_model", str(tmp_path / "rm"), policy_tokenizer=tokenizer)
     assert isinstance(critic, HFValueModel)
     torch.testing.assert_close(critic.score.weight, hf.score.weight)
+
+
+def test_an_rm_of_an_architecture_without_a_classifier_is_refused_before_training(tmp_path, monkeypatch):
+    """Gemma 4 has no *ForSequenceClassification in transformers: train-rm used to train all its steps and then
+    fail at the export."""
+    import transformers
+
+    from test_model_coverage import tiny_config
+
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_config("gemma4_text", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    policy = str(tmp_path / "policy")
+
+    def no_training(*args):
+        raise AssertionError("training started")
+    monkeypatch.setattr("phaserl.rm.train._pair_order", no_training)
+    with pytest.raises(ConfigError, match="gemma4_text"):
+        train_reward_model(policy, None, toy_pairs(0, 4), [], steps=1000, lr=1e-3, batch_size=2, max_length=32,
+                           apply_chat_template=True, out_dir=str(tmp_path / "rm"))
+    assert not os.path.exists(tmp_path / "rm")

@@ -331,10 +331,25 @@ def save_pretrained(model: Union[CausalLM, HFCausalLM], out_dir: PathLike, *, to
     return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, model.config, tokenizer))
 
 
+def check_value_model_export(model) -> None:
+    """ConfigError when transformers has no *ForSequenceClassification class for the value model's model_type (Gemma
+    4 has none): train-rm calls it before training, so that nothing is trained that cannot be written."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    model_type = model.config.model_type
+    known = model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if isinstance(model, HFValueModel) \
+        else FAMILIES[model_type].classifier is not None
+    if not known:
+        raise ConfigError(f"transformers has no *ForSequenceClassification class for model_type {model_type!r}, so a "
+                          "value model of it cannot be exported as a Hugging Face directory (a PPO critic's own "
+                          "checkpoints still save and resume it; a reward model needs another architecture)")
+
+
 def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
                      dtype: Optional[torch.dtype] = None) -> Path:
     """Write a `*ForSequenceClassification` directory (num_labels=1, `score.weight`); a transformers-path critic
     (HFValueModel) as transformers' own class of its model_type."""
+    check_value_model_export(model)
     if isinstance(model, HFValueModel):
         classifier = model.to_sequence_classifier()
 
@@ -345,10 +360,6 @@ def save_value_model(model: ValueModel, out_dir: PathLike, *, tokenizer=None,
                 tokenizer.save_pretrained(tmp)
         return _write_atomically(out_dir, write_hf)
     cfg = model.config
-    if FAMILIES[cfg.model_type].classifier is None:
-        raise ConfigError(f"transformers has no *ForSequenceClassification class for model_type "
-                          f"{cfg.model_type!r}, so a value model of it cannot be exported as a Hugging Face directory "
-                          "(the run's own checkpoints still save and resume the critic)")
     state = hf_state(cfg, _cpu_state(model, dtype))
     config = config_to_hf(cfg, _dtype_name(dtype or model.score.weight.dtype))
     config.update(architectures=[FAMILIES[cfg.model_type].classifier], id2label={"0": "LABEL_0"},

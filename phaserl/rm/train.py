@@ -33,6 +33,7 @@ from torch import nn
 from phaserl.data import PreferenceRow
 from phaserl.errors import ConfigError, DataError
 from phaserl.models import ValueModel, load_tokenizer, save_value_model
+from phaserl.models.hf_io import check_value_model_export
 from phaserl.rm.critic_init import init_critic, is_reward_model_dir
 from phaserl.roles.optim import Optimizer, OptimSettings
 from phaserl.roles.reward_model import RewardModelWrapper
@@ -130,6 +131,8 @@ def train_reward_model(model: Union[str, ValueModel], tokenizer, train_rows: lis
         model = load_rm_init(model, device=device)
     if tokenizer is None:
         raise ConfigError("train_reward_model: pass the RM's tokenizer (or a model directory that holds one)")
+    if out_dir is not None:
+        check_value_model_export(model)  # before any step: the export would refuse it after training
     model.to(device)
     scorer = SequenceScorer(model)
     wrapper = RewardModelWrapper(scorer, tokenizer, apply_chat_template=apply_chat_template,
