@@ -2,8 +2,8 @@
 
 A PPO critic reads the *policy's* token ids, so a critic started from a reward model only makes sense
 when the RM shares the policy's tokenizer; `init_critic` checks the vocabulary before it returns and
-says so when it does not. The RM directory must be one of our native architectures (llama, qwen2,
-qwen3) saved as `*ForSequenceClassification` with num_labels=1 (what `phaserl train-rm` writes).
+says so when it does not. The RM directory is a `*ForSequenceClassification` with num_labels=1 (what
+`phaserl train-rm` writes): our decoder for its families, transformers' own class for the others (HFValueModel).
 
 Not here: choosing the path from the config (trainer/build.py), training (roles/critic.py).
 """
