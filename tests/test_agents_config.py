@@ -105,3 +105,34 @@ def test_fit_leaves_no_idle_environment_threads_behind(tmp_path):
             break
         threading.Event().wait(0.01)
     assert alive() <= before and pool.threads == 0
+
+
+@pytest.mark.slow  # the doctor end to end
+@pytest.mark.parametrize("agent", ["env", "harness"])
+def test_the_doctor_probes_a_qwen35_policy_through_the_engine(tmp_path, agent):
+    """Qwen3.5 decodes only on the rollout engine (its recurrent state is the engine's); the doctor's one-episode
+    probes decoded with the plain KV-cache path and failed with NotImplementedError on a model training runs."""
+    import transformers
+
+    from _tiny_run import make_prompt_files
+    from _tiny_tokenizer import build_tiny_tokenizer
+    from test_model_coverage import tiny_config
+
+    if getattr(transformers, "Qwen3_5TextConfig", None) is None:
+        pytest.skip("this transformers has no Qwen3.5")
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_config("qwen3_5_text", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    train, val = make_prompt_files(str(tmp_path), n_train=4, n_val=2)
+    root = os.path.dirname(os.path.dirname(ENVS))
+    spec = (f"agent.env={ENVS}:Feedback" if agent == "env"
+            else f"agent.harness={os.path.join(root, 'examples', 'agent_harness.py')}:harness")
+    results = {r.name: r for r in run_doctor(load_doctor_config(None, [
+        f"model.path={tmp_path / 'model'}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+        "data.max_prompt_length=32", "rollout.max_new_tokens=4", "trainer.device=cpu", spec, "agent.max_turns=2",
+        "agent.max_episode_tokens=96", f"trainer.log_dir={tmp_path / 'logs'}",
+        f"trainer.checkpoint_path={tmp_path / 'ckpt'}"]))}
+    probe = results["agent episode"]
+    assert probe.status == OK, (probe.message, probe.fix)
+    assert "model turn" in probe.message

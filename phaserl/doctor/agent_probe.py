@@ -20,7 +20,7 @@ from ..agents.harness import harness_row, quiet_client_logs, rules_reward, run_h
 from ..agents.loader import EnvironmentFactory, load_harness_function
 from ..agents.server import ChatServer
 from ..data import build_prompt_dataset
-from ..rollout import SamplingParams, generate
+from ..rollout import EngineConfig, RolloutEngine, SamplingParams, generate
 from .checks import Context, check, short
 from .report import FAIL, OK, WARN, CheckResult
 
@@ -43,8 +43,9 @@ def check_agent(ctx: Context) -> CheckResult:
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or [0])[0]
+    decoder = _decoder(ctx, limits.max_episode_tokens + params.max_new_tokens)
     episode = EpisodeRunner(factory, tok, limits).run_generate(
-        lambda prompts: generate(ctx.policy, prompts, params, eos_token_ids=eos, pad_token_id=pad),
+        lambda prompts: decoder.generate(prompts, params, eos_token_ids=eos, pad_token_id=pad),
         [EpisodeStart(item, seed=cfg.trainer.seed, label=f"{item.row.source}, sample 0")])[0]
     layout = " | ".join(f"{s.kind} {len(s.token_ids)}" + (" (masked)" if s.kind == "observation" else "")
                         for s in episode.segments)
@@ -66,6 +67,25 @@ def check_agent(ctx: Context) -> CheckResult:
     return CheckResult(NAME, OK, message, details=details)
 
 
+class _PlainGenerate:
+    """rollout.generate (the plain KV-cache path) behind the engine's generate() signature."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, prompts, params, **kwargs):
+        return generate(self.model, prompts, params, **kwargs)
+
+
+def _decoder(ctx: Context, longest: int):
+    """What the probe decodes with: as training does, the rollout engine where it runs the policy (Qwen3.5 decodes
+    only there) unless rollout.engine=hf; one slot, no graphs, no compile (a probe decodes a few tokens)."""
+    if ctx.cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy):
+        return RolloutEngine(ctx.policy, EngineConfig(max_slots=1, max_seq_tokens=longest, cuda_graphs=False,
+                                                      compile=False))
+    return _PlainGenerate(ctx.policy)
+
+
 def check_harness(ctx: Context) -> CheckResult:
     """One conversation of agent.harness on the first training row, served greedily by the policy."""
     cfg, tok, a = ctx.cfg, ctx.tokenizer, ctx.cfg.agent
@@ -78,7 +98,8 @@ def check_harness(ctx: Context) -> CheckResult:
     context = getattr(getattr(ctx.policy, "config", None), "max_position_embeddings", None) or a.max_episode_tokens
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or [0])[0]
-    backend = GenerateBackend(ctx.policy, eos_token_ids=eos, pad_token_id=pad, max_batch=1)
+    backend = GenerateBackend(_decoder(ctx, a.max_episode_tokens + cfg.rollout.max_new_tokens), eos_token_ids=eos,
+                              pad_token_id=pad, max_batch=1)
     try:
         with ChatServer(backend, tok, parser=a.tool_parser, default_max_tokens=cfg.rollout.max_new_tokens,
                         max_context=min(a.max_episode_tokens, context), sampling=(0.0, 1.0, 0)) as server:
