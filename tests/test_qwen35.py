@@ -284,6 +284,16 @@ def test_all_linear_lora_adapts_the_deltanet_projections_and_exports_for_peft(pa
                                    want[mask.bool()], atol=1e-4, rtol=1e-5)
 
 
+def test_rollout_engine_hf_is_refused_at_build_for_the_native_qwen35(pair):
+    """Its recurrent state lives in the engine: rollout.engine=hf used to build and then fail at the first rollout
+    with NotImplementedError."""
+    from phaserl.roles import HybridActor
+
+    _, ours, _ = pair
+    with pytest.raises(ConfigError, match="rollout.engine=auto, or model.implementation=transformers"):
+        HybridActor(ours).configure_rollout("hf")
+
+
 def _kernel_device() -> str:
     from phaserl.rollout import kernels
 

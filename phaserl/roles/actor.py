@@ -169,6 +169,11 @@ class HybridActor(CheckpointedRole):
             raise ConfigError(f"rollout.engine=builtin, but the builtin engine runs only phaserl's native "
                               f"decoder (docs/models.md) and this actor's model is {type(self.model).__name__}; use "
                               "rollout.engine=auto or hf")
+        if kind == "hf" and isinstance(self.model, CausalLM) and self.model.config.linear_attention is not None:
+            raise ConfigError("rollout.engine=hf, but Qwen3.5 on phaserl's decoder decodes only with the builtin "
+                              "engine (its recurrent state lives there; the plain KV-cache path holds none): use "
+                              "rollout.engine=auto, or model.implementation=transformers to run the model through "
+                              "transformers' classes and generate")
         self.engine_kind, self.engine_config = kind, engine_config
 
     def _ensure_engine(self) -> None:
