@@ -248,7 +248,8 @@ def test_soft_capping_is_what_makes_gemma4_logits_equal(pair):
 
 
 def test_kv_pool_lays_out_per_layer_head_shapes_and_moves_whole_slots():
-    # Gemma 4: sliding layers 2 kv heads of 8, global layers 1 of 16; every layer's slot moves with one copy.
+    # Gemma 4: sliding layers 2 kv heads of 8, global layers 1 of 16 (the same row width: one group); every layer's
+    # slot moves with one copy. Widths that differ: tests/test_kv_pool_widths.py.
     from phaserl.models import DecoderConfig
     from phaserl.rollout.kv_pool import KVPool
 
@@ -257,12 +258,12 @@ def test_kv_pool_lays_out_per_layer_head_shapes_and_moves_whole_slots():
     pool = KVPool(cfg, torch.float32, "cpu")
     keys, values = pool.layout(num_slots=3, slot_len=5)
     assert [tuple(k.shape) for k in keys] == [(3, 2, 5, 8), (3, 1, 5, 16)] * 2
-    assert pool.bytes_per_token == 2 * 4 * 16 * 4  # K and V, 4 layers, the widest layer's 16 elements, fp32
+    assert pool.bytes_per_token == 2 * 4 * 16 * 4  # K and V, 4 layers of 16 elements each (2 x 8 or 1 x 16), fp32
     g = torch.Generator().manual_seed(0)
     for t in keys + values:
         t.copy_(torch.randn(t.shape, generator=g))
     before = [t.clone() for t in keys + values]
-    rows = pool.slot_rows(3, 5)
+    (rows,) = pool.slot_rows(3, 5)  # [L, 2, slots, S * 16]
     rows[:, :, torch.tensor([0])] = rows[:, :, torch.tensor([2])]
     for old, new in zip(before, keys + values):
         torch.testing.assert_close(new[0], old[2], rtol=0, atol=0)

@@ -335,10 +335,11 @@ def kv_line(shape: ModelShape, sizes: PhaseSizes) -> str:
     heads = f"{shape.num_kv_heads} kv heads × {shape.head_dim} head dim"
     if slot is None:
         return f"KV cache     2 × {shape.num_layers} layers × {heads} × {b} B × {T} tokens = {total} per sequence"
-    if slot.kv_width != shape.num_kv_heads * shape.head_dim:  # Gemma 4: the global layers' rows are wider
-        heads = f"{slot.kv_width} (the widest layer's kv heads × head dim: every layer's row is that wide)"
-    layers = f"{slot.kv_layers} {'attention layers' if slot.linear_layers else 'layers'}"
-    parts = [f"2 × {layers} × {heads} × {b} B × {T} tokens"]
+    if [width for _, width in slot.kv_rows] == [shape.num_kv_heads * shape.head_dim]:
+        rows = f"{slot.kv_layers} {'attention layers' if slot.linear_layers else 'layers'} × {heads}"
+    else:  # Gemma 4: each layer's row is its own width, the global layers' wider than the sliding ones'
+        rows = "(" + " + ".join(f"{n} layers × {width}" for n, width in slot.kv_rows) + ") kv heads × head dim"
+    parts = [f"2 × {rows} × {b} B × {T} tokens"]
     if slot.state_per_slot:
         parts.append(f"{slot.linear_layers} linear-attention layers' recurrent state {fmt_bytes(slot.state_per_slot)} "
                      "(any length)")

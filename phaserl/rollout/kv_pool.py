@@ -5,6 +5,11 @@ One flat buffer per pool holds the keys and values of every layer. A generate ca
 holds the key/value of the token at RoPE position p of the sequence that owns slot s. Nothing is
 copied when the layout changes; only the views do.
 
+Layers are grouped by the width of their KV row (Hkv × D: Gemma 4's global layers are wider than its
+sliding ones), and each width group has its own region of the buffer, [Lg, 2, capacity × width], so every
+layer's row is exactly as wide as its own keys and values. Slot s sits at the same slot index in every group:
+moving whole slots is one index copy per group (`slot_rows`), a handful at most, not one per layer.
+
 Size: an explicit token budget, or `memory_fraction` of the free accelerator memory at wake() time,
 capped at `max_tokens` (what the run can use: its most slots times its longest slot), so a small
 model with short sequences does not take 40% of a GPU.
@@ -12,7 +17,7 @@ On the CPU without a budget the buffer is sized on demand (exactly what a call n
 `sleep()` frees the buffer (the hybrid actor's switch to training), `wake()` allocates it again.
 Not here: which sequence owns which slot (scheduler.py), the math that fills the slots (runner.py).
 
-Legend: L layers, S slot_len, Hkv key/value heads, D head_dim.
+Legend: L layers with KV, G width groups, Lg layers of a group, S slot_len, Hkv key/value heads, D head_dim.
 """
 from __future__ import annotations
 
@@ -34,10 +39,13 @@ class KVPool:
         self.cfg = cfg
         self.layer_heads = self.kv_layer_heads(cfg)
         self.num_layers = len(self.layer_heads)
-        self.token_width = max(h * d for h, d in self.layer_heads)  # elements of one token's K (or V) per layer
+        self.groups = self.width_groups(self.layer_heads)  # [G] (Hkv * D, the pool's layers of that width)
+        # per layer with KV: (its group, its index among the group's layers)
+        self.place = {i: (g, j) for g, (_, layers) in enumerate(self.groups) for j, i in enumerate(layers)}
         self.dtype, self.device = dtype, torch.device(device)
         self.token_budget, self.memory_fraction, self.max_tokens = token_budget, memory_fraction, max_tokens
-        self.buffer: Optional[torch.Tensor] = None  # [L, 2, capacity * Hkv * D]
+        self.buffer: Optional[torch.Tensor] = None  # [capacity * 2 * sum of every layer's Hkv * D], flat
+        self.regions: list[torch.Tensor] = []  # per group [Lg, 2, capacity * width]: views of the buffer
         self.capacity_tokens = 0
 
     @staticmethod
@@ -47,16 +55,23 @@ class KVPool:
         layers get the whole slot, not only their window (slot positions are RoPE positions in every layer)."""
         return [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]
 
+    @staticmethod
+    def width_groups(layer_heads: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """(row width Hkv * D, the indices into layer_heads of the layers that wide), widths in order of first use.
+        Layers of equal width share a group whatever their head split (2 x 8 and 1 x 16 both take 16)."""
+        groups: dict[int, list[int]] = {}
+        for i, (h, d) in enumerate(layer_heads):
+            groups.setdefault(h * d, []).append(i)
+        return list(groups.items())
+
     @classmethod
     def token_bytes(cls, cfg: DecoderConfig, dtype: torch.dtype) -> int:
-        """Keys + values of one token over all layers, as the buffer holds them. Every layer's row is as wide as
-        the widest layer's (the narrower layers leave the rest of their row unused), so slot s sits at the same
-        offset in every layer and whole slots move with one index copy. Gemma 4's k_eq_v layers store values too
-        (the keys' projection, but value-normed and not rotated: not the keys). The doctor's memory count calls
-        this (rollout/slot_memory.py)."""
-        heads = cls.kv_layer_heads(cfg)
+        """Keys + values of one token over all layers, as the buffer holds them: 2 × sum over the layers with KV
+        of Hkv × D × itemsize, each layer's row exactly its own width (Gemma 4's sliding layers do not take their
+        global layers' width). Gemma 4's k_eq_v layers store values too (the keys' projection, but value-normed
+        and not rotated: not the keys). The doctor's memory count calls this (rollout/slot_memory.py)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(heads) * max(h * d for h, d in heads) * itemsize if heads else 0
+        return 2 * sum(h * d for h, d in cls.kv_layer_heads(cfg)) * itemsize
 
     @property
     def bytes_per_token(self) -> int:
@@ -71,21 +86,30 @@ class KVPool:
     def allocated_bytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
 
+    def tokens_in(self, nbytes: int) -> int:
+        """Tokens whose keys and values fit in `nbytes`, capped at max_tokens."""
+        tokens = nbytes // self.bytes_per_token
+        return tokens if self.max_tokens is None else min(tokens, self.max_tokens)
+
     def _target_tokens(self) -> Optional[int]:
         """How many tokens wake() allocates: the budget, a fraction of free memory, or None (CPU: on demand)."""
         if self.token_budget is not None:
             return self.token_budget
         if self.device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            tokens = int(free_bytes * self.memory_fraction) // self.bytes_per_token
-            return tokens if self.max_tokens is None else min(tokens, self.max_tokens)
+            return self.tokens_in(int(free_bytes * self.memory_fraction))
         return None
 
     def _allocate(self, tokens: int) -> None:
-        self.buffer = None  # free the old buffer before taking the new one
-        per_token = self.token_width
+        self.buffer, self.regions = None, []  # free the old buffer before taking the new one
+        elements = 2 * sum(width * len(layers) for width, layers in self.groups)  # one token, every layer
         # Zeros, not empty: attention multiplies masked-out positions by 0, and 0 * NaN garbage is NaN.
-        self.buffer = torch.zeros(self.num_layers, 2, tokens * per_token, dtype=self.dtype, device=self.device)
+        self.buffer = torch.zeros(tokens * elements, dtype=self.dtype, device=self.device)
+        start = 0
+        for width, layers in self.groups:
+            size = len(layers) * 2 * tokens * width
+            self.regions.append(self.buffer[start:start + size].view(len(layers), 2, tokens * width))
+            start += size
         self.capacity_tokens = tokens
 
     def wake(self) -> int:
@@ -104,7 +128,7 @@ class KVPool:
     def sleep(self) -> int:
         """Free the buffer; returns the bytes released. Views handed out earlier must be dropped too."""
         freed = self.allocated_bytes
-        self.buffer, self.capacity_tokens = None, 0
+        self.buffer, self.regions, self.capacity_tokens = None, [], 0
         return freed
 
     def slots_that_fit(self, slot_len: int) -> Optional[int]:
@@ -125,15 +149,18 @@ class KVPool:
             raise ConfigError(f"KVPool holds {self.capacity_tokens} tokens but {num_slots} slots x {slot_len} "
                               f"positions = {needed} were asked for; raise token_budget / memory_fraction or "
                               "lower max_new_tokens")
-        rows = self.slot_rows(num_slots, slot_len)  # [L, 2, slots, S * width]: a view, no copy
-        views = [rows[i, :, :, :slot_len * h * d].unflatten(-1, (h, slot_len, d))  # [2, slots, Hkv, S, D]
-                 for i, (h, d) in enumerate(self.layer_heads)]
+        rows = self.slot_rows(num_slots, slot_len)  # per group [Lg, 2, slots, S * width]: views, no copy
+        views = []
+        for i, (h, d) in enumerate(self.layer_heads):
+            g, j = self.place[i]
+            views.append(rows[g][j].unflatten(-1, (h, slot_len, d)))  # [2, slots, Hkv, S, D]
         return [v[0] for v in views], [v[1] for v in views]
 
-    def slot_rows(self, num_slots: int, slot_len: int) -> torch.Tensor:
-        """All of the KV as [L, 2, num_slots, S * width], for moving whole slots with one index copy."""
-        used = self.buffer[:, :, :num_slots * slot_len * self.token_width]
-        return used.view(self.num_layers, 2, num_slots, -1)
+    def slot_rows(self, num_slots: int, slot_len: int) -> list[torch.Tensor]:
+        """All of the KV as one [Lg, 2, num_slots, S * width] per width group, for moving whole slots with one
+        index copy per group."""
+        return [region[:, :, :num_slots * slot_len * width].view(len(layers), 2, num_slots, -1)
+                for region, (width, layers) in zip(self.regions, self.groups)]
 
 
 STOP_WIDTH = 32  # stop-token ids one call may use; fixed so that captured graphs keep their shapes

@@ -501,8 +501,8 @@ class ModelRunner:
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Move running sequences between slots (KV and state): compaction lets a smaller bucket run."""
         src, dst = torch.tensor(moves, device=self.device).T  # [k] each
-        rows = self.pool.slot_rows(self.layout[0], self.layout[1])  # [L, 2, slots, Hkv * S * D]
-        rows[:, :, dst] = rows[:, :, src]
+        for rows in self.pool.slot_rows(self.layout[0], self.layout[1]):  # per width group [Lg, 2, slots, S * width]
+            rows[:, :, dst] = rows[:, :, src]
         self.state.move(src, dst)
         if self.routes is not None:
             self.routes[dst] = self.routes[src]
@@ -510,11 +510,12 @@ class ModelRunner:
     def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:
         """Exchange the KV (and MoE route records) of slot pairs (a, b), disjoint. The decode state stays: the caller (session.py) swaps
         only slots whose state is rewritten before use. In chunks, so the gathered copy stays small."""
-        rows = self.pool.slot_rows(self.layout[0], self.layout[1])  # [L, 2, slots, Hkv * S * D]
+        groups = self.pool.slot_rows(self.layout[0], self.layout[1])  # per width group [Lg, 2, slots, S * width]
         for i in range(0, len(pairs), chunk):
             a, b = zip(*pairs[i:i + chunk])
             src, dst = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
-            rows[:, :, dst] = rows[:, :, src]  # the right side is gathered first: a true exchange
+            for rows in groups:
+                rows[:, :, dst] = rows[:, :, src]  # the right side is gathered first: a true exchange
             if self.routes is not None:  # MoE: the experts recorded at each position travel with the KV
                 self.routes[dst] = self.routes[src]
 

@@ -3,8 +3,9 @@
 
 Per slot of S positions, in the dtype of the engine's weights:
   KV       KVPool.token_bytes × S: keys and values of the attention layers only (none for Qwen3.5's linear-attention
-           layers), every layer's row as wide as the widest layer's (Gemma 4's global layers), sliding-window layers
-           over the whole slot (the pool does not store only the window), values stored for k_eq_v layers too
+           layers), each layer's row exactly its own kv heads × head_dim wide (Gemma 4's global layers wider than its
+           sliding ones), sliding-window layers over the whole slot (the pool does not store only the window), values
+           stored for k_eq_v layers too
   state    RecurrentState.bytes_per_slot: per linear-attention layer the short conv's last K-1 inputs (model dtype)
            and the DeltaNet state [Hv, Dk, Dv] (float32), whatever S is
   routes   with routing replay (actor.routing_replay), the experts every MoE layer chose at every position:
@@ -33,8 +34,9 @@ class SlotMemory:
     kv_per_token: int        # KVPool.token_bytes
     state_per_slot: int      # RecurrentState.bytes_per_slot (0 without linear-attention layers)
     routes_per_token: int    # the routing-replay record (0 without MoE layers)
-    kv_layers: int = 0       # layers with KV (for the doctor's words: kv_per_token = 2 × kv_layers × kv_width × b)
-    kv_width: int = 0        # the widest such layer's kv heads × head_dim
+    kv_layers: int = 0       # layers with KV
+    # for the doctor's words: (layers, their kv heads × head_dim) per row width, kv_per_token = 2 × Σ layers × width × b
+    kv_rows: tuple[tuple[int, int], ...] = ()
     linear_layers: int = 0   # layers with a recurrent state instead
 
     def slot_bytes(self, tokens: int, *, routes: bool = False) -> int:
@@ -49,5 +51,6 @@ def slot_memory(cfg: DecoderConfig, dtype: torch.dtype) -> SlotMemory:
     return SlotMemory(kv_per_token=KVPool.token_bytes(cfg, dtype),
                       state_per_slot=RecurrentState.bytes_per_slot(cfg, dtype),
                       routes_per_token=moe_layers * k * ROUTE_DTYPE.itemsize,
-                      kv_layers=len(heads), kv_width=max((h * d for h, d in heads), default=0),
+                      kv_layers=len(heads),
+                      kv_rows=tuple((len(layers), width) for width, layers in KVPool.width_groups(heads)),
                       linear_layers=cfg.num_hidden_layers - len(heads))
