@@ -172,8 +172,12 @@ def rollout_native(shape: str, root: str, device: str, dtype: torch.dtype, repea
         sync()
         seconds = time.perf_counter() - t0
         tokens = sum(len(r) for r in out.response_ids)
+        pool = engine.pool  # its size: KV bytes per token as allocated, the slots of this run's length that fit
         emit(measure="rollout", case=case, shape=shape, seconds=round(seconds, 3), new_tokens=tokens,
-             tokens_per_s=round(tokens / seconds, 1), graphs=engine.last_stats.get("graphs"))
+             tokens_per_s=round(tokens / seconds, 1), graphs=engine.last_stats.get("graphs"),
+             kv_bytes_per_token=pool.allocated_bytes // max(pool.capacity_tokens, 1),
+             kv_pool_gib=round(pool.allocated_bytes / 2**30, 2),
+             slots_that_fit=pool.slots_that_fit(engine.last_stats["slot_len"]))
         RESULTS[case] = max(RESULTS.get(case, 0.0), tokens / seconds)
 
 

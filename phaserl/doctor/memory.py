@@ -16,9 +16,10 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   the device.
   KV cache        per sequence, what the rollout engine allocates for one slot (rollout/slot_memory.py, from the
                   code that sizes the KV pool, the recurrent state and the route record): the attention layers'
-                  K and V × T (each layer as wide as the widest: Gemma 4's global layers; sliding layers over the
-                  whole slot; no KV for Qwen3.5's linear-attention layers) + each linear layer's fixed recurrent
-                  state + with actor.routing_replay the MoE layers' int16 expert ids × k × T. Models on the
+                  K and V × T (each layer its own kv heads × head_dim: Gemma 4's global layers wider than its
+                  sliding ones; sliding layers over the whole slot; no KV for Qwen3.5's linear-attention layers)
+                  + each linear layer's fixed recurrent state + with actor.routing_replay the MoE layers' int16
+                  expert ids × k × T. Models on the
                   transformers path (and shapes built by hand) use the dense rule 2 × layers × kv_heads × head_dim
                   × b × T, which phaserl's engine also gives for a dense decoder.
   rollout         per sequence: KV cache + prefill temporaries (2h + 2I) × b × prompt tokens
