@@ -57,6 +57,10 @@ def test_each_layers_row_is_its_own_width_and_the_buffer_holds_nothing_else():
         t.fill_(i + 1)
     assert all((t == i + 1).all() for i, t in enumerate(keys + values))
     assert (pool.buffer != 0).all()
+    # sleep() frees all of it, wake() takes the same bytes again (the hybrid actor's switches)
+    assert pool.sleep() == 3 * 64 * 768 and not pool.awake and pool.regions == []
+    assert pool.wake() == 3 * 64 * 768
+    assert [tuple(k.shape) for k in pool.layout(3, 64)[0]] == [(3, 2, 64, 8), (3, 1, 64, 32)] * 2
 
 
 def test_the_gemma4_1b_shape_takes_40_percent_less_and_fits_more_slots_in_the_same_memory(monkeypatch):

@@ -86,18 +86,14 @@ class KVPool:
     def allocated_bytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
 
-    def tokens_in(self, nbytes: int) -> int:
-        """Tokens whose keys and values fit in `nbytes`, capped at max_tokens."""
-        tokens = nbytes // self.bytes_per_token
-        return tokens if self.max_tokens is None else min(tokens, self.max_tokens)
-
     def _target_tokens(self) -> Optional[int]:
         """How many tokens wake() allocates: the budget, a fraction of free memory, or None (CPU: on demand)."""
         if self.token_budget is not None:
             return self.token_budget
         if self.device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            return self.tokens_in(int(free_bytes * self.memory_fraction))
+            tokens = int(free_bytes * self.memory_fraction) // self.bytes_per_token
+            return tokens if self.max_tokens is None else min(tokens, self.max_tokens)
         return None
 
     def _allocate(self, tokens: int) -> None:
