@@ -135,6 +135,29 @@ def test_gemma4_greedy_after_compaction_equals_the_uncached_loop():
     assert result.response_ids == [greedy_reference(model, p, n) for p, n in zip(LADDER, caps)]
 
 
+def test_gemma4_sequences_resumed_into_parked_slots_continue_exactly():
+    # A multi-turn session: each resumed sequence moves down into the lowest slot not decoding, its KV of both
+    # width groups exchanged with the parked sequence there (runner.swap_slots); every turn is still what the whole
+    # conversation gives.
+    model = gemma4_tiny()
+    engine = RolloutEngine(model, EngineConfig(max_slots=4))
+    observations = {0: [20, 21], 1: [22], 2: [23, 24, 25], 3: [26]}
+    with engine.session(SamplingParams(max_new_tokens=6, temperature=0.0), slot_len=64, eos_token_ids=[]) as s:
+        for key in observations:
+            s.start(key, LADDER[key], cap=6)
+        first, second = {}, {}
+        while len(first) < 4:
+            first.update({t.key: t for t in s.step()})
+        for key in (3, 1, 2, 0):  # highest slot first: 3 takes slot 0 from the parked 0, ...
+            s.extend(key, observations[key], 6)
+            while key not in second:
+                second.update({t.key: t for t in s.step()})
+        assert s.stats.swaps >= 1
+    for key, obs in observations.items():
+        assert first[key].token_ids == greedy_reference(model, LADDER[key], 6)
+        assert second[key].token_ids == greedy_reference(model, LADDER[key] + first[key].token_ids + obs, 6)
+
+
 @pytest.mark.gpu
 def test_gpu_gemma4_pool_from_memory_fraction_is_exact_and_graph_greedy_survives_compaction():
     cpu = gemma4_tiny()
