@@ -82,6 +82,22 @@ def engine_compile_rule(*, engine_runs: bool, device_type: str, triton: bool, fu
     return True, "CUDA, Triton, layers without fused decode kernels"
 
 
+def extend_graphs_rule(*, engine_runs: bool, device_type: str, cuda_graphs: bool, hybrid: bool) -> tuple[bool, str]:
+    """EngineConfig.extend_graphs when auto (the engine applies the same answer: off). The static extend pass
+    (rollout/extend.py) was written without a GPU: the rule stays off until an H200 run of
+    benchmarks/agent_rollout.py --extend-graphs off on shows the graphs faster at the same tokens."""
+    if not engine_runs:
+        return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
+    if device_type != "cuda":
+        return False, f"{device_type.upper()} (no CUDA graphs: the static pass would only pad)"
+    if not cuda_graphs:
+        return False, "the engine's CUDA graphs are off"
+    if hybrid:
+        return False, "Qwen3.5's hybrid runner keeps its eager extend pass (its recurrent state per slot)"
+    return False, ("not measured on a GPU yet: on once benchmarks/agent_rollout.py --extend-graphs off on shows the "
+                   "graphed extend passes faster on the H200")
+
+
 def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, actor_sharded: bool,
                     needed_bytes: int, budget_bytes: int) -> tuple[bool, str]:
     """rollout.engine_keep_awake when auto. `needed_bytes`: the doctor's count of the update's peak with the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -23,6 +24,7 @@ import torch
 
 from phaserl.errors import ConfigError, DataError
 from phaserl.models.decoder import CausalLM
+from phaserl.rollout.extend import StaticExtend
 from phaserl.rollout.fused import decodes_fused
 from phaserl.rollout.generate import GenerationResult, _check_prompts
 from phaserl.rollout.kv_pool import KVPool
@@ -59,6 +61,10 @@ class EngineConfig:
                                           # at the next rollout, their memory stays taken during training
     record_routes: bool = False           # MoE models: return the experts chosen at every position (routing
                                           # replay; GenerationResult.routes)
+    extend_graphs: Optional[bool] = None  # multi-turn continuations through static-shape passes, a CUDA graph per
+                                          # (rows, tokens) bucket (rollout/extend.py; on the CPU the static pass runs
+                                          # eagerly); None = off until an H200 run shows it faster
+                                          # (config/auto.extend_graphs_rule); Qwen3.5 keeps its eager pass
 
     def __post_init__(self):
         if self.max_seq_tokens is not None and self.max_seq_tokens < 1:
@@ -111,6 +117,12 @@ class RolloutEngine:
             from phaserl.rollout.recurrent_state import HybridRunner as runner
         self.runner = runner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
                              prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
+        if c.extend_graphs:  # auto (None) is off: config/auto.extend_graphs_rule says why
+            if self.model.config.hybrid:
+                warnings.warn("EngineConfig.extend_graphs is ignored for Qwen3.5's hybrid runner: its recurrent "
+                              "state keeps the eager extend pass (rollout/extend.py)", stacklevel=3)
+            else:
+                self.runner.extender = StaticExtend(self.runner)
         self._pinned: list[torch.Tensor] = []
 
     @staticmethod

@@ -255,6 +255,7 @@ class ModelRunner:
         self.seed = torch.zeros(1, dtype=torch.long, device=self.device)  # fast_sample's noise key, advanced per draw
         self.fused: list[bool] = []  # per layer: decode through fused.py (set at begin(), from the weights)
         self.fused_record = False    # SlotState.record as kernels.record
+        self.extender = None         # rollout/extend.py's StaticExtend (set by the engine), or eager extend passes
         # Routing replay: the experts every MoE layer chose at every position of every slot (moe.py).
         moe = [i for i, spec in enumerate(self.specs) if spec.moe is not None]
         self.moe_index = {layer: j for j, layer in enumerate(moe)}  # layer -> its column in `routes`
@@ -371,8 +372,11 @@ class ModelRunner:
 
         `tokens` go at positions start, start + 1, ... of the slot; the KV before `start` is kept and
         attended (no re-prefill of the conversation so far). The last token's distribution draws the
-        next turn's first token. Split into passes of <= prefill_tokens (rows x longest).
+        next turn's first token. Split into passes of <= prefill_tokens (rows x longest). With an `extender`
+        (rollout/extend.py: EngineConfig.extend_graphs) the passes have static shapes instead.
         """
+        if self.extender is not None:
+            return self.extender.extend(items)
         chunk, longest = [], 0
         for item in items:
             if chunk and max(longest, len(item[1])) * (len(chunk) + 1) > self.prefill_tokens:
@@ -384,17 +388,23 @@ class ModelRunner:
             self._extend_pass(chunk)
 
     def _extend_pass(self, items) -> None:
-        C, S = len(items), self.layout[1]
         lengths = [len(tokens) for _, tokens, _, _ in items]
         M = max(lengths)
         # right-padded (pad rows write KV past their end, hidden); one tensor from padded lists
         ids = torch.tensor([list(tokens) + [0] * (M - len(tokens)) for _, tokens, _, _ in items], dtype=torch.long)
-        starts = torch.tensor([start for _, _, start, _ in items])
-        host = [ids, starts, torch.tensor(lengths), torch.tensor([slot for slot, _, _, _ in items]),
-                torch.tensor([cap for _, _, _, cap in items])]
-        ids, starts, lengths, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
-        pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
+        host = [ids, torch.tensor([start for _, _, start, _ in items]), torch.tensor(lengths),
+                torch.tensor([slot for slot, _, _, _ in items]), torch.tensor([cap for _, _, _, cap in items])]
         context = max(start + len(tokens) for _, tokens, start, _ in items)  # key positions any row sees
+        self._extend_forward(*(t.to(self.device, non_blocking=True) for t in host), context)
+
+    def _extend_forward(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, caps: Tensor,
+                        context: int, source: Optional[Tensor] = None) -> None:
+        """The extend pass on device tensors, no host sync: ids [C, M] right-padded, starts/lengths/slots/caps [C];
+        keys at positions [0, context) are attended (masked per row). A padding token writes KV (and routes) past
+        its row's end, where decode writes before it reads. source [C]: the row whose sampled token, end and cap
+        each row's slot state takes (rollout/extend.py's padding rows copy a real row's), None = its own."""
+        (C, M), S = ids.shape, self.layout[1]
+        pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         key_pos = torch.arange(context, device=self.device)[None, None, :]  # [1, 1, ctx]
         hidden = {}  # window -> [C, M, ctx] True where a query must not look (later, or before its window)
         for window in {spec.window for spec in self.specs}:
@@ -416,7 +426,10 @@ class ModelRunner:
                 self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
-        self.state.start(slots, tokens, logprobs, starts + lengths, caps)
+        ends = starts + lengths
+        if source is not None:
+            tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
+        self.state.start(slots, tokens, logprobs, ends, caps)
 
     # ----- decode ---------------------------------------------------------------------------------
     def _sample(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
@@ -462,14 +475,15 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
         elif self.use_graphs:
-            self._capture(b)
+            self._capture((b, self.sampling), lambda: self._decode_step(b))
         else:
             self._decode_step(b)
 
-    def _capture(self, b: int) -> None:
-        """This step, eagerly (it doubles as the warm-up: compiles, picks kernels, allocates workspaces), then
+    def _capture(self, key, step: callable) -> None:
+        """This step (`step()`: decode's, or rollout/extend.py's static pass), eagerly (it doubles as the warm-up: compiles, picks kernels, allocates workspaces), then
         recorded as bucket b's graph (capture runs nothing) into the one memory pool all buckets share. Lazy:
-        a fixed-length call captures one bucket, not all 13 (0.35-0.6 s per call without keep_awake).
+        a fixed-length call captures one bucket, not all 13 (0.35-0.6 s per call without keep_awake). Stored
+        as graphs[key]: every graph goes when the layout or the weights' addresses change (begin/release).
 
         After a capture, gc.freeze(): what exists now (the model, compiled code, graphs: hundreds of thousands
         of objects that live for the run) moves out of the collector's generations, so that a full collection
@@ -480,7 +494,7 @@ class ModelRunner:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._decode_step(b)
+            step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if LEAN_CAPTURE:
@@ -488,13 +502,13 @@ class ModelRunner:
             with torch.cuda.stream(side):
                 graph.capture_begin(self.graph_pool)
                 try:
-                    self._decode_step(b)
+                    step()
                 finally:
                     graph.capture_end()
         else:
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._decode_step(b)
-        self.graphs[(b, self.sampling)] = graph
+                step()
+        self.graphs[key] = graph
         gc.freeze()
 
     # ----- slot bookkeeping -----------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""The static-shape extend pass (rollout/extend.py) against the eager one (ModelRunner._extend_pass).
+
+From the same slot state, one pass over ragged items (different lengths, starts, non-contiguous slots, padded
+to a rows bucket and a tokens bucket, the whole slot as context) must give what the eager pass gives: the
+sampled tokens and log-probs, the KV at every position before each row's end, every other slot untouched, the
+same slot state, the same MoE routes. Then whole sessions with extend_graphs on and off give the same turns,
+and on a GPU the same with the graphs captured and replayed.
+"""
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from phaserl.config.auto import extend_graphs_rule
+from phaserl.models import CausalLM
+from phaserl.models.families import config_from_hf
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from phaserl.rollout.extend import StaticExtend, rows_bucket, tokens_bucket
+from tests.test_moe_replay import tiny_moe
+from tests.test_rollout_engine import PROMPTS, tiny_model
+from tests.test_rollout_session import GEMMA4, drive
+
+torch.set_num_threads(1)
+
+SLOTS, SLOT_LEN = 6, 64
+# (slot, appended ids, start, cap): 3 rows -> a rows bucket of 4 (one padding row), longest 9 -> 16 tokens
+ITEMS = [(4, [7, 8, 9], 5, 4), (0, [1, 2, 3, 4, 5, 6, 7, 8, 9], 2, 5), (2, [11], 1, 3)]
+STATE = ("tokens", "pos", "n_gen", "max_new", "finished", "out_tokens", "out_logprobs")
+
+
+def prefilled_runner(model, params, record_routes=False):
+    """A runner whose SLOTS slots hold PROMPTS (prefilled), ready for an extend pass at ITEMS' starts."""
+    engine = RolloutEngine(model, EngineConfig(max_slots=SLOTS, record_routes=record_routes))
+    runner = engine.runner
+    runner.begin(SLOTS, SLOT_LEN, 8, params, [])
+    runner.prefill([(tuple(p), [s], [8]) for s, p in enumerate(PROMPTS[:SLOTS])])
+    return engine, runner
+
+
+def snapshot(runner) -> dict:
+    out = {name: getattr(runner.state, name).clone() for name in STATE}
+    out["kv"] = [t.clone() for t in (*runner.keys, *runner.values)]  # [slots, Hkv, S, D] each (per layer: Gemma 4)
+    if runner.routes is not None:
+        out["routes"] = runner.routes.clone()
+    return out
+
+
+def restore(runner, saved: dict) -> None:
+    for name in STATE:
+        getattr(runner.state, name).copy_(saved[name])
+    for t, kept in zip((*runner.keys, *runner.values), saved["kv"]):
+        t.copy_(kept)
+    if runner.routes is not None:
+        runner.routes.copy_(saved["routes"])
+
+
+def assert_same_pass(eager: dict, static: dict, runner, atol: float) -> None:
+    """Everything a later step can read is equal: state, and KV / routes before each extended row's end."""
+    torch.testing.assert_close(static["out_logprobs"], eager["out_logprobs"], atol=atol, rtol=0)
+    for name in STATE:
+        if name != "out_logprobs":
+            assert torch.equal(static[name], eager[name]), name
+    extended = {slot: start + len(ids) for slot, ids, start, _ in ITEMS}
+    for slot in range(SLOTS):
+        end = extended.get(slot, SLOT_LEN)  # a slot not extended: all of it, bitwise
+        if slot in extended:
+            for s, e in zip(static["kv"], eager["kv"]):
+                torch.testing.assert_close(s[slot, :, :end], e[slot, :, :end], atol=atol, rtol=0)
+        else:
+            assert all(torch.equal(s[slot], e[slot]) for s, e in zip(static["kv"], eager["kv"])), slot
+        if "routes" in eager:
+            assert torch.equal(static["routes"][slot, :end], eager["routes"][slot, :end]), slot
+
+
+def compare_passes(model, params, record_routes=False, seed=0):
+    engine, runner = prefilled_runner(model, params, record_routes)
+    with torch.inference_mode():
+        before = snapshot(runner)
+        torch.manual_seed(seed)
+        runner._extend_pass(ITEMS)
+        eager = snapshot(runner)
+        restore(runner, before)
+        torch.manual_seed(seed)
+        StaticExtend(runner).run(ITEMS)
+        static = snapshot(runner)
+    assert not torch.equal(eager["kv"][0], before["kv"][0]) and not torch.equal(eager["tokens"], before["tokens"])
+    return eager, static, runner
+
+
+@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {}),
+                                               ("qwen2", dict(sliding_window=4, layer_types=("sliding_attention",
+                                                                                          "full_attention"))),
+                                               ("gemma4_text", GEMMA4)],
+                         ids=["qwen2", "qwen3", "qwen2-sliding", "gemma4-global-layers"])
+def test_the_static_pass_gives_what_the_eager_pass_gives_for_ragged_items(model_type, extra):
+    eager, static, runner = compare_passes(tiny_model(model_type, **extra), SamplingParams(max_new_tokens=8,
+                                                                                           temperature=0.0))
+    assert_same_pass(eager, static, runner, atol=1e-5)
+
+
+def test_the_static_pass_samples_the_same_tokens_with_the_same_noise():
+    """Sampled (T = 0.8): the padding rows' noise comes after the real rows' (the CPU sampler draws [R, V] in
+    order), so the real rows draw the same tokens as in the eager pass."""
+    eager, static, runner = compare_passes(tiny_model(), SamplingParams(max_new_tokens=8, temperature=0.8), seed=3)
+    assert_same_pass(eager, static, runner, atol=1e-5)
+
+
+def test_moe_routes_of_the_static_pass_equal_the_eager_pass():
+    eager, static, runner = compare_passes(tiny_moe(), SamplingParams(max_new_tokens=8, temperature=0.0),
+                                           record_routes=True)
+    assert "routes" in eager and (eager["routes"] >= 0).any()
+    assert_same_pass(eager, static, runner, atol=1e-5)
+
+
+def test_buckets_and_chunks_keep_the_padded_pass_within_prefill_tokens():
+    assert [tokens_bucket(n, 64) for n in (1, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
+    assert tokens_bucket(100, 96) == 96  # never past the slot
+    assert [rows_bucket(n, 300) for n in (1, 3, 64, 65, 300)] == [2, 4, 64, 128, 300]
+    model = tiny_model()
+    engine = RolloutEngine(model, EngineConfig(max_slots=8, prefill_tokens=32))
+    engine.runner.begin(8, SLOT_LEN, 8, SamplingParams(max_new_tokens=8, temperature=0.0), [])
+    static = StaticExtend(engine.runner)
+    shapes = []
+    static.run = lambda items: shapes.append((len(items), max(len(t) for _, t, _, _ in items)))
+    static.extend([(s, [1] * n, 1, 2) for s, n in enumerate([3, 5, 2, 9, 1, 20])])
+    # (2 rows x 8) (2 x 16: 9 joins 2 -> 16 x 2 = 32) ... each padded pass <= 32 unless one item alone is larger
+    assert sum(n for n, _ in shapes) == 6
+    for rows, longest in shapes:
+        assert rows == 1 or rows_bucket(rows, 8) * tokens_bucket(longest, SLOT_LEN) <= 32
+
+
+@pytest.mark.parametrize("model_type, extra", [("qwen2", {}),
+                                               ("gemma4_text", GEMMA4)], ids=["qwen2", "gemma4-global-layers"])
+def test_sessions_with_extend_graphs_give_the_same_turns(model_type, extra):
+    """Several turns, more sequences than slots (refill), the static pass on the CPU (eager): the same greedy
+    turns and log-probs as the eager extend pass."""
+    model = tiny_model(model_type, **extra)
+    plan = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [[38] * 9, [1]], 4: [None]}
+    results = []
+    for extend_graphs in (False, True):
+        engine = RolloutEngine(model, EngineConfig(max_slots=3, extend_graphs=extend_graphs))
+        assert (engine.runner.extender is not None) == extend_graphs
+        with engine.session(SamplingParams(max_new_tokens=5, temperature=0.0), slot_len=48, eos_token_ids=[]) as s:
+            for key in (0, 1, 2):
+                s.start(key, PROMPTS[key], cap=5)
+            results.append(drive(s, plan, {k: 5 for k in plan}, waiting=[3, 4], prompt=PROMPTS))
+        if extend_graphs:
+            assert engine.runner.extender.passes >= 3
+    eager, static = results
+    for key in plan:
+        assert [t.token_ids for t in static[key]] == [t.token_ids for t in eager[key]]
+        for a, b in zip(static[key], eager[key]):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_extend_graphs_stay_off_by_default_and_the_hybrid_runner_keeps_its_pass():
+    assert RolloutEngine(tiny_model(), EngineConfig()).runner.extender is None  # auto: off, as the rule says
+    for facts in (dict(device_type="cuda", cuda_graphs=True, hybrid=False),
+                  dict(device_type="cpu", cuda_graphs=True, hybrid=False),
+                  dict(device_type="cuda", cuda_graphs=True, hybrid=True)):
+        on, why = extend_graphs_rule(engine_runs=True, **facts)
+        assert not on and why
+    assert "not measured on a GPU" in extend_graphs_rule(engine_runs=True, device_type="cuda", cuda_graphs=True,
+                                                         hybrid=False)[1]
+    config = getattr(transformers, "Qwen3_5TextConfig", None)
+    if config is None:
+        pytest.skip("this transformers has no Qwen3.5")
+    hybrid = CausalLM(config_from_hf(config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = RolloutEngine(hybrid, EngineConfig(extend_graphs=True))
+    assert engine.runner.extender is None
+    assert any("hybrid runner" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without():
+    """float32 on CUDA, decode graphs on, several turns with refill: extend graphs captured once per bucket and
+    replayed give the eager extend pass's tokens exactly and its log-probs closely."""
+    from phaserl.models import DecoderConfig
+
+    torch.manual_seed(0)
+    cfg = DecoderConfig(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                        max_position_embeddings=1024)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.3)
+    model = model.to("cuda").eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = {k: torch.randint(0, 512, (int(n),), generator=g).tolist()
+               for k, n in enumerate(torch.randint(4, 40, (20,), generator=g))}
+    plan = {k: [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(0, 30, (3,), generator=g)]
+            for k in prompts}
+    results = []
+    for extend_graphs in (False, True):
+        engine = RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, extend_graphs=extend_graphs))
+        with engine.session(SamplingParams(max_new_tokens=12, temperature=0.0), slot_len=256, eos_token_ids=[]) as s:
+            results.append(drive(s, plan, {k: 12 for k in plan}, waiting=list(prompts), prompt=prompts))
+        if extend_graphs:
+            captured = [k for k in engine.runner.graphs if k[0] == "extend"]
+            assert captured and engine.runner.extender.passes > len(captured)  # some passes replayed a graph
+    eager, graphed = results
+    for key in plan:
+        assert len(graphed[key]) == 4
+        assert [t.token_ids for t in graphed[key]] == [t.token_ids for t in eager[key]]
+        for a, b in zip(graphed[key], eager[key]):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-4, rtol=0)
