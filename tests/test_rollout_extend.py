@@ -16,6 +16,7 @@ from phaserl.config.auto import extend_graphs_rule
 from phaserl.models import CausalLM
 from phaserl.models.families import config_from_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from phaserl.rollout import runner as runner_module
 from phaserl.rollout.extend import StaticExtend, rows_bucket, tokens_bucket
 from tests.test_moe_replay import tiny_moe
 from tests.test_rollout_engine import PROMPTS, tiny_model
@@ -114,9 +115,10 @@ def test_moe_routes_of_the_static_pass_equal_the_eager_pass():
 
 
 def test_buckets_and_chunks_keep_the_padded_pass_within_prefill_tokens():
-    assert [tokens_bucket(n, 64) for n in (1, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
+    assert [tokens_bucket(n, 512) for n in (1, 8, 9, 33, 64, 65, 97, 129, 200, 300)] == [8, 8, 16, 40, 64, 96, 128,
+                                                                                          192, 256, 384]
     assert tokens_bucket(100, 96) == 96  # never past the slot
-    assert [rows_bucket(n, 300) for n in (1, 3, 64, 65, 300)] == [2, 4, 64, 128, 300]
+    assert [rows_bucket(n, 300) for n in (1, 3, 5, 57, 64, 65, 97, 300)] == [2, 4, 8, 64, 64, 96, 128, 300]
     model = tiny_model()
     engine = RolloutEngine(model, EngineConfig(max_slots=8, prefill_tokens=32))
     engine.runner.begin(8, SLOT_LEN, 8, SamplingParams(max_new_tokens=8, temperature=0.0), [])
@@ -208,3 +210,31 @@ def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without():
         assert [t.token_ids for t in graphed[key]] == [t.token_ids for t in eager[key]]
         for a, b in zip(graphed[key], eager[key]):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_padding_token_past_the_context_of_a_sliding_layer_writes_no_nan(static, monkeypatch):
+    """Regression (found 2026-12-01): a short row starting past a long row's end has padding tokens past the
+    eager pass's context; in a sliding layer their window held no key, softmax gave NaN, the next layer wrote
+    NaN KV past the row's end, and the row's next decode step read it (0 * NaN): NaN log-probs, token 0."""
+    model = tiny_model("qwen2", sliding_window=4, layer_types=("sliding_attention", "full_attention"),
+                       max_position_embeddings=128)
+    runner = RolloutEngine(model, EngineConfig(max_slots=4)).runner
+    runner.begin(4, 128, 8, SamplingParams(max_new_tokens=8, temperature=0.0), [])
+    runner.prefill([((1, 2), [0], [8]), (tuple(i % 39 + 1 for i in range(40)), [1], [8]), ((3,), [2], [8])])
+    # row 1's padding tokens: positions 41..69; the static pass's padding row (3 rows -> 4) sits at 127, past its
+    # context bucket of 64 keys
+    items = [(0, [i % 39 + 1 for i in range(30)], 2, 4), (1, [5], 40, 4), (2, [6, 7], 1, 4)]
+    attend, blind = runner_module.extend_attention, []
+
+    def checked(q, keys, values, hidden, scale):  # a query that sees no key: NaN (on a GPU, whichever write wins)
+        blind.append(int(hidden.all(-1).sum()))
+        return attend(q, keys, values, hidden, scale)
+    monkeypatch.setattr(runner_module, "extend_attention", checked)
+    with torch.inference_mode():
+        (StaticExtend(runner).run if static else runner._extend_pass)(items)
+        for _ in range(3):
+            runner.decode(4)
+    assert blind == [0, 0]  # per layer
+    assert not any(torch.isnan(t).any() for t in (*runner.keys, *runner.values))
+    assert torch.isfinite(runner.state.out_logprobs[:, :4]).all()

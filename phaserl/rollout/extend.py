@@ -4,38 +4,60 @@
 the longest row), so each pass launches its ~50 kernels per layer from Python: on the H200 at 0.5B (24 layers)
 an extend pass took 38-43 ms, as long on the host as on the device. StaticExtend runs the same math
 (`ModelRunner._extend_forward`) on fixed shapes, so that each (rows R, tokens T) bucket is captured once as a
-CUDA graph (lazily, into the decode graphs' memory pool, through `ModelRunner._capture`) and replayed after:
+CUDA graph (lazily, into the decode graphs' memory pool, through `ModelRunner._capture`) and replayed after
+(one graph per rows bucket R, tokens bucket T, context bucket K and sampling settings):
   inputs   one host tensor per pass (ids [R, T], starts, lengths, slots, caps, source [R] each) copied into the
            bucket's device buffer; positions, masks and RoPE rows are computed from it on the device
-  context  the whole slot (S keys), masked per row: the same softmax as the exact context, over more keys
+  context  the keys [0, K) of each row's slot, masked per row, K the context bucket of the longest row's end
+           (at most S): the same softmax as the exact context, over more keys
   padding  tokens: ids 0 past a row's length, writing KV (and MoE routes) past the row's end, where decode
-           writes before it reads (as the eager pass's padding does). Rows: a copy of the first row's slot at
-           position S - 1 (one token), which is past that row's end too; its slot state takes the first row's
-           sampled token, end and cap (`source`), so the duplicate writes of SlotState.start are identical
+           writes before it reads (as the eager pass's padding does); they attend without a window, so that
+           none sees no key at all (NaN). Rows: the first row's slot at position S - 1, length 0 (all its tokens
+           are padding), which is past that row's end too; its slot state takes the first row's sampled token,
+           end and cap (`source`), so the duplicate writes of SlotState.start are identical
 Graphs go with the decode ones (runner.graphs): when the layout or the weights' addresses change. Without CUDA
 graphs (the CPU) the same static pass runs eagerly, which is what the CPU tests check against `_extend_pass`.
 Not here: Qwen3.5's HybridRunner (its recurrent state has no position past the end where a padding row's writes
 are harmless: it keeps its eager pass), which sequence is in which slot (session.py).
 
-Legend: R rows bucket, T tokens bucket, S slot_len.
+Legend: R rows bucket, T tokens bucket, K context bucket, S slot_len.
 """
 from __future__ import annotations
 
 import torch
 
-from phaserl.rollout.runner import ModelRunner, decode_buckets
+from phaserl.rollout.runner import ModelRunner
 
-MIN_TOKENS = 8  # the smallest tokens bucket
+STEP = 8  # small buckets step by 8 (rows and tokens)
+
+
+def ladder(n: int, limit: int) -> int:
+    """The bucket for n, at most `limit`: a multiple of STEP up to 64 (2 and 4 below 8), then a power of two or
+    1.5x one (96, 128, 192, 256, ...). An extend pass is compute-bound once it is large (256 rows x 33 tokens at
+    0.5B is about 8 TFLOP), so padding costs its share in device time: at most 7 slots below 64, at most 50% above
+    (decode's buckets step by 64, and 33 tokens would double to 64 in powers of two)."""
+    if n <= 64:
+        bucket = n if n <= 2 else 4 if n <= 4 else -(-n // STEP) * STEP
+    else:
+        power = 1 << (n - 1).bit_length()  # n <= power < 2n
+        bucket = power * 3 // 4 if n <= power * 3 // 4 else power
+    return min(bucket, limit)
 
 
 def tokens_bucket(n: int, slot_len: int) -> int:
-    """Tokens per row of the pass that holds rows of up to `n` ids: a power of two >= MIN_TOKENS, at most S."""
-    return min(slot_len, max(MIN_TOKENS, 1 << (n - 1).bit_length()))
+    """Tokens per row of the pass that holds rows of up to `n` ids (at least STEP, at most the slot)."""
+    return ladder(max(n, STEP), slot_len)
+
+
+def context_bucket(end: int, slot_len: int) -> int:
+    """Key positions the pass attends when its rows end at most at `end`: at least 64, at most the slot. The
+    whole slot for every pass would cost attention over all S keys (quadratic in the slot, not the context)."""
+    return ladder(max(end, 64), slot_len)
 
 
 def rows_bucket(rows: int, num_slots: int) -> int:
-    """Rows of the pass that holds `rows` items: the decode buckets (runner.decode_buckets) serve here too."""
-    return next(b for b in decode_buckets(num_slots) if b >= rows)
+    """Rows of the pass that holds `rows` items (at least 2: compiled functions specialize on size 1)."""
+    return ladder(max(rows, 2), max(num_slots, 2))
 
 
 class StaticExtend:
@@ -69,19 +91,20 @@ class StaticExtend:
         r = self.runner
         (num_slots, S, _) = r.layout
         R, T = rows_bucket(len(items), num_slots), tokens_bucket(max(len(t) for _, t, _, _ in items), S)
+        K = context_bucket(max(start + len(t) for _, t, start, _ in items), S)
         buffer = self.buffers.get((R, T))
         if buffer is None:
             buffer = self.buffers[(R, T)] = torch.empty(R * T + 5 * R, dtype=torch.long, device=r.device)
         buffer.copy_(self.pack(items, R, T, S), non_blocking=True)
         self.passes += 1
-        key = ("extend", R, T, r.sampling)
+        key = ("extend", R, T, K, r.sampling)
         graph = r.graphs.get(key) if r.use_graphs else None
         if graph is not None:
             graph.replay()
         elif r.use_graphs:
-            r._capture(key, lambda: self.forward(buffer, R, T))
+            r._capture(key, lambda: self.forward(buffer, R, T, K))
         else:
-            self.forward(buffer, R, T)
+            self.forward(buffer, R, T, K)
 
     @staticmethod
     def pack(items, R: int, T: int, S: int) -> torch.Tensor:
@@ -96,14 +119,14 @@ class StaticExtend:
         assert all(start + len(tokens) < S for _, tokens, start, _ in items), "a turn needs a position after its ids"
         slot0, cap0 = items[0][0], items[0][3]
         starts = [start for _, _, start, _ in items] + [S - 1] * pad
-        lengths = [len(tokens) for _, tokens, _, _ in items] + [1] * pad
+        lengths = [len(tokens) for _, tokens, _, _ in items] + [0] * pad  # no real token: no window (runner.py)
         slots = [slot for slot, _, _, _ in items] + [slot0] * pad
         caps = [cap for _, _, _, cap in items] + [cap0] * pad
         source = list(range(len(items))) + [0] * pad
         return torch.tensor(ids + starts + lengths + slots + caps + source, dtype=torch.long)
 
-    def forward(self, buffer: torch.Tensor, R: int, T: int) -> None:
-        """The pass of bucket (R, T) over what `buffer` holds: no host sync, fixed shapes (capturable)."""
+    def forward(self, buffer: torch.Tensor, R: int, T: int, K: int) -> None:
+        """The pass of bucket (R, T, K) over what `buffer` holds: no host sync, fixed shapes (capturable)."""
         ids = buffer[:R * T].view(R, T)
         starts, lengths, slots, caps, source = buffer[R * T:].view(5, R)
-        self.runner._extend_forward(ids, starts, lengths, slots, caps, self.runner.layout[1], source)
+        self.runner._extend_forward(ids, starts, lengths, slots, caps, K, source)

@@ -402,15 +402,18 @@ class ModelRunner:
         """The extend pass on device tensors, no host sync: ids [C, M] right-padded, starts/lengths/slots/caps [C];
         keys at positions [0, context) are attended (masked per row). A padding token writes KV (and routes) past
         its row's end, where decode writes before it reads. source [C]: the row whose sampled token, end and cap
-        each row's slot state takes (rollout/extend.py's padding rows copy a real row's), None = its own."""
+        each row's slot state takes (rollout/extend.py's padding rows copy a real row's), None = its own; such a
+        row has length 0 (it samples from its last padding token, unused)."""
         (C, M), S = ids.shape, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         key_pos = torch.arange(context, device=self.device)[None, None, :]  # [1, 1, ctx]
+        real = (torch.arange(M, device=self.device) < lengths[:, None])[:, :, None]  # [C, M, 1]
         hidden = {}  # window -> [C, M, ctx] True where a query must not look (later, or before its window)
         for window in {spec.window for spec in self.specs}:
             hidden[window] = key_pos > pos[:, :, None]
-            if window is not None:
-                hidden[window] |= key_pos <= pos[:, :, None] - window
+            if window is not None:  # padding tokens see no window: one past the context would see no key at all,
+                # and its NaN would reach the KV (0 * NaN in a later masked read; fixed on 2026-12-01)
+                hidden[window] |= (key_pos <= pos[:, :, None] - window) & real
         flat = pos.view(-1)
         rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
