@@ -21,9 +21,17 @@ ended turns, applying environment answers, waiting for them); gc the garbage col
 
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
+    python benchmarks/agent_rollout.py --latency-ms 0 50 --jitter-ms 50 --engine-compile off on --extend-graphs off on
+                                                            # H200: the 4 variants, one engine each, in one run
 
-Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the single-turn
-tokens/s), slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a
+Variants (--engine-compile, --extend-graphs: off / on / auto each, every combination): each gets its own engine
+(EngineConfig.compile, EngineConfig.extend_graphs) and its own single-turn baseline; every line names them. The
+last line (case=variants) sets them side by side per latency: tokens/s, the ratio to single turn, and extend
+graphs' speedup over the eager extend passes at the same compile setting.
+
+Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the same engine's single-turn
+tokens/s), extend_passes and extend_pass_ms (device ms per extend pass: eager or static), extend_graphs_captured
+(extend graphs captured inside the timed run: a bucket first seen there), slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a
 tool or free), decode_steps, swaps (resumed episodes moved down into a parked slot), seconds (median)
 and seconds_all, device_s, device_busy, host_s, calls, gc.
 """
@@ -44,6 +52,7 @@ from phaserl.agents import Environment, StepResult  # noqa: E402
 from phaserl.agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart  # noqa: E402
 from phaserl.agents.loader import EnvironmentFactory  # noqa: E402
 from phaserl.agents.workers import Workers  # noqa: E402
+from phaserl.config.auto import extend_graphs_rule  # noqa: E402
 from phaserl.data.prompts import PromptItem  # noqa: E402
 from phaserl.data.rows import PromptRow  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
@@ -160,6 +169,12 @@ def wrap_runner(clock: Clock, runner) -> None:
     for kind in DEVICE_KINDS:
         clock.wrap(runner, kind, kind)
     clock.wrap(runner, "_extend_pass", "extend_pass", device=False)  # passes per extend() call
+    if runner.extender is not None:  # EngineConfig.extend_graphs: the static passes instead
+        clock.wrap(runner.extender, "run", "extend_pass", device=False)
+
+
+def extend_graphs(runner) -> int:
+    return sum(1 for key in runner.graphs if key[0] == "extend")
 
 
 def measured(fn, clock: Clock, device: str) -> tuple:
@@ -202,13 +217,17 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
             clock.wrap(session, "_retire", "session_retire", device=False)    # waits for the step before, gathers
             clock.wrap(session, "_prefill", "session_prefill", device=False)  # launches prefills and extends
             return runner.run_session(session, starts(ids))
+    graphs_before = extend_graphs(engine.runner)
     seconds, episodes, extra = measured(once, clock, a.device)
+    passes = extra["calls"].get("extend_pass", 0)
     assert all(e.num_turns == a.turns for e in episodes), [e.finish_reason for e in episodes[:4]]
     sampled = sum(len(s.token_ids) for e in episodes for s in e.segments if s.kind == "model")
     st = engine.last_stats
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, decode_steps=st["steps"],
                 slot_occupancy=st["busy_slot_steps"] / max(1, st["steps"] * st["slots"]),
-                extend_tokens=st["extend_tokens"], swaps=st["swaps"], **extra)
+                extend_tokens=st["extend_tokens"], swaps=st["swaps"], extend_passes=passes,
+                extend_pass_ms=round(1000 * extra["device_s"]["extend"] / passes, 3) if passes else None,
+                extend_graphs_captured=extend_graphs(engine.runner) - graphs_before, **extra)
 
 
 def single_turn(engine, ids, a) -> dict:
@@ -227,6 +246,55 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+SWITCH = {"off": False, "on": True, "auto": None}
+
+
+def run_variant(model, a, pool: Workers, common: dict, compile, extend) -> list:
+    """One engine with these settings: warm-ups, the single-turn baseline, every latency; its JSON lines."""
+    episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
+    engine = RolloutEngine(model, EngineConfig(max_slots=a.episodes, max_seq_tokens=episode_len,
+                                               compile=SWITCH[compile], extend_graphs=SWITCH[extend]))
+    engine.wake()
+    ids = prompts(a.episodes, a.prompt, model.config.vocab_size)
+    common = dict(common, engine_compile=compile, extend_graphs=extend,
+                  extend_static=engine.runner.extender is not None)
+    lines = []
+    with torch.inference_mode():
+        single_turn(engine, ids, a)            # warm-up: layout, fused weights, graphs, compile
+        multi_turn(engine, ids, a, 0.0, pool)  # and the session's layout, extend shapes, worker threads
+        base = median_run([single_turn(engine, ids, a) for _ in range(a.repeats)])
+        lines.append(dict(case="single_turn", **common, **base))
+        emit(**lines[-1])
+        for latency, jitter in [(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms]:
+            r = median_run([multi_turn(engine, ids, a, latency / 1000, pool, jitter) for _ in range(a.repeats)])
+            # lock-step episodes idle the device for every turn's latency; with jitter, the others decode meanwhile
+            bound = None if jitter else base["seconds"] / (base["seconds"] + (a.turns - 1) * latency / 1000)
+            lines.append(dict(case="multi_turn_jitter" if jitter else "multi_turn", latency_ms=latency, **common, **r,
+                              vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"], lockstep_bound=bound))
+            emit(**lines[-1])
+    engine.release()
+    return lines
+
+
+def side_by_side(lines: list) -> dict:
+    """Per multi-turn case: each variant's tokens/s and ratio; extend graphs on over off at the same compile."""
+    table: dict = {}
+    for line in lines:
+        if line["case"] == "single_turn":
+            continue
+        name = f"{line['case']}@{line['latency_ms']:g}ms"
+        table.setdefault(name, {})[f"compile={line['engine_compile']},extend_graphs={line['extend_graphs']}"] = dict(
+            tokens_per_s=round(line["tokens_per_s"]), vs_single_turn=round(line["vs_single_turn"], 3),
+            extend_pass_ms=line["extend_pass_ms"], device_busy=line["device_busy"])
+    speedup = {}
+    for name, row in table.items():
+        for key, v in row.items():
+            if key.endswith("extend_graphs=on") and key.replace("=on", "=off") in row:
+                off = row[key.replace("=on", "=off")]
+                speedup[f"{name} {key.split(',')[0]}"] = round(v["tokens_per_s"] / off["tokens_per_s"], 3)
+    return dict(table=table, extend_graphs_speedup=speedup)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="0.5b")
@@ -239,6 +307,10 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     p.add_argument("--jitter-ms", type=float, nargs="*", default=[],
                    help="also these mean latencies with each step's drawn uniformly in [0, 2 x mean]")
+    p.add_argument("--engine-compile", nargs="+", choices=sorted(SWITCH), default=["auto"],
+                   help="EngineConfig.compile of each variant (auto: the engine's rule)")
+    p.add_argument("--extend-graphs", nargs="+", choices=sorted(SWITCH), default=["auto"],
+                   help="EngineConfig.extend_graphs of each variant (static extend passes, CUDA graphs on CUDA)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 8 episodes x 2 turns")
     a = p.parse_args(argv)
     a.device = "cuda"
@@ -250,25 +322,21 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     with torch.device(a.device):
         model = CausalLM(decoder_config(a.shape)).to(dtype).eval()
-    episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
-    engine = RolloutEngine(model, EngineConfig(max_slots=a.episodes, max_seq_tokens=episode_len))
-    engine.wake()
-    ids = prompts(a.episodes, a.prompt, model.config.vocab_size)
     pool = Workers(a.episodes, name="bench-env")
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
                   obs_tokens=a.obs_tokens, repeats=a.repeats)
-    with torch.inference_mode():
-        single_turn(engine, ids, a)            # warm-up: layout, fused weights, graphs, compile
-        multi_turn(engine, ids, a, 0.0, pool)  # and the session's layout, extend shapes, worker threads
-        base = median_run([single_turn(engine, ids, a) for _ in range(a.repeats)])
-        emit(case="single_turn", **common, **base)
-        for latency, jitter in [(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms]:
-            r = median_run([multi_turn(engine, ids, a, latency / 1000, pool, jitter) for _ in range(a.repeats)])
-            # lock-step episodes idle the device for every turn's latency; with jitter, the others decode meanwhile
-            bound = None if jitter else base["seconds"] / (base["seconds"] + (a.turns - 1) * latency / 1000)
-            emit(case="multi_turn_jitter" if jitter else "multi_turn", latency_ms=latency, **common, **r,
-                 vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"], lockstep_bound=bound)
+    on, why = extend_graphs_rule(engine_runs=True, device_type=a.device, cuda_graphs=True, hybrid=False)
+    emit(case="extend_graphs_rule", auto="on" if on else "off", why=why)
+    lines = []
+    for compile in a.engine_compile:
+        for extend in a.extend_graphs:
+            lines += run_variant(model, a, pool, common, compile, extend)
+            gc.collect()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+    if len(a.engine_compile) * len(a.extend_graphs) > 1:
+        emit(case="variants", **common, **side_by_side(lines))
 
 
 if __name__ == "__main__":
