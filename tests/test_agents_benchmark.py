@@ -9,10 +9,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 def test_the_agent_rollout_benchmark_smoke_runs(capsys):
     import agent_rollout
 
-    agent_rollout.main(["--smoke"])
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [(r["case"], r.get("latency_ms")) for r in lines] == [("single_turn", None), ("multi_turn", 0.0),
-                                                                 ("multi_turn", 20.0), ("multi_turn_jitter", 20.0)]
+    agent_rollout.main(["--smoke", "--extend-graphs", "off", "on"])
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    rule, lines, variants = out[0], out[1:-1], out[-1]
+    assert rule["case"] == "extend_graphs_rule" and rule["auto"] == "off" and rule["why"]
+    cases = [("single_turn", None), ("multi_turn", 0.0), ("multi_turn", 20.0), ("multi_turn_jitter", 20.0)]
+    assert [(r["case"], r.get("latency_ms")) for r in lines] == cases * 2
+    assert [r["extend_static"] for r in lines] == [False] * 4 + [True] * 4  # the eager passes, then the static
+    assert all(r["extend_passes"] >= 1 and r["extend_pass_ms"] > 0 for r in lines if r["case"] != "single_turn")
+    assert variants["case"] == "variants" and len(variants["extend_graphs_speedup"]) == 3  # per multi-turn case
     assert all(r["sampled_tokens"] == 8 * 2 * 8 for r in lines)  # 8 episodes x 2 turns x 8 tokens
     assert lines[1]["extend_tokens"] == 8 * 4                    # one 4-token observation per episode
     # the breakdown counts what ran: one decode call per step, extends only in the multi-turn cases
