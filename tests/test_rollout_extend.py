@@ -126,8 +126,8 @@ def test_buckets_and_chunks_keep_the_padded_pass_within_prefill_tokens():
     shapes = []
     static.run = lambda items: shapes.append((len(items), max(len(t) for _, t, _, _ in items)))
     static.extend([(s, [1] * n, 1, 2) for s, n in enumerate([3, 5, 2, 9, 1, 20])])
-    # (2 rows x 8) (2 x 16: 9 joins 2 -> 16 x 2 = 32) ... each padded pass <= 32 unless one item alone is larger
-    assert sum(n for n, _ in shapes) == 6
+    # every item in exactly one pass; each padded pass within 32 tokens unless one item alone is larger
+    assert sum(n for n, _ in shapes) == 6 and len(shapes) > 1
     for rows, longest in shapes:
         assert rows == 1 or rows_bucket(rows, 8) * tokens_bucket(longest, SLOT_LEN) <= 32
 
