@@ -156,6 +156,32 @@ def test_sessions_with_extend_graphs_give_the_same_turns(model_type, extra):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+def test_a_moe_session_records_the_same_routes_with_extend_graphs():
+    """Routing replay over a multi-turn session (DecodeSession.routes of each parked sequence, read before its
+    release): the static passes record what the eager passes record, at every position the slot holds."""
+    model = tiny_moe()
+    plan = {0: [[30, 31, 32]], 1: [[33] * 9], 2: [[34]]}
+    recorded = []
+    for extend_graphs in (False, True):
+        engine = RolloutEngine(model, EngineConfig(max_slots=4, record_routes=True, extend_graphs=extend_graphs))
+        routes, turns = {}, {key: 0 for key in plan}
+        with engine.session(SamplingParams(max_new_tokens=4, temperature=0.0), slot_len=48, eos_token_ids=[]) as s:
+            for key in plan:
+                s.start(key, PROMPTS[key], cap=4)
+            while not s.idle:
+                for turn in s.step():
+                    turns[turn.key] += 1
+                    if turns[turn.key] <= len(plan[turn.key]):
+                        s.extend(turn.key, plan[turn.key][turns[turn.key] - 1], 4)
+                    else:
+                        routes[turn.key] = s.routes(turn.key)
+                        s.release(turn.key)
+        recorded.append(routes)
+    eager, static = recorded
+    for key in plan:
+        assert (eager[key][:-1] >= 0).all() and torch.equal(static[key], eager[key]), key
+
+
 def test_extend_graphs_stay_off_by_default_and_the_hybrid_runner_keeps_its_pass():
     assert RolloutEngine(tiny_model(), EngineConfig()).runner.extender is None  # auto: off, as the rule says
     for facts in (dict(device_type="cuda", cuda_graphs=True, hybrid=False),
@@ -178,9 +204,11 @@ def test_extend_graphs_stay_off_by_default_and_the_hybrid_runner_keeps_its_pass(
 
 
 @pytest.mark.gpu
-def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without():
-    """float32 on CUDA, decode graphs on, several turns with refill: extend graphs captured once per bucket and
-    replayed give the eager extend pass's tokens exactly and its log-probs closely."""
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile):
+    """float32 on CUDA, decode graphs on (and the layer functions compiled), several turns with refill: extend
+    graphs captured once per bucket and replayed give the eager extend pass's tokens exactly and its log-probs
+    closely."""
     from phaserl.models import DecoderConfig
 
     torch.manual_seed(0)
@@ -198,7 +226,8 @@ def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without():
             for k in prompts}
     results = []
     for extend_graphs in (False, True):
-        engine = RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, extend_graphs=extend_graphs))
+        engine = RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, compile=compile,
+                                                   extend_graphs=extend_graphs))
         with engine.session(SamplingParams(max_new_tokens=12, temperature=0.0), slot_len=256, eos_token_ids=[]) as s:
             results.append(drive(s, plan, {k: 12 for k in plan}, waiting=list(prompts), prompt=prompts))
         if extend_graphs:
