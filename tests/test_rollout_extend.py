@@ -204,17 +204,20 @@ def test_extend_graphs_stay_off_by_default_and_the_hybrid_runner_keeps_its_pass(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile", [False, True])
-def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile):
-    """float32 on CUDA, decode graphs on (and the layer functions compiled), several turns with refill: extend
-    graphs captured once per bucket and replayed give the eager extend pass's tokens exactly and its log-probs
-    closely."""
+@pytest.mark.parametrize("compile, window", [(False, None), (True, None), (False, 16)],
+                         ids=["eager-layers", "compiled-layers", "sliding"])
+def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile, window):
+    """float32 on CUDA, decode graphs on (the layer functions compiled; sliding layers), several turns with
+    refill: extend graphs captured once per bucket give the eager extend pass's tokens exactly and its log-probs
+    closely, and a second session on the same engine replays them (no new capture) with the same turns."""
     from phaserl.models import DecoderConfig
 
     torch.manual_seed(0)
+    sliding = {} if window is None else dict(sliding_window=window, layer_types=("sliding_attention",
+                                                                                  "full_attention") * 2)
     cfg = DecoderConfig(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
-                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
-                        max_position_embeddings=1024)
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                        max_position_embeddings=1024, **sliding)
     model = CausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.normal_(std=0.3)
@@ -224,19 +227,21 @@ def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile):
                for k, n in enumerate(torch.randint(4, 40, (20,), generator=g))}
     plan = {k: [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in torch.randint(0, 30, (3,), generator=g)]
             for k in prompts}
-    results = []
-    for extend_graphs in (False, True):
-        engine = RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, compile=compile,
-                                                   extend_graphs=extend_graphs))
+
+    def session(engine):
         with engine.session(SamplingParams(max_new_tokens=12, temperature=0.0), slot_len=256, eos_token_ids=[]) as s:
-            results.append(drive(s, plan, {k: 12 for k in plan}, waiting=list(prompts), prompt=prompts))
-        if extend_graphs:
-            captured = [k for k in engine.runner.graphs if k[0] == "extend"]
-            assert captured and engine.runner.extender.passes > len(captured)  # some passes replayed a graph
-    eager, graphed = results
+            return drive(s, plan, {k: 12 for k in plan}, waiting=list(prompts), prompt=prompts)
+
+    eager = session(RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, compile=compile)))
+    engine = RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, compile=compile, extend_graphs=True))
+    graphed = session(engine)
+    captured = {k for k in engine.runner.graphs if k[0] == "extend"}
+    again = session(engine)
+    assert captured and {k for k in engine.runner.graphs if k[0] == "extend"} == captured  # replayed only
     for key in plan:
         assert len(graphed[key]) == 4
         assert [t.token_ids for t in graphed[key]] == [t.token_ids for t in eager[key]]
+        assert [t.token_ids for t in again[key]] == [t.token_ids for t in graphed[key]]
         for a, b in zip(graphed[key], eager[key]):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-4, rtol=0)
 
