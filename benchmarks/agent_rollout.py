@@ -12,8 +12,8 @@ decode while the tools run: the 3 x latency is idle device time by construction,
 possible ratio at 50 ms is single / (single + 0.15 s).
 
 Both cases are timed the same way: after a warm-up of each (slot layout, fused weights, graph
-capture, compile, worker threads: none of it in a timed region), `--repeats` runs each, the median
-reported. Instead of torch.profiler (whose tracing of graph replays slowed the single-turn case 10x
+capture, compile, worker threads: none of it in a timed region; each multi-turn case once more untimed, so that
+the extend passes' buckets it meets are captured), `--repeats` runs each, the median reported. Instead of torch.profiler (whose tracing of graph replays slowed the single-turn case 10x
 on the H200), every runner call is bracketed by CUDA events: device_s is the device time of each kind
 of call (decode steps, prefills, extends of observation ids, output gathers) and device_busy their
 sum over the wall; host_s is where the host's time went (multi-turn: inside session.step, handling
@@ -266,6 +266,7 @@ def run_variant(model, a, pool: Workers, common: dict, compile, extend) -> list:
         lines.append(dict(case="single_turn", **common, **base))
         emit(**lines[-1])
         for latency, jitter in [(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms]:
+            multi_turn(engine, ids, a, latency / 1000, pool, jitter)  # warm-up: the buckets this case's passes use
             r = median_run([multi_turn(engine, ids, a, latency / 1000, pool, jitter) for _ in range(a.repeats)])
             # lock-step episodes idle the device for every turn's latency; with jitter, the others decode meanwhile
             bound = None if jitter else base["seconds"] / (base["seconds"] + (a.turns - 1) * latency / 1000)
