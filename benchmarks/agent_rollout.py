@@ -11,18 +11,19 @@ In this fixed-length shape every episode ends its turn at the same step, so noth
 decode while the tools run: the 3 x latency is idle device time by construction, and the best
 possible ratio at 50 ms is single / (single + 0.15 s).
 
-Both cases are timed the same way: after a warm-up of each (slot layout, fused weights, graph
-capture, compile, worker threads: none of it in a timed region; each multi-turn case once more untimed, so that
-the extend passes' buckets it meets are captured), `--repeats` runs each, the median reported. Instead of torch.profiler (whose tracing of graph replays slowed the single-turn case 10x
-on the H200), every runner call is bracketed by CUDA events: device_s is the device time of each kind
-of call (decode steps, prefills, extends of observation ids, output gathers) and device_busy their
-sum over the wall; host_s is where the host's time went (multi-turn: inside session.step, handling
-ended turns, applying environment answers, waiting for them); gc the garbage collector's pauses.
+Both cases are timed the same way: after a warm-up of each (slot layout, fused weights, graph capture,
+compile, worker threads: none of it in a timed region; each multi-turn case once more untimed, so that the
+extend passes' buckets it meets are captured), `--repeats` runs each, the median reported. Instead of
+torch.profiler (whose tracing of graph replays slowed the single-turn case 10x on the H200), every runner
+call is bracketed by CUDA events: device_s is the device time of each kind of call (decode steps, prefills,
+extends of observation ids, output gathers) and device_busy their sum over the wall; host_s is where the
+host's time went (multi-turn: inside session.step, handling ended turns, applying environment answers,
+waiting for them); gc the garbage collector's pauses.
 
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
-    python benchmarks/agent_rollout.py --latency-ms 0 50 --jitter-ms 50 --engine-compile off on --extend-graphs off on
-                                                            # H200: the 4 variants, one engine each, in one run
+    python benchmarks/agent_rollout.py --latency-ms 0 50 --jitter-ms 50 \
+        --engine-compile off on --extend-graphs off on      # H200: the 4 variants, one engine each, in one run
 
 Variants (--engine-compile, --extend-graphs: off / on / auto each, every combination): each gets its own engine
 (EngineConfig.compile, EngineConfig.extend_graphs) and its own single-turn baseline; every line names them. The
@@ -30,10 +31,11 @@ last line (case=variants) sets them side by side per latency: tokens/s, the rati
 graphs' speedup over the eager extend passes at the same compile setting.
 
 Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the same engine's single-turn
-tokens/s), extend_passes and extend_pass_ms (device ms per extend pass: eager or static), extend_graphs_captured
-(extend graphs captured inside the timed run: a bucket first seen there), slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a
-tool or free), decode_steps, swaps (resumed episodes moved down into a parked slot), seconds (median)
-and seconds_all, device_s, device_busy, host_s, calls, gc.
+tokens/s), extend_passes and extend_pass_ms (device ms per extend pass: eager or static),
+extend_graphs_captured (extend graphs captured inside the timed run: a bucket first seen there),
+slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a tool or free),
+decode_steps, swaps (resumed episodes moved down into a parked slot), seconds (median) and seconds_all,
+device_s, device_busy, host_s, calls, gc.
 """
 from __future__ import annotations
 

@@ -62,8 +62,8 @@ class EngineConfig:
     record_routes: bool = False           # MoE models: return the experts chosen at every position (routing
                                           # replay; GenerationResult.routes)
     extend_graphs: Optional[bool] = None  # multi-turn continuations through static-shape passes, a CUDA graph per
-                                          # (rows, tokens) bucket (rollout/extend.py; on the CPU the static pass runs
-                                          # eagerly); None = off until an H200 run shows it faster
+                                          # (rows, tokens, context) bucket (rollout/extend.py; on the CPU the static
+                                          # pass runs eagerly); None = off until an H200 run shows it faster
                                           # (config/auto.extend_graphs_rule); Qwen3.5 keeps its eager pass
 
     def __post_init__(self):

@@ -483,8 +483,9 @@ class ModelRunner:
             self._decode_step(b)
 
     def _capture(self, key, step: callable) -> None:
-        """This step (`step()`: decode's, or rollout/extend.py's static pass), eagerly (it doubles as the warm-up: compiles, picks kernels, allocates workspaces), then
-        recorded as bucket b's graph (capture runs nothing) into the one memory pool all buckets share. Lazy:
+        """This step (`step()`: a decode step, or rollout/extend.py's static extend pass), eagerly (it doubles as the
+        warm-up: compiles, picks kernels, allocates workspaces), then recorded as the bucket's graph (capture runs
+        nothing) into the one memory pool all buckets share. Lazy:
         a fixed-length call captures one bucket, not all 13 (0.35-0.6 s per call without keep_awake). Stored
         as graphs[key]: every graph goes when the layout or the weights' addresses change (begin/release).
 
