@@ -27,6 +27,8 @@ AUTO_RULES = {
                                  "ranks, and the doctor's memory count of the update's peak plus the kept KV cache, "
                                  f"fused weights and graphs is at most {KEEP_AWAKE_SHARE:.0%} of this process's "
                                  "device memory; off otherwise (CPU, FSDP, tight memory)",
+    "rollout.engine_extend_graphs": "off for now (the graphed multi-turn continuation passes are not measured on a "
+                                    "GPU yet); off on the CPU, without CUDA graphs and for Qwen3.5's hybrid runner",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
 }
 
@@ -124,10 +126,11 @@ class SpeedChoices:
     engine_compile: Choice
     engine_keep_awake: Choice
     packing: Optional[Choice] = None   # filled in by the builder once set_packing chose (per role; the actor's)
+    engine_extend_graphs: Optional[Choice] = None  # multi-turn runs only (agent.env)
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.packing) if c is not None]
+                            self.engine_extend_graphs, self.packing) if c is not None]
 
     @property
     def compiles(self) -> bool:

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
-from ..config.auto import Choice, SpeedChoices, choose, compile_rule, engine_compile_rule, keep_awake_rule
+from ..config.auto import (Choice, SpeedChoices, choose, compile_rule, engine_compile_rule, extend_graphs_rule,
+                           keep_awake_rule)
 from ..doctor.memory import ModelShape, UnknownShape, kept_engine_bytes, update_peak_bytes
 from ..resolve import resolve_compile_cache_dir
+from ..models import CausalLM
 from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
@@ -75,7 +77,11 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         critic_compile=None if critic is None else _compile_choice("critic.compile", cfg.critic.compile, critic.model,
                                                                    device, world_size),
         engine_compile=engine_compile,
-        engine_keep_awake=choose("rollout.engine_keep_awake", r.engine_keep_awake, keep_rule))
+        engine_keep_awake=choose("rollout.engine_keep_awake", r.engine_keep_awake, keep_rule),
+        engine_extend_graphs=None if not cfg.agent.env else choose(
+            "rollout.engine_extend_graphs", r.engine_extend_graphs, extend_graphs_rule(
+                engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs,
+                hybrid=isinstance(actor.model, CausalLM) and actor.model.config.linear_attention is not None)))
 
 
 def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes: int, held_bytes: int,
