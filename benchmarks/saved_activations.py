@@ -1,24 +1,31 @@
 """What one decoder layer saves for backward, per token, eager and torch.compile'd, against the doctor's count
-(doctor/memory.train_bytes_per_token): the numbers behind the update's activation estimate and
+(doctor/memory.layer_bytes, train_bytes_per_token): the numbers behind the update's activation estimate and
 `rollout.engine_keep_awake=auto`.
 
 One layer of phaserl's decoder (a Qwen2 shape from qwen2_shapes.py, random weights, the compute dtype) runs forward
-on T tokens under `torch.autograd.graph.saved_tensors_hooks`; the bytes of every distinct storage it saves are
-summed, less the parameters and the RoPE tables (shared by all layers). The attention core is a stand-in that
-saves what the varlen flash kernel saves (q, k, v and the output; its log-sum-exp is a few bytes per token), so
-the CPU measures what the GPU's packed update keeps. One JSON line per variant:
+on T tokens under `torch.autograd.graph.saved_tensors_hooks`; the bytes of every distinct storage it saves that is
+still held when the forward returns are summed, less the parameters, the RoPE tables and Qwen3.5's Segments (shared
+by all layers: the doctor counts them once). The attention core is a stand-in that saves what the varlen flash
+kernel saves (q, k, v and the output; its log-sum-exp is a few bytes per token), so the CPU measures what the GPU's
+packed update keeps. One JSON line per variant:
 
     python benchmarks/saved_activations.py --shape 0.5b --tokens 4096          # on the H200 (bf16)
-    python benchmarks/saved_activations.py --family qwen35-0.8b --tokens 1024  # each layer kind, eager
+    python benchmarks/saved_activations.py --family qwen35-0.8b --tokens 4096 --seq-len 512  # each layer kind
     python benchmarks/saved_activations.py --smoke                              # tiny shape, CPU
+    python benchmarks/saved_activations.py --smoke --family qwen35-tiny         # tiny Qwen3.5, CPU
 
 Measured on the CPU (torch 2.13, bf16, inductor C++, `--smoke`; 2026-12-01): a compiled layer saves 6h + 3I + 2 Hkv D
 values per token (its input and normed input, q, the attention output, the residual after attention and its normed
 copy, k and v, gate, up and their product; the doctor's compiled count within 0.5%: the norm statistics), an eager
 one 10h + 4I + 2 Hkv D (each norm's float32 input copy, normed and weighted outputs too; the doctor counts 8h).
-`--family` takes a benchmarks/families.py shape (its first layers: one of each kind) and measures each layer kind
-eagerly (the packed training path of hybrid and MoE layers is eager). At qwen35-0.8b on the CPU (torch rule, 512
-tokens): a Gated DeltaNet layer saves 271 KB per token, a gated attention layer 94 KB; the doctor counts 47 KB.
+`--family` takes a benchmarks/families.py shape (its first layers: one of each kind), measures each layer kind
+eagerly (the packed training path of hybrid and MoE layers is eager) on one row of `--tokens` tokens packed as
+sequences of `--seq-len`, and the stack of those layers together (`layer_kind: "stack"`, against
+train_bytes_per_token of that stack). Qwen3.5's Gated DeltaNet layers run the rule training runs there: the torch
+chunked rule on the CPU, flash-linear-attention's kernels on CUDA where they import (`delta_rule` in each line says
+which; the fla count is read from fla's source, so a GPU line is its check). At qwen35-0.8b on the CPU (torch rule,
+bf16, 256 tokens as 2 sequences of 128): Gated DeltaNet 278 KB per token, gated attention 88 KB, each within 0.1%
+of the doctor's count (which counted 47 KB for both before).
 Not here: the log-prob head, the optimizer, peak memory of a real step (benchmarks/train_step.py, grpo_step.py).
 """
 from __future__ import annotations
@@ -28,15 +35,17 @@ import json
 import os
 import sys
 import time
+import weakref
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from qwen2_shapes import decoder_config  # noqa: E402
-from phaserl.doctor.memory import ModelShape, train_bytes_per_token  # noqa: E402
+from phaserl.doctor.memory import ModelShape, layer_bytes, train_bytes_per_token  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
-from phaserl.models import decoder  # noqa: E402
+from phaserl.models import attention, decoder  # noqa: E402
 
 
 class FlashLike(torch.autograd.Function):
@@ -64,30 +73,82 @@ def flash_like(q, k, v, attn, scale):
     return FlashLike.apply(q, k, v)
 
 
-def saved_bytes(model: CausalLM, tokens: int, device: torch.device, layer: int = 0) -> int:
-    """Bytes layer `layer` saves for backward on one row of `tokens` tokens (parameters and RoPE tables left out)."""
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
-    h = model.model.embed_tokens(ids).detach().requires_grad_(True)  # [1, T, H]
-    block = model.model.layers[layer]
-    cos, sin = model.model.rope(torch.arange(tokens, device=device)[None], h.dtype)[block.spec.local_rope]
-    attn = None
-    if getattr(block, "linear", False):  # Qwen3.5's Gated DeltaNet layers read the row as one sequence
-        from phaserl.models.linear_attention import Segments
-
-        attn = Segments.of(torch.ones(1, tokens, dtype=torch.long, device=device))
-    skip = {t.untyped_storage().data_ptr() for t in (cos, sin, *model.parameters())}
-    seen: dict[int, int] = {}
+def held_bytes(run, leave_out=lambda storage: False, paused=lambda: False) -> int:
+    """Bytes of the distinct storages that `run()` saves for backward and that are still held when it returns (a
+    graph nothing can reach, such as the delta rule's unread final state, frees what it saved), less those
+    `leave_out(storage)` names and those first saved while `paused()`."""
+    saved: dict[int, list] = {}  # storage address -> [storage, weak refs to the tensors saved on it]
+    left_out: set = set()
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
+        address = t.untyped_storage().data_ptr()
+        if paused() and address not in saved:
+            left_out.add(address)
+        saved.setdefault(address, [t.untyped_storage()]).append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(h, cos, sin, attn)
+        out = run()
+    held = sum(v[0].nbytes() for address, v in saved.items() if any(r() is not None for r in v[1:])
+               and address not in left_out and not leave_out(v[0]))
     del out
-    return sum(seen.values())
+    return held
+
+
+def storages(*tensors) -> set:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def packed_row(tokens: int, seq_len: Optional[int], device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """position_ids [1, T] and seq_ids [1, T] (None: one sequence) of one row packing sequences of `seq_len`."""
+    at = torch.arange(tokens, device=device)
+    if seq_len is None:
+        return at[None], None
+    return (at % seq_len)[None], (at // seq_len)[None]
+
+
+def saved_bytes(model: CausalLM, tokens: int, device: torch.device, layer: int = 0,
+                seq_len: Optional[int] = None) -> int:
+    """Bytes layer `layer` saves for backward on one row of `tokens` tokens (sequences of `seq_len` packed; None:
+    one sequence), less the parameters, the RoPE tables and Qwen3.5's Segments (shared by every layer)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    h = model.model.embed_tokens(ids).detach().requires_grad_(True)  # [1, T, H]
+    block = model.model.layers[layer]
+    positions, seq_ids = packed_row(tokens, seq_len, device)
+    cos, sin = model.model.rope(positions, h.dtype)[block.spec.local_rope]
+    attn, shared = None, (cos, sin, *model.parameters())
+    if getattr(block, "linear", False):  # Qwen3.5's Gated DeltaNet layers read each sequence's tokens
+        from phaserl.models.linear_attention import Segments
+
+        attn = Segments.of(torch.ones(1, tokens, dtype=torch.long, device=device), seq_ids)
+        shared += (attn.index, attn.real)
+    skip = storages(*shared)
+    return held_bytes(lambda: block(h, cos, sin, attn), lambda s: s.data_ptr() in skip)
+
+
+def stack_saved_bytes(model: CausalLM, tokens: int, device: torch.device, seq_len: Optional[int] = None) -> int:
+    """Bytes the decoder's layers keep for backward on one packed row (as saved_bytes), the whole stack at once
+    (its gradient checkpointing as set: then what the forward keeps), less the parameters, the token ids, the RoPE
+    tables and what the final norm saves; Qwen3.5's Segments are in, once. The attention layers get the packed
+    boundaries the GPU's varlen path gives them (no [T, T] mask, which a checkpointed layer would keep as an
+    input): the attention core must be flash_like here."""
+    dec = model.model
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    positions, seq_ids = packed_row(tokens, seq_len, device)
+    tables: list = []
+    rope = dec.rope
+    dec.rope = lambda *a: (lambda out: tables.extend(t for pair in out for t in pair) or out)(rope(*a))
+    final: list = []  # what is saved once the final norm starts is not the layers'
+    hook = dec.norm.register_forward_pre_hook(lambda *_: final.append(True))
+    varlen, decoder.use_varlen = decoder.use_varlen, lambda device, dtype: True
+    try:
+        skip = storages(ids, *model.parameters())
+        return held_bytes(lambda: dec(ids, position_ids=positions, seq_ids=seq_ids),
+                          lambda s: s.data_ptr() in skip | storages(*tables), paused=lambda: bool(final))
+    finally:
+        hook.remove()
+        del dec.rope
+        decoder.use_varlen = varlen
 
 
 def main() -> None:
@@ -97,14 +158,17 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32")
     p.add_argument("--variants", default="eager,compiled")
     p.add_argument("--family", default=None, help="a benchmarks/families.py shape: each of its layer kinds, eager")
+    p.add_argument("--seq-len", type=int, default=None, help="--family: pack the row as sequences of this many "
+                   "tokens (default: one sequence)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, 256 tokens (CPU)")
     a = p.parse_args()
     if a.smoke:
         a.shape, a.tokens = "tiny", 256
+        a.seq_len = a.seq_len or (128 if a.family else None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype or "bfloat16")
     if a.family:
-        return family_layers(a.family, a.tokens, device, dtype)
+        return family_layers(a.family, a.tokens, device, dtype, a.seq_len)
     cfg = decoder_config(a.shape).replace(num_hidden_layers=1)
     torch.manual_seed(0)
     with torch.device(device):
@@ -124,8 +188,10 @@ def main() -> None:
                           "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
 
 
-def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.dtype) -> None:
-    """One JSON line per layer kind of a families.py shape (its first layers up to one of each kind), eager."""
+def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.dtype,
+                  seq_len: Optional[int] = None) -> None:
+    """One JSON line per layer kind of a families.py shape (its first layers up to one of each kind), eager, and
+    one for those layers as a stack, each beside the doctor's count."""
     import transformers
 
     from families import SHAPES
@@ -143,14 +209,26 @@ def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.d
     torch.manual_seed(0)
     with torch.device(device):
         model = CausalLM(cfg).to(dtype).train()
-    decoder._attend = torch.compiler.disable(flash_like)
-    predicted = train_bytes_per_token(ModelShape.of(model), False) / n  # the doctor's per-layer mean
+    decoder._attend = attention.attend = torch.compiler.disable(flash_like)  # hybrid.py calls attention.attend
+    shape = ModelShape.of(model)  # on CUDA this asks linear_attention whether fla runs there, as training does
+    counted = layer_bytes(shape, sequence_tokens=seq_len or tokens)
+    common = {"bench": "saved_activations", "family": family, "device": device.type, "dtype": str(dtype),
+              "tokens": tokens, "seq_len": seq_len or tokens, "delta_rule": shape.hybrid and shape.hybrid.delta_rule,
+              "torch": torch.__version__}
     for kind, i in kinds.items():
-        measured = saved_bytes(model, tokens, device, layer=i) / tokens
-        print(json.dumps({"bench": "saved_activations", "family": family, "device": device.type, "dtype": str(dtype),
-                          "layer_kind": kind, "layer": i, "tokens": tokens, "saved_bytes_per_token_layer": measured,
-                          "doctor_bytes_per_token_layer_mean": predicted,
-                          "doctor_over_saved": round(predicted / measured, 3), "torch": torch.__version__}), flush=True)
+        measured = saved_bytes(model, tokens, device, layer=i, seq_len=seq_len) / tokens
+        doctor_kind = ("linear_attention" if cfg.is_linear(i) else "gated_attention" if cfg.hybrid
+                       else "moe" if cfg.is_moe(i) else "dense")
+        predicted = counted[doctor_kind][1]
+        print(json.dumps({**common, "layer_kind": kind, "doctor_kind": doctor_kind, "layer": i,
+                          "saved_bytes_per_token_layer": round(measured, 1),
+                          "doctor_bytes_per_token_layer": round(predicted, 1),
+                          "doctor_over_saved": round(predicted / measured, 3)}), flush=True)
+    measured = stack_saved_bytes(model, tokens, device, seq_len) / tokens
+    predicted = train_bytes_per_token(shape, False, sequence_tokens=seq_len or tokens)
+    print(json.dumps({**common, "layer_kind": "stack", "layers": n, "saved_bytes_per_token": round(measured, 1),
+                      "doctor_bytes_per_token": predicted, "doctor_over_saved": round(predicted / measured, 3)}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
   update          per token and layer, saved activations: eager 8h + 4I + 2 × kv_heads × head_dim values,
                   torch.compile'd layers (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see
                   train_bytes_per_token); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
-                  plus 3k × h of gathered inputs and expert outputs and the router's probabilities; × b
+                  plus 3k × h of gathered inputs and expert outputs and the router's probabilities; × b;
+                  Qwen3.5's Gated DeltaNet and gated attention layers in bytes, each tensor they save counted with
+                  its own dtype (delta_layer_bytes, gated_attention_layer_bytes: the float32 chunked rule on the
+                  CPU, flash-linear-attention's kernels on CUDA where they run)
                   (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits × 3 for the
                   log-prob projection of up to 1024 tokens at a time.
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
@@ -53,6 +56,7 @@ from typing import Optional
 import torch
 
 from ..models.config import DecoderConfig
+from ..models.linear_attention import CHUNK, _fla_usable
 from ..rollout.slot_memory import SlotMemory, slot_memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,7 +80,7 @@ class ModelShape:
     param_bytes: int  # bytes per parameter element (2 for bf16/fp16, 4 for fp32)
     slot: Optional[SlotMemory] = None  # phaserl's decoder: what one engine slot holds; None: the dense KV rule
     moe: Optional["ExpertShape"] = None  # a mixture-of-experts decoder's routed MLPs (for the update's activations)
-    hybrid: bool = False  # Qwen3.5's layers (models/hybrid.py): never compiled, activations not counted exactly
+    hybrid: Optional["HybridShape"] = None  # Qwen3.5's layers (models/hybrid.py): never compiled, counted per kind
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
@@ -107,7 +111,7 @@ class ModelShape:
                    head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size(),
                    slot=slot_memory(c, first.dtype) if native else None,
                    moe=ExpertShape.of(c, hidden) if native and c.num_experts else None,
-                   hybrid=native and c.hybrid)
+                   hybrid=HybridShape.of(c, first.device) if native and c.hybrid else None)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,32 @@ class ExpertShape:
     def routed_params(self) -> int:
         """Parameters of the routed experts (gate, up and down of each): the engine reads them in place."""
         return self.layers * self.experts * 3 * self.hidden * self.width
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """Qwen3.5's layers (models/hybrid.py, models/linear_attention.py), as the update's activations see them."""
+
+    linear_layers: int    # Gated DeltaNet layers; the others are gated full attention
+    attention_heads: int  # Hq of the gated attention layers (q_proj yields q and a gate of Hq × head_dim each)
+    key_heads: int        # Hk  (the linear fields are 0 where there are no linear layers)
+    value_heads: int      # Hv
+    key_dim: int          # Dk
+    value_dim: int        # Dv
+    conv_kernel: int      # K, taps of the short convolution
+    chunk: int            # c, tokens per chunk of the delta rule (linear_attention.CHUNK; fla's default too)
+    delta_rule: str       # "torch" (the chunked rule in plain torch) or "fla" (flash-linear-attention's kernels)
+
+    @classmethod
+    def of(cls, c: DecoderConfig, device: torch.device) -> "HybridShape":
+        """The rule is the one training will run where the model sits: fla where linear_attention's own test
+        says so (CUDA, fla imports, its probe agrees with our rule), else the torch rule."""
+        s = c.linear_attention
+        linear = sum(c.is_linear(i) for i in range(c.num_hidden_layers))
+        if s is None:
+            return cls(0, c.num_attention_heads, 0, 0, 0, 0, 1, CHUNK, "torch")
+        return cls(linear, c.num_attention_heads, s.num_key_heads, s.num_value_heads, s.key_head_dim,
+                   s.value_head_dim, s.conv_kernel, CHUNK, "fla" if linear and _fla_usable(device) else "torch")
 
 
 class UnknownShape(ValueError):
@@ -245,10 +275,30 @@ def scoring_bytes_per_token(rm: ModelShape, max_length: int, packed: bool) -> in
     return forward if packed else forward + max_length * (1 + rm.param_bytes)
 
 
-def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compiled: bool = False) -> int:
-    """Activations saved for backward, per token of a micro-batch.
+def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compiled: bool = False,
+                          sequence_tokens: Optional[int] = None) -> int:
+    """Activations saved for backward, per token of a micro-batch (of whole sequences of `sequence_tokens`; None:
+    long ones, see delta_layer_bytes): the sum over layer_bytes' kinds, or with gradient checkpointing each
+    layer's input (h × b) plus the largest layer, recomputed in backward. Qwen3.5's linear layers also keep, once
+    per forward, where each sequence's tokens sit (linear_attention.Segments: an int64 index and a bool mask)."""
+    kinds = layer_bytes(shape, compiled, sequence_tokens)
+    shared = SEGMENTS_BYTES if shape.hybrid and shape.hybrid.linear_layers else 0
+    if gradient_checkpointing:
+        largest = max(each for _, each in kinds.values())
+        return math.ceil(shape.num_layers * shape.hidden_size * shape.param_bytes + largest + shared)
+    return math.ceil(sum(count * each for count, each in kinds.values()) + shared)
 
-    Per layer, eager: 8h + 4I + 2 × kv_heads × head_dim values (norm copies, q and the attention output; gate, up,
+
+SEGMENTS_BYTES = 8 + 1  # per token: Segments.index (int64) and .real (bool), shared by every linear layer
+
+
+def layer_bytes(shape: ModelShape, compiled: bool = False,
+                sequence_tokens: Optional[int] = None) -> dict[str, tuple[int, float]]:
+    """Each kind of layer the model has -> (how many, bytes each saves for backward per token).
+
+    Kinds: "dense" (attention + gated MLP, DecoderLayer), "moe", "linear_attention" (Qwen3.5's Gated DeltaNet)
+    and "gated_attention" (Qwen3.5's full attention).
+    Dense, eager: 8h + 4I + 2 × kv_heads × head_dim values (norm copies, q and the attention output; gate, up,
     silu(gate) and their product; k and v). Compiled (actor.compile): torch.compile's partitioner recomputes the
     norms' float32 copies and silu(gate) in backward, so a layer keeps 6h + 3I + 2 × kv_heads × head_dim (its input
     and normed input, q, the attention output, the residual after attention and its normed copy; gate, up and their
@@ -259,22 +309,98 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compi
     top-k × moe_intermediate_size (+ a shared expert's width), plus per token its k gathered inputs, the k expert
     outputs and their unsorted copy (3k × h), the router's float32 probabilities (2E values of b = 2 bytes) and
     its int64 expert ids (4k): what models/moe.py's grouped and loop mixtures both save (counted on the CPU).
-    Qwen3.5's layers (hybrid) are counted as eager dense layers, which they are not: at the 0.8B shape on the CPU a
-    Gated DeltaNet layer saves ~5.8× that (the torch chunked rule's float32 intermediates and per-chunk states)
-    and a gated attention layer ~2×; `benchmarks/saved_activations.py --family qwen35-0.8b` measures them, and
-    the doctor says so in its memory details."""
-    h, kv = shape.hidden_size, 2 * shape.num_kv_heads * shape.head_dim
-    compiled = compiled and not shape.hybrid  # enable_compile compiles DecoderLayer only, never hybrid.py's layers
+    Both Qwen3.5 kinds are in bytes (delta_layer_bytes, gated_attention_layer_bytes); enable_compile compiles
+    DecoderLayer only, never hybrid.py's layers, so `compiled` changes nothing there."""
+    b, h, kv = shape.param_bytes, shape.hidden_size, 2 * shape.num_kv_heads * shape.head_dim
+    if shape.hybrid:
+        linear = shape.hybrid.linear_layers
+        kinds = {"linear_attention": (linear, delta_layer_bytes(shape, sequence_tokens)),
+                 "gated_attention": (shape.num_layers - linear, float(gated_attention_layer_bytes(shape)))}
+        return {kind: v for kind, v in kinds.items() if v[0]}
     dense = (6 * h + 3 * shape.intermediate_size if compiled else 8 * h + 4 * shape.intermediate_size) + kv
     moe_layers = shape.moe.layers if shape.moe else 0
-    layers = [dense] * (shape.num_layers - moe_layers)
+    kinds = {"dense": (shape.num_layers - moe_layers, float(dense * b))}
     if shape.moe:
         m = shape.moe
         experts = 4 * (m.top_k * m.width + m.shared_width) + 3 * m.top_k * h + 2 * m.experts + 4 * m.top_k
-        layers += [8 * h + experts + kv] * m.layers
-    if gradient_checkpointing:
-        return (shape.num_layers * h + max(layers)) * shape.param_bytes
-    return sum(layers) * shape.param_bytes
+        kinds["moe"] = (m.layers, float((8 * h + experts + kv) * b))
+    return {kind: v for kind, v in kinds.items() if v[0]}
+
+
+def _around_mixer(shape: ModelShape) -> int:
+    """What a Qwen3.5 layer saves around its token mixer, per token: two (1 + w) norms, each its float32 input
+    copy, its float32 normed copy (4h each), its statistic (4) and its output in b (the projections' input), and
+    the MLP's gate, up, silu(gate) and their product (4I × b). The output projection's input is the mixer's."""
+    b, h = shape.param_bytes, shape.hidden_size
+    return 2 * (8 * h + 4 + b * h) + 4 * b * shape.intermediate_size
+
+
+def delta_layer_bytes(shape: ModelShape, sequence_tokens: Optional[int] = None) -> float:
+    """Bytes a Gated DeltaNet layer (models/linear_attention.py) saves for backward per token, b the param dtype's,
+    every float32 tensor 4 (C = 2 Hk Dk + Hv Dv conv channels, K taps, c chunk, S sequence_tokens):
+      around        norms and MLP as _around_mixer
+      conv          its input and its silu's input, C × b each; the conv output is K - 1 longer per sequence
+      rule inputs   q and k l2-normed in float32 (the copy and its statistic: 4 Hk (Dk + 1) each), sigmoid(beta)
+                    in b and softplus's float32 input and output (b Hv + 8 Hv)
+      output        the index of the real tokens (int64: 8); the gated norm's float32 copies of o, its normed
+                    value, silu(z) and z (12 Hv Dv), its statistic (4 Hv), o rounded to b and weighted (2 b Hv Dv);
+                    out_proj's input (b Hv Dv)
+      torch rule    chunk_gated_delta_rule, all float32, per token of the chunk-padded sequence (S rounded up to c):
+                    five c × c matrices (decay, k kᵀ, the triangular system, q kᵀ, the scores: 5 Hv c), eight Dk-wide
+                    tensors (k, q, k beta, the solved w, and the copies matmul makes of k beta, q and twice kᵀ:
+                    8 Hv Dk), three Dv-wide (v, the solved u, the corrected u of each chunk: 3 Hv Dv) and four
+                    gates (beta, twice e^cum, e^(cum_c - cum): 4 Hv): 4 Hv (5c + 8 Dk + 3 Dv + 4); per chunk the
+                    state entering it, 4 Hv Dk Dv (at Qwen3.5-0.8B's shape, Hv 16 and Dk = Dv = 128, 16 KB per
+                    token); and per chunk but one the chunk's copies of q e^cum and of k e^(cum_c - cum) that matmul
+                    reads the state with and writes it with (8 Hv Dk × c: the first chunk's state is zero, so its q
+                    is not kept, and the last chunk's write makes only the final state, which nothing reads).
+      fla rule      flash-linear-attention's chunk_gated_delta_rule (fla-core 0.6.0, its Triton kernels: read from
+                    ChunkGatedDeltaRuleFunction's save_for_backward, not measured: no GPU here), over the real
+                    tokens (varlen, no padding): q, k, v and beta as _fla_chunk passes them (bf16), g's chunk-local
+                    cumsum (float32) and the solved (I + A)^-1 blocks A [c] (bf16): Hv (4 Dk + 2 Dv + 6 + 2c). It
+                    saves no per-chunk state (backward recomputes them, a transient of one layer) and none of the
+                    c × c matrices. fla's FlashQLA backend (the separate flash-qla package, Hopper, Dk = Dv = 128)
+                    saves other things: not counted.
+    Measured on the CPU (tests/test_doctor_hybrid_memory.py: the tensors saved_tensors_hooks sees that are still
+    held when the forward returns), packed micro-batches of several sequences, within 0.5% at tiny shapes and at
+    the 0.8B shape. Left out: what is per layer rather than per token (the c × c causal mask, the norms' (1 + w),
+    exp(A_log)), each chunk's decay of the state (4 Hv) and, with fla, its cu_seqlens and chunk indices (bytes per
+    chunk). A micro-batch of one sequence keeps the first and last chunks' copies too (matmul reads them as views
+    of the whole tensor): 8 Hv Dk × c more per sequence, 1% at the 0.8B shape. S None: long sequences of whole
+    chunks. Micro-batches of unequal sequences gather every sequence into a row as long as the longest (Segments):
+    those rows are what these tensors hold, more than the real tokens."""
+    hy, b = shape.hybrid, shape.param_bytes
+    Hk, Hv, Dk, Dv, K, c = hy.key_heads, hy.value_heads, hy.key_dim, hy.value_dim, hy.conv_kernel, hy.chunk
+    C = 2 * Hk * Dk + Hv * Dv
+    S = sequence_tokens
+    m = 0 if S is None else math.ceil(S / c)  # chunks per sequence
+    per_sequence = 0.0 if S is None else 1 / S  # a per-sequence term's share of each token
+    chunks = 1 / c if S is None else m / S  # chunks per token
+    padded = 1.0 if S is None else m * c / S  # chunk-padded tokens per token
+    kept_copies = 1.0 if S is None else (m - 1) * c / S  # tokens of the chunks but one, per token
+    conv = 2 * b * C + b * C * (K - 1) * per_sequence
+    rule_inputs = 8 * Hk * (Dk + 1) + b * Hv + 8 * Hv
+    output = 8 + 12 * Hv * Dv + 4 * Hv + 2 * b * Hv * Dv + b * Hv * Dv
+    if hy.delta_rule == "fla":
+        rule = Hv * (4 * Dk + 2 * Dv + 6 + 2 * c)
+    else:
+        rule = (padded * 4 * Hv * (5 * c + 8 * Dk + 3 * Dv + 4) + chunks * 4 * Hv * Dk * Dv
+                + kept_copies * 8 * Hv * Dk)
+    return _around_mixer(shape) + conv + rule_inputs + rule + output
+
+
+def gated_attention_layer_bytes(shape: ModelShape) -> int:
+    """Bytes a Qwen3.5 gated attention layer (models/hybrid.py) saves for backward per token (Hq, Hkv heads of D):
+    norms and MLP as _around_mixer; the per-head q and k norms, each a float32 copy, a float32 normed copy and
+    the statistic: 4 (2 Hq D + Hq) + 4 (2 Hkv D + Hkv); what the packed flash kernel keeps, q after RoPE, k, v
+    and the output (b (2 Hq D + 2 Hkv D); its float32 log-sum-exp, 4 Hq, left out as for dense layers); sigmoid(gate)
+    and the gated output, o_proj's input (2 b Hq D). In float32 the norm's copy of q is the q_proj output itself,
+    gate rows included: 4 Hq D more. Measured on the CPU with a stand-in saving what the flash kernel saves
+    (tests/test_doctor_hybrid_memory.py); CPU SDPA repeats k and v to Hq heads and saves them so (more)."""
+    b, D = shape.param_bytes, shape.head_dim
+    Hq, Hkv = shape.hybrid.attention_heads, shape.num_kv_heads
+    norms = 4 * (2 * Hq * D + Hq) + 4 * (2 * Hkv * D + Hkv) + (4 * Hq * D if b >= 4 else 0)
+    return _around_mixer(shape) + norms + b * (2 * Hq * D + 2 * Hkv * D) + 2 * b * Hq * D
 
 
 def kept_engine_bytes(shape: ModelShape, slots: int, slot_tokens: int, *, kv_limit: Optional[int] = None,
@@ -296,12 +422,13 @@ def kept_engine_bytes(shape: ModelShape, slots: int, slot_tokens: int, *, kv_lim
 
 
 def update_peak_bytes(shape: ModelShape, *, resident: int, grads: int, micro_batch_tokens: int,
-                      gradient_checkpointing: bool, compiled: bool = False) -> int:
+                      gradient_checkpointing: bool, compiled: bool = False,
+                      sequence_tokens: Optional[int] = None) -> int:
     """The update's peak on one rank: the resident roles, the actor's gradients, one micro-batch's saved
-    activations and its log-prob chunk."""
+    activations (whole sequences of `sequence_tokens`, see train_bytes_per_token) and its log-prob chunk."""
     tokens = micro_batch_tokens
-    return (resident + grads + tokens * train_bytes_per_token(shape, gradient_checkpointing, compiled)
-            + logprob_chunk_bytes(shape, tokens))
+    per_token = train_bytes_per_token(shape, gradient_checkpointing, compiled, sequence_tokens)
+    return resident + grads + tokens * per_token + logprob_chunk_bytes(shape, tokens)
 
 
 def logprob_chunk_bytes(shape: ModelShape, tokens: int) -> int:
@@ -346,7 +473,7 @@ def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, 
         out.append(Suggestion("reward_model.batch_size", sizes.rm_batch_size,
                               _largest(usable - resident, per_seq, sizes.responses_per_rank),
                               sizes.responses_per_rank, per_seq))
-    per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing, sizes.compiled)
+    per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing, sizes.compiled, sizes.sequence_tokens)
     seqs = _largest_micro_batch(usable - resident - update_extra, policy, per_token, sizes)
     out.append(Suggestion("ppo.micro_batch_tokens", sizes.micro_batch_tokens, seqs * sizes.sequence_tokens,
                           sizes.mini_batch_per_rank * sizes.sequence_tokens, per_token, whole=sizes.sequence_tokens))

@@ -26,7 +26,8 @@ from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
 from .checks import Context, check, roles_enabled, short
 from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, effective, fmt_bytes, judge,
-                     kept_engine_bytes, kv_cache_bytes_per_sequence, role_memory, suggest_sizes, update_peak_bytes)
+                     kept_engine_bytes, kv_cache_bytes_per_sequence, layer_bytes, role_memory, suggest_sizes,
+                     update_peak_bytes)
 from .report import FAIL, OK, WARN, CheckResult
 
 log = logging.getLogger("phaserl")
@@ -306,9 +307,7 @@ def check_memory(ctx: Context) -> CheckResult:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
     details.append(kv_line(shape, sizes))
     if shape.hybrid:
-        details.append("activations  Qwen3.5's layers are counted like dense attention layers; they save more for "
-                       "backward (a Gated DeltaNet layer ~5.8× at the 0.8B shape on the torch rule): the "
-                       "ppo.micro_batch_tokens that fit are an upper bound, watch the first steps' peak memory")
+        details.append(hybrid_activation_line(shape, sizes))
     if kept:
         details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
     details += [_size_line(s, sizes, ctx.free_bytes) for s in suggestions]
@@ -326,6 +325,19 @@ def check_memory(ctx: Context) -> CheckResult:
         return CheckResult("memory", WARN, "; ".join(problems), fix=fix, details=tuple(details))
     return CheckResult("memory", OK, f"~{fmt_bytes(resident)} of weights and optimizer state per rank; every phase "
                                      f"fits the {usable} free on {ctx.device}", details=tuple(details))
+
+
+def hybrid_activation_line(shape: ModelShape, sizes: PhaseSizes) -> str:
+    """Qwen3.5's details line: what each layer kind saves for backward per token (memory.layer_bytes), and which
+    delta rule that count is for; fla's count is read from its source, not yet measured on a GPU."""
+    names = {"linear_attention": "Gated DeltaNet", "gated_attention": "gated attention"}
+    kinds = layer_bytes(shape, sequence_tokens=sizes.sequence_tokens)
+    parts = " + ".join(f"{count} {names[kind]} layers × {fmt_bytes(each)}" for kind, (count, each) in kinds.items())
+    line = f"activations  per token: {parts}"
+    if shape.hybrid.delta_rule == "fla":
+        return (line + " (flash-linear-attention's kernels: their count is read from fla-core 0.6.0's source, not yet "
+                "measured on a GPU; watch the first steps' peak memory)")
+    return line + " (the torch chunked delta rule, float32)" if shape.hybrid.linear_layers else line
 
 
 def kv_line(shape: ModelShape, sizes: PhaseSizes) -> str:

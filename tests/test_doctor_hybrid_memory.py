@@ -1,0 +1,213 @@
+"""The doctor's count of what Qwen3.5's layers save for backward (doctor/memory.py: delta_layer_bytes,
+gated_attention_layer_bytes, train_bytes_per_token) equals what they save, measured on the CPU with
+saved_tensors_hooks (benchmarks/saved_activations.py's held_bytes: the distinct storages still held when the
+forward returns, less parameters, RoPE tables and the shared Segments).
+
+Tiny shapes of several head counts and dims, chunk boundaries (sequences of 30, 64, 65, 70, 128, 200 tokens), packed
+micro-batches, bf16 and float32, the whole stack with and without gradient checkpointing, the fla path's torch side,
+and a regression at Qwen3.5-0.8B's layer shape, where the dense rule the doctor used before counted a Gated
+DeltaNet layer ~5.8x low. The attention core is the flash-like stand-in of saved_activations.py (what the packed
+varlen kernel saves), so the CPU measures what the GPU's update keeps.
+
+What the tolerances leave room for: per-layer (not per-token) tensors the count leaves out (the chunk's c x c
+causal mask, the norms' (1 + w), exp(A_log), each chunk's state decay): under 0.5% here; and for a micro-batch of
+one sequence, the copies matmul then reads as views of whole tensors (delta_layer_bytes' docstring): 1-2%, and
+at most a few percent more counted than kept for a single sequence of one chunk.
+"""
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from saved_activations import flash_like, saved_bytes, stack_saved_bytes  # noqa: E402
+
+from phaserl.doctor import memory  # noqa: E402
+from phaserl.doctor.memory import ModelShape  # noqa: E402
+from phaserl.models import CausalLM, attention, linear_attention  # noqa: E402
+from phaserl.models.families import config_from_hf  # noqa: E402
+
+torch.set_num_threads(1)
+Qwen3_5TextConfig = getattr(transformers, "Qwen3_5TextConfig", None)
+pytestmark = pytest.mark.skipif(Qwen3_5TextConfig is None, reason="this transformers has no Qwen3.5")
+
+PACKED = 0.02  # packed micro-batches (several sequences): what the doctor models
+SINGLE = 0.06  # one sequence per micro-batch: matmul's views keep a little more (or, within one chunk, less)
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=16, max_position_embeddings=512)
+SHAPES = {  # name -> changes to BASE
+    "base": {},
+    "one-key-head": dict(hidden_size=48, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
+                         linear_value_head_dim=8),
+    "no-grouping": dict(linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8, linear_conv_kernel_dim=3),
+    "wide-values": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=8, linear_key_head_dim=4, linear_value_head_dim=32),
+    "big-state": dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
+                      linear_value_head_dim=64),  # per-chunk states of 32 KB: a missed state term shows
+}
+# Qwen3.5-0.8B as benchmarks/families.py builds it, with 4 layers (3 Gated DeltaNet, 1 gated attention) and a small
+# vocabulary: the layers' real sizes at a CPU cost.
+QWEN35_08B = dict(vocab_size=1024, hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                  linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768)
+
+
+@pytest.fixture(autouse=True)
+def flash_like_attention(monkeypatch):
+    """hybrid.py calls attention.attend: the stand-in saves what the varlen flash kernel saves."""
+    monkeypatch.setattr(attention, "attend", flash_like)
+
+
+def model_of(dtype=torch.bfloat16, **changes) -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(config_from_hf(Qwen3_5TextConfig(**{**BASE, **changes}).to_dict())).to(dtype).train()
+
+
+def per_kind(model: CausalLM, tokens: int, seq_len):
+    """kind -> (measured, counted) bytes per token of its first layer on one row of `tokens` (sequences of seq_len)."""
+    counted = memory.layer_bytes(ModelShape.of(model), sequence_tokens=seq_len or tokens)
+    first = {"linear_attention": model.config.layer_types.index("linear_attention"),
+             "gated_attention": model.config.layer_types.index("full_attention")}
+    return {kind: (saved_bytes(model, tokens, torch.device("cpu"), layer=i, seq_len=seq_len) / tokens,
+                   counted[kind][1]) for kind, i in first.items()}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("seq_len,sequences", [(30, 5), (64, 2), (65, 2), (128, 2), (200, 2)])
+def test_each_layer_kind_saves_what_the_doctor_counts_for_packed_sequences(shape, seq_len, sequences):
+    model = model_of(**SHAPES[shape])
+    for kind, (measured, counted) in per_kind(model, seq_len * sequences, seq_len).items():
+        assert counted == pytest.approx(measured, rel=PACKED), kind
+
+
+def test_float32_layers_count_their_own_copies():
+    # In float32 the .float() copies are the tensors themselves, and the gated attention's q norm keeps the whole
+    # q_proj output (gate rows too): the count follows each tensor's dtype, not a fixed multiple of b.
+    model = model_of(torch.float32)
+    for kind, (measured, counted) in per_kind(model, 2 * 70, 70).items():
+        assert counted == pytest.approx(measured, rel=PACKED), kind
+
+
+@pytest.mark.parametrize("tokens", [64, 65, 200])
+def test_a_single_sequence_is_counted_within_the_views_matmul_keeps(tokens):
+    for kind, (measured, counted) in per_kind(model_of(), tokens, None).items():
+        assert counted == pytest.approx(measured, rel=SINGLE), kind
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_whole_stack_is_what_train_bytes_per_token_counts(checkpointing):
+    model = model_of(**SHAPES["one-key-head"])
+    shape, tokens, seq_len = ModelShape.of(model), 3 * 70, 70
+    counted = memory.train_bytes_per_token(shape, checkpointing, sequence_tokens=seq_len)
+    if not checkpointing:
+        measured = stack_saved_bytes(model, tokens, torch.device("cpu"), seq_len) / tokens
+    else:
+        # Checkpointed: the forward keeps each layer's input; backward recomputes one layer at a time.
+        model.model.gradient_checkpointing = True
+        kept = stack_saved_bytes(model, tokens, torch.device("cpu"), seq_len) / tokens
+        assert kept == pytest.approx(shape.num_layers * shape.hidden_size * shape.param_bytes, rel=0.01)
+        largest = max(measured for measured, _ in per_kind(model, tokens, seq_len).values())
+        measured = kept + largest + memory.SEGMENTS_BYTES
+    assert counted == pytest.approx(measured, rel=PACKED)
+
+
+def test_checkpointing_keeps_a_fraction_of_what_the_stack_saves():
+    shape = ModelShape.of(model_of())
+    whole, checkpointed = (memory.train_bytes_per_token(shape, c, sequence_tokens=128) for c in (False, True))
+    largest = max(each for _, each in memory.layer_bytes(shape, sequence_tokens=128).values())
+    assert checkpointed == pytest.approx(shape.num_layers * shape.hidden_size * 2 + largest + 9, abs=1)
+    assert checkpointed < whole / 2
+
+
+def test_regression_the_dense_rule_counted_a_qwen35_08b_deltanet_layer_about_6x_low():
+    """Bug: the doctor counted Qwen3.5's layers as eager dense layers (8h + 4I + 2 Hkv D values each), ~5.8x less
+    than a Gated DeltaNet layer saves on the torch rule at the 0.8B shape, so micro-batches that did not fit
+    passed and `rollout.engine_keep_awake=auto` saw memory that was not there."""
+    model = model_of(**QWEN35_08B)
+    shape = ModelShape.of(model)
+    dense_rule = (8 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.num_kv_heads * shape.head_dim) * 2
+    measured = per_kind(model, 2 * 128, 128)
+    linear, attn = measured["linear_attention"], measured["gated_attention"]
+    assert linear[0] > 5 * dense_rule and attn[0] > 1.5 * dense_rule  # what the old count missed
+    assert linear[1] == pytest.approx(linear[0], rel=PACKED) and attn[1] == pytest.approx(attn[0], rel=PACKED)
+
+
+def test_compile_changes_nothing_for_hybrid_layers():
+    shape = ModelShape.of(model_of())
+    assert memory.layer_bytes(shape, compiled=True) == memory.layer_bytes(shape)
+    assert memory.train_bytes_per_token(shape, False, compiled=True) == memory.train_bytes_per_token(shape, False)
+
+
+# ---- the fla path: its torch side measured, the kernel's saves as fla 0.6.0's autograd Function makes them ----
+
+class FlaLike(torch.autograd.Function):
+    """Saves what fla-core 0.6.0's ChunkGatedDeltaRuleFunction saves (q, k, v, g's chunk-local cumsum in float32,
+    beta, the [N, H, 64] block inverse A in k's dtype, cu_seqlens, chunk indices) and computes our torch rule per
+    sequence, so that the layer around it runs exactly as with fla."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens):  # [1, N, H, D], g/beta [1, N, H]
+        with torch.no_grad():
+            outs = [linear_attention.chunk_gated_delta_rule(*(t[:, a:b].float() for t in (q, k, v, g, beta)))[0]
+                    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+            cum = torch.cat([g[:, a:a + 64].cumsum(1) for a in range(0, g.shape[1], 64)], dim=1)
+            A = k.new_zeros(*k.shape[:3], 64)
+            chunks = torch.zeros(sum(-(-(b - a) // 64) for a, b in zip(cu_seqlens[:-1].tolist(),
+                                                                      cu_seqlens[1:].tolist())), 2, dtype=torch.int32)
+        ctx.save_for_backward(q, k, v, cum, beta, A, cu_seqlens, chunks)
+        return torch.cat(outs, dim=1).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("a memory stand-in: only its forward's saved tensors are measured")
+
+
+def fla_like(q, k, v, g, beta, *, scale, cu_seqlens, use_qk_l2norm_in_kernel):
+    assert scale == 1.0 and not use_qk_l2norm_in_kernel  # how _fla_chunk calls fla
+    return FlaLike.apply(q, k, v, g, beta, cu_seqlens), None
+
+
+def test_the_fla_path_saves_what_the_doctor_counts_for_it(monkeypatch):
+    monkeypatch.setattr(linear_attention, "_fla_usable", lambda device: True)
+    monkeypatch.setattr(linear_attention, "_fla_rule", lambda: fla_like)
+    model = model_of()
+    shape = ModelShape.of(model)
+    fla = dataclasses.replace(shape, hybrid=dataclasses.replace(shape.hybrid, delta_rule="fla"))
+    tokens, seq_len = 3 * 70, 70
+    measured = saved_bytes(model, tokens, torch.device("cpu"), layer=0, seq_len=seq_len) / tokens
+    counted = memory.delta_layer_bytes(fla, seq_len)
+    assert counted == pytest.approx(measured, rel=PACKED)
+    assert counted < memory.delta_layer_bytes(shape, seq_len) / 2  # no float32 c x c matrices, no per-chunk states
+
+
+def test_the_shape_takes_the_rule_training_runs_where_the_model_sits():
+    shape = ModelShape.of(model_of())
+    assert shape.hybrid.delta_rule == "torch"  # CPU: fla never runs here
+    assert (shape.hybrid.linear_layers, shape.hybrid.value_heads, shape.hybrid.key_dim) == (3, 4, 8)
+    assert shape.hybrid.chunk == linear_attention.CHUNK
+
+
+def test_the_doctors_details_count_each_kind_and_warn_only_where_the_count_is_unmeasured():
+    from phaserl.doctor.memory import PhaseSizes
+    from phaserl.doctor.probes import hybrid_activation_line
+
+    sizes = PhaseSizes(n=2, prompt_tokens=32, sequence_tokens=70, rollout_batch_size=4, prompts_per_rank=4,
+                       rm_engine="transformers", rm_batch_size=16, rm_micro_batch_tokens=256, rm_packed=False,
+                       rm_max_length=64, responses_per_rank=8, micro_batch_tokens=140, mini_batch_per_rank=8,
+                       gradient_checkpointing=False)
+    shape = ModelShape.of(model_of())
+    line = hybrid_activation_line(shape, sizes)
+    linear, attn = (memory.fmt_bytes(memory.layer_bytes(shape, sequence_tokens=70)[k][1])
+                    for k in ("linear_attention", "gated_attention"))
+    assert line == (f"activations  per token: 3 Gated DeltaNet layers × {linear} + 1 gated attention layers × {attn} "
+                    "(the torch chunked delta rule, float32)")
+    assert "dense" not in line and "upper bound" not in line  # the old caveat is gone: the count is measured
+    fla = dataclasses.replace(shape, hybrid=dataclasses.replace(shape.hybrid, delta_rule="fla"))
+    assert "not yet measured on a GPU" in hybrid_activation_line(fla, sizes)
