@@ -24,8 +24,8 @@ sequences of `--seq-len`, and the stack of those layers together (`layer_kind: "
 train_bytes_per_token of that stack). Qwen3.5's Gated DeltaNet layers run the rule training runs there: the torch
 chunked rule on the CPU, flash-linear-attention's kernels on CUDA where they import (`delta_rule` in each line says
 which; the fla count is read from fla's source, so a GPU line is its check). At qwen35-0.8b on the CPU (torch rule,
-bf16, 256 tokens as 2 sequences of 128): Gated DeltaNet 278 KB per token, gated attention 88 KB, each within 0.1%
-of the doctor's count (which counted 47 KB for both before).
+bf16, 256 tokens as 2 sequences of 128): Gated DeltaNet 263.1 kB per token, gated attention 88.2 kB, the stack of
+those 4 layers 877.5 kB, each within 0.05% of the doctor's count (which counted 47.1 kB for every layer before).
 Not here: the log-prob head, the optimizer, peak memory of a real step (benchmarks/train_step.py, grpo_step.py).
 """
 from __future__ import annotations
