@@ -206,8 +206,28 @@ def test_the_doctors_details_count_each_kind_and_warn_only_where_the_count_is_un
     line = hybrid_activation_line(shape, sizes)
     linear, attn = (memory.fmt_bytes(memory.layer_bytes(shape, sequence_tokens=70)[k][1])
                     for k in ("linear_attention", "gated_attention"))
-    assert line == (f"activations  per token: 3 Gated DeltaNet layers × {linear} + 1 gated attention layers × {attn} "
-                    "(the torch chunked delta rule, float32)")
+    assert line == (f"activations  per token: 3 × {linear} (Gated DeltaNet, torch chunked rule) + 1 × {attn} "
+                    "(gated attention)")
     assert "dense" not in line and "upper bound" not in line  # the old caveat is gone: the count is measured
     fla = dataclasses.replace(shape, hybrid=dataclasses.replace(shape.hybrid, delta_rule="fla"))
     assert "not yet measured on a GPU" in hybrid_activation_line(fla, sizes)
+
+
+def test_the_doctor_sizes_a_qwen35_update_by_the_per_kind_count(tmp_path):
+    from _tiny_run import make_run_dir
+    from _tiny_tokenizer import build_tiny_tokenizer
+
+    from phaserl.doctor import load_doctor_config, run_doctor
+    from phaserl.models import save_pretrained
+
+    tokenizer = build_tiny_tokenizer()
+    model = model_of(torch.float32, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    save_pretrained(model, str(tmp_path / "qwen35"), tokenizer=tokenizer)
+    overrides = [o for o in make_run_dir(str(tmp_path)) if not o.startswith("model.path=")]
+    memory_check = {r.name: r for r in run_doctor(load_doctor_config(None, overrides + [
+        f"model.path={tmp_path / 'qwen35'}"]), world_size=1)}["memory"]
+    per_token = memory.train_bytes_per_token(ModelShape.of(model), False, sequence_tokens=32 + 4)  # prompt + new
+    details = "\n".join(memory_check.details)
+    assert "(Gated DeltaNet, torch chunked rule)" in details
+    assert f"({memory.fmt_bytes(per_token)} per token)" in details  # the ppo.micro_batch_tokens line

@@ -328,16 +328,14 @@ def check_memory(ctx: Context) -> CheckResult:
 
 
 def hybrid_activation_line(shape: ModelShape, sizes: PhaseSizes) -> str:
-    """Qwen3.5's details line: what each layer kind saves for backward per token (memory.layer_bytes), and which
-    delta rule that count is for; fla's count is read from its source, not yet measured on a GPU."""
-    names = {"linear_attention": "Gated DeltaNet", "gated_attention": "gated attention"}
+    """Qwen3.5's details line: what each layer kind saves for backward per token (memory.layer_bytes), with the
+    delta rule the Gated DeltaNet count is for; fla's count is read from its source, not yet measured on a GPU."""
+    rule = ("flash-linear-attention's kernels: counted from fla-core 0.6.0's source, not yet measured on a GPU; "
+            "watch the first steps' peak memory" if shape.hybrid.delta_rule == "fla" else "torch chunked rule")
+    names = {"linear_attention": f"Gated DeltaNet, {rule}", "gated_attention": "gated attention"}
     kinds = layer_bytes(shape, sequence_tokens=sizes.sequence_tokens)
-    parts = " + ".join(f"{count} {names[kind]} layers × {fmt_bytes(each)}" for kind, (count, each) in kinds.items())
-    line = f"activations  per token: {parts}"
-    if shape.hybrid.delta_rule == "fla":
-        return (line + " (flash-linear-attention's kernels: their count is read from fla-core 0.6.0's source, not yet "
-                "measured on a GPU; watch the first steps' peak memory)")
-    return line + " (the torch chunked delta rule, float32)" if shape.hybrid.linear_layers else line
+    return "activations  per token: " + " + ".join(f"{count} × {fmt_bytes(each)} ({names[kind]})"
+                                                   for kind, (count, each) in kinds.items())
 
 
 def kv_line(shape: ModelShape, sizes: PhaseSizes) -> str:
