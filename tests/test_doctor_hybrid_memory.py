@@ -70,12 +70,12 @@ def model_of(dtype=torch.bfloat16, **changes) -> CausalLM:
     return CausalLM(config_from_hf(Qwen3_5TextConfig(**{**BASE, **changes}).to_dict())).to(dtype).train()
 
 
-def per_kind(model: CausalLM, tokens: int, seq_len):
+def per_kind(model: CausalLM, tokens: int, seq_len, device: str = "cpu"):
     """kind -> (measured, counted) bytes per token of its first layer on one row of `tokens` (sequences of seq_len)."""
     counted = memory.layer_bytes(ModelShape.of(model), sequence_tokens=seq_len or tokens)
     first = {"linear_attention": model.config.layer_types.index("linear_attention"),
              "gated_attention": model.config.layer_types.index("full_attention")}
-    return {kind: (saved_bytes(model, tokens, torch.device("cpu"), layer=i, seq_len=seq_len) / tokens,
+    return {kind: (saved_bytes(model, tokens, torch.device(device), layer=i, seq_len=seq_len) / tokens,
                    counted[kind][1]) for kind, i in first.items()}
 
 
@@ -231,3 +231,16 @@ def test_the_doctor_sizes_a_qwen35_update_by_the_per_kind_count(tmp_path):
     details = "\n".join(memory_check.details)
     assert "(Gated DeltaNet, torch chunked rule)" in details
     assert f"({memory.fmt_bytes(per_token)} per token)" in details  # the ppo.micro_batch_tokens line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["fla", "torch"])
+def test_gpu_each_layer_kind_saves_what_the_doctor_counts_for_the_rule_cuda_runs(rule, monkeypatch):
+    """On CUDA: fla's kernels (the count read from fla-core 0.6.0's source; this is its measurement) and the torch
+    rule there (cuDNN's conv, the fused RMS norm), at the 0.8B layer shape, 4 sequences of 512 tokens."""
+    monkeypatch.setattr(linear_attention, "USE_FLA", rule == "fla")
+    model = model_of(**QWEN35_08B).cuda()
+    if ModelShape.of(model).hybrid.delta_rule != rule:
+        pytest.skip("flash-linear-attention does not run here (not installed, or its probe disagreed: logged)")
+    for kind, (measured, counted) in per_kind(model, 4 * 512, 512, device="cuda").items():
+        assert counted == pytest.approx(measured, rel=0.05 if rule == "fla" else PACKED), kind
