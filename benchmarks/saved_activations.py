@@ -11,6 +11,7 @@ packed update keeps. One JSON line per variant:
 
     python benchmarks/saved_activations.py --shape 0.5b --tokens 4096          # on the H200 (bf16)
     python benchmarks/saved_activations.py --family qwen35-0.8b --tokens 4096 --seq-len 512  # each layer kind
+    python benchmarks/saved_activations.py --family qwen35-0.8b --tokens 4096 --seq-len 512 --attention varlen
     python benchmarks/saved_activations.py --smoke                              # tiny shape, CPU
     python benchmarks/saved_activations.py --smoke --family qwen35-tiny         # tiny Qwen3.5, CPU
 
@@ -23,7 +24,8 @@ eagerly (the packed training path of hybrid and MoE layers is eager) on one row 
 sequences of `--seq-len`, and the stack of those layers together (`layer_kind: "stack"`, against
 train_bytes_per_token of that stack). Qwen3.5's Gated DeltaNet layers run the rule training runs there: the torch
 chunked rule on the CPU, flash-linear-attention's kernels on CUDA where they import (`delta_rule` in each line says
-which; the fla count is read from fla's source, so a GPU line is its check). At qwen35-0.8b on the CPU (torch rule,
+which; the fla count is read from fla's source, so a GPU line is its check); `--attention varlen` (CUDA) runs the
+real varlen flash kernel instead of the stand-in. At qwen35-0.8b on the CPU (torch rule,
 bf16, 256 tokens as 2 sequences of 128): Gated DeltaNet 263.1 kB per token, gated attention 88.2 kB, the stack of
 those 4 layers 877.5 kB, each within 0.05% of the doctor's count (which counted 47.1 kB for every layer before).
 Not here: the log-prob head, the optimizer, peak memory of a real step (benchmarks/train_step.py, grpo_step.py).
@@ -31,6 +33,7 @@ Not here: the log-prob head, the optimizer, peak memory of a real step (benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -108,9 +111,10 @@ def packed_row(tokens: int, seq_len: Optional[int], device) -> tuple[torch.Tenso
 
 
 def saved_bytes(model: CausalLM, tokens: int, device: torch.device, layer: int = 0,
-                seq_len: Optional[int] = None) -> int:
+                seq_len: Optional[int] = None, varlen: bool = False) -> int:
     """Bytes layer `layer` saves for backward on one row of `tokens` tokens (sequences of `seq_len` packed; None:
-    one sequence), less the parameters, the RoPE tables and Qwen3.5's Segments (shared by every layer)."""
+    one sequence), less the parameters, the RoPE tables and Qwen3.5's Segments (shared by every layer).
+    varlen: attention layers get the packed boundaries, for the real varlen kernel (CUDA) instead of flash_like."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
     h = model.model.embed_tokens(ids).detach().requires_grad_(True)  # [1, T, H]
     block = model.model.layers[layer]
@@ -122,6 +126,9 @@ def saved_bytes(model: CausalLM, tokens: int, device: torch.device, layer: int =
 
         attn = Segments.of(torch.ones(1, tokens, dtype=torch.long, device=device), seq_ids)
         shared += (attn.index, attn.real)
+    elif varlen:
+        rows = seq_ids if seq_ids is not None else torch.zeros(1, tokens, dtype=torch.long, device=device)
+        attn = dataclasses.replace(attention.packed_boundaries(rows), window=block.spec.window)
     skip = storages(*shared)
     return held_bytes(lambda: block(h, cos, sin, attn), lambda s: s.data_ptr() in skip)
 
@@ -160,6 +167,8 @@ def main() -> None:
     p.add_argument("--family", default=None, help="a benchmarks/families.py shape: each of its layer kinds, eager")
     p.add_argument("--seq-len", type=int, default=None, help="--family: pack the row as sequences of this many "
                    "tokens (default: one sequence)")
+    p.add_argument("--attention", default="standin", choices=("standin", "varlen"),
+                   help="--family: the attention core, flash_like (default) or the real varlen kernel (CUDA)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, 256 tokens (CPU)")
     a = p.parse_args()
     if a.smoke:
@@ -167,8 +176,10 @@ def main() -> None:
         a.seq_len = a.seq_len or (128 if a.family else None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype or "bfloat16")
+    if a.attention == "varlen" and not (a.family and attention.use_varlen(device, dtype)):
+        p.error("--attention varlen needs --family, CUDA and a half-precision --dtype (the varlen kernel)")
     if a.family:
-        return family_layers(a.family, a.tokens, device, dtype, a.seq_len)
+        return family_layers(a.family, a.tokens, device, dtype, a.seq_len, varlen=a.attention == "varlen")
     cfg = decoder_config(a.shape).replace(num_hidden_layers=1)
     torch.manual_seed(0)
     with torch.device(device):
@@ -189,9 +200,9 @@ def main() -> None:
 
 
 def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.dtype,
-                  seq_len: Optional[int] = None) -> None:
+                  seq_len: Optional[int] = None, varlen: bool = False) -> None:
     """One JSON line per layer kind of a families.py shape (its first layers up to one of each kind), eager, and
-    one for those layers as a stack, each beside the doctor's count."""
+    one for those layers as a stack, each beside the doctor's count. varlen: the real varlen attention kernel."""
     import transformers
 
     from families import SHAPES
@@ -209,14 +220,15 @@ def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.d
     torch.manual_seed(0)
     with torch.device(device):
         model = CausalLM(cfg).to(dtype).train()
-    decoder._attend = attention.attend = torch.compiler.disable(flash_like)  # hybrid.py calls attention.attend
+    if not varlen:
+        decoder._attend = attention.attend = torch.compiler.disable(flash_like)  # hybrid.py calls attention.attend
     shape = ModelShape.of(model)  # on CUDA this asks linear_attention whether fla runs there, as training does
     counted = layer_bytes(shape, sequence_tokens=seq_len or tokens)
     common = {"bench": "saved_activations", "family": family, "device": device.type, "dtype": str(dtype),
               "tokens": tokens, "seq_len": seq_len or tokens, "delta_rule": shape.hybrid and shape.hybrid.delta_rule,
-              "torch": torch.__version__}
+              "attention": "varlen" if varlen else "standin", "torch": torch.__version__}
     for kind, i in kinds.items():
-        measured = saved_bytes(model, tokens, device, layer=i, seq_len=seq_len) / tokens
+        measured = saved_bytes(model, tokens, device, layer=i, seq_len=seq_len, varlen=varlen) / tokens
         doctor_kind = ("linear_attention" if cfg.is_linear(i) else "gated_attention" if cfg.hybrid
                        else "moe" if cfg.is_moe(i) else "dense")
         predicted = counted[doctor_kind][1]

@@ -396,7 +396,9 @@ def gated_attention_layer_bytes(shape: ModelShape) -> int:
     and the output (b (2 Hq D + 2 Hkv D); its float32 log-sum-exp, 4 Hq, left out as for dense layers); sigmoid(gate)
     and the gated output, o_proj's input (2 b Hq D). In float32 the norm's copy of q is the q_proj output itself,
     gate rows included: 4 Hq D more. Measured on the CPU with a stand-in saving what the flash kernel saves
-    (tests/test_doctor_hybrid_memory.py); CPU SDPA repeats k and v to Hq heads and saves them so (more)."""
+    (tests/test_doctor_hybrid_memory.py). Not counted: on the CPU, SDPA with the padded batch's mask also keeps k and v
+    repeated to Hq heads, its log-sum-exp and a float32 copy of the [T, T] mask (4T bytes per token); on CUDA, a
+    varlen kernel without native GQA (attention._varlen_takes_gqa) keeps k and v repeated."""
     b, D = shape.param_bytes, shape.head_dim
     Hq, Hkv = shape.hybrid.attention_heads, shape.num_kv_heads
     norms = 4 * (2 * Hq * D + Hq) + 4 * (2 * Hkv * D + Hkv) + (4 * Hq * D if b >= 4 else 0)
