@@ -59,6 +59,9 @@ QWEN35_08B = dict(vocab_size=1024, hidden_size=1024, intermediate_size=3584, num
                   linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768)
 
 
+VARLEN_ATTEND = attention.attend  # the real one, for the GPU tests
+
+
 @pytest.fixture(autouse=True)
 def flash_like_attention(monkeypatch):
     """hybrid.py calls attention.attend: the stand-in saves what the varlen flash kernel saves."""
@@ -70,12 +73,13 @@ def model_of(dtype=torch.bfloat16, **changes) -> CausalLM:
     return CausalLM(config_from_hf(Qwen3_5TextConfig(**{**BASE, **changes}).to_dict())).to(dtype).train()
 
 
-def per_kind(model: CausalLM, tokens: int, seq_len, device: str = "cpu"):
-    """kind -> (measured, counted) bytes per token of its first layer on one row of `tokens` (sequences of seq_len)."""
+def per_kind(model: CausalLM, tokens: int, seq_len, device: str = "cpu", varlen: bool = False):
+    """kind -> (measured, counted) bytes per token of its first layer on one row of `tokens` (sequences of seq_len);
+    varlen: the attention layers get packed boundaries (the real varlen kernel on CUDA)."""
     counted = memory.layer_bytes(ModelShape.of(model), sequence_tokens=seq_len or tokens)
     first = {"linear_attention": model.config.layer_types.index("linear_attention"),
              "gated_attention": model.config.layer_types.index("full_attention")}
-    return {kind: (saved_bytes(model, tokens, torch.device(device), layer=i, seq_len=seq_len) / tokens,
+    return {kind: (saved_bytes(model, tokens, torch.device(device), layer=i, seq_len=seq_len, varlen=varlen) / tokens,
                    counted[kind][1]) for kind, i in first.items()}
 
 
@@ -237,10 +241,12 @@ def test_the_doctor_sizes_a_qwen35_update_by_the_per_kind_count(tmp_path):
 @pytest.mark.parametrize("rule", ["fla", "torch"])
 def test_gpu_each_layer_kind_saves_what_the_doctor_counts_for_the_rule_cuda_runs(rule, monkeypatch):
     """On CUDA: fla's kernels (the count read from fla-core 0.6.0's source; this is its measurement) and the torch
-    rule there (cuDNN's conv, the fused RMS norm), at the 0.8B layer shape, 4 sequences of 512 tokens."""
+    rule there (cuDNN's conv, the fused RMS norm), at the 0.8B layer shape, 4 sequences of 512 tokens; the gated
+    attention layer through the real varlen flash kernel."""
     monkeypatch.setattr(linear_attention, "USE_FLA", rule == "fla")
+    monkeypatch.setattr(attention, "attend", VARLEN_ATTEND)
     model = model_of(**QWEN35_08B).cuda()
     if ModelShape.of(model).hybrid.delta_rule != rule:
         pytest.skip("flash-linear-attention does not run here (not installed, or its probe disagreed: logged)")
-    for kind, (measured, counted) in per_kind(model, 4 * 512, 512, device="cuda").items():
+    for kind, (measured, counted) in per_kind(model, 4 * 512, 512, device="cuda", varlen=True).items():
         assert counted == pytest.approx(measured, rel=0.05 if rule == "fla" else PACKED), kind
