@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 
 from ..models.config import DecoderConfig
-from ..models.linear_attention import CHUNK, _fla_usable
+from ..models import linear_attention
 from ..rollout.slot_memory import SlotMemory, slot_memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -157,9 +157,10 @@ class HybridShape:
         s = c.linear_attention
         linear = sum(c.is_linear(i) for i in range(c.num_hidden_layers))
         if s is None:
-            return cls(0, c.num_attention_heads, 0, 0, 0, 0, 1, CHUNK, "torch")
+            return cls(0, c.num_attention_heads, 0, 0, 0, 0, 1, linear_attention.CHUNK, "torch")
+        fla = linear and linear_attention._fla_usable(device)  # the layer's own test, as its forward asks it
         return cls(linear, c.num_attention_heads, s.num_key_heads, s.num_value_heads, s.key_head_dim,
-                   s.value_head_dim, s.conv_kernel, CHUNK, "fla" if linear and _fla_usable(device) else "torch")
+                   s.value_head_dim, s.conv_kernel, linear_attention.CHUNK, "fla" if fla else "torch")
 
 
 class UnknownShape(ValueError):
