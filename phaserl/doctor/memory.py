@@ -31,7 +31,7 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   without it is not counted)
   update          per token and layer, saved activations: eager 8h + 4I + 2 × kv_heads × head_dim values,
                   torch.compile'd layers (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see
-                  train_bytes_per_token); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
+                  layer_bytes); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
                   plus 3k × h of gathered inputs and expert outputs and the router's probabilities; × b;
                   Qwen3.5's Gated DeltaNet and gated attention layers in bytes, each tensor they save counted with
                   its own dtype (delta_layer_bytes, gated_attention_layer_bytes: the float32 chunked rule on the
