@@ -374,7 +374,8 @@ def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident:
         return cfg.rollout.engine_keep_awake, ""
     micro = min(cfg.ppo.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
-                             gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled)
+                             gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
+                             sequence_tokens=sizes.sequence_tokens)
     choice = choose("rollout.engine_keep_awake", None, keep_awake_rule(
         engine_runs=cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy), device_type=ctx.device.type,
         world_size=ctx.world_size, actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",

@@ -111,7 +111,8 @@ def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes:
     seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else d.max_sequence_tokens  # a slot
     micro = min(cfg.ppo.micro_batch_tokens, d.mini_batch_per_rank * seq)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
-                             gradient_checkpointing=cfg.actor.gradient_checkpointing, compiled=compiled)
+                             gradient_checkpointing=cfg.actor.gradient_checkpointing, compiled=compiled,
+                             sequence_tokens=seq)
     r = cfg.rollout
     kept = kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
                              kv_limit=int(r.engine_memory_fraction * free_bytes), routes=cfg.actor.routing_replay)
