@@ -329,7 +329,7 @@ def main(argv=None) -> None:
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
                   obs_tokens=a.obs_tokens, repeats=a.repeats)
-    on, why = extend_graphs_rule(engine_runs=True, device_type=a.device, cuda_graphs=True, hybrid=False)
+    on, why = extend_graphs_rule(engine_runs=True, device_type=a.device, cuda_graphs=True)
     emit(case="extend_graphs_rule", auto="on" if on else "off", why=why)
     lines = []
     for compile in a.engine_compile:

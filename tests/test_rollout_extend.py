@@ -6,8 +6,6 @@ sampled tokens and log-probs, the KV at every position before each row's end, ev
 same slot state, the same MoE routes. Then whole sessions with extend_graphs on and off give the same turns,
 and on a GPU the same with the graphs captured and replayed.
 """
-import warnings
-
 import pytest
 import torch
 import transformers
@@ -44,6 +42,9 @@ def snapshot(runner) -> dict:
     out["kv"] = [t.clone() for t in (*runner.keys, *runner.values)]  # [slots, Hkv, S, D] each (per layer: Gemma 4)
     if runner.routes is not None:
         out["routes"] = runner.routes.clone()
+    recurrent = getattr(runner, "recurrent", None)  # Qwen3.5's HybridRunner: conv and DeltaNet state per slot
+    if recurrent is not None:
+        out["recurrent"] = [t.clone() for t in (*recurrent.conv, *recurrent.delta)]  # [slots, ...] each
     return out
 
 
@@ -54,6 +55,9 @@ def restore(runner, saved: dict) -> None:
         t.copy_(kept)
     if runner.routes is not None:
         runner.routes.copy_(saved["routes"])
+    if "recurrent" in saved:
+        for t, kept in zip((*runner.recurrent.conv, *runner.recurrent.delta), saved["recurrent"]):
+            t.copy_(kept)
 
 
 def assert_same_pass(eager: dict, static: dict, runner, atol: float) -> None:
@@ -72,6 +76,8 @@ def assert_same_pass(eager: dict, static: dict, runner, atol: float) -> None:
             assert all(torch.equal(s[slot], e[slot]) for s, e in zip(static["kv"], eager["kv"])), slot
         if "routes" in eager:
             assert torch.equal(static["routes"][slot, :end], eager["routes"][slot, :end]), slot
+        for s, e in zip(static.get("recurrent", ()), eager.get("recurrent", ())):  # the state after the row's end
+            torch.testing.assert_close(s[slot], e[slot], atol=atol, rtol=0)
 
 
 def compare_passes(model, params, record_routes=False, seed=0):
@@ -97,6 +103,29 @@ def compare_passes(model, params, record_routes=False, seed=0):
 def test_the_static_pass_gives_what_the_eager_pass_gives_for_ragged_items(model_type, extra):
     eager, static, runner = compare_passes(tiny_model(model_type, **extra), SamplingParams(max_new_tokens=8,
                                                                                            temperature=0.0))
+    assert_same_pass(eager, static, runner, atol=1e-5)
+
+
+def tiny_qwen35() -> CausalLM:
+    config = getattr(transformers, "Qwen3_5TextConfig", None)
+    if config is None:
+        pytest.skip("this transformers has no Qwen3.5")
+    torch.manual_seed(0)
+    model = CausalLM(config_from_hf(config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                           linear_value_head_dim=8).to_dict()))
+    with torch.no_grad():  # far from init (decays, conv taps): a state that leaked or was lost would show
+        for name, p in model.named_parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    return model.eval()
+
+
+def test_the_static_pass_gives_what_the_eager_pass_gives_for_qwen35():
+    """The hybrid runner through the static pass: a linear layer's padding row (length 0) keeps its slot's old
+    state, and its duplicate write used to race the real row's new one; every row now takes its source row's."""
+    eager, static, runner = compare_passes(tiny_qwen35(), SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert "recurrent" in eager
     assert_same_pass(eager, static, runner, atol=1e-5)
 
 
@@ -132,12 +161,12 @@ def test_buckets_and_chunks_keep_the_padded_pass_within_prefill_tokens():
         assert rows == 1 or rows_bucket(rows, 8) * tokens_bucket(longest, SLOT_LEN) <= 32
 
 
-@pytest.mark.parametrize("model_type, extra", [("qwen2", {}),
-                                               ("gemma4_text", GEMMA4)], ids=["qwen2", "gemma4-global-layers"])
+@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("gemma4_text", GEMMA4), ("qwen3_5_text", None)],
+                         ids=["qwen2", "gemma4-global-layers", "qwen35-hybrid"])
 def test_sessions_with_extend_graphs_give_the_same_turns(model_type, extra):
     """Several turns, more sequences than slots (refill), the static pass on the CPU (eager): the same greedy
     turns and log-probs as the eager extend pass."""
-    model = tiny_model(model_type, **extra)
+    model = tiny_qwen35() if model_type == "qwen3_5_text" else tiny_model(model_type, **extra)
     plan = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [[38] * 9, [1]], 4: [None]}
     results = []
     for extend_graphs in (False, True):
@@ -182,30 +211,19 @@ def test_a_moe_session_records_the_same_routes_with_extend_graphs():
         assert (eager[key][:-1] >= 0).all() and torch.equal(static[key], eager[key]), key
 
 
-def test_extend_graphs_stay_off_by_default_and_the_hybrid_runner_keeps_its_pass():
+def test_extend_graphs_stay_off_by_default_and_the_hybrid_runner_takes_them_when_asked():
     assert RolloutEngine(tiny_model(), EngineConfig()).runner.extender is None  # auto: off, as the rule says
-    for facts in (dict(device_type="cuda", cuda_graphs=True, hybrid=False),
-                  dict(device_type="cpu", cuda_graphs=True, hybrid=False),
-                  dict(device_type="cuda", cuda_graphs=True, hybrid=True)):
+    for facts in (dict(device_type="cuda", cuda_graphs=True), dict(device_type="cpu", cuda_graphs=True),
+                  dict(device_type="cuda", cuda_graphs=False)):
         on, why = extend_graphs_rule(engine_runs=True, **facts)
         assert not on and why
-    assert "not measured on a GPU" in extend_graphs_rule(engine_runs=True, device_type="cuda", cuda_graphs=True,
-                                                         hybrid=False)[1]
-    config = getattr(transformers, "Qwen3_5TextConfig", None)
-    if config is None:
-        pytest.skip("this transformers has no Qwen3.5")
-    hybrid = CausalLM(config_from_hf(config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine = RolloutEngine(hybrid, EngineConfig(extend_graphs=True))
-    assert engine.runner.extender is None
-    assert any("hybrid runner" in str(w.message) for w in caught)
+    assert "not measured on a GPU" in extend_graphs_rule(engine_runs=True, device_type="cuda", cuda_graphs=True)[1]
+    assert RolloutEngine(tiny_qwen35(), EngineConfig(extend_graphs=True)).runner.extender is not None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile, window", [(False, None), (True, None), (False, 16)],
-                         ids=["eager-layers", "compiled-layers", "sliding"])
+@pytest.mark.parametrize("compile, window", [(False, None), (True, None), (False, 16), (False, "qwen35")],
+                         ids=["eager-layers", "compiled-layers", "sliding", "qwen35-hybrid"])
 def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile, window):
     """float32 on CUDA, decode graphs on (the layer functions compiled; sliding layers), several turns with
     refill: extend graphs captured once per bucket give the eager extend pass's tokens exactly and its log-probs
@@ -213,11 +231,21 @@ def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile, window
     from phaserl.models import DecoderConfig
 
     torch.manual_seed(0)
-    sliding = {} if window is None else dict(sliding_window=window, layer_types=("sliding_attention",
-                                                                                  "full_attention") * 2)
-    cfg = DecoderConfig(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
-                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
-                        max_position_embeddings=1024, **sliding)
+    if window == "qwen35":  # the hybrid runner: its recurrent state per slot through the captured pass
+        config = getattr(transformers, "Qwen3_5TextConfig", None)
+        if config is None:
+            pytest.skip("this transformers has no Qwen3.5")
+        cfg = config_from_hf(config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                    linear_value_head_dim=16, max_position_embeddings=1024,
+                                    tie_word_embeddings=False).to_dict())
+    else:
+        sliding = {} if window is None else dict(sliding_window=window, layer_types=("sliding_attention",
+                                                                                      "full_attention") * 2)
+        cfg = DecoderConfig(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                            max_position_embeddings=1024, **sliding)
     model = CausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.normal_(std=0.3)

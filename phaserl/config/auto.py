@@ -28,7 +28,7 @@ AUTO_RULES = {
                                  f"fused weights and graphs is at most {KEEP_AWAKE_SHARE:.0%} of this process's "
                                  "device memory; off otherwise (CPU, FSDP, tight memory)",
     "rollout.engine_extend_graphs": "off for now (the graphed multi-turn continuation passes are not measured on a "
-                                    "GPU yet); off on the CPU, without CUDA graphs and for Qwen3.5's hybrid runner",
+                                    "GPU yet); off on the CPU and without CUDA graphs",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
 }
 
@@ -84,7 +84,7 @@ def engine_compile_rule(*, engine_runs: bool, device_type: str, triton: bool, fu
     return True, "CUDA, Triton, layers without fused decode kernels"
 
 
-def extend_graphs_rule(*, engine_runs: bool, device_type: str, cuda_graphs: bool, hybrid: bool) -> tuple[bool, str]:
+def extend_graphs_rule(*, engine_runs: bool, device_type: str, cuda_graphs: bool) -> tuple[bool, str]:
     """EngineConfig.extend_graphs when auto (the engine applies the same answer: off). The static extend pass
     (rollout/extend.py) was written without a GPU: the rule stays off until an H200 run of
     benchmarks/agent_rollout.py --extend-graphs off on shows the graphs faster at the same tokens."""
@@ -94,8 +94,6 @@ def extend_graphs_rule(*, engine_runs: bool, device_type: str, cuda_graphs: bool
         return False, f"{device_type.upper()} (no CUDA graphs: the static pass would only pad)"
     if not cuda_graphs:
         return False, "the engine's CUDA graphs are off"
-    if hybrid:
-        return False, "Qwen3.5's hybrid runner keeps its eager extend pass (its recurrent state per slot)"
     return False, ("not measured on a GPU yet: on once benchmarks/agent_rollout.py --extend-graphs off on shows the "
                    "graphed extend passes faster on the H200")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -64,7 +63,7 @@ class EngineConfig:
     extend_graphs: Optional[bool] = None  # multi-turn continuations through static-shape passes, a CUDA graph per
                                           # (rows, tokens, context) bucket (rollout/extend.py; on the CPU the static
                                           # pass runs eagerly); None = off until an H200 run shows it faster
-                                          # (config/auto.extend_graphs_rule); Qwen3.5 keeps its eager pass
+                                          # (config/auto.extend_graphs_rule)
 
     def __post_init__(self):
         if self.max_seq_tokens is not None and self.max_seq_tokens < 1:
@@ -118,11 +117,7 @@ class RolloutEngine:
         self.runner = runner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
                              prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
         if c.extend_graphs:  # auto (None) is off: config/auto.extend_graphs_rule says why
-            if self.model.config.hybrid:
-                warnings.warn("EngineConfig.extend_graphs is ignored for Qwen3.5's hybrid runner: its recurrent "
-                              "state keeps the eager extend pass (rollout/extend.py)", stacklevel=3)
-            else:
-                self.runner.extender = StaticExtend(self.runner)
+            self.runner.extender = StaticExtend(self.runner)
         self._pinned: list[torch.Tensor] = []
 
     @staticmethod

@@ -17,8 +17,10 @@ CUDA graph (lazily, into the decode graphs' memory pool, through `ModelRunner._c
            end and cap (`source`), so the duplicate writes of SlotState.start are identical
 Graphs go with the decode ones (runner.graphs): when the layout or the weights' addresses change. Without CUDA
 graphs (the CPU) the same static pass runs eagerly, which is what the CPU tests check against `_extend_pass`.
-Not here: Qwen3.5's HybridRunner (its recurrent state has no position past the end where a padding row's writes
-are harmless: it keeps its eager pass), which sequence is in which slot (session.py).
+Qwen3.5's HybridRunner runs its own `_extend_forward` here too: a linear layer's padding row (length 0) would write
+its slot's old recurrent state back, so every row's slot takes the new state of its `source` row (identical
+duplicate writes, as for SlotState.start).
+Not here: which sequence is in which slot (session.py).
 
 Legend: R rows bucket, T tokens bucket, K context bucket, S slot_len.
 """
@@ -67,7 +69,7 @@ class StaticExtend:
 
     def __init__(self, runner: ModelRunner):
         if type(runner)._extend_pass is not ModelRunner._extend_pass:
-            raise ValueError(f"{type(runner).__name__} has its own extend pass; StaticExtend runs ModelRunner's")
+            raise ValueError(f"{type(runner).__name__} has its own extend pass; StaticExtend runs its _extend_forward")
         self.runner = runner
         self.buffers: dict = {}  # (R, T) -> long [R * T + 5 * R] on the device: what that bucket's graph reads
         self.passes = 0

@@ -163,18 +163,15 @@ class HybridRunner(ModelRunner):
         self.state.start(slots, tokens, logprobs, lengths[group_of], caps)
 
     # ----- extend (multi-turn) --------------------------------------------------------------------
-    def _extend_pass(self, items) -> None:
-        C, (Hq, Hkv, D), S = len(items), self.heads, self.layout[1]
-        lengths = [len(tokens) for _, tokens, _, _ in items]
-        M = max(lengths)
-        ids = torch.zeros(C, M, dtype=torch.long)
-        for row, (_, tokens, _, _) in enumerate(items):
-            ids[row, :len(tokens)] = torch.tensor(tokens)
-        host = [ids, torch.tensor([start for _, _, start, _ in items]), torch.tensor(lengths),
-                torch.tensor([slot for slot, _, _, _ in items]), torch.tensor([cap for _, _, _, cap in items])]
-        ids, starts, lengths, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
+    # ModelRunner._extend_pass (the eager pass: exact shapes) feeds this; rollout/extend.py's static pass too.
+    def _extend_forward(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, caps: Tensor,
+                        context: int, source: Optional[Tensor] = None) -> None:
+        """ModelRunner._extend_forward for the hybrid layers. A linear layer's slot state goes on from the row's
+        last real token; source [C]: the row whose new conv and DeltaNet state (and sampled token, end, cap) each
+        row's slot takes, so that a static pass's padding rows (the first row's slot, length 0) write exactly the
+        first row's values, not their own unchanged copy of the slot's old state."""
+        (C, M), (Hq, Hkv, D), S = ids.shape, self.heads, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
-        context = max(start + len(tokens) for _, tokens, start, _ in items)
         key_pos = torch.arange(context, device=self.device)[None, None, :]
         visible = (key_pos <= pos[:, :, None])[:, None]  # [C, 1, M, ctx] (Qwen3.5 has no sliding layers)
         flat = pos.view(-1)
@@ -184,8 +181,11 @@ class HybridRunner(ModelRunner):
         for module, kind, j, w, post, spec in self._layers():
             if kind == "linear":
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style).view(C, M, -1)
-                out, R.conv[j][slots], R.delta[j][slots] = continue_sequences(
-                    module.linear_attn, x, lengths, R.conv[j][slots], R.delta[j][slots])  # the slot's state goes on
+                out, conv, delta = continue_sequences(module.linear_attn, x, lengths, R.conv[j][slots],
+                                                      R.delta[j][slots])  # the slot's state goes on
+                if source is not None:
+                    conv, delta = conv[source], delta[source]
+                R.conv[j][slots], R.delta[j][slots] = conv, delta
                 h = self.fns.post(h, out.view(C * M, -1), post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
@@ -197,7 +197,10 @@ class HybridRunner(ModelRunner):
             h = gated_output(h, attn.transpose(1, 2).reshape(C * M, Hq * D), gate, post, spec)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
-        self.state.start(slots, tokens, logprobs, starts + lengths, caps)
+        ends = starts + lengths
+        if source is not None:
+            tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
+        self.state.start(slots, tokens, logprobs, ends, caps)
 
     # ----- decode ---------------------------------------------------------------------------------
     def _decode_step(self, b: int) -> None:

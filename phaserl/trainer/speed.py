@@ -27,7 +27,6 @@ from ..config.auto import (Choice, SpeedChoices, choose, compile_rule, engine_co
                            keep_awake_rule)
 from ..doctor.memory import ModelShape, UnknownShape, kept_engine_bytes, update_peak_bytes
 from ..resolve import resolve_compile_cache_dir
-from ..models import CausalLM
 from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
@@ -80,8 +79,7 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_keep_awake=choose("rollout.engine_keep_awake", r.engine_keep_awake, keep_rule),
         engine_extend_graphs=None if not cfg.agent.env else choose(
             "rollout.engine_extend_graphs", r.engine_extend_graphs, extend_graphs_rule(
-                engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs,
-                hybrid=isinstance(actor.model, CausalLM) and actor.model.config.linear_attention is not None)))
+                engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs)))
 
 
 def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes: int, held_bytes: int,
