@@ -354,7 +354,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=None, help="world sizes up to this (default: the GPUs visible)")
     p.add_argument("--parts", default=",".join(PART_NAMES),
                    help="comma-separated, run in priority order (world: needed by every other part, once per --work)")
-    p.add_argument("--budget", type=float, default=None, help="seconds for everything (default 560; --smoke 170)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for everything (default 560; --smoke 330)")
     p.add_argument("--out", default=None, help="raw lines, logs, traces (default $OUT, else a temporary directory)")
     p.add_argument("--work", default=None, help="models, prompts, checkpoints (default: a temporary directory, "
                    "removed at the end; a directory given here is kept and its worlds are reused)")
@@ -368,13 +368,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.gpus = 2 if a.smoke else (a.gpus or torch.cuda.device_count())
     if a.gpus < 2:
         raise SystemExit(f"{a.gpus} GPU(s) visible: this benchmark needs 2 or more (or --smoke on the CPU)")
-    a.budget = a.budget or (170.0 if a.smoke else 560.0)
+    a.budget = a.budget or (330.0 if a.smoke else 560.0)
     a.out = a.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="multi_gpu_")
     a.keep_work = a.work is not None
     a.work = a.work or tempfile.mkdtemp(prefix="multi_gpu_work_")
     a.prompts = 2 if a.smoke else 32          # scaling: prompts per GPU (x 8 samples at 1.5B; x 4 at --smoke)
     a.switch_prompts = 2 if a.smoke else 16   # switch: prompts per GPU (x 8 samples, 64 new tokens at 0.5B)
-    a.timeouts = ({"world": 60, "launch": 60, "scale": 60, "switch": 60} if a.smoke else
+    # --smoke: ~75 s on 2 idle cores; the limits leave room for a machine loaded 2-3x (they only catch hangs)
+    a.timeouts = ({"world": 120, "launch": 120, "scale": 120, "switch": 120} if a.smoke else
                   {"world": 90, "launch": 120, "scale": 170, "switch": 120})
     return a
 

@@ -17,7 +17,7 @@ def test_the_smoke_run_prints_every_part_and_1_rank_agrees_with_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "multi_gpu.py"), "--smoke",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=420, env=env)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by = lambda part, measure: [r for r in lines if r["part"] == part and r["measure"] == measure]  # noqa: E731
