@@ -13,6 +13,7 @@ harness that raises, times out or makes no request is a FAIL. Nothing is trained
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..agents.completion import GenerateBackend
 from ..agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart
@@ -44,8 +45,9 @@ def check_agent(ctx: Context) -> CheckResult:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or [0])[0]
     decoder = _decoder(ctx, limits.max_episode_tokens + params.max_new_tokens)
+    decode = decoder.generate if isinstance(decoder, RolloutEngine) else functools.partial(generate, decoder)
     episode = EpisodeRunner(factory, tok, limits).run_generate(
-        lambda prompts: decoder.generate(prompts, params, eos_token_ids=eos, pad_token_id=pad),
+        lambda prompts: decode(prompts, params, eos_token_ids=eos, pad_token_id=pad),
         [EpisodeStart(item, seed=cfg.trainer.seed, label=f"{item.row.source}, sample 0")])[0]
     layout = " | ".join(f"{s.kind} {len(s.token_ids)}" + (" (masked)" if s.kind == "observation" else "")
                         for s in episode.segments)
@@ -67,23 +69,14 @@ def check_agent(ctx: Context) -> CheckResult:
     return CheckResult(NAME, OK, message, details=details)
 
 
-class _PlainGenerate:
-    """rollout.generate (the plain KV-cache path) behind the engine's generate() signature."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def generate(self, prompts, params, **kwargs):
-        return generate(self.model, prompts, params, **kwargs)
-
-
 def _decoder(ctx: Context, longest: int):
-    """What the probe decodes with: as training does, the rollout engine where it runs the policy (Qwen3.5 decodes
-    only there) unless rollout.engine=hf; one slot, no graphs, no compile (a probe decodes a few tokens)."""
+    """What the probe decodes with, as training does: the rollout engine where it runs the policy (Qwen3.5 decodes
+    only there) unless rollout.engine=hf, with one slot, no graphs, no compile (a probe decodes a few tokens);
+    else the policy itself (rollout.generate's plain KV-cache path)."""
     if ctx.cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy):
         return RolloutEngine(ctx.policy, EngineConfig(max_slots=1, max_seq_tokens=longest, cuda_graphs=False,
                                                       compile=False))
-    return _PlainGenerate(ctx.policy)
+    return ctx.policy
 
 
 def check_harness(ctx: Context) -> CheckResult:

@@ -37,7 +37,36 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-class HFCausalLM(nn.Module):
+class _TransformersModule(nn.Module):
+    """What both wrappers do with the transformers model at `self.hf_model`: its activation-checkpointing switch,
+    and the backbone's final-normed hidden states for phaserl's (input_ids, position_ids, attention_mask) call."""
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.hf_model, "is_gradient_checkpointing", False))
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        if enabled:
+            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.hf_model.gradient_checkpointing_disable()
+
+    def _hidden(self, backbone: nn.Module, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor], kv_cache) -> torch.Tensor:
+        """input_ids [B, T] -> backbone's last hidden states [B, T, H]; positions as in CausalLM."""
+        if kv_cache is not None:
+            raise NotImplementedError(f"{type(self).__name__} (transformers fallback) does not support phaserl's "
+                                      "KVCache")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        return backbone(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
+                        use_cache=False).last_hidden_state
+
+
+class HFCausalLM(_TransformersModule):
     def __init__(self, hf_model: nn.Module, *, verify: bool = True):
         super().__init__()
         self.hf_model = hf_model
@@ -100,17 +129,6 @@ class HFCausalLM(nn.Module):
         return chunked_token_logprobs(self.logits, hidden, targets, temperature=temperature,
                                       with_entropy=with_entropy, chunk_size=chunk_size)
 
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.hf_model, "is_gradient_checkpointing", False))
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        if enabled:
-            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            self.hf_model.gradient_checkpointing_disable()
-
     def forward_cached(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        cache=None) -> tuple[torch.Tensor, object]:
         """Incremental forward with transformers' own cache (rollout): input_ids/position_ids [B, T] new
@@ -122,18 +140,10 @@ class HFCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: None = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H] (positions as in CausalLM)."""
-        if kv_cache is not None:
-            raise NotImplementedError("HFCausalLM (transformers fallback) does not support phaserl's KVCache")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
-        out = self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask.long(),
-                                       position_ids=position_ids, use_cache=False)
-        return out.last_hidden_state  # [B, T, H]
+        return self._hidden(self.hf_model.base_model, input_ids, position_ids, attention_mask, kv_cache)
 
 
-class HFValueModel(nn.Module):
+class HFValueModel(_TransformersModule):
     """A value model on the transformers path (the PPO critic; a reward model being trained): a transformers
     model's backbone (its `base_model`: the decoder without the vocabulary head) and a scalar head `score`.
     `from_causal_lm` starts the head at zero, like ValueModel, so that the first advantages come from the rewards
@@ -169,26 +179,8 @@ class HFValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: None = None) -> torch.Tensor:
         """input_ids [B, T] -> values [B, T] float32 (one per token: the value of the prefix ending there)."""
-        if kv_cache is not None:
-            raise NotImplementedError("HFValueModel (transformers fallback) does not support phaserl's KVCache")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
-        hidden = self.hf_model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
-                               use_cache=False).last_hidden_state  # [B, T, H]
+        hidden = self._hidden(self.hf_model, input_ids, position_ids, attention_mask, kv_cache)  # [B, T, H]
         return self.score(hidden).squeeze(-1).float()  # [B, T]
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.hf_model, "is_gradient_checkpointing", False))
-
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, enabled: bool) -> None:
-        if enabled:
-            self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            self.hf_model.gradient_checkpointing_disable()
 
     def to_sequence_classifier(self) -> nn.Module:
         """transformers' AutoModelForSequenceClassification (num_labels=1) holding this backbone and head."""
