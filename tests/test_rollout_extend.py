@@ -143,6 +143,38 @@ def test_moe_routes_of_the_static_pass_equal_the_eager_pass():
     assert_same_pass(eager, static, runner, atol=1e-5)
 
 
+class CaptureGuard(torch.utils._python_dispatch.TorchDispatchMode):
+    """What a CUDA graph capture refuses, seen on the CPU: a host scalar written by index (`t[idx] = 1` copies a
+    0-dim host tensor to the device), a host value read back (`.item()`, `.tolist()`) or a shape that depends on
+    the data (`nonzero`, boolean-mask indexing). The CPU cannot capture, so this is the CPU's check. (A 0-dim host
+    tensor as an operand of arithmetic is fine: a scalar argument of the kernel, layers.embed's Gemma scale.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("index_put_", "index_put", "_index_put_impl_"):
+            values = args[2] if len(args) > 2 else kwargs["values"]
+            assert values.dim() > 0, f"{func}: a host scalar written by index (use index_fill_ or a device tensor)"
+        assert name not in ("_local_scalar_dense", "nonzero", "masked_select"), f"{func}: not capturable"
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("model", ["qwen2", "gemma4", "qwen35", "moe"])
+def test_the_static_pass_does_nothing_a_cuda_graph_capture_refuses(model):
+    """The graphed extend pass on the GPU once failed at its first capture (`n_gen[slots] = 1` in SlotState.start):
+    the forward the graph captures, run on the CPU under CaptureGuard, for every runner that takes it."""
+    model = dict(qwen2=tiny_model, gemma4=lambda: tiny_model("gemma4_text", **GEMMA4), qwen35=tiny_qwen35,
+                 moe=tiny_moe)[model]()
+    engine, runner = prefilled_runner(model, SamplingParams(max_new_tokens=8, temperature=0.8),
+                                      record_routes=hasattr(model.model.layers[0].mlp, "experts"))
+    static = StaticExtend(runner)
+    (num_slots, S, _) = runner.layout
+    R, T = rows_bucket(len(ITEMS), num_slots), tokens_bucket(9, S)
+    buffer = static.pack(ITEMS, R, T, S)
+    with torch.inference_mode(), CaptureGuard():
+        static.forward(buffer, R, T, 32)
+
+
 def test_buckets_and_chunks_keep_the_padded_pass_within_prefill_tokens():
     assert [tokens_bucket(n, 512) for n in (1, 8, 9, 33, 64, 65, 97, 129, 200, 300)] == [8, 8, 16, 40, 64, 96, 128,
                                                                                           192, 256, 384]

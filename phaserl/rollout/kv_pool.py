@@ -199,7 +199,8 @@ class SlotState:
               caps: torch.Tensor) -> None:
         """Sequences enter `slots` [A] with their first sampled token; the prompt KV is already in place."""
         self.tokens[slots], self.pos[slots] = first, prompt_lens
-        self.n_gen[slots], self.max_new[slots] = 1, caps
+        self.n_gen.index_fill_(0, slots, 1)  # not n_gen[slots] = 1: that copies a host scalar (no CUDA graph)
+        self.max_new[slots] = caps
         self.out_tokens[slots, 0], self.out_logprobs[slots, 0] = first, logprobs
         self.finished[slots] = self.is_stop(first) | (caps <= 1)
 
