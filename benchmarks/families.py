@@ -19,6 +19,9 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
                   shape's prompt length, 128 new tokens, CUDA graphs
   rollout_native_torch_delta
                   Qwen3.5 shapes: rollout_native with the DeltaNet decode update in torch, not the Triton kernel
+  delta_rule      Qwen3.5 shapes: one linear layer's rule at a training micro-batch (8 sequences of the run's
+                  prompt + new tokens), packed: the torch chunked rule forward and forward + backward, fla's
+                  forward and forward + backward where they run here (each timed, or its error)
 Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
   gemma3-1b   Gemma 3 1B text: 26 layers, hidden 1152, 4 q / 1 kv heads of 256, sliding 512 on 5 of 6
               layers, vocab 262144; 64 x 8 x (128 + 256)
@@ -112,9 +115,9 @@ SHAPES = {
         num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)),
 }
 CASES = ("rollout_native", "rollout_hf", "grpo_native", "grpo_transformers", "grpo_native_replay", "mismatch_replay",
-         "mismatch", "rollout_native_torch_delta")
+         "mismatch", "rollout_native_torch_delta", "delta_rule")
 MOE_CASES = ("grpo_native_replay", "mismatch_replay")  # skipped for dense shapes
-HYBRID_CASES = ("rollout_native_torch_delta",)  # Qwen3.5 shapes only
+HYBRID_CASES = ("rollout_native_torch_delta", "delta_rule")  # Qwen3.5 shapes only
 
 
 def emit(**record) -> None:
@@ -256,6 +259,52 @@ def mismatch_replay(shape: str, root: str, device: str, dtype: torch.dtype) -> N
     emit(measure="routing_agreement", shape=shape, same_experts_frac=round(same / max(total, 1), 4))
 
 
+def delta_rule(shape: str, device: str, smoke: bool) -> None:
+    """The Gated DeltaNet rule alone, as one training micro-batch of the shape calls it (see the module doc)."""
+    from phaserl.models import linear_attention as la
+
+    c = SHAPES[shape]["config"]
+    _, _, prompt_len, new = SHAPES[shape]["run"]
+    H, Dk, Dv = c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    n, L = (2, 16) if smoke else (8, prompt_len + new)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(n * L, H, Dk, device=device, generator=g), dim=-1)
+            for _ in range(2))
+    v = torch.randn(n * L, H, Dv, device=device, generator=g)
+    decay = -0.1 * torch.rand(n * L, H, device=device, generator=g)
+    beta = torch.rand(n * L, H, device=device, generator=g)
+    seg = la.Segments.of(torch.ones(1, n * L, device=device), (torch.arange(n * L, device=device) // L)[None])
+
+    def torch_rule(x):
+        return la.chunk_gated_delta_rule(*(t[seg.index] for t in (q, k)), x[seg.index], decay[seg.index],
+                                         beta[seg.index])[0][seg.real]
+
+    def fla_rule(x):
+        return la._fla_chunk(*(t[seg.index] for t in (q, k)), x[seg.index], decay[seg.index], beta[seg.index], seg)
+
+    for name, rule in (("torch", torch_rule), ("fla", fla_rule)):
+        for backward in (False, True):
+            def once():
+                x = v.clone().requires_grad_(backward)
+                with torch.set_grad_enabled(backward):
+                    o = rule(x)
+                    if backward:
+                        o.square().sum().backward()
+            try:
+                once()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(3):
+                    once()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                emit(measure="delta_rule", shape=shape, rule=name, backward=backward, tokens=n * L,
+                     ms=round((time.perf_counter() - start) / 3 * 1e3, 2))
+            except Exception as e:  # noqa: BLE001 - fla refuses some GPUs / Triton versions: say which, go on
+                emit(measure="delta_rule", shape=shape, rule=name, backward=backward, error=str(e)[:300])
+
+
 def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, extra: tuple = ()) -> None:
     prompts, n, prompt_len, new = SHAPES[shape]["run"]
     argv = [sys.executable, os.path.join(HERE, "grpo_step.py"), "--only", "ours", "--world", root,
@@ -276,7 +325,8 @@ def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, ex
         if record.get("measure") == "summary":
             emit(measure="grpo_step", case=implementation + "".join(f" {s}" for s in extra), shape=shape,
                  s_per_step=record["s_per_step_median"],
-                 tokens_per_s=record["tokens_per_s"], peak=record["timed_peak"])
+                 tokens_per_s=record["tokens_per_s"], peak=record["timed_peak"],
+                 timing_s=record.get("timing_s_median"))
     if proc.returncode != 0:
         emit(measure="error", case=f"grpo_{implementation}", shape=shape, returncode=proc.returncode,
              stderr=proc.stderr[-2000:])
@@ -324,6 +374,8 @@ def main(argv=None) -> None:
                 rollout_hf(shape, root, device, dtype, 1 if a.smoke else a.repeats)
             elif case == "mismatch":
                 mismatch(shape, root, device, dtype, a.smoke)
+            elif case == "delta_rule":
+                delta_rule(shape, device, a.smoke)
             elif case == "rollout_native_torch_delta":
                 from phaserl.rollout import recurrent_state
 
