@@ -168,6 +168,16 @@ def test_engine_greedy_equals_the_uncached_loop(pair):
     assert_engine_greedy_matches(ours)
 
 
+def test_a_config_whose_layers_are_all_full_attention_decodes_in_the_engine():
+    """layer_types may leave out linear_attention (no recurrent state at all): the engine used to crash reading
+    the linear layers' shape (AttributeError on None) before its first step."""
+    torch.manual_seed(0)
+    ours = randomize(CausalLM(config_from_hf(Qwen3_5TextConfig(**TINY, layer_types=["full_attention"] * 4)
+                                             .to_dict())))
+    assert ours.config.linear_attention is None
+    assert_engine_greedy_matches(ours)
+
+
 def test_refilled_and_compacted_slots_start_from_a_fresh_state(pair):
     # 12 sequences of different lengths through 4 slots: every slot is refilled several times (a leaked
     # state would change the next sequence's tokens) and, as the batch drains, compaction moves running

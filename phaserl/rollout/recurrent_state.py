@@ -52,9 +52,12 @@ class RecurrentState:
     """Per linear layer: conv [slots, C, K-1] in the model dtype and delta [slots, Hv, Dk, Dv] in float32."""
 
     def __init__(self, cfg, num_slots: int, dtype: torch.dtype, device: torch.device):
+        self.num_slots = num_slots
+        self.conv, self.delta = [], []  # a Qwen3.5 config whose layer_types are all full_attention has none
+        if cfg.linear_attention is None:
+            return
         conv, delta = self.slot_tensors(cfg, dtype)
         layers = sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
-        self.num_slots = num_slots
         self.conv = [torch.zeros(num_slots, *conv[0], dtype=conv[1], device=device) for _ in range(layers)]
         self.delta = [torch.zeros(num_slots, *delta[0], dtype=delta[1], device=device) for _ in range(layers)]
 
