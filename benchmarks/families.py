@@ -16,7 +16,8 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
                   of each, and how often the training forward picks the rollout's experts without replay
   mismatch        the engine's bf16 log-probs against the trainer's forward on the same tokens, padded and
                   packed: mean/max |diff| and k3 (benchmarks/mismatch.py's measure), on 16 prompts x 4 of the
-                  shape's prompt length, 128 new tokens, CUDA graphs
+                  shape's prompt length, 128 new tokens, CUDA graphs; in bf16 also the trainer's own distance from
+                  the same weights in float32 (noise/abs_diff_mean) and mismatch_over_noise
   rollout_native_torch_delta
                   Qwen3.5 shapes: rollout_native with the DeltaNet decode update in torch, not the Triton kernel
   delta_rule      Qwen3.5 shapes: one linear layer's rule at a training micro-batch (8 sequences of the run's
@@ -50,6 +51,7 @@ Not here: TRL (grpo_step.py compares with it), the Qwen2 reference shape (rollou
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -215,8 +217,9 @@ def mismatch(shape: str, root: str, device: str, dtype: torch.dtype, smoke: bool
     prompts = [p[:prompt_len] for p in prompt_ids(shape)[::SHAPES[shape]["run"][1]]][:2 if smoke else 16]
     params = SamplingParams(max_new_tokens=6 if smoke else 128, temperature=1.0)
     path = "engine" if device == "cpu" else "engine_graphs"
+    reference = copy.deepcopy(model).float() if dtype != torch.float32 else None  # the same weights, float32
     for packing in (False, True):
-        m = measure(model, path, prompts, 2 if smoke else 4, params, torch.device(device), packing)
+        m = measure(model, path, prompts, 2 if smoke else 4, params, torch.device(device), packing, reference)
         emit(measure="mismatch", shape=shape, dtype=str(dtype), path=path, packing=packing,
              **{k: round(float(v), 6) for k, v in m.items()})
 

@@ -12,6 +12,7 @@ step (`mismatch/k3`, `abs_diff_mean`, `abs_diff_max`, `ratio_out_frac`). Not a s
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -35,7 +36,13 @@ class _NoText:
         return [""] * len(ids)
 
 
-def measure(model, path: str, prompts: list, n: int, params: SamplingParams, device, packing: bool) -> dict:
+def measure(model, path: str, prompts: list, n: int, params: SamplingParams, device, packing: bool,
+            reference=None) -> dict:
+    """The mismatch/* metrics of `path`'s log-probs against the trainer's forward on the same tokens. reference: the
+    same weights in float32 (a copy of the bf16 model, upcast): adds how far the bf16 trainer itself is from it
+    (noise/abs_diff_mean, the model's own bf16 noise at these tokens) and mismatch_over_noise, the engine/trainer
+    mismatch in units of that noise: architectures differ in how far bf16 moves their log-probs, so a raw |diff|
+    compares models, this ratio compares the two paths."""
     ids = [p for p in prompts for _ in range(n)]
     gen = torch.Generator(device=device).manual_seed(0)
     common = dict(eos_token_ids=[], pad_token_id=0, batch_size=len(ids), generator=gen)
@@ -50,7 +57,15 @@ def measure(model, path: str, prompts: list, n: int, params: SamplingParams, dev
     items = [SimpleNamespace(prompt_ids=p, row=SimpleNamespace(prompt="")) for p in prompts]
     batch = build_rollout_batch(items, n, result, tokenizer=_NoText(), pad_token_id=0, group_offset=0, device=device)
     trainer = batch_logprobs(model, batch, temperature=params.temperature, token_budget=1 << 16, packing=packing)
-    return mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
+    out = mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
+    if reference is not None:
+        exact = batch_logprobs(reference, batch, temperature=params.temperature, token_budget=1 << 16, packing=packing)
+        noise = mismatch_metrics(trainer, exact, batch.response_mask)["mismatch/abs_diff_mean"]
+        out["noise/abs_diff_mean"] = noise
+        out["noise/engine_vs_float32"] = mismatch_metrics(batch.rollout_logprobs, exact,
+                                                          batch.response_mask)["mismatch/abs_diff_mean"]
+        out["mismatch_over_noise"] = out["mismatch/abs_diff_mean"] / max(noise, 1e-12)
+    return out
 
 
 def main() -> None:
@@ -75,13 +90,14 @@ def main() -> None:
     for dtype in dtypes:
         with torch.device(device):
             model = CausalLM(decoder_config(a.shape)).to(dtype).eval()
+        reference = copy.deepcopy(model).float() if dtype != torch.float32 else None
         for path in paths:
             for packing in ([False] if device.type == "cpu" else [False, True]):
-                m = measure(model, path, prompts, a.n, params, device, packing)
+                m = measure(model, path, prompts, a.n, params, device, packing, reference)
                 print(json.dumps({"bench": "mismatch", "shape": a.shape, "device": device.type, "dtype": str(dtype),
                                   "path": path, "packing": packing, "temperature": a.temperature,
                                   "tokens": a.prompts * a.n * a.new_tokens, **m}), flush=True)
-        del model
+        del model, reference
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ The memory arithmetic is checked against hand-worked numbers; every other check 
 tiny model, tokenizer and prompt files (tests/_tiny_run.py) with one thing broken at a time.
 """
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -382,3 +383,32 @@ def test_a_missing_model_fails_once_and_skips_what_needs_it(run, tmp_path):
     assert results["model"].status == FAIL and "does not exist" in results["model"].message
     for name in ("tokenizer/model", "context length", "reference frozen", "memory"):
         assert results[name].status == WARN and results[name].message.startswith("skipped: needs the")
+
+
+def test_in_bfloat16_the_mismatch_is_read_against_the_models_own_precision_noise(run):
+    """bf16 weights: the probe also runs a float32 copy of them; engine vs trainer is rounding, within ~1× the
+    trainer's own distance from float32 (on the CPU; NOISE_WARN leaves 3×)."""
+    result = doctor(run, "model.dtype=bfloat16")["rollout/training mismatch"]
+    assert result.status == OK, result
+    (line,) = result.details
+    noise, times = re.match(r"precision noise: the trainer is (\S+) .* the mismatch is (\S+)× that", line).groups()
+    assert float(noise) > 0 and float(times) < 3.0, line
+
+
+def test_a_path_difference_is_told_apart_from_precision_noise(run, monkeypatch):
+    import phaserl.roles.mismatch_probe as check
+
+    right = check.batch_logprobs  # the trainer (and its float32 copy) ignore the temperature: not rounding
+    monkeypatch.setattr(check, "batch_logprobs", lambda *a, **kw: right(*a, **{**kw, "temperature": 1.0}))
+    result = doctor(run, "model.dtype=bfloat16", "rollout.temperature=0.7")["rollout/training mismatch"]
+    assert result.status == WARN and "do not compute the same thing" in result.message, result
+    assert "rollout.engine=hf" in result.fix
+
+
+def test_the_float32_copy_is_skipped_where_it_would_not_fit():
+    from phaserl.roles.mismatch_probe import precision_noise
+
+    model = torch.nn.Linear(256, 256).to(torch.bfloat16)
+    noise, note = precision_noise(model, None, None, {}, free_bytes=256 * 256 * 4)
+    assert noise is None and "float32 copy (0.0 GiB) would take over 50% of the free memory" in note
+    assert precision_noise(torch.nn.Linear(4, 4), None, None, {}, free_bytes=1 << 30) == (None, "")

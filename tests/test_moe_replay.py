@@ -224,7 +224,7 @@ def test_the_doctors_mismatch_probe_replays_when_the_run_does():
     from phaserl.roles.mismatch_probe import measure_mismatch
 
     actor = HybridActor(tiny_moe())
-    metrics, tokens, path = measure_mismatch(
+    metrics, tokens, path, _, _ = measure_mismatch(
         actor, PROMPTS, n=2, engine="builtin", max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
         eos_token_ids=[], pad_token_id=0, token_budget=256, seed=0, replay=True)
     assert tokens == 24 and path == "builtin engine"

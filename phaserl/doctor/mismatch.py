@@ -6,6 +6,11 @@ token with the trainer's forward (the same weights, at the rollout temperature) 
 metrics the run logs every step (`algo.mismatch`). Above the thresholds below it warns: the PPO ratio
 of the first optimizer step then no longer starts at 1, and a correction (algorithm.rollout_correction)
 or a closer engine (rollout.engine=hf, float32) is worth considering. Nothing is trained.
+
+With bf16/fp16 weights it also measures the model's own precision noise (roles/mismatch_probe.py: the
+trainer against a float32 copy of the same weights) and says which kind of mismatch it sees: one within a
+few times that noise is rounding (the two paths compute the same function); one far beyond it is a
+difference between the paths, worth finding whatever its size.
 """
 from __future__ import annotations
 
@@ -13,12 +18,15 @@ from ..data import build_prompt_dataset
 from ..roles import HybridActor
 from ..roles.mismatch_probe import measure_mismatch
 from .checks import Context, check
+from .memory import free_memory_bytes
 from .report import OK, WARN, CheckResult
 
 PROBE_PROMPTS = 4
 # Same weights, same tokens: beyond these the two sides do not compute the same distribution.
 K3_WARN = 1e-3          # mean KL(rollout || train) per token
 RATIO_OUT_WARN = 1e-3   # share of tokens with pi_train / pi_rollout outside [0.5, 2]
+NOISE_WARN = 3.0        # mismatch beyond this many times the precision noise: the paths differ
+NOISE_FLOOR = 1e-3      # ... once the mean |Δ log p| is at least this (below it, both are negligible)
 
 
 @check("rollout/training mismatch", needs=("policy", "tokenizer", "train_rows"))
@@ -30,18 +38,31 @@ def check_mismatch(ctx: Context) -> CheckResult:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     actor = HybridActor(ctx.policy, tok, hybrid_engine_config=cfg.actor.hybrid_engine)
-    m, tokens, path = measure_mismatch(
+    probe = measure_mismatch(
         actor, [list(item.prompt_ids) for item in items], n=r.n, engine=r.engine, max_new_tokens=r.max_new_tokens,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_token_ids=eos, pad_token_id=pad,
-        token_budget=cfg.ppo.forward_micro_batch_tokens, seed=cfg.trainer.seed, replay=cfg.actor.routing_replay)
-    temperature = r.temperature if r.temperature > 0 else 1.0
+        token_budget=cfg.ppo.forward_micro_batch_tokens, seed=cfg.trainer.seed, replay=cfg.actor.routing_replay,
+        free_bytes=free_memory_bytes(actor.device))
+    m, temperature = probe.metrics, r.temperature if r.temperature > 0 else 1.0
     replay = ", routing replay" if cfg.actor.routing_replay else ""
-    message = (f"{tokens} sampled tokens ({path}{replay}, T = {temperature:g}): k3 {m['mismatch/k3']:.2e}, "
-               f"|Δ log p| mean {m['mismatch/abs_diff_mean']:.2e} max {m['mismatch/abs_diff_max']:.2e}, "
+    diff = m["mismatch/abs_diff_mean"]
+    message = (f"{probe.tokens} sampled tokens ({probe.path}{replay}, T = {temperature:g}): k3 {m['mismatch/k3']:.2e}, "
+               f"|Δ log p| mean {diff:.2e} max {m['mismatch/abs_diff_max']:.2e}, "
                f"ratio outside [0.5, 2] {100 * m['mismatch/ratio_out_frac']:.2f}%")
+    details = ((f"precision noise: the trainer is {probe.noise:.2e} (mean |Δ log p|) from the same weights in "
+                f"float32; the mismatch is {diff / max(probe.noise, 1e-12):.1f}× that",) if probe.noise is not None
+               else (f"precision noise not measured: {probe.noise_note}",) if probe.noise_note else ())
+    beyond = probe.noise is not None and diff >= NOISE_FLOOR and diff > NOISE_WARN * probe.noise
+    if beyond:
+        return CheckResult("rollout/training mismatch", WARN, message + f"; {diff / probe.noise:.1f}× the model's "
+                           "own precision noise: the rollout and training paths do not compute the same thing",
+                           fix="compare rollout.engine=hf (and model.dtype=float32) to find the side that differs; "
+                               "a correction (algorithm.rollout_correction) only hides it", details=details)
     if m["mismatch/k3"] > K3_WARN or m["mismatch/ratio_out_frac"] > RATIO_OUT_WARN:
-        return CheckResult("rollout/training mismatch", WARN, message,
+        within = " (within the model's precision noise: rounding, not a path difference)" if probe.noise else ""
+        return CheckResult("rollout/training mismatch", WARN, message + within,
                            fix=f"above k3 {K3_WARN:g} / {100 * RATIO_OUT_WARN:g}% of tokens: set "
                                "algorithm.rollout_correction (tis, icepop, masked_is or seq_mask; docs/concepts.md), "
-                               "or compare rollout.engine=hf and model.dtype=float32 to find the side that differs")
-    return CheckResult("rollout/training mismatch", OK, message)
+                               "or compare rollout.engine=hf and model.dtype=float32 to find the side that differs",
+                           details=details)
+    return CheckResult("rollout/training mismatch", OK, message, details=details)

@@ -4,9 +4,18 @@ The doctor's "rollout/training mismatch" check calls `measure_mismatch` before t
 measures the same quantity every step from its own batches (`algo.mismatch`). Both sides are
 log-probs of softmax(logits / T) at the rollout temperature, under the same weights. Nothing is trained.
 
+In bf16/fp16 a third forward, of a float32 copy of the same (rounded) weights, measures the model's own
+precision noise at these tokens: how far the low-precision trainer is from exact arithmetic. Architectures
+differ in it (on the CPU at one small width, Qwen3.5 moved log-probs 1.8x as far as a dense Qwen3), so the
+mismatch in units of that noise (`mismatch_over_noise`) says what the raw number cannot: near 1, the two
+paths differ only by rounding; far above it, they do not compute the same thing.
+
 Legend: B = responses (prompts × n), P = padded prompt width, R = padded response width.
 """
 from __future__ import annotations
+
+import copy
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -16,13 +25,23 @@ from ..rollout import EngineConfig, SamplingParams
 from .actor import HybridActor
 from .forward import batch_logprobs
 
+COPY_SHARE = 0.5  # the float32 copy only where it takes at most this share of the free memory
+
+
+class Probe(NamedTuple):
+    metrics: dict            # the `mismatch/*` metrics of the batch
+    tokens: int              # sampled tokens compared
+    path: str                # "builtin engine" | "transformers generate"
+    noise: Optional[float]   # mean |log p| distance of the trainer from its float32 copy; None: not measured
+    noise_note: str          # why not measured ("" when measured, or float32 weights: nothing to measure)
+
 
 def measure_mismatch(actor: HybridActor, prompts: list, *, n: int, engine: str, max_new_tokens: int,
                      temperature: float, top_p: float, top_k: int, eos_token_ids: list, pad_token_id: int,
-                     token_budget: int, seed: int, replay: bool = False) -> tuple[dict, int, str]:
-    """(the `mismatch/*` metrics, sampled tokens, "builtin engine" | "transformers generate") for `n`
-    responses to each prompt (token ids) sampled the way the run samples (rollout.engine = `engine`;
-    replay: MoE routing replay, actor.routing_replay)."""
+                     token_budget: int, seed: int, replay: bool = False, free_bytes: Optional[int] = None) -> Probe:
+    """The probe of `n` responses to each prompt (token ids) sampled the way the run samples (rollout.engine =
+    `engine`; replay: MoE routing replay, actor.routing_replay). free_bytes: the device's free memory, for the
+    float32 copy of a low-precision model (None: no copy, no noise measured)."""
     actor.configure_rollout(engine, EngineConfig(cuda_graphs=False, compile=False, record_routes=replay,
                                                  max_seq_tokens=max(map(len, prompts)) + max_new_tokens))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -35,10 +54,34 @@ def measure_mismatch(actor: HybridActor, prompts: list, *, n: int, engine: str, 
     if result.routes is not None:
         batch.routed_experts = layout_routes(list(map(len, ids)), result.routes, batch.prompt_width,
                                              batch.response_mask.shape[1])
-    trainer = batch_logprobs(actor.model, batch, temperature=temperature if temperature > 0 else 1.0,
-                             token_budget=token_budget, packing=False, replay=replay)  # [B, R]
+    forward = dict(temperature=temperature if temperature > 0 else 1.0, token_budget=token_budget, packing=False,
+                   replay=replay)
+    trainer = batch_logprobs(actor.model, batch, **forward)  # [B, R]
     path = "builtin engine" if actor.engine is not None else "transformers generate"
-    return mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask), int(batch.response_mask.sum()), path
+    metrics = mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
+    noise, note = precision_noise(actor.model, batch, trainer, forward, free_bytes)
+    return Probe(metrics, int(batch.response_mask.sum()), path, noise, note)
+
+
+def precision_noise(model: torch.nn.Module, batch: RolloutBatch, trainer: torch.Tensor, forward: dict,
+                    free_bytes: Optional[int]) -> tuple[Optional[float], str]:
+    """(mean |trainer - the same forward in float32| over the response tokens, "") for a bf16/fp16 model,
+    (None, "") for a float32 one, or (None, why not). trainer [B, R]: the model's own log-probs of batch's
+    tokens; forward: batch_logprobs' keys."""
+    params = list(model.parameters())
+    dtype = params[0].dtype
+    if dtype == torch.float32:
+        return None, ""
+    need = sum(p.numel() for p in params) * 4
+    if free_bytes is None or need > COPY_SHARE * free_bytes:
+        return None, (f"its float32 copy ({need / 2**30:.1f} GiB) would take over {COPY_SHARE:.0%} of the free memory"
+                      if free_bytes is not None else "no free-memory figure for a float32 copy")
+    exact = copy.deepcopy(model).float()
+    try:
+        reference = batch_logprobs(exact, batch, **forward)  # [B, R]
+    finally:
+        del exact
+    return mismatch_metrics(trainer, reference, batch.response_mask)["mismatch/abs_diff_mean"], ""
 
 
 def _batch(prompts: list, responses: list, logprobs: list, pad: int, device) -> RolloutBatch:
