@@ -32,7 +32,8 @@ graphs' speedup over the eager extend passes at the same compile setting.
 
 Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the same engine's single-turn
 tokens/s), extend_passes and extend_pass_ms (device ms per extend pass: eager or static),
-extend_graphs_captured (extend graphs captured inside the timed run: a bucket first seen there),
+extend_graphs_captured (extend graphs captured inside the timed run: a bucket first seen there; every
+repeat's in extend_graphs_captured_all, in run order),
 slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a tool or free),
 decode_steps, swaps (resumed episodes moved down into a parked slot), seconds (median) and seconds_all,
 device_s, device_busy, host_s, calls, gc.
@@ -198,6 +199,8 @@ def median_run(cases: list) -> dict:
     ordered = sorted(cases, key=lambda c: c["seconds"])
     mid = dict(ordered[len(ordered) // 2])
     mid["seconds_all"] = [round(c["seconds"], 4) for c in cases]
+    if "extend_graphs_captured" in mid:  # in run order: whether captures die out as buckets repeat
+        mid["extend_graphs_captured_all"] = [c["extend_graphs_captured"] for c in cases]
     return mid
 
 
