@@ -21,8 +21,9 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
   rollout_native_torch_delta
                   Qwen3.5 shapes: rollout_native with the DeltaNet decode update in torch, not the Triton kernel
   delta_rule      Qwen3.5 shapes: one linear layer's rule at a training micro-batch (8 sequences of the run's
-                  prompt + new tokens), packed: the torch chunked rule forward and forward + backward, fla's
-                  forward and forward + backward where they run here (each timed, or its error)
+                  prompt + new tokens), packed: one of the torch rule's triangular solves alone, the torch
+                  chunked rule forward and forward + backward, fla's forward and forward + backward where they
+                  run here (each timed, or its error)
 Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
   gemma3-1b   Gemma 3 1B text: 26 layers, hidden 1152, 4 q / 1 kv heads of 256, sliding 512 on 5 of 6
               layers, vocab 262144; 64 x 8 x (128 + 256)
@@ -285,6 +286,18 @@ def delta_rule(shape: str, device: str, smoke: bool) -> None:
     def fla_rule(x):
         return la._fla_chunk(*(t[seg.index] for t in (q, k)), x[seg.index], decay[seg.index], beta[seg.index], seg)
 
+    # the torch rule's two triangular solves per chunk, alone (cuBLAS batched trsm: is it most of the rule?)
+    chunks = n * H * -(-L // la.CHUNK)
+    system = torch.randn(chunks, la.CHUNK, la.CHUNK, device=device, generator=g).tril(-1) * 0.1
+    rhs = torch.randn(chunks, la.CHUNK, Dv, device=device, generator=g)
+    for _ in range(2):
+        start = time.perf_counter()
+        for _ in range(3):
+            torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    emit(measure="delta_rule", shape=shape, rule="solve_triangular alone", matrices=chunks, size=la.CHUNK,
+         rhs=Dv, ms=round((time.perf_counter() - start) / 3 * 1e3, 3))
     for name, rule in (("torch", torch_rule), ("fla", fla_rule)):
         for backward in (False, True):
             def once():
