@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from qwen2_shapes import decoder_config  # noqa: E402
+from phaserl.doctor.activations import dense_kind  # noqa: E402
 from phaserl.doctor.memory import ModelShape, layer_bytes, train_bytes_per_token  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.models import attention, decoder  # noqa: E402
@@ -230,7 +231,7 @@ def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.d
     for kind, i in kinds.items():
         measured = saved_bytes(model, tokens, device, layer=i, seq_len=seq_len, varlen=varlen) / tokens
         doctor_kind = ("linear_attention" if cfg.is_linear(i) else "gated_attention" if cfg.hybrid
-                       else "moe" if cfg.is_moe(i) else "dense")
+                       else "moe" if cfg.is_moe(i) else "dense" if "dense" in counted else dense_kind(cfg, i))
         predicted = counted[doctor_kind][1]
         print(json.dumps({**common, "layer_kind": kind, "doctor_kind": doctor_kind, "layer": i,
                           "saved_bytes_per_token_layer": round(measured, 1),

@@ -57,6 +57,7 @@ import torch
 
 from ..models.config import DecoderConfig
 from ..models import linear_attention
+from .activations import dense_layer_bytes, dense_layouts, norm_bytes
 from ..rollout.slot_memory import SlotMemory, slot_memory
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -81,6 +82,7 @@ class ModelShape:
     slot: Optional[SlotMemory] = None  # phaserl's decoder: what one engine slot holds; None: the dense KV rule
     moe: Optional["ExpertShape"] = None  # a mixture-of-experts decoder's routed MLPs (for the update's activations)
     hybrid: Optional["HybridShape"] = None  # Qwen3.5's layers (models/hybrid.py): never compiled, counted per kind
+    dense: Optional[tuple] = None  # phaserl's dense layers: activations.dense_layouts (None: the rough dense rule)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
@@ -111,7 +113,8 @@ class ModelShape:
                    head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size(),
                    slot=slot_memory(c, first.dtype) if native else None,
                    moe=ExpertShape.of(c, hidden) if native and c.num_experts else None,
-                   hybrid=HybridShape.of(c, first.device) if native and c.hybrid else None)
+                   hybrid=HybridShape.of(c, first.device) if native and c.hybrid else None,
+                   dense=dense_layouts(c) if native and not c.hybrid else None)
 
 
 @dataclass(frozen=True)
@@ -297,20 +300,25 @@ def layer_bytes(shape: ModelShape, compiled: bool = False,
                 sequence_tokens: Optional[int] = None) -> dict[str, tuple[int, float]]:
     """Each kind of layer the model has -> (how many, bytes each saves for backward per token).
 
-    Kinds: "dense" (attention + gated MLP, DecoderLayer), "moe", "linear_attention" (Qwen3.5's Gated DeltaNet)
-    and "gated_attention" (Qwen3.5's full attention).
-    Dense, eager: 8h + 4I + 2 × kv_heads × head_dim values (norm copies, q and the attention output; gate, up,
-    silu(gate) and their product; k and v). Compiled (actor.compile): torch.compile's partitioner recomputes the
-    norms' float32 copies and silu(gate) in backward, so a layer keeps 6h + 3I + 2 × kv_heads × head_dim (its input
-    and normed input, q, the attention output, the residual after attention and its normed copy; gate, up and their
-    product; k and v: benchmarks/saved_activations.py counts them). The eager count for compiled layers was 1.33×
-    too much at the 0.5B shape and made `rollout.engine_keep_awake=auto` see 24.3 GiB where the H200 measured a
-    20.86 GiB peak (BENCHMARKS.md, "Fast by default"); the compiled count gives 20.6 GiB there.
-    MoE layers (Qwen3-MoE) run eager in training whenever routing is recorded (aux loss, replay): their I is
-    top-k × moe_intermediate_size (+ a shared expert's width), plus per token its k gathered inputs, the k expert
-    outputs and their unsorted copy (3k × h), the router's float32 probabilities (2E values of b = 2 bytes) and
-    its int64 expert ids (4k): what models/moe.py's grouped and loop mixtures both save (counted on the CPU).
-    Both Qwen3.5 kinds are in bytes (delta_layer_bytes, gated_attention_layer_bytes); enable_compile compiles
+    Kinds: "dense" (attention + gated MLP, DecoderLayer; "dense sliding_attention" and "dense full_attention" where
+    those layers differ, as Gemma 4's do), "moe", "linear_attention" (Qwen3.5's Gated DeltaNet) and
+    "gated_attention" (Qwen3.5's full attention).
+    Dense, eager, phaserl's decoder: activations.dense_layer_bytes, each tensor in its own dtype for the family's
+    norms, qk/v-norms and widths (measured per family, float32 and bf16). Models on the transformers path (and
+    shapes built by hand): the rough dense rule 8h + 4I + 2 × kv_heads × head_dim values × b (what our Llama layer
+    saves in float32 with Hq × D = h, less its two norm statistics; bf16 norms keep float32 copies beyond it).
+    Compiled (actor.compile), every family: torch.compile's partitioner recomputes the norms' float32 copies and
+    silu(gate) in backward, so a layer keeps 6h + 3I + 2 × kv_heads × head_dim values × b (its input and normed
+    input, q, the attention output, the residual after attention and its normed copy; gate, up and their product;
+    k and v: benchmarks/saved_activations.py counts them at a Qwen2 shape; not re-derived for the Gemma, OLMo 2 or
+    qk-norm layouts, which compile may save differently). The eager count for compiled layers was 1.33× too much
+    at the 0.5B shape and made `rollout.engine_keep_awake=auto` see 24.3 GiB where the H200 measured a 20.86 GiB
+    peak (BENCHMARKS.md, "Fast by default"); the compiled count gives 20.6 GiB there.
+    MoE layers (Qwen3-MoE) run eager in training whenever routing is recorded (aux loss, replay): the rough dense
+    rule with I = top-k × moe_intermediate_size (+ a shared expert's width), plus per token its k gathered inputs,
+    the k expert outputs and their unsorted copy (3k × h), the router's float32 probabilities (2E values of b = 2
+    bytes) and its int64 expert ids (4k): what models/moe.py's grouped and loop mixtures both save (counted on the
+    CPU). Both Qwen3.5 kinds are in bytes (delta_layer_bytes, gated_attention_layer_bytes); enable_compile compiles
     DecoderLayer only, never hybrid.py's layers, so `compiled` changes nothing there."""
     b, h, kv = shape.param_bytes, shape.hidden_size, 2 * shape.num_kv_heads * shape.head_dim
     if shape.hybrid:
@@ -318,9 +326,12 @@ def layer_bytes(shape: ModelShape, compiled: bool = False,
         kinds = {"linear_attention": (linear, delta_layer_bytes(shape, sequence_tokens)),
                  "gated_attention": (shape.num_layers - linear, float(gated_attention_layer_bytes(shape)))}
         return {kind: v for kind, v in kinds.items() if v[0]}
-    dense = (6 * h + 3 * shape.intermediate_size if compiled else 8 * h + 4 * shape.intermediate_size) + kv
     moe_layers = shape.moe.layers if shape.moe else 0
-    kinds = {"dense": (shape.num_layers - moe_layers, float(dense * b))}
+    if shape.dense is not None and not compiled:
+        kinds = {kind: (n, float(dense_layer_bytes(layout, b))) for kind, layout, n in shape.dense}
+    else:
+        dense = (6 * h + 3 * shape.intermediate_size if compiled else 8 * h + 4 * shape.intermediate_size) + kv
+        kinds = {"dense": (shape.num_layers - moe_layers, float(dense * b))}
     if shape.moe:
         m = shape.moe
         experts = 4 * (m.top_k * m.width + m.shared_width) + 3 * m.top_k * h + 2 * m.experts + 4 * m.top_k
@@ -329,11 +340,12 @@ def layer_bytes(shape: ModelShape, compiled: bool = False,
 
 
 def _around_mixer(shape: ModelShape) -> int:
-    """What a Qwen3.5 layer saves around its token mixer, per token: two (1 + w) norms, each its float32 input
-    copy, its float32 normed copy (4h each), its statistic (4) and its output in b (the projections' input), and
-    the MLP's gate, up, silu(gate) and their product (4I × b). The output projection's input is the mixer's."""
+    """What a Qwen3.5 layer saves around its token mixer, per token: two (1 + w) norms read by projections
+    (activations.norm_bytes: each its float32 input copy, its float32 normed copy (4h each), its statistic (4) and
+    its output in b), and the MLP's gate, up, silu(gate) and their product (4I × b). The output projection's input
+    is the mixer's."""
     b, h = shape.param_bytes, shape.hidden_size
-    return 2 * (8 * h + 4 + b * h) + 4 * b * shape.intermediate_size
+    return 2 * norm_bytes(h, 1, "gemma", b, read=True) + 4 * b * shape.intermediate_size
 
 
 def delta_layer_bytes(shape: ModelShape, sequence_tokens: Optional[int] = None) -> float:
