@@ -77,10 +77,11 @@ def flash_like(q, k, v, attn, scale):
     return FlashLike.apply(q, k, v)
 
 
-def held_bytes(run, leave_out=lambda storage: False, paused=lambda: False) -> int:
+def held_bytes(run, leave_out=lambda storage: False, paused=lambda: False, backward: bool = False) -> int:
     """Bytes of the distinct storages that `run()` saves for backward and that are still held when it returns (a
     graph nothing can reach, such as the delta rule's unread final state, frees what it saved), less those
-    `leave_out(storage)` names and those first saved while `paused()`."""
+    `leave_out(storage)` names and those first saved while `paused()`. backward: then run backward from its output
+    (every saved tensor unpacked: the graph is complete)."""
     saved: dict[int, list] = {}  # storage address -> [storage, weak refs to the tensors saved on it]
     left_out: set = set()
 
@@ -95,6 +96,8 @@ def held_bytes(run, leave_out=lambda storage: False, paused=lambda: False) -> in
         out = run()
     held = sum(v[0].nbytes() for address, v in saved.items() if any(r() is not None for r in v[1:])
                and address not in left_out and not leave_out(v[0]))
+    if backward:
+        out.float().square().mean().backward()
     del out
     return held
 
@@ -112,10 +115,11 @@ def packed_row(tokens: int, seq_len: Optional[int], device) -> tuple[torch.Tenso
 
 
 def saved_bytes(model: CausalLM, tokens: int, device: torch.device, layer: int = 0,
-                seq_len: Optional[int] = None, varlen: bool = False) -> int:
+                seq_len: Optional[int] = None, varlen: bool = False, backward: bool = False) -> int:
     """Bytes layer `layer` saves for backward on one row of `tokens` tokens (sequences of `seq_len` packed; None:
     one sequence), less the parameters, the RoPE tables and Qwen3.5's Segments (shared by every layer).
-    varlen: attention layers get the packed boundaries, for the real varlen kernel (CUDA) instead of flash_like."""
+    varlen: attention layers get the packed boundaries, for the real varlen kernel (CUDA) instead of flash_like.
+    backward: then run the layer's backward (held_bytes)."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
     h = model.model.embed_tokens(ids).detach().requires_grad_(True)  # [1, T, H]
     block = model.model.layers[layer]
@@ -131,10 +135,20 @@ def saved_bytes(model: CausalLM, tokens: int, device: torch.device, layer: int =
         rows = seq_ids if seq_ids is not None else torch.zeros(1, tokens, dtype=torch.long, device=device)
         attn = dataclasses.replace(attention.packed_boundaries(rows), window=block.spec.window)
     skip = storages(*shared)
-    return held_bytes(lambda: block(h, cos, sin, attn), lambda s: s.data_ptr() in skip)
+    return held_bytes(lambda: block(h, cos, sin, attn), lambda s: s.data_ptr() in skip, backward=backward)
 
 
-def stack_saved_bytes(model: CausalLM, tokens: int, device: torch.device, seq_len: Optional[int] = None) -> int:
+def doctor_kind(cfg, layer: int, counted: dict) -> str:
+    """The memory.layer_bytes kind (a key of `counted`, its answer for this model) that layer `layer` of `cfg` is."""
+    if cfg.hybrid:
+        return "linear_attention" if cfg.is_linear(layer) else "gated_attention"
+    if cfg.is_moe(layer):
+        return "moe"
+    return "dense" if "dense" in counted else dense_kind(cfg, layer)
+
+
+def stack_saved_bytes(model: CausalLM, tokens: int, device: torch.device, seq_len: Optional[int] = None,
+                      backward: bool = False) -> int:
     """Bytes the decoder's layers keep for backward on one packed row (as saved_bytes), the whole stack at once
     (its gradient checkpointing as set: then what the forward keeps), less the parameters, the token ids, the RoPE
     tables and what the final norm saves; Qwen3.5's Segments are in, once. The attention layers get the packed
@@ -152,7 +166,8 @@ def stack_saved_bytes(model: CausalLM, tokens: int, device: torch.device, seq_le
     try:
         skip = storages(ids, *model.parameters())
         return held_bytes(lambda: dec(ids, position_ids=positions, seq_ids=seq_ids),
-                          lambda s: s.data_ptr() in skip | storages(*tables), paused=lambda: bool(final))
+                          lambda s: s.data_ptr() in skip | storages(*tables), paused=lambda: bool(final),
+                          backward=backward)
     finally:
         hook.remove()
         del dec.rope
@@ -230,10 +245,9 @@ def family_layers(family: str, tokens: int, device: torch.device, dtype: torch.d
               "attention": "varlen" if varlen else "standin", "torch": torch.__version__}
     for kind, i in kinds.items():
         measured = saved_bytes(model, tokens, device, layer=i, seq_len=seq_len, varlen=varlen) / tokens
-        doctor_kind = ("linear_attention" if cfg.is_linear(i) else "gated_attention" if cfg.hybrid
-                       else "moe" if cfg.is_moe(i) else "dense" if "dense" in counted else dense_kind(cfg, i))
-        predicted = counted[doctor_kind][1]
-        print(json.dumps({**common, "layer_kind": kind, "doctor_kind": doctor_kind, "layer": i,
+        kind_counted = doctor_kind(cfg, i, counted)
+        predicted = counted[kind_counted][1]
+        print(json.dumps({**common, "layer_kind": kind, "doctor_kind": kind_counted, "layer": i,
                           "saved_bytes_per_token_layer": round(measured, 1),
                           "doctor_bytes_per_token_layer": round(predicted, 1),
                           "doctor_over_saved": round(predicted / measured, 3)}), flush=True)

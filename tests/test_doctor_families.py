@@ -121,24 +121,28 @@ def test_qwen3_moe_routing_replay_records_k_int16_ids_per_moe_layer():
 def test_dense_decoders_keep_the_dense_rules_numbers(name):
     shape = ModelShape.of(native(name))
     assert shape.slot.state_per_slot == 0 and shape.moe is None
-    by_hand = dict(shape.__dict__, slot=None)  # the same shape without the engine's layout: the dense rule
+    by_hand = dict(shape.__dict__, slot=None, dense=None)  # without the engine's and the layers' layout: dense rules
     dense = ModelShape(**by_hand)
     for T in (1, 36, 384):
         assert memory.kv_cache_bytes_per_sequence(shape, T) == memory.kv_cache_bytes_per_sequence(dense, T) \
             == 2 * 4 * 2 * 8 * 4 * T
-    assert memory.train_bytes_per_token(shape, False) == memory.train_bytes_per_token(dense, False) \
-        == 4 * (8 * 32 + 4 * 48 + 2 * 2 * 8) * 4
+    assert memory.train_bytes_per_token(dense, False) == 4 * (8 * 32 + 4 * 48 + 2 * 2 * 8) * 4
+    # float32 with Hq x D = h: the per-layer count is the dense rule plus each layer's two norm statistics (measured:
+    # tests/test_doctor_activations.py)
+    assert memory.train_bytes_per_token(shape, False) == memory.train_bytes_per_token(dense, False) + 4 * 2 * 4
     assert memory.kept_engine_bytes(shape, 3, 64, kv_limit=10**9) == memory.kept_engine_bytes(dense, 3, 64)
 
 
 def test_the_update_counts_top_k_expert_widths_in_moe_layers():
     shape = ModelShape.of(native("qwen3-moe"))
-    h, kv = 32, 2 * 2 * 8
-    dense = 8 * h + 4 * 48 + kv
+    h, q, kv = 32, 4 * 8, 2 * 8
+    # the dense layer (doctor/activations.py, float32 bytes): two norms (input, statistic, normed, output), the
+    # per-head qk-norms (input, statistic, normed), q, k, v and the attention output, gate, act, up, product
+    dense = 2 * (12 * h + 4) + (8 * q + 4 * 4) + (8 * kv + 4 * 2) + 4 * (2 * q + 2 * kv) + 4 * 4 * 48
     # k x expert width; k gathered inputs, outputs and their unsorted copy; float32 router probs, int64 expert ids
-    moe = 8 * h + 4 * 3 * 16 + 3 * 3 * h + 2 * 8 + 4 * 3 + kv
-    assert memory.train_bytes_per_token(shape, False) == (dense + 2 * moe) * 4
-    assert memory.train_bytes_per_token(shape, True) == (3 * h + max(dense, moe)) * 4
+    moe = 8 * h + 4 * 3 * 16 + 3 * 3 * h + 2 * 8 + 4 * 3 + 2 * kv
+    assert memory.train_bytes_per_token(shape, False) == dense + 2 * moe * 4
+    assert memory.train_bytes_per_token(shape, True) == 3 * h * 4 + max(dense, moe * 4)
 
 
 def test_the_moe_count_is_what_the_expert_mixtures_save_for_backward():
@@ -241,8 +245,9 @@ def test_the_doctor_sizes_the_update_of_a_compiled_actor_by_the_compiled_count(t
                                                  world_size=1)}
         line = next(d for d in results["memory"].details if d.startswith("ppo.micro_batch_tokens"))
         per_token[asked] = line.split("(")[1].split(" per token")[0]
-    # the tiny float32 policy: 2 layers x (8*32 + 4*64 + 2*2*8) x 4 B eager, 2 x (6*32 + 3*64 + 32) x 4 B compiled
-    assert per_token == {"false": "4.2 KB", "true": "3.2 KB"}
+    # the tiny float32 policy: 2 layers x ((8*32 + 4*64 + 2*2*8) x 4 B + two norm statistics) eager (4368 B),
+    # 2 x (6*32 + 3*64 + 32) x 4 B compiled
+    assert per_token == {"false": "4.3 KB", "true": "3.2 KB"}
 
 
 def test_a_transformers_gemma4_model_gets_an_estimate_not_a_crash():
