@@ -14,11 +14,13 @@ packed update keeps. One JSON line per variant:
     python benchmarks/saved_activations.py --family qwen35-0.8b --tokens 4096 --seq-len 512 --attention varlen
     python benchmarks/saved_activations.py --smoke                              # tiny shape, CPU
     python benchmarks/saved_activations.py --smoke --family qwen35-tiny         # tiny Qwen3.5, CPU
+    python benchmarks/saved_activations.py --family gemma4-1b --tokens 4096 --seq-len 512  # Gemma 4's two layer kinds
 
 Measured on the CPU (torch 2.13, bf16, inductor C++, `--smoke`; 2026-12-01): a compiled layer saves 6h + 3I + 2 Hkv D
 values per token (its input and normed input, q, the attention output, the residual after attention and its normed
 copy, k and v, gate, up and their product; the doctor's compiled count within 0.5%: the norm statistics), an eager
-one 10h + 4I + 2 Hkv D (each norm's float32 input copy, normed and weighted outputs too; the doctor counts 8h).
+one 10h + 4I + 2 Hkv D (each norm's float32 input copy, normed and weighted outputs too), which the doctor's
+per-layer count (doctor/activations.py) gives exactly, 2440 B per token at `--smoke`.
 `--family` takes a benchmarks/families.py shape (its first layers: one of each kind), measures each layer kind
 eagerly (the packed training path of hybrid and MoE layers is eager) on one row of `--tokens` tokens packed as
 sequences of `--seq-len`, and the stack of those layers together (`layer_kind: "stack"`, against
@@ -28,6 +30,11 @@ which; the fla count is read from fla's source, so a GPU line is its check); `--
 real varlen flash kernel instead of the stand-in. At qwen35-0.8b on the CPU (torch rule,
 bf16, 256 tokens as 2 sequences of 128): Gated DeltaNet 263.1 kB per token, gated attention 88.2 kB, the stack of
 those 4 layers 877.5 kB, each within 0.05% of the doctor's count (which counted 47.1 kB for every layer before).
+Dense families (2026-12-01, CPU, bf16, 512 tokens as 4 sequences of 128): gemma3-1b 112.2 kB per layer, gemma4-1b
+113.2 kB (sliding) and 129.6 kB (global), mistral-7b 200.7 kB, each what the doctor counts to 0.04% (it counted
+74.8, 74.8 and 184.3 kB before: 0.67, 0.58 and 0.92 of it). On CUDA, `--attention varlen` also runs Gemma 4's
+head_dim-512 global layers as training does there (SDPA per sequence, attention.attend_each_sequence), which saves
+more than the stand-in (k and v repeated to Hq heads, each sequence's output): the doctor does not count that.
 Not here: the log-prob head, the optimizer, peak memory of a real step (benchmarks/train_step.py, grpo_step.py).
 """
 from __future__ import annotations

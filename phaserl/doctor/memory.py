@@ -29,9 +29,10 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   + max_length × (1 + b) for the [b, 1, T, T] boolean mask and SDPA's additive copy
                   (packed with the varlen kernel: no mask; the dense block-diagonal mask of packing
                   without it is not counted)
-  update          per token and layer, saved activations: eager 8h + 4I + 2 × kv_heads × head_dim values,
-                  torch.compile'd layers (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see
-                  layer_bytes); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
+  update          per token and layer, saved activations: phaserl's dense layers eager in bytes, each tensor in
+                  its dtype for the family's norms, qk/v-norms and per-layer widths (activations.py; the
+                  transformers path 8h + 4I + 2 × kv_heads × head_dim values), torch.compile'd layers
+                  (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see layer_bytes); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
                   plus 3k × h of gathered inputs and expert outputs and the router's probabilities; × b;
                   Qwen3.5's Gated DeltaNet and gated attention layers in bytes, each tensor they save counted with
                   its own dtype (delta_layer_bytes, gated_attention_layer_bytes: the float32 chunked rule on the
