@@ -148,3 +148,33 @@ def test_the_doctor_sizes_a_gemma4_update_by_its_per_layer_count(tmp_path):
     per_token = memory.train_bytes_per_token(shape, False, sequence_tokens=32 + 4)  # prompt + new
     assert f"({memory.fmt_bytes(per_token)} per token)" in "\n".join(results["memory"].details)
     assert results["memory"].status != "FAIL", results["memory"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma3-1b", "gemma4-1b", "mistral-7b"])
+def test_gpu_layers_the_varlen_kernel_runs_save_what_the_doctor_counts(family, monkeypatch):
+    """On CUDA in bf16, through the real varlen flash kernel (what the packed update runs), at the 1B/7B layer
+    shapes of benchmarks/families.py, 4 sequences of 512 tokens: each layer kind whose head_dim that kernel takes.
+    Left to 2%: its float32 log-sum-exp (4 Hq bytes per token, which the count leaves out) and whatever else the
+    CUDA kernels keep that the CPU does not. Gemma 4's global layers (head_dim 512) attend per sequence through
+    SDPA instead, which keeps more (module doc of doctor/activations.py): not asserted here, measured by
+    `benchmarks/saved_activations.py --family gemma4-1b --attention varlen`."""
+    from families import SHAPES
+
+    from phaserl.models import attention
+
+    monkeypatch.setattr(decoder, "_attend", attention.attend)
+    spec = SHAPES[family]
+    config = getattr(transformers, spec["cls"])(**{**spec["config"], "vocab_size": 1024, "num_hidden_layers": 2})
+    if family != "mistral-7b":
+        config.layer_types = LOCAL_GLOBAL
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = CausalLM(config_from_hf(config.to_dict())).to(torch.bfloat16).train()
+    cfg = model.config
+    counted = memory.layer_bytes(ModelShape.of(model), sequence_tokens=512)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.heads(i)[2] > attention.VARLEN_MAX_HEAD_DIM:
+            continue
+        measured = saved_bytes(model, 4 * 512, torch.device("cuda"), layer=i, seq_len=512, varlen=True) / (4 * 512)
+        assert counted[doctor_kind(cfg, i, counted)][1] == pytest.approx(measured, rel=0.02), (family, i)
