@@ -22,7 +22,8 @@ dtype, 4 for float32 tensors; n a normed width, r the rows it is normed over):
   MLP               gate, act(gate), up and their product: 4 b I (SwiGLU and GeGLU alike).
 Measured: tests/test_doctor_activations.py runs tiny random models of each family forward (and backward) on the
 CPU in float32 and bfloat16 under saved_tensors_hooks (benchmarks/saved_activations.py's helpers, attention as the
-flash-like stand-in) and finds these counts within 0.5% per layer kind and for the whole stack.
+flash-like stand-in) and finds these counts exact per layer kind and for the whole stack, but for the per-layer
+constants below; `saved_activations.py --family` the same at the Gemma-3/4-1B and Mistral-7B layer shapes.
 Derived, not measured here: bf16 on CUDA (the same ops; F.rms_norm's fused CUDA kernel saves the same input and
 statistic: benchmarks/saved_activations.py --family on the H200 is its check).
 Left out: per-layer constants (the gemma norms' 1 + w, Gemma 4's layer scalar), the embedding (its ids and sqrt(h)
@@ -34,6 +35,7 @@ layers (memory.layer_bytes keeps its own count for those: the partitioner recomp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..models.config import DecoderConfig
 
@@ -75,7 +77,7 @@ def dense_kind(cfg: DecoderConfig, layer: int) -> str:
     return "dense " + (cfg.layer_types[layer] if cfg.layer_types else "full_attention")
 
 
-def norm_bytes(n: int, rows: int, style: str, b: int, *, read: bool, input_saved: bool = False) -> int:
+def norm_bytes(n: int, rows: int, style: Optional[str], b: int, *, read: bool, input_saved: bool = False) -> int:
     """One rms_norm (layers.rms_norm) over `n` values per token in `rows` rows: its float32 input (0 when in float32
     it is a tensor another op already saves: `input_saved`), the statistic, what the weight meets, and its output
     when a projection reads it (`read`). style None: no weight (its output is counted where it is used)."""
@@ -96,6 +98,7 @@ def dense_layer_bytes(layout: LayerLayout, b: int) -> int:
         per_head = layout.qk_norm == "head"
         qk = (norm_bytes(q, Hq if per_head else 1, style, b, read=False)
               + norm_bytes(kv, Hkv if per_head else 1, style, b, read=False))
+    # v_from_k comes with v_norm (Gemma 4 only): attention's v is then the norm's output, never the raw keys
     v = norm_bytes(kv, Hkv, None, b, read=False, input_saved=layout.v_from_k and bool(layout.qk_norm)) \
         if layout.v_norm else 0
     attention = b * (2 * q + 2 * kv)
