@@ -59,7 +59,8 @@ def check_mismatch(ctx: Context) -> CheckResult:
                            fix="compare rollout.engine=hf (and model.dtype=float32) to find the side that differs; "
                                "a correction (algorithm.rollout_correction) only hides it", details=details)
     if m["mismatch/k3"] > K3_WARN or m["mismatch/ratio_out_frac"] > RATIO_OUT_WARN:
-        within = " (within the model's precision noise: rounding, not a path difference)" if probe.noise else ""
+        rounding = probe.noise is not None and diff <= NOISE_WARN * probe.noise
+        within = " (within the model's precision noise: rounding, not a path difference)" if rounding else ""
         return CheckResult("rollout/training mismatch", WARN, message + within,
                            fix=f"above k3 {K3_WARN:g} / {100 * RATIO_OUT_WARN:g}% of tokens: set "
                                "algorithm.rollout_correction (tis, icepop, masked_is or seq_mask; docs/concepts.md), "

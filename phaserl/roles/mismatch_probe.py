@@ -7,8 +7,9 @@ log-probs of softmax(logits / T) at the rollout temperature, under the same weig
 In bf16/fp16 a third forward, of a float32 copy of the same (rounded) weights, measures the model's own
 precision noise at these tokens: how far the low-precision trainer is from exact arithmetic. Architectures
 differ in it (on the CPU at one small width, Qwen3.5 moved log-probs 1.8x as far as a dense Qwen3), so the
-mismatch in units of that noise (`mismatch_over_noise`) says what the raw number cannot: near 1, the two
-paths differ only by rounding; far above it, they do not compute the same thing.
+mismatch in units of that noise (the doctor prints it; benchmarks/mismatch.py logs it as `mismatch_over_noise`)
+says what the raw number cannot: near 1, the two paths differ only by rounding; far above it, they do not
+compute the same thing.
 
 Legend: B = responses (prompts × n), P = padded prompt width, R = padded response width.
 """
