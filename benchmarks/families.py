@@ -22,8 +22,9 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
                   Qwen3.5 shapes: rollout_native with the DeltaNet decode update in torch, not the Triton kernel
   delta_rule      Qwen3.5 shapes: one linear layer's rule at a training micro-batch (8 sequences of the run's
                   prompt + new tokens), packed: one of the torch rule's triangular solves alone, the torch
-                  chunked rule forward and forward + backward, fla's forward and forward + backward where they
-                  run here (each timed, or its error)
+                  chunked rule forward and forward + backward with its solves (torch) and with the blocked
+                  inverse instead (torch_blocked, linear_attention.TRIANGULAR), fla's forward and forward +
+                  backward where they run here (each timed, or its error)
 Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
   gemma3-1b   Gemma 3 1B text: 26 layers, hidden 1152, 4 q / 1 kv heads of 256, sliding 512 on 5 of 6
               layers, vocab 262144; 64 x 8 x (128 + 256)
@@ -298,7 +299,9 @@ def delta_rule(shape: str, device: str, smoke: bool) -> None:
             torch.cuda.synchronize()
     emit(measure="delta_rule", shape=shape, rule="solve_triangular alone", matrices=chunks, size=la.CHUNK,
          rhs=Dv, ms=round((time.perf_counter() - start) / 3 * 1e3, 3))
-    for name, rule in (("torch", torch_rule), ("fla", fla_rule)):
+    for name, rule, triangular in (("torch", torch_rule, "solve"), ("torch_blocked", torch_rule, "blocked"),
+                                   ("fla", fla_rule, "solve")):
+        la.TRIANGULAR = triangular  # the torch rule's triangular systems: trsm, or linear_attention.unit_lower_inverse
         for backward in (False, True):
             def once():
                 x = v.clone().requires_grad_(backward)

@@ -106,19 +106,50 @@ def test_packed_rows_equal_padded_rows(pair):
     assert_packing_matches(ours, padded_batch(20))
 
 
-def test_chunked_rule_equals_the_token_by_token_recurrence():
+@pytest.mark.parametrize("triangular, chunk", [("solve", 16), ("blocked", 16), ("blocked", 64)])
+def test_chunked_rule_equals_the_token_by_token_recurrence(monkeypatch, triangular, chunk):
+    from phaserl.models import linear_attention
+
+    monkeypatch.setattr(linear_attention, "TRIANGULAR", triangular)
     g = torch.Generator().manual_seed(0)
-    n, L, H, Dk, Dv = 2, 70, 3, 8, 4
+    n, L, H, Dk, Dv = 2, 150, 3, 8, 4
     q, k = (torch.nn.functional.normalize(torch.randn(n, L, H, Dk, generator=g), dim=-1) for _ in range(2))
     v = torch.randn(n, L, H, Dv, generator=g)
     decay, beta = -torch.rand(n, L, H, generator=g), torch.rand(n, L, H, generator=g)
     start = torch.randn(n, H, Dk, Dv, generator=g)
-    out, final = chunk_gated_delta_rule(q, k, v, decay, beta, start, chunk=16)
+    out, final = chunk_gated_delta_rule(q, k, v, decay, beta, start, chunk=chunk)
     state, steps = start.clone(), []
     for t in range(L):
         steps.append(recurrent_step_(q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], state))
     torch.testing.assert_close(out, torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, state, atol=1e-5, rtol=1e-5)
+
+
+def test_the_blocked_inverse_gives_the_triangular_solves_answer_and_gradients_for_alike_keys(monkeypatch):
+    """TRIANGULAR = "blocked" (batched matmuls, no trsm): the same outputs and gradients as the solves, also when
+    every key of a chunk is nearly the same (the system's strict part close to all ones, slow decay), where a
+    product of powers of it would have cancelled catastrophically."""
+    from phaserl.models import linear_attention
+
+    g = torch.Generator().manual_seed(1)
+    n, L, H, D = 2, 128, 2, 16
+    base = torch.randn(1, 1, H, D, generator=g)
+    k = torch.nn.functional.normalize(base + 0.02 * torch.randn(n, L, H, D, generator=g), dim=-1)
+    q = torch.nn.functional.normalize(torch.randn(n, L, H, D, generator=g), dim=-1)
+    v = torch.randn(n, L, H, D, generator=g)
+    decay, beta = -0.01 * torch.rand(n, L, H, generator=g), 0.5 + 0.5 * torch.rand(n, L, H, generator=g)
+    results = []
+    for triangular in ("solve", "blocked"):
+        monkeypatch.setattr(linear_attention, "TRIANGULAR", triangular)
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v, decay, beta)]
+        out, final = chunk_gated_delta_rule(*inputs)
+        (out.square().sum() + final.square().sum()).backward()
+        results.append((out.detach(), final.detach(), [t.grad for t in inputs]))
+    (out_s, final_s, grads_s), (out_b, final_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_s, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final_b, final_s, atol=1e-4, rtol=1e-4)
+    for a, b in zip(grads_b, grads_s):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
 
 
 def test_the_composite_vision_language_model_is_refused_natively_with_the_way_out(tmp_path):

@@ -42,6 +42,13 @@ from phaserl.models.lora import engine_weight
 Tensor = torch.Tensor
 log = logging.getLogger("phaserl")
 CHUNK = 64  # tokens per chunk of the chunked rule (transformers' and fla's default)
+# How the chunked rule solves its unit lower triangular systems: "solve" = torch.linalg.solve_triangular
+# (cuBLAS batched trsm on CUDA), "blocked" = unit_lower_inverse (batched matmuls only), then two matmuls.
+# "solve" until an H200 run of `benchmarks/families.py --case delta_rule` shows which is faster there (on the
+# CPU "blocked" is slower: its ~60 small ops per call cost more than LAPACK's solve). The doctor's activation
+# count (doctor/memory.delta_layer_bytes) is the "solve" rule's.
+TRIANGULAR = "solve"
+INVERSE_BLOCK = 16  # unit_lower_inverse's diagonal blocks, inverted row by row
 
 
 class GatedNorm(nn.Module):
@@ -173,8 +180,12 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [n, H, m, c, c]
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is ignored: unitriangular
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    if TRIANGULAR == "blocked":
+        inverse = unit_lower_inverse(system)  # [n, H, m, c, c]
+        u, w = inverse @ (v * beta[..., None]), inverse @ (k_beta * cum.exp()[..., None])
+    else:
+        u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay  # [n, H, m, c, c]
     q_read = q * cum.exp()[..., None]
     k_write = k * (cum[..., -1:] - cum).exp()[..., None]
@@ -186,6 +197,37 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         state = state * cum[:, :, i, -1, None, None].exp() + k_write[:, :, i].transpose(-1, -2) @ u_i
     o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :L].transpose(1, 2)  # [n, L, H, Dv]
     return o, state
+
+
+def unit_lower_inverse(a: Tensor, block: int = INVERSE_BLOCK) -> Tensor:
+    """(I + strict_lower(a))^-1 for a [..., c, c] (its diagonal and upper part ignored), with batched matmuls:
+    each diagonal block of `block` rows by forward substitution (row i from the rows above it, all blocks at
+    once), then blocks merged pairwise, [[X1, 0], [-X2 L21 X1, X2]], until one block spans c. Substitution and
+    the merge are the stable ways (as fla's solve_tril); a product of powers of the strict part would cancel
+    catastrophically when keys are alike. c must be `block` times a power of two."""
+    c = a.shape[-1]
+    nb = c // block
+    assert nb * block == c and nb & (nb - 1) == 0, f"chunk {c} is not {block} x a power of two"
+    strict = a.tril(-1)
+    diag = torch.stack([strict[..., j * block:(j + 1) * block, j * block:(j + 1) * block] for j in range(nb)],
+                       dim=-3)  # [..., nb, block, block]
+    eye = torch.eye(block, dtype=a.dtype, device=a.device)
+    rows = [eye[0].expand(*diag.shape[:-2], block)]  # row 0 of each inverse block: e_0
+    for i in range(1, block):  # row i = e_i - L[i, :i] @ X[:i]
+        above = torch.stack(rows, dim=-2)  # [..., nb, i, block]
+        rows.append(eye[i] - (diag[..., i:i + 1, :i] @ above).squeeze(-2))
+    inverse = [b for b in torch.stack(rows, dim=-2).unbind(-3)]  # nb x [..., block, block]
+    size = block
+    while len(inverse) > 1:  # merge neighbours: X of [[T1, 0], [L21, T2]] from X1, X2
+        merged = []
+        for j in range(0, len(inverse), 2):
+            top, x1, x2 = j * size, inverse[j], inverse[j + 1]
+            l21 = strict[..., top + size:top + 2 * size, top:top + size]
+            lower = -(x2 @ l21 @ x1)
+            merged.append(torch.cat([torch.cat([x1, torch.zeros_like(x1)], dim=-1),
+                                     torch.cat([lower, x2], dim=-1)], dim=-2))
+        inverse, size = merged, 2 * size
+    return inverse[0]
 
 
 def recurrent_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
