@@ -175,6 +175,49 @@ def test_the_static_pass_does_nothing_a_cuda_graph_capture_refuses(model):
         static.forward(buffer, R, T, 32)
 
 
+def fake_graphs(runner, monkeypatch) -> tuple[list, list]:
+    """The CPU cannot capture: `_capture` runs the step (its eager run is the pass, as in ModelRunner._capture)
+    and stores it as the graph, whose replay runs it again. -> (captured keys, replays), filled as they happen."""
+    captured, replays = [], []
+
+    class Recorded:
+        def __init__(self, step):
+            self.step = step
+
+        def replay(self):
+            replays.append(1)
+            self.step()
+
+    def capture(key, step):
+        captured.append(key)
+        step()
+        runner.graphs[key] = Recorded(step)
+
+    monkeypatch.setattr(runner, "use_graphs", True)
+    monkeypatch.setattr(runner, "_capture", capture)
+    return captured, replays
+
+
+def test_a_bucket_is_captured_at_its_second_pass_and_replayed_after(monkeypatch):
+    """CAPTURE_AT = 2: a bucket's first pass runs eagerly (no capture), its second is captured, the third replays;
+    each gives the eager pass's result."""
+    from phaserl.rollout import extend
+
+    engine, runner = prefilled_runner(tiny_model(), SamplingParams(max_new_tokens=8, temperature=0.0))
+    captured, replays = fake_graphs(runner, monkeypatch)
+    static = StaticExtend(runner)
+    with torch.inference_mode():
+        before = snapshot(runner)
+        runner._extend_pass(ITEMS)
+        eager = snapshot(runner)
+        for n in range(3):
+            restore(runner, before)
+            static.run(ITEMS)
+            assert (len(captured), len(replays)) == [(0, 0), (1, 0), (1, 1)][n]
+            assert_same_pass(eager, snapshot(runner), runner, atol=1e-5)
+    assert extend.CAPTURE_AT == 2 and list(static.seen.values()) == [3]
+
+
 def test_buckets_and_chunks_keep_the_padded_pass_within_prefill_tokens():
     assert [tokens_bucket(n, 512) for n in (1, 8, 9, 33, 64, 65, 97, 129, 200, 300)] == [8, 8, 16, 40, 64, 96, 128,
                                                                                           192, 256, 384]
@@ -215,6 +258,32 @@ def test_sessions_with_extend_graphs_give_the_same_turns(model_type, extra):
         assert [t.token_ids for t in static[key]] == [t.token_ids for t in eager[key]]
         for a, b in zip(static[key], eager[key]):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_two_like_sessions_capture_every_bucket_and_a_third_only_replays(monkeypatch):
+    """What the GPU test checks, with fake graphs (the decode steps stay eager): the same sessions three times on
+    one engine; after two, every bucket met is captured; the third captures nothing; the turns never change."""
+    model = tiny_model()
+    plan = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [[38] * 9, [1]], 4: [None]}
+    engine = RolloutEngine(model, EngineConfig(max_slots=3, extend_graphs=True))
+    captured, replays = fake_graphs(engine.runner, monkeypatch)  # decode steps get fake graphs too
+
+    def session():
+        with engine.session(SamplingParams(max_new_tokens=5, temperature=0.0), slot_len=48, eos_token_ids=[]) as s:
+            for key in (0, 1, 2):
+                s.start(key, PROMPTS[key], cap=5)
+            return drive(s, plan, {k: 5 for k in plan}, waiting=[3, 4], prompt=PROMPTS)
+
+    first, second = session(), session()
+    keys = {k for k in engine.runner.graphs if k[0] == "extend"}
+    extend_captures = [k for k in captured if k[0] == "extend"]
+    assert keys and keys == set(engine.runner.extender.seen) and sorted(extend_captures) == sorted(keys)
+    before = len(replays)
+    third = session()
+    assert [k for k in captured if k[0] == "extend"] == extend_captures and len(replays) > before
+    for key in plan:
+        assert [t.token_ids for t in second[key]] == [t.token_ids for t in first[key]]
+        assert [t.token_ids for t in third[key]] == [t.token_ids for t in first[key]]
 
 
 def test_a_moe_session_records_the_same_routes_with_extend_graphs():
@@ -258,8 +327,9 @@ def test_extend_graphs_stay_off_by_default_and_the_hybrid_runner_takes_them_when
                          ids=["eager-layers", "compiled-layers", "sliding", "qwen35-hybrid"])
 def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile, window):
     """float32 on CUDA, decode graphs on (the layer functions compiled; sliding layers), several turns with
-    refill: extend graphs captured once per bucket give the eager extend pass's tokens exactly and its log-probs
-    closely, and a second session on the same engine replays them (no new capture) with the same turns."""
+    refill: extend graphs captured once per bucket (at its second pass) give the eager extend pass's tokens exactly
+    and its log-probs closely, and a third session on the same engine replays them (no new capture) with the same
+    turns."""
     from phaserl.models import DecoderConfig
 
     torch.manual_seed(0)
@@ -294,13 +364,16 @@ def test_gpu_greedy_multi_turn_with_extend_graphs_equals_without(compile, window
 
     eager = session(RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, compile=compile)))
     engine = RolloutEngine(model, EngineConfig(token_budget=16384, max_slots=8, compile=compile, extend_graphs=True))
-    graphed = session(engine)
+    graphed = session(engine)  # a bucket's first pass runs the static pass eagerly, its second is captured
+    second = session(engine)  # the same passes again: every bucket of the first session is captured by its end
     captured = {k for k in engine.runner.graphs if k[0] == "extend"}
+    assert captured == set(engine.runner.extender.seen)
     again = session(engine)
-    assert captured and {k for k in engine.runner.graphs if k[0] == "extend"} == captured  # replayed only
+    assert {k for k in engine.runner.graphs if k[0] == "extend"} == captured  # replayed only
     for key in plan:
         assert len(graphed[key]) == 4
         assert [t.token_ids for t in graphed[key]] == [t.token_ids for t in eager[key]]
+        assert [t.token_ids for t in second[key]] == [t.token_ids for t in graphed[key]]
         assert [t.token_ids for t in again[key]] == [t.token_ids for t in graphed[key]]
         for a, b in zip(graphed[key], eager[key]):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-4, rtol=0)

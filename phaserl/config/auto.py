@@ -89,7 +89,8 @@ def extend_graphs_rule(*, engine_runs: bool, device_type: str, cuda_graphs: bool
     (2026-12-01, BENCHMARKS.md, agent_rollout.py at 0.5B, 3 repeats): 1.04x at 0 ms tools, 0.93x at 50 ms,
     1.03x with jitter. A replayed pass is cheap (4.1 ms vs 29-37 ms eager) but the (rows, tokens, context)
     buckets kept appearing inside the timed runs, and each capture costs more than a few replays save; off
-    until a longer run shows the captures dying out (extend_graphs_captured_all)."""
+    until a longer run shows the captures dying out (extend_graphs_captured_all; buckets are now captured at
+    their second pass, rollout/extend.CAPTURE_AT, which that run did not have)."""
     if not engine_runs:
         return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
     if device_type != "cuda":

@@ -4,8 +4,9 @@
 the longest row), so each pass launches its ~50 kernels per layer from Python: on the H200 at 0.5B (24 layers)
 an extend pass took 38-43 ms, as long on the host as on the device. StaticExtend runs the same math
 (`ModelRunner._extend_forward`) on fixed shapes, so that each (rows R, tokens T) bucket is captured once as a
-CUDA graph (lazily, into the decode graphs' memory pool, through `ModelRunner._capture`) and replayed after
-(one graph per rows bucket R, tokens bucket T, context bucket K and sampling settings):
+CUDA graph (lazily, at the bucket's second pass (CAPTURE_AT), into the decode graphs' memory pool, through
+`ModelRunner._capture`) and replayed after (one graph per rows bucket R, tokens bucket T, context bucket K and
+sampling settings):
   inputs   one host tensor per pass (ids [R, T], starts, lengths, slots, caps, source [R] each) copied into the
            bucket's device buffer; positions, masks and RoPE rows are computed from it on the device
   context  the keys [0, K) of each row's slot, masked per row, K the context bucket of the longest row's end
@@ -33,6 +34,11 @@ import torch
 from phaserl.rollout.runner import ModelRunner
 
 STEP = 8  # small buckets step by 8 (rows and tokens)
+# A bucket's graph is captured at its CAPTURE_AT-th pass; the passes before run the same static pass eagerly. On
+# the H200 (2026-12-01, capturing at first sight) new buckets kept being captured inside short timed runs, at a
+# cost the replays did not win back; capturing at the second sight spends captures only on buckets that recur
+# (not yet measured: benchmarks/agent_rollout.py's extend_graphs_captured_all shows it).
+CAPTURE_AT = 2
 
 
 def ladder(n: int, limit: int) -> int:
@@ -73,6 +79,7 @@ class StaticExtend:
         self.runner = runner
         self.buffers: dict = {}  # (R, T) -> long [R * T + 5 * R] on the device: what that bucket's graph reads
         self.passes = 0
+        self.seen: dict = {}  # graph key -> passes run with it so far (a key is captured from its second pass on)
 
     def extend(self, items: list[tuple[int, list[int], int, int]]) -> None:
         """items: (slot, tokens, start, cap), as ModelRunner.extend; split into passes whose padded size
@@ -103,9 +110,11 @@ class StaticExtend:
         self.passes += 1
         key = ("extend", R, T, K, r.sampling)
         graph = r.graphs.get(key) if r.use_graphs else None
+        seen = self.seen.get(key, 0)
+        self.seen[key] = seen + 1
         if graph is not None:
             graph.replay()
-        elif r.use_graphs:
+        elif r.use_graphs and seen >= CAPTURE_AT - 1:
             r._capture(key, lambda: self.forward(buffer, R, T, K))
         else:
             self.forward(buffer, R, T, K)
