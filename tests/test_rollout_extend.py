@@ -18,7 +18,7 @@ from phaserl.rollout import runner as runner_module
 from phaserl.rollout.extend import StaticExtend, rows_bucket, tokens_bucket
 from tests.test_moe_replay import tiny_moe
 from tests.test_rollout_engine import PROMPTS, tiny_model
-from tests.test_rollout_session import GEMMA4, drive
+from tests.test_rollout_session import GEMMA4, dense_layouts, drive
 
 torch.set_num_threads(1)
 
@@ -95,11 +95,7 @@ def compare_passes(model, params, record_routes=False, seed=0):
     return eager, static, runner
 
 
-@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {}),
-                                               ("qwen2", dict(sliding_window=4, layer_types=("sliding_attention",
-                                                                                          "full_attention"))),
-                                               ("gemma4_text", GEMMA4)],
-                         ids=["qwen2", "qwen3", "qwen2-sliding", "gemma4-global-layers"])
+@dense_layouts(window=4)
 def test_the_static_pass_gives_what_the_eager_pass_gives_for_ragged_items(model_type, extra):
     eager, static, runner = compare_passes(tiny_model(model_type, **extra), SamplingParams(max_new_tokens=8,
                                                                                            temperature=0.0))

@@ -41,11 +41,16 @@ def drive(session, plan: dict, caps: dict, waiting=(), prompt=None) -> dict:
     return turns
 
 
-@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {}),
-                                               ("qwen2", dict(sliding_window=6, layer_types=("sliding_attention",
-                                                                                          "full_attention"))),
-                                               ("gemma4_text", GEMMA4)],
-                         ids=["qwen2", "qwen3", "qwen2-sliding", "gemma4-global-layers"])
+def dense_layouts(window: int):
+    """parametrize(model_type, extra) over the engine's dense layouts: plain, qk-norm, sliding `window` on every
+    other layer, Gemma 4's wider global layers (tiny_model's keyword overrides)."""
+    sliding = dict(sliding_window=window, layer_types=("sliding_attention", "full_attention"))
+    return pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {}), ("qwen2", sliding),
+                                                         ("gemma4_text", GEMMA4)],
+                                   ids=["qwen2", "qwen3", "qwen2-sliding", "gemma4-global-layers"])
+
+
+@dense_layouts(window=6)
 def test_a_continued_turn_equals_the_full_forward_and_prefills_only_the_new_ids(model_type, extra):
     model = tiny_model(model_type, **extra)
     engine = RolloutEngine(model, EngineConfig(max_slots=3))

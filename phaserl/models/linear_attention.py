@@ -216,7 +216,7 @@ def unit_lower_inverse(a: Tensor, block: int = INVERSE_BLOCK) -> Tensor:
     for i in range(1, block):  # row i = e_i - L[i, :i] @ X[:i]
         above = torch.stack(rows, dim=-2)  # [..., nb, i, block]
         rows.append(eye[i] - (diag[..., i:i + 1, :i] @ above).squeeze(-2))
-    inverse = [b for b in torch.stack(rows, dim=-2).unbind(-3)]  # nb x [..., block, block]
+    inverse = list(torch.stack(rows, dim=-2).unbind(-3))  # nb x [..., block, block]
     size = block
     while len(inverse) > 1:  # merge neighbours: X of [[T1, 0], [L21, T2]] from X1, X2
         merged = []
