@@ -299,8 +299,13 @@ def delta_rule(shape: str, device: str, smoke: bool) -> None:
             torch.cuda.synchronize()
     emit(measure="delta_rule", shape=shape, rule="solve_triangular alone", matrices=chunks, size=la.CHUNK,
          rhs=Dv, ms=round((time.perf_counter() - start) / 3 * 1e3, 3))
+    compiled = torch.compile(la.chunk_gated_delta_rule)  # is the rule host-bound? (one fused program per shape)
+
+    def compiled_rule(x):
+        return compiled(*(t[seg.index] for t in (q, k)), x[seg.index], decay[seg.index], beta[seg.index])[0][seg.real]
+
     for name, rule, triangular in (("torch", torch_rule, "solve"), ("torch_blocked", torch_rule, "blocked"),
-                                   ("fla", fla_rule, "solve")):
+                                   ("torch_compiled", compiled_rule, "solve"), ("fla", fla_rule, "solve")):
         la.TRIANGULAR = triangular  # the torch rule's triangular systems: trsm, or linear_attention.unit_lower_inverse
         for backward in (False, True):
             def once():
@@ -320,8 +325,33 @@ def delta_rule(shape: str, device: str, smoke: bool) -> None:
                     torch.cuda.synchronize()
                 emit(measure="delta_rule", shape=shape, rule=name, backward=backward, tokens=n * L,
                      ms=round((time.perf_counter() - start) / 3 * 1e3, 2))
+                if name == "torch" and backward:
+                    emit(measure="delta_rule_profile", shape=shape, rule=name, backward=backward,
+                         **profile_of(once, device))
             except Exception as e:  # noqa: BLE001 - fla refuses some GPUs / Triton versions: say which, go on
                 emit(measure="delta_rule", shape=shape, rule=name, backward=backward, error=str(e)[:300])
+
+
+def profile_of(fn, device: str, top: int = 8) -> dict:
+    """One call of fn under torch.profiler: host ms, device ms, kernel launches, and the top ops by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    on_device = [e for e in events if e.device_type.name != "CPU"] if device == "cuda" else []
+    device_us = sum(e.self_device_time_total for e in on_device)
+    ranked = sorted(events, key=lambda e: e.self_device_time_total if device == "cuda" else e.self_cpu_time_total,
+                    reverse=True)[:top]
+    return {"wall_ms": round(wall * 1e3, 2), "device_ms": round(device_us / 1e3, 2),
+            "kernels": sum(e.count for e in on_device),
+            "top": [(e.key[:60], e.count, round((e.self_device_time_total if device == "cuda"
+                                                  else e.self_cpu_time_total) / 1e3, 3)) for e in ranked]}
 
 
 def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, extra: tuple = ()) -> None:

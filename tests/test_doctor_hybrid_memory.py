@@ -179,7 +179,7 @@ def fla_like(q, k, v, g, beta, *, scale, cu_seqlens, use_qk_l2norm_in_kernel):
 
 
 def test_the_fla_path_saves_what_the_doctor_counts_for_it(monkeypatch):
-    monkeypatch.setattr(linear_attention, "_fla_usable", lambda device: True)
+    monkeypatch.setattr(linear_attention, "_fla_usable", lambda device, grad=True: True)
     monkeypatch.setattr(linear_attention, "_fla_rule", lambda: fla_like)
     model = model_of()
     fla = ModelShape.of(model)

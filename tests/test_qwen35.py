@@ -363,9 +363,23 @@ def test_triton_delta_step_equals_the_torch_step(shape):
     torch.testing.assert_close(got_state[0].cpu(), state[0])
 
 
-def _fake_fla(wrong: bool = False, broken: bool = False):
+class _NoBackward(torch.autograd.Function):
+    """The identity, whose backward raises like fla-core 0.6.0's on Hopper with Triton < 3.7.1 (fla #640)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+                           "chunk_bwd_dqkwg")
+
+
+def _fake_fla(wrong: bool = False, broken: bool = False, no_backward: bool = False, calls: list = None):
     """fla's chunk_gated_delta_rule API over our torch rule (q taken as given: scale 1, no in-kernel norm)."""
     def rule(q, k, v, g, beta, scale, cu_seqlens, use_qk_l2norm_in_kernel):
+        if calls is not None:
+            calls.append(torch.is_grad_enabled())
         if broken:
             raise RuntimeError("no kernel image for this device")
         assert q.shape[0] == 1 and cu_seqlens.dtype == torch.long and scale == 1.0 and not use_qk_l2norm_in_kernel
@@ -374,6 +388,7 @@ def _fake_fla(wrong: bool = False, broken: bool = False):
             pieces = (t[:, a:b].float() for t in (q, k, v, g, beta))
             outs.append(chunk_gated_delta_rule(*pieces)[0])
         o = torch.cat(outs, dim=1)
+        o = _NoBackward.apply(o) if no_backward else o
         return (o * 1.5 if wrong else o).to(v.dtype), None
     return rule
 
@@ -385,6 +400,41 @@ def test_fla_is_used_only_after_it_agrees_with_the_torch_rule(monkeypatch, fake,
 
     monkeypatch.setattr(linear_attention, "_fla_rule", lambda: fake)
     assert linear_attention._fla_agrees(torch.device("cpu")) is trusted
+
+
+@pytest.mark.parametrize("fake, forward, backward", [
+    (_fake_fla(), True, True), (_fake_fla(no_backward=True), True, False), (_fake_fla(wrong=True), False, False),
+    (_fake_fla(broken=True), False, False), (_fake_fla(wrong=True, no_backward=True), False, False)])
+def test_fla_probe_trusts_the_forward_and_the_backward_separately(monkeypatch, fake, forward, backward):
+    from phaserl.models import linear_attention
+
+    monkeypatch.setattr(linear_attention, "_fla_rule", lambda: fake)
+    assert linear_attention._fla_probe(torch.device("cpu")) == (forward, backward)
+
+
+def test_an_fla_without_backward_serves_the_passes_without_gradients_and_the_update_runs_the_torch_rule(
+        pair, monkeypatch):
+    # fla-core 0.6.0 on the H200 (Triton 3.6): forward fine, backward refused. The reference's and the old
+    # log-probs' passes take its kernels, the update the torch rule, and both give the same log-probs.
+    from phaserl.models import linear_attention
+
+    _, ours, _ = pair
+    calls = []
+    monkeypatch.setattr(linear_attention, "_fla_rule", lambda: _fake_fla(no_backward=True, calls=calls))
+    monkeypatch.setattr(linear_attention, "FLA_DEVICES", ("cpu",))
+    monkeypatch.setattr(linear_attention, "_FLA_PROBED", {})
+    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(5))
+    probe_calls = 2  # _fla_probe: its forward, then its backward
+    with torch.no_grad():
+        without_grad = ours(ids).float()
+    layers = sum(ours.config.is_linear(i) for i in range(ours.config.num_hidden_layers))
+    assert calls[probe_calls:] == [False] * layers  # every linear layer of the no-grad pass called fla
+    assert linear_attention._FLA_PROBED[torch.device("cpu")] == (True, False)
+    with_grad = ours(ids)
+    assert len(calls) == probe_calls + layers  # the pass with gradients did not
+    with_grad.float().square().mean().backward()  # fla's refused backward is never reached
+    gap = (with_grad.detach().float() - without_grad).abs().max()  # _fla_chunk hands fla bf16 inputs
+    assert 0 < gap < 0.05 * without_grad.abs().max()
 
 # ----- GPU ------------------------------------------------------------------------------------------------
 def _on_cuda(ours, dtype=torch.float32):

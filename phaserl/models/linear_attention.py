@@ -16,7 +16,9 @@ sequence of a packed or padded batch into its own row [n, L], so that the conv's
 the rule's zero initial state are exactly a fresh sequence; the zeros after a short row's end come after
 all its real tokens, so they change none of them (and, with beta = g = 0 there, not the final state either).
 Where the flash-linear-attention package (`fla`) imports on CUDA, training hands it the real tokens with
-cu_seqlens instead of the torch rule (not exercised by the CPU tests: see docs/models.md).
+cu_seqlens instead of the torch rule, once a probe has shown it computes our rule: the passes without gradients
+when its forward does, the update when its backward runs too (the CPU tests try this with a fake fla; the real
+one is tried on the GPU: docs/models.md).
 Not here: the norms, MLP and residuals around the layer (hybrid.py), the engine's per-slot state
 (rollout/recurrent_state.py).
 
@@ -95,7 +97,7 @@ class GatedDeltaNet(nn.Module):
         mixed = F.silu(F.conv1d(qkv.transpose(1, 2), self.conv1d.weight, padding=s.conv_kernel - 1,
                                 groups=s.conv_dim)[..., :qkv.shape[1]]).transpose(1, 2)  # [n, L, C]
         q, k, v, g, beta = rule_inputs(mixed, a, b, s, self.A_log, self.dt_bias)
-        if _fla_usable(x.device):
+        if _fla_usable(x.device, grad=torch.is_grad_enabled()):
             o = _fla_chunk(q, k, v, g, beta, seg)  # [N, Hv, Dv] of the real tokens
         else:
             o = chunk_gated_delta_rule(q, k, v, g, beta)[0][seg.real]  # [N, Hv, Dv]
@@ -344,21 +346,32 @@ def _fla_rule():
 
 
 USE_FLA = True  # False forces the torch rule on CUDA too (comparisons, debugging)
-_FLA_PROBED: dict = {}  # device -> whether fla's rule, as _fla_chunk calls it, agrees with ours here
+FLA_DEVICES = ("cuda",)  # where fla's kernels run (Triton); the CPU tests add "cpu" to try the choice with a fake fla
+_FLA_PROBED: dict = {}  # device -> (forward, backward): what of fla's rule, as _fla_chunk calls it, agrees with ours
 
 
-def _fla_usable(device: torch.device) -> bool:
-    """fla on CUDA, once it has shown on a tiny packed batch (forward and backward) that it computes our rule."""
-    if not (USE_FLA and device.type == "cuda" and _fla_rule() is not None):
+def _fla_usable(device: torch.device, grad: bool = True) -> bool:
+    """fla on CUDA, once it has shown on a tiny packed batch that it computes our rule: for a pass with gradients
+    (the update's) its forward and backward, for a pass without (the reference's, the old log-probs') its forward.
+    fla-core 0.6.0 on Hopper with Triton < 3.7.1 refuses its backward only (fla #640): the passes without
+    gradients still take its kernels, the update the torch rule."""
+    if not (USE_FLA and device.type in FLA_DEVICES and _fla_rule() is not None):
         return False
     if device not in _FLA_PROBED:
-        _FLA_PROBED[device] = _fla_agrees(device)
-    return _FLA_PROBED[device]
+        _FLA_PROBED[device] = _fla_probe(device)
+    forward, backward = _FLA_PROBED[device]
+    return backward if grad else forward
 
 
 def _fla_agrees(device: torch.device) -> bool:
-    """Whether fla's rule, called as _fla_chunk calls it, gives our rule's answer on two packed sequences (and
-    its backward runs): an fla whose API or numerics differ here is never trusted (logged), the torch rule runs."""
+    """Whether fla's rule is trusted for every pass here (forward and backward; _fla_probe)."""
+    return all(_fla_probe(device))
+
+
+def _fla_probe(device: torch.device) -> tuple[bool, bool]:
+    """(forward, backward): whether fla's rule, called as _fla_chunk calls it, gives our rule's answer on two packed
+    sequences, and whether its backward runs too. An fla whose API or numerics differ here is never trusted
+    (logged), the torch rule runs."""
     g = torch.Generator(device=device).manual_seed(0)
     n, H, Dk, Dv = 40, 2, 16, 16
     q, k = (F.normalize(torch.randn(n, H, Dk, device=device, generator=g), dim=-1) for _ in range(2))
@@ -368,19 +381,24 @@ def _fla_agrees(device: torch.device) -> bool:
     q, k, decay, beta = (t[seg.index] for t in (q, k, decay, beta))  # [2, 23, ...]: each sequence its own row
     want = chunk_gated_delta_rule(q, k, v[seg.index], decay, beta)[0][seg.real]  # [n, H, Dv]
     try:
-        with torch.inference_mode(False), torch.enable_grad():
-            v = v.clone().requires_grad_(True)
+        with torch.no_grad():
             got = _fla_chunk(q, k, v[seg.index], decay, beta, seg)
-            torch.autograd.grad(got.square().sum(), v)
     except Exception as e:  # noqa: BLE001 - whatever fla says about these inputs, the answer is no
         log.warning("flash-linear-attention's chunk_gated_delta_rule failed here (%s): the torch rule runs", e)
-        return False
-    ok = bool(((got.detach() - want).abs().max() <= 3e-2 * want.abs().max()).item())
-    if ok:
-        log.info("Gated DeltaNet training layers use flash-linear-attention's chunk_gated_delta_rule")
-    else:
+        return False, False
+    if not bool(((got - want).abs().max() <= 3e-2 * want.abs().max()).item()):
         log.warning("flash-linear-attention's chunk_gated_delta_rule disagrees with ours here: the torch rule runs")
-    return ok
+        return False, False
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            v = v.clone().requires_grad_(True)
+            torch.autograd.grad(_fla_chunk(q, k, v[seg.index], decay, beta, seg).square().sum(), v)
+    except Exception as e:  # noqa: BLE001 - a backward that refuses here: its forward is still ours
+        log.warning("flash-linear-attention's chunk_gated_delta_rule has no backward here (%s): passes without "
+                    "gradients use it, the update runs the torch rule", e)
+        return True, False
+    log.info("Gated DeltaNet training layers use flash-linear-attention's chunk_gated_delta_rule")
+    return True, True
 
 
 def _fla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: Segments) -> Tensor:
