@@ -412,10 +412,10 @@ def test_fla_probe_trusts_the_forward_and_the_backward_separately(monkeypatch, f
     assert linear_attention._fla_probe(torch.device("cpu")) == (forward, backward)
 
 
-def test_an_fla_without_backward_serves_the_passes_without_gradients_and_the_update_runs_the_torch_rule(
-        pair, monkeypatch):
-    # fla-core 0.6.0 on the H200 (Triton 3.6): forward fine, backward refused. The reference's and the old
-    # log-probs' passes take its kernels, the update the torch rule, and both give the same log-probs.
+def test_an_fla_without_backward_serves_the_reference_pass_only(pair, monkeypatch):
+    # fla-core 0.6.0 on the H200 (Triton 3.6): forward fine, backward refused. The reference's pass takes its
+    # kernels; every other pass, with or without gradients (the old log-probs), runs the torch rule, so the PPO
+    # ratio compares one rule with itself.
     from phaserl.models import linear_attention
 
     _, ours, _ = pair
@@ -424,17 +424,35 @@ def test_an_fla_without_backward_serves_the_passes_without_gradients_and_the_upd
     monkeypatch.setattr(linear_attention, "FLA_DEVICES", ("cpu",))
     monkeypatch.setattr(linear_attention, "_FLA_PROBED", {})
     ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(5))
-    probe_calls = 2  # _fla_probe: its forward, then its backward
     with torch.no_grad():
-        without_grad = ours(ids).float()
+        old_logprobs = ours(ids).float()
+    probe_calls = 2  # _fla_probe: its forward, then its backward
+    assert len(calls) == probe_calls and linear_attention._FLA_PROBED[torch.device("cpu")] == (True, False)
+    with torch.no_grad(), linear_attention.reference_pass():
+        reference = ours(ids).float()
     layers = sum(ours.config.is_linear(i) for i in range(ours.config.num_hidden_layers))
-    assert calls[probe_calls:] == [False] * layers  # every linear layer of the no-grad pass called fla
-    assert linear_attention._FLA_PROBED[torch.device("cpu")] == (True, False)
-    with_grad = ours(ids)
-    assert len(calls) == probe_calls + layers  # the pass with gradients did not
-    with_grad.float().square().mean().backward()  # fla's refused backward is never reached
-    gap = (with_grad.detach().float() - without_grad).abs().max()  # _fla_chunk hands fla bf16 inputs
-    assert 0 < gap < 0.05 * without_grad.abs().max()
+    assert calls[probe_calls:] == [False] * layers  # every linear layer of the reference's pass called fla
+    with linear_attention.reference_pass():
+        update = ours(ids)  # gradients asked for: never fla's refused backward
+    update.float().square().mean().backward()
+    assert len(calls) == probe_calls + layers
+    torch.testing.assert_close(update.detach().float(), old_logprobs)
+    gap = (reference - old_logprobs).abs().max()  # _fla_chunk hands fla bf16 inputs
+    assert 0 < gap < 0.05 * old_logprobs.abs().max()
+
+
+def test_the_reference_role_runs_its_forward_as_the_reference_pass(pair, monkeypatch):
+    import copy
+
+    from phaserl.models import linear_attention
+    from phaserl.roles import reference
+
+    seen = []
+    monkeypatch.setattr(reference, "batch_logprobs", lambda *a, **k: seen.append(linear_attention._REFERENCE_PASS[0])
+                        or torch.zeros(1, 1))
+    reference.ReferencePolicy(copy.deepcopy(pair[1])).compute_logprobs(None, temperature=1.0, token_budget=8)
+    assert seen == [True] and linear_attention._REFERENCE_PASS[0] is False
+
 
 # ----- GPU ------------------------------------------------------------------------------------------------
 def _on_cuda(ours, dtype=torch.float32):

@@ -15,7 +15,7 @@ from phaserl.models import CausalLM
 from phaserl.models.families import config_from_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from phaserl.rollout import runner as runner_module
-from phaserl.rollout.extend import StaticExtend, rows_bucket, tokens_bucket
+from phaserl.rollout.extend import StaticExtend, context_bucket, rows_bucket, tokens_bucket
 from tests.test_moe_replay import tiny_moe
 from tests.test_rollout_engine import PROMPTS, tiny_model
 from tests.test_rollout_session import GEMMA4, dense_layouts, drive
@@ -215,10 +215,11 @@ def test_a_bucket_is_captured_at_its_second_pass_and_replayed_after(monkeypatch)
 
 
 def test_buckets_and_chunks_keep_the_padded_pass_within_prefill_tokens():
-    assert [tokens_bucket(n, 512) for n in (1, 8, 9, 33, 64, 65, 97, 129, 200, 300)] == [8, 8, 16, 40, 64, 96, 128,
-                                                                                          192, 256, 384]
+    assert [tokens_bucket(n, 512) for n in (1, 8, 9, 33, 64, 65, 97, 129, 200, 300)] == [8, 8, 16, 64, 64, 128, 128,
+                                                                                          256, 256, 512]
     assert tokens_bucket(100, 96) == 96  # never past the slot
-    assert [rows_bucket(n, 300) for n in (1, 3, 5, 57, 64, 65, 97, 300)] == [2, 4, 8, 64, 64, 96, 128, 300]
+    assert [rows_bucket(n, 300) for n in (1, 3, 5, 57, 64, 65, 97, 300)] == [2, 4, 8, 64, 64, 128, 128, 300]
+    assert [context_bucket(end, 1000) for end in (1, 64, 65, 224, 320, 416, 999)] == [64, 64, 128, 256, 512, 512, 1000]
     model = tiny_model()
     engine = RolloutEngine(model, EngineConfig(max_slots=8, prefill_tokens=32))
     engine.runner.begin(8, SLOT_LEN, 8, SamplingParams(max_new_tokens=8, temperature=0.0), [])

@@ -16,9 +16,9 @@ sequence of a packed or padded batch into its own row [n, L], so that the conv's
 the rule's zero initial state are exactly a fresh sequence; the zeros after a short row's end come after
 all its real tokens, so they change none of them (and, with beta = g = 0 there, not the final state either).
 Where the flash-linear-attention package (`fla`) imports on CUDA, training hands it the real tokens with
-cu_seqlens instead of the torch rule, once a probe has shown it computes our rule: the passes without gradients
-when its forward does, the update when its backward runs too (the CPU tests try this with a fake fla; the real
-one is tried on the GPU: docs/models.md).
+cu_seqlens instead of the torch rule, once a probe has shown it computes our rule: every pass when its forward
+and backward do, only the reference's pass (`reference_pass()`) when its backward refuses (the CPU tests try this
+with a fake fla; the real one is tried on the GPU: docs/models.md).
 Not here: the norms, MLP and residuals around the layer (hybrid.py), the engine's per-slot state
 (rollout/recurrent_state.py).
 
@@ -27,6 +27,7 @@ their dims, C conv channels (2 Hk Dk + Hv Dv), K conv taps, c chunk length.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -351,16 +352,30 @@ _FLA_PROBED: dict = {}  # device -> (forward, backward): what of fla's rule, as 
 
 
 def _fla_usable(device: torch.device, grad: bool = True) -> bool:
-    """fla on CUDA, once it has shown on a tiny packed batch that it computes our rule: for a pass with gradients
-    (the update's) its forward and backward, for a pass without (the reference's, the old log-probs') its forward.
-    fla-core 0.6.0 on Hopper with Triton < 3.7.1 refuses its backward only (fla #640): the passes without
-    gradients still take its kernels, the update the torch rule."""
+    """fla on CUDA, once it has shown on a tiny packed batch that it computes our rule (forward and backward). An
+    fla whose forward agrees but whose backward refuses (fla-core 0.6.0 on Hopper with Triton < 3.7.1, fla #640)
+    serves the reference's pass only (inside `reference_pass()`, without gradients): the old log-probs and the
+    update keep one rule, the torch rule, so the PPO ratio compares like with like."""
     if not (USE_FLA and device.type in FLA_DEVICES and _fla_rule() is not None):
         return False
     if device not in _FLA_PROBED:
         _FLA_PROBED[device] = _fla_probe(device)
     forward, backward = _FLA_PROBED[device]
-    return backward if grad else forward
+    return backward or (forward and not grad and _REFERENCE_PASS[0])
+
+
+_REFERENCE_PASS = [False]  # inside reference_pass()
+
+
+@contextlib.contextmanager
+def reference_pass():
+    """The frozen reference's forward (roles/reference.py): its log-probs enter only the KL term, so a rule whose
+    forward agrees with ours to bf16 rounding may compute them even where its backward cannot run."""
+    before, _REFERENCE_PASS[0] = _REFERENCE_PASS[0], True
+    try:
+        yield
+    finally:
+        _REFERENCE_PASS[0] = before
 
 
 def _fla_agrees(device: torch.device) -> bool:
@@ -394,8 +409,8 @@ def _fla_probe(device: torch.device) -> tuple[bool, bool]:
             v = v.clone().requires_grad_(True)
             torch.autograd.grad(_fla_chunk(q, k, v[seg.index], decay, beta, seg).square().sum(), v)
     except Exception as e:  # noqa: BLE001 - a backward that refuses here: its forward is still ours
-        log.warning("flash-linear-attention's chunk_gated_delta_rule has no backward here (%s): passes without "
-                    "gradients use it, the update runs the torch rule", e)
+        log.warning("flash-linear-attention's chunk_gated_delta_rule has no backward here (%s): the reference's "
+                    "pass uses it, the old log-probs and the update run the torch rule", e)
         return True, False
     log.info("Gated DeltaNet training layers use flash-linear-attention's chunk_gated_delta_rule")
     return True, True

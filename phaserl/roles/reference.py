@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..errors import PreflightError
+from ..models import linear_attention
 from ..models.lora import adapters_disabled, has_lora, is_adapter_parameter
 from ..parallel import reshard_params
 from .forward import batch_logprobs
@@ -79,7 +80,7 @@ class ReferencePolicy:
         self.check_frozen()
         if self.shares_actor_base:
             return self._base_logprobs(batch, temperature=temperature, token_budget=token_budget)
-        with torch.inference_mode():
+        with torch.inference_mode(), linear_attention.reference_pass():
             logprobs = batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget,
                                       packing=self.packing)
         # FSDP2 keeps a root unit (embeddings, head) gathered after forward and frees it in backward; a
@@ -92,7 +93,7 @@ class ReferencePolicy:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), adapters_disabled(self.model):
+            with torch.no_grad(), adapters_disabled(self.model), linear_attention.reference_pass():
                 return batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget,
                                       packing=self.packing)
         finally:

@@ -33,24 +33,21 @@ import torch
 
 from phaserl.rollout.runner import ModelRunner
 
-STEP = 8  # small buckets step by 8 (rows and tokens)
+STEP = 8  # the smallest tokens bucket
 # A bucket's graph is captured at its CAPTURE_AT-th pass; the passes before run the same static pass eagerly. On
 # the H200 (2026-12-01, capturing at first sight) new buckets kept being captured inside short timed runs, at a
-# cost the replays did not win back; capturing at the second sight spends captures only on buckets that recur
-# (not yet measured: benchmarks/agent_rollout.py's extend_graphs_captured_all shows it).
+# cost the replays did not win back; capturing at the second sight spends captures only on buckets that recur.
 CAPTURE_AT = 2
 
 
 def ladder(n: int, limit: int) -> int:
-    """The bucket for n, at most `limit`: a multiple of STEP up to 64 (2 and 4 below 8), then a power of two or
-    1.5x one (96, 128, 192, 256, ...). An extend pass is compute-bound once it is large (256 rows x 33 tokens at
-    0.5B is about 8 TFLOP), so padding costs its share in device time: at most 7 slots below 64, at most 50% above
-    (decode's buckets step by 64, and 33 tokens would double to 64 in powers of two)."""
-    if n <= 64:
-        bucket = n if n <= 2 else 4 if n <= 4 else -(-n // STEP) * STEP
-    else:
-        power = 1 << (n - 1).bit_length()  # n <= power < 2n
-        bucket = power * 3 // 4 if n <= power * 3 // 4 else power
+    """The bucket for n, at most `limit`: n itself up to 2, then the next power of two. Powers of two, not a finer
+    ladder: on the H200 (2026-12-01, agent_rollout.py at 0.5B, 6 repeats, multiples of 8 up to 64 and 1.5x steps
+    above) the (rows, tokens, context) buckets of lockstep episodes kept being new in every repeat (captures
+    [0, 0, 3, 1, 1, 2]), because how many rows one pass takes depends on when the answers arrive; an eager pass
+    was 36-44 ms of launches and a replay 3-4 ms, so a pass padded up to twice its rows costs far less than a
+    capture or an eager pass, and fewer buckets recur sooner."""
+    bucket = n if n <= 2 else 1 << (n - 1).bit_length()  # n <= bucket < 2n
     return min(bucket, limit)
 
 
@@ -61,7 +58,7 @@ def tokens_bucket(n: int, slot_len: int) -> int:
 
 def context_bucket(end: int, slot_len: int) -> int:
     """Key positions the pass attends when its rows end at most at `end`: at least 64, at most the slot. The
-    whole slot for every pass would cost attention over all S keys (quadratic in the slot, not the context)."""
+    whole slot for every pass would cost attention over all S keys (the slot's length, not the context's)."""
     return ladder(max(end, 64), slot_len)
 
 
