@@ -12,8 +12,8 @@ import pytest
 from _tiny_run import make_run_dir
 from phaserl import compile_cache
 from phaserl.config import explain, load_config
-from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, choose, compile_rule,
-                                 keep_awake_rule)
+from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, LORA_KEEP_SHARE, choose,
+                                 compile_rule, keep_awake_rule)
 from phaserl.doctor.memory import ModelShape, kept_engine_bytes, update_peak_bytes
 from phaserl.errors import ConfigError
 
@@ -54,6 +54,20 @@ def test_keep_awake_is_on_when_the_count_fits_with_margin_and_off_under_fsdp_cpu
     assert _keep(world_size=2, actor_sharded=False)[0]  # replicas (NO_SHARD): the memory decides
     assert _keep(device_type="cpu")[0] is False
     assert _keep(engine_runs=False)[0] is False
+
+
+def test_a_lora_run_keeps_the_engine_only_while_it_is_a_small_share_of_the_peak():
+    # H200 runs: 7B r16 kept the engine (~20 of 61.5 GiB counted) and peaked at 58.7 GiB, above TRL + PEFT's
+    # 54.3; 0.5B r64 kept ~3 of ~17 GiB and stayed below TRL + PEFT
+    on, why = _keep(lora=True, needed_bytes=int(61.5 * GIB), kept_bytes=20 * GIB)
+    assert on is False and why == ("LoRA: the kept engine (20.0 GiB: its merged weight copies and KV cache) would be "
+                                   "more than 25% of the update's peak (61.5 GiB)")
+    assert _keep(lora=True, needed_bytes=17 * GIB, kept_bytes=3 * GIB) == (True, "17.0 GiB needed of 139 GiB")
+    edge = int(LORA_KEEP_SHARE * 40 * GIB)
+    assert _keep(lora=True, needed_bytes=40 * GIB, kept_bytes=edge)[0]
+    assert not _keep(lora=True, needed_bytes=40 * GIB, kept_bytes=edge + 1)[0]
+    assert _keep(lora=False, needed_bytes=int(61.5 * GIB), kept_bytes=20 * GIB)[0]  # full fine-tunes: memory decides
+    assert _keep(lora=True, device_type="cpu", kept_bytes=20 * GIB)[1] == "CPU (no CUDA graphs to keep)"
 
 
 def test_an_explicit_value_wins_over_the_rule_and_says_so():
@@ -133,7 +147,8 @@ def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
     # ppo.micro_batch_tokens = 64 tokens; the engine's pool: 512 slots x 64 tokens would be 8.4 MB, so
     # engine_memory_fraction 0.4 of the 1,000,000 B free = 400,000 B, + the weights once more.
     peak = 3 * weights + weights + weights + 64 * train_bytes_per_token(shape, False) + logprob_chunk_bytes(shape, 64)
-    assert count == {"needed_bytes": peak + 400_000 + weights, "budget_bytes": 1_000_234}
+    kept = 400_000 + weights
+    assert count == {"needed_bytes": peak + kept, "kept_bytes": kept, "budget_bytes": 1_000_234}
 
 
 @pytest.mark.gpu

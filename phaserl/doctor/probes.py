@@ -376,10 +376,11 @@ def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident:
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                              gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
                              sequence_tokens=sizes.sequence_tokens)
+    kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes)
     choice = choose("rollout.engine_keep_awake", None, keep_awake_rule(
         engine_runs=cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy), device_type=ctx.device.type,
         world_size=ctx.world_size, actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",
-        needed_bytes=peak + keep_candidate(cfg, shape, sizes, ctx.free_bytes), budget_bytes=ctx.free_bytes))
+        needed_bytes=peak + kept, kept_bytes=kept, budget_bytes=ctx.free_bytes, lora=bool(cfg.actor.lora.rank)))
     return choice.value, choice.line()
 
 

@@ -64,13 +64,14 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     actor_compile = _compile_choice("actor.compile", cfg.actor.compile, actor.model, device, world_size)
     keep_rule = (False, "")  # not used when the config sets it
     if r.engine_keep_awake is None:
-        count = {"needed_bytes": 0, "budget_bytes": 0}
+        count = {"needed_bytes": 0, "kept_bytes": 0, "budget_bytes": 0}
         if engine_runs and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             count = keep_awake_count(cfg, roles, d, free_bytes=int(free), held_bytes=torch.cuda.memory_reserved(device),
                                      compiled=actor_compile.value)
         keep_rule = keep_awake_rule(engine_runs=engine_runs, device_type=device.type, world_size=world_size,
-                                    actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD", **count)
+                                    actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",
+                                    lora=bool(cfg.actor.lora.rank), **count)  # needed, kept and budget bytes
     return SpeedChoices(
         actor_compile=actor_compile,
         critic_compile=None if critic is None else _compile_choice("critic.compile", cfg.critic.compile, critic.model,
@@ -114,7 +115,7 @@ def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes:
     r = cfg.rollout
     kept = kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
                              kv_limit=int(r.engine_memory_fraction * free_bytes), routes=cfg.actor.routing_replay)
-    return {"needed_bytes": peak + kept, "budget_bytes": free_bytes + held_bytes}
+    return {"needed_bytes": peak + kept, "kept_bytes": kept, "budget_bytes": free_bytes + held_bytes}
 
 
 def packing_choice(asked: Optional[bool], enabled: bool, device: torch.device) -> Choice:
