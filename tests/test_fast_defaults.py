@@ -315,7 +315,7 @@ def test_a_second_process_compiles_from_the_first_ones_cache_and_a_corrupt_one_r
 
 def test_extend_graphs_are_a_multi_turn_setting_off_by_default_and_reach_the_engine(tmp_path):
     """rollout.engine_extend_graphs (the graphed multi-turn continuation pass, rollout/extend.py): chosen only for
-    agent.env runs, off when auto (0.93-1.04x in short H200 runs) and printed with its reason; true reaches the
+    agent.env runs, off when auto (0.90-1.11x on the H200) and printed with its reason; true reaches the
     engine's config."""
     from phaserl.trainer import RLTrainer
 

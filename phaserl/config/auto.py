@@ -30,8 +30,8 @@ AUTO_RULES = {
                                  "device memory, and for a LoRA actor the kept engine is at most "
                                  f"{LORA_KEEP_SHARE:.0%} of that peak (its merged weight copies are a second copy "
                                  "of the model); off otherwise (CPU, FSDP, tight memory, a large LoRA model)",
-    "rollout.engine_extend_graphs": "off (the graphed multi-turn continuation passes measured 0.93-1.04x of the "
-                                    "eager ones on the H200 in short runs); off on the CPU and without CUDA graphs",
+    "rollout.engine_extend_graphs": "off (the graphed multi-turn continuation passes measured 0.90-1.11x of the "
+                                    "eager ones on the H200); off on the CPU and without CUDA graphs",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
 }
 
@@ -89,19 +89,18 @@ def engine_compile_rule(*, engine_runs: bool, device_type: str, triton: bool, fu
 
 def extend_graphs_rule(*, engine_runs: bool, device_type: str, cuda_graphs: bool) -> tuple[bool, str]:
     """EngineConfig.extend_graphs when auto (the engine applies the same answer: off). Measured on the H200
-    (2026-12-01, BENCHMARKS.md, agent_rollout.py at 0.5B, 3 repeats): 1.04x at 0 ms tools, 0.93x at 50 ms,
-    1.03x with jitter. A replayed pass is cheap (4.1 ms vs 29-37 ms eager) but the (rows, tokens, context)
-    buckets kept appearing inside the timed runs, and each capture costs more than a few replays save; off
-    until a longer run shows the captures dying out (extend_graphs_captured_all; buckets are now captured at
-    their second pass, rollout/extend.CAPTURE_AT, which that run did not have)."""
+    (2026-12-01, BENCHMARKS.md ninth session, agent_rollout.py at 0.5B, 6-8 repeats, captures at a bucket's second
+    pass, buckets of powers of two): 0.90-1.11x of the eager passes with the engine eager, 0.90-1.03x compiled, and
+    never above the compiled engine's eager passes at 0 ms tools (0.59 of single turn): the lock-step passes took
+    as long replayed as eager, and new buckets kept being captured over the repeats."""
     if not engine_runs:
         return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
     if device_type != "cuda":
         return False, f"{device_type.upper()} (no CUDA graphs: the static pass would only pad)"
     if not cuda_graphs:
         return False, "the engine's CUDA graphs are off"
-    return False, ("0.93-1.04x on the H200 so far (captures inside short runs cost what the replays save); "
-                   "`true` to try it on a long multi-turn run")
+    return False, ("0.90-1.11x of the eager passes on the H200 (lock-step passes as slow replayed as eager; new "
+                   "buckets kept being captured); `true` to try it")
 
 
 def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, actor_sharded: bool,
