@@ -22,6 +22,7 @@ waiting for them); gc the garbage collector's pauses.
 
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
+    python benchmarks/agent_rollout.py --latency-ms 0 --profile-extend   # H200: where an extend pass's time goes
     python benchmarks/agent_rollout.py --latency-ms 0 50 --jitter-ms 50 \
         --engine-compile off on --extend-graphs off on      # H200: the 4 variants, one engine each, in one run
 
@@ -278,8 +279,56 @@ def run_variant(model, a, pool: Workers, common: dict, compile, extend) -> list:
             lines.append(dict(case="multi_turn_jitter" if jitter else "multi_turn", latency_ms=latency, **common, **r,
                               vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"], lockstep_bound=bound))
             emit(**lines[-1])
+        if a.profile_extend:
+            for record in extend_profile(engine, ids, a):
+                emit(**common, **record)
     engine.release()
     return lines
+
+
+def extend_profile(engine, ids, a) -> list[dict]:
+    """One lock-step extend call (every episode's observation after its first turn) under torch.profiler, the
+    session driven by hand: is the pass bound by the device (kernels back to back) or by the host (gaps between
+    launches)? Its wall, its kernels' device time and the top kernels (profiling.summarize), and the same for the
+    prompt prefill of the same episodes for comparison (per token)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profiling import summarize
+
+    episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
+    params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    out = []
+
+    def profiled(kind: str, fn, tokens: int) -> None:
+        sync(a.device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync(a.device)
+            wall = time.perf_counter() - t0
+        records = summarize(prof, wall, top=8)
+        total = records[-1]
+        out.append(dict(case="extend_profile", part=kind, tokens=tokens, wall_ms=round(wall * 1e3, 2),
+                        us_per_token=round(wall * 1e6 / tokens, 3), device_ms=round(total["total_device_ms"], 2),
+                        device_busy=total["device_busy"], groups=[r for r in records if "group" in r and "kernel" not in r],
+                        top=[dict(kernel=r["kernel"], ms=round(r["device_ms"], 3), launches=r["launches"])
+                             for r in records if "kernel" in r]))
+
+    with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=len(ids)) as session:
+        for i, prompt in enumerate(ids):
+            session.start(i, prompt, a.turn_tokens)
+        profiled("prefill", session._prefill, sum(map(len, ids)))
+        ended = 0
+        while ended < len(ids):
+            ended += len(session.step())
+        obs = [[(7 * i + j) % 1000 + 1 for j in range(a.obs_tokens)] for i in range(len(ids))]
+        for i in range(len(ids)):
+            session.extend(i, obs[i], a.turn_tokens)
+        profiled("extend", session._prefill, len(ids) * (a.obs_tokens + 1))  # + each turn's last sampled id
+        while session.decoding:
+            session.step()
+    return out
 
 
 def side_by_side(lines: list) -> dict:
@@ -317,6 +366,9 @@ def main(argv=None) -> None:
                    help="EngineConfig.compile of each variant (auto: the engine's rule)")
     p.add_argument("--extend-graphs", nargs="+", choices=sorted(SWITCH), default=["auto"],
                    help="EngineConfig.extend_graphs of each variant (static extend passes, CUDA graphs on CUDA)")
+    p.add_argument("--profile-extend", action="store_true",
+                   help="per variant, after the timed cases: one lock-step extend call and the prompt prefill under "
+                        "torch.profiler (device time, busy share, top kernels)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 8 episodes x 2 turns")
     a = p.parse_args(argv)
     a.device = "cuda"
