@@ -24,7 +24,10 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
                   prompt + new tokens), packed: one of the torch rule's triangular solves alone, the torch
                   chunked rule forward and forward + backward with its solves (torch) and with the blocked
                   inverse instead (torch_blocked, linear_attention.TRIANGULAR), fla's forward and forward +
-                  backward where they run here (each timed, or its error)
+                  backward where they run here (each timed, or its error); the compiled torch rule; a profile
+  train_layers    Qwen3.5 shapes: the model's layers on one packed micro-batch of 8 sequences, forward + backward,
+                  eager against the hybrid layers compiled (hybrid.COMPILE_HYBRID: the delta rule and the
+                  attention core stay eager), with the eager pass's profile
 Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
   gemma3-1b   Gemma 3 1B text: 26 layers, hidden 1152, 4 q / 1 kv heads of 256, sliding 512 on 5 of 6
               layers, vocab 262144; 64 x 8 x (128 + 256)
@@ -119,9 +122,9 @@ SHAPES = {
         num_key_value_heads=2, sliding_window=4, max_position_embeddings=64)),
 }
 CASES = ("rollout_native", "rollout_hf", "grpo_native", "grpo_transformers", "grpo_native_replay", "mismatch_replay",
-         "mismatch", "rollout_native_torch_delta", "delta_rule")
+         "mismatch", "rollout_native_torch_delta", "delta_rule", "train_layers")
 MOE_CASES = ("grpo_native_replay", "mismatch_replay")  # skipped for dense shapes
-HYBRID_CASES = ("rollout_native_torch_delta", "delta_rule")  # Qwen3.5 shapes only
+HYBRID_CASES = ("rollout_native_torch_delta", "delta_rule", "train_layers")  # Qwen3.5 shapes only
 
 
 def emit(**record) -> None:
@@ -333,25 +336,75 @@ def delta_rule(shape: str, device: str, smoke: bool) -> None:
 
 
 def profile_of(fn, device: str, top: int = 8) -> dict:
-    """One call of fn under torch.profiler: host ms, device ms, kernel launches, and the top ops by device time."""
+    """One call of fn under torch.profiler: wall, device time, busy share and the top kernels (profiling.summarize;
+    CUDA kernels only: on the CPU the lists stay empty)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from profiling import summarize
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    start = time.perf_counter()
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    events = prof.key_averages()
-    on_device = [e for e in events if e.device_type.name != "CPU"] if device == "cuda" else []
-    device_us = sum(e.self_device_time_total for e in on_device)
-    ranked = sorted(events, key=lambda e: e.self_device_time_total if device == "cuda" else e.self_cpu_time_total,
-                    reverse=True)[:top]
-    return {"wall_ms": round(wall * 1e3, 2), "device_ms": round(device_us / 1e3, 2),
-            "kernels": sum(e.count for e in on_device),
-            "top": [(e.key[:60], e.count, round((e.self_device_time_total if device == "cuda"
-                                                  else e.self_cpu_time_total) / 1e3, 3)) for e in ranked]}
+        wall = time.perf_counter() - start
+    records = summarize(prof, wall, top=top)
+    return {"wall_ms": round(wall * 1e3, 2), "device_ms": round(records[-1]["total_device_ms"], 2),
+            "device_busy": records[-1]["device_busy"],
+            "groups": [(r["group"], round(r["device_ms"], 2), r["launches"]) for r in records if "share" in r],
+            "top": [(r["kernel"][:60], r["launches"], round(r["device_ms"], 3)) for r in records if "kernel" in r]}
+
+
+def train_layers(shape: str, root: str, device: str, dtype: torch.dtype, smoke: bool) -> None:
+    """The whole model's layers (no LM head) on one packed training micro-batch (8 sequences of prompt + new tokens,
+    as the GRPO cases' micro-batch), forward + backward: eager, then with the hybrid layers compiled
+    (hybrid.COMPILE_HYBRID; inductor on CUDA, dynamo's eager backend on the CPU smoke), each timed after a warm-up,
+    the compile's own time, the largest output difference, and a profile of the eager pass."""
+    from phaserl.models import decoder, hybrid
+
+    _, _, prompt_len, new = SHAPES[shape]["run"]
+    n, L = (2, 16) if smoke else (8, prompt_len + new)
+    model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, n * L), generator=g).to(device)
+    positions = torch.arange(L, device=device).repeat(n)[None]
+    seq_ids = torch.arange(n, device=device).repeat_interleave(L)[None]
+
+    def once():
+        model.zero_grad(set_to_none=True)
+        hidden = model(ids, position_ids=positions, seq_ids=seq_ids)
+        hidden.float().square().mean().backward()
+        return hidden.detach()
+
+    def timed(repeats: int = 3) -> float:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        sync()
+        return (time.perf_counter() - start) / repeats * 1e3
+
+    eager_out = once()
+    eager_ms = timed()
+    emit(measure="train_layers", shape=shape, variant="eager", tokens=n * L, ms=round(eager_ms, 2),
+         profile=profile_of(once, device))
+    hybrid.COMPILE_HYBRID = True
+    try:
+        decoder.enable_compile(model, backend="inductor" if device == "cuda" else "eager")
+        start = time.perf_counter()
+        out = once()  # the compile
+        first_s = time.perf_counter() - start
+        compiled_ms = timed()
+        emit(measure="train_layers", shape=shape, variant="hybrid_compiled", tokens=n * L, ms=round(compiled_ms, 2),
+             first_call_s=round(first_s, 1), speedup=round(eager_ms / compiled_ms, 3),
+             max_abs_diff=float((out.float() - eager_out.float()).abs().max()))
+    except Exception as e:  # noqa: BLE001 - a compile that fails here is the finding: say it, go on
+        emit(measure="train_layers", shape=shape, variant="hybrid_compiled", error=str(e)[:400])
+    finally:
+        hybrid.COMPILE_HYBRID = False
+        decoder.enable_compile(model, enabled=False)
 
 
 def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, extra: tuple = ()) -> None:
@@ -425,6 +478,8 @@ def main(argv=None) -> None:
                 mismatch(shape, root, device, dtype, a.smoke)
             elif case == "delta_rule":
                 delta_rule(shape, device, a.smoke)
+            elif case == "train_layers":
+                train_layers(shape, root, device, dtype, a.smoke)
             elif case == "rollout_native_torch_delta":
                 from phaserl.rollout import recurrent_state
 

@@ -85,6 +85,43 @@ def _pack(rows):
     return packed, positions, seq_ids
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_hybrid_layers_give_the_eager_outputs_and_gradients(pair, monkeypatch, backend):
+    # hybrid.COMPILE_HYBRID (off until measured on the H200): the layers through torch.compile with the attention
+    # core and the delta rule left eager. aot_eager traces the backward too (no code generation on the CPU).
+    import copy
+
+    from phaserl.models import decoder, hybrid
+
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(0, 96, (n,), generator=g) for n in (37, 80, 5)]
+    packed, positions, seq_ids = _pack(rows)
+
+    def run(model):
+        model.zero_grad()
+        hidden = model(packed, position_ids=positions, seq_ids=seq_ids)
+        hidden.square().mean().backward()
+        return hidden.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    eager_out, eager_grads = run(ours)
+    model = copy.deepcopy(ours)
+    decoder.enable_compile(model, backend=backend)
+    assert decoder.is_compiled(model) is None  # off by default: the hybrid layers stay eager
+    monkeypatch.setattr(hybrid, "COMPILE_HYBRID", True)
+    decoder.enable_compile(model, backend=backend)
+    assert decoder.is_compiled(model) == backend and all(layer.compiled for layer in model.model.layers)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    out, grads = run(model)
+    assert counters["stats"]["unique_graphs"] >= 2  # dynamo compiled them: a graph per layer kind at least
+    torch.testing.assert_close(out, eager_out, atol=1e-5, rtol=1e-5)
+    assert len(grads) == len(eager_grads)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_packed_sequences_share_no_state(pair):
     # Two sequences in one row (the second starts mid-chunk) must give exactly what each gives alone: the
     # DeltaNet state and the conv's last K-1 inputs restart at the boundary.

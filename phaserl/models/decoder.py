@@ -31,6 +31,7 @@ from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_
                                       packed_boundaries, use_varlen, varlen_takes_windows)
 from phaserl.models.config import DecoderConfig
 from phaserl.models.heads import chunked_token_logprobs, softcap
+from phaserl.models import hybrid
 from phaserl.models.hybrid import HybridLayer
 from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention,
                                    rope_tables)
@@ -215,11 +216,14 @@ def enable_compile(model: nn.Module, enabled: bool = True, *, backend: str = "in
     for layer in model.modules():
         if isinstance(layer, DecoderLayer):
             layer.compiled = backend if enabled else None
+        elif isinstance(layer, HybridLayer) and hybrid.COMPILE_HYBRID:  # Qwen3.5: off until measured (hybrid.py)
+            layer.compiled = backend if enabled else None
 
 
 def is_compiled(model: nn.Module) -> Optional[str]:
-    """The backend of the first compiled DecoderLayer of `model`, or None."""
-    return next((m.compiled for m in model.modules() if isinstance(m, DecoderLayer) and m.compiled), None)
+    """The backend of the first compiled DecoderLayer (or HybridLayer) of `model`, or None."""
+    return next((m.compiled for m in model.modules() if isinstance(m, (DecoderLayer, HybridLayer)) and m.compiled),
+                None)
 
 
 class DecoderModel(nn.Module):

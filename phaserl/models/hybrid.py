@@ -85,7 +85,7 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, layer_idx)
         self.mlp = MLP(cfg)
-        self.compiled: Optional[str] = None  # never set: enable_compile compiles DecoderLayer only
+        self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend, where COMPILE_HYBRID
 
     @property
     def attn_key(self):
@@ -111,10 +111,37 @@ class HybridLayer(nn.Module):
         if kv_cache is not None:
             raise NotImplementedError("Qwen3.5 (linear attention) decodes with the rollout engine "
                                       "(phaserl.rollout.RolloutEngine); the decoder's KVCache holds no recurrent state")
-        w = self.weights()
-        if self.linear:
-            x = rms_norm(h, w.attn_in, self.spec.eps, self.spec.norm_style)
-            return post_attention(h, self.linear_attn(x, attn), w, self.spec)
-        q, k, v, gate = gated_pre_attention(h, w, self.spec, cos, sin)  # [B, T, heads, D], gate [B, T, Hq * D]
-        out = attention.attend(q, k, v, attn, self.spec.scale)  # [B, T, Hq, D]
-        return gated_output(h, out.flatten(-2), gate, w, self.spec)
+        if self.compiled:  # the module call (and any FSDP hook on it) stays outside torch.compile, as DecoderLayer's
+            return compiled_block(self.compiled)(self, h, cos, sin, attn)
+        return hybrid_block(self, h, cos, sin, attn)
+
+
+def hybrid_block(layer: HybridLayer, h: Tensor, cos: Tensor, sin: Tensor,
+                 attn: Union[Tensor, attention.PackedSeqs, Segments]) -> Tensor:
+    """One Qwen3.5 layer: h [B, T, H] -> [B, T, H]. Under torch.compile the attention core and the delta rule
+    (linear_attention.delta_rule_tokens) stay eager, like DecoderLayer's attention: projections, the short
+    convolution, the norms, gates and the MLP are what compiles."""
+    w = layer.weights()
+    if layer.linear:
+        x = rms_norm(h, w.attn_in, layer.spec.eps, layer.spec.norm_style)
+        return post_attention(h, layer.linear_attn(x, attn), w, layer.spec)
+    q, k, v, gate = gated_pre_attention(h, w, layer.spec, cos, sin)  # [B, T, heads, D], gate [B, T, Hq * D]
+    out = _attend(q, k, v, attn, layer.spec.scale)  # [B, T, Hq, D]
+    return gated_output(h, out.flatten(-2), gate, w, layer.spec)
+
+
+# enable_compile (decoder.py) compiles the hybrid layers too only where this is True. Off until measured on the H200
+# (`benchmarks/families.py --shape qwen35-2b --case train_layers`: one packed micro-batch's forward + backward of
+# the whole model, eager vs compiled): the eighth-ninth sessions' Qwen3.5 GRPO steps ran every hybrid layer eagerly.
+COMPILE_HYBRID = False
+_attend = torch.compiler.disable(attention.attend)  # varlen / SDPA as without compile; eager calls pay nothing more
+_COMPILED: dict = {}  # backend -> torch.compile(hybrid_block), made once per process
+
+
+def compiled_block(backend: str):
+    """torch.compile(hybrid_block) for `backend` (dynamic shapes: one graph per layer kind serves every batch)."""
+    if backend not in _COMPILED:
+        from ..compile_cache import guard_compiled  # a corrupt compile cache: moved aside, compiled cold
+
+        _COMPILED[backend] = guard_compiled(torch.compile(hybrid_block, dynamic=True, backend=backend))
+    return _COMPILED[backend]

@@ -98,14 +98,25 @@ class GatedDeltaNet(nn.Module):
         mixed = F.silu(F.conv1d(qkv.transpose(1, 2), self.conv1d.weight, padding=s.conv_kernel - 1,
                                 groups=s.conv_dim)[..., :qkv.shape[1]]).transpose(1, 2)  # [n, L, C]
         q, k, v, g, beta = rule_inputs(mixed, a, b, s, self.A_log, self.dt_bias)
-        if _fla_usable(x.device, grad=torch.is_grad_enabled()):
-            o = _fla_chunk(q, k, v, g, beta, seg)  # [N, Hv, Dv] of the real tokens
-        else:
-            o = chunk_gated_delta_rule(q, k, v, g, beta)[0][seg.real]  # [N, Hv, Dv]
-        out = x.new_zeros(B * T, s.num_value_heads, s.value_head_dim)
-        out[seg.index[seg.real]] = o.to(x.dtype)
+        out = delta_rule_tokens(q, k, v, g, beta, seg, B * T, x.dtype)  # [B * T, Hv, Dv]
         z = linear(flat, self.in_proj_z).view(B * T, s.num_value_heads, s.value_head_dim)
         return gated_norm(out, z, self.norm.weight, self.eps).view(B, T, -1)
+
+
+# The chunk loop (or fla's kernels) and the gather of the real tokens (a data-dependent shape) run eagerly between
+# a compiled layer's pieces (hybrid.COMPILE_HYBRID): compiled whole, the rule's backward was slower on the H200.
+@torch.compiler.disable
+def delta_rule_tokens(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, seg: "Segments", rows: int,
+                      dtype: torch.dtype) -> Tensor:
+    """The gated delta rule over every sequence of `seg` (q, k [n, L, Hv, Dk], v [n, L, Hv, Dv], g, beta [n, L, Hv]),
+    laid back out on the batch's flat tokens: -> [rows, Hv, Dv] in `dtype`, zeros at padding tokens."""
+    if _fla_usable(q.device, grad=torch.is_grad_enabled()):
+        o = _fla_chunk(q, k, v, g, beta, seg)  # [N, Hv, Dv] of the real tokens
+    else:
+        o = chunk_gated_delta_rule(q, k, v, g, beta)[0][seg.real]  # [N, Hv, Dv]
+    out = o.new_zeros(rows, *o.shape[1:], dtype=dtype)
+    out[seg.index[seg.real]] = o.to(dtype)
+    return out
 
 
 @dataclass(frozen=True)
