@@ -134,7 +134,13 @@ def hybrid_block(layer: HybridLayer, h: Tensor, cos: Tensor, sin: Tensor,
 # (`benchmarks/families.py --shape qwen35-2b --case train_layers`: one packed micro-batch's forward + backward of
 # the whole model, eager vs compiled): the eighth-ninth sessions' Qwen3.5 GRPO steps ran every hybrid layer eagerly.
 COMPILE_HYBRID = False
-_attend = torch.compiler.disable(attention.attend)  # varlen / SDPA as without compile; eager calls pay nothing more
+
+
+@torch.compiler.disable  # the attention core as without compile (varlen kernel or SDPA), kept out of the graph
+def _attend(q: Tensor, k: Tensor, v: Tensor, attn, scale) -> Tensor:
+    return attention.attend(q, k, v, attn, scale)  # looked up at call time: what attention.attend is then
+
+
 _COMPILED: dict = {}  # backend -> torch.compile(hybrid_block), made once per process
 
 
