@@ -397,7 +397,14 @@ def _fla_agrees(device: torch.device) -> bool:
 def _fla_probe(device: torch.device) -> tuple[bool, bool]:
     """(forward, backward): whether fla's rule, called as _fla_chunk calls it, gives our rule's answer on two packed
     sequences, and whether its backward runs too. An fla whose API or numerics differ here is never trusted
-    (logged), the torch rule runs."""
+    (logged), the torch rule runs. The first call may come from a pass under inference_mode (the reference's):
+    the probe's tensors are made outside it, or autograd could not save them and a working backward would look
+    refused."""
+    with torch.inference_mode(False):
+        return _probe_fla(device)
+
+
+def _probe_fla(device: torch.device) -> tuple[bool, bool]:
     g = torch.Generator(device=device).manual_seed(0)
     n, H, Dk, Dv = 40, 2, 16, 16
     q, k = (F.normalize(torch.randn(n, H, Dk, device=device, generator=g), dim=-1) for _ in range(2))
@@ -416,7 +423,7 @@ def _fla_probe(device: torch.device) -> tuple[bool, bool]:
         log.warning("flash-linear-attention's chunk_gated_delta_rule disagrees with ours here: the torch rule runs")
         return False, False
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.enable_grad():
             v = v.clone().requires_grad_(True)
             torch.autograd.grad(_fla_chunk(q, k, v[seg.index], decay, beta, seg).square().sum(), v)
     except Exception as e:  # noqa: BLE001 - a backward that refuses here: its forward is still ours
