@@ -33,7 +33,7 @@ def prefilled_runner(model, params, record_routes=False):
     engine = RolloutEngine(model, EngineConfig(max_slots=SLOTS, record_routes=record_routes))
     runner = engine.runner
     runner.begin(SLOTS, SLOT_LEN, 8, params, [])
-    runner.prefill([(tuple(p), [s], [8]) for s, p in enumerate(PROMPTS[:SLOTS])])
+    runner.prefill([(tuple(p), [s], [8], [s]) for s, p in enumerate(PROMPTS[:SLOTS])])
     return engine, runner
 
 
@@ -385,7 +385,7 @@ def test_a_padding_token_past_the_context_of_a_sliding_layer_writes_no_nan(stati
                        max_position_embeddings=128)
     runner = RolloutEngine(model, EngineConfig(max_slots=4)).runner
     runner.begin(4, 128, 8, SamplingParams(max_new_tokens=8, temperature=0.0), [])
-    runner.prefill([((1, 2), [0], [8]), (tuple(i % 39 + 1 for i in range(40)), [1], [8]), ((3,), [2], [8])])
+    runner.prefill([((1, 2), [0], [8], [0]), (tuple(i % 39 + 1 for i in range(40)), [1], [8], [1]), ((3,), [2], [8], [2])])
     # row 1's padding tokens: positions 41..69; the static pass's padding row (3 rows -> 4) sits at 127, past its
     # context bucket of 64 keys
     items = [(0, [i % 39 + 1 for i in range(30)], 2, 4), (1, [5], 40, 4), (2, [6, 7], 1, 4)]

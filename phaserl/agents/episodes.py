@@ -8,8 +8,11 @@ with its KV kept, and its observation ids are appended to that slot when they ar
 
     overlap=True   an environment's answer is used as soon as it arrives: decoding never waits for an
                    environment (when nothing else decodes, answers due within what a separate resumption
-                   would cost are taken together: DecodeSession.gather_seconds). Which decode step an episode resumes at then depends on timing, so
-                   sampling is reproducible only up to environment timing.
+                   would cost are taken together: DecodeSession.gather_seconds). Which decode step an episode
+                   resumes at then depends on timing, but its sampling noise does not (it is keyed by the
+                   episode and the position: EpisodeStart.noise_key), so the episodes are those of
+                   overlap=False wherever the logits do not depend on the batch (the CPU; on a GPU up to rare
+                   near-ties, docs/agents.md).
     overlap=False  every answer is used at a fixed point (after the decode step that ended the turn,
                    in episode order): environments still run in parallel with each other, decoding
                    waits for them, and a seeded run is reproducible (and resumes bit-for-bit).
@@ -76,6 +79,8 @@ class EpisodeStart:
     item: object                 # PromptItem (row, prompt_ids)
     seed: int
     label: str                   # e.g. "train.jsonl:row 12, sample 3"
+    noise_key: Optional[int] = None  # names the episode's sampling noise in the decode session (None: `seed`);
+                                     # unique per episode and the same on any rank, e.g. its global index
 
 
 @dataclass(eq=False)
@@ -156,7 +161,8 @@ class EpisodeRunner:
         cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - len(ids))
         if cap < 1:
             return self._finish(session, run, self.limits.budget_reason)
-        session.start(run.index, ids, cap)
+        key = run.start.seed if run.start.noise_key is None else run.start.noise_key
+        session.start(run.index, ids, cap, noise_key=key)  # its samples do not depend on timing or slots
         run.in_session = True
 
     def _apply(self, session, run: _Run, waiting: list) -> None:

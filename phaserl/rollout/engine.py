@@ -8,6 +8,9 @@ log-prob of each sampled token under log_softmax(logits / T). Underneath:
 The host loop runs one step ahead of what it knows: it launches step t, then reads the finished flags
 of step t-1 (copied asynchronously), so the GPU never waits for Python. A sequence that stopped at
 t-1 therefore idles for one step before its slot is refilled.
+Sampling noise is keyed by (the call's seed, drawn from `generator`; the sequence's index in the call; the
+position): a call's samples are a function of its generator, prompts and caps, whatever batch_size, refill or
+compaction do with the slots (exactly so where the logits do not depend on the batch, as on the CPU).
 On the CPU the same code runs eagerly (no graphs), so CPU tests and the quickstart exercise it.
 Not here: models other than CausalLM (generate.py keeps the transformers fallback), detokenizing.
 """
@@ -186,8 +189,10 @@ class RolloutEngine:
             while not scheduler.all_done:
                 groups = scheduler.admit()
                 if groups:
-                    self.runner.prefill([(prompt, [s.slot for s in seqs], [s.max_new_tokens for s in seqs])
-                                         for prompt, seqs in groups])
+                    # noise keyed by the sequence's index in the call: its samples do not depend on its slot,
+                    # batch_size or when it was admitted (runner.prefill)
+                    self.runner.prefill([(prompt, [s.slot for s in seqs], [s.max_new_tokens for s in seqs],
+                                          [s.index for s in seqs]) for prompt, seqs in groups])
                 self._compact(scheduler)
                 self.runner.decode(self.runner.bucket_for(scheduler.span))
                 steps += 1

@@ -13,10 +13,13 @@ the slot-state update and one-pass sampling.
   record            kv_pool.SlotState.record: the step's tokens and log-probs into the slot state.
   sample            per row, one pass over the logits: max and log-sum-exp (online), and a draw from
                     softmax(z / T) by two-level Gumbel-max (a vocabulary block by its mass, then a token
-                    in that block, re-read), with noise from Philox keyed by a device-side seed; greedy =
-                    argmax z. Returns the token and its log-prob under log_softmax(z / T), like
-                    runner.sample_tokens.
-All run inside CUDA graphs (no host sync; the seed lives in a device tensor that the caller advances).
+                    in that block, re-read), with noise from Philox keyed by the row's own seed, derived
+                    in the kernel from (the call's seed, the row's sequence key, the position it draws
+                    after) as sampling.row_states derives it; greedy = argmax z. Returns the token and its
+                    log-prob under log_softmax(z / T), like runner.sample_tokens.
+  keyed_noise       Exp(1) noise [b, V] for runner.sample_tokens (top-k / top-p), Philox under the same
+                    per-row seeds: the CUDA twin of sampling.keyed_noise (other numbers, the same law).
+All run inside CUDA graphs (no host sync; the seed, keys and positions live in device tensors).
 The pure-torch versions of the same math live in layers.py, runner.py and kv_pool.py and are used on the CPU
 and without Triton; tests/test_rollout_fused.py compares each kernel with its twin.
 Not here: top-k / top-p filtering (the torch path does it), prefill attention (SDPA).
@@ -30,6 +33,8 @@ import os
 from typing import Optional
 
 import torch
+
+from phaserl.rollout.sampling import MIX1, MIX2
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: how the kernels are tested here
@@ -263,18 +268,43 @@ if HAVE_TRITON:
         tl.store(tokens_ptr + rows, new, mask=ok & active)
         tl.store(pos_ptr + rows, tl.load(pos_ptr + rows, mask=ok, other=0) + active.to(tl.int64), mask=ok & active)
 
+    _MIX1, _MIX2 = tl.constexpr(MIX1), tl.constexpr(MIX2)
+
     @triton.jit
-    def _sample_kernel(logits_ptr, stride, seed_ptr, tokens_ptr, logprobs_ptr, temperature,
+    def _mix64(x):
+        """sampling.mix64 on an int64 scalar: >> is arithmetic here too, so the masks make it logical."""
+        x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * _MIX1
+        x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * _MIX2
+        return x ^ ((x >> 31) & 0x1FFFFFFFF)
+
+    @triton.jit
+    def _row_seed(seed_ptr, key_ptr, at_ptr, row):
+        """The row's Philox seed: sampling.row_states(seed, key[row], at[row]), a few scalar loads and int ops."""
+        return _mix64(_mix64(_mix64(tl.load(seed_ptr)) + tl.load(key_ptr + row)) + tl.load(at_ptr + row))
+
+    @triton.jit
+    def _noise_kernel(seed_ptr, key_ptr, at_ptr, out_ptr, o_sb, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row, block): E = -log(U), U ~ Uniform[0, 1) from Philox under the row's seed (U = 0: E = inf,
+        a token that is never drawn)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        seed = _row_seed(seed_ptr, key_ptr, at_ptr, row)
+        tl.store(out_ptr + row * o_sb + cols, -tl.log(tl.rand(seed, cols)), mask=cols < VOCAB)
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, stride, seed_ptr, key_ptr, at_ptr, tokens_ptr, logprobs_ptr, temperature,
                        VOCAB: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_POW2: tl.constexpr):
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * stride
-        seed = tl.load(seed_ptr)
+        # Keyed noise: the row's draw depends on (seed, its sequence's key, its position), not on the row index
+        # or the step, so a sequence samples alike in any slot and batch (rollout/sampling.py).
+        seed = _row_seed(seed_ptr, key_ptr, at_ptr, row)
         lanes = tl.arange(0, BLOCK)
         blocks = tl.arange(0, BLOCKS_POW2)
         # Two-level Gumbel-max: pick a vocabulary block with probability (its mass) / (all mass), then a
         # token inside it with probability exp(z) / (block mass); the product is softmax(z). Noise for
         # one key per block and for one block's tokens, not for all V (Philox is the costly part).
-        block_gumbel = -tl.log(-tl.log(tl.rand(seed, (1 << 30) + row * BLOCKS_POW2 + blocks)))  # [BLOCKS_POW2]
+        block_gumbel = -tl.log(-tl.log(tl.rand(seed, (1 << 30) + blocks)))  # [BLOCKS_POW2]
         zero = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # loop-carried scalars start as typed tensors
         m = zero - float("inf")  # running max of z
         total = zero             # running sum of exp(z - m)
@@ -301,7 +331,7 @@ if HAVE_TRITON:
         if GREEDY:
             key = z
         else:  # z - log(E), E = -log(U) ~ Exp(1); U = 0 gives -inf (never drawn)
-            key = tl.where(ok, z - tl.log(-tl.log(tl.rand(seed, row * BLOCK + lanes))), float("-inf"))
+            key = tl.where(ok, z - tl.log(-tl.log(tl.rand(seed, lanes))), float("-inf"))
         index = tl.argmax(key, axis=0)
         chosen_z = tl.sum(tl.where(lanes == index, z, 0.0), axis=0)
         tl.store(tokens_ptr + row, (best_start + index).to(tl.int64))
@@ -417,18 +447,33 @@ def record(state, b: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         num_warps=4)
 
 
-def sample(logits: torch.Tensor, seed: torch.Tensor, greedy: bool, temperature: float) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
+def sample(logits: torch.Tensor, seed: torch.Tensor, keys: torch.Tensor, at: torch.Tensor, greedy: bool,
+           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [b, V] -> (tokens [b] int64, logprobs [b] float32 under log_softmax(logits / T)).
 
-    seed: int64 [1] on the device; the same seed and logits give the same draws (advance it between calls).
+    seed: int64 [1] on the device; keys, at: int64 [b], row i's sequence key and the position it draws after.
+    Row i's draw is a function of (seed, keys[i], at[i], logits[i]) alone: equal triples give equal draws.
     """
     b, V = logits.shape
-    assert logits.stride(-1) == 1
+    assert logits.stride(-1) == 1 and keys.is_contiguous() and at.is_contiguous()
+    assert keys.dtype == at.dtype == seed.dtype == torch.long
     tokens = torch.empty(b, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     block = min(SAMPLE_BLOCK, triton.next_power_of_2(V))
-    _sample_kernel[(b,)](logits, logits.stride(0), seed, tokens, logprobs, 1.0 if greedy else float(temperature),
+    _sample_kernel[(b,)](logits, logits.stride(0), seed, keys, at, tokens, logprobs,
+                         1.0 if greedy else float(temperature),
                          VOCAB=V, GREEDY=greedy, BLOCK=block, BLOCKS_POW2=triton.next_power_of_2(triton.cdiv(V, block)),
                          num_warps=SAMPLE_WARPS)
     return tokens, logprobs
+
+
+def keyed_noise(seed: torch.Tensor, keys: torch.Tensor, at: torch.Tensor, vocab: int) -> torch.Tensor:
+    """sampling.keyed_noise's contract in one kernel: Exp(1) [b, V] float32, row i a function of (seed, keys[i],
+    at[i]) alone (Philox numbers, not splitmix64's: the two paths draw other noise from the same law)."""
+    b = keys.shape[0]
+    keys, at = keys.contiguous(), at.contiguous()
+    out = torch.empty(b, vocab, dtype=torch.float32, device=keys.device)
+    block = min(SAMPLE_BLOCK, triton.next_power_of_2(vocab))
+    _noise_kernel[(b, triton.cdiv(vocab, block))](seed, keys, at, out, out.stride(0), VOCAB=vocab, BLOCK=block,
+                                                   num_warps=4)
+    return out

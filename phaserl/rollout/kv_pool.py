@@ -176,6 +176,8 @@ class SlotState:
         self.pos = zeros(num_slots)                    # [slots] its RoPE position = its KV position
         self.n_gen = zeros(num_slots)                  # [slots] tokens generated so far
         self.max_new = zeros(num_slots)                # [slots] this sequence's cap
+        self.key = zeros(num_slots)                    # [slots] its noise key (runner.prefill sets it; it moves
+                                                       # with the sequence: move(), runner.swap_slots)
         self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)  # [slots]
         self.out_tokens = zeros(num_slots, max_new + 1)  # [slots, N + 1]; column N is a trash column
         self.out_logprobs = zeros(num_slots, max_new + 1, dtype=torch.float32)
@@ -220,7 +222,7 @@ class SlotState:
         self.pos[:b] += active
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for t in (self.tokens, self.pos, self.n_gen, self.max_new, self.finished, self.out_tokens,
+        for t in (self.tokens, self.pos, self.n_gen, self.max_new, self.key, self.finished, self.out_tokens,
                   self.out_logprobs):
             t[dst] = t[src]
         self.finished[src] = True

@@ -162,7 +162,7 @@ class HybridRunner(ModelRunner):
             h = gated_output(h, attn.transpose(1, 2).reshape(U * P, Hq * D), gate, post, spec)
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm)
-                                        [group_of])
+                                        [group_of], slots, lengths[group_of] - 1)
         self.state.start(slots, tokens, logprobs, lengths[group_of], caps)
 
     # ----- extend (multi-turn) --------------------------------------------------------------------
@@ -199,8 +199,9 @@ class HybridRunner(ModelRunner):
                 self.values[j][slots, :, :context], attn_mask=visible, scale=spec.scale, enable_gqa=True)
             h = gated_output(h, attn.transpose(1, 2).reshape(C * M, Hq * D), gate, post, spec)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]
-        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
         ends = starts + lengths
+        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm), slots,
+                                        ends - 1)
         if source is not None:
             tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
         self.state.start(slots, tokens, logprobs, ends, caps)
@@ -222,7 +223,7 @@ class HybridRunner(ModelRunner):
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
             attn = self.fns.attend(q, k, v, self.keys[j], self.values[j], pos, spec.scale, spec.window)
             h = gated_output(h, attn, gate, post, spec)
-        st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, *self.final_norm)))
+        st.record(b, *self._sample(self.fns.norm(h, self.model.model.norm.weight, *self.final_norm), None, pos))
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         super().move(moves)

@@ -42,7 +42,7 @@ from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer
 from phaserl.rollout.kv_pool import KVPool, SlotState
-from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p
+from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p, keyed_noise
 
 Tensor = torch.Tensor
 FUSED_DECODE = True  # decode layers through fused.py's kernels where Triton runs (benchmarks flip it to compare)
@@ -147,8 +147,9 @@ def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, tempera
                   top_p: float) -> tuple[Tensor, Tensor]:
     """logits [b, V] -> (tokens [b], logprobs [b] under log_softmax(logits / T); T = 1 when greedy).
 
-    Sampling is Gumbel-max: argmax(z - log E), E ~ Exp(1) in `noise` [b, V], draws from softmax(z)
-    without a host sync, so it can live inside a CUDA graph. Filters decide the draw only (sampling.py).
+    Sampling is Gumbel-max: argmax(z - log E), E ~ Exp(1) in `noise` [b, V] (the engine's: sampling.keyed_noise),
+    draws from softmax(z) without a host sync, so it can live inside a CUDA graph. Filters decide the draw only
+    (sampling.py).
     """
     z = logits.float()  # [b, V]
     if temperature != 1.0:
@@ -170,7 +171,8 @@ class LayerFns(NamedTuple):
     norm: callable      # layers.rms_norm
     attend: callable    # (q, k, v, keys, values, pos, scale, window) -> [b, Hq * D], writes k/v into the cache
     sample: callable    # sample_tokens (every setting; needs noise)
-    fast_sample: Optional[callable]  # kernels.sample (no top-k/top-p): one pass, in-kernel noise
+    fast_sample: Optional[callable]  # kernels.sample (no top-k/top-p): one pass, in-kernel keyed noise
+    noise: callable = keyed_noise  # (seed, keys, at, V) -> Exp(1) [b, V] for `sample`; kernels.keyed_noise on CUDA
 
 
 EAGER = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None)
@@ -203,7 +205,7 @@ def layer_fns(device: torch.device, compile: bool) -> LayerFns:
     """The functions a runner uses: compiled or eager, with the Triton kernels wherever they run."""
     fns = compiled_fns() if compile else EAGER
     if kernels.available(device):
-        fns = fns._replace(attend=kernels.decode_attention, fast_sample=kernels.sample)
+        fns = fns._replace(attend=kernels.decode_attention, fast_sample=kernels.sample, noise=kernels.keyed_noise)
     return fns
 
 
@@ -252,7 +254,9 @@ class ModelRunner:
         self.graph_pool = None
         self.weights: Optional[list[LayerWeights]] = None
         self.pointers: Optional[list[int]] = None
-        self.seed = torch.zeros(1, dtype=torch.long, device=self.device)  # fast_sample's noise key, advanced per draw
+        # The call's noise seed: every draw's noise is a function of (seed, the slot's SlotState.key, the position
+        # drawn after) alone (sampling.keyed_noise; kernels.sample), so it stays fixed for the whole call.
+        self.seed = torch.zeros(1, dtype=torch.long, device=self.device)
         self.fused: list[bool] = []  # per layer: decode through fused.py (set at begin(), from the weights)
         self.fused_record = False    # SlotState.record as kernels.record
         self.extender = None         # rollout/extend.py's StaticExtend (set by the engine), or eager extend passes
@@ -317,8 +321,10 @@ class ModelRunner:
         return self.fns.post(h, attn, w, spec, route), route.experts.to(torch.int16)
 
     # ----- prefill --------------------------------------------------------------------------------
-    def prefill(self, groups: list[tuple[tuple[int, ...], list[int], list[int]]]) -> None:
-        """groups: (prompt, slots of its sequences, their caps); split into passes of <= prefill_tokens."""
+    def prefill(self, groups: list[tuple[tuple[int, ...], list[int], list[int], list[int]]]) -> None:
+        """groups: (prompt, slots of its sequences, their caps, their noise keys); split into passes of <=
+        prefill_tokens. A sequence's noise key (an int64) goes with its slot (SlotState.key): its draws depend on
+        (the call's seed, the key, the position) only, not on its slot, its batch or the step."""
         chunk, longest = [], 0  # the running longest prompt of the chunk (rescanning it was O(groups^2))
         for group in groups:
             if chunk and max(longest, len(group[0])) * (len(chunk) + 1) > self.prefill_tokens:
@@ -331,17 +337,20 @@ class ModelRunner:
     def _prefill_inputs(self, groups):
         """A prefill pass's inputs on the device: U prompts right-padded to P (causal attention keeps real tokens
         clean), their lengths [U], the prompt row of each sequence [n], its slot [n] and cap [n], the RoPE tables
-        [U * P, D] per table, the embedded tokens h [U * P, H]."""
+        [U * P, D] per table, the embedded tokens h [U * P, H]. The sequences' noise keys go into their slots'
+        SlotState.key here."""
         U = len(groups)
-        lengths = [len(prompt) for prompt, _, _ in groups]
+        lengths = [len(prompt) for prompt, _, _, _ in groups]
         P = max(lengths)
         # one tensor from padded lists (not one per row)
-        ids = torch.tensor([list(prompt) + [0] * (P - len(prompt)) for prompt, _, _ in groups], dtype=torch.long)
-        group_of = [row for row, (_, slots, _) in enumerate(groups) for _ in slots]
+        ids = torch.tensor([list(prompt) + [0] * (P - len(prompt)) for prompt, _, _, _ in groups], dtype=torch.long)
+        group_of = [row for row, (_, slots, _, _) in enumerate(groups) for _ in slots]
         host = [ids, torch.tensor(lengths), torch.tensor(group_of),
-                torch.tensor([s for _, slots, _ in groups for s in slots]),
-                torch.tensor([c for _, _, caps in groups for c in caps])]
-        ids, lengths, group_of, slots, caps = (t.to(self.device, non_blocking=True) for t in host)
+                torch.tensor([s for _, slots, _, _ in groups for s in slots]),
+                torch.tensor([c for _, _, caps, _ in groups for c in caps]),
+                torch.tensor([k for _, _, _, keys in groups for k in keys], dtype=torch.long)]
+        ids, lengths, group_of, slots, caps, keys = (t.to(self.device, non_blocking=True) for t in host)
+        self.state.key[slots] = keys
         rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
         return U, P, lengths, group_of, slots, caps, rope, h
@@ -363,7 +372,7 @@ class ModelRunner:
                 self.routes[slots, :P, self.moe_index[layer]] = experts.view(U, P, -1)[group_of]
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm)
-                                        [group_of])  # one draw per sequence, from its prompt's distribution
+                                        [group_of], slots, lengths[group_of] - 1)  # one draw per sequence
         self.state.start(slots, tokens, logprobs, lengths[group_of], caps)
 
     # ----- prefill at an offset (multi-turn continuation) -----------------------------------------
@@ -428,21 +437,24 @@ class ModelRunner:
             if experts is not None:
                 self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
-        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm))
         ends = starts + lengths
+        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm), slots,
+                                        ends - 1)
         if source is not None:
             tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
         self.state.start(slots, tokens, logprobs, ends, caps)
 
     # ----- decode ---------------------------------------------------------------------------------
-    def _sample(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    def _sample(self, hidden: Tensor, slots: Optional[Tensor], at: Tensor) -> tuple[Tensor, Tensor]:
+        """Draw each row's next token from hidden [b, H]: the row is slot slots[i] (None: slot i, the decode step's
+        rows [0, b)) and draws the token after position at[i] [b] of its sequence; its noise is keyed by
+        (self.seed, that slot's SlotState.key, at[i]) alone (sampling.keyed_noise, kernels.sample)."""
         logits = softcap(F.linear(hidden, self.model.output_weight), self.cfg.final_logit_softcapping)  # [b, V]
+        keys = self.state.key[:hidden.shape[0]] if slots is None else self.state.key[slots]  # [b]
         greedy, temperature, top_k, top_p = self.sampling
         if self.fns.fast_sample is not None and top_k == 0 and top_p >= 1.0:
-            drawn = self.fns.fast_sample(logits, self.seed, greedy, temperature)
-            self.seed += 1  # in the graph too: every replay draws fresh noise
-            return drawn
-        noise = None if greedy else torch.empty_like(logits, dtype=torch.float32).exponential_()
+            return self.fns.fast_sample(logits, self.seed, keys, at, greedy, temperature)
+        noise = None if greedy else self.fns.noise(self.seed, keys, at, logits.shape[-1])
         return self.fns.sample(logits, noise, *self.sampling)
 
     def _decode_step(self, b: int) -> None:
@@ -468,9 +480,9 @@ class ModelRunner:
         else:
             h = (kernels.rms_norm if any(self.fused) else self.fns.norm)(h, weight, *self.final_norm)
         if self.fused_record:
-            kernels.record(st, b, *self._sample(h))  # SlotState.record's ~15 small kernels as one
+            kernels.record(st, b, *self._sample(h, None, pos))  # SlotState.record's ~15 small kernels as one
         else:
-            st.record(b, *self._sample(h))
+            st.record(b, *self._sample(h, None, pos))
 
     def decode(self, b: int) -> None:
         """One step for slots [0, b): b must come from bucket_for()."""
@@ -521,19 +533,22 @@ class ModelRunner:
         src, dst = torch.tensor(moves, device=self.device).T  # [k] each
         for rows in self.pool.slot_rows(self.layout[0], self.layout[1]):  # per width group [Lg, 2, slots, S * width]
             rows[:, :, dst] = rows[:, :, src]
-        self.state.move(src, dst)
+        self.state.move(src, dst)  # the noise key too: a sequence draws the same noise in its new slot
         if self.routes is not None:
             self.routes[dst] = self.routes[src]
 
     def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:
-        """Exchange the KV (and MoE route records) of slot pairs (a, b), disjoint. The decode state stays: the caller (session.py) swaps
-        only slots whose state is rewritten before use. In chunks, so the gathered copy stays small."""
+        """Exchange the KV (and MoE route records) of slot pairs (a, b), disjoint, and their sequences' noise keys
+        (SlotState.key: a parked sequence draws its own noise when it resumes in its new slot). The rest of the
+        decode state stays: the caller (session.py) swaps only slots whose state is rewritten before use. In
+        chunks, so the gathered copy stays small."""
         groups = self.pool.slot_rows(self.layout[0], self.layout[1])  # per width group [Lg, 2, slots, S * width]
         for i in range(0, len(pairs), chunk):
             a, b = zip(*pairs[i:i + chunk])
             src, dst = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
             for rows in groups:
                 rows[:, :, dst] = rows[:, :, src]  # the right side is gathered first: a true exchange
+            self.state.key[dst] = self.state.key[src]
             if self.routes is not None:  # MoE: the experts recorded at each position travel with the KV
                 self.routes[dst] = self.routes[src]
 

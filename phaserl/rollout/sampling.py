@@ -4,6 +4,10 @@ The log-prob returned with each token is log_softmax(logits / T) over the FULL v
 top-k/top-p filtering (T = 1 for greedy). That is the quantity the trainer recomputes from the policy
 (it knows the temperature but does not re-apply the filters), so rollout and training log-probs agree
 and the PPO ratio starts at exactly 1. Filtering only decides which token is drawn.
+The rollout engine's noise is keyed (`keyed_noise`): the Exp(1) noise of the draw after position p of a
+sequence is a function of (the call's seed, the sequence's key, p, the vocabulary index) alone, so a
+sequence samples the same tokens whatever slot, batch or decode step it is drawn in (counter-based:
+splitmix64 in int64 torch ops, no generator state, capturable in CUDA graphs).
 Not here: the decode loop (generate.py), repetition penalties, beam search.
 
 Legend: B batch rows, V vocab.
@@ -40,6 +44,47 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _int64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+GAMMA = _int64(0x9E3779B97F4A7C15)  # splitmix64's increment (2^64 / golden ratio)
+MIX1, MIX2 = _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)  # its finalizer's multipliers
+UNIFORM_BITS = 23  # (bits + 0.5) * 2^-23 is exact in float32 and lies in (0, 1): E = -log(u) is finite and > 0
+
+
+def shift_right(x, s: int):
+    """Logical right shift of int64 x (torch's >> is arithmetic: the sign bit would fill the top)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x):
+    """splitmix64's finalizer: a bijection of 64-bit words that scatters every input bit over the output.
+    int64 tensors (or Triton int64 scalars): the multiplications wrap modulo 2^64 as the unsigned ones do."""
+    x = (x ^ shift_right(x, 30)) * MIX1
+    x = (x ^ shift_right(x, 27)) * MIX2
+    return x ^ shift_right(x, 31)
+
+
+def row_states(seed: torch.Tensor, keys: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """seed [1] (or a scalar), keys [B], at [B] int64 -> [B] int64: one word per (seed, key, position).
+    kernels._row_seed computes the same word in the sampling kernel."""
+    return mix64(mix64(mix64(seed) + keys) + at)
+
+
+def keyed_noise(seed: torch.Tensor, keys: torch.Tensor, at: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] float32 for the draws after positions `at` [B] of the sequences keyed `keys` [B].
+
+    Element (b, v) is splitmix64's output number v + 1 of the stream that row_states(seed, key, at) starts:
+    u = (its top 23 bits + 0.5) / 2^23, E = -log(u). Rows with equal (key, at) get equal noise; any other
+    two rows are independent streams. No generator state: the same call gives the same noise anywhere.
+    """
+    steps = torch.arange(1, vocab + 1, device=keys.device, dtype=torch.long) * GAMMA  # [V], wraps
+    bits = shift_right(mix64(row_states(seed, keys, at)[:, None] + steps), 64 - UNIFORM_BITS)  # [B, V]
+    return -torch.log((bits.float() + 0.5) * 2.0 ** -UNIFORM_BITS)
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

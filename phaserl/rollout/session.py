@@ -12,6 +12,9 @@ one only, and a resumed sequence moves down into the lowest slot that is not dec
 with the parked sequence or free slot there), so that while some sequences wait for their
 environment the others decode in a smaller step.
 
+Sampling noise is keyed per sequence (start's noise_key) and position, and moves with the sequence's slot
+(runner.swap_slots): a sequence samples the same tokens whatever slot it takes, whatever decodes beside it and
+in whatever order the sequences resume (exactly so where the logits do not depend on the batch: the CPU).
 Made by `RolloutEngine.session(...)`. Host-side bookkeeping plus calls into the runner; no threads,
 no environments, no tokenizer (phaserl.agents drives it).
 """
@@ -50,6 +53,7 @@ class _Live:
     turn: int = 0            # turns started so far; tells a stale finished flag from a fresh one
     decoding: bool = False
     cap: int = 0
+    noise_key: int = 0       # its draws' noise is keyed by (the session's seed, this, the position)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class DecodeSession:
         self._decoding = 0                       # sequences decoding a turn (kept as they change: read every step)
         self._last_decode = None                 # host clock at the last decode launch
         self._gaps: deque = deque(maxlen=16)     # wall between the recent decode launches
+        self._started = 0                        # sequences started so far (the default noise keys)
         self._extend_seconds = 0.0               # host wall of the last extend call (eager: its launches, per layer)
         self.stats = SessionStats()
         self._t0 = time.perf_counter()
@@ -123,8 +128,13 @@ class DecodeSession:
     def length(self, key: Hashable) -> int:
         return self.live[key].length
 
-    def start(self, key: Hashable, prompt_ids: list[int], cap: int) -> None:
-        """Take a free slot for a new sequence; its prompt is prefilled at the next step()."""
+    def start(self, key: Hashable, prompt_ids: list[int], cap: int, noise_key: Optional[int] = None) -> None:
+        """Take a free slot for a new sequence; its prompt is prefilled at the next step().
+
+        noise_key: an integer that names the sequence for its sampling noise: every token it samples is a
+        function of (the session's seed, noise_key, its position, the logits) alone, whatever slot it sits in,
+        which sequences decode beside it and when it resumes. None: `key` when it is an int, else the count of
+        sequences started before it in this session (then reproducible only for the same order of starts)."""
         if key in self.live:
             raise KeyError(f"sequence {key!r} is already in the session")
         if not self.free:
@@ -133,7 +143,13 @@ class DecodeSession:
         if not 1 <= cap <= self.max_turn_tokens or len(prompt_ids) + cap > self.slot_len:
             raise DataError(f"sequence {key!r}: {len(prompt_ids)} prompt ids + a turn of {cap} do not fit a slot of "
                             f"{self.slot_len} (turn cap at most {self.max_turn_tokens})")
-        live = _Live(key, self.free.pop(), length=len(prompt_ids), cap=cap)
+        if noise_key is None:
+            noise_key = key if isinstance(key, int) else self._started
+        if not isinstance(noise_key, int) or isinstance(noise_key, bool):
+            raise TypeError(f"sequence {key!r}: noise_key={noise_key!r} must be an int")
+        self._started += 1
+        live = _Live(key, self.free.pop(), length=len(prompt_ids), cap=cap,
+                     noise_key=(noise_key + 2**63) % 2**64 - 2**63)  # the int64 with the same low 64 bits
         self.live[key] = live
         self.by_slot[live.slot] = live
         self._starts.append(live)
@@ -207,8 +223,8 @@ class DecodeSession:
                 groups.setdefault(self._prompts.pop(live.key), []).append(live)
                 live.turn, live.decoding = 1, True
             self._decoding += len(self._starts)
-            self.runner.prefill([(prompt, [lv.slot for lv in lives], [lv.cap for lv in lives])
-                                 for prompt, lives in groups.items()])
+            self.runner.prefill([(prompt, [lv.slot for lv in lives], [lv.cap for lv in lives],
+                                  [lv.noise_key for lv in lives]) for prompt, lives in groups.items()])
             self.stats.prefill_tokens += sum(map(len, groups))
             self._starts = []
         if self._extends:
