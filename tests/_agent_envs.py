@@ -3,6 +3,7 @@
 Also loaded by path (`tests/_agent_envs.py:Name`) in the config tests.
 """
 import math
+import random
 import threading
 import time
 
@@ -114,4 +115,19 @@ class Staggered(Feedback):
 
     def step(self, action):
         time.sleep(0.03 * (self.seed % 4))
+        return super().step(action)
+
+
+class Jittery(Feedback):
+    """Feedback whose reset and steps answer after a random 0-40 ms (drawn from the clock, not the seed): the
+    order in which episodes resume changes from run to run. Its observation echoes the action's length, so
+    every sampled token shapes what comes after."""
+
+    def reset(self, row, *, seed):
+        time.sleep(random.Random().uniform(0, 0.04))
+        return super().reset(row, seed=seed)
+
+    def step(self, action):
+        time.sleep(random.Random().uniform(0, 0.04))
+        self.observation = f"n{len(action) % 10}"
         return super().step(action)

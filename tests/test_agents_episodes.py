@@ -189,6 +189,23 @@ def test_without_overlap_a_seeded_rollout_repeats_exactly(model):
     assert ids(a) == ids(b) != ids(c)
 
 
+def test_with_overlap_and_random_environment_latency_the_episodes_are_those_of_overlap_false(model):
+    """Sampling noise is keyed by the episode (EpisodeStart.noise_key) and the position, not by the slot or the
+    decode step an episode resumes at, so environment timing changes the schedule but not the samples (on the
+    CPU the logits do not depend on the batch either). 8 episodes through 4 slots: some wait for a slot."""
+    kwargs = dict(turns=3)
+    fixed, _ = run_engine(model, envs.Jittery, kwargs=kwargs, seed=5, episodes=starts(4, 2))
+    assert {e.num_turns for e in fixed} == {3}
+    for _ in range(2):
+        eps, _ = run_engine(model, envs.Jittery, limits(overlap=True), kwargs=kwargs, seed=5, episodes=starts(4, 2))
+        assert [e.response_ids() for e in eps] == [e.response_ids() for e in fixed]
+        for a, b in zip(eps, fixed):
+            got = [lp for s in a.segments if s.kind == "model" for lp in s.logprobs]
+            want = [lp for s in b.segments if s.kind == "model" for lp in s.logprobs]
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    assert len({tuple(e.response_ids()) for e in fixed}) > 1  # samples, not one repeated answer
+
+
 def test_tool_schemas_go_into_the_prompt_and_an_environment_may_name_its_end(model):
     import copy
 

@@ -262,17 +262,18 @@ def test_triton_sampler_draws_from_softmax_over_temperature_with_exact_logprobs(
     rows, T = 3000, 1.5
     logits = z.repeat(rows, 1).to(device)  # [rows, 7]: many independent draws from one distribution
     seed = torch.tensor([1234], device=device)
-    tokens, logprobs = kernels.sample(logits, seed, False, T)
+    keys, at = torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device)  # one per row
+    tokens, logprobs = kernels.sample(logits, seed, keys, at, False, T)
     probs = (z / T).softmax(-1)
     freq = torch.bincount(tokens.cpu(), minlength=7).float() / rows
     assert (freq - probs).abs().max() < 4 * (0.25 / rows) ** 0.5  # 4 sigma of a binomial at p = 0.5
     torch.testing.assert_close(logprobs.cpu(), probs.log()[tokens.cpu()], atol=1e-5, rtol=0)
-    again, _ = kernels.sample(logits, seed, False, T)
+    again, _ = kernels.sample(logits, seed, keys, at, False, T)
     assert torch.equal(again, tokens)  # same seed, same draws
     seed += 1
-    assert not torch.equal(kernels.sample(logits, seed, False, T)[0], tokens)
+    assert not torch.equal(kernels.sample(logits, seed, keys, at, False, T)[0], tokens)
     wide = torch.randn(4, 10000, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
-    greedy, greedy_lp = kernels.sample(wide, seed, True, 1.0)  # several blocks per row
+    greedy, greedy_lp = kernels.sample(wide, seed, keys[:4], at[:4], True, 1.0)  # several blocks per row
     assert torch.equal(greedy.cpu(), wide.float().argmax(-1).cpu())
     torch.testing.assert_close(greedy_lp.cpu(), wide.float().log_softmax(-1).amax(-1).cpu(), atol=1e-5, rtol=0)
 
