@@ -75,11 +75,13 @@ def agent_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
     limits = dataclasses.replace(run.agent.limits, max_turn_tokens=params.max_new_tokens)
     first = trainer.rank * len(items) * n  # global index of this rank's first episode
     starts = [EpisodeStart(item, seed=hash((run.seed, trainer.step_num, first + i)) & (2**31 - 1),
-                           label=f"{item.row.source}, sample {k}")
+                           label=f"{item.row.source}, sample {k}", noise_key=first + i)
               for i, (item, k) in enumerate((item, k) for item in items for k in range(n))]
     runner = EpisodeRunner(run.agent.factory, run.tokenizer, limits, workers=run.agent.workers)
-    # ints only: a str in the tuple would hash differently in every process (PYTHONHASHSEED), breaking resume
-    run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first, n, 1)) & (2**63 - 1))
+    # ints only: a str in the tuple would hash differently in every process (PYTHONHASHSEED), breaking resume.
+    # Not the rank's first episode: the session's noise seed is the step's on every rank, and each episode's
+    # noise is keyed by its global index (noise_key), so an episode samples alike on 1 and N ranks.
+    run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, n, 1)) & (2**63 - 1))
     eos = [] if run.ignore_eos else run.eos_token_ids
     session = actor.decode_session(params, slot_len=limits.max_episode_tokens, eos_token_ids=eos,
                                    num_slots=run.generate_batch_size * n, generator=run.sampling_generator)
