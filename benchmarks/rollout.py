@@ -273,19 +273,21 @@ def profile_step(model: CausalLM, engine: RolloutEngine, b: int, args) -> None:
          layers=cfg.num_hidden_layers)
     logits = torch.randn(b, cfg.vocab_size, device=DEVICE, dtype=keys.dtype)
     with torch.inference_mode():
+        slots, at = runner.state.key[:b], pos  # the decode step's keyed noise: (seed, slot key, position)
         times = {"torch_gumbel_ms": timer(lambda: runner.fns.sample(
-            logits, torch.empty_like(logits, dtype=torch.float32).exponential_(), False, 1.0, 0, 1.0))}
+            logits, torch.empty_like(logits, dtype=torch.float32).exponential_(), False, 1.0, 0, 1.0)),
+            "torch_keyed_noise_ms": timer(lambda: runner.fns.noise(runner.seed, slots, at, cfg.vocab_size))}
         if rollout_kernels.available(keys.device):
-            times["triton_fused_ms"] = timer(lambda: rollout_kernels.sample(logits, runner.seed, False, 1.0))
+            times["triton_fused_ms"] = timer(lambda: rollout_kernels.sample(logits, runner.seed, slots, at, False, 1.0))
             times["triton_fused_greedy_ms"] = timer(
-                lambda: rollout_kernels.sample(logits, runner.seed, True, 1.0))
+                lambda: rollout_kernels.sample(logits, runner.seed, slots, at, True, 1.0))
     emit(case="sampling", shape=args.shape, rows=b, vocab=cfg.vocab_size, logits_gb=logits.numel() * 2 / 1e9, **times)
     if DEVICE == "cuda":
         gemm_times(runner, b, args)
         if any(runner.fused):
             variant_steps(runner, b, args)
     if args.sweep and rollout_kernels.available(keys.device):
-        sweep_kernels(q, k, v, keys, values, pos, logits, runner.seed, args, runner)
+        sweep_kernels(q, k, v, keys, values, pos, logits, (runner.seed, runner.state.key[:b], pos), args, runner)
 
 
 def variant_steps(runner, b: int, args) -> None:
@@ -362,7 +364,7 @@ def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args, runner) -> Non
         for block, warps in ((2048, 4), (4096, 4), (4096, 8)):
             rollout_kernels.SAMPLE_BLOCK, rollout_kernels.SAMPLE_WARPS = block, warps
             emit(case="sweep_sampling", shape=args.shape, block=block, num_warps=warps,
-                 ms=graph_ms(lambda: rollout_kernels.sample(logits, seed, False, 1.0)))
+                 ms=graph_ms(lambda: rollout_kernels.sample(logits, *seed, False, 1.0)))
 
 
 # ----- Hugging Face -------------------------------------------------------------------------------
