@@ -189,3 +189,48 @@ def test_gpu_continued_turns_match_the_trainer_in_bf16_with_graphs(compile):
     diffs = torch.cat(diffs)
     print(f"bf16 multi-turn rollout vs trainer (compile={compile}): mean {diffs.mean():.5f}, max {diffs.max():.5f}")
     assert diffs.mean() <= BF16_MEAN_TOL and diffs.max() <= BF16_MAX_TOL
+
+
+def qwen35_model():
+    """A tiny random Qwen3.5 (linear-attention layers: a recurrent state per slot beside the KV)."""
+    from transformers import Qwen3_5TextConfig
+
+    from phaserl.models import CausalLM
+    from phaserl.models.families import config_from_hf
+    from tests.test_qwen35 import TINY, randomize
+
+    torch.manual_seed(0)
+    return randomize(CausalLM(config_from_hf(Qwen3_5TextConfig(**TINY).to_dict()))).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_model, qwen35_model], ids=["qwen2", "qwen3_5"])
+def test_a_parked_sequence_moved_up_by_a_resumed_one_keeps_its_kv(make):
+    """Regression (found by the keyed-noise schedule tests, 2026-12-02): a resumed sequence moves down into a parked
+    one's slot and the two exchange KV; the parked one's new slot kept the resumed one's old decode state
+    (finished, at the resumed one's shorter position), and every decode step that spans it wrote that token's KV
+    into the parked sequence's context; Qwen3.5's recurrent state did not move at all. Its next turn must still be
+    what the whole conversation gives."""
+    model = make()
+    engine = RolloutEngine(model, EngineConfig(max_slots=3))
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    long, short = PROMPTS[5] + PROMPTS[1], PROMPTS[2]  # 13 and 1 ids: the short one's position is inside the long one
+    with engine.session(params, slot_len=64, eos_token_ids=[]) as s:
+        s.start("long", long, cap=2)   # slot 0
+        s.start("short", short, cap=2)  # slot 1
+        s.start("busy", PROMPTS[0], cap=12)  # slot 2: decodes on, so the steps span slots 0-2
+        first = {}
+        while len(first) < 2:
+            first.update({t.key: t for t in s.step()})
+        s.extend("short", [20], cap=2)  # moves down into slot 0 at the next step; "long" goes up to slot 1
+        ended = {t.key: t for t in s.step()}
+        assert s.live["short"].slot == 0 and s.live["long"].slot == 1
+        while "busy" not in ended:  # steps over slot 1 while "long" waits there
+            ended.update({t.key: t for t in s.step()})
+        s.extend("long", [21], cap=4)
+        while "long" not in ended:
+            ended.update({t.key: t for t in s.step()})
+    seq = long + first["long"].token_ids + [21]
+    assert ended["long"].token_ids == greedy_reference(model, seq, 4)
+    logits = full_logits(model, seq + ended["long"].token_ids)[len(seq) - 1:-1]
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(ended["long"].token_ids)[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(ended["long"].logprobs), expected, atol=1e-5, rtol=0)

@@ -229,3 +229,11 @@ class HybridRunner(ModelRunner):
         super().move(moves)
         src, dst = torch.tensor(moves, device=self.device).T
         self.recurrent.move(src, dst)
+
+    def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:
+        """ModelRunner.swap_slots, and the pairs' recurrent states exchanged with their KV (a parked sequence resumes
+        from its own state in its new slot)."""
+        super().swap_slots(pairs, chunk)
+        a, b = zip(*pairs)
+        src, dst = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
+        self.recurrent.move(src, dst)  # the right side is gathered first: a true exchange

@@ -538,17 +538,18 @@ class ModelRunner:
             self.routes[dst] = self.routes[src]
 
     def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:
-        """Exchange the KV (and MoE route records) of slot pairs (a, b), disjoint, and their sequences' noise keys
-        (SlotState.key: a parked sequence draws its own noise when it resumes in its new slot). The rest of the
-        decode state stays: the caller (session.py) swaps only slots whose state is rewritten before use. In
-        chunks, so the gathered copy stays small."""
+        """Exchange the KV (and MoE route records) and the decode state of slot pairs (a, b), disjoint: each
+        sequence takes everything of its slot along, its noise key (SlotState.key) too. The state must go with the
+        KV: a finished slot's decode steps write its last token's KV at its own position, which must be the
+        position of the sequence whose KV sits there (a parked sequence's context was overwritten otherwise; fixed
+        2026-12-02). In chunks, so the gathered copy stays small."""
         groups = self.pool.slot_rows(self.layout[0], self.layout[1])  # per width group [Lg, 2, slots, S * width]
         for i in range(0, len(pairs), chunk):
             a, b = zip(*pairs[i:i + chunk])
             src, dst = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
             for rows in groups:
                 rows[:, :, dst] = rows[:, :, src]  # the right side is gathered first: a true exchange
-            self.state.key[dst] = self.state.key[src]
+            self.state.exchange(src, dst)
             if self.routes is not None:  # MoE: the experts recorded at each position travel with the KV
                 self.routes[dst] = self.routes[src]
 

@@ -237,8 +237,8 @@ class DecodeSession:
     def _pack(self, resumed: list) -> None:
         """Resumed sequences move down into the lowest slots that are not decoding (free, or parked: the two
         exchange their KV), so that decoding sequences gather in low slots and the steps' span stays small
-        while others wait for their environment. Only KV moves: both slots' decode state is rewritten
-        before it is read again (the resumed one's by this extend, the parked one's by its own)."""
+        while others wait for their environment. KV and decode state move together (runner.swap_slots): the
+        resumed one's state is rewritten by this extend, the parked one's waits frozen at its own position."""
         targets = [slot for slot, lv in enumerate(self.by_slot) if lv is None or not lv.decoding]  # ascending
         pairs, taken = [], 0
         for live in sorted(resumed, key=lambda lv: lv.slot):
