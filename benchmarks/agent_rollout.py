@@ -291,29 +291,17 @@ def extend_profile(engine, ids, a) -> list[dict]:
     session driven by hand: is the pass bound by the device (kernels back to back) or by the host (gaps between
     launches)? Its wall, its kernels' device time and the top kernels (profiling.summarize), and the same for the
     prompt prefill of the same episodes for comparison (per token)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from profiling import summarize
+    from profiling import profile_call
 
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
     out = []
 
     def profiled(kind: str, fn, tokens: int) -> None:
         sync(a.device)
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            fn()
-            sync(a.device)
-            wall = time.perf_counter() - t0
-        records = summarize(prof, wall, top=8)
-        total = records[-1]
-        out.append(dict(case="extend_profile", part=kind, tokens=tokens, wall_ms=round(wall * 1e3, 2),
-                        us_per_token=round(wall * 1e6 / tokens, 3), device_ms=round(total["total_device_ms"], 2),
-                        device_busy=total["device_busy"], groups=[r for r in records if "group" in r and "kernel" not in r],
-                        top=[dict(kernel=r["kernel"], ms=round(r["device_ms"], 3), launches=r["launches"])
-                             for r in records if "kernel" in r]))
+        record = profile_call(fn, a.device)
+        out.append(dict(case="extend_profile", part=kind, tokens=tokens,
+                        us_per_token=round(record["wall_ms"] * 1e3 / tokens, 3), **record))
 
     with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=len(ids)) as session:
         for i, prompt in enumerate(ids):

@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import grpo_setup  # noqa: E402
 from phaserl.models import load_pretrained  # noqa: E402
+from profiling import profile_call  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 
 BENCH = "families"
@@ -330,30 +331,9 @@ def delta_rule(shape: str, device: str, smoke: bool) -> None:
                      ms=round((time.perf_counter() - start) / 3 * 1e3, 2))
                 if name == "torch" and backward:
                     emit(measure="delta_rule_profile", shape=shape, rule=name, backward=backward,
-                         **profile_of(once, device))
+                         **profile_call(once, device))
             except Exception as e:  # noqa: BLE001 - fla refuses some GPUs / Triton versions: say which, go on
                 emit(measure="delta_rule", shape=shape, rule=name, backward=backward, error=str(e)[:300])
-
-
-def profile_of(fn, device: str, top: int = 8) -> dict:
-    """One call of fn under torch.profiler: wall, device time, busy share and the top kernels (profiling.summarize;
-    CUDA kernels only: on the CPU the lists stay empty)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from profiling import summarize
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    records = summarize(prof, wall, top=top)
-    return {"wall_ms": round(wall * 1e3, 2), "device_ms": round(records[-1]["total_device_ms"], 2),
-            "device_busy": records[-1]["device_busy"],
-            "groups": [(r["group"], round(r["device_ms"], 2), r["launches"]) for r in records if "share" in r],
-            "top": [(r["kernel"][:60], r["launches"], round(r["device_ms"], 3)) for r in records if "kernel" in r]}
 
 
 def train_layers(shape: str, root: str, device: str, dtype: torch.dtype, smoke: bool) -> None:
@@ -389,7 +369,7 @@ def train_layers(shape: str, root: str, device: str, dtype: torch.dtype, smoke: 
     eager_out = once()
     eager_ms = timed()
     emit(measure="train_layers", shape=shape, variant="eager", tokens=n * L, ms=round(eager_ms, 2),
-         profile=profile_of(once, device))
+         profile=profile_call(once, device))
     hybrid.COMPILE_HYBRID = True
     try:
         decoder.enable_compile(model, backend="inductor" if device == "cuda" else "eager")

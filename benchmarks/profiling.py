@@ -69,3 +69,26 @@ def by_phase(prof, top: int = 8) -> list[dict]:
                         top=[dict(kernel=k[:100], ms=round(us / 1000, 3), launches=n, group=group(k))
                              for k, (us, n) in best]))
     return out
+
+
+def profile_call(fn, device: str, top: int = 8) -> dict:
+    """One call of fn under torch.profiler (ending with a device sync): wall_ms, device_ms, device_busy, the
+    kernel groups (group, ms, launches) and the top kernels (kernel, launches, ms), from `summarize`; on the CPU
+    the kernel lists stay empty (CUDA kernels only)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    records = summarize(prof, wall, top=top)
+    return {"wall_ms": round(wall * 1e3, 2), "device_ms": round(records[-1]["total_device_ms"], 2),
+            "device_busy": records[-1]["device_busy"],
+            "groups": [(r["group"], round(r["device_ms"], 2), r["launches"]) for r in records if "share" in r],
+            "top": [(r["kernel"][:60], r["launches"], round(r["device_ms"], 3)) for r in records if "kernel" in r]}

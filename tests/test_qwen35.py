@@ -436,7 +436,7 @@ def test_fla_is_used_only_after_it_agrees_with_the_torch_rule(monkeypatch, fake,
     from phaserl.models import linear_attention
 
     monkeypatch.setattr(linear_attention, "_fla_rule", lambda: fake)
-    assert linear_attention._fla_agrees(torch.device("cpu")) is trusted
+    assert all(linear_attention._fla_probe(torch.device("cpu"))) is trusted
 
 
 @pytest.mark.parametrize("fake, forward, backward", [

@@ -389,22 +389,12 @@ def reference_pass():
         _REFERENCE_PASS[0] = before
 
 
-def _fla_agrees(device: torch.device) -> bool:
-    """Whether fla's rule is trusted for every pass here (forward and backward; _fla_probe)."""
-    return all(_fla_probe(device))
-
-
+@torch.inference_mode(False)  # the first probe may come from the reference's pass: see the docstring
 def _fla_probe(device: torch.device) -> tuple[bool, bool]:
     """(forward, backward): whether fla's rule, called as _fla_chunk calls it, gives our rule's answer on two packed
     sequences, and whether its backward runs too. An fla whose API or numerics differ here is never trusted
-    (logged), the torch rule runs. The first call may come from a pass under inference_mode (the reference's):
-    the probe's tensors are made outside it, or autograd could not save them and a working backward would look
-    refused."""
-    with torch.inference_mode(False):
-        return _probe_fla(device)
-
-
-def _probe_fla(device: torch.device) -> tuple[bool, bool]:
+    (logged), the torch rule runs. Its tensors are made outside inference_mode: under it autograd could not save
+    them, and a working backward would look refused."""
     g = torch.Generator(device=device).manual_seed(0)
     n, H, Dk, Dv = 40, 2, 16, 16
     q, k = (F.normalize(torch.randn(n, H, Dk, device=device, generator=g), dim=-1) for _ in range(2))

@@ -221,17 +221,14 @@ class SlotState:
         # position, so the KV of everything before stays intact for a continuation (rollout/session.py).
         self.pos[:b] += active
 
-    def _rows(self) -> tuple:
-        return (self.tokens, self.pos, self.n_gen, self.max_new, self.key, self.finished, self.out_tokens,
-                self.out_logprobs)
-
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for t in self._rows():
-            t[dst] = t[src]
+        """Slot dst[i] takes slot src[i]'s state, and the sources stop (compaction)."""
+        self.exchange(src, dst)
         self.finished[src] = True
 
     def exchange(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Slot dst[i] takes slot src[i]'s state, src and dst [k] one permutation of the same slots (the right
-        side is gathered first: a true exchange)."""
-        for t in self._rows():
+        """Slot dst[i] takes slot src[i]'s state; src and dst [k] may be one permutation of the same slots (the
+        right side is gathered first: a true exchange)."""
+        for t in (self.tokens, self.pos, self.n_gen, self.max_new, self.key, self.finished, self.out_tokens,
+                  self.out_logprobs):
             t[dst] = t[src]
