@@ -4,6 +4,7 @@ A tiny random decoder (CPU, the engine's eager path) and the tiny world's charac
 environments are in tests/_agent_envs.py.
 """
 import logging
+import math
 import time
 
 import pytest
@@ -258,3 +259,37 @@ def test_with_nothing_decoding_answers_due_within_a_step_resume_together(model, 
         out = runner.run_session(s, episodes)
     assert [e.num_turns for e in out] == [2] * 4 and sum(passes) == 4
     assert (passes == [4]) == merged, passes
+
+
+def test_while_others_decode_answers_are_held_until_all_are_in_or_one_pass_has_passed():
+    """With sequences decoding, each resumption is a pass of its own (on a GPU host ~37 ms of launches, nothing
+    else decoding meanwhile): answered episodes wait parked until every environment call is in, or until the
+    first one held has waited what a separate resumption costs (gather_seconds); then they resume together."""
+    import concurrent.futures as cf
+    from types import SimpleNamespace
+
+    runner = EpisodeRunner(EnvironmentFactory(envs.Feedback, dict(turns=2)), TOK, limits(overlap=True))
+    futures = [cf.Future() for _ in range(4)]
+    runs = [SimpleNamespace(index=i, future=f, deadline=math.inf) for i, f in enumerate(futures)]
+    session = SimpleNamespace(decoding=2, gather_seconds=1.0)
+    held: dict = {}
+    for f in futures[:2]:
+        f.set_result("answer")
+    assert runner._gathered(session, runs, runs[:2], held) == []      # two calls still out: held
+    assert set(held) == {0, 1}
+    for f in futures[2:]:
+        f.set_result("answer")
+    assert runner._gathered(session, runs, runs, held) == runs       # every call in: all four resume at once
+    assert held == {}
+
+    held = {}
+    session.gather_seconds = 0.02
+    assert runner._gathered(session, runs[:3] + [SimpleNamespace(index=3, future=cf.Future(), deadline=math.inf)],
+                            runs[:3], held) == []
+    time.sleep(0.03)                                                  # the first held has waited a pass's cost
+    assert runner._gathered(session, runs[:3] + [SimpleNamespace(index=3, future=cf.Future(), deadline=math.inf)],
+                            runs[:3], held) == runs[:3]
+
+    session.gather_seconds = 0.0                                      # resumptions cost nothing: no holding
+    assert runner._gathered(session, runs[:1] + [SimpleNamespace(index=1, future=cf.Future(), deadline=math.inf)],
+                            runs[:1], {}) == runs[:1]
