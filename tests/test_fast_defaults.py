@@ -58,7 +58,7 @@ def test_keep_awake_is_on_when_the_count_fits_with_margin_and_off_under_fsdp_cpu
 
 def test_a_lora_run_keeps_the_engine_only_while_it_is_a_small_share_of_the_peak():
     # H200 runs: 7B r16 kept the engine (~20 of 61.5 GiB counted) and peaked at 58.7 GiB, above TRL + PEFT's
-    # 54.3; 0.5B r64 kept ~3 of ~17 GiB and stayed below TRL + PEFT
+    # 54.3 (asleep by this rule: 41.3 GiB, 0.19 s slower); 0.5B r64 kept ~3 of ~17 GiB and stayed below TRL + PEFT
     on, why = _keep(lora=True, needed_bytes=int(61.5 * GIB), kept_bytes=20 * GIB)
     assert on is False and why == ("LoRA: the kept engine (20.0 GiB: its merged weight copies and KV cache) would be "
                                    "more than 25% of the update's peak (61.5 GiB)")

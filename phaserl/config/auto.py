@@ -112,8 +112,8 @@ def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, act
     A LoRA run keeps the engine only while it is at most LORA_KEEP_SHARE of that peak: a kept engine holds its
     weight copies (adapters merged: a second copy of the model beside the frozen base, which is what LoRA saves)
     and the KV cache through the update. Measured on the H200 (2026-12-01, lora_step.py): 7B r16 kept, 11.15 s
-    and 58.7 GiB peak, above TRL + PEFT's 54.3 GiB (asleep 42.1 GiB, the rollout 0.4 s slower); 0.5B r64 kept,
-    2.66 s and 16.6 GiB, below TRL + PEFT's 18.4 GiB."""
+    and 58.7 GiB peak, above TRL + PEFT's 54.3 GiB; asleep by this rule (2026-12-03) 11.34 s and 41.3 GiB; 0.5B
+    r64 kept, 2.66 s and 16.6 GiB, below TRL + PEFT's 18.4 GiB."""
     if not engine_runs:
         return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
     if device_type != "cuda":

@@ -130,9 +130,11 @@ def hybrid_block(layer: HybridLayer, h: Tensor, cos: Tensor, sin: Tensor,
     return gated_output(h, out.flatten(-2), gate, w, layer.spec)
 
 
-# enable_compile (decoder.py) compiles the hybrid layers too only where this is True. Off until measured on the H200
-# (`benchmarks/families.py --shape qwen35-2b --case train_layers`: one packed micro-batch's forward + backward of
-# the whole model, eager vs compiled): the eighth-ninth sessions' Qwen3.5 GRPO steps ran every hybrid layer eagerly.
+# enable_compile (decoder.py) compiles the hybrid layers too only where this is True. Off: measured on the H200
+# (2026-12-03, `benchmarks/families.py --shape qwen35-2b --case train_layers`: one packed micro-batch of 8 x 384
+# tokens, the whole model's forward + backward) compiled took 429.9 ms against eager's 311.5 (0.73x; its first call
+# 37 s). Eager at that micro-batch was host-bound (device busy 0.38: ~12,700 kernels); phaserl's default micro-batch
+# (ppo.micro_batch_tokens=16384) amortizes the launches instead: the 2B GRPO step 30.38 s -> 19.61 s.
 COMPILE_HYBRID = False
 
 
