@@ -173,10 +173,9 @@ class HybridRunner(ModelRunner):
         last real token; source [C]: the row whose new conv and DeltaNet state (and sampled token, end, cap) each
         row's slot takes, so that a static pass's padding rows (the first row's slot, length 0) write exactly the
         first row's values, not their own unchanged copy of the slot's old state."""
-        (C, M), (Hq, Hkv, D), S = ids.shape, self.heads, self.layout[1]
+        (C, M), S = ids.shape, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
-        key_pos = torch.arange(context, device=self.device)[None, None, :]
-        visible = (key_pos <= pos[:, :, None])[:, None]  # [C, 1, M, ctx] (Qwen3.5 has no sliding layers)
+        masks: dict = {}  # ModelRunner._extend_attention's masks (the torch path only; Qwen3.5 has no window)
         flat = pos.view(-1)
         rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, R] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
@@ -192,12 +191,9 @@ class HybridRunner(ModelRunner):
                 h = self.fns.post(h, out.view(C * M, -1), post, spec)
                 continue
             q, k, v, gate = gated_pre_attention(h, w, spec, *rope[spec.local_rope])
-            self.keys[j][slots[:, None], :, pos] = k.view(C, M, Hkv, D)
-            self.values[j][slots[:, None], :, pos] = v.view(C, M, Hkv, D)
-            attn = F.scaled_dot_product_attention(
-                q.view(C, M, Hq, D).transpose(1, 2), self.keys[j][slots, :, :context],
-                self.values[j][slots, :, :context], attn_mask=visible, scale=spec.scale, enable_gqa=True)
-            h = gated_output(h, attn.transpose(1, 2).reshape(C * M, Hq * D), gate, post, spec)
+            attn = self._extend_attention(q, k, v, self.keys[j], self.values[j], slots, pos, lengths, context,
+                                          self.heads, spec.scale, spec.window, masks)  # [C * M, Hq * D]
+            h = gated_output(h, attn, gate, post, spec)
         last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]
         ends = starts + lengths
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm), slots,

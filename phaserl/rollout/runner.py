@@ -39,7 +39,7 @@ from phaserl.models.heads import softcap
 from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
 from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
-from phaserl.rollout import kernels
+from phaserl.rollout import extend_kernel, kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p, keyed_noise
@@ -51,6 +51,7 @@ FUSED_DECODE = True  # decode layers through fused.py's kernels where Triton run
 # Off by default until it has run on a GPU: the lean path was written after the last H200 run (2026-12-01), while
 # torch.cuda.graph() with lazy per-bucket capture ran there (benchmarks and tests flip it to compare).
 LEAN_CAPTURE = False
+EXTEND_KERNEL = True  # extend passes' attention through extend_kernel.py where Triton runs (benchmarks flip it)
 
 
 def module_tensors(layer) -> list[Tensor]:
@@ -124,6 +125,20 @@ def extend_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, sc
     probs = scores.masked_fill(hidden[:, None, None], float("-inf")).softmax(dim=-1)  # [C, Hkv, G, M, ctx]
     out = torch.matmul(probs.view(C, Hkv, G * M, -1), values).view(C, Hkv, G, M, D)
     return out.permute(0, 3, 1, 2, 4).reshape(C * M, Hq * D)
+
+
+def extend_mask(pos: Tensor, lengths: Tensor, context: int, window: Optional[int]) -> Tensor:
+    """hidden [C, M, ctx] for extend_attention: True where query token j of a row (at pos [C, M], the row's
+    first lengths [C] tokens real) must not look: keys after its own position, and for a real token of a sliding
+    layer those before its window. Padding tokens see no window: one past the context would see no key at all,
+    and its NaN would reach the KV (0 * NaN in a later masked read; fixed on 2026-12-01)."""
+    M = pos.shape[1]
+    key_pos = torch.arange(context, device=pos.device)[None, None, :]  # [1, 1, ctx]
+    hidden = key_pos > pos[:, :, None]
+    if window is not None:
+        real = (torch.arange(M, device=pos.device) < lengths[:, None])[:, :, None]  # [C, M, 1]
+        hidden |= (key_pos <= pos[:, :, None] - window) & real
+    return hidden
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, pos: Tensor,
@@ -415,24 +430,14 @@ class ModelRunner:
         row has length 0 (it samples from its last padding token, unused)."""
         (C, M), S = ids.shape, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
-        key_pos = torch.arange(context, device=self.device)[None, None, :]  # [1, 1, ctx]
-        real = (torch.arange(M, device=self.device) < lengths[:, None])[:, :, None]  # [C, M, 1]
-        hidden = {}  # window -> [C, M, ctx] True where a query must not look (later, or before its window)
-        for window in {spec.window for spec in self.specs}:
-            hidden[window] = key_pos > pos[:, :, None]
-            if window is not None:  # padding tokens see no window: one past the context would see no key at all,
-                # and its NaN would reach the KV (0 * NaN in a later masked read; fixed on 2026-12-01)
-                hidden[window] |= (key_pos <= pos[:, :, None] - window) & real
+        masks: dict = {}  # window -> extend_mask [C, M, ctx], for the layers on the torch path only
         flat = pos.view(-1)
         rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
-            Hq, Hkv, D = spec.heads
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
-            keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
-            values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
-            attn = extend_attention(q.view(C, M, Hq, D), keys[slots, :, :context], values[slots, :, :context],
-                                    hidden[spec.window], spec.scale)  # [C * M, Hq * D]
+            attn = self._extend_attention(q, k, v, keys, values, slots, pos, lengths, context, spec.heads,
+                                          spec.scale, spec.window, masks)  # [C * M, Hq * D]
             h, experts = self._post(h, attn, w, spec)
             if experts is not None:
                 self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
@@ -443,6 +448,25 @@ class ModelRunner:
         if source is not None:
             tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
         self.state.start(slots, tokens, logprobs, ends, caps)
+
+    def _extend_attention(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slots: Tensor,
+                          pos: Tensor, lengths: Tensor, context: int, heads: tuple[int, int, int],
+                          scale: Optional[float], window: Optional[int], masks: dict) -> Tensor:
+        """One layer's attention in the extend pass: the new k/v [C * M, Hkv, D] into the cache at (slots[r], :,
+        pos[r, j]), then q [C * M, Hq, D] over each row's slot -> [C * M, Hq * D]. Where Triton runs, two kernels
+        (extend_kernel.py: the cache read in place); else (and for head_dim > extend_kernel.MAX_HEAD_DIM) index
+        writes and extend_attention over a gathered copy of the slots, with extend_mask's mask (built once per
+        window into `masks`)."""
+        (C, M), (Hq, Hkv, D) = pos.shape, heads
+        if EXTEND_KERNEL and kernels.available(self.device) and extend_kernel.supports(D):
+            extend_kernel.write_kv(k, v, keys, values, slots, pos)
+            return extend_kernel.extend_attention(q, keys, values, slots, pos, lengths, context, scale, window)
+        keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)  # the new tokens' KV at their positions
+        values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
+        if window not in masks:
+            masks[window] = extend_mask(pos, lengths, context, window)
+        return extend_attention(q.view(C, M, Hq, D), keys[slots, :, :context], values[slots, :, :context],
+                                masks[window], scale)
 
     # ----- decode ---------------------------------------------------------------------------------
     def _sample(self, hidden: Tensor, slots: Optional[Tensor], at: Tensor) -> tuple[Tensor, Tensor]:

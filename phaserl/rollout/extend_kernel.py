@@ -1,0 +1,184 @@
+"""Triton kernels for the extend pass (multi-turn continuation): the new tokens' KV write and their attention
+over each row's slot, read in place.
+
+  write_kv          the new k/v of every token (row r, token j) into the cache at (slots[r], :, pos[r, j]):
+                    one launch for keys and values (the torch path's two index_put's, with their index and
+                    copy launches).
+  extend_attention  M query tokens per row against the cached keys of the row's slot: token j of row r, at
+                    position p = pos[r, j], sees positions [0, p] (its own key included, written before), a
+                    sliding layer's only those > p - window, and never past `context`; a padding token
+                    (j >= lengths[r]) sees no window, so that it always sees key 0 (finite, unused). Online
+                    softmax in float32; no gathered copy of the cache, no [C, M, ctx] mask, no scores in memory.
+Program (row, kv head, block of TOKENS query tokens): the q tile packs the G query heads of each token as
+consecutive rows ([TOKENS * G, D], padded to a power of two), so one tl.dot serves the whole group as the decode
+kernel's packed rows do; the program walks the key blocks from its tokens' lowest visible position (0 for full
+layers) to their highest, masking each tile row by its own token's position.
+The torch twin (runner.extend_attention over a gathered cache with a mask, and index_put writes) runs on the CPU,
+without Triton, and for head_dim > MAX_HEAD_DIM (Gemma 4's global layers, 512: a [rows, 512] float32 accumulator
+per program is past what the launch settings below were sized for). Runs inside CUDA graphs (no host sync: rows,
+positions and lengths are read on the device; context is a Python int, fixed per captured bucket).
+tests/test_rollout_extend_kernel.py compares both under TRITON_INTERPRET=1.
+Not here: the decode step's attention (kernels.py), the layer math around it (runner.py).
+
+Legend: C rows, M tokens per row (right-padded), Hq/Hkv heads, G = Hq / Hkv, D head_dim, S slot_len, ctx context.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from phaserl.rollout import kernels
+
+MAX_HEAD_DIM = 256
+# Launch settings: a first guess, not swept yet (one H200 run to come). A program's tile is about
+# EXTEND_ROWS x 64 (fewer rows for a wider head: the float32 accumulator stays ~32 KB), keys in blocks of
+# EXTEND_BLOCK_N (K and V tiles in EXTEND_STAGES copies stay within shared memory up to D = 256).
+EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES = 128, 64, 4, 2
+
+if kernels.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, slots_ptr, pos_ptr, M, k_st, k_sh, v_st, v_sh,
+                         c_sb, c_sh, c_ss, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+        """Program (token r * M + j): its Hkv heads of k and v into the cache at (slots[r], :, pos[r, j])."""
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + token // M).to(tl.int64)
+        p = tl.load(pos_ptr + token)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        ok = (h < HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        at = slot * c_sb + h[:, None] * c_sh + p * c_ss + d[None, :]  # [BLOCK_H, BLOCK_D]
+        tl.store(keys_ptr + at, tl.load(k_ptr + token * k_st + h[:, None] * k_sh + d[None, :], mask=ok), mask=ok)
+        tl.store(values_ptr + at, tl.load(v_ptr + token * v_st + h[:, None] * v_sh + d[None, :], mask=ok), mask=ok)
+
+    @triton.jit
+    def _extend_block(q, k_ptr, v_ptr, cache, start, lo, hi, first, last, c_ss, d, d_ok, scale, m, total, acc,
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Online-softmax update of (m, total, acc) [ROWS], [ROWS], [ROWS, BLOCK_D] with the cached keys
+        [start, start + BLOCK_N); tile row i sees keys in [lo[i], hi[i]). Nothing outside [first, last) (what
+        some row sees) is loaded: a position no token of the program sees is never read, whatever it holds."""
+        keys_at = start + tl.arange(0, BLOCK_N)
+        k_ok = (keys_at >= first) & (keys_at < last)
+        offsets = cache + keys_at[:, None] * c_ss + d[None, :]
+        k = tl.load(k_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:  # float32 models: full precision, as the torch path computes
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [ROWS, BLOCK_N] float32
+        seen = (keys_at[None, :] >= lo[:, None]) & (keys_at[None, :] < hi[:, None])
+        s = tl.where(seen, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, total, acc
+
+    @triton.jit
+    def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, lengths_ptr, out_ptr, scale, window,
+                                 context, M, q_st, q_sh, c_sb, c_sh, c_ss, o_st,
+                                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr,
+                                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 IEEE: tl.constexpr, PER_ROW_BOUND: tl.constexpr, INTERPRET_KEYS: tl.constexpr):
+        """Program (row, kv head, block): query tokens [block * TOKENS, (block + 1) * TOKENS) of the row, each with
+        the GROUP query heads of this kv head; tile row i is token i // GROUP, head i % GROUP (ROWS >= TOKENS * GROUP,
+        the rest padding)."""
+        row = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        i = tl.arange(0, ROWS)
+        j = tl.program_id(2) * TOKENS + i // GROUP  # [ROWS] the tile row's token in the row
+        heads = kv_head * GROUP + i % GROUP          # [ROWS] its query head
+        d = tl.arange(0, BLOCK_D)
+        j_ok = (i < TOKENS * GROUP) & (j < M)
+        d_ok = d < HEAD_DIM
+        token = row * M + j  # [ROWS] int64: index into the C * M flattened tokens
+        p = tl.load(pos_ptr + token, mask=j_ok, other=0).to(tl.int32)  # [ROWS] the token's position (< S)
+        real = j < tl.load(lengths_ptr + row)
+        lo = tl.where(real, p - window + 1, 0)  # the first key it sees (no window: window > S, lo < 0)
+        hi = tl.minimum(p + 1, context)          # one past the last
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        cache = slot * c_sb + kv_head * c_sh
+        q = tl.load(q_ptr + token[:, None] * q_st + heads[:, None] * q_sh + d[None, :],
+                    mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, BLOCK_D]
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        # The key blocks some token of this program sees: from its lowest first key (0 for full layers) to its
+        # highest last one.
+        first = tl.maximum(tl.min(tl.where(j_ok, lo, context), axis=0), 0)
+        last = tl.max(tl.where(j_ok, hi, 0), axis=0)
+        if PER_ROW_BOUND:
+            for start in range((first // BLOCK_N) * BLOCK_N, last, BLOCK_N):
+                m, total, acc = _extend_block(q, k_ptr, v_ptr, cache, start, lo, hi, first, last, c_ss, d, d_ok,
+                                              scale, m, total, acc, BLOCK_N, IEEE)
+        else:  # the interpreter cannot loop to a loaded bound: every block of the context, the loads (and so each
+            # row's keys) within [first, last) as in the loop above (so the CPU tests check those bounds too)
+            for start in range(0, INTERPRET_KEYS, BLOCK_N):
+                m, total, acc = _extend_block(q, k_ptr, v_ptr, cache, start, lo, hi, first, last, c_ss, d, d_ok,
+                                              scale, m, total, acc, BLOCK_N, IEEE)
+        out = acc / total[:, None]  # every real tile row saw at least key 0 or its own: total > 0
+        tl.store(out_ptr + token[:, None] * o_st + heads[:, None] * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=j_ok[:, None] & d_ok[None, :])
+
+
+def supports(head_dim: int) -> bool:
+    """Whether these kernels take a layer of this head_dim (else the torch path: see the module docstring)."""
+    return head_dim <= MAX_HEAD_DIM
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+             pos: torch.Tensor) -> None:
+    """The new k/v [C * M, Hkv, D] into keys/values [num_slots, Hkv, S, D] at (slots[r], :, pos[r, j]) for token
+    r * M + j; slots [C], pos [C, M] int64 (a position written twice, a row's clamped padding, takes either)."""
+    C, M = pos.shape
+    Hkv, D = keys.shape[1], keys.shape[3]
+    assert k.shape == v.shape == (C * M, Hkv, D) and k.stride(-1) == v.stride(-1) == 1
+    assert keys.stride() == values.stride() and keys.stride(-1) == 1 and pos.is_contiguous()
+    _write_kv_kernel[(C * M,)](k, v, keys, values, slots, pos, M, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               keys.stride(0), keys.stride(1), keys.stride(2), HEADS=Hkv, HEAD_DIM=D,
+                               BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+
+
+def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                     pos: torch.Tensor, lengths: torch.Tensor, context: int, scale: Optional[float] = None,
+                     window: Optional[int] = None, *, rows: Optional[int] = None, block_n: Optional[int] = None,
+                     num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+    """q [C * M, Hq, D] (token r * M + j), cache keys/values [num_slots, Hkv, S, D] (the new keys already written),
+    slots/lengths [C], pos [C, M] int64 -> [C * M, Hq * D] in q's dtype.
+
+    Token j of row r attends positions [0, pos[r, j]] of slot slots[r], below `context` (<= S), a sliding layer's
+    only those > pos[r, j] - window (real tokens, j < lengths[r]; padding tokens see no window): what
+    runner.extend_attention computes over keys[slots, :, :context] with runner.extend_mask's mask. scale: of the
+    scores (None: D ** -0.5). rows, block_n, num_warps, num_stages: launch settings (None: the module's).
+    """
+    C, M = pos.shape
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, S = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    assert q.shape[0] == C * M and q.stride(-1) == 1 and supports(D) and context <= S
+    assert keys.stride() == values.stride() and keys.stride(-1) == 1 and pos.is_contiguous()
+    out = torch.empty(C * M, Hq * D, dtype=q.dtype, device=q.device)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    rows = rows or max(16, EXTEND_ROWS * 64 // BLOCK_D)  # the q tile [rows, BLOCK_D]: ~rows x 64 elements
+    # Tokens per program: as many whole groups as fit, fewer for a short extension (rounded to a power of two,
+    # so that the eager pass's ragged M compiles a few variants, not one per M).
+    tokens = max(1, min(rows // G, triton.next_power_of_2(M)))
+    ROWS = max(16, triton.next_power_of_2(tokens * G))  # tl.dot needs >= 16 rows
+    _extend_attention_kernel[(C, Hkv, triton.cdiv(M, tokens))](
+        q, keys, values, slots, pos, lengths, out, D ** -0.5 if scale is None else scale,
+        S + 1 if window is None else int(window), context, M, q.stride(0), q.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
+        GROUP=G, HEAD_DIM=D, TOKENS=tokens, ROWS=ROWS, BLOCK_D=BLOCK_D,
+        BLOCK_N=block_n or min(EXTEND_BLOCK_N, 16384 // BLOCK_D), IEEE=q.dtype == torch.float32,
+        PER_ROW_BOUND=not kernels.INTERPRET, INTERPRET_KEYS=context if kernels.INTERPRET else 0,
+        num_warps=num_warps or EXTEND_WARPS, num_stages=num_stages or EXTEND_STAGES)
+    return out
