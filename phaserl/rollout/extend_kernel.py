@@ -66,8 +66,9 @@ if kernels.HAVE_TRITON:
         offsets = cache + keys_at[:, None] * c_ss + d[None, :]
         k = tl.load(k_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:  # float32 models: full precision, as the torch path computes
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if IEEE:  # float32 models: full precision, as the torch path computes (bf16 under the interpreter: exact
+            # products of the bf16 numbers, the same p rounding)
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [ROWS, BLOCK_N] float32
         seen = (keys_at[None, :] >= lo[:, None]) & (keys_at[None, :] < hi[:, None])
@@ -78,7 +79,7 @@ if kernels.HAVE_TRITON:
         p = tl.exp(s - m_safe[:, None])
         total = total * alpha + tl.sum(p, axis=1)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, total, acc
@@ -178,7 +179,8 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         S + 1 if window is None else int(window), context, M, q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
         GROUP=G, HEAD_DIM=D, TOKENS=tokens, ROWS=ROWS, BLOCK_D=BLOCK_D,
-        BLOCK_N=block_n or min(EXTEND_BLOCK_N, 16384 // BLOCK_D), IEEE=q.dtype == torch.float32,
+        # IEEE under the interpreter too: its bf16 tl.dot returns garbage (Triton 3.6), so operands go float32 there
+        BLOCK_N=block_n or min(EXTEND_BLOCK_N, 16384 // BLOCK_D), IEEE=q.dtype == torch.float32 or kernels.INTERPRET,
         PER_ROW_BOUND=not kernels.INTERPRET, INTERPRET_KEYS=context if kernels.INTERPRET else 0,
         num_warps=num_warps or EXTEND_WARPS, num_stages=num_stages or EXTEND_STAGES)
     return out
