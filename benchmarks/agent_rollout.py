@@ -23,6 +23,7 @@ waiting for them); gc the garbage collector's pauses.
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
     python benchmarks/agent_rollout.py --latency-ms 0 --profile-extend   # H200: where an extend pass's time goes
+    python benchmarks/agent_rollout.py --latency-ms 0 --profile-extend --extend-kernel off   # the torch attention
     python benchmarks/agent_rollout.py --latency-ms 0 50 --jitter-ms 50 \
         --engine-compile off on --extend-graphs off on      # H200: the 4 variants, one engine each, in one run
 
@@ -61,6 +62,7 @@ from phaserl.data.prompts import PromptItem  # noqa: E402
 from phaserl.data.rows import PromptRow  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from phaserl.rollout import runner as runner_module  # noqa: E402
 from qwen2_shapes import decoder_config  # noqa: E402
 
 
@@ -357,8 +359,12 @@ def main(argv=None) -> None:
     p.add_argument("--profile-extend", action="store_true",
                    help="per variant, after the timed cases: one lock-step extend call and the prompt prefill under "
                         "torch.profiler (device time, busy share, top kernels)")
+    p.add_argument("--extend-kernel", choices=["on", "off"], default="on",
+                   help="runner.EXTEND_KERNEL: extend passes' attention through rollout/extend_kernel.py (Triton) "
+                        "or the torch path (a gathered copy of the slots, a [rows, tokens, context] mask)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 8 episodes x 2 turns")
     a = p.parse_args(argv)
+    runner_module.EXTEND_KERNEL = a.extend_kernel == "on"
     a.device = "cuda"
     if a.smoke:
         a.device, a.shape, a.episodes, a.turns, a.prompt, a.turn_tokens, a.obs_tokens = "cpu", "tiny", 8, 2, 16, 8, 4
@@ -371,7 +377,7 @@ def main(argv=None) -> None:
     pool = Workers(a.episodes, name="bench-env")
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
-                  obs_tokens=a.obs_tokens, repeats=a.repeats)
+                  obs_tokens=a.obs_tokens, repeats=a.repeats, extend_kernel=a.extend_kernel)
     on, why = extend_graphs_rule(engine_runs=True, device_type=a.device, cuda_graphs=True)
     emit(case="extend_graphs_rule", auto="on" if on else "off", why=why)
     lines = []

@@ -9,6 +9,7 @@
     extend.py     StaticExtend: multi-turn continuation passes with static shapes, a CUDA graph per bucket
     recurrent_state.py  HybridRunner, RecurrentState: Qwen3.5's per-slot DeltaNet/conv state beside the KV
     delta_kernel.py     Triton kernel of the DeltaNet decode step (the state read and written once)
+    extend_kernel.py    Triton kernels of the extend pass: its KV write and its attention over the slots in place
     kernels.py    Triton kernels of the decode step on CUDA: attention over each row's own context,
                   one-pass sampling with in-kernel random numbers (pure-torch twins in runner.py)
 """

@@ -8,9 +8,11 @@ CUDA graph (lazily, at the bucket's second pass (CAPTURE_AT), into the decode gr
 `ModelRunner._capture`) and replayed after (one graph per rows bucket R, tokens bucket T, context bucket K and
 sampling settings):
   inputs   one host tensor per pass (ids [R, T], starts, lengths, slots, caps, source [R] each) copied into the
-           bucket's device buffer; positions, masks and RoPE rows are computed from it on the device
+           bucket's device buffer; positions and RoPE rows (and masks, on the torch path) are computed from it on
+           the device
   context  the keys [0, K) of each row's slot, masked per row, K the context bucket of the longest row's end
-           (at most S): the same softmax as the exact context, over more keys
+           (at most S): the same softmax as the exact context, over more keys (extend_kernel.py's attention reads
+           only the keys each program's tokens see, so K costs it nothing)
   padding  tokens: ids 0 past a row's length, writing KV (and MoE routes) past the row's end, where decode
            writes before it reads (as the eager pass's padding does); they attend without a window, so that
            none sees no key at all (NaN). Rows: the first row's slot at position S - 1, length 0 (all its tokens

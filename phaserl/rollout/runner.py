@@ -17,10 +17,12 @@ writes the experts each MoE layer chose at each position into `routes` [slots, S
            eagerly, then is recorded) and replayed after. Sampling happens inside it.
 On CUDA, every decode layer whose math fused.py implements runs as its 7 kernels (norms, bias + RoPE + KV
 write + split-K attention, gated activation: kernels.py); other layers run layers.py's functions with the
-Triton attention kernel; sampling is a Triton kernel too. With `compile=True` the torch pieces (prefill,
-unfused layers) go through torch.compile. The CPU path runs layers.py's functions eagerly with pure-torch
-attention and sampling.
-Not here: which sequence is in which slot (scheduler.py), memory sizing (kv_pool.py), kernels (kernels.py).
+Triton attention kernel; sampling is a Triton kernel too. An extend pass's attention (each layer: its new
+KV written, then M queries per row over the row's slot) is extend_kernel.py's two kernels there. With
+`compile=True` the torch pieces (prefill, unfused layers) go through torch.compile. The CPU path runs
+layers.py's functions eagerly with pure-torch attention and sampling.
+Not here: which sequence is in which slot (scheduler.py), memory sizing (kv_pool.py), kernels (kernels.py,
+extend_kernel.py).
 
 Legend: N tokens in the pass, b decode rows (slots), U distinct prompts, A admitted sequences,
 P longest prompt, S slot_len, H hidden, Hq/Hkv heads, D head_dim, V vocab.
@@ -424,7 +426,7 @@ class ModelRunner:
     def _extend_forward(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, caps: Tensor,
                         context: int, source: Optional[Tensor] = None) -> None:
         """The extend pass on device tensors, no host sync: ids [C, M] right-padded, starts/lengths/slots/caps [C];
-        keys at positions [0, context) are attended (masked per row). A padding token writes KV (and routes) past
+        keys at positions [0, context) are attended (per row up to each token's own: _extend_attention). A padding token writes KV (and routes) past
         its row's end, where decode writes before it reads. source [C]: the row whose sampled token, end and cap
         each row's slot state takes (rollout/extend.py's padding rows copy a real row's), None = its own; such a
         row has length 0 (it samples from its last padding token, unused)."""
