@@ -390,6 +390,8 @@ def test_a_padding_token_past_the_context_of_a_sliding_layer_writes_no_nan(stati
     # context bucket of 64 keys
     items = [(0, [i % 39 + 1 for i in range(30)], 2, 4), (1, [5], 40, 4), (2, [6, 7], 1, 4)]
     attend, blind = runner_module.extend_attention, []
+    monkeypatch.setattr(runner_module, "EXTEND_KERNEL", False)  # this checks the torch path's mask (the kernel's
+    # padding tokens: tests/test_rollout_extend_kernel.py)
 
     def checked(q, keys, values, hidden, scale):  # a query that sees no key: NaN (on a GPU, whichever write wins)
         blind.append(int(hidden.all(-1).sum()))

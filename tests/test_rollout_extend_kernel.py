@@ -15,6 +15,7 @@ import torch
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, extend_kernel, kernels
 from phaserl.rollout import recurrent_state
 from phaserl.rollout import runner as runner_module
+from phaserl.rollout.extend import StaticExtend
 from phaserl.rollout.runner import extend_attention, extend_mask
 from tests.test_rollout_engine import PROMPTS, tiny_model
 from tests.test_rollout_extend import tiny_qwen35
@@ -144,17 +145,22 @@ def test_head_dims_past_the_kernel_take_the_torch_path():
     assert extend_kernel.supports(256) and not extend_kernel.supports(512)  # Gemma 4's global layers: torch
 
 
+def decode_in_torch(monkeypatch) -> None:
+    """Engines built after this decode (and step the DeltaNet state) on the torch path, so that only the extend
+    pass runs Triton: the interpreter's decode kernels take ~20 s a session."""
+    monkeypatch.setattr(runner_module, "FUSED_DECODE", False)
+    monkeypatch.setattr(runner_module, "layer_fns", lambda device, compile: runner_module.EAGER)
+    monkeypatch.setattr(recurrent_state, "USE_DELTA_KERNEL", False)
+
+
 def session_turns(model, extend_graphs: bool, kernel: bool, monkeypatch, torch_decode: bool = False) -> dict:
-    """Greedy turns of a few sequences over 3 slots; the extend pass's attention through the kernel or not.
-    torch_decode: decode steps (and the DeltaNet step) on the torch path, so that only the extend pass runs
-    Triton (the interpreter's decode steps take ~20 s a session)."""
+    """Greedy turns of a few sequences over 3 slots; the extend pass's attention through the kernel or not
+    (torch_decode: decode_in_torch)."""
     monkeypatch.setattr(runner_module, "EXTEND_KERNEL", kernel)
     if torch_decode:
-        monkeypatch.setattr(runner_module, "FUSED_DECODE", False)
-        monkeypatch.setattr(runner_module, "layer_fns", lambda device, compile: runner_module.EAGER)
-        monkeypatch.setattr(recurrent_state, "USE_DELTA_KERNEL", False)
+        decode_in_torch(monkeypatch)
     plan = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [[38] * 9, [1]], 4: [None]}
-    engine = RolloutEngine(model, EngineConfig(max_slots=3, extend_graphs=extend_graphs))
+    engine = RolloutEngine(model, EngineConfig(max_slots=3, extend_graphs=extend_graphs, token_budget=4096))
     with engine.session(SamplingParams(max_new_tokens=4, temperature=0.0), slot_len=48, eos_token_ids=[]) as s:
         for key in (0, 1, 2):
             s.start(key, PROMPTS[key], cap=4)
@@ -186,6 +192,28 @@ def test_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, 
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_padding_tokens_past_the_context_of_a_sliding_layer_write_no_nan_through_the_kernel(static, monkeypatch):
+    """tests/test_rollout_extend.py's regression (padding tokens past the eager pass's context, a static padding
+    row past its context bucket, in a sliding layer) with the extend pass through the kernel: finite KV, finite
+    log-probs in the decode steps after it."""
+    kernel_device()
+    decode_in_torch(monkeypatch)
+    model = tiny_model("qwen2", sliding_window=4, layer_types=("sliding_attention", "full_attention"),
+                       max_position_embeddings=128)
+    runner = RolloutEngine(model, EngineConfig(max_slots=4)).runner
+    runner.begin(4, 128, 8, SamplingParams(max_new_tokens=8, temperature=0.0), [])
+    runner.prefill([((1, 2), [0], [8], [0]), (tuple(i % 39 + 1 for i in range(40)), [1], [8], [1]),
+                    ((3,), [2], [8], [2])])
+    items = [(0, [i % 39 + 1 for i in range(30)], 2, 4), (1, [5], 40, 4), (2, [6, 7], 1, 4)]
+    with torch.inference_mode():
+        (StaticExtend(runner).run if static else runner._extend_pass)(items)
+        for _ in range(3):
+            runner.decode(4)
+    assert not any(torch.isnan(t).any() for t in (*runner.keys, *runner.values))
+    assert torch.isfinite(runner.state.out_logprobs[:, :4]).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, window", [((14, 2, 64), None), ((14, 2, 64), 128), ((8, 2, 256), None),
                                            ((28, 4, 128), None)], ids=["0.5b", "0.5b-sliding", "d256", "7b"])
@@ -210,7 +238,8 @@ def test_gpu_the_kernel_equals_the_torch_path_at_the_benchmark_shape(heads, wind
                            values[slots, :, :context].float(), hidden)
     torch.testing.assert_close(got.float(), f32, atol=2e-2, rtol=0)
     torch.testing.assert_close(got.float(), bf16.float(), atol=4e-2, rtol=0)
-    assert (got.float() - f32).abs().mean() <= (bf16.float() - f32).abs().mean()  # no worse than torch's bf16
+    # float32 scores and softmax (torch rounds both to bf16): on average no further from float32 (5% for noise)
+    assert (got.float() - f32).abs().mean() <= 1.05 * (bf16.float() - f32).abs().mean()
     # Captured once, replayed with new positions: no host sync inside, the device tensors read at replay.
     starts_graph = starts.clone()
     pos_graph = (starts_graph[:, None] + torch.arange(T, device="cuda")).clamp(max=S_ - 1)
