@@ -426,10 +426,10 @@ class ModelRunner:
     def _extend_forward(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, caps: Tensor,
                         context: int, source: Optional[Tensor] = None) -> None:
         """The extend pass on device tensors, no host sync: ids [C, M] right-padded, starts/lengths/slots/caps [C];
-        keys at positions [0, context) are attended (per row up to each token's own: _extend_attention). A padding token writes KV (and routes) past
-        its row's end, where decode writes before it reads. source [C]: the row whose sampled token, end and cap
-        each row's slot state takes (rollout/extend.py's padding rows copy a real row's), None = its own; such a
-        row has length 0 (it samples from its last padding token, unused)."""
+        keys at positions [0, context) are attended (each token's up to its own: _extend_attention). A padding
+        token writes KV (and routes) past its row's end, where decode writes before it reads. source [C]: the row
+        whose sampled token, end and cap each row's slot state takes (rollout/extend.py's padding rows copy a real
+        row's), None = its own; such a row has length 0 (it samples from its last padding token, unused)."""
         (C, M), S = ids.shape, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         masks: dict = {}  # window -> extend_mask [C, M, ctx], for the layers on the torch path only
