@@ -31,10 +31,12 @@ import torch
 from phaserl.rollout import kernels
 
 MAX_HEAD_DIM = 256
-# Launch settings: a first guess, not swept yet (one H200 run to come). A program's tile is about
-# EXTEND_ROWS x 64 (fewer rows for a wider head: the float32 accumulator stays ~32 KB), keys in blocks of
-# EXTEND_BLOCK_N (K and V tiles in EXTEND_STAGES copies stay within shared memory up to D = 256).
-EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES = 128, 64, 4, 2
+# Launch settings, not timed yet (no H200 run since they were written): chosen so that ptxas (Triton 3.6, sm_90,
+# compiled here ahead of time) spills no register. A program's q tile is EXTEND_ROWS x 64 elements (rows halved per
+# doubling of head_dim past 64, and for float32), keys in blocks of EXTEND_BLOCK_N (32 past head_dim 64 and for
+# float32). bf16: 128 rows x 64 keys at D = 64 use 239 registers a thread with 8 warps (4 warps spill), 64 x 32
+# at D = 128 192, 32 x 32 at D = 256 222; float32 (IEEE dots) 64 x 32 at D = 64 144.
+EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES = 128, 64, 8, 2
 
 if kernels.HAVE_TRITON:
     import triton
@@ -56,16 +58,17 @@ if kernels.HAVE_TRITON:
         tl.store(values_ptr + at, tl.load(v_ptr + token * v_st + h[:, None] * v_sh + d[None, :], mask=ok), mask=ok)
 
     @triton.jit
-    def _extend_block(q, k_ptr, v_ptr, cache, start, lo, hi, first, last, c_ss, d, d_ok, scale, m, total, acc,
+    def _extend_block(q, k_head, v_head, start, lo, hi, first, last, c_ss, d, d_ok, scale, m, total, acc,
                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         """Online-softmax update of (m, total, acc) [ROWS], [ROWS], [ROWS, BLOCK_D] with the cached keys
-        [start, start + BLOCK_N); tile row i sees keys in [lo[i], hi[i]). Nothing outside [first, last) (what
-        some row sees) is loaded: a position no token of the program sees is never read, whatever it holds."""
+        [start, start + BLOCK_N) of one (slot, kv head) (k_head, v_head: its position 0); tile row i sees keys in
+        [lo[i], hi[i]). Nothing outside [first, last) (what some row sees) is loaded: a position no token of the
+        program sees is never read, whatever it holds."""
         keys_at = start + tl.arange(0, BLOCK_N)
         k_ok = (keys_at >= first) & (keys_at < last)
-        offsets = cache + keys_at[:, None] * c_ss + d[None, :]
-        k = tl.load(k_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        offsets = keys_at[:, None] * c_ss + d[None, :]  # int32 within one head's S x D: fewer registers than int64
+        k = tl.load(k_head + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_head + offsets, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE:  # float32 models: full precision, as the torch path computes (bf16 under the interpreter: exact
             # products of the bf16 numbers, the same p rounding)
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -107,7 +110,8 @@ if kernels.HAVE_TRITON:
         lo = tl.where(real, p - window + 1, 0)  # the first key it sees (no window: window > S, lo < 0)
         hi = tl.minimum(p + 1, context)          # one past the last
         slot = tl.load(slots_ptr + row).to(tl.int64)
-        cache = slot * c_sb + kv_head * c_sh
+        k_head = k_ptr + slot * c_sb + kv_head * c_sh  # this (slot, kv head)'s position 0
+        v_head = v_ptr + slot * c_sb + kv_head * c_sh
         q = tl.load(q_ptr + token[:, None] * q_st + heads[:, None] * q_sh + d[None, :],
                     mask=j_ok[:, None] & d_ok[None, :], other=0.0)  # [ROWS, BLOCK_D]
         m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -119,12 +123,12 @@ if kernels.HAVE_TRITON:
         last = tl.max(tl.where(j_ok, hi, 0), axis=0)
         if PER_ROW_BOUND:
             for start in range((first // BLOCK_N) * BLOCK_N, last, BLOCK_N):
-                m, total, acc = _extend_block(q, k_ptr, v_ptr, cache, start, lo, hi, first, last, c_ss, d, d_ok,
+                m, total, acc = _extend_block(q, k_head, v_head, start, lo, hi, first, last, c_ss, d, d_ok,
                                               scale, m, total, acc, BLOCK_N, IEEE)
         else:  # the interpreter cannot loop to a loaded bound: every block of the context, the loads (and so each
             # row's keys) within [first, last) as in the loop above (so the CPU tests check those bounds too)
             for start in range(0, INTERPRET_KEYS, BLOCK_N):
-                m, total, acc = _extend_block(q, k_ptr, v_ptr, cache, start, lo, hi, first, last, c_ss, d, d_ok,
+                m, total, acc = _extend_block(q, k_head, v_head, start, lo, hi, first, last, c_ss, d, d_ok,
                                               scale, m, total, acc, BLOCK_N, IEEE)
         out = acc / total[:, None]  # every real tile row saw at least key 0 or its own: total > 0
         tl.store(out_ptr + token[:, None] * o_st + heads[:, None] * HEAD_DIM + d[None, :],
@@ -169,7 +173,9 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     assert keys.stride() == values.stride() and keys.stride(-1) == 1 and pos.is_contiguous()
     out = torch.empty(C * M, Hq * D, dtype=q.dtype, device=q.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    rows = rows or max(16, EXTEND_ROWS * 64 // BLOCK_D)  # the q tile [rows, BLOCK_D]: ~rows x 64 elements
+    wide = 2 if q.dtype == torch.float32 else 1  # float32 tiles take twice the registers
+    rows = rows or max(16, EXTEND_ROWS * 64 // max(64, BLOCK_D) // wide)  # the q tile [rows, BLOCK_D]
+    block_n = block_n or (EXTEND_BLOCK_N if BLOCK_D <= 64 and wide == 1 else 32)
     # Tokens per program: as many whole groups as fit, fewer for a short extension (rounded to a power of two,
     # so that the eager pass's ragged M compiles a few variants, not one per M).
     tokens = max(1, min(rows // G, triton.next_power_of_2(M)))
@@ -180,7 +186,7 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
         GROUP=G, HEAD_DIM=D, TOKENS=tokens, ROWS=ROWS, BLOCK_D=BLOCK_D,
         # IEEE under the interpreter too: its bf16 tl.dot returns garbage (Triton 3.6), so operands go float32 there
-        BLOCK_N=block_n or min(EXTEND_BLOCK_N, 16384 // BLOCK_D), IEEE=q.dtype == torch.float32 or kernels.INTERPRET,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32 or kernels.INTERPRET,
         PER_ROW_BOUND=not kernels.INTERPRET, INTERPRET_KEYS=context if kernels.INTERPRET else 0,
         num_warps=num_warps or EXTEND_WARPS, num_stages=num_stages or EXTEND_STAGES)
     return out
