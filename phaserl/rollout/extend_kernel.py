@@ -42,7 +42,9 @@ if kernels.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # M, context and window change from one eager pass to the next: not specialized (by value 1 or divisibility
+    # by 16), so that they compile no new variants.
+    @triton.jit(do_not_specialize=["M"])
     def _write_kv_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, slots_ptr, pos_ptr, M, k_st, k_sh, v_st, v_sh,
                          c_sb, c_sh, c_ss, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr):
@@ -87,7 +89,7 @@ if kernels.HAVE_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, total, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["window", "context", "M"])
     def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, lengths_ptr, out_ptr, scale, window,
                                  context, M, q_st, q_sh, c_sb, c_sh, c_ss, o_st,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr,
