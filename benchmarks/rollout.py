@@ -33,7 +33,7 @@ from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa:
 from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
 from phaserl.rollout import fused as rollout_fused  # noqa: E402
 from phaserl.rollout import runner as rollout_runner  # noqa: E402
-from phaserl.rollout.runner import decode_attention  # noqa: E402
+from phaserl.rollout.torch_path import decode_attention  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 64, 8, 128, 256

@@ -1,7 +1,7 @@
 """The extend pass's Triton kernels (rollout/extend_kernel.py) against the torch path they replace.
 
-extend_attention must compute what runner.extend_attention computes over a gathered copy of the slots with
-runner.extend_mask's mask: rows with different starts and lengths, padding tokens (and a static pass's padding row
+extend_attention must compute what torch_path.extend_attention computes over a gathered copy of the slots with
+torch_path.extend_mask's mask: rows with different starts and lengths, padding tokens (and a static pass's padding row
 past the context), grouped-query heads (G = 1, 2, 7), head_dim 64 and 128, a sliding window, slots out of order and
 some unused, several query blocks and key blocks per row; in float32 to ~1e-6, in bfloat16 within a tolerance that a
 one-key mask error exceeds. Keys no query may see are poisoned with NaN: outputs stay as they were. write_kv writes
@@ -139,6 +139,69 @@ def test_write_kv_writes_what_the_index_writes_write():
     # Position S - 1 takes clamped padding tokens twice over (either write may win, in both paths)
     torch.testing.assert_close(keys[..., :S - 1, :], want_k[..., :S - 1, :], atol=0, rtol=0)
     torch.testing.assert_close(values[..., :S - 1, :], want_v[..., :S - 1, :], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("residual_in_gemm", [True, False])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3", "qwen2-sliding"])
+def test_the_fused_extend_layer_equals_pre_attention_torch_attention_post_attention(model_type, residual_in_gemm,
+                                                                                    monkeypatch):
+    """fused.fused_extend_layer (rms_norm, [q; k; v] GEMM, prepare: bias + qk-norm + RoPE + KV write, the extend
+    attention, o GEMM, norm, [gate; up], gated, down) against layers.pre_attention -> index writes + the torch
+    extend attention -> layers.post_attention, on the rows of ROWS (padding, a row past the context) in float32."""
+    from phaserl.models.layers import post_attention, pre_attention
+    from phaserl.rollout import fused
+    from phaserl.rollout.runner import fused_weights
+    from tests.test_rollout_fused import rope
+
+    monkeypatch.setattr(fused, "RESIDUAL_IN_GEMM", residual_in_gemm)
+    device = kernel_device()
+    extra = dict(sliding_window=4, layer_types=("sliding_attention", "full_attention")) if "sliding" in model_type else {}
+    model = tiny_model(model_type.split("-")[0], seed=3, **extra).to(device)
+    layer = model.model.layers[0]
+    w, spec = fused_weights(layer), layer.spec
+    assert fused.fusable(w, spec) and (spec.window is not None) == ("sliding" in model_type)
+    Hq, Hkv, D = spec.heads
+    keys, values, _, slots, pos, lengths = case(spec.heads, torch.float32, device)
+    C, context = pos.shape[0], exact_context()
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(C * M, model.config.hidden_size, generator=g).to(device)
+    carry = torch.randn(h.shape, generator=g).to(device)  # the previous layer's MLP output, still to add
+    cos, sin = rope(S, D, device)
+    with torch.no_grad():
+        got_keys, got_values = keys.clone(), values.clone()
+        got, got_carry = fused.fused_extend_layer(h, carry, w, spec, got_keys, got_values, slots, pos, lengths,
+                                                  context, cos, sin)
+        got = got if got_carry is None else got + got_carry
+        h = h + carry
+        flat = pos.view(-1)
+        q, k, v = pre_attention(h, w, spec, cos[flat], sin[flat])
+        keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)
+        values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
+        attn = torch_attention(q, keys, values, slots, pos, lengths, context, spec.scale, spec.window)
+        expected = post_attention(h, attn, w, spec)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_keys, keys, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_values, values, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_sessions_with_fused_decode_and_fused_extend_layers_give_the_torch_paths_turns(model_type, monkeypatch):
+    """The whole engine on its fused path (decode steps through fused_decode_layer, extend passes through
+    fused_extend_layer) against the fused decode with the extend pass on the torch path: the same greedy turns."""
+    kernel_device()
+    from phaserl.rollout import fused
+
+    model = tiny_model(model_type)
+    calls, layer = [], fused.fused_extend_layer
+    monkeypatch.setattr(runner_module, "fused_extend_layer", lambda *a, **k: calls.append(1) or layer(*a, **k))
+    with_kernel = session_turns(model, False, True, monkeypatch)
+    assert len(calls) >= 4 * len(model.model.layers)  # every extend pass, every layer
+    without = session_turns(model, False, False, monkeypatch)
+    for key in without:
+        assert [t.token_ids for t in with_kernel[key]] == [t.token_ids for t in without[key]]
+        for a, b in zip(with_kernel[key], without[key]):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 def test_head_dims_past_the_kernel_take_the_torch_path():

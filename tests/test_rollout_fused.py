@@ -54,7 +54,7 @@ def check_fused_attention(heads, slots, S, pos, window, dtype, chunk, block_n, w
     out = kernels.decode_attention(q.view(b, Hq, D), k.view(b, Hkv, D), v.view(b, Hkv, D), got_keys, got_values,
                                    pos, None, window, bias=bias.split(sizes) if with_bias else None,
                                    rope=(cos, sin), chunk=chunk, block_n=block_n)
-    # The torch path: the bias rounded in (as after a GEMM), layers.rotate, runner.cached_attention.
+    # The torch path: the bias rounded in (as after a GEMM), layers.rotate, torch_path.cached_attention.
     q, k, v = (qkv + bias if with_bias else qkv).split(sizes, dim=-1)
     q = rotate(q.view(b, Hq, D), cos[pos], sin[pos])
     k = rotate(k.view(b, Hkv, D), cos[pos], sin[pos])

@@ -11,7 +11,8 @@
     delta_kernel.py     Triton kernel of the DeltaNet decode step (the state read and written once)
     extend_kernel.py    Triton kernels of the extend pass: its KV write and its attention over the slots in place
     kernels.py    Triton kernels of the decode step on CUDA: attention over each row's own context,
-                  one-pass sampling with in-kernel random numbers (pure-torch twins in runner.py)
+                  one-pass sampling with in-kernel random numbers (pure-torch twins in torch_path.py)
+    torch_path.py the pure-torch attention (decode, extend, cached) and sampling: the CPU path, the reference
 """
 from phaserl.rollout.engine import EngineConfig, RolloutEngine
 from phaserl.rollout.generate import GenerationResult, generate

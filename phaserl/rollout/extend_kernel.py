@@ -4,6 +4,9 @@ over each row's slot, read in place.
   write_kv          the new k/v of every token (row r, token j) into the cache at (slots[r], :, pos[r, j]):
                     one launch for keys and values (the torch path's two index_put's, with their index and
                     copy launches).
+  prepare           the layer's raw q/k/v (one [q; k; v] GEMM's output) made ready: biases, per-head norm and
+                    RoPE (as the decode kernel's prologue), q returned, k/v written as write_kv does; what the
+                    fused extend layer (fused.py) runs instead of layers.pre_attention's kernels and write_kv.
   extend_attention  M query tokens per row against the cached keys of the row's slot: token j of row r, at
                     position p = pos[r, j], sees positions [0, p] (its own key included, written before), a
                     sliding layer's only those > p - window, and never past `context`; a padding token
@@ -13,7 +16,7 @@ Program (row, kv head, block of TOKENS query tokens): the q tile packs the G que
 consecutive rows ([TOKENS * G, D], padded to a power of two), so one tl.dot serves the whole group as the decode
 kernel's packed rows do; the program walks the key blocks from its tokens' lowest visible position (0 for full
 layers) to their highest, masking each tile row by its own token's position.
-The torch twin (runner.extend_attention over a gathered cache with a mask, and index_put writes) runs on the CPU,
+The torch twin (torch_path.extend_attention over a gathered cache with a mask, and index_put writes) runs on the CPU,
 without Triton, and for head_dim > MAX_HEAD_DIM (Gemma 4's global layers, 512: a [rows, 512] float32 accumulator
 per program is past what the launch settings below were sized for). Runs inside CUDA graphs (no host sync: rows,
 positions and lengths are read on the device; context is a Python int, fixed per captured bucket).
@@ -58,6 +61,41 @@ if kernels.HAVE_TRITON:
         at = slot * c_sb + h[:, None] * c_sh + p * c_ss + d[None, :]  # [BLOCK_H, BLOCK_D]
         tl.store(keys_ptr + at, tl.load(k_ptr + token * k_st + h[:, None] * k_sh + d[None, :], mask=ok), mask=ok)
         tl.store(values_ptr + at, tl.load(v_ptr + token * v_st + h[:, None] * v_sh + d[None, :], mask=ok), mask=ok)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _prepare_kernel(q_ptr, k_ptr, v_ptr, qb_ptr, kb_ptr, vb_ptr, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr,
+                        keys_ptr, values_ptr, slots_ptr, pos_ptr, out_ptr, M, q_st, k_st, v_st, cos_ss, c_sb, c_sh,
+                        c_ss, o_st, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STYLE: tl.constexpr, ROPE: tl.constexpr):
+        """Program (token r * M + j): its raw q/k/v (views into one [q; k; v] GEMM output) + bias, per-head
+        RMS-norm, RoPE at its position (kernels._load_head: rounded as layers.pre_attention rounds); q into
+        out, k and v into the cache at (slots[r], :, pos[r, j])."""
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + token // M).to(tl.int64)
+        p = tl.load(pos_ptr + token)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        if ROPE:
+            cos = tl.load(cos_ptr + p * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+            sin = tl.load(sin_ptr + p * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)
+        else:
+            cos = tl.zeros([BLOCK_D], tl.float32)
+            sin = tl.zeros([BLOCK_D], tl.float32)
+        hq = tl.arange(0, BLOCK_Q)
+        q_ok = (hq < HQ)[:, None] & d_ok[None, :]
+        q = kernels._load_head(q_ptr, qb_ptr, qn_ptr, eps, cos, sin, token * q_st, hq, d, q_ok, HEAD_DIM, HAS_BIAS,
+                               QK_NORM, STYLE, ROPE)  # [BLOCK_Q, BLOCK_D]
+        tl.store(out_ptr + token * o_st + hq[:, None] * HEAD_DIM + d[None, :], q, mask=q_ok)
+        hk = tl.arange(0, BLOCK_KV)
+        kv_ok = (hk < HKV)[:, None] & d_ok[None, :]
+        k = kernels._load_head(k_ptr, kb_ptr, kn_ptr, eps, cos, sin, token * k_st, hk, d, kv_ok, HEAD_DIM, HAS_BIAS,
+                               QK_NORM, STYLE, ROPE)
+        v = kernels._load_head(v_ptr, vb_ptr, v_ptr, eps, cos, sin, token * v_st, hk, d, kv_ok, HEAD_DIM, HAS_BIAS,
+                               False, STYLE, False)
+        at = slot * c_sb + hk[:, None] * c_sh + p * c_ss + d[None, :]  # [BLOCK_KV, BLOCK_D]
+        tl.store(keys_ptr + at, k, mask=kv_ok)
+        tl.store(values_ptr + at, v, mask=kv_ok)
 
     @triton.jit
     def _extend_block(q, k_head, v_head, start, lo, hi, first, last, c_ss, d, d_ok, scale, m, total, acc,
@@ -155,6 +193,34 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch
                                BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D), num_warps=1)
 
 
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            slots: torch.Tensor, pos: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor],
+            bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+            qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float, str]] = None) -> torch.Tensor:
+    """The raw projections q [C * M, Hq, D], k/v [C * M, Hkv, D] (views into one [q; k; v] GEMM output, no bias)
+    -> q ready for extend_attention [C * M, Hq, D]; k and v, ready too, written into keys/values [num_slots, Hkv,
+    S, D] at (slots[r], :, pos[r, j]). In one launch what layers.pre_attention does after its GEMM (the biases,
+    `qk_norm` = (q_norm [D], k_norm [D], eps, style) per head, RoPE from `rope` = (cos, signed sin) [S, D] at each
+    token's position) plus write_kv: kernels.decode_attention's prologue, for every token of the pass."""
+    C, M = pos.shape
+    Hq, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    for t in (q, k, v):
+        assert t.stride(-1) == 1 and t.stride(-2) == D, "heads must be contiguous within a token"
+    assert q.shape[0] == k.shape[0] == v.shape[0] == C * M and keys.stride() == values.stride() and pos.is_contiguous()
+    out = torch.empty(C * M, Hq, D, dtype=q.dtype, device=q.device)
+    qb, kb, vb = bias if bias is not None else (q, q, q)  # unread without HAS_BIAS
+    q_norm, k_norm, eps, style = qk_norm if qk_norm is not None else (q, q, 0.0, "llama")
+    cos, sin = rope
+    _prepare_kernel[(C * M,)](q, k, v, qb, kb, vb, q_norm, k_norm, eps, cos, sin, keys, values, slots, pos, out, M,
+                              q.stride(0), k.stride(0), v.stride(0), cos.stride(0), keys.stride(0), keys.stride(1),
+                              keys.stride(2), out.stride(0), HQ=Hq, HKV=Hkv, HEAD_DIM=D,
+                              BLOCK_Q=triton.next_power_of_2(Hq), BLOCK_KV=triton.next_power_of_2(Hkv),
+                              BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_BIAS=bias is not None,
+                              QK_NORM=qk_norm is not None, STYLE=kernels.NORM_STYLES[style], ROPE=True,
+                              num_warps=4)
+    return out
+
+
 def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                      pos: torch.Tensor, lengths: torch.Tensor, context: int, scale: Optional[float] = None,
                      window: Optional[int] = None, *, rows: Optional[int] = None, block_n: Optional[int] = None,
@@ -164,7 +230,7 @@ def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     Token j of row r attends positions [0, pos[r, j]] of slot slots[r], below `context` (<= S), a sliding layer's
     only those > pos[r, j] - window (real tokens, j < lengths[r]; padding tokens see no window): what
-    runner.extend_attention computes over keys[slots, :, :context] with runner.extend_mask's mask. scale: of the
+    torch_path.extend_attention computes over keys[slots, :, :context] with torch_path.extend_mask's mask. scale: of the
     scores (None: D ** -0.5). rows, block_n, num_warps, num_stages: launch settings (None: the module's).
     """
     C, M = pos.shape

@@ -10,9 +10,13 @@ else):
 `fusable` says which; every other layer runs layers.py's functions (runner.py). Each kernel rounds where
 the torch path rounds, so bf16 results differ from it only by accumulation order (and by the bias, added
 after the GEMM's rounding instead of inside its epilogue); tests/test_rollout_fused.py pins that.
+The extend pass (multi-turn continuation: M new tokens per row) runs the same layer with extend_kernel.py's
+prepare + extend_attention in place of the decode attention (fused_extend_layer): 9 launches a layer instead of
+the ~35 of layers.py's functions with the torch attention (an eager extend pass is bound by its launches).
 Not here: prefill (runner.py, SDPA), sampling (kernels.sample).
 
-Legend: b decode rows, H hidden, Hq/Hkv heads, D head_dim, S slot_len.
+Legend: b decode rows, N tokens (b, or C rows x M tokens of an extend pass), H hidden, Hq/Hkv heads, D head_dim,
+S slot_len.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from phaserl.models.layers import LayerSpec, LayerWeights, linear
-from phaserl.rollout import kernels
+from phaserl.rollout import extend_kernel, kernels
 
 Tensor = torch.Tensor
 
@@ -82,19 +86,45 @@ def fused_decode_layer(h: Tensor, carry: Optional[Tensor], w: LayerWeights, spec
     MLP output not added yet, or None; see RESIDUAL_IN_GEMM). Writes the rows' k/v at pos [b] into keys/values
     [slots, Hkv, S, D]. cos/sin: the layer's layers.rope_tables over all positions [S, D] (indexed in the kernel)."""
     Hq, Hkv, D = spec.heads
-    b = h.shape[0]
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, bias, qk_norm) -> Tensor:
+        b = q.shape[0]
+        return kernels.decode_attention(q.view(b, Hq, D), k.view(b, Hkv, D), v.view(b, Hkv, D), keys, values, pos,
+                                        spec.scale, spec.window, bias=bias, rope=(cos, sin), qk_norm=qk_norm)
+    return _fused_layer(h, carry, w, spec, attend)
+
+
+def fused_extend_layer(h: Tensor, carry: Optional[Tensor], w: LayerWeights, spec: LayerSpec, keys: Tensor,
+                       values: Tensor, slots: Tensor, pos: Tensor, lengths: Tensor, context: int, cos: Tensor,
+                       sin: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """The extend pass's layer in the same kernels (h [C * M, H], carry as fused_decode_layer's), its attention
+    extend_kernel.py's: prepare (biases, qk-norm, RoPE, the k/v write at (slots[r], :, pos[r, j]) for pos [C, M])
+    and extend_attention over each row's slot below `context` (lengths [C]: real tokens per row)."""
+    Hq, Hkv, D = spec.heads
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, bias, qk_norm) -> Tensor:
+        n = q.shape[0]
+        q = extend_kernel.prepare(q.view(n, Hq, D), k.view(n, Hkv, D), v.view(n, Hkv, D), keys, values, slots, pos,
+                                  rope=(cos, sin), bias=bias, qk_norm=qk_norm)  # [n, Hq, D]
+        return extend_kernel.extend_attention(q, keys, values, slots, pos, lengths, context, spec.scale, spec.window)
+    return _fused_layer(h, carry, w, spec, attend)
+
+
+def _fused_layer(h: Tensor, carry: Optional[Tensor], w: LayerWeights, spec: LayerSpec,
+                 attend) -> tuple[Tensor, Optional[Tensor]]:
+    """The layer around its attention: attend(q, k, v, bias, qk_norm) [N, Hq * D] from the raw [q; k; v] GEMM's
+    views (no bias: `bias` are the three bias vectors or None, `qk_norm` (q_norm, k_norm, eps, style) or None)."""
+    Hq, Hkv, D = spec.heads
     x, h = add_norm(h, carry, w.attn_in, spec)
-    q, k, v = F.linear(x, w.qkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [b, heads * D] views, no bias
+    q, k, v = F.linear(x, w.qkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [N, heads * D] views, no bias
     bias = None if w.qkv_bias is None else w.qkv_bias.split([Hq * D, Hkv * D, Hkv * D])
     qk_norm = (w.q_norm, w.k_norm, spec.eps, spec.norm_style) if spec.qk_norm == "head" else None
-    attn = kernels.decode_attention(q.view(b, Hq, D), k.view(b, Hkv, D), v.view(b, Hkv, D), keys, values, pos,
-                                    spec.scale, spec.window, bias=bias, rope=(cos, sin),
-                                    qk_norm=qk_norm)  # [b, Hq * D]
+    attn = attend(q, k, v, bias, qk_norm)  # [N, Hq * D]
     if RESIDUAL_IN_GEMM:
         x, h = add_norm(linear(attn, w.o, w.o_bias, residual=h), None, w.mlp_in, spec)
     else:
         x, h = add_norm(h, linear(attn, w.o, w.o_bias), w.mlp_in, spec)
-    a = kernels.gated(F.linear(x, w.gate_up), spec.act)  # [b, I]
+    a = kernels.gated(F.linear(x, w.gate_up), spec.act)  # [N, I]
     if RESIDUAL_IN_GEMM:
         return linear(a, w.down, residual=h), None
     return h, linear(a, w.down)

@@ -16,8 +16,8 @@ the slot-state update and one-pass sampling.
                     in that block, re-read), with noise from Philox keyed by the row's own seed, derived
                     in the kernel from (the call's seed, the row's sequence key, the position it draws
                     after) as sampling.row_states derives it; greedy = argmax z. Returns the token and its
-                    log-prob under log_softmax(z / T), like runner.sample_tokens.
-  keyed_noise       Exp(1) noise [b, V] for runner.sample_tokens (top-k / top-p), Philox under the same
+                    log-prob under log_softmax(z / T), like torch_path.sample_tokens.
+  keyed_noise       Exp(1) noise [b, V] for torch_path.sample_tokens (top-k / top-p), Philox under the same
                     per-row seeds: the CUDA twin of sampling.keyed_noise (other numbers, the same law).
 All run inside CUDA graphs (no host sync; the seed, keys and positions live in device tensors).
 The pure-torch versions of the same math live in layers.py, runner.py and kv_pool.py and are used on the CPU

@@ -42,9 +42,10 @@ from phaserl.models.layers import LayerWeights, embed, post_attention, pre_atten
 from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import extend_kernel, kernels
-from phaserl.rollout.fused import fusable, fused_decode_layer
+from phaserl.rollout.fused import fusable, fused_decode_layer, fused_extend_layer
 from phaserl.rollout.kv_pool import KVPool, SlotState
-from phaserl.rollout.sampling import SamplingParams, filter_top_k, filter_top_p, keyed_noise
+from phaserl.rollout.sampling import SamplingParams, keyed_noise
+from phaserl.rollout.torch_path import cached_attention, extend_attention, extend_mask, sample_tokens
 
 Tensor = torch.Tensor
 FUSED_DECODE = True  # decode layers through fused.py's kernels where Triton runs (benchmarks flip it to compare)
@@ -96,90 +97,6 @@ def shared_expert_weights(s: SharedExpert, previous: Optional[SharedExpert]) -> 
     return s._replace(gate=engine_weight(s.gate, previous and previous.gate),
                       up=engine_weight(s.up, previous and previous.up),
                       down=engine_weight(s.down, previous and previous.down))
-
-
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: Optional[float] = None) -> Tensor:
-    """One query per row over its slot: q [b, Hq, D], keys/values [b, Hkv, S, D] -> [b, Hq * D].
-
-    hidden [b, S] is True at positions the row must not see (after its own, or before its window). Grouped-query
-    heads are folded into the matmul (q viewed as [b, Hkv, Hq/Hkv, D]), so each key/value byte is read once.
-    The softmax runs in float32 inside the kernel whatever the dtype of the scores. scale: None = D ** -0.5.
-    """
-    b, Hq, D = q.shape
-    qg = (q * (D ** -0.5 if scale is None else scale)).view(b, keys.shape[1], Hq // keys.shape[1], D)
-    scores = torch.matmul(qg, keys.transpose(-1, -2))  # [b, Hkv, G, S]
-    probs = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(dim=-1)
-    return torch.matmul(probs, values).reshape(b, Hq * D)  # [b, Hkv, G, D] -> [b, Hq * D]
-
-
-def extend_attention(q: Tensor, keys: Tensor, values: Tensor, hidden: Tensor, scale: Optional[float] = None) -> Tensor:
-    """M queries per row over its slot's keys: q [C, M, Hq, D], keys/values [C, Hkv, ctx, D], hidden [C, M, ctx]
-    (True where a query must not look) -> [C * M, Hq * D].
-
-    Grouped-query heads are folded into the matmul like decode_attention's (each key/value byte read once, no
-    [C, Hq, ctx, D] expansion): SDPA takes an explicit mask with grouped-query heads only on its math backend,
-    which expands K/V to every query head in float32 first.
-    """
-    C, M, Hq, D = q.shape
-    Hkv, G = keys.shape[1], Hq // keys.shape[1]
-    qg = (q * (D ** -0.5 if scale is None else scale)).view(C, M, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [C, Hkv, G, M, D]
-    scores = torch.matmul(qg.reshape(C, Hkv, G * M, D), keys.transpose(-1, -2)).view(C, Hkv, G, M, -1)
-    probs = scores.masked_fill(hidden[:, None, None], float("-inf")).softmax(dim=-1)  # [C, Hkv, G, M, ctx]
-    out = torch.matmul(probs.view(C, Hkv, G * M, -1), values).view(C, Hkv, G, M, D)
-    return out.permute(0, 3, 1, 2, 4).reshape(C * M, Hq * D)
-
-
-def extend_mask(pos: Tensor, lengths: Tensor, context: int, window: Optional[int]) -> Tensor:
-    """hidden [C, M, ctx] for extend_attention: True where query token j of a row (at pos [C, M], the row's
-    first lengths [C] tokens real) must not look: keys after its own position, and for a real token of a sliding
-    layer those before its window. Padding tokens see no window: one past the context would see no key at all,
-    and its NaN would reach the KV (0 * NaN in a later masked read; fixed on 2026-12-01)."""
-    M = pos.shape[1]
-    key_pos = torch.arange(context, device=pos.device)[None, None, :]  # [1, 1, ctx]
-    hidden = key_pos > pos[:, :, None]
-    if window is not None:
-        real = (torch.arange(M, device=pos.device) < lengths[:, None])[:, :, None]  # [C, M, 1]
-        hidden |= (key_pos <= pos[:, :, None] - window) & real
-    return hidden
-
-
-def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, pos: Tensor,
-                     scale: Optional[float] = None, window: Optional[int] = None) -> Tensor:
-    """Write the new k/v [b, Hkv, D] at each row's position pos [b], then attend: -> [b, Hq * D].
-
-    The pure-torch twin of kernels.decode_attention (the CPU path): it reads the whole slot, masked; a sliding
-    layer sees the `window` positions up to its own.
-    """
-    b = q.shape[0]
-    keys[torch.arange(b, device=q.device), :, pos] = k
-    values[torch.arange(b, device=q.device), :, pos] = v
-    slot = torch.arange(keys.shape[2], device=q.device)
-    hidden = slot > pos[:, None]  # [b, S] after each row's position
-    if window is not None:
-        hidden = hidden | (slot <= pos[:, None] - window)
-    return decode_attention(q, keys[:b], values[:b], hidden, scale)
-
-
-def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, temperature: float, top_k: int,
-                  top_p: float) -> tuple[Tensor, Tensor]:
-    """logits [b, V] -> (tokens [b], logprobs [b] under log_softmax(logits / T); T = 1 when greedy).
-
-    Sampling is Gumbel-max: argmax(z - log E), E ~ Exp(1) in `noise` [b, V] (the engine's: sampling.keyed_noise),
-    draws from softmax(z) without a host sync, so it can live inside a CUDA graph. Filters decide the draw only
-    (sampling.py).
-    """
-    z = logits.float()  # [b, V]
-    if temperature != 1.0:
-        z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)  # [b]
-    if greedy:
-        tokens = z.argmax(dim=-1)
-    elif top_k == 0 and top_p >= 1.0:
-        tokens = (z - noise.log()).argmax(dim=-1)  # E = 0 gives +inf: that token wins, as it should
-    else:  # filtered tokens are -inf, which must stay below every finite score: no infinite noise
-        kept = filter_top_p(filter_top_k(z, top_k), top_p)
-        tokens = (kept - noise.clamp_min(1e-30).log()).argmax(dim=-1)
-    return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
 
 class LayerFns(NamedTuple):
@@ -433,20 +350,33 @@ class ModelRunner:
         (C, M), S = ids.shape, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         masks: dict = {}  # window -> extend_mask [C, M, ctx], for the layers on the torch path only
+        # fused.fused_extend_layer where the decode step fuses the layer (its kernels index RoPE themselves)
+        fused = [f and EXTEND_KERNEL and extend_kernel.supports(spec.heads[2]) for f, spec in zip(self.fused, self.specs)]
         flat = pos.view(-1)
-        rope = [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
+        rope = None if all(fused) else [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
+        carry = None  # a fused layer's MLP output not yet added to h (as in _decode_step)
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
+            if fused[layer]:
+                h, carry = fused_extend_layer(h, carry, w, spec, keys, values, slots, pos, lengths, context,
+                                              *self.rope[spec.local_rope])
+                continue
+            h, carry = h if carry is None else h + carry, None
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
             attn = self._extend_attention(q, k, v, keys, values, slots, pos, lengths, context, spec.heads,
                                           spec.scale, spec.window, masks)  # [C * M, Hq * D]
             h, experts = self._post(h, attn, w, spec)
             if experts is not None:
                 self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
-        last = h.view(C, M, -1)[torch.arange(C, device=self.device), lengths - 1]  # [C, H]
+        at = (torch.arange(C, device=self.device), lengths - 1)
+        last = h.view(C, M, -1)[at]  # [C, H]
+        weight = self.model.model.norm.weight
+        if carry is not None:  # the last rows only: add_rms_norm rounds each row alone
+            x = kernels.add_rms_norm(carry.view(C, M, -1)[at], last, weight, *self.final_norm)[0]
+        else:
+            x = (kernels.rms_norm if any(self.fused) else self.fns.norm)(last, weight, *self.final_norm)
         ends = starts + lengths
-        tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm), slots,
-                                        ends - 1)
+        tokens, logprobs = self._sample(x, slots, ends - 1)
         if source is not None:
             tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
         self.state.start(slots, tokens, logprobs, ends, caps)
