@@ -321,6 +321,63 @@ def test_gpu_the_kernel_equals_the_torch_path_at_the_benchmark_shape(heads, wind
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_gpu_the_fused_extend_layer_in_bf16_is_as_close_to_float32_as_the_torch_path(model_type):
+    """Qwen2-0.5B's layer shape (hidden 896, 14 / 2 heads of 64, MLP 4864), 256 rows x 33 tokens in bf16: the fused
+    extend layer's distance from a float32 torch layer is no larger (10% for noise) than the bf16 torch path's."""
+    from phaserl.models.layers import post_attention, pre_attention
+    from phaserl.rollout import fused
+    from phaserl.rollout.runner import fused_weights
+    from tests.test_rollout_fused import rope
+
+    model = tiny_model(model_type, seed=2, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                       num_key_value_heads=2, num_hidden_layers=1, max_position_embeddings=512)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(0.1)  # 0.02 N(0, 1): a trained model's scale, so bf16 stays meaningful
+    C, T, S_ = 256, 33, 512
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(100, 440, (C,), generator=g).cuda()
+    lengths = torch.randint(1, T + 1, (C,), generator=g).cuda()
+    slots = torch.randperm(C, generator=g).cuda()
+    pos = (starts[:, None] + torch.arange(T, device="cuda")).clamp(max=S_ - 1)
+    context = int((starts + lengths).max())
+    h32 = torch.randn(C * T, 896, generator=g).cuda()
+    keys32, values32 = (torch.randn(C, 2, S_, 64, generator=g).cuda() for _ in range(2))
+    cos32, sin32 = rope(S_, 64, "cuda")
+
+    def torch_layer(layer, h, keys, values, cos, sin):
+        w, spec = fused_weights(layer), layer.spec
+        flat = pos.view(-1)
+        q, k, v = pre_attention(h, w, spec, cos[flat], sin[flat])
+        keys[slots[:, None], :, pos] = k.view(C, T, 2, 64)
+        values[slots[:, None], :, pos] = v.view(C, T, 2, 64)
+        attn = torch_attention_at(q, keys, values, context, spec)
+        return post_attention(h, attn, w, spec)
+
+    def torch_attention_at(q, keys, values, ctx, spec):
+        return extend_attention(q.view(C, T, 14, 64), keys[slots, :, :ctx], values[slots, :, :ctx],
+                                extend_mask(pos, lengths, ctx, spec.window), spec.scale)
+
+    with torch.no_grad():
+        layer32 = model.to("cuda").model.layers[0]
+        want = torch_layer(layer32, h32, keys32.clone(), values32.clone(), cos32, sin32)
+        layer16 = model.to(torch.bfloat16).model.layers[0]
+        h, keys, values = h32.bfloat16(), keys32.bfloat16(), values32.bfloat16()
+        cos, sin = cos32.bfloat16(), sin32.bfloat16()
+        plain = torch_layer(layer16, h, keys.clone(), values.clone(), cos, sin)
+        w, spec = fused_weights(layer16), layer16.spec
+        assert fused.fusable(w, spec)
+        got, carry = fused.fused_extend_layer(h, None, w, spec, keys, values, slots, pos, lengths, context, cos, sin)
+        got = got if carry is None else got + carry
+    real = (torch.arange(T, device="cuda")[None] < lengths[:, None]).view(-1)  # padding tokens' outputs are unused
+    err_fused = (got.float() - want)[real].abs().mean()
+    err_plain = (plain.float() - want)[real].abs().mean()
+    assert err_fused <= 1.1 * err_plain, (float(err_fused), float(err_plain))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen2-sliding", "qwen35"])
 def test_gpu_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, monkeypatch):
     """float32 on CUDA (IEEE dots in the kernel), eager and static extend passes with graphs: the same greedy turns
