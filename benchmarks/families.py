@@ -133,6 +133,9 @@ MOE_CASES = ("grpo_native_replay", "mismatch_replay")  # skipped for dense shape
 HYBRID_CASES = ("rollout_native_torch_delta", "delta_rule", "train_layers")  # Qwen3.5 shapes only
 
 
+PROCESS_T0 = time.perf_counter()  # rollout_hf's started line counts from here
+
+
 def emit(**record) -> None:
     print(json.dumps({"bench": BENCH, **record}), flush=True)
 
@@ -211,6 +214,10 @@ def rollout_hf(shape: str, root: str, device: str, dtype: torch.dtype, repeats: 
         for _ in range(repeats):
             sync()
             t0 = time.perf_counter()
+            # A line before the timed call: a part cut off by its time limit still shows how long generate ran
+            # (the part's limit minus process_s), a lower bound on its time.
+            emit(measure="rollout_started", case="hf_generate", shape=shape, process_s=round(t0 - PROCESS_T0, 1),
+                 sequences=ids.shape[0], new_tokens_each=new)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
             sync()
             seconds = time.perf_counter() - t0
