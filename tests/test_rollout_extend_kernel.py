@@ -230,18 +230,22 @@ def session_turns(model, extend_graphs: bool, kernel: bool, monkeypatch, torch_d
         return drive(s, plan, {k: 4 for k in plan}, waiting=[3, 4], prompt=PROMPTS)
 
 
+def session_model(model_type: str):
+    """The session tests' models: Qwen2, Qwen2 with a sliding layer, Qwen3.5 (its full-attention layers)."""
+    if model_type == "qwen35":
+        return tiny_qwen35()
+    if model_type == "qwen2-sliding":
+        return tiny_model("qwen2", sliding_window=4, layer_types=("sliding_attention", "full_attention"))
+    return tiny_model("qwen2")
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen2-sliding", "qwen35"])
 @pytest.mark.parametrize("extend_graphs", [False, True], ids=["eager-pass", "static-pass"])
 def test_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, extend_graphs, monkeypatch):
     """Several turns with refill, the decode steps on the torch path either way: greedy tokens equal, log-probs
     close, whether the extend pass attends through extend_kernel.py or the torch path."""
     kernel_device()
-    if model_type == "qwen35":
-        model = tiny_qwen35()
-    elif model_type == "qwen2-sliding":
-        model = tiny_model("qwen2", sliding_window=4, layer_types=("sliding_attention", "full_attention"))
-    else:
-        model = tiny_model("qwen2")
+    model = session_model(model_type)
     calls, attend = [], extend_kernel.extend_attention
     monkeypatch.setattr(extend_kernel, "extend_attention", lambda *a, **k: calls.append(1) or attend(*a, **k))
     with_kernel = session_turns(model, extend_graphs, True, monkeypatch, torch_decode=True)
@@ -382,13 +386,7 @@ def test_gpu_the_fused_extend_layer_in_bf16_is_as_close_to_float32_as_the_torch_
 def test_gpu_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, monkeypatch):
     """float32 on CUDA (IEEE dots in the kernel), eager and static extend passes with graphs: the same greedy turns
     and close log-probs with and without the kernel."""
-    if model_type == "qwen35":
-        model = tiny_qwen35()
-    elif model_type == "qwen2-sliding":
-        model = tiny_model("qwen2", sliding_window=4, layer_types=("sliding_attention", "full_attention"))
-    else:
-        model = tiny_model("qwen2")
-    model = model.to("cuda")
+    model = session_model(model_type).to("cuda")
     for extend_graphs in (False, True):
         with_kernel = session_turns(model, extend_graphs, True, monkeypatch)
         without = session_turns(model, extend_graphs, False, monkeypatch)

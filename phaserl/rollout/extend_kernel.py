@@ -76,12 +76,7 @@ if kernels.HAVE_TRITON:
         p = tl.load(pos_ptr + token)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        if ROPE:
-            cos = tl.load(cos_ptr + p * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
-            sin = tl.load(sin_ptr + p * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)
-        else:
-            cos = tl.zeros([BLOCK_D], tl.float32)
-            sin = tl.zeros([BLOCK_D], tl.float32)
+        cos, sin = kernels._rope_at(cos_ptr, sin_ptr, p, cos_ss, d, d_ok, BLOCK_D, ROPE)  # [BLOCK_D] each
         hq = tl.arange(0, BLOCK_Q)
         q_ok = (hq < HQ)[:, None] & d_ok[None, :]
         q = kernels._load_head(q_ptr, qb_ptr, qn_ptr, eps, cos, sin, token * q_st, hq, d, q_ok, HEAD_DIM, HAS_BIAS,

@@ -89,6 +89,17 @@ if HAVE_TRITON:
         return y.to(dtype)
 
     @triton.jit
+    def _rope_at(cos_ptr, sin_ptr, pos, cos_ss, d, d_ok, BLOCK_D: tl.constexpr, ROPE: tl.constexpr):
+        """The RoPE tables' rows (cos, signed sin) [BLOCK_D] float32 at position `pos` (zeros without ROPE)."""
+        if ROPE:
+            cos = tl.load(cos_ptr + pos * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + pos * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)
+        else:
+            cos = tl.zeros([BLOCK_D], tl.float32)
+            sin = tl.zeros([BLOCK_D], tl.float32)
+        return cos, sin
+
+    @triton.jit
     def _load_head(ptr, bias_ptr, norm_ptr, eps, cos, sin, offset, heads, d, mask, HEAD_DIM: tl.constexpr,
                    HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STYLE: tl.constexpr, ROPE: tl.constexpr):
         """Rows `heads` of one token's q, k or v -> [*, BLOCK_D]: + bias, then each head RMS-normed (QK_NORM:
@@ -138,12 +149,7 @@ if HAVE_TRITON:
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < GROUP, d < HEAD_DIM
         one = tl.arange(0, 1)
-        if ROPE:
-            cos = tl.load(cos_ptr + pos * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
-            sin = tl.load(sin_ptr + pos * cos_ss + d, mask=d_ok, other=0.0).to(tl.float32)
-        else:
-            cos = tl.zeros([BLOCK_D], tl.float32)
-            sin = tl.zeros([BLOCK_D], tl.float32)
+        cos, sin = _rope_at(cos_ptr, sin_ptr, pos, cos_ss, d, d_ok, BLOCK_D, ROPE)  # [BLOCK_D] each
         heads = kv_head * GROUP + g
         q = _load_head(q_ptr, qb_ptr, qn_ptr, eps, cos, sin, row * q_sb, heads, d, g_ok[:, None] & d_ok[None, :],
                        HEAD_DIM, HAS_BIAS, QK_NORM, STYLE, ROPE)  # [BLOCK_G, BLOCK_D]
