@@ -37,30 +37,7 @@ def summarize(prof, wall_s: float, top: int = 15) -> list[dict]:
     waits = {e.key: e.count for e in prof.key_averages() if any(w in e.key for w in HOST_WAITS)}
     out.append(dict(total_device_ms=total_us / 1000, wall_ms=wall_s * 1000,
                     device_busy=total_us / 1e6 / wall_s if wall_s else None, host_waits=waits))
-    sites = wait_sites(prof)
-    if sites:
-        out.append(dict(host_wait_sites=sites))
     return out
-
-
-def wait_sites(prof, top: int = 12, depth: int = 3) -> list:
-    """Where the host waits come from: [op, count, the innermost `depth` frames of phaserl's own code], most
-    frequent first. Needs a profiler made with `with_stack=True` (empty otherwise)."""
-    counts: dict = {}
-    for e in prof.events():
-        if not any(w in e.name for w in HOST_WAITS):
-            continue
-        # The Python frames are recorded as the op's ancestors (or, in some torch builds, as `stack` strings)
-        frames, outer = list(getattr(e, "stack", None) or []), e.cpu_parent
-        while outer is not None:
-            frames += [outer.name] + list(getattr(outer, "stack", None) or [])
-            outer = outer.cpu_parent
-        ours = [f for f in frames if "phaserl/" in f and "benchmarks/" not in f][:depth]
-        if not ours:
-            continue
-        key = (e.name, " <- ".join(f.split("phaserl/")[-1] for f in ours))
-        counts[key] = counts.get(key, 0) + 1
-    return [[name, n, where] for (name, where), n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def by_phase(prof, top: int = 8) -> list[dict]:

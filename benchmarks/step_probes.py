@@ -75,7 +75,7 @@ def profile_one_step(trainer, emit, phases: str = "all") -> None:
         def call(*args, **kwargs):
             sync()
             t0 = time.perf_counter()
-            with profile(activities=activities, with_stack=True) as prof:  # with_stack: host_wait_sites
+            with profile(activities=activities) as prof:
                 out = fn(*args, **kwargs)
                 sync()
             profiled.append((phase, prof, time.perf_counter() - t0))
