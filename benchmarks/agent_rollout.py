@@ -363,9 +363,11 @@ def main(argv=None) -> None:
                    help="runner.EXTEND_KERNEL: extend passes' attention through rollout/extend_kernel.py (Triton) "
                         "or the torch path (a gathered copy of the slots, a [rows, tokens, context] mask)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 8 episodes x 2 turns")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: the host's own costs at a turn boundary (host_s) with a tiny model, e.g. --device cpu "
+                        "--shape tiny --episodes 256 (the decode itself is not representative there)")
     a = p.parse_args(argv)
     runner_module.EXTEND_KERNEL = a.extend_kernel == "on"
-    a.device = "cuda"
     if a.smoke:
         a.device, a.shape, a.episodes, a.turns, a.prompt, a.turn_tokens, a.obs_tokens = "cpu", "tiny", 8, 2, 16, 8, 4
         a.latency_ms, a.repeats, a.jitter_ms = [0.0, 20.0], 1, [20.0]

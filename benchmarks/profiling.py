@@ -11,6 +11,9 @@ from __future__ import annotations
 GROUPS = (("flash_attention", ("flash",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")),
           ("logprob_triton", ("stats_kernel", "grad_kernel")), ("rollout_triton", ("decode_attention", "sample")),
           ("inductor_triton", ("triton",)), ("copy_or_fill", ("copy", "fill", "memset", "cat")))
+# Counted by op name: `_local_scalar_dense` and `nonzero` also count reads of host tensors, which never wait for
+# the GPU (pack_rows plans on CPU masks: ~50 such reads per 0.5B micro-batch, 2026-12-04). The device syncs
+# themselves, by call site: benchmarks/sync_points.py (torch.cuda.set_sync_debug_mode).
 HOST_WAITS = ("Synchronize", "_local_scalar_dense", "aten::nonzero")
 PHASE = "phase/"  # trainer/core.py's record_function ranges (on the host, and mirrored on the device by kineto)
 
