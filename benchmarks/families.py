@@ -10,9 +10,10 @@ Random weights in bf16, one GPU, one JSON line per measurement on stdout:
                   one whole GRPO step (benchmarks/grpo_step.py --only ours on this script's world) with
                   model.implementation=native / transformers: the same model files, the two paths (the
                   transformers path rolls out with transformers' KV cache through rollout/generate.py);
-                  training micro-batches of phaserl's default ppo.micro_batch_tokens (16,384) unless
-                  --micro-batch-tokens says otherwise (before 2026-12-03: 8 sequences, 3,072 tokens at the
-                  Qwen3.5 shapes, where the eager hybrid layers were host-bound: 2B step 30.38 s vs 19.61 s)
+                  training micro-batches of phaserl's default ppo.micro_batch_tokens (auto since 2026-12-04;
+                  16,384 before) unless --micro-batch-tokens says otherwise (before 2026-12-03: 8 sequences,
+                  3,072 tokens at the Qwen3.5 shapes, where the eager hybrid layers were host-bound: 2B step
+                  30.38 s vs 19.61 s)
   grpo_native_replay  MoE shapes: grpo_native with actor.routing_replay=true
   mismatch_replay MoE shapes: sample with the engine (recording experts), recompute the log-probs with the
                   training forward (packed, as ppo.packing), routing replay off and on: the mismatch/* metrics
@@ -74,7 +75,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import grpo_setup  # noqa: E402
-from phaserl.config.schema import PPOConfig  # noqa: E402
 from phaserl.models import load_pretrained  # noqa: E402
 from profiling import profile_call  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
@@ -402,13 +402,12 @@ def train_layers(shape: str, root: str, device: str, dtype: torch.dtype, smoke: 
 def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, extra: tuple = (),
          micro_batch_tokens: Optional[int] = None) -> None:
     prompts, n, prompt_len, new = SHAPES[shape]["run"]
-    tokens = micro_batch_tokens or PPOConfig().micro_batch_tokens  # phaserl train's own default unless asked
     argv = [sys.executable, os.path.join(HERE, "grpo_step.py"), "--only", "ours", "--world", root,
             "--prompts", str(prompts), "--n", str(n), "--prompt-len", str(prompt_len), "--new-tokens", str(new),
             "--ours-set", f"model.implementation={implementation}",
             "--log-dir", os.path.join(root, f"logs-{implementation}{'-extra' if extra else ''}")]
-    if not smoke:  # the smoke keeps grpo_step --tiny's own micro-batch
-        argv += ["--ours-set", f"ppo.micro_batch_tokens={tokens}"]
+    if not smoke:  # phaserl train's own (auto) unless asked; the smoke keeps grpo_step --tiny's own micro-batch
+        argv += ["--ours-set", f"ppo.micro_batch_tokens={micro_batch_tokens or 'auto'}"]
     for setting in extra:
         argv += ["--ours-set", setting]
     # The KV pool sized for every sequence of the step (grpo_step's default fraction is sized for 0.5B).
@@ -440,7 +439,7 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="CPU, every tiny shape, every case")
     p.add_argument("--layers", type=int, default=None, help="override the shape's num_hidden_layers")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="grpo cases: ppo.micro_batch_tokens (default: phaserl's own, 16384)")
+                   help="grpo cases: ppo.micro_batch_tokens (default: phaserl's own, auto)")
     p.add_argument("--run", default=None, metavar="PROMPTS,N,PROMPT_LEN,NEW", help="override the shape's run")
     a = p.parse_args(argv)
     cases = CASES if a.case == "all" else tuple(a.case.split(","))

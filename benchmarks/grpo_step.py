@@ -28,7 +28,8 @@ Same on both sides:
 - 512 responses per step and ONE optimizer step per rollout batch (ours: ppo.num_mini_batches=1,
   epochs=1; TRL: gradient_accumulation_steps = steps_per_generation = 512 / micro_batch, num_iterations=1);
 - micro-batches of --micro-batch sequences (default 32 = 12,288 tokens) for training (ours:
-  ppo.micro_batch_tokens = 32 * 384; TRL: per_device_train_batch_size, which it also uses for its reference
+  ppo.micro_batch_tokens = 32 * 384, or phaserl's own auto choice with --ours-micro-batch auto; TRL:
+  per_device_train_batch_size, which it also uses for its reference
   pass: it has no separate key). Ours runs its forward-only passes with its default
   ppo.forward_micro_batch_tokens (32,768) unless --forward-micro-batch sets sequences per forward micro-batch;
 - KL in the loss, k3 estimator, coefficient --beta 0.001 (ours algorithm.kl_coef, TRL beta);
@@ -99,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (128; --tiny 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens (256; --tiny 8)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per training micro-batch (32; --tiny 8)")
+    p.add_argument("--ours-micro-batch", choices=["match", "auto"], default="match",
+                   help="match: ours trains on --micro-batch sequences too (ppo.micro_batch_tokens set, as TRL); "
+                        "auto: phaserl's own choice (ppo.micro_batch_tokens=auto, what `phaserl train` does)")
     p.add_argument("--forward-micro-batch", type=int, default=None,
                    help="ours: sequences per forward-only micro-batch (reference, old log-probs); default: "
                         "phaserl's ppo.forward_micro_batch_tokens. TRL has no such key: its reference pass uses the "
@@ -225,7 +229,8 @@ def ours_config(a, root: str, log_dir: str) -> dict:
                   "policy_loss": "ppo", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "dual_clip_c": None,
                   "loss_agg_mode": "token-mean", "entropy_coef": 0.0,
                   "gradient_checkpointing": a.gradient_checkpointing},
-        "ppo": {"num_mini_batches": 1, "epochs": 1, "micro_batch_tokens": a.micro_batch * seq,
+        "ppo": {"num_mini_batches": 1, "epochs": 1,
+                "micro_batch_tokens": a.micro_batch * seq if a.ours_micro_batch == "match" else "auto",
                 # phaserl's own default forward budget unless --forward-micro-batch sets one
                 **({"forward_micro_batch_tokens": a.forward_micro_batch * seq} if a.forward_micro_batch else {})},
         "trainer": {"total_steps": a.warmup + a.steps, "seed": 0, "device": a.device, "log_dir": log_dir,

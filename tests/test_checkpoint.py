@@ -95,6 +95,22 @@ def test_resume_auto_restores_everything_and_stops_when_the_run_is_done(first_ru
     assert _metrics(str(first_run["root"] / "logs")) == first_run["metrics"]   # nothing dropped, nothing added
 
 
+def test_an_auto_micro_batch_resumes_with_the_checkpoints_own(first_run, caplog):
+    """ppo.micro_batch_tokens=auto is chosen from the machine's memory: a resume keeps the micro-batch the
+    checkpoint was trained with (written as the trainer's state), so the update's sums round as before the stop."""
+    state = json.loads((first_run["root"] / "ckpt" / "step_3" / "trainer_state.json").read_text())
+    assert state["trainer"]["micro_batch_tokens"] == 64  # the run set ppo.micro_batch_tokens=64
+    trainer = _trainer(first_run["overrides"] + ["ppo.micro_batch_tokens=auto"])
+    assert trainer.run.train_tokens == 16384  # what this machine (a CPU) chooses for a fresh run
+    with caplog.at_level(logging.INFO, logger="phaserl"):
+        trainer.fit()  # resumes step_3: nothing left to train
+    assert trainer.run.train_tokens == 64
+    assert "ppo.micro_batch_tokens=auto keeps the checkpoint's 64 tokens (this machine's count chose 16384)" in caplog.text
+    explicit = _trainer(first_run["overrides"] + ["ppo.micro_batch_tokens=96"])
+    explicit.fit()
+    assert explicit.run.train_tokens == 96  # a value the user sets wins
+
+
 def test_resume_from_an_explicit_step_recomputes_the_same_step(first_run, tmp_path, caplog):
     step_2 = str(first_run["root"] / "ckpt" / "step_2")
     branch = tmp_path / "branch"

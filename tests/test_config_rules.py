@@ -256,7 +256,11 @@ def test_explain_shows_formulas_numbers_and_what_each_batch_size_counts():
                  "floor(ppo.micro_batch_tokens / max sequence tokens) = floor(1024 / 256) = 4",
                  "ceil(32 / 4) = 8", "trainer.total_steps × responses per step = 5 × 512 = 2560"]:
         assert line in text, line
-    batch_lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("#   ") and " = " in line}
+    batch_lines: dict = {}  # the first line of each key: its batch-size line (the speed settings come later)
+    for line in text.splitlines():
+        if line.startswith("#   ") and " = " in line:
+            batch_lines.setdefault(line.split()[1], line)
+    assert "#   ppo.micro_batch_tokens     = 1024 (set: the rule is not applied)" in text  # a speed setting too
     assert "prompts per GPU (rank) per generate call" in batch_lines["rollout.batch_size"]
     assert "sequences per GPU (rank) per scoring call" in batch_lines["reward_model.batch_size"]
     assert "null → 128" in batch_lines["ppo.mini_batch_size"] and "GLOBAL" in batch_lines["ppo.mini_batch_size"]

@@ -221,13 +221,13 @@ def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
     from phaserl.config import derive, load_config
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
-    from phaserl.trainer.speed import keep_awake_count
+    from phaserl.trainer.speed import UpdateCount
 
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
     t = RLTrainer.from_config(cfg)
     roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
-    eager, compiled = (keep_awake_count(cfg, roles, derive(cfg, 1), free_bytes=10**6, held_bytes=0, compiled=c)
-                       ["needed_bytes"] for c in (False, True))
+    eager, compiled = (UpdateCount.of(cfg, roles, derive(cfg, 1), free_bytes=10**6, held_bytes=0, compiled=c)
+                       .peak(64, kept=True) for c in (False, True))
     shape = ModelShape.of(t.actor.model)
     per_token = memory.train_bytes_per_token(shape, False) - memory.train_bytes_per_token(shape, False, compiled=True)
     assert eager - compiled == 64 * per_token > 0  # ppo.micro_batch_tokens = 64
@@ -248,6 +248,21 @@ def test_the_doctor_sizes_the_update_of_a_compiled_actor_by_the_compiled_count(t
     # the tiny float32 policy: 2 layers x ((8*32 + 4*64 + 2*2*8) x 4 B + two norm statistics) eager (4368 B),
     # 2 x (6*32 + 3*64 + 32) x 4 B compiled
     assert per_token == {"false": "4.3 KB", "true": "3.2 KB"}
+
+
+def test_the_doctor_says_what_an_auto_micro_batch_becomes_and_sizes_the_update_with_it(tmp_path):
+    from _tiny_run import make_run_dir
+
+    from phaserl.doctor import load_doctor_config, run_doctor
+
+    cfg = load_doctor_config(None, make_run_dir(str(tmp_path)) + ["ppo.micro_batch_tokens=auto"])
+    results = {r.name: r for r in run_doctor(cfg, world_size=1)}
+    details = results["memory"].details
+    assert "ppo.micro_batch_tokens=auto -> 16384: CPU (the fixed default off CUDA)" in details
+    line = next(d for d in details if d.startswith("ppo.micro_batch_tokens = "))
+    assert line.startswith("ppo.micro_batch_tokens = 16384: uses at most")  # the memory line sizes the chosen value
+    assert "micro-batch(es) of auto tokens (auto: decided on the machine" in results["batch sizes"].message + \
+        " ".join(results["batch sizes"].details)
 
 
 def test_a_transformers_gemma4_model_gets_an_estimate_not_a_crash():

@@ -12,8 +12,9 @@ import pytest
 from _tiny_run import make_run_dir
 from phaserl import compile_cache
 from phaserl.config import explain, load_config
-from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, LORA_KEEP_SHARE, choose,
-                                 compile_rule, keep_awake_rule)
+from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, LORA_KEEP_SHARE,
+                                 MICRO_ACTIVATION_SHARE, MICRO_BATCH_CAP, choose, compile_rule, keep_awake_rule,
+                                 micro_batch_rule)
 from phaserl.doctor.memory import ModelShape, kept_engine_bytes, update_peak_bytes
 from phaserl.errors import ConfigError
 
@@ -106,6 +107,63 @@ def test_auto_is_a_spelling_of_null_for_on_off_settings(tmp_path):
         load_config(None, ["actor.compile=maybe"])
 
 
+MIB = 2**20
+
+
+def _micro(fixed_gib: float, per_token_mib: float, seq: int, mini: int = 512, budget_gib: float = 139, device="cuda"):
+    """micro_batch_rule on a count that grows linearly: fixed + tokens x per_token."""
+    fixed = int(fixed_gib * GIB)
+    return micro_batch_rule(device_type=device, sequence_tokens=seq, mini_batch_sequences=mini, fixed_bytes=fixed,
+                            budget_bytes=int(budget_gib * GIB), peak_of=lambda t: fixed + int(t * per_token_mib * MIB))
+
+
+def test_auto_micro_batch_off_cuda_is_the_old_fixed_default_or_one_whole_sequence():
+    assert _micro(1, 1, 384, device="cpu") == (16384, "CPU (the fixed default off CUDA)")
+    assert _micro(1, 1, 20_000, device="cpu")[0] == 20_000  # a sequence is never split
+
+
+def test_auto_micro_batch_on_cuda_takes_whole_sequences_up_to_the_cap():
+    # 0.5B-like: 8 GiB fixed, ~1 MiB per token; room = 8 + 0.4 x (139 - 8) = 60.4 GiB; the cap holds
+    # floor(32768 / 384) = 85 sequences = 32,640 tokens, peak 8 + 31.875 = 39.9 GiB: the cap binds
+    tokens, why = _micro(8, 1, 384)
+    assert tokens == 85 * 384 == 32_640 and tokens <= MICRO_BATCH_CAP
+    assert why == f"85 sequence(s) of 384 tokens, update peak 39.9 GiB of 139 GiB (the {MICRO_BATCH_CAP}-token cap)"
+    assert _micro(8, 1, 384, mini=4) == (4 * 384, "4 sequence(s) of 384 tokens, update peak 9.5 GiB of 139 GiB "
+                                                  "(the mini-batch)")
+
+
+def test_auto_micro_batch_gives_the_activations_their_share_of_what_the_fixed_state_leaves():
+    # 7B-like full fine-tune: 59 GiB fixed, 8 MiB per token, sequences of 512: room = 59 + 0.4 x 80 = 91 GiB;
+    # 8 sequences = 4,096 tokens x 8 MiB = 32 GiB -> exactly 91; 9 would be 95
+    assert MICRO_ACTIVATION_SHARE == 0.4
+    assert _micro(59, 8, 512) == (8 * 512, "8 sequence(s) of 512 tokens, update peak 91.0 GiB of 139 GiB")
+    # nothing fits: one sequence anyway (a sequence is never split), and the reason says so
+    tokens, why = _micro(138, 6.5, 768)
+    assert tokens == 768 and why.endswith("(tight memory: one sequence does not leave the activations their share)")
+
+
+def test_a_set_micro_batch_wins_over_the_rule_and_its_line_shows_the_number():
+    choice = choose("ppo.micro_batch_tokens", 4096, _micro(8, 1, 384))
+    assert (choice.value, choice.line()) == (4096, "ppo.micro_batch_tokens=4096 -> 4096: set in the config")
+    assert choose("ppo.micro_batch_tokens", None, (32_640, "why")).line() == "ppo.micro_batch_tokens=auto -> 32640: why"
+    assert load_config(None, ["ppo.micro_batch_tokens=auto"]).ppo.micro_batch_tokens is None
+    with pytest.raises(ConfigError, match=r"expected an integer >= 1, or auto \(null\)"):
+        load_config(None, ["ppo.micro_batch_tokens=big"])
+
+
+def test_the_builder_uses_the_micro_batch_it_chose(tmp_path):
+    from phaserl.trainer import RLTrainer
+    from phaserl.trainer.summary import run_summary
+
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[]", "ppo.micro_batch_tokens=auto"]))
+    choice = trainer.run.speed.micro_batch_tokens
+    assert choice.line() == "ppo.micro_batch_tokens=auto -> 16384: CPU (the fixed default off CUDA)"
+    assert trainer.run.train_tokens == 16384 and choice.line() in run_summary(trainer)
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path / "set")) + ["trainer.loggers=[]"]))
+    assert trainer.run.train_tokens == 64 and trainer.run.speed.micro_batch_tokens.why == "set in the config"
+
+
 def test_explain_shows_each_auto_rule_and_what_a_set_value_means():
     text = explain(load_config(None, ["rollout.engine_keep_awake=false"]))
     for key, rule in AUTO_RULES.items():
@@ -135,12 +193,12 @@ def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
     from phaserl.doctor.memory import logprob_chunk_bytes, train_bytes_per_token
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
-    from phaserl.trainer.speed import keep_awake_count
+    from phaserl.trainer.speed import UpdateCount
 
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
     t = RLTrainer.from_config(cfg)
     roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
-    count = keep_awake_count(cfg, roles, derive(cfg, 1), free_bytes=1_000_000, held_bytes=234)
+    count = UpdateCount.of(cfg, roles, derive(cfg, 1), free_bytes=1_000_000, held_bytes=234, compiled=False)
     shape = ModelShape.of(t.actor.model)
     weights = 21_920 * 4  # the tiny float32 policy; the reference is a second copy of it
     # resident: actor weights + AdamW (2x) + reference weights; gradients of the actor; one micro-batch of
@@ -148,7 +206,8 @@ def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
     # engine_memory_fraction 0.4 of the 1,000,000 B free = 400,000 B, + the weights once more.
     peak = 3 * weights + weights + weights + 64 * train_bytes_per_token(shape, False) + logprob_chunk_bytes(shape, 64)
     kept = 400_000 + weights
-    assert count == {"needed_bytes": peak + kept, "kept_bytes": kept, "budget_bytes": 1_000_234}
+    assert (count.peak(64, kept=True), count.kept_bytes, count.budget_bytes) == (peak + kept, kept, 1_000_234)
+    assert count.fixed_bytes(kept=True) == 3 * weights + weights + weights + kept  # what no micro-batch changes
 
 
 @pytest.mark.gpu

@@ -9,12 +9,16 @@ its own count. `true` / `false` always win over the rule. Nothing here looks at 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 GIB = 2**30
 COMPILE_MIN_PARAMS = 100_000_000   # smaller models stay eager: the compile costs more than it saves in a run
 KEEP_AWAKE_SHARE = 0.75            # a kept engine: the update's peak with it stays under this share of the device
 LORA_KEEP_SHARE = 0.25             # LoRA: the kept engine is at most this share of the update's peak
+MICRO_BATCH_CAP = 32768            # auto training micro-batch, at most (tokens per rank): see micro_batch_rule
+MICRO_BATCH_OFF_CUDA = 16384       # ... off CUDA, where compute and not launches binds: the old fixed default
+MICRO_ACTIVATION_SHARE = 0.4       # ... its activations at most this share of what the fixed state leaves (the
+                                   # rest: the allocator's slack, 62.8 GiB reserved for 35.8 allocated at 0.5B, 32k)
 
 # key -> the rule, in words; the order is the order of the start-of-run block
 AUTO_RULES = {
@@ -33,6 +37,10 @@ AUTO_RULES = {
     "rollout.engine_extend_graphs": "off (the graphed multi-turn continuation passes measured 0.90-1.11x of the "
                                     "eager ones on the H200); off on the CPU and without CUDA graphs",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
+    "ppo.micro_batch_tokens": f"on CUDA the most whole sequences, up to {MICRO_BATCH_CAP} tokens and one mini-batch, "
+                              "whose activations (the doctor's count) take at most "
+                              f"{MICRO_ACTIVATION_SHARE:.0%} of the device memory that the weights, gradients, "
+                              f"optimizer state and a kept engine leave; {MICRO_BATCH_OFF_CUDA} elsewhere",
 }
 
 
@@ -41,20 +49,21 @@ class Choice:
     """One setting as chosen for this run: what the config asked (None = auto), the value used, and why."""
 
     key: str
-    asked: object      # None (auto), True or False
-    value: bool
+    asked: object      # None (auto), or the configured value (True / False; a number for a size)
+    value: object      # bool for a switch, int for a size
     why: str
 
     def line(self) -> str:
-        asked = "auto" if self.asked is None else str(self.asked).lower()
-        return f"{self.key}={asked} -> {'on' if self.value else 'off'}: {self.why}"
+        show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+        shown = ("on" if self.value else "off") if isinstance(self.value, bool) else str(self.value)
+        return f"{self.key}={'auto' if self.asked is None else show(self.asked)} -> {shown}: {self.why}"
 
 
-def choose(key: str, asked, rule: tuple[bool, str]) -> Choice:
+def choose(key: str, asked, rule: tuple[object, str]) -> Choice:
     """`asked` (None = auto) resolved with `rule` = (value, why) when auto; an explicit value wins."""
     if asked is None:
         return Choice(key, None, *rule)
-    return Choice(key, asked, bool(asked), "set in the config")
+    return Choice(key, asked, asked if not isinstance(rule[0], bool) else bool(asked), "set in the config")
 
 
 def compile_rule(*, native: bool, device_type: str, triton: bool, num_params: int, world_size: int,
@@ -130,6 +139,39 @@ def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, act
     return True, words
 
 
+def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_sequences: int, fixed_bytes: int,
+                     budget_bytes: int, peak_of: Callable[[int], int]) -> tuple[int, str]:
+    """ppo.micro_batch_tokens when auto: (tokens per training micro-batch per rank, why).
+
+    `peak_of(tokens)`: the doctor's count of the update's peak with a micro-batch of that many tokens;
+    `fixed_bytes`: its part that does not grow with the micro-batch (weights, gradients, AdamW, a kept engine);
+    `budget_bytes`: the device memory this process can have. Whole sequences of `sequence_tokens`, never more than
+    the mini-batch's `mini_batch_sequences` nor MICRO_BATCH_CAP tokens, never fewer than one sequence.
+
+    Why larger on CUDA: each micro-batch costs the host a fixed number of launches, and at the 0.5B reference
+    shape the update was bound by them at 12,288 tokens (1.36-1.93 s over processes for 1.21 s of kernels) and
+    not at 32,768 (1.30 s: BENCHMARKS.md, twelfth session). The price is memory: 35.8 GiB peak at 32,768 tokens
+    against 20.5 at 12,288 (0.5B). Where memory is tight it goes the other way: a 7B full fine-tune on one H200
+    peaks at 101 GiB with 6,144-token micro-batches, and the old fixed 16,384 would not fit there."""
+    T = sequence_tokens
+    if device_type != "cuda":
+        return max(T, MICRO_BATCH_OFF_CUDA), f"{device_type.upper()} (the fixed default off CUDA)"
+    most = max(1, min(mini_batch_sequences, MICRO_BATCH_CAP // T))
+    room = fixed_bytes + MICRO_ACTIVATION_SHARE * max(0, budget_bytes - fixed_bytes)
+    lo, hi = 1, most  # the peak grows with the micro-batch: the largest n with peak_of(n * T) <= room
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if peak_of(mid * T) <= room else (lo, mid - 1)
+    tokens, peak = lo * T, peak_of(lo * T)
+    words = f"{lo} sequence(s) of {T} tokens, update peak {peak / GIB:.1f} GiB of {budget_bytes / GIB:.0f} GiB"
+    if peak > room:
+        return tokens, words + " (tight memory: one sequence does not leave the activations their share)"
+    if lo == most:
+        limit = "the mini-batch" if most == mini_batch_sequences else f"the {MICRO_BATCH_CAP}-token cap"
+        return tokens, f"{words} ({limit})"
+    return tokens, words
+
+
 @dataclass(frozen=True)
 class SpeedChoices:
     """The auto-able speed settings of one run, as chosen (config/auto.py's keys)."""
@@ -140,10 +182,11 @@ class SpeedChoices:
     engine_keep_awake: Choice
     packing: Optional[Choice] = None   # filled in by the builder once set_packing chose (per role; the actor's)
     engine_extend_graphs: Optional[Choice] = None  # multi-turn runs only (agent.env)
+    micro_batch_tokens: Optional[Choice] = None    # ppo.micro_batch_tokens (an int)
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.engine_extend_graphs, self.packing) if c is not None]
+                            self.engine_extend_graphs, self.packing, self.micro_batch_tokens) if c is not None]
 
     @property
     def compiles(self) -> bool:

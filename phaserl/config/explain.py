@@ -14,7 +14,7 @@ import yaml
 from phaserl.config.auto import AUTO_RULES
 from phaserl.config.load import YamlDumper
 from phaserl.config.schema import Config
-from phaserl.config.validate import Derived, derive
+from phaserl.config.validate import Derived, derive, train_micro_batch_tokens
 
 COMMENT_COLUMN = 44
 BATCH_SIZE_KEYS = ("rollout.prompts_per_step", "rollout.n", "rollout.batch_size", "reward_model.batch_size",
@@ -85,7 +85,10 @@ def _arithmetic(cfg: Config, d: Derived) -> list[tuple[str, str]]:
         ("max sequence tokens", f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length} "
                                 f"+ {r.max_new_tokens} = {d.max_sequence_tokens}"),
         ("full sequences per micro-batch", f"floor(ppo.micro_batch_tokens / max sequence tokens) = floor("
-                                           f"{ppo.micro_batch_tokens} / {d.max_sequence_tokens}) = {d.sequences_per_micro_batch}"),
+                                           f"{train_micro_batch_tokens(cfg)} / {d.max_sequence_tokens}) = "
+                                           f"{d.sequences_per_micro_batch}" + ("   (ppo.micro_batch_tokens = auto: "
+                                           "the value off CUDA; on CUDA the run decides, see Speed settings)"
+                                           if ppo.micro_batch_tokens is None else "")),
         ("grad accumulation, worst case", f"ceil(mini-batch per rank / full sequences per micro-batch) = ceil("
                                           f"{d.mini_batch_per_rank} / {d.sequences_per_micro_batch}) = {d.max_grad_accum_steps}   "
                                           "(micro-batches per optimizer step, per rank)"),

@@ -4,7 +4,8 @@ Loading walks the YAML against the dataclasses of `schema.py`, converts and rang
 with its field's `spec` metadata, applies command-line overrides on top, then runs the cross-field
 rules of `validate.py`. Every mistake is a `ConfigError` naming the file (or the override), the full
 dotted key, the value and what was expected; an unknown key comes with the closest valid one.
-An optional on/off field also takes `auto`, read as null (decided when the run is built: `auto.py`).
+An optional on/off field (and a size marked auto) also takes `auto`, read as null (decided when the run is
+built: `auto.py`).
 Not here: resolving null/"auto" fields (`validate.derive`, `auto.py`) and anything about models or data files.
 """
 from __future__ import annotations
@@ -174,6 +175,8 @@ def _expected(tp, meta: dict) -> str:
             words += f" <= {hi}"
     if inner is bool and optional:
         return "true, false, or auto (null)"
+    if optional and meta.get("auto"):
+        return f"{words}, or auto (null)"
     return f"null or {words}" if optional else words
 
 
@@ -206,7 +209,7 @@ def convert(value, tp, meta: dict, key: str, where: str):
     section = _section_type(tp)
     if value is None and optional:
         return None
-    if inner is bool and optional and value == "auto":  # an on/off setting decided at build time (config/auto.py)
+    if optional and value == "auto" and (inner is bool or meta.get("auto")):  # decided at build time (config/auto.py)
         return None
     if section is not None:
         return build(section, value, key + ".", where)

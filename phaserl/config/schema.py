@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-def spec(default, help: str, *, choices=None, min=None, max=None, factory=None):
+def spec(default, help: str, *, choices=None, min=None, max=None, factory=None, auto=False):
     """A dataclass field that carries its help text and allowed range for validation/--explain.
 
-    On a list field, `choices`/`min`/`max` apply to each item.
+    On a list field, `choices`/`min`/`max` apply to each item. auto: an optional number whose null, also written
+    `auto`, is decided when the run is built (config/auto.py), like an optional on/off setting.
     """
-    meta = {"help": help, "choices": choices, "min": min, "max": max}
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "auto": auto}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -268,7 +269,10 @@ class PPOConfig:
     mini_batch_size: Optional[int] = spec(None, "responses per optimizer step, GLOBAL (null = derived from num_mini_batches)", min=1)
     num_mini_batches: int = spec(1, "optimizer steps per epoch over one RL step's responses", min=1)
     epochs: int = spec(1, "passes over one RL step's responses", min=1)
-    micro_batch_tokens: int = spec(16384, "tokens per training micro-batch, per rank (forward+backward)", min=1)
+    micro_batch_tokens: Optional[int] = spec(None, "tokens per training micro-batch, per rank (forward+backward). "
+                                                   "null = auto: on CUDA as many whole sequences as the doctor's "
+                                                   "memory count gives room for, up to 32768 tokens; 16384 elsewhere",
+                                             min=1, auto=True)
     forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
     packing: Optional[bool] = spec(None, "pack micro-batches without padding (budgets count real tokens; phaserl's "
                                          "decoder only). null = auto: on where the varlen flash kernel runs (CUDA, "

@@ -15,6 +15,7 @@ import math
 import warnings
 from dataclasses import dataclass
 
+from phaserl.config.auto import MICRO_BATCH_OFF_CUDA
 from phaserl.config.schema import Config
 from phaserl.errors import ConfigError
 
@@ -136,7 +137,7 @@ def _rule_errors(cfg: Config) -> list[str]:
     p, t = cfg.data.max_prompt_length, r.max_new_tokens
     for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):
         budget = getattr(cfg.ppo, key)
-        if budget < p + t:
+        if budget is not None and budget < p + t:  # None: auto, whole sequences by construction
             errs.append(f"ppo.{key} = {budget} cannot hold one full sequence: data.max_prompt_length + "
                         f"rollout.max_new_tokens = {p} + {t} = {p + t} tokens, and a sequence is never split "
                         f"across micro-batches; set ppo.{key} >= {p + t}")
@@ -192,7 +193,7 @@ def _agent_errors(cfg: Config) -> list[str]:
                     f"rollout.max_new_tokens = {p} + {t}: even the first turn may not fit an episode; set "
                     f"agent.max_episode_tokens >= {p + t} (plus room for the observations and later turns)")
     for key in ("micro_batch_tokens", "forward_micro_batch_tokens"):
-        if getattr(cfg.ppo, key) < ag.max_episode_tokens:
+        if getattr(cfg.ppo, key) is not None and getattr(cfg.ppo, key) < ag.max_episode_tokens:
             errs.append(f"ppo.{key} = {getattr(cfg.ppo, key)} cannot hold one whole episode of up to "
                         f"agent.max_episode_tokens = {ag.max_episode_tokens} tokens (an episode is never split "
                         f"across micro-batches); set ppo.{key} >= {ag.max_episode_tokens}")
@@ -300,6 +301,16 @@ def reward_model_inputs_per_call(cfg: Config, engine: str) -> int:
     return per_call[engine]
 
 
+def train_micro_batch_tokens(cfg: Config) -> int:
+    """ppo.micro_batch_tokens as configured, or when auto the value off CUDA (at least one whole sequence): the
+    builder decides auto on the machine (config/auto.micro_batch_rule), and its start-of-run block says what."""
+    if cfg.ppo.micro_batch_tokens is not None:
+        return cfg.ppo.micro_batch_tokens
+    seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else \
+        cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    return max(MICRO_BATCH_OFF_CUDA, seq)
+
+
 def derive(cfg: Config, world_size: int = 1, *, reward_model_engine: str | None = None) -> Derived:
     """The resolved batch arithmetic and role switches of `cfg` on `world_size` ranks (config untouched).
 
@@ -321,7 +332,7 @@ def derive(cfg: Config, world_size: int = 1, *, reward_model_engine: str | None 
     mini_batch_per_rank = mini_batch_size // world_size
     max_sequence_tokens = cfg.data.max_prompt_length + r.max_new_tokens
     # validate() guarantees one full sequence fits; max() keeps derive total on unvalidated configs
-    sequences_per_micro_batch = max(1, ppo.micro_batch_tokens // max_sequence_tokens)
+    sequences_per_micro_batch = max(1, train_micro_batch_tokens(cfg) // max_sequence_tokens)
     rm_per_call = reward_model_inputs_per_call(cfg, engine) if rm.enable else 0
     return Derived(
         world_size=world_size,

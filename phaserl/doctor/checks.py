@@ -181,7 +181,9 @@ def check_batch_sizes(ctx: Context) -> CheckResult:
     message = (f"{d.responses_per_step} responses per step ({r.prompts_per_step} prompts × {r.n}); per rank: "
                f"{d.generate_calls_per_rank} generate call(s) of ≤ {r.batch_size} prompts, {rm}"
                f"{d.optimizer_steps_per_rl_step} optimizer step(s) of {d.mini_batch_per_rank} responses in ≤ "
-               f"{d.max_grad_accum_steps} micro-batch(es) of {ppo.micro_batch_tokens} tokens")
+               f"{d.max_grad_accum_steps} micro-batch(es) of {ppo.micro_batch_tokens or 'auto'} tokens"
+               + (" (auto: decided on the machine; the memory check says what)"
+                  if ppo.micro_batch_tokens is None else ""))
     if ctx.world_size > 1 and per_rank % r.batch_size:
         return CheckResult("batch sizes", WARN, (
             f"rollout.batch_size = {r.batch_size} does not divide the {per_rank} prompts per rank: generate calls "

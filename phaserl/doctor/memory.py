@@ -221,7 +221,7 @@ class PhaseSizes:
     rm_packed: bool              # phaserl engine: micro-batches packed without padding
     rm_max_length: int
     responses_per_rank: int      # scoring's cap
-    micro_batch_tokens: int      # configured
+    micro_batch_tokens: int      # configured, or as auto chooses it here (doctor/probes.py)
     mini_batch_per_rank: int     # the update's cap, in sequences
     gradient_checkpointing: bool
     routing_replay: bool = False  # actor.routing_replay: the engine also records each position's experts

@@ -12,7 +12,8 @@ import logging
 
 import torch
 
-from ..config.auto import choose, compile_rule, keep_awake_rule
+from ..config.auto import choose, compile_rule, keep_awake_rule, micro_batch_rule
+from ..config.validate import train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
 from ..models import load_pretrained
@@ -242,7 +243,7 @@ def phase_sizes(ctx: Context) -> PhaseSizes:
                       rm_engine=ctx.rm_engine or rm.engine, rm_batch_size=rm.batch_size,
                       rm_micro_batch_tokens=rm.micro_batch_tokens, rm_packed=bool(ctx.rm_packed),
                       rm_max_length=rm.max_length,
-                      responses_per_rank=prompts_per_rank * r.n, micro_batch_tokens=ppo.micro_batch_tokens,
+                      responses_per_rank=prompts_per_rank * r.n, micro_batch_tokens=train_micro_batch_tokens(cfg),
                       mini_batch_per_rank=ceil_div(mini, ws), gradient_checkpointing=cfg.actor.gradient_checkpointing,
                       routing_replay=cfg.actor.routing_replay, compiled=actor_compiles(ctx))
 
@@ -295,6 +296,7 @@ def check_memory(ctx: Context) -> CheckResult:
                                             strategy=rm_fsdp.sharding_strategy, world_size=ctx.world_size,
                                             cpu_offload=rm_fsdp.cpu_offload)
     resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
+    sizes, micro_line = _micro_batch(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
     keep, auto_line = _keep_awake(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
     kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if keep else 0
     suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads + kept,
@@ -302,7 +304,7 @@ def check_memory(ctx: Context) -> CheckResult:
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
                                                              f"{fmt_bytes(m.optimizer)}" if m.grads else "")
                + " per rank" for name, m in roles.items()]
-    details += lora_lines + ([auto_line] if auto_line else [])
+    details += lora_lines + [line for line in (micro_line, auto_line) if line]
     if shared_ref:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
     details.append(kv_line(shape, sizes))
@@ -366,13 +368,34 @@ def keep_candidate(cfg, shape: ModelShape, sizes: PhaseSizes, free_bytes: int) -
                              kv_limit=int(r.engine_memory_fraction * free_bytes), routes=sizes.routing_replay)
 
 
+def _micro_batch(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int,
+                 grads: int) -> tuple[PhaseSizes, str]:
+    """ppo.micro_batch_tokens as the run will choose it when auto (config/auto.py's rule on this count, a kept
+    engine counted whenever it may be kept) and the details line saying so ('' when set)."""
+    cfg = ctx.cfg
+    if cfg.ppo.micro_batch_tokens is not None:
+        return sizes, ""
+    kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if cfg.rollout.engine_keep_awake is not False and \
+        cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy) else 0
+
+    def peak_of(tokens: int) -> int:
+        return kept + update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=tokens,
+                                        gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
+                                        sequence_tokens=sizes.sequence_tokens)
+    choice = choose("ppo.micro_batch_tokens", None, micro_batch_rule(
+        device_type=ctx.device.type, sequence_tokens=sizes.sequence_tokens,
+        mini_batch_sequences=sizes.mini_batch_per_rank, fixed_bytes=resident + grads + kept,
+        budget_bytes=ctx.free_bytes, peak_of=peak_of))
+    return dataclasses.replace(sizes, micro_batch_tokens=choice.value), choice.line()
+
+
 def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int, grads: int) -> tuple[bool, str]:
     """rollout.engine_keep_awake as the run will choose it (config/auto.py's rule on this count), and the
     details line saying so when it was auto ('' when set)."""
     cfg = ctx.cfg
     if cfg.rollout.engine_keep_awake is not None:
         return cfg.rollout.engine_keep_awake, ""
-    micro = min(cfg.ppo.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
+    micro = min(sizes.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                              gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
                              sequence_tokens=sizes.sequence_tokens)

@@ -27,7 +27,7 @@ from ..compile_cache import enable_compile_cache
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
-from ..config.validate import GROUP_ESTIMATORS
+from ..config.validate import GROUP_ESTIMATORS, train_micro_batch_tokens
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
@@ -145,7 +145,8 @@ def build_run(cfg: Config, roles: Roles) -> RunSettings:
     speed = prepare_roles(cfg, roles, derived, world_size=world)
     context = getattr(roles.actor.model.config, "max_position_embeddings", None) or cfg.agent.max_episode_tokens
     settings = run_settings(cfg, roles, derived, rank=rank, world_size=world)
-    settings = dataclasses.replace(settings, speed=speed, compile_watch=compile_watch(speed, roles, rank=rank))
+    settings = dataclasses.replace(settings, speed=speed, compile_watch=compile_watch(speed, roles, rank=rank),
+                                   train_tokens=speed.micro_batch_tokens.value)  # ppo.micro_batch_tokens as chosen
     return with_agent(settings, cfg, model_context=context)
 
 
@@ -244,7 +245,7 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
         zero_variance=ZeroVarianceMonitor(alg.adv_estimator, alg.adv_estimator in GROUP_ESTIMATORS),
         # 6. update
         epochs=cfg.ppo.epochs, mini_batch_per_rank=d.mini_batch_per_rank, responses_per_step=d.responses_per_step,
-        train_tokens=cfg.ppo.micro_batch_tokens, guard=RuntimeGuard(t.on_nonfinite),
+        train_tokens=train_micro_batch_tokens(cfg), guard=RuntimeGuard(t.on_nonfinite),  # build_run: as chosen
         # 7. checkpoint, log, the loop
         seed=t.seed, total_steps=t.total_steps, val_before_train=t.val_before_train, val_interval=t.val_interval,
         save_interval=t.save_interval, checkpoint_path=t.checkpoint_path, log_dir=t.log_dir,

@@ -6,6 +6,7 @@ once; it never reads the config inside the loop. Data between phases travels as 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -275,12 +276,25 @@ class RLTrainer:
 
     def state_dict(self) -> dict:
         """The loop's own progress (JSON); weights and optimizers are in checkpoint_state().roles."""
-        return {"step": self.step_num, "val_history": self.val_history, "metrics": self.metrics}
+        return {"step": self.step_num, "val_history": self.val_history, "metrics": self.metrics,
+                "micro_batch_tokens": self.run.train_tokens}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_num = int(state["step"])
         self.val_history = [(int(step), dict(m)) for step, m in state["val_history"]]
         self.metrics = dict(state["metrics"])
+        if "micro_batch_tokens" in state:  # absent from checkpoints written before 2026-12-04
+            self._keep_micro_batch(int(state["micro_batch_tokens"]))
+
+    def _keep_micro_batch(self, saved: int) -> None:
+        """ppo.micro_batch_tokens=auto resumes with the checkpoint's micro-batch: the machine's memory count could
+        choose another, and the update's sums would then round differently from the uninterrupted run's."""
+        choice = self.run.speed.micro_batch_tokens if self.run.speed is not None else None
+        if choice is None or choice.asked is not None or saved == self.run.train_tokens:
+            return
+        log.info(f"resume: ppo.micro_batch_tokens=auto keeps the checkpoint's {saved} tokens (this machine's count "
+                 f"chose {self.run.train_tokens}), so the update splits its micro-batches as before the stop")
+        self.run = dataclasses.replace(self.run, train_tokens=saved)
 
     def _resume(self) -> None:
         """trainer.resume: continue exactly from a checkpoint, or start fresh; metrics.jsonl is cut to match."""

@@ -2,10 +2,10 @@
 which were chosen and why.
 
 `choose_speed(cfg, roles, derived, world_size)` gathers the facts (device, Triton, which models are phaserl's
-decoder and how big, world size, and for `rollout.engine_keep_awake` the doctor's memory count of the update
-with the engine kept against this process's device memory) and applies `config/auto.py`'s rule to every
-setting left at auto (null); true / false in the config win. The builder applies the choices and keeps them in
-`RunSettings.speed`; the run summary prints one line per choice (`Choice.line()`):
+decoder and how big, world size, and for `rollout.engine_keep_awake` and `ppo.micro_batch_tokens` the doctor's
+memory count of the update (`UpdateCount`) against this process's device memory) and applies `config/auto.py`'s
+rule to every setting left at auto (null); true / false (a number) in the config win. The builder applies the
+choices and keeps them in `RunSettings.speed`; the run summary prints one line per choice (`Choice.line()`):
 
     auto       actor.compile=auto -> on: CUDA, phaserl's decoder, Triton
                rollout.engine_keep_awake=auto -> on: 24.3 GiB needed of 139 GiB
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
-from ..config.auto import (Choice, SpeedChoices, choose, compile_rule, engine_compile_rule, extend_graphs_rule,
-                           keep_awake_rule)
+from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
+                           extend_graphs_rule, keep_awake_rule, micro_batch_rule)
 from ..doctor.memory import ModelShape, UnknownShape, kept_engine_bytes, update_peak_bytes
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
@@ -62,16 +63,28 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_runs=engine_runs, device_type=device.type, triton=triton_available(),
         fused=engine_runs and decodes_fused(actor.model)))
     actor_compile = _compile_choice("actor.compile", cfg.actor.compile, actor.model, device, world_size)
+    free = held = 0
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+    count = UpdateCount.of(cfg, roles, d, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held)
+    may_keep = engine_runs and r.engine_keep_awake is not False  # the micro-batch leaves room for a kept engine
+    micro_rule = (max(count.sequence_tokens, MICRO_BATCH_OFF_CUDA), "no memory count for this model: the fixed "
+                  "default") if count.shape is None else micro_batch_rule(
+        device_type=device.type, sequence_tokens=count.sequence_tokens, mini_batch_sequences=d.mini_batch_per_rank,
+        fixed_bytes=count.fixed_bytes(kept=may_keep), budget_bytes=count.budget_bytes,
+        peak_of=lambda tokens: count.peak(tokens, kept=may_keep))
+    micro = choose("ppo.micro_batch_tokens", cfg.ppo.micro_batch_tokens, micro_rule)
     keep_rule = (False, "")  # not used when the config sets it
     if r.engine_keep_awake is None:
-        count = {"needed_bytes": 0, "kept_bytes": 0, "budget_bytes": 0}
+        needed = {"needed_bytes": 0, "kept_bytes": 0, "budget_bytes": 0}
         if engine_runs and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            count = keep_awake_count(cfg, roles, d, free_bytes=int(free), held_bytes=torch.cuda.memory_reserved(device),
-                                     compiled=actor_compile.value)
+            tokens = min(micro.value, d.mini_batch_per_rank * count.sequence_tokens)
+            needed = {"needed_bytes": count.peak(tokens, kept=True), "kept_bytes": count.kept_bytes,
+                      "budget_bytes": count.budget_bytes}
         keep_rule = keep_awake_rule(engine_runs=engine_runs, device_type=device.type, world_size=world_size,
                                     actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",
-                                    lora=bool(cfg.actor.lora.rank), **count)  # needed, kept and budget bytes
+                                    lora=bool(cfg.actor.lora.rank), **needed)
     return SpeedChoices(
         actor_compile=actor_compile,
         critic_compile=None if critic is None else _compile_choice("critic.compile", cfg.critic.compile, critic.model,
@@ -80,42 +93,65 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_keep_awake=choose("rollout.engine_keep_awake", r.engine_keep_awake, keep_rule),
         engine_extend_graphs=None if not cfg.agent.env else choose(
             "rollout.engine_extend_graphs", r.engine_extend_graphs, extend_graphs_rule(
-                engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs)))
+                engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs)),
+        micro_batch_tokens=micro)
 
 
-def keep_awake_count(cfg: "Config", roles: "Roles", d: "Derived", *, free_bytes: int, held_bytes: int,
-                     compiled: bool = False) -> dict:
-    """The doctor's count for this run: the update's peak with the engine kept (needed_bytes: the loaded roles'
-    weights, the trainable ones' gradients and AdamW moments, one micro-batch's activations (`compiled`: the
-    actor's layers run through torch.compile) and log-prob chunk, the engine's KV pool, recurrent state, route
-    record and weight copies) and the device memory this process can have (budget_bytes: free + what it holds
-    already)."""
-    actor = roles.actor
-    try:
-        shape = ModelShape.of(actor.model)
-    except UnknownShape:  # our decoder always has a shape; keep the engine asleep if not
-        return {"needed_bytes": 2**62, "budget_bytes": 1}
-    models = [(actor.model, True), (roles.critic.model if roles.critic else None, True),
-              (roles.ref_policy.model if roles.ref_policy else None, False),
-              (getattr(roles.reward.reward_model, "model", None), False)]
-    seen, resident, grads = set(), 0, 0
-    for model, trains in models:  # the doctor's role_memory, per tensor: a LoRA reference shares the actor's base
-        for p in model.parameters() if model is not None else ():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            size = p.numel() * p.element_size()
-            trainable = size if trains and p.requires_grad else 0
-            resident, grads = resident + size + 2 * trainable, grads + trainable  # params + AdamW; gradients
-    seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else d.max_sequence_tokens  # a slot
-    micro = min(cfg.ppo.micro_batch_tokens, d.mini_batch_per_rank * seq)
-    peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
-                             gradient_checkpointing=cfg.actor.gradient_checkpointing, compiled=compiled,
-                             sequence_tokens=seq)
-    r = cfg.rollout
-    kept = kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
-                             kv_limit=int(r.engine_memory_fraction * free_bytes), routes=cfg.actor.routing_replay)
-    return {"needed_bytes": peak + kept, "kept_bytes": kept, "budget_bytes": free_bytes + held_bytes}
+@dataclass
+class UpdateCount:
+    """The doctor's count of this run's update on this process's device: the loaded roles' resident bytes (weights,
+    and for what trains AdamW's moments; a LoRA reference shares the actor's base), the actor's gradients, the
+    bytes a kept engine holds (KV pool, recurrent state, route record, weight copies), the device memory this
+    process can have (free + what it holds already), and how a micro-batch's activations grow (`peak`)."""
+
+    shape: Optional[ModelShape]
+    resident: int
+    grads: int
+    kept_bytes: int
+    budget_bytes: int
+    sequence_tokens: int
+    gradient_checkpointing: bool
+    compiled: bool
+
+    @classmethod
+    def of(cls, cfg: "Config", roles: "Roles", d: "Derived", *, compiled: bool, free_bytes: int,
+           held_bytes: int) -> "UpdateCount":
+        """free_bytes: the device's free memory now (the engine's KV pool is a fraction of it); held_bytes: what
+        this process's allocator holds already."""
+        seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else d.max_sequence_tokens  # a slot
+        try:
+            shape = ModelShape.of(roles.actor.model)
+        except UnknownShape:  # our decoder always has a shape: count nothing, and the rules stay careful
+            shape = None
+        models = [(roles.actor.model, True), (roles.critic.model if roles.critic else None, True),
+                  (roles.ref_policy.model if roles.ref_policy else None, False),
+                  (getattr(roles.reward.reward_model, "model", None), False)]
+        seen, resident, grads = set(), 0, 0
+        for model, trains in models:  # the doctor's role_memory, per tensor: a LoRA reference shares the base
+            for p in model.parameters() if model is not None else ():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                size = p.numel() * p.element_size()
+                trainable = size if trains and p.requires_grad else 0
+                resident, grads = resident + size + 2 * trainable, grads + trainable  # params + AdamW; gradients
+        r = cfg.rollout
+        kept = 0 if shape is None else kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
+                                                         kv_limit=int(r.engine_memory_fraction * free_bytes),
+                                                         routes=cfg.actor.routing_replay)
+        return cls(shape, resident, grads, kept, free_bytes + held_bytes, seq, cfg.actor.gradient_checkpointing,
+                   compiled)
+
+    def fixed_bytes(self, *, kept: bool) -> int:
+        return self.resident + self.grads + (self.kept_bytes if kept else 0)
+
+    def peak(self, tokens: int, *, kept: bool) -> int:
+        """The update's peak with a micro-batch of `tokens` (unknown shape: more than any device has)."""
+        if self.shape is None:
+            return 2**62
+        return update_peak_bytes(self.shape, resident=self.resident, grads=self.grads, micro_batch_tokens=tokens,
+                                 gradient_checkpointing=self.gradient_checkpointing, compiled=self.compiled,
+                                 sequence_tokens=self.sequence_tokens) + (self.kept_bytes if kept else 0)
 
 
 def packing_choice(asked: Optional[bool], enabled: bool, device: torch.device) -> Choice:
