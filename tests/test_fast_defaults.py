@@ -228,6 +228,24 @@ def test_on_one_gpu_the_tiny_run_keeps_the_engine_awake_and_stays_eager(tmp_path
     assert trainer.actor.engine.kept_awake  # the switch back to training kept the KV cache
 
 
+@pytest.mark.gpu
+def test_on_one_gpu_an_auto_micro_batch_is_the_rules_answer_on_the_builders_count(tmp_path):
+    import torch
+
+    from phaserl.trainer import RLTrainer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[]", "trainer.device=cuda", "rollout.engine_compile=false", "ppo.micro_batch_tokens=auto"]))
+    choice, run = trainer.run.speed.micro_batch_tokens, trainer.run
+    seq = 36  # the tiny run's prompt + response tokens
+    # a 0.1M-parameter model leaves the activations room for the whole mini-batch, under the token cap
+    assert choice.value == run.train_tokens == run.mini_batch_per_rank * seq <= MICRO_BATCH_CAP
+    assert choice.why.endswith("(the mini-batch)") and "GiB of" in choice.why
+    trainer.train_step()  # and the update runs with it
+
+
 def test_explicit_settings_reach_the_roles(tmp_path, fresh_cache, monkeypatch):
     from phaserl.models import decoder
     from phaserl.trainer import RLTrainer
