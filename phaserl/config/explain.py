@@ -127,7 +127,7 @@ def _batch_sizes(cfg: Config, d: Derived) -> list[str]:
     for key in BATCH_SIZE_KEYS:
         value, help_text = _lookup(cfg, key)
         derived = key == "ppo.mini_batch_size" and value is None
-        shown = f"null → {d.mini_batch_size}" if derived else str(value)
+        shown = f"null → {d.mini_batch_size}" if derived else "auto" if value is None else str(value)
         off = key.startswith("reward_model.") and not cfg.reward_model.enable
         unused = "   (unused: reward_model.enable = false)" if off else ""
         lines.append(f"#   {key:<32} = {shown:<10} {help_text}{unused}")
