@@ -152,7 +152,8 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     shape the update was bound by them at 12,288 tokens (1.36-1.93 s over processes for 1.21 s of kernels) and
     not at 32,768 (1.30 s: BENCHMARKS.md, twelfth session). The price is memory: 35.8 GiB peak at 32,768 tokens
     against 20.5 at 12,288 (0.5B). Where memory is tight it goes the other way: a 7B full fine-tune on one H200
-    peaks at 101 GiB with 6,144-token micro-batches, and the old fixed 16,384 would not fit there."""
+    peaks at 101 GiB with 6,144-token micro-batches; the old fixed 16,384 would need about 170 GiB there by the
+    same count."""
     T = sequence_tokens
     if device_type != "cuda":
         return max(T, MICRO_BATCH_OFF_CUDA), f"{device_type.upper()} (the fixed default off CUDA)"
