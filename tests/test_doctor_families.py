@@ -218,7 +218,7 @@ def test_the_doctors_kv_line_shows_the_arithmetic_of_each_layout():
 def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
     from _tiny_run import make_run_dir
 
-    from phaserl.config import derive, load_config
+    from phaserl.config import load_config
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
     from phaserl.trainer.speed import UpdateCount
@@ -226,7 +226,7 @@ def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
     t = RLTrainer.from_config(cfg)
     roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
-    eager, compiled = (UpdateCount.of(cfg, roles, derive(cfg, 1), free_bytes=10**6, held_bytes=0, compiled=c)
+    eager, compiled = (UpdateCount.of(cfg, roles, free_bytes=10**6, held_bytes=0, compiled=c)
                        .peak(64, kept=True) for c in (False, True))
     shape = ModelShape.of(t.actor.model)
     per_token = memory.train_bytes_per_token(shape, False) - memory.train_bytes_per_token(shape, False, compiled=True)

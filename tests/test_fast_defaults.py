@@ -189,7 +189,6 @@ def test_on_the_cpu_the_defaults_stay_eager_and_the_summary_says_why(tmp_path):
 
 
 def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
-    from phaserl.config import derive
     from phaserl.doctor.memory import logprob_chunk_bytes, train_bytes_per_token
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
@@ -198,7 +197,7 @@ def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
     t = RLTrainer.from_config(cfg)
     roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
-    count = UpdateCount.of(cfg, roles, derive(cfg, 1), free_bytes=1_000_000, held_bytes=234, compiled=False)
+    count = UpdateCount.of(cfg, roles, free_bytes=1_000_000, held_bytes=234, compiled=False)
     shape = ModelShape.of(t.actor.model)
     weights = 21_920 * 4  # the tiny float32 policy; the reference is a second copy of it
     # resident: actor weights + AdamW (2x) + reference weights; gradients of the actor; one micro-batch of

@@ -54,9 +54,9 @@ class Choice:
     why: str
 
     def line(self) -> str:
-        show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
-        shown = ("on" if self.value else "off") if isinstance(self.value, bool) else str(self.value)
-        return f"{self.key}={'auto' if self.asked is None else show(self.asked)} -> {shown}: {self.why}"
+        asked = "auto" if self.asked is None else str(self.asked).lower()  # true / false, or a number
+        value = ("on" if self.value else "off") if isinstance(self.value, bool) else str(self.value)
+        return f"{self.key}={asked} -> {value}: {self.why}"
 
 
 def choose(key: str, asked, rule: tuple[object, str]) -> Choice:

@@ -301,14 +301,20 @@ def reward_model_inputs_per_call(cfg: Config, engine: str) -> int:
     return per_call[engine]
 
 
+def sequence_tokens(cfg: Config) -> int:
+    """The longest sequence a micro-batch or an engine slot must hold: a whole episode in multi-turn runs
+    (agent.env or agent.harness), else prompt + response."""
+    if cfg.agent.env or cfg.agent.harness:
+        return cfg.agent.max_episode_tokens
+    return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+
+
 def train_micro_batch_tokens(cfg: Config) -> int:
     """ppo.micro_batch_tokens as configured, or when auto the value off CUDA (at least one whole sequence): the
     builder decides auto on the machine (config/auto.micro_batch_rule), and its start-of-run block says what."""
     if cfg.ppo.micro_batch_tokens is not None:
         return cfg.ppo.micro_batch_tokens
-    seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else \
-        cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    return max(MICRO_BATCH_OFF_CUDA, seq)
+    return max(MICRO_BATCH_OFF_CUDA, sequence_tokens(cfg))
 
 
 def derive(cfg: Config, world_size: int = 1, *, reward_model_engine: str | None = None) -> Derived:

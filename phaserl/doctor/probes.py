@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ..config.auto import choose, compile_rule, keep_awake_rule, micro_batch_rule
-from ..config.validate import train_micro_batch_tokens
+from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
 from ..models import load_pretrained
@@ -237,8 +237,7 @@ def phase_sizes(ctx: Context) -> PhaseSizes:
     prompts_per_rank = ceil_div(r.prompts_per_step, ws)
     mini = ppo.mini_batch_size or ceil_div(r.prompts_per_step * r.n, ppo.num_mini_batches)
     return PhaseSizes(n=r.n, prompt_tokens=cfg.data.max_prompt_length,
-                      sequence_tokens=(cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness  # a whole episode
-                                       else cfg.data.max_prompt_length + r.max_new_tokens),
+                      sequence_tokens=sequence_tokens(cfg),  # a whole episode in multi-turn runs
                       rollout_batch_size=r.batch_size, prompts_per_rank=prompts_per_rank,
                       rm_engine=ctx.rm_engine or rm.engine, rm_batch_size=rm.batch_size,
                       rm_micro_batch_tokens=rm.micro_batch_tokens, rm_packed=bool(ctx.rm_packed),

@@ -27,7 +27,7 @@ from ..compile_cache import enable_compile_cache
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
-from ..config.validate import GROUP_ESTIMATORS, train_micro_batch_tokens
+from ..config.validate import GROUP_ESTIMATORS, sequence_tokens, train_micro_batch_tokens
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
@@ -178,7 +178,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
         cuda_graphs=r.engine_cuda_graphs, compile=speed.engine_compile.value, keep_awake=speed.engine_keep_awake.value,
         extend_graphs=speed.engine_extend_graphs.value if speed.engine_extend_graphs is not None else None,
-        max_seq_tokens=cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else cfg.data.max_prompt_length + r.max_new_tokens))
+        max_seq_tokens=sequence_tokens(cfg)))
     actor.setup_routing(replay=a.routing_replay)
     if critic is not None:
         critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),

@@ -26,6 +26,7 @@ import torch
 from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
                            extend_graphs_rule, keep_awake_rule, micro_batch_rule)
+from ..config.validate import sequence_tokens
 from ..doctor.memory import ModelShape, UnknownShape, kept_engine_bytes, update_peak_bytes
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
@@ -67,7 +68,7 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_reserved(device)
-    count = UpdateCount.of(cfg, roles, d, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held)
+    count = UpdateCount.of(cfg, roles, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held)
     may_keep = engine_runs and r.engine_keep_awake is not False  # the micro-batch leaves room for a kept engine
     micro_rule = (max(count.sequence_tokens, MICRO_BATCH_OFF_CUDA), "no memory count for this model: the fixed "
                   "default") if count.shape is None else micro_batch_rule(
@@ -114,11 +115,10 @@ class UpdateCount:
     compiled: bool
 
     @classmethod
-    def of(cls, cfg: "Config", roles: "Roles", d: "Derived", *, compiled: bool, free_bytes: int,
-           held_bytes: int) -> "UpdateCount":
+    def of(cls, cfg: "Config", roles: "Roles", *, compiled: bool, free_bytes: int, held_bytes: int) -> "UpdateCount":
         """free_bytes: the device's free memory now (the engine's KV pool is a fraction of it); held_bytes: what
         this process's allocator holds already."""
-        seq = cfg.agent.max_episode_tokens if cfg.agent.env or cfg.agent.harness else d.max_sequence_tokens  # a slot
+        seq = sequence_tokens(cfg)  # a slot
         try:
             shape = ModelShape.of(roles.actor.model)
         except UnknownShape:  # our decoder always has a shape: count nothing, and the rules stay careful
