@@ -19,6 +19,7 @@ ALLOWED = {
     "errors": set(),
     "userfiles": {"errors"},                           # user code named in a config (file.py or module)
     "compile_cache": set(),                            # torch.compile's persistent caches: torch only
+    "cuda_allocator": set(),                           # torch's CUDA allocator settings: torch only
     "batch": set(),                                    # typed data between phases: torch only
     ROOT: {"errors"},                                  # public names, loaded lazily
     "config": {"errors"},
@@ -40,8 +41,8 @@ ALLOWED = {
     "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
     "doctor": {"agents", "checkpoint", "config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles",
                "rollout"},  # rollout: generate() for the agent episode probe
-    "trainer": {"agents", "algo", "batch", "checkpoint", "compile_cache", "config", "data", "doctor", "errors",
-                "metrics", "models", "parallel", "report", "resolve", "rewards", "rm", "roles", "rollout"},
+    "trainer": {"agents", "algo", "batch", "checkpoint", "compile_cache", "config", "cuda_allocator", "data", "doctor",
+                "errors", "metrics", "models", "parallel", "report", "resolve", "rewards", "rm", "roles", "rollout"},
     "cli": {"config", "doctor", "errors", "parallel", "resolve", "rm", "trainer", "world"},
     "__main__": {"cli"},
 }

@@ -13,8 +13,8 @@ from _tiny_run import make_run_dir
 from phaserl import compile_cache
 from phaserl.config import explain, load_config
 from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, LORA_KEEP_SHARE,
-                                 MICRO_ACTIVATION_SHARE, MICRO_BATCH_CAP, MICRO_BATCH_WORK, choose, compile_rule,
-                                 keep_awake_rule, micro_batch_rule, update_flop_per_token)
+                                 MICRO_ACTIVATION_SHARE, MICRO_BATCH_CAP, choose, compile_rule, keep_awake_rule,
+                                 micro_batch_rule)
 from phaserl.doctor.memory import ModelShape, kept_engine_bytes, update_peak_bytes
 from phaserl.errors import ConfigError
 
@@ -110,18 +110,11 @@ def test_auto_is_a_spelling_of_null_for_on_off_settings(tmp_path):
 MIB = 2**20
 
 
-def _micro(fixed_gib: float, per_token_mib: float, seq: int, mini: int = 512, budget_gib: float = 139, device="cuda",
-           params: float = 0.494e9):
-    """micro_batch_rule on a count that grows linearly: fixed + tokens x per_token, for a full fine-tune of `params`."""
+def _micro(fixed_gib: float, per_token_mib: float, seq: int, mini: int = 512, budget_gib: float = 139, device="cuda"):
+    """micro_batch_rule on a count that grows linearly: fixed + tokens x per_token."""
     fixed = int(fixed_gib * GIB)
-    return micro_batch_rule(device_type=device, sequence_tokens=seq, mini_batch_sequences=mini,
-                            flop_per_token=update_flop_per_token(int(params), lora=False), fixed_bytes=fixed,
+    return micro_batch_rule(device_type=device, sequence_tokens=seq, mini_batch_sequences=mini, fixed_bytes=fixed,
                             budget_bytes=int(budget_gib * GIB), peak_of=lambda t: fixed + int(t * per_token_mib * MIB))
-
-
-def test_the_update_work_per_token_is_6n_and_4n_with_lora():
-    assert update_flop_per_token(1000, lora=False) == 6000  # forward 2N, input and weight gradients 2N each
-    assert update_flop_per_token(1000, lora=True) == 4000   # a frozen base computes no weight gradients
 
 
 def test_auto_micro_batch_off_cuda_is_the_old_fixed_default_or_one_whole_sequence():
@@ -129,39 +122,28 @@ def test_auto_micro_batch_off_cuda_is_the_old_fixed_default_or_one_whole_sequenc
     assert _micro(1, 1, 20_000, device="cpu")[0] == 20_000  # a sequence is never split
 
 
-def test_auto_micro_batch_on_cuda_takes_the_fewest_sequences_whose_work_reaches_the_target():
-    # 0.5B reference shape: 6 x 0.494e9 = 2.964e9 FLOP per token, 1.138e12 per 384-token sequence;
-    # 3.6e13 / 1.138e12 = 31.6 -> 32 sequences = 12,288 tokens (3.64e13 FLOP), peak 8 + 12 = 20.0 GiB
-    assert MICRO_BATCH_WORK == 3.6e13
-    assert _micro(8, 1, 384) == (32 * 384, "32 sequence(s) of 384 tokens, 3.6e+13 FLOP of update work, update "
-                                           "peak 20.0 GiB of 139 GiB (the work target, 3.6e+13)")
-    # 1.5B long-response shape: 6 x 1.544e9 x 1,280 = 1.186e13 per sequence; 3.6e13 / 1.186e13 = 3.04 -> 4
-    assert _micro(20, 2, 1280, params=1.544e9)[0] == 4 * 1280
-
-
-def test_auto_micro_batch_stops_at_the_token_cap_and_the_mini_batch():
-    # a 1M-parameter model would need 6.0e6 tokens to reach the target: the cap holds floor(32768 / 384) = 85
-    tokens, why = _micro(8, 1, 384, params=1e6)
+def test_auto_micro_batch_on_cuda_takes_whole_sequences_up_to_the_cap():
+    # 0.5B-like: 8 GiB fixed, ~1 MiB per token; room = 8 + 0.4 x (139 - 8) = 60.4 GiB; the cap holds
+    # floor(32768 / 384) = 85 sequences = 32,640 tokens, peak 8 + 31.875 = 39.9 GiB: the cap binds
+    tokens, why = _micro(8, 1, 384)
     assert tokens == 85 * 384 == 32_640 and tokens <= MICRO_BATCH_CAP
-    assert why.endswith(f"update peak 39.9 GiB of 139 GiB (the {MICRO_BATCH_CAP}-token cap)")
-    assert _micro(8, 1, 384, mini=4, params=1e6) == (4 * 384, "4 sequence(s) of 384 tokens, 9.2e+09 FLOP of update "
-                                                              "work, update peak 9.5 GiB of 139 GiB (the mini-batch)")
+    assert why == f"85 sequence(s) of 384 tokens, update peak 39.9 GiB of 139 GiB (the {MICRO_BATCH_CAP}-token cap)"
+    assert _micro(8, 1, 384, mini=4) == (4 * 384, "4 sequence(s) of 384 tokens, update peak 9.5 GiB of 139 GiB "
+                                                  "(the mini-batch)")
 
 
 def test_auto_micro_batch_gives_the_activations_their_share_of_what_the_fixed_state_leaves():
-    # 7B-like full fine-tune: 6 x 7.6e9 x 768 = 3.5e13 per sequence -> 2 sequences for the work target; 120 GiB
-    # fixed, 8 MiB per token: room = 120 + 0.4 x 19 = 127.6 GiB; 2 sequences would peak at 132, 1 at 126
+    # 7B-like full fine-tune: 59 GiB fixed, 8 MiB per token, sequences of 512: room = 59 + 0.4 x 80 = 91 GiB;
+    # 8 sequences = 4,096 tokens x 8 MiB = 32 GiB -> exactly 91; 9 would be 95
     assert MICRO_ACTIVATION_SHARE == 0.4
-    assert _micro(120, 8, 768, params=7.6e9) == (768, "1 sequence(s) of 768 tokens, 3.5e+13 FLOP of update work, "
-                                                      "update peak 126.0 GiB of 139 GiB (the activations' 40% share "
-                                                      "of the memory left)")
+    assert _micro(59, 8, 512) == (8 * 512, "8 sequence(s) of 512 tokens, update peak 91.0 GiB of 139 GiB")
     # nothing fits: one sequence anyway (a sequence is never split), and the reason says so
-    tokens, why = _micro(138, 6.5, 768, params=7.6e9)
+    tokens, why = _micro(138, 6.5, 768)
     assert tokens == 768 and why.endswith("(tight memory: one sequence does not leave the activations their share)")
 
 
 def test_a_set_micro_batch_wins_over_the_rule_and_its_line_shows_the_number():
-    choice = choose("ppo.micro_batch_tokens", 4096, _micro(8, 1, 384))  # the rule would say 12,288
+    choice = choose("ppo.micro_batch_tokens", 4096, _micro(8, 1, 384))
     assert (choice.value, choice.line()) == (4096, "ppo.micro_batch_tokens=4096 -> 4096: set in the config")
     assert choose("ppo.micro_batch_tokens", None, (32_640, "why")).line() == "ppo.micro_batch_tokens=auto -> 32640: why"
     assert load_config(None, ["ppo.micro_batch_tokens=auto"]).ppo.micro_batch_tokens is None

@@ -8,7 +8,6 @@ its own count. `true` / `false` always win over the rule. Nothing here looks at 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -16,11 +15,11 @@ GIB = 2**30
 COMPILE_MIN_PARAMS = 100_000_000   # smaller models stay eager: the compile costs more than it saves in a run
 KEEP_AWAKE_SHARE = 0.75            # a kept engine: the update's peak with it stays under this share of the device
 LORA_KEEP_SHARE = 0.25             # LoRA: the kept engine is at most this share of the update's peak
-MICRO_BATCH_WORK = 3.6e13          # auto training micro-batch on CUDA: at least this much update work (FLOP)
-MICRO_BATCH_CAP = 32768            # ... at most this many tokens per rank: see micro_batch_rule
+MICRO_BATCH_CAP = 32768            # auto training micro-batch, at most (tokens per rank): see micro_batch_rule
 MICRO_BATCH_OFF_CUDA = 16384       # ... off CUDA, where compute and not launches binds: the old fixed default
 MICRO_ACTIVATION_SHARE = 0.4       # ... its activations at most this share of what the fixed state leaves (the
-                                   # rest: the allocator's slack, 62.8 GiB reserved for 35.8 allocated at 0.5B, 32k)
+                                   # rest: the allocator's slack; 62.8 GiB reserved for 35.8 allocated at 0.5B, 32k,
+                                   # without expandable segments, 36.2 with them: cuda_allocator.py)
 
 # key -> the rule, in words; the order is the order of the start-of-run block
 AUTO_RULES = {
@@ -39,13 +38,10 @@ AUTO_RULES = {
     "rollout.engine_extend_graphs": "off (the graphed multi-turn continuation passes measured 0.90-1.11x of the "
                                     "eager ones on the H200); off on the CPU and without CUDA graphs",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
-    "ppo.micro_batch_tokens": "on CUDA the fewest whole sequences whose update work (6 x parameters per token, 4 x "
-                              f"with LoRA) reaches {MICRO_BATCH_WORK:.1e} FLOP, enough to hide the host's launches; "
-                              f"fewer where their activations (the doctor's count) would take more than "
+    "ppo.micro_batch_tokens": f"on CUDA the most whole sequences, up to {MICRO_BATCH_CAP} tokens and one mini-batch, "
+                              "whose activations (the doctor's count) take at most "
                               f"{MICRO_ACTIVATION_SHARE:.0%} of the device memory that the weights, gradients, "
-                              "optimizer state and a kept engine leave; never more than one mini-batch or "
-                              f"{MICRO_BATCH_CAP} tokens, never less than one sequence; {MICRO_BATCH_OFF_CUDA} "
-                              "elsewhere",
+                              f"optimizer state and a kept engine leave; {MICRO_BATCH_OFF_CUDA} elsewhere",
 }
 
 
@@ -144,50 +140,43 @@ def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, act
     return True, words
 
 
-def update_flop_per_token(num_params: int, lora: bool) -> int:
-    """The update's work per trained token: forward 2N, input gradients 2N and weight gradients 2N (LoRA: the
-    frozen base computes no weight gradients; the adapters' are negligible)."""
-    return (4 if lora else 6) * num_params
-
-
-def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_sequences: int, flop_per_token: int,
-                     fixed_bytes: int, budget_bytes: int, peak_of: Callable[[int], int]) -> tuple[int, str]:
+def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_sequences: int, fixed_bytes: int,
+                     budget_bytes: int, peak_of: Callable[[int], int]) -> tuple[int, str]:
     """ppo.micro_batch_tokens when auto: (tokens per training micro-batch per rank, why).
 
-    `flop_per_token`: update_flop_per_token; `peak_of(tokens)`: the doctor's count of the update's peak with a
-    micro-batch of that many tokens; `fixed_bytes`: its part that does not grow with the micro-batch (weights,
-    gradients, AdamW, a kept engine); `budget_bytes`: the device memory this process can have. Whole sequences of
-    `sequence_tokens`, never more than the mini-batch's `mini_batch_sequences` nor MICRO_BATCH_CAP tokens, never
-    fewer than one sequence.
+    `peak_of(tokens)`: the doctor's count of the update's peak with a micro-batch of that many tokens;
+    `fixed_bytes`: its part that does not grow with the micro-batch (weights, gradients, AdamW, a kept engine);
+    `budget_bytes`: the device memory this process can have. Whole sequences of `sequence_tokens`, never more than
+    the mini-batch's `mini_batch_sequences` nor MICRO_BATCH_CAP tokens, never fewer than one sequence.
 
-    Why a work target and not "as large as fits": each micro-batch costs the host a fixed number of launches,
-    hidden once the micro-batch's kernels take long enough; past that, a larger one only spends memory. Measured
-    on the H200 (BENCHMARKS.md, thirteenth session, same call): at the 0.5B reference shape 12,288 tokens
-    (3.6e13 FLOP) ran the step 4.5% slower than 32,640 tokens, for 15.4 GiB less allocated and 41.5 GiB less
-    reserved; at the 1.5B long-response shape 10,240 tokens (9.5e13) were within 2% of 21,760 at 23.6 GiB less.
-    Where memory is tight the share binds instead: a 7B full fine-tune on one H200 peaks at 101 GiB with 6,144
-    tokens."""
+    Why as large as fits on CUDA: each micro-batch costs the host a fixed amount of work (launches, Python), and
+    how long that takes differs several-fold between machines. At the 0.5B reference shape (1.21 s of update
+    kernels) it came to 11-15 ms per micro-batch on one lent H200 and 29-89 ms on another (BENCHMARKS.md,
+    thirteenth session: the update took 1.39 s vs 1.30 s at 12,288 vs 32,640 tokens on the first, 2.04 s vs
+    1.39 s on the second; 8,064 tokens 3.44 s). A rule that picked "just enough work per micro-batch" (3.6e13
+    FLOP, tried that day) made the update 47% slower at 0.5B (against 32,640 tokens) and 54% at 1.5B (against
+    10,240) on the slower host; the largest micro-batch is the one that is fast on both. The price is memory: 35.8 GiB allocated at 32,640 tokens against
+    20.5 at 12,288 (0.5B); what the allocator holds beyond that is kept small by expandable segments
+    (cuda_allocator.py: 36.2 GiB reserved instead of 62.8). Where memory is tight it goes the other way: a 7B full
+    fine-tune on one H200 peaks at 101 GiB with 6,144-token micro-batches; the old fixed 16,384 would need about
+    170 GiB there by the same count."""
     T = sequence_tokens
     if device_type != "cuda":
         return max(T, MICRO_BATCH_OFF_CUDA), f"{device_type.upper()} (the fixed default off CUDA)"
     most = max(1, min(mini_batch_sequences, MICRO_BATCH_CAP // T))
-    enough = max(1, math.ceil(MICRO_BATCH_WORK / (flop_per_token * T)))  # sequences whose work reaches the target
     room = fixed_bytes + MICRO_ACTIVATION_SHARE * max(0, budget_bytes - fixed_bytes)
-    lo, hi = 1, min(most, enough)  # the peak grows with the micro-batch: the largest n with peak_of(n * T) <= room
+    lo, hi = 1, most  # the peak grows with the micro-batch: the largest n with peak_of(n * T) <= room
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if peak_of(mid * T) <= room else (lo, mid - 1)
     tokens, peak = lo * T, peak_of(lo * T)
-    words = (f"{lo} sequence(s) of {T} tokens, {flop_per_token * tokens:.1e} FLOP of update work, update peak "
-             f"{peak / GIB:.1f} GiB of {budget_bytes / GIB:.0f} GiB")
+    words = f"{lo} sequence(s) of {T} tokens, update peak {peak / GIB:.1f} GiB of {budget_bytes / GIB:.0f} GiB"
     if peak > room:
         return tokens, words + " (tight memory: one sequence does not leave the activations their share)"
-    if lo == enough:
-        return tokens, f"{words} (the work target, {MICRO_BATCH_WORK:.1e})"
     if lo == most:
         limit = "the mini-batch" if most == mini_batch_sequences else f"the {MICRO_BATCH_CAP}-token cap"
         return tokens, f"{words} ({limit})"
-    return tokens, f"{words} (the activations' {MICRO_ACTIVATION_SHARE:.0%} share of the memory left)"
+    return tokens, words
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ..config.auto import choose, compile_rule, keep_awake_rule, micro_batch_rule, update_flop_per_token
+from ..config.auto import choose, compile_rule, keep_awake_rule, micro_batch_rule
 from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
@@ -383,9 +383,7 @@ def _micro_batch(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
                                         sequence_tokens=sizes.sequence_tokens)
     choice = choose("ppo.micro_batch_tokens", None, micro_batch_rule(
         device_type=ctx.device.type, sequence_tokens=sizes.sequence_tokens,
-        mini_batch_sequences=sizes.mini_batch_per_rank,
-        flop_per_token=update_flop_per_token(shape.num_params, bool(cfg.actor.lora.rank)),
-        fixed_bytes=resident + grads + kept,
+        mini_batch_sequences=sizes.mini_batch_per_rank, fixed_bytes=resident + grads + kept,
         budget_bytes=ctx.free_bytes, peak_of=peak_of))
     return dataclasses.replace(sizes, micro_batch_tokens=choice.value), choice.line()
 

@@ -24,6 +24,7 @@ import torch
 from ..algo import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, bind_policy_loss,
                     canonical_kl_estimator, rollout_correction)
 from ..compile_cache import enable_compile_cache
+from ..cuda_allocator import configure_cuda_allocator
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
@@ -82,6 +83,8 @@ def build_roles(cfg: Config) -> Roles:
     """Load the models the config names and wrap them in roles (the reward sources too)."""
     torch.manual_seed(cfg.trainer.seed)
     device, dtype = resolve_device(cfg.trainer.device), resolve_dtype(cfg.model.dtype)
+    if device.type == "cuda":  # before the models load: expandable segments unless the user set the allocator
+        configure_cuda_allocator()
     derived = derive(cfg, rank_and_world()[1])
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))

@@ -25,7 +25,7 @@ import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
-                           extend_graphs_rule, keep_awake_rule, micro_batch_rule, update_flop_per_token)
+                           extend_graphs_rule, keep_awake_rule, micro_batch_rule)
 from ..config.validate import sequence_tokens
 from ..doctor.memory import ModelShape, UnknownShape, kept_engine_bytes, update_peak_bytes
 from ..resolve import resolve_compile_cache_dir
@@ -73,7 +73,6 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     micro_rule = (max(count.sequence_tokens, MICRO_BATCH_OFF_CUDA), "no memory count for this model: the fixed "
                   "default") if count.shape is None else micro_batch_rule(
         device_type=device.type, sequence_tokens=count.sequence_tokens, mini_batch_sequences=d.mini_batch_per_rank,
-        flop_per_token=update_flop_per_token(count.shape.num_params, bool(cfg.actor.lora.rank)),
         fixed_bytes=count.fixed_bytes(kept=may_keep), budget_bytes=count.budget_bytes,
         peak_of=lambda tokens: count.peak(tokens, kept=may_keep))
     micro = choose("ppo.micro_batch_tokens", cfg.ppo.micro_batch_tokens, micro_rule)

@@ -6,6 +6,7 @@ what the YAML asked for. Rank 0 prints it once, at the start of `fit()`. It chan
 """
 from __future__ import annotations
 
+from .. import cuda_allocator
 from ..algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from ..roles.forward import supports_packing
 
@@ -75,6 +76,8 @@ def run_summary(trainer) -> str:
         f"checkpointing: {_on_off(getattr(actor.model, 'gradient_checkpointing', False))}; compile: "
         f"{_on_off(_compiled(actor.model))}; optimizer offload in rollout: {_on_off(actor.hybrid.offload_optimizer)}",
         *_speed_lines(run.speed),
+        *([f"memory     CUDA allocator: {cuda_allocator.ACTIVE}"] if cuda_allocator.ACTIVE and actor.device.type == "cuda"
+          else []),
         f"run        {run.total_steps} steps; validation "
         f"{f'every {run.val_interval} steps' if run.val_interval else 'at the end'}; checkpoints "
         f"{f'every {run.save_interval} steps' if run.save_interval else 'at the end'} in {run.checkpoint_path}; "

@@ -1,0 +1,52 @@
+"""torch's CUDA caching allocator, as phaserl sets it up for a run on a GPU: expandable segments, unless the user
+configured the allocator.
+
+    line = configure_cuda_allocator()   # once, before the models load onto the GPU; the run summary prints `line`
+
+Why. A step alternates phases whose temporaries differ in size (the rollout's KV cache and graphs, the update's
+micro-batches of activations, the log-prob chunks), and with fixed-size segments the allocator keeps freed blocks
+it cannot reuse for the next shape: at the 0.5B reference shape with 32,640-token micro-batches the H200 reserved
+62.8 GiB for a 35.8 GiB allocated peak, with expandable segments 36.2 GiB (BENCHMARKS.md, thirteenth session,
+where the same-call timing with and without is recorded). torchtitan's launch scripts set the same. The engine's CUDA graphs keep their own pool, which
+expandable segments leave alone (the engine ran with it there: graphs captured and replayed, the same rewards).
+
+A user's PYTORCH_CUDA_ALLOC_CONF (or torch's newer spelling PYTORCH_ALLOC_CONF) always wins, whatever it says.
+Not here: how much memory the run needs (doctor/memory.py) or when the engine frees its cache (rollout/).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("phaserl")
+ACTIVE: Optional[str] = None  # what configure_cuda_allocator did in this process (the run summary's words)
+
+ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either; the first set one is the user's
+DEFAULT = "expandable_segments:True"
+
+
+def configure_cuda_allocator() -> str:
+    """Turn on expandable segments unless an allocator variable is set; -> the run summary's words for it (also
+    kept in ACTIVE). Safe before or after CUDA is initialized: segments allocated from now on expand."""
+    global ACTIVE
+    ACTIVE = _configure()
+    log.debug("CUDA allocator: %s", ACTIVE)
+    return ACTIVE
+
+
+def _configure() -> str:
+    for name in ENVS:
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]} (set in the environment: phaserl leaves it as it is)"
+    set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if set_settings is None:  # a torch without the runtime switch: the variable, read when CUDA initializes
+        if torch.cuda.is_initialized():
+            return "torch's defaults (CUDA was initialized before phaserl could set expandable segments)"
+        os.environ[ENVS[0]] = DEFAULT
+    else:
+        set_settings(DEFAULT)
+    return f"{DEFAULT} (phaserl's default: less memory held but unused; set PYTORCH_CUDA_ALLOC_CONF to choose)"
