@@ -42,7 +42,9 @@ def _configure() -> str:
     for name in ENVS:
         if os.environ.get(name):
             return f"{name}={os.environ[name]} (set in the environment: phaserl leaves it as it is)"
-    set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # torch's runtime switch (2.9+ spells it on torch._C; torch.cuda.memory's older name now warns and forwards)
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if set_settings is None:  # a torch without the runtime switch: the variable, read when CUDA initializes
         if torch.cuda.is_initialized():
             return "torch's defaults (CUDA was initialized before phaserl could set expandable segments)"

@@ -15,7 +15,9 @@ def no_alloc_env(monkeypatch):
     for name in ENVS:
         monkeypatch.delenv(name, raising=False)
     calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: calls.append(("old name", s)),
+                        raising=False)
     monkeypatch.setattr(cuda_allocator, "ACTIVE", None)
     return calls
 
@@ -34,7 +36,14 @@ def test_the_users_allocator_variable_wins_whatever_it_says(no_alloc_env, monkey
     assert line == f"{name}=expandable_segments:False,max_split_size_mb:512 (set in the environment: phaserl leaves it as it is)"
 
 
+def test_a_torch_with_only_the_older_name_of_the_switch_gets_it_through_that(no_alloc_env, monkeypatch):
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    configure_cuda_allocator()
+    assert no_alloc_env == [("old name", DEFAULT)]
+
+
 def test_a_torch_without_the_runtime_switch_gets_the_variable_before_cuda_starts(no_alloc_env, monkeypatch):
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
     monkeypatch.delattr(torch.cuda.memory, "_set_allocator_settings")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     configure_cuda_allocator()
