@@ -12,6 +12,7 @@ timed step, and the warm-up steps apart). `--only both` ends with a comparison l
     python benchmarks/grpo_step.py --only ours --ours-set actor.compile=false --ours-set rollout.engine_keep_awake=false
     python benchmarks/grpo_step.py --tiny                   # a CPU smoke run of both sides (seconds)
     python benchmarks/grpo_step.py --shape 7b --lora-rank 16  # LoRA on both sides (benchmarks/lora_step.py runs the set)
+    python benchmarks/grpo_step.py --only ours --sweep-micro-batch 8064,12288,32640  # the host's cost per micro-batch
 
 Ours is built the way `phaserl train ours.yaml KEY=VALUE ...` builds it: the YAML this script writes, plus
 --ours-set overrides -> phaserl.config.load_config -> RLTrainer.from_config (phaserl.trainer.build); then
@@ -71,8 +72,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_setup  # noqa: E402
-from step_probes import (dynamo_counters, engine_stats, memory_gib, metric_group, profile_one_step,  # noqa: E402
-                         reset_peak, rollout_probe, sync, timed_step)
+from step_probes import (dynamo_counters, engine_stats, memory_gib, metric_group, micro_batch_sweep,  # noqa: E402
+                         profile_one_step, reset_peak, rollout_probe, sync, timed_step)
 
 BENCH = "grpo_step"
 
@@ -127,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours: after the timed steps, the rollout alone once per KV memory fraction (and with a "
                         "LoRA actor, once with the adapters merged and once off, i.e. the full fine-tune's engine "
                         "path): slots, decode steps, begin/refill seconds")
+    p.add_argument("--sweep-micro-batch", default=None, metavar="T[,T...]",
+                   help="ours: after the timed steps, the update at each of these ppo.micro_batch_tokens in this same "
+                        "process (1 + --steps steps each), and the host's cost per micro-batch fitted from them")
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
@@ -278,6 +282,9 @@ def run_ours(a, root: str, log_dir: str) -> dict:
         emit(**step)
     if a.rollout_probe:
         rollout_probe(trainer, a.rollout_probe, emit)
+    if a.sweep_micro_batch:
+        micro_batch_sweep(trainer, [int(t) for t in a.sweep_micro_batch.split(",")], a.steps,
+                          a.prompt_len + a.new_tokens, emit)
     if a.profile:
         profile_one_step(trainer, emit, a.profile_phases)
     trainer.run.metrics_logger.close()

@@ -170,3 +170,38 @@ def engine_stats(actor) -> dict:
     """The rollout engine's own seconds (generate() alone, graph capture included) and graph count."""
     stats = getattr(getattr(actor, "engine", None), "last_stats", None) or {}
     return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()}
+
+
+def micro_batch_sweep(trainer, sizes: list, steps: int, sequence_tokens: int, emit) -> None:
+    """The update phase at several training micro-batch sizes in this one process (same host, same compiled code,
+    same world): one untimed step per size, then `steps` timed. The update does the same device work at every size
+    (the same tokens), so its wall time against the number of micro-batches is a line whose slope is the host's
+    cost per micro-batch on this machine (launches, Python, allocator) and whose intercept is the rest; emitted as
+    `measure=micro_batch_sweep` per size and one `measure=host_cost_per_micro_batch` (least squares). Restores the
+    trainer's micro-batch afterwards. Fixed-length sequences assumed (grpo_step's world ignores EOS mostly)."""
+    import math
+    import statistics
+
+    before, points, run = trainer.run.train_tokens, [], trainer.run
+    mini = run.mini_batch_per_rank  # responses per optimizer step (this rank)
+    minis = run.responses_per_step // mini // trainer.world_size  # optimizer steps per RL step
+    for tokens in sizes:
+        trainer.run = dataclasses.replace(trainer.run, train_tokens=tokens)
+        updates = []
+        for i in range(1 + steps):
+            reset_peak()
+            metrics, _ = timed_step(trainer)
+            if i:
+                updates.append(metrics["timing_s/update"])
+        micro = run.epochs * minis * math.ceil(mini / max(1, tokens // sequence_tokens))
+        update = statistics.median(updates)
+        points.append((micro, update))
+        emit(measure="micro_batch_sweep", micro_batch_tokens=tokens, micro_batches=micro,
+             update_s=round(update, 4), update_s_all=[round(u, 4) for u in updates], **memory_gib())
+    trainer.run = dataclasses.replace(trainer.run, train_tokens=before)
+    if len({m for m, _ in points}) < 2:
+        return
+    mx, my = statistics.fmean(m for m, _ in points), statistics.fmean(u for _, u in points)
+    slope = sum((m - mx) * (u - my) for m, u in points) / sum((m - mx) ** 2 for m, _ in points)
+    emit(measure="host_cost_per_micro_batch", seconds=round(slope, 5), intercept_s=round(my - slope * mx, 4),
+         points=[[m, round(u, 4)] for m, u in points])
