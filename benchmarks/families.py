@@ -52,6 +52,8 @@ Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
     python benchmarks/families.py --shape mistral-7b --case rollout_native,rollout_hf
     python benchmarks/families.py --shape qwen3-moe-a3b --case all
     python benchmarks/families.py --shape gemma3-1b --case grpo_native,grpo_transformers --grpo-steps 1
+    python benchmarks/families.py --shape qwen35-2b --case grpo_transformers --run 8,8,128,256 --grpo-steps 1 \
+        --case-timeout 250                      # a slow path inside one device call: the steps it finished
     python benchmarks/families.py --shape qwen35-0.8b --case mismatch,rollout_native,rollout_hf
     python benchmarks/families.py --smoke            # CPU, tiny shapes of every family, a few tokens
 
@@ -399,8 +401,17 @@ def train_layers(shape: str, root: str, device: str, dtype: torch.dtype, smoke: 
         decoder.enable_compile(model, enabled=False)
 
 
+def _json_or_none(line: str) -> Optional[dict]:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, extra: tuple = (),
-         micro_batch_tokens: Optional[int] = None) -> None:
+         micro_batch_tokens: Optional[int] = None, timeout: Optional[float] = None) -> None:
+    """One grpo_step.py process (`--only ours`) on this shape's world: its summary as a `grpo_step` line. With
+    `timeout`, a process still running then is stopped and the steps it finished are emitted (`grpo_partial`)."""
     prompts, n, prompt_len, new = SHAPES[shape]["run"]
     argv = [sys.executable, os.path.join(HERE, "grpo_step.py"), "--only", "ours", "--world", root,
             "--prompts", str(prompts), "--n", str(n), "--prompt-len", str(prompt_len), "--new-tokens", str(new),
@@ -413,19 +424,23 @@ def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, ex
     # The KV pool sized for every sequence of the step (grpo_step's default fraction is sized for 0.5B).
     argv += ["--tiny", "--steps", "1", "--warmup", "0"] if smoke else ["--steps", str(steps), "--warmup", "1",
                                                                         "--kv-fraction", "0.25"]
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    case = f"grpo_{implementation}"
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # what finished before the limit is still a measurement
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        steps_done = [r for r in map(_json_or_none, out.splitlines()) if r and r.get("measure") in ("build", "step")]
+        emit(measure="grpo_partial", case=case, shape=shape, timeout_s=timeout, lines=steps_done)
+        emit(measure="error", case=case, shape=shape, error=f"stopped after {timeout:g} s (--case-timeout)")
+        return
+    for record in filter(None, map(_json_or_none, proc.stdout.splitlines())):
         if record.get("measure") == "summary":
             emit(measure="grpo_step", case=implementation + "".join(f" {s}" for s in extra), shape=shape,
                  s_per_step=record["s_per_step_median"],
                  tokens_per_s=record["tokens_per_s"], peak=record["timed_peak"],
                  timing_s=record.get("timing_s_median"))
     if proc.returncode != 0:
-        emit(measure="error", case=f"grpo_{implementation}", shape=shape, returncode=proc.returncode,
+        emit(measure="error", case=case, shape=shape, returncode=proc.returncode,
              stderr=proc.stderr[-2000:])
 
 
@@ -440,6 +455,9 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=None, help="override the shape's num_hidden_layers")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="grpo cases: ppo.micro_batch_tokens (default: phaserl's own, auto)")
+    p.add_argument("--case-timeout", type=float, default=None, help="grpo cases: stop a GRPO process after this "
+                   "many seconds and report the steps it finished (the transformers path of a large shape can take "
+                   "longer than a device call has)")
     p.add_argument("--run", default=None, metavar="PROMPTS,N,PROMPT_LEN,NEW", help="override the shape's run")
     a = p.parse_args(argv)
     cases = CASES if a.case == "all" else tuple(a.case.split(","))
@@ -485,7 +503,7 @@ def main(argv=None) -> None:
                 recurrent_state.USE_DELTA_KERNEL = True
             else:
                 grpo(shape, root, case.removeprefix("grpo_"), a.smoke, a.grpo_steps,
-                     micro_batch_tokens=a.micro_batch_tokens)
+                     micro_batch_tokens=a.micro_batch_tokens, timeout=a.case_timeout)
         if "native" in RESULTS and "hf" in RESULTS:
             speedup = RESULTS["native"] / RESULTS["hf"]
             emit(measure="compare", shape=shape, native_tokens_per_s=round(RESULTS["native"], 1),
