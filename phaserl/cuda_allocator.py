@@ -27,6 +27,7 @@ ACTIVE: Optional[str] = None  # what configure_cuda_allocator did in this proces
 
 ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either; the first set one is the user's
 DEFAULT = "expandable_segments:True"
+_DEFAULT_WORDS = f"{DEFAULT} (phaserl's default: less memory held but unused; set PYTORCH_CUDA_ALLOC_CONF to choose)"
 
 
 def configure_cuda_allocator() -> str:
@@ -38,10 +39,30 @@ def configure_cuda_allocator() -> str:
     return ACTIVE
 
 
+def planned() -> str:
+    """What configure_cuda_allocator will do in a process with this environment, in the run summary's words; it
+    changes nothing (the doctor reports it before the run)."""
+    user = _user_setting()
+    return _user_words(*user) if user else _DEFAULT_WORDS
+
+
+
+def _user_setting() -> Optional[tuple[str, str]]:
+    return next(((name, os.environ[name]) for name in ENVS if os.environ.get(name)), None)
+
+
+def _user_words(name: str, value: str) -> str:
+    words = f"{name}={value} (set in the environment: phaserl leaves it as it is)"
+    if "expandable_segments:true" not in value.replace(" ", "").lower():
+        words += ("; without expandable segments the allocator can hold far more than the peak (0.5B, 32,640-token "
+                  "micro-batches: 62.8 GiB reserved for 35.8 allocated)")
+    return words
+
+
 def _configure() -> str:
-    for name in ENVS:
-        if os.environ.get(name):
-            return f"{name}={os.environ[name]} (set in the environment: phaserl leaves it as it is)"
+    user = _user_setting()
+    if user:
+        return _user_words(*user)
     # torch's runtime switch (2.9+ spells it on torch._C; torch.cuda.memory's older name now warns and forwards)
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
         getattr(torch.cuda.memory, "_set_allocator_settings", None)
@@ -51,4 +72,4 @@ def _configure() -> str:
         os.environ[ENVS[0]] = DEFAULT
     else:
         set_settings(DEFAULT)
-    return f"{DEFAULT} (phaserl's default: less memory held but unused; set PYTORCH_CUDA_ALLOC_CONF to choose)"
+    return _DEFAULT_WORDS

@@ -39,8 +39,8 @@ ALLOWED = {
     "rm": {"config", "data", "errors", "models", "roles", "world"},
     "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
     "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
-    "doctor": {"agents", "checkpoint", "config", "data", "errors", "models", "parallel", "resolve", "rewards", "roles",
-               "rollout"},  # rollout: generate() for the agent episode probe
+    "doctor": {"agents", "checkpoint", "config", "cuda_allocator", "data", "errors", "models", "parallel", "resolve",
+               "rewards", "roles", "rollout"},  # rollout: generate() for the agent episode probe
     "trainer": {"agents", "algo", "batch", "checkpoint", "compile_cache", "config", "cuda_allocator", "data", "doctor",
                 "errors", "metrics", "models", "parallel", "report", "resolve", "rewards", "rm", "roles", "rollout"},
     "cli": {"config", "doctor", "errors", "parallel", "resolve", "rm", "trainer", "world"},

@@ -33,7 +33,17 @@ def test_the_users_allocator_variable_wins_whatever_it_says(no_alloc_env, monkey
     monkeypatch.setenv(name, "expandable_segments:False,max_split_size_mb:512")
     line = configure_cuda_allocator()
     assert no_alloc_env == []  # torch's allocator is not touched
-    assert line == f"{name}=expandable_segments:False,max_split_size_mb:512 (set in the environment: phaserl leaves it as it is)"
+    assert line == (f"{name}=expandable_segments:False,max_split_size_mb:512 (set in the environment: phaserl leaves "
+                    "it as it is); without expandable segments the allocator can hold far more than the peak (0.5B, "
+                    "32,640-token micro-batches: 62.8 GiB reserved for 35.8 allocated)")
+
+
+def test_planned_says_what_the_builder_will_do_and_changes_nothing(no_alloc_env, monkeypatch):
+    assert configure_cuda_allocator() == cuda_allocator.planned() and no_alloc_env == [DEFAULT]  # one call: configure's
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments: True")  # the user's, with expandable segments
+    assert cuda_allocator.planned() == ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments: True (set in the environment: "
+                                        "phaserl leaves it as it is)")
+    assert no_alloc_env == [DEFAULT]
 
 
 def test_a_torch_with_only_the_older_name_of_the_switch_gets_it_through_that(no_alloc_env, monkeypatch):
@@ -78,3 +88,16 @@ def test_on_a_gpu_the_run_summary_names_the_allocator_setting_and_a_step_runs_wi
         "trainer.loggers=[]", "trainer.device=cuda"]))
     assert "CUDA allocator: expandable_segments:True (phaserl's default" in run_summary(trainer)
     trainer.train_step()  # the engine's graphs captured and replayed beside expandable segments
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_doctors_memory_details_say_what_the_run_will_set(tmp_path, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from phaserl.doctor import load_doctor_config, run_doctor
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    results = {r.name: r for r in run_doctor(load_doctor_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.device=cuda"]), world_size=1)}
+    assert ("CUDA allocator: PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 (set in the environment: phaserl leaves it "
+            "as it is); without expandable segments") in "\n".join(results["memory"].details)

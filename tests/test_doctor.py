@@ -185,6 +185,7 @@ def test_a_good_tiny_config_passes_every_check(run):
     details = "\n".join(results["memory"].details)
     assert "2 × 2 layers × 2 kv heads × 8 head dim × 4 B × 36 tokens = 9.0 KB per sequence" in details
     assert "suggested for this machine: rollout.batch_size=4 ppo.micro_batch_tokens=" in details
+    assert "CUDA allocator" not in details  # a CPU run: the allocator is not touched (cuda_allocator.py)
     assert "actor   FULL_SHARD" in "\n".join(results["parallel settings"].details)
 
 

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from .. import cuda_allocator
 from ..config.auto import choose, compile_rule, keep_awake_rule, micro_batch_rule
 from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
@@ -311,6 +312,8 @@ def check_memory(ctx: Context) -> CheckResult:
         details.append(hybrid_activation_line(shape, sizes))
     if kept:
         details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
+    if ctx.device.type == "cuda":  # what the run's builder will set (cuda_allocator.py): the slack beyond the count
+        details.append(f"CUDA allocator: {cuda_allocator.planned()}")
     details += [_size_line(s, sizes, ctx.free_bytes) for s in suggestions]
     suggested = " ".join(f"{s.key}={s.fits}" if s.fits else f"{s.key}={s.whole or 1} (does not fit either)"
                          for s in suggestions)
