@@ -210,9 +210,10 @@ def enable_compile(model: nn.Module, enabled: bool = True, *, backend: str = "in
         import torch._dynamo  # noqa: F401  (seconds to import: only when compiling)
 
         _attend = torch.compiler.disable(attend)
-        from ..compile_cache import guard_compiled  # a corrupt compile cache: moved aside, compiled cold
+        from ..compile_cache import guard_compiled, specialized_floats  # a corrupt cache: moved aside, cold
 
-        _COMPILED_BLOCKS[backend] = guard_compiled(torch.compile(layer_block, dynamic=True, backend=backend))
+        _COMPILED_BLOCKS[backend] = guard_compiled(specialized_floats(
+            torch.compile(layer_block, dynamic=True, backend=backend)))
     for layer in model.modules():
         if isinstance(layer, DecoderLayer):
             layer.compiled = backend if enabled else None
