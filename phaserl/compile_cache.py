@@ -197,30 +197,20 @@ def guard_compiled(compiled: Callable) -> Callable:
     return call
 
 
-def specialized_floats(compiled: Callable) -> Callable:
-    """`compiled` (a torch.compile'd function of dynamic shapes) whose compiles treat Python floats as constants.
+def specialize_floats() -> None:
+    """Make dynamo treat the Python floats it reads as constants in every compile of this process from now on
+    (torch._dynamo.config.specialize_float = True, torch's default before 2.6; phaserl also raises recompile_limit
+    process-wide, rollout/runner.py). Called wherever phaserl compiles.
 
-    Since torch 2.6 dynamo makes a float it reads (a layer's `spec.eps`) a symbolic input under dynamic=True; an op
-    that needs a concrete value (rms_norm's eps) then makes the tensorify pass restart the whole frame's analysis,
-    after AOTAutograd has traced the joint graph once for nothing: every compile paid twice, and the discarded
-    attempt misses the AOTAutograd cache on every run (CPU warm-start smoke: 11 AOT compiles of which 4 thrown away,
-    first step 9.3 s; with floats specialized 7 and 7, 6.7 s). torch._dynamo.config.specialize_float=True is set
-    only around the calls that may compile: the first call in each grad mode (a later recompile, rare with dynamic
-    shapes, just pays the restart). Dynamo guards on the float's value, so a model with another eps compiles anew."""
-    patch = torch._dynamo.config.patch(specialize_float=True)
-    compiled_modes: set = set()
+    Why: under dynamic=True torch 2.6+ makes such a float (a layer's `spec.eps`) a symbolic input, and an op that
+    needs the number (rms_norm's eps) makes the tensorify pass restart the frame's whole analysis after AOTAutograd
+    has traced the joint graph once for nothing: every compile and recompile paid twice, and the discarded trace
+    misses the AOTAutograd cache on every run (CPU warm-start smoke: 11 AOT compiles of which 4 thrown away, warm
+    first step 7.9 s; with floats constant 7 of 7, 4.8-5.3 s). Dynamo guards on each float's value instead, so a
+    model with another eps, or a new sampling temperature, compiles its own graph."""
+    import torch._dynamo  # noqa: F401  (seconds to import: only when compiling)
 
-    def call(*args, **kwargs):
-        mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        if mode in compiled_modes:
-            return compiled(*args, **kwargs)
-        with patch:
-            out = compiled(*args, **kwargs)
-        compiled_modes.add(mode)
-        return out
-
-    call.__wrapped__ = compiled
-    return call
+    torch._dynamo.config.specialize_float = True
 
 
 # ----- the console lines around the first compiled step -----------------------------------------------------

@@ -30,7 +30,7 @@ ALLOWED = {
     "report": {"errors"},
     "batching": {"batch"},
     "packing": {"batch", "models"},
-    "rollout": {"errors", "models"},
+    "rollout": {"compile_cache", "errors", "models"},
     "metrics": {"parallel"},
     "rewards": {"batch", "errors", "userfiles"},                    # a reward model is any `score(prompts, responses)`
     "roles": {"algo", "batch", "batching", "errors", "models", "packing", "parallel", "rollout"},

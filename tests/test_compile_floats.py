@@ -1,8 +1,8 @@
 """Regression (thirteenth session): under dynamic=True, dynamo made a layer's `spec.eps` a symbolic float; rms_norm
 needs a concrete eps, so every compile of a decoder block restarted its analysis after AOTAutograd had traced the
 joint graph once for nothing (4 of 11 AOT compiles thrown away in the warm-start smoke, each missing the cache on
-every run). compile_cache.specialized_floats compiles with floats as constants; dynamo guards on their values, so
-models with other eps values share the compiled block and stay exact. aot_eager traces forward and backward like
+every run). compile_cache.specialize_floats makes dynamo treat floats as constants wherever phaserl compiles; it
+guards on their values, so models with other eps values share the compiled block and stay exact. aot_eager traces forward and backward like
 inductor does, without code generation (CPU)."""
 import pytest
 import torch
@@ -32,7 +32,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
     decoder._COMPILED_BLOCKS.pop("aot_eager", None)
     counters.clear()
-    yield
+    with torch._dynamo.config.patch(specialize_float=False):  # torch's default, whatever ran before in the process
+        yield
     decoder._COMPILED_BLOCKS.pop("aot_eager", None)
     torch._dynamo.reset()
 
@@ -45,7 +46,7 @@ def test_a_compiled_decoder_block_is_traced_once_per_graph_not_restarted(fresh_d
     aot = counters["aot_autograd"]
     # the block is two graphs around the eager attention; each went through AOTAutograd exactly once
     assert aot["total"] == aot["ok"] == 2
-    assert torch._dynamo.config.specialize_float is False  # set only while compiling, torch's default otherwise
+    assert torch._dynamo.config.specialize_float is True  # for the rest of the process (the fixture restores it)
     _loss_and_grads(model, ids)
     with torch.no_grad():
         model(ids)  # another grad mode: its own graphs, again without a restart
@@ -65,3 +66,29 @@ def test_models_with_other_eps_share_the_compiled_block_and_stay_exact(fresh_dyn
         for g, w in zip(grads, want):
             if w is not None:
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_layers_compile_once_and_decode_as_the_eager_ones(fresh_dynamo):
+    """The engine's compiled layer pieces (runner.compiled_fns, inductor's C++ on the CPU) restarted the same way,
+    also on their recompiles (prefill and decode shapes); with floats constant each compile runs once and greedy
+    decoding is unchanged."""
+    from phaserl.rollout import RolloutEngine, runner
+    from phaserl.rollout.engine import EngineConfig
+    from phaserl.rollout.sampling import SamplingParams
+
+    runner.compiled_fns.cache_clear()  # made anew here, as in a fresh process (an earlier test may have made them)
+
+    model = _model(1e-6).eval()
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    results = []
+    for compile in (False, True):
+        engine = RolloutEngine(model, EngineConfig(compile=compile, cuda_graphs=False))
+        results.append(engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True))
+    eager, compiled = results
+    assert compiled.response_ids == eager.response_ids
+    for a, b in zip(compiled.logprobs, eager.logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    aot = counters["aot_autograd"]
+    assert aot["total"] == aot["ok"] > 0  # each compiled piece went through AOTAutograd once: no restarts

@@ -210,10 +210,10 @@ def enable_compile(model: nn.Module, enabled: bool = True, *, backend: str = "in
         import torch._dynamo  # noqa: F401  (seconds to import: only when compiling)
 
         _attend = torch.compiler.disable(attend)
-        from ..compile_cache import guard_compiled, specialized_floats  # a corrupt cache: moved aside, cold
+        from ..compile_cache import guard_compiled, specialize_floats  # a corrupt cache: moved aside, cold
 
-        _COMPILED_BLOCKS[backend] = guard_compiled(specialized_floats(
-            torch.compile(layer_block, dynamic=True, backend=backend)))
+        specialize_floats()  # spec.eps a constant: no restarted compiles (compile_cache.py)
+        _COMPILED_BLOCKS[backend] = guard_compiled(torch.compile(layer_block, dynamic=True, backend=backend))
     for layer in model.modules():
         if isinstance(layer, DecoderLayer):
             layer.compiled = backend if enabled else None

@@ -149,8 +149,8 @@ _COMPILED: dict = {}  # backend -> torch.compile(hybrid_block), made once per pr
 def compiled_block(backend: str):
     """torch.compile(hybrid_block) for `backend` (dynamic shapes: one graph per layer kind serves every batch)."""
     if backend not in _COMPILED:
-        from ..compile_cache import guard_compiled, specialized_floats  # a corrupt cache: moved aside, cold
+        from ..compile_cache import guard_compiled, specialize_floats  # a corrupt cache: moved aside, cold
 
-        _COMPILED[backend] = guard_compiled(specialized_floats(
-            torch.compile(hybrid_block, dynamic=True, backend=backend)))
+        specialize_floats()  # the norms' eps constants: no restarted compiles (compile_cache.py)
+        _COMPILED[backend] = guard_compiled(torch.compile(hybrid_block, dynamic=True, backend=backend))
     return _COMPILED[backend]

@@ -36,6 +36,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from phaserl.compile_cache import specialize_floats
 from phaserl.models.decoder import CausalLM
 from phaserl.models.heads import softcap
 from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
@@ -124,6 +125,7 @@ def compile_layer_fn(fn):
     H200 on 2026-12-01: 12 GPU tests failed with "recompile limit exceeded"), so the limit is raised once."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, ENGINE_RECOMPILE_LIMIT)
+    specialize_floats()  # the norms' eps constants: no restarted compiles (compile_cache.py)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
