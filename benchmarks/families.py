@@ -79,6 +79,7 @@ sys.path.insert(0, HERE)
 import grpo_setup  # noqa: E402
 from phaserl.models import load_pretrained  # noqa: E402
 from profiling import profile_call  # noqa: E402
+from step_probes import json_or_none  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 
 BENCH = "families"
@@ -401,13 +402,6 @@ def train_layers(shape: str, root: str, device: str, dtype: torch.dtype, smoke: 
         decoder.enable_compile(model, enabled=False)
 
 
-def _json_or_none(line: str) -> Optional[dict]:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
-
-
 def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, extra: tuple = (),
          micro_batch_tokens: Optional[int] = None, timeout: Optional[float] = None) -> None:
     """One grpo_step.py process (`--only ours`) on this shape's world: its summary as a `grpo_step` line. With
@@ -429,11 +423,11 @@ def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, ex
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # what finished before the limit is still a measurement
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        steps_done = [r for r in map(_json_or_none, out.splitlines()) if r and r.get("measure") in ("build", "step")]
+        steps_done = [r for r in map(json_or_none, out.splitlines()) if r and r.get("measure") in ("build", "step")]
         emit(measure="grpo_partial", case=case, shape=shape, timeout_s=timeout, lines=steps_done)
         emit(measure="error", case=case, shape=shape, error=f"stopped after {timeout:g} s (--case-timeout)")
         return
-    for record in filter(None, map(_json_or_none, proc.stdout.splitlines())):
+    for record in filter(None, map(json_or_none, proc.stdout.splitlines())):
         if record.get("measure") == "summary":
             emit(measure="grpo_step", case=implementation + "".join(f" {s}" for s in extra), shape=shape,
                  s_per_step=record["s_per_step_median"],

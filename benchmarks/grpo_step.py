@@ -72,8 +72,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_setup  # noqa: E402
-from step_probes import (dynamo_counters, engine_stats, memory_gib, metric_group, micro_batch_sweep,  # noqa: E402
-                         profile_one_step, reset_peak, rollout_probe, sync, timed_step)
+from step_probes import (dynamo_counters, engine_stats, json_or_none, memory_gib, metric_group,  # noqa: E402
+                         micro_batch_sweep, profile_one_step, reset_peak, rollout_probe, sync, timed_step)
 
 BENCH = "grpo_step"
 
@@ -407,14 +407,6 @@ def run_trl(a, root: str, log_dir: str) -> dict:
                      {"trl": trl.__version__, "micro_batch": a.micro_batch, "lora_rank": a.lora_rank})
 
 
-def _json_or_none(line: str):
-    if not line.startswith("{"):
-        return None
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
-
 
 # ----- driver -----------------------------------------------------------------------------------
 def run_both(a, root: str) -> None:
@@ -428,7 +420,7 @@ def run_both(a, root: str) -> None:
         try:
             for line in proc.stdout:
                 print(line, end="", flush=True)
-                rec = _json_or_none(line)
+                rec = json_or_none(line)
                 if rec is not None and rec.get("measure") == "summary":
                     summaries[side] = rec
             proc.wait()

@@ -7,9 +7,20 @@ Not here: the step configs, the TRL side, the summary lines (grpo_step.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import torch
+
+
+def json_or_none(line: str):
+    """A JSON object printed on one line by a benchmark process, or None for any other line."""
+    if not line.startswith("{"):
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def sync() -> None:

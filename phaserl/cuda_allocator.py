@@ -46,7 +46,6 @@ def planned() -> str:
     return _user_words(*user) if user else _DEFAULT_WORDS
 
 
-
 def _user_setting() -> Optional[tuple[str, str]]:
     return next(((name, os.environ[name]) for name in ENVS if os.environ.get(name)), None)
 
@@ -60,9 +59,8 @@ def _user_words(name: str, value: str) -> str:
 
 
 def _configure() -> str:
-    user = _user_setting()
-    if user:
-        return _user_words(*user)
+    if _user_setting():
+        return planned()
     # torch's runtime switch (2.9+ spells it on torch._C; torch.cuda.memory's older name now warns and forwards)
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
         getattr(torch.cuda.memory, "_set_allocator_settings", None)

@@ -2,8 +2,8 @@
 needs a concrete eps, so every compile of a decoder block restarted its analysis after AOTAutograd had traced the
 joint graph once for nothing (4 of 11 AOT compiles thrown away in the warm-start smoke, each missing the cache on
 every run). compile_cache.specialize_floats makes dynamo treat floats as constants wherever phaserl compiles; it
-guards on their values, so models with other eps values share the compiled block and stay exact. aot_eager traces forward and backward like
-inductor does, without code generation (CPU)."""
+guards on their values, so models with other eps values share the compiled block and stay exact. aot_eager traces
+forward and backward like inductor does, without code generation (CPU)."""
 import pytest
 import torch
 import torch._dynamo

@@ -35,7 +35,8 @@ def test_a_grpo_case_past_its_timeout_reports_the_steps_it_finished(monkeypatch,
 
     def slow(argv, **kw):
         assert kw["timeout"] == 120.0
-        raise subprocess.TimeoutExpired(argv, kw["timeout"], output=("\n".join(map(json.dumps, done)) + "\nnoise\n").encode())
+        output = ("\n".join(map(json.dumps, done)) + "\nnoise\n").encode()  # what the child printed before the limit
+        raise subprocess.TimeoutExpired(argv, kw["timeout"], output=output)
 
     monkeypatch.setattr(subprocess, "run", slow)
     families.grpo("qwen35-2b", "/nonexistent", "transformers", smoke=False, steps=1, timeout=120.0)

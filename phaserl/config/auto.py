@@ -155,11 +155,11 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     thirteenth session: the update took 1.39 s vs 1.30 s at 12,288 vs 32,640 tokens on the first, 2.04 s vs
     1.39 s on the second; 8,064 tokens 3.44 s). A rule that picked "just enough work per micro-batch" (3.6e13
     FLOP, tried that day) made the update 47% slower at 0.5B (against 32,640 tokens) and 54% at 1.5B (against
-    10,240) on the slower host; the largest micro-batch is the one that is fast on both. The price is memory: 35.8 GiB allocated at 32,640 tokens against
-    20.5 at 12,288 (0.5B); what the allocator holds beyond that is kept small by expandable segments
-    (cuda_allocator.py: 36.2 GiB reserved instead of 62.8). Where memory is tight it goes the other way: a 7B full
-    fine-tune on one H200 peaks at 101 GiB with 6,144-token micro-batches; the old fixed 16,384 would need about
-    170 GiB there by the same count."""
+    10,240) on the slower host; the largest micro-batch is the one that is fast on both. The price is memory:
+    35.8 GiB allocated at 32,640 tokens against 20.5 at 12,288 (0.5B); what the allocator holds beyond that is
+    kept small by expandable segments (cuda_allocator.py: 36.2 GiB reserved instead of 62.8). Where memory is
+    tight it goes the other way: a 7B full fine-tune on one H200 peaks at 101 GiB with 6,144-token micro-batches;
+    the old fixed 16,384 would need about 170 GiB there by the same count."""
     T = sequence_tokens
     if device_type != "cuda":
         return max(T, MICRO_BATCH_OFF_CUDA), f"{device_type.upper()} (the fixed default off CUDA)"
