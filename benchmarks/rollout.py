@@ -356,7 +356,11 @@ def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args, runner) -> Non
                 (512, 64, None, 4, 2), (512, 64, None, 4, 1), (512, 64, None, 4, 3), (512, 128, None, 4, 2),
                 (512, 128, None, 8, 2), (512, 128, None, 4, 1), (512, 32, None, 4, 2), (512, 64, None, 2, 2),
                 (512, 32, None, 2, 2), (512, 64, 128, 4, 2), (64, 64, None, 4, 2), (64, 64, 512, 4, 2),
-                (64, 64, 64, 4, 2)]:
+                (64, 64, 64, 4, 2),
+                # one stage: half the shared memory per program, so all 1,024 programs of 512 rows can be resident
+                # at once (two stages: ~7 per SM by shared memory, a second wave of ~100 programs)
+                (512, 32, None, 4, 1), (512, 64, None, 2, 1), (512, 128, None, 8, 1), (512, 256, None, 8, 1),
+                (512, 256, None, 4, 1), (512, 64, 192, 4, 1), (512, 128, 128, 4, 1), (512, 32, None, 2, 1)]:
             ms = graph_ms(lambda: fused_attention(q[:rows], k[:rows], v[:rows], keys, values, pos[:rows], runner,
                                                   block_n=block_n, chunk=chunk, num_warps=warps, num_stages=stages))
             emit(case="sweep_attention", shape=args.shape, rows=rows, block_n=block_n, chunk=chunk, num_warps=warps,

@@ -13,8 +13,10 @@ tokens (phaserl.agents): losses, KL, entropy, advantages, their whitening and to
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -135,6 +137,46 @@ class TrainBatch:
             ref_logprobs=pick(self.ref_logprobs), advantages=take(self.advantages),
             returns=take(self.returns), old_values=pick(self.old_values),
         )
+
+
+def layout_ids(prompts: list, responses: list, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Token id lists laid out as a batch: (input_ids [B, S], attention_mask [B, S], P), prompts left-padded to
+    P, responses right-padded to R = max(1, longest). Filled through masks in one copy each, not a row at a
+    time: row-major order of a mask's True cells is the order of the concatenated lists (512 rows of 384
+    tokens: ~1,500 small tensors a step before, tens of ms of host time)."""
+    P = max(map(len, prompts))
+    R = max(1, max(map(len, responses)))
+    prompt_cells = torch.arange(P) >= P - _lengths(prompts)[:, None]    # [B, P] left padding
+    response_cells = right_padded_cells(responses, R)                     # [B, R]
+    input_ids = torch.full((len(prompts), P + R), pad_token_id, dtype=torch.long)  # [B, S]
+    input_ids[:, :P][prompt_cells] = _flat(prompts, torch.long)
+    input_ids[:, P:][response_cells] = _flat(responses, torch.long)
+    return input_ids, torch.cat([prompt_cells, response_cells], dim=1).long(), P
+
+
+def right_padded(values: list, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Lists of numbers as rows [B, width], zero after each list's end."""
+    out = torch.zeros(len(values), width, dtype=dtype)
+    out[right_padded_cells(values, width)] = _flat(values, dtype)
+    return out
+
+
+def right_padded_cells(values: list, width: int) -> torch.Tensor:
+    """[B, width] True on the first len(values[i]) cells of row i."""
+    return torch.arange(width) < _lengths(values)[:, None]
+
+
+def _lengths(values: list) -> torch.Tensor:
+    return torch.tensor([len(v) for v in values], dtype=torch.long)  # [B]
+
+
+def _flat(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """The lists concatenated [sum of lengths]; numpy's fromiter reads Python numbers ~4x faster than torch.tensor."""
+    count = sum(map(len, values))
+    return torch.from_numpy(np.fromiter(chain.from_iterable(values), dtype=_NUMPY[dtype], count=count))
+
+
+_NUMPY = {torch.long: np.int64, torch.float32: np.float32}
 
 
 def layout_routes(prompt_lengths: list, routes: list, P: int, R: int) -> torch.Tensor:

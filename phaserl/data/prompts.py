@@ -1,4 +1,5 @@
-"""Turning validated prompt rows into token ids: chat template, tokenization, overlong policy.
+"""Turning validated prompt rows into token ids: chat template, tokenization, overlong policy; and sampled
+response ids back into text (decode_responses).
 
 Input: `PromptRow`s (rows.py) and a Hugging Face tokenizer. Output: a `PromptDataset` of
 `PromptItem`s, each holding the ids the policy will see and the text they came from. Batching,
@@ -156,3 +157,26 @@ def build_prompt_dataset(rows: Sequence[PromptRow], tokenizer, *, max_prompt_len
             f"{max_prompt_length} and were dropped. Raise data.max_prompt_length or use a truncate_* policy."
         )
     return PromptDataset(items=items, dropped=dropped, truncated=truncated)
+
+
+def decode_responses(tokenizer, responses: Sequence[Sequence[int]]) -> list[str]:
+    """The texts of sampled responses: `tokenizer.batch_decode(responses, skip_special_tokens=True)`, the same
+    strings. A plain fast tokenizer decodes through the tokenizers library's batch call (Rust, threads, no
+    GIL): transformers 5's batch_decode decodes one sequence at a time in Python (512 responses of 256 tokens:
+    ~50-100 ms of a 2-core host's time every step against ~12 ms). A tokenizer that decodes its own way (a
+    subclass's decode, or clean_up_tokenization_spaces on) keeps transformers' call."""
+    if _plain_fast(tokenizer):
+        return tokenizer.backend_tokenizer.decode_batch([list(ids) for ids in responses], skip_special_tokens=True)
+    return tokenizer.batch_decode(responses, skip_special_tokens=True)
+
+
+def _plain_fast(tokenizer) -> bool:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, PreTrainedTokenizerFast)
+            and isinstance(getattr(tokenizer, "backend_tokenizer", None), Tokenizer)
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+            and all(getattr(cls, name) is getattr(PreTrainedTokenizerFast, name)
+                    for name in ("batch_decode", "decode", "_decode")))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..agents.episodes import FINISH_REASONS
-from ..batch import RolloutBatch, Scores, layout_routes
+from ..batch import RolloutBatch, Scores, layout_ids, layout_routes, right_padded
+from ..data.prompts import decode_responses
 
 TOOL_METRICS = ("tool_calls", "tool_errors", "tool_seconds")  # always logged (0 when the environment has no tools)
 
@@ -22,17 +23,10 @@ def episodes_batch(episodes: list, n: int, *, tokenizer, pad_token_id: int, grou
     B = len(episodes)
     prompts = [ep.prompt_ids for ep in episodes]
     responses = [ep.response_ids() for ep in episodes]
-    P, R = max(map(len, prompts)), max(1, max(map(len, responses)))
-    input_ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)  # [B, S]
-    attention_mask = torch.zeros((B, P + R), dtype=torch.long)          # [B, S]
-    loss_mask = torch.zeros((B, R), dtype=torch.long)                   # [B, R]
-    logprobs = torch.zeros((B, R), dtype=torch.float32)                 # [B, R]
-    for i, (ep, prompt, resp) in enumerate(zip(episodes, prompts, responses)):
-        input_ids[i, P - len(prompt):P] = torch.tensor(prompt, dtype=torch.long)
-        input_ids[i, P:P + len(resp)] = torch.tensor(resp, dtype=torch.long)
-        attention_mask[i, P - len(prompt):P + len(resp)] = 1
-        loss_mask[i, :len(resp)] = torch.tensor(ep.loss_mask(), dtype=torch.long)
-        logprobs[i, :len(resp)] = torch.tensor(ep.response_logprobs(), dtype=torch.float32)
+    input_ids, attention_mask, P = layout_ids(prompts, responses, pad_token_id)  # [B, S] each
+    R = input_ids.shape[1] - P
+    loss_mask = right_padded([ep.loss_mask() for ep in episodes], R, torch.long)              # [B, R]
+    logprobs = right_padded([ep.response_logprobs() for ep in episodes], R, torch.float32)    # [B, R]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)     # [B, S]
     group_ids = torch.arange(B // n).repeat_interleave(n) + group_offset  # [B]
     return RolloutBatch(
@@ -40,7 +34,7 @@ def episodes_batch(episodes: list, n: int, *, tokenizer, pad_token_id: int, grou
         position_ids=position_ids.to(device), response_mask=attention_mask[:, P:].to(device),
         prompt_width=P, group_ids=group_ids.to(device), rollout_logprobs=logprobs.to(device),
         prompts=[ep.row.prompt for ep in episodes],
-        response_texts=tokenizer.batch_decode(responses, skip_special_tokens=True),
+        response_texts=decode_responses(tokenizer, responses),
         rows=[ep.row for ep in episodes], finish_reasons=[ep.finish_reason for ep in episodes],
         loss_mask=loss_mask.to(device), episodes=list(episodes), rollout_metrics=episode_metrics(episodes),
         routed_experts=episode_routes(episodes, prompts, responses, P, R, device))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import RolloutBatch, layout_routes
+from ..batch import RolloutBatch, layout_ids, layout_routes, right_padded
+from ..data.prompts import decode_responses
 from ..rollout import GenerationResult
 
 
@@ -49,22 +50,14 @@ def build_rollout_batch(items: list, n: int, result: GenerationResult, *, tokeni
                         group_offset: int, device) -> RolloutBatch:
     """Pack prompt items (each repeated n times) and their generated responses into one batch."""
     rows = repeat_prompts(items, n)
-    B = len(rows)
-    assert len(result.response_ids) == B, (len(result.response_ids), B)
-    P = max(len(item.prompt_ids) for item in rows)
-    R = max(1, max(len(r) for r in result.response_ids))
-    input_ids = torch.full((B, P + R), pad_token_id, dtype=torch.long)      # [B, S]
-    attention_mask = torch.zeros((B, P + R), dtype=torch.long)              # [B, S]
-    logprobs = torch.zeros((B, R), dtype=torch.float32)                     # [B, R]
-    for i, (item, resp, lp) in enumerate(zip(rows, result.response_ids, result.logprobs)):
-        p = len(item.prompt_ids)
-        input_ids[i, P - p:P] = torch.tensor(item.prompt_ids, dtype=torch.long)
-        input_ids[i, P:P + len(resp)] = torch.tensor(resp, dtype=torch.long)
-        attention_mask[i, P - p:P + len(resp)] = 1
-        logprobs[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    assert len(result.response_ids) == len(rows), (len(result.response_ids), len(rows))
+    input_ids, attention_mask, P = layout_ids([item.prompt_ids for item in rows], result.response_ids,
+                                              pad_token_id)                                      # [B, S] each
+    R = input_ids.shape[1] - P
+    logprobs = right_padded(result.logprobs, R, torch.float32)                                   # [B, R]
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)         # [B, S]
     group_ids = torch.arange(len(items)).repeat_interleave(n) + group_offset  # [B]
-    texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+    texts = decode_responses(tokenizer, result.response_ids)
     routes = None if result.routes is None else layout_routes([len(r.prompt_ids) for r in rows], result.routes, P, R)
     return RolloutBatch(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
