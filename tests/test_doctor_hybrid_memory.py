@@ -251,3 +251,55 @@ def test_gpu_each_layer_kind_saves_what_the_doctor_counts_for_the_rule_cuda_runs
         pytest.skip("flash-linear-attention does not run here (not installed, or its probe disagreed: logged)")
     for kind, (measured, counted) in per_kind(model, 4 * 512, 512, device="cuda", varlen=True).items():
         assert counted == pytest.approx(measured, rel=0.05 if rule == "fla" else PACKED), kind
+
+
+def transformers_saved_per_layer(hf_model, batch: int, tokens: int) -> list:
+    """Bytes each decoder layer of a transformers model saves for backward per token (distinct storages that are
+    not parameters), its own torch fallback running the delta rule (no flash-linear-attention in CI)."""
+    params = {p.untyped_storage().data_ptr() for p in hf_model.parameters()}
+    current, seen = [None], {}
+
+    def pack(t):
+        if current[0] is not None and t.untyped_storage().data_ptr() not in params:
+            seen.setdefault(current[0], {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    hooks = []
+    for i, layer in enumerate(hf_model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    ids = torch.randint(0, hf_model.config.vocab_size, (batch, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hf_model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return [sum(seen.get(i, {}).values()) / (batch * tokens) for i in range(len(hf_model.model.layers))]
+
+
+def test_regression_a_transformers_path_qwen35_is_counted_by_its_layer_kinds_not_the_dense_rule():
+    """Bug: a Qwen3.5 on model.implementation=transformers was counted by the dense rule (~47 kB a token for a
+    0.8B-like Gated DeltaNet layer), while transformers' torch fallback saves ~238 kB: the auto micro-batch the
+    count allowed ran an H200 out of memory at 64 x 384 tokens (2026-12-04). The shape now takes the native
+    twin's per-kind count, which is within 15% of what transformers saves, layer by layer."""
+    from phaserl.models.hf_fallback import HFCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(**dict(QWEN35_08B))
+    hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    shape = ModelShape.of(HFCausalLM(hf))
+    assert shape.hybrid is not None and shape.hybrid.delta_rule == "torch"
+    counted = memory.layer_bytes(shape, sequence_tokens=256)
+    dense_rule = (8 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.num_kv_heads * shape.head_dim) * 2
+    saved = transformers_saved_per_layer(hf, batch=2, tokens=256)
+    for kind, measured in zip(config.layer_types, saved):
+        per_token = counted["linear_attention" if kind == "linear_attention" else "gated_attention"][1]
+        assert measured == pytest.approx(per_token, rel=0.15), (kind, measured, per_token)
+    assert saved[0] > 4 * dense_rule  # what the dense rule missed
+
+
+def test_a_transformers_model_without_linear_attention_keeps_the_dense_rule():
+    from phaserl.models.hf_fallback import HFCausalLM
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    shape = ModelShape.of(HFCausalLM(transformers.AutoModelForCausalLM.from_config(config)))
+    assert shape.hybrid is None and set(memory.layer_bytes(shape)) == {"dense"}

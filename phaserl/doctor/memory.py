@@ -36,7 +36,7 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   plus 3k × h of gathered inputs and expert outputs and the router's probabilities; × b;
                   Qwen3.5's Gated DeltaNet and gated attention layers in bytes, each tensor they save counted with
                   its own dtype (delta_layer_bytes, gated_attention_layer_bytes: the float32 chunked rule on the
-                  CPU, flash-linear-attention's kernels on CUDA where they run)
+                  CPU, flash-linear-attention's kernels on CUDA where they run), on the transformers path too
                   (gradient checkpointing: layers × h × b + one layer's worth), plus float32 logits × 3 for the
                   log-prob projection of up to 1024 tokens at a time.
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
@@ -56,8 +56,10 @@ from typing import Optional
 
 import torch
 
+from ..errors import ConfigError
 from ..models.config import DecoderConfig
 from ..models import linear_attention
+from ..models.families import config_from_hf
 from .activations import dense_layer_bytes, dense_layouts, norm_bytes
 from ..rollout.slot_memory import SlotMemory, slot_memory
 
@@ -107,6 +109,7 @@ class ModelShape:
             raise UnknownShape(f"{type(c).__name__} has no vocab_size")
         intermediate = _optional_field(c, "intermediate_size", "n_inner", "ffn_dim", "d_ff") or 4 * hidden
         native = isinstance(c, DecoderConfig)  # phaserl's decoder: the engine's own layout, per layer
+        hybrid = c if native else _hybrid_twin(c)
         return cls(num_params=sum(p.numel() for p in model.parameters()),
                    num_layers=_field(c, "num_hidden_layers", "n_layer", "num_layers"), hidden_size=hidden,
                    intermediate_size=intermediate,
@@ -114,8 +117,24 @@ class ModelShape:
                    head_dim=head_dim, vocab_size=vocab, param_bytes=first.element_size(),
                    slot=slot_memory(c, first.dtype) if native else None,
                    moe=ExpertShape.of(c, hidden) if native and c.num_experts else None,
-                   hybrid=HybridShape.of(c, first.device) if native and c.hybrid else None,
+                   hybrid=HybridShape.of(hybrid, first.device) if hybrid is not None and hybrid.hybrid else None,
                    dense=dense_layouts(c) if native and not c.hybrid else None)
+
+
+def _hybrid_twin(config) -> Optional[DecoderConfig]:
+    """A transformers-path model with linear-attention layers (Qwen3.5 under model.implementation=transformers): the
+    native config of the same shape, so that its Gated DeltaNet and gated attention layers are counted as what they
+    save. transformers' torch fallback saves about what phaserl's torch rule does (a 0.8B-like layer, bf16 on the CPU,
+    2026-12-04: 238 kB a token against the 269 counted; gated attention 92.5 against 88.1), where the dense rule
+    counted ~47 kB: at 64 × 384 tokens the transformers path ran out of an H200's memory at an auto micro-batch the
+    dense rule said would fit. None for any other model."""
+    if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
+        return None
+    try:
+        twin = config_from_hf(config.to_dict())
+    except (ConfigError, KeyError, TypeError, ValueError):  # a model type phaserl does not build: the dense rule
+        return None
+    return twin if twin.hybrid else None
 
 
 @dataclass(frozen=True)
@@ -306,7 +325,7 @@ def layer_bytes(shape: ModelShape, compiled: bool = False,
     "gated_attention" (Qwen3.5's full attention).
     Dense, eager, phaserl's decoder: activations.dense_layer_bytes, each tensor in its own dtype for the family's
     norms, qk/v-norms and widths (measured per family, float32 and bf16). Models on the transformers path (and
-    shapes built by hand): the rough dense rule 8h + 4I + 2 × kv_heads × head_dim values × b (what our Llama layer
+    shapes built by hand; not Qwen3.5's layer kinds, see _hybrid_twin): the rough dense rule 8h + 4I + 2 × kv_heads × head_dim values × b (what our Llama layer
     saves in float32 with Hq × D = h, less its two norm statistics; bf16 norms keep float32 copies beyond it).
     Compiled (actor.compile), every family: torch.compile's partitioner recomputes the norms' float32 copies and
     silu(gate) in backward, so a layer keeps 6h + 3I + 2 × kv_heads × head_dim values × b (its input and normed
