@@ -427,12 +427,14 @@ def grpo(shape: str, root: str, implementation: str, smoke: bool, steps: int, ex
         emit(measure="grpo_partial", case=case, shape=shape, timeout_s=timeout, lines=steps_done)
         emit(measure="error", case=case, shape=shape, error=f"stopped after {timeout:g} s (--case-timeout)")
         return
-    for record in filter(None, map(json_or_none, proc.stdout.splitlines())):
+    records = list(filter(None, map(json_or_none, proc.stdout.splitlines())))
+    chosen = next((r.get("speed") for r in records if r.get("measure") == "build"), None)  # the auto settings' lines
+    for record in records:
         if record.get("measure") == "summary":
             emit(measure="grpo_step", case=implementation + "".join(f" {s}" for s in extra), shape=shape,
                  s_per_step=record["s_per_step_median"],
                  tokens_per_s=record["tokens_per_s"], peak=record["timed_peak"],
-                 timing_s=record.get("timing_s_median"))
+                 timing_s=record.get("timing_s_median"), speed=chosen)
     if proc.returncode != 0:
         emit(measure="error", case=case, shape=shape, returncode=proc.returncode,
              stderr=proc.stderr[-2000:])
