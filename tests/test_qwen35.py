@@ -578,3 +578,41 @@ def _greedy_cuda(model, prompt, n):
         with torch.no_grad():
             seq.append(int(model.logits(model(torch.tensor([seq], device="cuda")))[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+def test_the_doctor_warns_when_the_transformers_path_would_call_an_fla_without_backward(tmp_path, monkeypatch):
+    # Seen on the H200 (transformers 5.17, fla-core 0.6.0, Triton 3.6): transformers' Qwen3.5 layers called fla's
+    # chunk_gated_delta_rule, whose backward refuses on Hopper below Triton 3.7.1, and the first update stopped.
+    # The doctor's model check now says so before training, with the fixes; the native decoder is not affected.
+    from phaserl.doctor import load_doctor_config
+    from phaserl.doctor.checks import Context, _transformers_delta_rule_trouble, check_model
+    from phaserl.doctor.report import OK, WARN
+    from phaserl.models import linear_attention
+
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**TINY)))
+    hf.save_pretrained(tmp_path / "model")
+    from phaserl.world.tokenizer import save_tokenizer
+    save_tokenizer(str(tmp_path / "model"))
+    monkeypatch.setattr(linear_attention, "FLA_DEVICES", ("cpu",))
+    monkeypatch.setattr(linear_attention, "_FLA_PROBED", {})
+    monkeypatch.setattr(linear_attention, "_fla_rule", lambda: _fake_fla(no_backward=True))
+    cpu = torch.device("cpu")
+
+    def doctor_model(implementation):
+        cfg = load_doctor_config(None, [f"model.path={tmp_path / 'model'}", f"model.implementation={implementation}",
+                                        "trainer.device=cpu", "model.dtype=float32"])
+        ctx = Context(cfg=cfg, world_size=1)
+        ctx.device = cpu
+        return check_model(ctx), ctx.policy
+
+    result, policy = doctor_model("transformers")
+    assert result.status == WARN, result
+    assert "backward refuses" in result.message and "model.implementation=native" in result.fix
+    result, policy = doctor_model("native")
+    assert result.status == OK and _transformers_delta_rule_trouble(policy, cpu) is None
+    monkeypatch.setattr(linear_attention, "_FLA_PROBED", {})
+    monkeypatch.setattr(linear_attention, "_fla_rule", lambda: _fake_fla())  # an fla whose backward runs
+    assert doctor_model("transformers")[0].status == OK
+    monkeypatch.setattr(linear_attention, "_fla_rule", lambda: None)  # no fla: transformers' torch fallback
+    monkeypatch.setattr(linear_attention, "_FLA_PROBED", {})
+    assert doctor_model("transformers")[0].status == OK

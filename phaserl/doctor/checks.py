@@ -20,7 +20,7 @@ from typing import Any, Optional
 from ..config import Config, Derived, check_context_length, derive, validate
 from ..config.invariance import same_samples_world_sizes
 from ..errors import ConfigError, PhaserlError
-from ..models import load_pretrained, load_tokenizer
+from ..models import linear_attention, load_pretrained, load_tokenizer
 from ..parallel import rank_and_world
 from ..roles.parallel_settings import FSDPSettings
 from ..resolve import DTYPES, resolve_device, resolve_model_path
@@ -254,8 +254,39 @@ def check_model(ctx: Context) -> CheckResult:
                                    trust_remote_code=m.trust_remote_code)
     params = sum(p.numel() for p in ctx.policy.parameters())
     kind = "transformers fallback" if hasattr(ctx.policy, "hf_model") else "native decoder"
-    return CheckResult("model", OK, f"{ctx.policy.config.model_type}, {params / 1e6:.2f}M parameters ({kind}, "
-                                    f"{m.dtype}) loaded from {model_dir} in {seconds:.1f} s")
+    line = (f"{ctx.policy.config.model_type}, {params / 1e6:.2f}M parameters ({kind}, {m.dtype}) loaded from "
+            f"{model_dir} in {seconds:.1f} s")
+    trouble = _transformers_delta_rule_trouble(ctx.policy, ctx.device)
+    if trouble is None:
+        return CheckResult("model", OK, line)
+    return CheckResult("model", WARN, f"{line}; {trouble}",
+                       fix="model.implementation=native (phaserl's decoder, which probes fla and keeps its own rule), "
+                           "or uninstall fla-core (transformers then uses its torch fallback, slower), or Triton >= 3.7.1")
+
+
+def _transformers_delta_rule_trouble(policy, device) -> Optional[str]:
+    """A Qwen3.5 on the transformers path where flash-linear-attention imports but its rule does not pass
+    linear_attention's probe (fla-core 0.6.0 on Hopper with Triton < 3.7.1 refuses its backward, fla #640):
+    transformers calls fla's kernels when fla is installed (seen with transformers 5.17 on an H200), so the first
+    update would stop there. phaserl's native decoder probes fla itself and keeps its torch rule."""
+    config = getattr(policy, "config", None)
+    if not hasattr(policy, "hf_model") or "linear_attention" not in (getattr(config, "layer_types", None) or ()):
+        return None
+    status = linear_attention.fla_status(device)
+    if status is None or status[1]:
+        return None
+    what = "its backward refuses here" if status[0] else "it fails or disagrees with the reference rule here"
+    return (f"the transformers path runs this model's Gated DeltaNet layers through flash-linear-attention when it is "
+            f"installed, and {what} (Triton {_triton_version()}; fla-core 0.6.0 refuses its backward on Hopper "
+            "below Triton 3.7.1, fla #640): the first update would likely stop")
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
 
 
 @check("tokenizer/model", needs=("tokenizer", "policy"))

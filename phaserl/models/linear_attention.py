@@ -367,12 +367,21 @@ def _fla_usable(device: torch.device, grad: bool = True) -> bool:
     fla whose forward agrees but whose backward refuses (fla-core 0.6.0 on Hopper with Triton < 3.7.1, fla #640)
     serves the reference's pass only (inside `reference_pass()`, without gradients): the old log-probs and the
     update keep one rule, the torch rule, so the PPO ratio compares like with like."""
-    if not (USE_FLA and device.type in FLA_DEVICES and _fla_rule() is not None):
+    status = fla_status(device) if USE_FLA else None
+    if status is None:
         return False
+    forward, backward = status
+    return backward or (forward and not grad and _REFERENCE_PASS[0])
+
+
+def fla_status(device: torch.device) -> Optional[tuple[bool, bool]]:
+    """(forward, backward): what of flash-linear-attention's rule agrees with ours where the model sits (_fla_probe,
+    once per device); None where fla would not run at all (not CUDA, or fla does not import)."""
+    if device.type not in FLA_DEVICES or _fla_rule() is None:
+        return None
     if device not in _FLA_PROBED:
         _FLA_PROBED[device] = _fla_probe(device)
-    forward, backward = _FLA_PROBED[device]
-    return backward or (forward and not grad and _REFERENCE_PASS[0])
+    return _FLA_PROBED[device]
 
 
 _REFERENCE_PASS = [False]  # inside reference_pass()
