@@ -291,3 +291,20 @@ def test_a_generic_tokenizer_next_to_a_qwen2_config_loads_as_its_tokenizer_json_
     loaded = load_tokenizer(tmp_path)
     assert loaded("w2 w1 w2")["input_ids"] == [2, 1, 2]
     assert loaded.eos_token_id == 3 and loaded.pad_token_id == 0
+
+
+def test_regression_a_critics_head_takes_the_backbones_dtype_and_device():
+    """Bug (H200, 2026-12-04, benchmarks/multi_gpu.py's ppo_rm scenario): ValueModel made its score head with torch's
+    defaults, float32 on the CPU, after the backbone was loaded in bf16 on the GPU: on 1 rank the head's matmul met a
+    CPU weight, on 2 FSDP refused the mixed bf16/float32 parameters."""
+    from phaserl.models import CausalLM, DecoderConfig, ValueModel
+
+    cfg = DecoderConfig(model_type="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)
+    backbone = CausalLM(cfg).to(torch.bfloat16)
+    critic = ValueModel(backbone)
+    assert {p.dtype for p in critic.parameters()} == {torch.bfloat16}
+    assert critic(torch.randint(0, 64, (2, 5))).dtype == torch.float32  # values come out in float32
+    with torch.device("meta"):
+        on_meta = ValueModel(CausalLM(cfg))
+    assert {p.device.type for p in on_meta.parameters()} == {"meta"}

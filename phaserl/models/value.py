@@ -21,7 +21,10 @@ class ValueModel(DecoderWrapper):
         super().__init__()
         self.config = backbone.config
         self.model = backbone.model  # shares the decoder weights; backbone.lm_head is not kept
-        self.score = nn.Linear(self.config.hidden_size, 1, bias=False)
+        # The head in the backbone's dtype and on its device: made with torch's defaults (float32, CPU) it stayed on
+        # the CPU of a CUDA critic and broke FSDP's one-dtype rule for a bf16 one (H200, 1 and 2 ranks, 2026-12-04).
+        embed = self.model.embed_tokens.weight  # [V, H]
+        self.score = nn.Linear(self.config.hidden_size, 1, bias=False, dtype=embed.dtype, device=embed.device)
         # Zero init: every value starts at 0, so the first advantages are driven by rewards alone.
         nn.init.zeros_(self.score.weight)
 
