@@ -2,6 +2,7 @@
 zero-variance groups are named, DAPO's dynamic sampling and overlong shaping do what they say."""
 import json
 import logging
+import math
 import os
 
 import pytest
@@ -130,3 +131,14 @@ def test_gpu_mismatch_is_logged_and_small(tmp_path, dtype, engine):
     for line in lines:
         assert line["mismatch/k3"] < (1e-6 if dtype == "float32" else 1e-2), line
         assert line["mismatch/ratio_out_frac"] < (1e-6 if dtype == "float32" else 1e-2), line
+
+
+@pytest.mark.gpu
+def test_gpu_ppo_with_a_bf16_critic_trains(tmp_path):
+    """PPO's critic on the GPU in bf16: the ValueModel head once stayed float32 on the CPU (found on two H200s by
+    benchmarks/multi_gpu.py's ppo_rm scenario, 2026-12-04); one rank is enough to show it."""
+    trainer, lines = _run(tmp_path, "trainer.device=cuda", "model.dtype=bfloat16", "algorithm.adv_estimator=gae",
+                          "trainer.total_steps=2")
+    assert {p.device.type for p in trainer.critic.model.parameters()} == {"cuda"}
+    assert {p.dtype for p in trainer.critic.model.parameters()} == {torch.bfloat16}
+    assert all(math.isfinite(line["critic/vf_loss"]) for line in lines)
