@@ -166,7 +166,8 @@ def decode_responses(tokenizer, responses: Sequence[Sequence[int]]) -> list[str]
     ~50-100 ms of a 2-core host's time every step against ~12 ms). A tokenizer that decodes its own way (a
     subclass's decode, or clean_up_tokenization_spaces on) keeps transformers' call."""
     if _plain_fast(tokenizer):
-        return tokenizer.backend_tokenizer.decode_batch([list(ids) for ids in responses], skip_special_tokens=True)
+        lists = [ids if isinstance(ids, list) else list(ids) for ids in responses]  # the engine's are lists already
+        return tokenizer.backend_tokenizer.decode_batch(lists, skip_special_tokens=True)
     return tokenizer.batch_decode(responses, skip_special_tokens=True)
 
 

@@ -325,8 +325,9 @@ def layer_bytes(shape: ModelShape, compiled: bool = False,
     "gated_attention" (Qwen3.5's full attention).
     Dense, eager, phaserl's decoder: activations.dense_layer_bytes, each tensor in its own dtype for the family's
     norms, qk/v-norms and widths (measured per family, float32 and bf16). Models on the transformers path (and
-    shapes built by hand; not Qwen3.5's layer kinds, see _hybrid_twin): the rough dense rule 8h + 4I + 2 × kv_heads × head_dim values × b (what our Llama layer
-    saves in float32 with Hq × D = h, less its two norm statistics; bf16 norms keep float32 copies beyond it).
+    shapes built by hand; not Qwen3.5's layer kinds, see _hybrid_twin): the rough dense rule 8h + 4I + 2 ×
+    kv_heads × head_dim values × b (what our Llama layer saves in float32 with Hq × D = h, less its two norm
+    statistics; bf16 norms keep float32 copies beyond it).
     Compiled (actor.compile), every family: torch.compile's partitioner recomputes the norms' float32 copies and
     silu(gate) in backward, so a layer keeps 6h + 3I + 2 × kv_heads × head_dim values × b (its input and normed
     input, q, the attention output, the residual after attention and its normed copy; gate, up and their product;
