@@ -74,6 +74,40 @@ def by_phase(prof, top: int = 8) -> list[dict]:
     return out
 
 
+def idle_gaps(prof, min_gap_us: float = 20.0, top: int = 12) -> dict:
+    """Where the device waited for the host: the gaps of at least `min_gap_us` between the kernels (their union
+    over the profiled region), each charged to what the host was doing at the gap's middle: the innermost host op
+    running then, named by its first phaserl frame when the profiler recorded stacks (`with_stack=True`), else
+    by the op. Returns the idle total, the gap count and the `top` places by idle time."""
+    import bisect
+
+    events = list(prof.events())
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if str(e.device_type).endswith("CUDA") and not e.name.startswith(PHASE))
+    host = sorted((e for e in events if not str(e.device_type).endswith("CUDA")), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in host]
+    gaps, end = [], (kernels[0][1] if kernels else 0.0)
+    for a, b in kernels[1:]:
+        if a - end >= min_gap_us:
+            gaps.append((end, a))
+        end = max(end, b)
+    places: dict = {}
+    for a, b in gaps:
+        mid = (a + b) / 2
+        label = "(no host op)"
+        for i in range(bisect.bisect_right(starts, mid) - 1, max(-1, bisect.bisect_right(starts, mid) - 4000), -1):
+            e = host[i]
+            if e.time_range.end >= mid:  # the latest-starting op that still runs: the innermost
+                frames = [f for f in (getattr(e, "stack", None) or []) if "phaserl/" in f or "benchmarks/" in f]
+                label = f"{frames[0]} [{e.name}]" if frames else e.name
+                break
+        us, n = places.get(label, (0.0, 0))
+        places[label] = (us + (b - a), n + 1)
+    best = sorted(places.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(idle_ms=round(sum(b - a for a, b in gaps) / 1000, 2), gaps=len(gaps), min_gap_us=min_gap_us,
+                places=[dict(where=k[:160], ms=round(us / 1000, 2), gaps=n) for k, (us, n) in best])
+
+
 def profile_call(fn, device: str, top: int = 8) -> dict:
     """One call of fn under torch.profiler (ending with a device sync): wall_ms, device_ms, device_busy, the
     kernel groups (group, ms, launches) and the top kernels (kernel, launches, ms), from `summarize`; on the CPU

@@ -86,7 +86,7 @@ def profile_one_step(trainer, emit, phases: str = "all") -> None:
         def call(*args, **kwargs):
             sync()
             t0 = time.perf_counter()
-            with profile(activities=activities) as prof:
+            with profile(activities=activities, with_stack=True) as prof:
                 out = fn(*args, **kwargs)
                 sync()
             profiled.append((phase, prof, time.perf_counter() - t0))
@@ -106,6 +106,7 @@ def profile_one_step(trainer, emit, phases: str = "all") -> None:
     for phase, prof, seconds in profiled:
         for record in profiling.summarize(prof, seconds):
             emit(measure="profile", side="ours", phase=phase, **record)
+        emit(measure="idle_gaps", side="ours", phase=phase, **profiling.idle_gaps(prof))
 
 
 def rollout_probe(trainer, fractions: list, emit) -> None:

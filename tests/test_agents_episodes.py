@@ -99,6 +99,22 @@ def test_the_fallback_path_re_prefills_and_gives_the_same_greedy_episodes(model)
     assert fast[0].segments[2].token_ids == rendered  # chat messages rendered as the template's continuation
 
 
+def test_message_observations_render_the_template_probe_once(monkeypatch):
+    """The template's text for the probe conversation is the same for every observation, so it is rendered once
+    per renderer, not once per observation (a Jinja render is ~0.1-1 ms, paid by every episode at every turn);
+    the ids are the template's continuation either way."""
+    from phaserl.agents.render import ObservationRenderer
+
+    renders = []
+    original = TOK.apply_chat_template
+    monkeypatch.setattr(TOK, "apply_chat_template", lambda *a, **k: renders.append(a[0]) or original(*a, **k))
+    renderer = ObservationRenderer(TOK)
+    message = [{"role": "user", "content": "no 12+34="}]
+    first, second = renderer.ids(message), renderer.ids(message)
+    assert first == second == TOK.encode("<|user|>no 12+34=<|assistant|>", add_special_tokens=False)
+    assert len(renders) == 3  # the probe once, then each observation's conversation
+
+
 def _bpe_tokenizer() -> PreTrainedTokenizerFast:
     """'a' and 'b' are tokens, and so is their merge 'ab': decode -> encode of [a, b] gives [ab]."""
     vocab = {"<eos>": 0, "a": 1, "b": 2, "ab": 3, "x": 4}

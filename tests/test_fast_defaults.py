@@ -122,21 +122,34 @@ def test_auto_micro_batch_off_cuda_is_the_old_fixed_default_or_one_whole_sequenc
     assert _micro(1, 1, 20_000, device="cpu")[0] == 20_000  # a sequence is never split
 
 
-def test_auto_micro_batch_on_cuda_takes_whole_sequences_up_to_the_cap():
-    # 0.5B-like: 8 GiB fixed, ~1 MiB per token; room = 8 + 0.4 x (139 - 8) = 60.4 GiB; the cap holds
-    # floor(32768 / 384) = 85 sequences = 32,640 tokens, peak 8 + 31.875 = 39.9 GiB: the cap binds
+def test_auto_micro_batch_on_cuda_deals_the_mini_batch_into_the_fewest_micro_batches_the_cap_allows():
+    # 0.5B-like: 8 GiB fixed, ~1 MiB per token; room = 8 + 0.4 x (139 - 8) = 60.4 GiB. The mini-batch is
+    # 512 x 384 = 196,608 tokens: ceil(196,608 / 32,768) = 6 micro-batches of ceil(512 / 6) = 86 sequences
+    # (33,024 tokens, peak 8 + 32.25 GiB), not 85-sequence ones (32,640 tokens), which make 7 with a last one of 2
     tokens, why = _micro(8, 1, 384)
-    assert tokens == 85 * 384 == 32_640 and tokens <= MICRO_BATCH_CAP
-    assert why == f"85 sequence(s) of 384 tokens, update peak 39.9 GiB of 139 GiB (the {MICRO_BATCH_CAP}-token cap)"
-    assert _micro(8, 1, 384, mini=4) == (4 * 384, "4 sequence(s) of 384 tokens, update peak 9.5 GiB of 139 GiB "
-                                                  "(the mini-batch)")
+    assert tokens == 86 * 384 == 33_024 and tokens - MICRO_BATCH_CAP < 384
+    assert why == ("86 sequence(s) of 384 tokens (6 micro-batch(es) of the 512-sequence mini-batch), update peak "
+                   f"40.2 GiB of 139 GiB (the {MICRO_BATCH_CAP}-token cap)")
+    assert _micro(8, 1, 384, mini=4) == (4 * 384, "4 sequence(s) of 384 tokens (1 micro-batch(es) of the 4-sequence "
+                                                  "mini-batch), update peak 9.5 GiB of 139 GiB (the mini-batch)")
+
+
+def test_auto_micro_batch_bound_by_memory_is_dealt_evenly_too():
+    # 1.5B-like: 20 GiB fixed, 2.2 MiB per token, sequences of 1,280: room = 20 + 0.4 x 119 = 67.6 GiB holds 17
+    # sequences (17 x 2.75 = 46.75 GiB of activations; 18 would be 49.5); 256 sequences then take 16 micro-batches,
+    # and 16 of 16 sequences are as many micro-batches as 15 of 17 and one of 1, with less memory
+    tokens, why = _micro(20, 2.2, 1280, mini=256)
+    assert tokens == 16 * 1280
+    assert why.startswith("16 sequence(s) of 1280 tokens (16 micro-batch(es) of the 256-sequence mini-batch)")
+    assert not why.endswith(")")  # neither the cap nor the mini-batch bound it: memory did
 
 
 def test_auto_micro_batch_gives_the_activations_their_share_of_what_the_fixed_state_leaves():
     # 7B-like full fine-tune: 59 GiB fixed, 8 MiB per token, sequences of 512: room = 59 + 0.4 x 80 = 91 GiB;
     # 8 sequences = 4,096 tokens x 8 MiB = 32 GiB -> exactly 91; 9 would be 95
     assert MICRO_ACTIVATION_SHARE == 0.4
-    assert _micro(59, 8, 512) == (8 * 512, "8 sequence(s) of 512 tokens, update peak 91.0 GiB of 139 GiB")
+    assert _micro(59, 8, 512) == (8 * 512, "8 sequence(s) of 512 tokens (64 micro-batch(es) of the 512-sequence "
+                                           "mini-batch), update peak 91.0 GiB of 139 GiB")
     # nothing fits: one sequence anyway (a sequence is never split), and the reason says so
     tokens, why = _micro(138, 6.5, 768)
     assert tokens == 768 and why.endswith("(tight memory: one sequence does not leave the activations their share)")

@@ -40,6 +40,7 @@ from phaserl.agents.env import Episode, Segment, as_step_result
 from phaserl.agents.loader import EnvironmentFactory
 from phaserl.agents.render import ObservationRenderer
 from phaserl.agents.workers import Workers
+from phaserl.data.prompts import decode_responses
 from phaserl.errors import AgentError
 
 log = logging.getLogger("phaserl")
@@ -135,8 +136,10 @@ class EpisodeRunner:
                 while waiting and session.free_slots:
                     self._start(session, waiting.pop(0))
                 if not session.idle:
-                    for turn in session.step():
-                        self._turn_ended(runs[turn.key], turn.token_ids, turn.logprobs, workers)
+                    ended = session.step()
+                    texts = decode_responses(self.tokenizer, [turn.token_ids for turn in ended]) if ended else []
+                    for turn, text in zip(ended, texts):
+                        self._turn_ended(runs[turn.key], turn.token_ids, turn.logprobs, text, workers)
                     if not overlap:  # answers used in episode order after each step: reproducible
                         for run in self._answers(runs, block=True):
                             self._apply(session, run, waiting)
@@ -218,9 +221,11 @@ class EpisodeRunner:
                 if not active:
                     break
                 result = generate([r.ids for r in active])
-                for run, ids, lps in zip(active, result.response_ids, result.logprobs):
-                    cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - run.length)
-                    self._turn_ended(run, ids[:cap], lps[:cap], workers)
+                caps = [min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - r.length) for r in active]
+                ids = [turn_ids[:cap] for turn_ids, cap in zip(result.response_ids, caps)]
+                texts = decode_responses(self.tokenizer, ids)
+                for run, turn_ids, lps, cap, text in zip(active, ids, result.logprobs, caps, texts):
+                    self._turn_ended(run, turn_ids, lps[:cap], text, workers)
                 self._settle(runs, None)
         finally:
             if workers is not self.workers:
@@ -270,10 +275,11 @@ class EpisodeRunner:
         _add(run.metrics, "env_seconds", time.perf_counter() - t0)
         return result
 
-    def _turn_ended(self, run: _Run, ids: list, logprobs: list, workers: Workers) -> None:
+    def _turn_ended(self, run: _Run, ids: list, logprobs: list, text: str, workers: Workers) -> None:
+        """A model turn is over: keep its ids, and hand its text (decoded with the step's other turns, one
+        batch call) to the environment."""
         run.segments.append(Segment("model", ids, logprobs))  # the caller's fresh lists: kept, not copied
         run.num_turns += 1
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         self._submit(workers, run, "step", self._step, run, text)
 
     def _answers(self, runs: list, *, block: bool, first: bool = False, within: Optional[float] = None) -> list:

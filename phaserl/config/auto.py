@@ -15,7 +15,7 @@ GIB = 2**30
 COMPILE_MIN_PARAMS = 100_000_000   # smaller models stay eager: the compile costs more than it saves in a run
 KEEP_AWAKE_SHARE = 0.75            # a kept engine: the update's peak with it stays under this share of the device
 LORA_KEEP_SHARE = 0.25             # LoRA: the kept engine is at most this share of the update's peak
-MICRO_BATCH_CAP = 32768            # auto training micro-batch, at most (tokens per rank): see micro_batch_rule
+MICRO_BATCH_CAP = 32768            # auto training micro-batch, about (tokens per rank): see micro_batch_rule
 MICRO_BATCH_OFF_CUDA = 16384       # ... off CUDA, where compute and not launches binds: the old fixed default
 MICRO_ACTIVATION_SHARE = 0.4       # ... its activations at most this share of what the fixed state leaves (the
                                    # rest: the allocator's slack; 62.8 GiB reserved for 35.8 allocated at 0.5B, 32k,
@@ -38,8 +38,9 @@ AUTO_RULES = {
     "rollout.engine_extend_graphs": "off (the graphed multi-turn continuation passes measured 0.90-1.11x of the "
                                     "eager ones on the H200); off on the CPU and without CUDA graphs",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
-    "ppo.micro_batch_tokens": f"on CUDA the most whole sequences, up to {MICRO_BATCH_CAP} tokens and one mini-batch, "
-                              "whose activations (the doctor's count) take at most "
+    "ppo.micro_batch_tokens": f"on CUDA the fewest micro-batches of whole sequences, about {MICRO_BATCH_CAP} tokens "
+                              "each (the sequences dealt evenly) and at most one mini-batch, whose activations (the "
+                              "doctor's count) take at most "
                               f"{MICRO_ACTIVATION_SHARE:.0%} of the device memory that the weights, gradients, "
                               f"optimizer state and a kept engine leave; {MICRO_BATCH_OFF_CUDA} elsewhere",
 }
@@ -147,7 +148,10 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     `peak_of(tokens)`: the doctor's count of the update's peak with a micro-batch of that many tokens;
     `fixed_bytes`: its part that does not grow with the micro-batch (weights, gradients, AdamW, a kept engine);
     `budget_bytes`: the device memory this process can have. Whole sequences of `sequence_tokens`, never more than
-    the mini-batch's `mini_batch_sequences` nor MICRO_BATCH_CAP tokens, never fewer than one sequence.
+    the mini-batch's `mini_batch_sequences`, never fewer than one sequence. The cap counts micro-batches: the
+    mini-batch takes ceil(its tokens / MICRO_BATCH_CAP) of them, its sequences dealt evenly (so a micro-batch may
+    pass the cap by less than a sequence: 512 sequences of 384 tokens make 6 micro-batches of 86, not 6 of 85
+    and a seventh of 2); where memory allows fewer sequences, the count that needs, dealt evenly again.
 
     Why as large as fits on CUDA: each micro-batch costs the host a fixed amount of work (launches, Python), and
     how long that takes differs several-fold between machines. At the 0.5B reference shape (1.21 s of update
@@ -160,23 +164,31 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     kept small by expandable segments (cuda_allocator.py: 36.2 GiB reserved instead of 62.8). Where memory is
     tight it goes the other way: a 7B full fine-tune on one H200 peaks at 101 GiB with 6,144-token micro-batches;
     the old fixed 16,384 would need about 170 GiB there by the same count."""
-    T = sequence_tokens
+    T, S = sequence_tokens, mini_batch_sequences
     if device_type != "cuda":
         return max(T, MICRO_BATCH_OFF_CUDA), f"{device_type.upper()} (the fixed default off CUDA)"
-    most = max(1, min(mini_batch_sequences, MICRO_BATCH_CAP // T))
+    most = _even_share(S, max(1, -(-S * T // MICRO_BATCH_CAP)))  # the cap's count of micro-batches, dealt evenly
     room = fixed_bytes + MICRO_ACTIVATION_SHARE * max(0, budget_bytes - fixed_bytes)
     lo, hi = 1, most  # the peak grows with the micro-batch: the largest n with peak_of(n * T) <= room
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if peak_of(mid * T) <= room else (lo, mid - 1)
+    count = -(-S // lo)
+    lo = _even_share(S, count)  # as many micro-batches as lo needs, each as small as that count allows
     tokens, peak = lo * T, peak_of(lo * T)
-    words = f"{lo} sequence(s) of {T} tokens, update peak {peak / GIB:.1f} GiB of {budget_bytes / GIB:.0f} GiB"
+    words = (f"{lo} sequence(s) of {T} tokens ({count} micro-batch(es) of the {S}-sequence mini-batch), update peak "
+             f"{peak / GIB:.1f} GiB of {budget_bytes / GIB:.0f} GiB")
     if peak > room:
         return tokens, words + " (tight memory: one sequence does not leave the activations their share)"
     if lo == most:
-        limit = "the mini-batch" if most == mini_batch_sequences else f"the {MICRO_BATCH_CAP}-token cap"
+        limit = "the mini-batch" if most == S else f"the {MICRO_BATCH_CAP}-token cap"
         return tokens, f"{words} ({limit})"
     return tokens, words
+
+
+def _even_share(sequences: int, count: int) -> int:
+    """Whole sequences per micro-batch when `sequences` are dealt evenly into `count` micro-batches."""
+    return -(-sequences // count)
 
 
 @dataclass(frozen=True)

@@ -270,8 +270,9 @@ class PPOConfig:
     num_mini_batches: int = spec(1, "optimizer steps per epoch over one RL step's responses", min=1)
     epochs: int = spec(1, "passes over one RL step's responses", min=1)
     micro_batch_tokens: Optional[int] = spec(None, "tokens per training micro-batch, per rank (forward+backward). "
-                                                   "null = auto: on CUDA as many whole sequences as the doctor's "
-                                                   "memory count gives room for, up to 32768 tokens; 16384 elsewhere",
+                                                   "null = auto: on CUDA the fewest micro-batches of about 32768 "
+                                                   "tokens (whole sequences, dealt evenly) that the doctor's memory "
+                                                   "count gives room for; 16384 elsewhere",
                                              min=1, auto=True)
     forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
     packing: Optional[bool] = spec(None, "pack micro-batches without padding (budgets count real tokens; phaserl's "

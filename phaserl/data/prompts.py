@@ -164,10 +164,13 @@ def decode_responses(tokenizer, responses: Sequence[Sequence[int]]) -> list[str]
     strings. A plain fast tokenizer decodes through the tokenizers library's batch call (Rust, threads, no
     GIL): transformers 5's batch_decode decodes one sequence at a time in Python (512 responses of 256 tokens:
     ~50-100 ms of a 2-core host's time every step against ~12 ms). A tokenizer that decodes its own way (a
-    subclass's decode, or clean_up_tokenization_spaces on) keeps transformers' call."""
+    subclass's decode, or clean_up_tokenization_spaces on) keeps transformers' call; one with only `decode` (an
+    agent benchmark's stand-in) decodes each."""
     if _plain_fast(tokenizer):
         lists = [ids if isinstance(ids, list) else list(ids) for ids in responses]  # the engine's are lists already
         return tokenizer.backend_tokenizer.decode_batch(lists, skip_special_tokens=True)
+    if not hasattr(tokenizer, "batch_decode"):
+        return [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
     return tokenizer.batch_decode(responses, skip_special_tokens=True)
 
 
