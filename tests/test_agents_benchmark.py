@@ -29,3 +29,16 @@ def test_the_agent_rollout_benchmark_smoke_runs(capsys):
     assert all(r["calls"]["decode"] == r["decode_steps"] for r in lines)
     assert "extend" not in lines[0]["calls"] and lines[1]["calls"]["extend"] >= 1
     assert all(0 < r["device_busy"] <= 1.0 + 1e-6 for r in lines)
+
+
+def test_the_agent_host_benchmark_runs_the_real_runner_over_a_sleeping_session(capsys):
+    import agent_host
+
+    agent_host.main(["--episodes", "8", "--turns", "3", "--turn-tokens", "4", "--prompt", "4", "--latency-ms", "2",
+                     "--jitter-ms", "2", "--step-ms", "0.2", "--pass-ms", "0.5"])
+    lock, jitter = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert (lock["case"], jitter["case"]) == ("lock-step", "jitter")
+    for r in (lock, jitter):  # the sleeps alone are the ideal: the runner's own work only adds to it
+        assert r["wall_s"] >= r["ideal_s"] > 0 and r["decode_steps"] >= 3 * 4
+    assert len(lock["boundary_ms"]) == 2 and all(ms >= 2.0 for ms in lock["boundary_ms"])  # each holds the latency
+    assert lock["turns_ms"][0] == 0.0 and lock["applies_ms"][1] >= lock["answers_ms"][1] >= lock["answers_ms"][0]

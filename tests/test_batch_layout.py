@@ -75,3 +75,13 @@ def test_decode_responses_keeps_transformers_call_when_the_tokenizer_cleans_up_s
     assert not _plain_fast(tok)
     responses = [tok("don't stop , ok ?", add_special_tokens=False)["input_ids"]]
     assert decode_responses(tok, responses) == tok.batch_decode(responses, skip_special_tokens=True)
+
+
+def test_decode_responses_decodes_each_with_a_tokenizer_that_has_only_decode():
+    """An agent's tokenizer stand-in (a benchmark's, a user's) may offer decode alone: each response through it,
+    with special tokens skipped as batch_decode would."""
+    class DecodeOnly:
+        def decode(self, ids, skip_special_tokens: bool = False) -> str:
+            return ",".join(str(i) for i in ids if not (skip_special_tokens and i == 0))
+
+    assert decode_responses(DecodeOnly(), [[5, 0, 6], [], [7]]) == ["5,6", "", "7"]
