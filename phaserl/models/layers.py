@@ -97,8 +97,7 @@ def embed(ids: Tensor, weight: Tensor, scale: Optional[float]) -> Tensor:
 
 
 def linear(x: Tensor, w: Linear, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
-    """x @ w.T (+ bias) (+ residual); a 2-d residual add rides in the matmul (addmm: the engine's
-    fused.RESIDUAL_IN_GEMM; the decoder's layers add it after, post_attention says why)."""
+    """x @ w.T (+ bias) (+ residual); a 2-d residual add rides in the matmul (addmm)."""
     if isinstance(w, nn.Module):
         y = w(x)
         return y if residual is None else residual + y
@@ -149,12 +148,8 @@ def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, ro
     """Residual stream after the attention core: h [N, H], attn [N, Hq * D] -> h [N, H]
     (o_proj, its output norm, residual, MLP input norm, gated MLP or experts, its output norm, residual).
     route: a MoE layer's routing in/out (moe.Route: replayed experts, the experts and router logits used)."""
-    # The residual is added after the projection, never inside it (addmm): torch's out-of-place addmm first copies
-    # the residual into its output, one copy kernel per call that a compiled layer keeps (2 per layer and
-    # micro-batch: 19 ms of the 0.5B reference pass on the H200, 2026-12-04), where a plain add fuses into the
-    # norm that follows. It is also transformers' rounding: the projection's output rounded, then added.
     if w.attn_out is None:
-        h = h + linear(attn, w.o, w.o_bias)
+        h = linear(attn, w.o, w.o_bias, residual=h)
     else:
         h = h + rms_norm(linear(attn, w.o, w.o_bias), w.attn_out, spec.eps, spec.norm_style)
     x = h if w.mlp_in is None else rms_norm(h, w.mlp_in, spec.eps, spec.norm_style)
@@ -167,7 +162,7 @@ def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, ro
         gate, up = linear(x, w.gate), linear(x, w.up)
     a = activation(gate, spec.act) * up
     if w.mlp_out is None:
-        h = h + linear(a, w.down)
+        h = linear(a, w.down, residual=h)
     else:
         h = h + rms_norm(linear(a, w.down), w.mlp_out, spec.eps, spec.norm_style)
     # In h's dtype, as transformers' in-place `h *= layer_scalar` (an fp32 buffer under bf16 compute included).
