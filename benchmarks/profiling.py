@@ -94,8 +94,8 @@ def idle_gaps(prof, min_gap_us: float = 20.0, top: int = 12) -> dict:
     places: dict = {}
     for a, b in gaps:
         mid = (a + b) / 2
-        label = "(no host op)"
-        for i in range(bisect.bisect_right(starts, mid) - 1, max(-1, bisect.bisect_right(starts, mid) - 4000), -1):
+        label, last = "(no host op)", bisect.bisect_right(starts, mid) - 1  # the last host op started by then
+        for i in range(last, max(-1, last - 4000), -1):
             e = host[i]
             if e.time_range.end >= mid:  # the latest-starting op that still runs: the innermost
                 frames = [f for f in (getattr(e, "stack", None) or []) if "phaserl/" in f or "benchmarks/" in f]

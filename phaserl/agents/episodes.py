@@ -136,7 +136,7 @@ class EpisodeRunner:
                 while waiting and session.free_slots:
                     self._start(session, waiting.pop(0))
                 if not session.idle:
-                    ended = session.step()
+                    ended = session.step()  # most steps end no turn: then no tokenizer call
                     texts = decode_responses(self.tokenizer, [turn.token_ids for turn in ended]) if ended else []
                     for turn, text in zip(ended, texts):
                         self._turn_ended(runs[turn.key], turn.token_ids, turn.logprobs, text, workers)

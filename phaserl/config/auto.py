@@ -167,14 +167,14 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     T, S = sequence_tokens, mini_batch_sequences
     if device_type != "cuda":
         return max(T, MICRO_BATCH_OFF_CUDA), f"{device_type.upper()} (the fixed default off CUDA)"
-    most = _even_share(S, max(1, -(-S * T // MICRO_BATCH_CAP)))  # the cap's count of micro-batches, dealt evenly
+    most = _ceil_div(S, _ceil_div(S * T, MICRO_BATCH_CAP))  # the cap's count of micro-batches, dealt evenly
     room = fixed_bytes + MICRO_ACTIVATION_SHARE * max(0, budget_bytes - fixed_bytes)
     lo, hi = 1, most  # the peak grows with the micro-batch: the largest n with peak_of(n * T) <= room
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if peak_of(mid * T) <= room else (lo, mid - 1)
-    count = -(-S // lo)
-    lo = _even_share(S, count)  # as many micro-batches as lo needs, each as small as that count allows
+    count = _ceil_div(S, lo)
+    lo = _ceil_div(S, count)  # as many micro-batches as lo needs, each as small as that count allows
     tokens, peak = lo * T, peak_of(lo * T)
     words = (f"{lo} sequence(s) of {T} tokens ({count} micro-batch(es) of the {S}-sequence mini-batch), update peak "
              f"{peak / GIB:.1f} GiB of {budget_bytes / GIB:.0f} GiB")
@@ -186,9 +186,8 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     return tokens, words
 
 
-def _even_share(sequences: int, count: int) -> int:
-    """Whole sequences per micro-batch when `sequences` are dealt evenly into `count` micro-batches."""
-    return -(-sequences // count)
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
