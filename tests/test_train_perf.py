@@ -141,6 +141,37 @@ def test_a_varlen_kernel_that_takes_fewer_kv_heads_gets_them_unrepeated(monkeypa
     _assert_grads_close(grads, ref, 1e-5)
 
 
+def test_the_gqa_probe_says_yes_when_its_first_call_comes_from_an_inference_mode_pass(monkeypatch):
+    # Bug (found on the H200, 2026-12-04): the reference's pass runs under torch.inference_mode() and was the probe's
+    # first caller; its tensors were made there, the kernel's autograd could not save them, the probe failed on that
+    # and answered no for good, so every packed forward repeated k and v. This stand-in saves its inputs for backward,
+    # as the flash kernel's autograd does.
+    def reference(q, k, v, cu):
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return _reference_varlen([])(q, k, v, cu, cu, 0, 0, window_size=(-1, 0))
+
+    class SavingVarlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu):
+            ctx.save_for_backward(q, k, v, cu)
+            return reference(q, k, v, cu)
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, cu = ctx.saved_tensors
+            with torch.enable_grad():
+                q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+                return (*torch.autograd.grad(reference(q, k, v, cu), (q, k, v), grad), None)
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size):
+        return SavingVarlen.apply(q, k, v, cu_q)
+
+    monkeypatch.setattr(attention, "_VARLEN", (varlen, {"window_size": (-1, 0)}, False))
+    monkeypatch.setattr(attention, "_GQA_PROBED", {})
+    with torch.inference_mode():
+        assert attention._varlen_takes_gqa(torch.device("cpu"))
+
+
 # ----- compile and activation checkpointing: the same loss and gradients ----------------------------------
 @pytest.mark.slow
 def test_compiled_layers_and_checkpointing_give_the_same_loss_and_gradients():
@@ -351,3 +382,14 @@ def test_a_gpu_step_logs_mfu_and_peak_memory(tmp_path):
     RLTrainer.from_config(cfg).fit()
     line = [json.loads(x) for x in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))][-1]
     assert 0 < line["perf/mfu"] < 1 and line["perf/peak_memory_gb"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_the_gqa_probe_answers_alike_inside_and_outside_inference_mode(monkeypatch):
+    assert attention._VARLEN is not None, "torch.nn.attention.varlen unavailable"
+    device = torch.device("cuda")
+    monkeypatch.setattr(attention, "_GQA_PROBED", {})
+    with torch.inference_mode():  # as the reference's pass calls it first
+        inside = attention._varlen_takes_gqa(device)
+    monkeypatch.setattr(attention, "_GQA_PROBED", {})
+    assert attention._varlen_takes_gqa(device) == inside

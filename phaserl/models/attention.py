@@ -74,17 +74,23 @@ _WARNED: set = set()
 def _varlen_takes_gqa(device: torch.device) -> bool:
     """True when varlen_attn accepts k/v with fewer heads than q (torch 2.12+ says so with enable_gqa;
     older ones may pass them straight to the flash kernel, which supports it): probed once on tiny
-    tensors, forward and backward against the repeated heads, so a torch that does not is never trusted."""
+    tensors, forward and backward against the repeated heads, so a torch that does not is never trusted.
+
+    The first call usually comes from the reference's pass, under torch.inference_mode(): the probe's tensors
+    are made after leaving it. Made before (as until 2026-12-04), they were inference tensors the kernel's
+    autograd could not save, the probe failed on that, and every packed forward repeated k and v (on the
+    H200, 0.5B: 336 copy kernels, 20 ms, in the reference's pass alone)."""
     varlen_attn, causal, native_gqa = _VARLEN
     if native_gqa:
         return True
     if device not in _GQA_PROBED:
-        g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(8, h, 64, device=device, dtype=torch.bfloat16, generator=g) for h in (4, 2, 2))
-        cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+        error = None
         try:
-            with torch.inference_mode(False), torch.enable_grad():  # the first call may come from a no-grad pass
-                q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            with torch.inference_mode(False), torch.enable_grad():
+                g = torch.Generator(device=device).manual_seed(0)
+                q, k, v = (torch.randn(8, h, 64, device=device, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                           for h in (4, 2, 2))
+                cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
                 out = varlen_attn(q, k, v, cu, cu, 5, 5, **causal)
                 grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
                 ref = varlen_attn(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), cu, cu, 5, 5,
@@ -92,9 +98,13 @@ def _varlen_takes_gqa(device: torch.device) -> bool:
                 ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
             ok = all(torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
                      for a, b in zip((out, *grads), (ref, *ref_grads)))
-        except Exception:  # noqa: BLE001 - whatever the kernel says about these shapes, the answer is no
-            ok = False
+        except Exception as e:  # noqa: BLE001 - whatever the kernel says about these shapes, the answer is no
+            ok, error = False, e
         _GQA_PROBED[device] = ok
+        if not ok:
+            log.info("the varlen attention kernel does not take fewer kv heads than query heads here (%s): packed "
+                     "forwards repeat k and v to every query head", error or "its answer differs from the repeated "
+                     "heads'")
     return _GQA_PROBED[device]
 
 
