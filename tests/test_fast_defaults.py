@@ -14,7 +14,7 @@ from phaserl import compile_cache
 from phaserl.config import explain, load_config
 from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, LORA_KEEP_SHARE,
                                  MICRO_ACTIVATION_SHARE, MICRO_BATCH_CAP, choose, compile_rule, keep_awake_rule,
-                                 micro_batch_rule)
+                                 keep_logits_rule, micro_batch_rule)
 from phaserl.doctor.memory import ModelShape, kept_engine_bytes, update_peak_bytes
 from phaserl.errors import ConfigError
 
@@ -155,6 +155,54 @@ def test_auto_micro_batch_gives_the_activations_their_share_of_what_the_fixed_st
     assert tokens == 768 and why.endswith("(tight memory: one sequence does not leave the activations their share)")
 
 
+def _keep_logits(peak_gib, logits_gib, fixed_gib=8, **facts):
+    facts = {**dict(device_type="cuda", triton=True, compiled=True, plain_head=True), **facts}
+    return keep_logits_rule(peak_bytes=int(peak_gib * GIB), logits_bytes=int(logits_gib * GIB),
+                            fixed_bytes=int(fixed_gib * GIB), budget_bytes=139 * GIB, **facts)
+
+
+def test_the_head_keeps_its_logits_where_the_triton_kernels_run_and_the_room_the_micro_batch_left_holds_them():
+    # 0.5B-like: room = 8 + 0.4 x (139 - 8) = 60.4 GiB; the update peaks at 40.2 GiB with 33,024-token micro-batches,
+    # whose 86 x 256 response tokens keep 22,016 x 151,936 x 2 B = 6.2 GiB of logits
+    assert _keep_logits(40.2, 6.2) == (True, "6.2 GiB of kept logits, update peak 46.4 GiB of 139 GiB")
+    keep, why = _keep_logits(58, 6.2)  # memory-bound (the 1.5B shape's case): the micro-batch keeps the room
+    assert not keep and why.endswith("more than the room the micro-batch leaves (recomputed in backward)")
+    assert _keep_logits(1, 1, device_type="cpu") == (False, "CPU: no Triton log-prob kernels")
+    assert _keep_logits(1, 1, triton=False) == (False, "Triton is not installed")
+    assert _keep_logits(1, 1, compiled=False) == (False, "the actor is not compiled (its log-probs take the unfused "
+                                                         "head)")
+    assert _keep_logits(1, 1, plain_head=False)[1] == "the actor is not phaserl's decoder with a plain LM head"
+
+
+def test_the_kept_logits_are_the_micro_batchs_response_tokens_by_the_vocabulary_in_the_heads_dtype():
+    from phaserl.doctor.memory import kept_logits_bytes, response_tokens_of
+
+    shape = ModelShape(num_params=494_000_000, num_layers=24, hidden_size=896, intermediate_size=4864,
+                       num_kv_heads=2, head_dim=64, vocab_size=151_936, param_bytes=2)
+    assert response_tokens_of(33_024, 384, 128) == 86 * 256
+    assert kept_logits_bytes(shape, 86 * 256) == 86 * 256 * 151_936 * 2
+
+
+def test_the_head_keeps_logits_only_under_autograd_with_the_triton_kernels(monkeypatch):
+    import torch
+
+    from phaserl.roles import forward
+
+    seen = []
+    monkeypatch.setattr(forward, "token_logprobs_from_hidden",
+                        lambda h, w, t, **kw: seen.append((kw["save_logits"], kw["chunk_size"])) or (h[:, 0], None))
+    model = type("M", (), {"plain_head": True, "output_weight": torch.zeros(5, 3), "compiled": "inductor"})()
+    h, t = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    monkeypatch.setattr(forward, "triton_logprobs_available", lambda device: True)
+    forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=True)
+    with torch.no_grad():  # a forward-only pass has no backward to keep them for
+        forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=True)
+    forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=False)
+    monkeypatch.setattr(forward, "triton_logprobs_available", lambda device: False)
+    forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=True)
+    assert seen == [(True, forward.KEPT_LOGITS_CHUNK), (False, 1024), (False, 1024), (False, 1024)]
+
+
 def test_a_set_micro_batch_wins_over_the_rule_and_its_line_shows_the_number():
     choice = choose("ppo.micro_batch_tokens", 4096, _micro(8, 1, 384))
     assert (choice.value, choice.line()) == (4096, "ppo.micro_batch_tokens=4096 -> 4096: set in the config")
@@ -256,6 +304,27 @@ def test_on_one_gpu_an_auto_micro_batch_is_the_rules_answer_on_the_builders_coun
     assert choice.value == run.train_tokens == run.mini_batch_per_rank * seq <= MICRO_BATCH_CAP
     assert choice.why.endswith("(the mini-batch)") and "GiB of" in choice.why
     trainer.train_step()  # and the update runs with it
+
+
+@pytest.mark.gpu
+def test_on_one_gpu_a_compiled_actor_keeps_its_head_logits_in_the_update_and_only_there(tmp_path, monkeypatch):
+    import torch
+
+    from phaserl.roles import forward
+    from phaserl.trainer import RLTrainer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[]", "trainer.device=cuda", "rollout.engine_compile=false", "actor.compile=true"]))
+    choice = trainer.run.speed.keep_head_logits
+    assert choice.value and trainer.actor.keep_head_logits and "GiB of kept logits" in choice.why
+    saved, original = [], forward.token_logprobs_from_hidden
+    monkeypatch.setattr(forward, "token_logprobs_from_hidden",
+                        lambda *a, **kw: saved.append((torch.is_grad_enabled(), kw["save_logits"])) or original(*a, **kw))
+    metrics = trainer.train_step()
+    assert saved and all(keep == grad for grad, keep in saved)  # the update keeps them; the reference's pass cannot
+    assert any(keep for _, keep in saved) and torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
 
 
 def test_explicit_settings_reach_the_roles(tmp_path, fresh_cache, monkeypatch):

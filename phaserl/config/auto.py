@@ -43,6 +43,10 @@ AUTO_RULES = {
                               "doctor's count) take at most "
                               f"{MICRO_ACTIVATION_SHARE:.0%} of the device memory that the weights, gradients, "
                               f"optimizer state and a kept engine leave; {MICRO_BATCH_OFF_CUDA} elsewhere",
+    "ppo.keep_head_logits": "on where the Triton log-prob kernels run (CUDA, Triton, the actor compiled, phaserl's "
+                            "decoder) and a micro-batch's kept logits (its response tokens x vocabulary, bf16) fit "
+                            "beside the update's peak in the room ppo.micro_batch_tokens's rule gives activations; "
+                            "off otherwise (the logits are recomputed in backward, as before)",
 }
 
 
@@ -168,7 +172,7 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     if device_type != "cuda":
         return max(T, MICRO_BATCH_OFF_CUDA), f"{device_type.upper()} (the fixed default off CUDA)"
     most = _ceil_div(S, _ceil_div(S * T, MICRO_BATCH_CAP))  # the cap's count of micro-batches, dealt evenly
-    room = fixed_bytes + MICRO_ACTIVATION_SHARE * max(0, budget_bytes - fixed_bytes)
+    room = update_room(fixed_bytes, budget_bytes)
     lo, hi = 1, most  # the peak grows with the micro-batch: the largest n with peak_of(n * T) <= room
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -186,6 +190,36 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     return tokens, words
 
 
+def update_room(fixed_bytes: int, budget_bytes: int) -> float:
+    """What the update may peak at: the fixed state plus MICRO_ACTIVATION_SHARE of what it leaves of the budget."""
+    return fixed_bytes + MICRO_ACTIVATION_SHARE * max(0, budget_bytes - fixed_bytes)
+
+
+def keep_logits_rule(*, device_type: str, triton: bool, compiled: bool, plain_head: bool, peak_bytes: int,
+                     logits_bytes: int, fixed_bytes: int, budget_bytes: int) -> tuple[bool, str]:
+    """ppo.keep_head_logits when auto: (keep a micro-batch's LM-head logits from forward to backward, why).
+
+    Keeping them spares the backward one of the head's four matmuls (it turns the kept logits into their gradient
+    instead of recomputing them: algo.token_logprobs_from_hidden's save_logits), which only the Triton log-prob
+    kernels do: CUDA, Triton, the actor compiled, and `plain_head` (phaserl's decoder, logits exactly
+    hidden @ output_weight.T). `peak_bytes`: the doctor's update peak at the chosen micro-batch (a kept engine
+    included when it is kept); `logits_bytes`: what keeping adds (the micro-batch's response tokens x vocabulary
+    in bf16). Measured on the H200 at the 0.5B reference shape (BENCHMARKS.md, sixteenth session): the update
+    1.304 -> 1.232 s, +5.5 GiB allocated."""
+    why_not = (f"{device_type.upper()}: no Triton log-prob kernels" if device_type != "cuda" else
+               "Triton is not installed" if not triton else
+               "the actor is not compiled (its log-probs take the unfused head)" if not compiled else
+               "the actor is not phaserl's decoder with a plain LM head" if not plain_head else "")
+    if why_not:
+        return False, why_not
+    room, after = update_room(fixed_bytes, budget_bytes), peak_bytes + logits_bytes
+    words = (f"{logits_bytes / GIB:.1f} GiB of kept logits, update peak {after / GIB:.1f} GiB of "
+             f"{budget_bytes / GIB:.0f} GiB")
+    if after > room:
+        return False, f"{words}: more than the room the micro-batch leaves (recomputed in backward)"
+    return True, words
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -201,10 +235,12 @@ class SpeedChoices:
     packing: Optional[Choice] = None   # filled in by the builder once set_packing chose (per role; the actor's)
     engine_extend_graphs: Optional[Choice] = None  # multi-turn runs only (agent.env)
     micro_batch_tokens: Optional[Choice] = None    # ppo.micro_batch_tokens (an int)
+    keep_head_logits: Optional[Choice] = None      # ppo.keep_head_logits
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.engine_extend_graphs, self.packing, self.micro_batch_tokens) if c is not None]
+                            self.engine_extend_graphs, self.packing, self.micro_batch_tokens, self.keep_head_logits)
+                if c is not None]
 
     @property
     def compiles(self) -> bool:

@@ -275,6 +275,11 @@ class PPOConfig:
                                                    "count gives room for; 16384 elsewhere",
                                              min=1, auto=True)
     forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
+    keep_head_logits: Optional[bool] = spec(None, "keep a training micro-batch's LM-head logits (its response tokens "
+                                                  "x vocabulary, bf16) from forward to backward instead of "
+                                                  "recomputing them: one of the head's four matmuls saved (Triton "
+                                                  "log-prob kernels only). null = auto: on where they run and the "
+                                                  "doctor's memory count has room at the chosen micro-batch")
     packing: Optional[bool] = spec(None, "pack micro-batches without padding (budgets count real tokens; phaserl's "
                                          "decoder only). null = auto: on where the varlen flash kernel runs (CUDA, "
                                          "bf16/fp16 compute); padded elsewhere, where the dense block mask costs "

@@ -472,6 +472,17 @@ def logprob_chunk_bytes(shape: ModelShape, tokens: int) -> int:
     return 3 * min(tokens, LOGPROB_CHUNK) * shape.vocab_size * 4
 
 
+def kept_logits_bytes(shape: ModelShape, response_tokens: int) -> int:
+    """ppo.keep_head_logits: a micro-batch's response-token logits kept from forward to backward, in the head's
+    dtype (roles/forward.py, algo.token_logprobs_from_hidden's save_logits)."""
+    return response_tokens * shape.vocab_size * shape.param_bytes
+
+
+def response_tokens_of(micro_batch_tokens: int, sequence_tokens: int, prompt_tokens: int) -> int:
+    """The response tokens (the ones the head projects) of a micro-batch of whole sequences: all but the prompt."""
+    return micro_batch_tokens * max(0, sequence_tokens - prompt_tokens) // max(1, sequence_tokens)
+
+
 def _largest_micro_batch(budget: int, shape: ModelShape, per_token: int, sizes: PhaseSizes) -> int:
     """Whole sequences per update micro-batch that fit `budget` (activations + the log-prob chunk)."""
     T, chunk_per_token = sizes.sequence_tokens, logprob_chunk_bytes(shape, 1)

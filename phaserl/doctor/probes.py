@@ -13,7 +13,7 @@ import logging
 import torch
 
 from .. import cuda_allocator
-from ..config.auto import choose, compile_rule, keep_awake_rule, micro_batch_rule
+from ..config.auto import choose, compile_rule, keep_awake_rule, keep_logits_rule, micro_batch_rule
 from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
@@ -28,8 +28,8 @@ from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
 from .checks import Context, check, roles_enabled, short
 from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, effective, fmt_bytes, judge,
-                     kept_engine_bytes, kv_cache_bytes_per_sequence, layer_bytes, role_memory, suggest_sizes,
-                     update_peak_bytes)
+                     kept_engine_bytes, kept_logits_bytes, kv_cache_bytes_per_sequence, layer_bytes,
+                     response_tokens_of, role_memory, suggest_sizes, update_peak_bytes)
 from .report import FAIL, OK, WARN, CheckResult
 
 log = logging.getLogger("phaserl")
@@ -299,12 +299,13 @@ def check_memory(ctx: Context) -> CheckResult:
     sizes, micro_line = _micro_batch(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
     keep, auto_line = _keep_awake(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
     kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if keep else 0
-    suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident, update_extra=roles["actor"].grads + kept,
-                                free_bytes=ctx.free_bytes)
+    logits, logits_line = _keep_logits(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads, kept=kept)
+    suggestions = suggest_sizes(shape, ctx.rm_shape, sizes, resident=resident,
+                                update_extra=roles["actor"].grads + kept + logits, free_bytes=ctx.free_bytes)
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
                                                              f"{fmt_bytes(m.optimizer)}" if m.grads else "")
                + " per rank" for name, m in roles.items()]
-    details += lora_lines + [line for line in (micro_line, auto_line) if line]
+    details += lora_lines + [line for line in (micro_line, auto_line, logits_line) if line]
     if shared_ref:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
     details.append(kv_line(shape, sizes))
@@ -407,6 +408,25 @@ def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident:
         world_size=ctx.world_size, actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",
         needed_bytes=peak + kept, kept_bytes=kept, budget_bytes=ctx.free_bytes, lora=bool(cfg.actor.lora.rank)))
     return choice.value, choice.line()
+
+
+def _keep_logits(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int, grads: int,
+                 kept: int) -> tuple[int, str]:
+    """ppo.keep_head_logits as the run will choose it (config/auto.py's rule on this count, at the micro-batch and
+    with the kept engine as chosen): (the bytes keeping adds to the update, the details line when it was auto)."""
+    micro = min(sizes.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
+    logits = kept_logits_bytes(shape, response_tokens_of(micro, sizes.sequence_tokens, ctx.cfg.data.max_prompt_length))
+    asked = ctx.cfg.ppo.keep_head_logits
+    if asked is not None:
+        return (logits if asked else 0), ""
+    peak = kept + update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
+                                    gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
+                                    sequence_tokens=sizes.sequence_tokens)
+    choice = choose("ppo.keep_head_logits", None, keep_logits_rule(
+        device_type=ctx.device.type, triton=importlib.util.find_spec("triton") is not None, compiled=sizes.compiled,
+        plain_head=supports_packing(ctx.policy) and getattr(ctx.policy, "plain_head", False), peak_bytes=peak,
+        logits_bytes=logits, fixed_bytes=resident + grads + kept, budget_bytes=ctx.free_bytes))
+    return (logits if choice.value else 0), choice.line()
 
 
 def _size_line(s, sizes: PhaseSizes, free_bytes: int) -> str:

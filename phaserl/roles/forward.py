@@ -7,7 +7,8 @@ With `packing=True` (ppo.packing) a micro-batch is its rows' real tokens in one 
 (phaserl.packing) attended with the varlen kernel on CUDA (a block-diagonal mask on CPU); results are the
 same [b, R] tensors, padding-free. Every rank runs the same number of micro-batches (`split_rows`):
 FSDP gathers parameters in each forward, so a rank with one forward more would wait forever.
-A model compiled with `models.decoder.enable_compile` also gets the fused (compiled) log-prob kernels.
+A model compiled with `models.decoder.enable_compile` also gets the fused (compiled) log-prob kernels, and with
+`keep_logits` (ppo.keep_head_logits) a training forward keeps the head's logits for its backward.
 Legend: b rows of a micro-batch, R its longest response, M its real response tokens.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..algo import token_logprobs_from_hidden
+from ..algo.logprob_kernels import available as triton_logprobs_available
 from ..batch import RolloutBatch
 from ..batching import pad_response_tensor, split_by_tokens, trim_padding
 from ..models import CausalLM, ValueModel
@@ -42,26 +44,36 @@ def response_hidden(model, mb: RolloutBatch, routing: Optional[Routing] = None) 
     return hidden[:, P - 1: -1]  # position t predicts token t + 1
 
 
+KEPT_LOGITS_CHUNK = 4096  # tokens per head chunk when the logits are kept (the chunks are the kept memory itself)
+
+
 def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float, chunk_size: int,
-                  with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  with_entropy: bool, keep_logits: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of `targets` [N] from final hidden states [N, H]: the fused projection when the
     model's logits are exactly hidden @ output_weight.T, else the model's own head (transformers path:
-    soft-capping, logit scaling), so log-probs are always the model's."""
+    soft-capping, logit scaling), so log-probs are always the model's. keep_logits: under autograd with the
+    Triton kernels, the logits stay from forward to backward (N x V in the weight's dtype) instead of being
+    recomputed there; elsewhere it changes nothing."""
     if getattr(model, "plain_head", True):
+        fused = _fused(model)
+        save = keep_logits and fused is True and torch.is_grad_enabled() and hidden.dtype != torch.float64 \
+            and triton_logprobs_available(hidden.device)
         return token_logprobs_from_hidden(hidden, model.output_weight, targets, temperature=temperature,
-                                          chunk_size=chunk_size, with_entropy=with_entropy, fused=_fused(model))
+                                          chunk_size=KEPT_LOGITS_CHUNK if save else chunk_size,
+                                          with_entropy=with_entropy, fused=fused, save_logits=save)
     return model.token_logprobs(hidden, targets, temperature=temperature, with_entropy=with_entropy,
                                 chunk_size=chunk_size)
 
 
 def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy: bool, chunk_size: int = 1024,
-                   routing: Optional[Routing] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   routing: Optional[Routing] = None, keep_logits: bool = False
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens of one trimmed micro-batch.  [b, R] each."""
     h = response_hidden(model, mb, routing)             # [b, R, H]
     mask = mb.response_mask.bool()                       # [b, R]
     targets = mb.response_ids[mask]                      # [N]
     logp, ent = head_logprobs(model, h[mask], targets, temperature=temperature, chunk_size=chunk_size,
-                              with_entropy=with_entropy)  # [N], [N]
+                              with_entropy=with_entropy, keep_logits=keep_logits)  # [N], [N]
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=h.device)
     logprobs = logprobs.masked_scatter(mask, logp.float())  # [b, R]
     entropy = None
@@ -136,12 +148,13 @@ def _fused(model) -> str | bool:
 
 
 def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool, chunk_size: int = 1024,
-                          routing: Optional[Routing] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          routing: Optional[Routing] = None, keep_logits: bool = False
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each."""
     hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
                    boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))  # [1, N, H]
     logp, ent = head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, temperature=temperature,
-                              chunk_size=chunk_size, with_entropy=with_entropy)  # [M], [M]
+                              chunk_size=chunk_size, with_entropy=with_entropy, keep_logits=keep_logits)  # [M], [M]
     entropy = packed.unpack(ent.float()) if with_entropy else None
     return packed.unpack(logp.float()), entropy
 
@@ -154,7 +167,7 @@ def packed_micro_values(value_model, packed: Packed) -> torch.Tensor:
 
 
 def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: bool, temperature: float,
-                  with_entropy: bool, routing: Optional[Routing] = None
+                  with_entropy: bool, routing: Optional[Routing] = None, keep_logits: bool = False
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
@@ -162,10 +175,11 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
     if packing:
         packed = pack_rows(batch, idx)
         logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy,
-                                          routing=routing)
+                                          routing=routing, keep_logits=keep_logits)
         return logp, ent, packed.response_mask
     mb = trim_padding(batch.select(idx))
-    logp, ent = micro_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy, routing=routing)
+    logp, ent = micro_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy, routing=routing,
+                               keep_logits=keep_logits)
     return logp, ent, mb.response_mask.bool()
 
 

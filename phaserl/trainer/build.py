@@ -189,6 +189,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
                               agg_mode=a.loss_agg_mode, norm_len=r.max_new_tokens)
     model_gradient_checkpointing(actor.model, a.gradient_checkpointing)
     set_packing([actor, critic, ref], cfg.ppo.packing)
+    actor.keep_head_logits = speed.keep_head_logits.value
     set_compile([actor, ref], speed.actor_compile.value)
     if critic is not None:
         model_gradient_checkpointing(critic.model, cfg.critic.gradient_checkpointing)
