@@ -255,9 +255,11 @@ def test_triton_decode_attention_equals_the_torch_path(dtype, heads):
 
 
 @pytest.mark.parametrize("block", [4096, 2])  # 2: four vocabulary blocks, the two-level draw at work
-def test_triton_sampler_draws_from_softmax_over_temperature_with_exact_logprobs(block, monkeypatch):
+@pytest.mark.parametrize("programs", [1, 10**6])  # one program per row; or a program per block and a merge
+def test_triton_sampler_draws_from_softmax_over_temperature_with_exact_logprobs(block, programs, monkeypatch):
     device = kernel_device()
     monkeypatch.setattr(kernels, "SAMPLE_BLOCK", block)
+    monkeypatch.setattr(kernels, "SAMPLE_PROGRAMS", programs)
     z = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -30.0])
     rows, T = 3000, 1.5
     logits = z.repeat(rows, 1).to(device)  # [rows, 7]: many independent draws from one distribution
@@ -276,6 +278,28 @@ def test_triton_sampler_draws_from_softmax_over_temperature_with_exact_logprobs(
     greedy, greedy_lp = kernels.sample(wide, seed, keys[:4], at[:4], True, 1.0)  # several blocks per row
     assert torch.equal(greedy.cpu(), wide.float().argmax(-1).cpu())
     torch.testing.assert_close(greedy_lp.cpu(), wide.float().log_softmax(-1).amax(-1).cpu(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_split_sampler_draws_what_the_one_program_sampler_draws(greedy, monkeypatch):
+    device = kernel_device()
+    monkeypatch.setattr(kernels, "SAMPLE_BLOCK", 64)  # 1000 columns: 16 blocks, the last one partial
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(6, 1000, generator=g)).to(device)
+    logits[2, 130] = logits[2, 900] = logits[2].max() + 5  # a tie across splits: the first column wins greedily
+    seed = torch.tensor([77], device=device)
+    keys, at = torch.arange(6, device=device) * 11, torch.arange(6, device=device)
+    draws = {}
+    for programs in (1, 6 * 3, 6 * 5, 6 * 16):  # 1 split; 3 (spans of 6, the last of 4); 5 asked: 4 spans of 4; 16
+        monkeypatch.setattr(kernels, "SAMPLE_PROGRAMS", programs)
+        draws[kernels.sample_splits(6, 16)] = kernels.sample(logits, seed, keys, at, greedy, 0.8)
+    assert sorted(draws) == [1, 3, 5, 16]
+    tokens, logprobs = draws[1]
+    for splits, (t, lp) in draws.items():
+        assert torch.equal(t, tokens), splits
+        torch.testing.assert_close(lp, logprobs, atol=1e-5, rtol=0)
+    if greedy:
+        assert tokens[2].item() == 130
 
 
 # ------------------------------------------------------------------------------------------------ GPU
