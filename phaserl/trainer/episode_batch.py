@@ -27,11 +27,12 @@ def episodes_batch(episodes: list, n: int, *, tokenizer, pad_token_id: int, grou
     R = input_ids.shape[1] - P
     loss_mask = right_padded([ep.loss_mask() for ep in episodes], R, torch.long)              # [B, R]
     logprobs = right_padded([ep.response_logprobs() for ep in episodes], R, torch.float32)    # [B, R]
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)     # [B, S]
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, S] on the device: no CPU kernels
     group_ids = torch.arange(B // n).repeat_interleave(n) + group_offset  # [B]
     return RolloutBatch(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device), response_mask=attention_mask[:, P:].to(device),
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids, response_mask=attention_mask[:, P:].contiguous(),
         prompt_width=P, group_ids=group_ids.to(device), rollout_logprobs=logprobs.to(device),
         prompts=[ep.row.prompt for ep in episodes],
         response_texts=decode_responses(tokenizer, responses),

@@ -55,13 +55,14 @@ def build_rollout_batch(items: list, n: int, result: GenerationResult, *, tokeni
                                               pad_token_id)                                      # [B, S] each
     R = input_ids.shape[1] - P
     logprobs = right_padded(result.logprobs, R, torch.float32)                                   # [B, R]
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)         # [B, S]
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, S] on the device: no CPU kernels
     group_ids = torch.arange(len(items)).repeat_interleave(n) + group_offset  # [B]
     texts = decode_responses(tokenizer, result.response_ids)
     routes = None if result.routes is None else layout_routes([len(r.prompt_ids) for r in rows], result.routes, P, R)
     return RolloutBatch(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device), response_mask=attention_mask[:, P:].to(device),
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids, response_mask=attention_mask[:, P:].contiguous(),
         prompt_width=P, group_ids=group_ids.to(device), rollout_logprobs=logprobs.to(device),
         prompts=[item.row.prompt for item in rows], response_texts=texts,
         rows=[item.row for item in rows], finish_reasons=list(result.finish_reasons), routed_experts=routes,
