@@ -9,7 +9,8 @@ backward (no optimizer step). Variants, on the same batch in the same process:
 
     padded          our decoder, padded micro-batches (SDPA with a boolean mask)
     packed          our decoder, packed micro-batches (varlen flash attention on CUDA)
-    packed_compile  packed + models.decoder.enable_compile (compiled layers and fused log-prob kernels)
+    packed_compile  packed + models.decoder.enable_compile (compiled layers and fused log-prob kernels; the head
+                    keeps its logits for backward, as the trainer's ppo.keep_head_logits=auto does at these shapes)
     packed_ckpt     packed + activation checkpointing
     padded_compile_ckpt / packed_compile_ckpt: the combinations
     hf              transformers Qwen2ForCausalLM, eager with sdpa attention, padded micro-batches, full
@@ -94,11 +95,14 @@ def loss_of(logp: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, adv: torc
     return (-(ratio * adv * mask).sum() - 0.001 * (ent * mask).sum()) / tokens
 
 
-def ours_step(model, batch: RolloutBatch, adv: torch.Tensor, budget: int, packing: bool) -> float:
+def ours_step(model, batch: RolloutBatch, adv: torch.Tensor, budget: int, packing: bool,
+              keep_logits: bool = False) -> float:
+    """keep_logits: the head keeps its logits for backward (ppo.keep_head_logits; with the Triton kernels only)."""
     tokens = float(batch.response_mask.sum())
     total = torch.zeros((), device=adv.device)  # summed on the device: no host sync per micro-batch
     for idx in split_rows(batch, budget, packing=packing):
-        logp, ent, mask = rows_logprobs(model, batch, idx, packing=packing, temperature=1.0, with_entropy=True)
+        logp, ent, mask = rows_logprobs(model, batch, idx, packing=packing, temperature=1.0, with_entropy=True,
+                                        keep_logits=keep_logits)
         loss = loss_of(logp, ent, mask.float(), adv[idx.to(adv.device, non_blocking=True)][:, : mask.shape[1]],
                        tokens)
         loss.backward()
@@ -168,7 +172,8 @@ def run_variant(variant: str, args, device, batches: dict, flops: dict, peaks: d
             model.zero_grad(set_to_none=True)
             if variant == "hf":
                 return hf_step(model, batch, adv, args.micro_tokens)
-            return ours_step(model, batch, adv, args.micro_tokens, packing)
+            # compiled: the head keeps its logits, as the trainer's auto ppo.keep_head_logits does at these shapes
+            return ours_step(model, batch, adv, args.micro_tokens, packing, keep_logits="compile" in variant)
 
         t0 = time.perf_counter()
         for _ in range(args.warmup + ("compile" in variant)):  # compiling takes a step of its own
@@ -256,13 +261,13 @@ def run_profile(args, device, batches: dict) -> None:
     adv = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1)).to(device)
     for _ in range(args.warmup + 1):
         model.zero_grad(set_to_none=True)
-        ours_step(model, batch, adv, args.micro_tokens, True)
+        ours_step(model, batch, adv, args.micro_tokens, True, keep_logits=True)
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        ours_step(model, batch, adv, args.micro_tokens, True)
+        ours_step(model, batch, adv, args.micro_tokens, True, keep_logits=True)
         sync(device)
         wall = time.perf_counter() - t0
     for record in profiling.summarize(prof, wall, top=25):
