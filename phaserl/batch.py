@@ -192,6 +192,17 @@ def layout_routes(prompt_lengths: list, routes: list, P: int, R: int) -> torch.T
     return out
 
 
+def send(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: to a GPU through pinned memory (torch's caching host
+    allocator keeps the block until the copy is done). A copy from pageable memory can wait for the stream to reach
+    it, so the host stops queueing work while the GPU drains (the update's `aten::copy_` gaps on the H200,
+    BENCHMARKS.md sixteenth session)."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _row_taker(index: torch.Tensor):
     """t -> t[index], the index sent once to each device it meets, without waiting: indexing a CUDA
     tensor with a CPU index copies the index with a host sync, once per field and micro-batch."""
@@ -199,6 +210,6 @@ def _row_taker(index: torch.Tensor):
 
     def take(t: torch.Tensor) -> torch.Tensor:
         if t.device not in on_device:
-            on_device[t.device] = index.to(t.device, non_blocking=True)
+            on_device[t.device] = send(index, t.device)
         return t[on_device[t.device]]
     return take

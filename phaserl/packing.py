@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, send
 from .models.decoder import PackedSeqs
 
 
@@ -91,7 +91,7 @@ def pack_rows(batch: RolloutBatch, idx: torch.Tensor) -> Packed:
     target_source = flat_rows[:, P: P + keep][resp_mask]              # [M] the response tokens' flat positions
     seq_ids = torch.repeat_interleave(torch.arange(len(idx)), lengths)  # [N]
     device = batch.input_ids.device
-    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    to_device = lambda t: send(t, device)  # noqa: E731
     source, target_source = to_device(source), to_device(target_source)
     return Packed(
         rows=idx, input_ids=batch.input_ids.reshape(-1)[source][None],

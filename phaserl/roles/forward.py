@@ -19,7 +19,7 @@ import torch
 
 from ..algo import token_logprobs_from_hidden
 from ..algo.logprob_kernels import available as triton_logprobs_available
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, send
 from ..batching import pad_response_tensor, split_by_tokens, trim_padding
 from ..models import CausalLM, ValueModel
 from ..models.moe import Routing
@@ -93,7 +93,7 @@ def batch_logprobs(model, batch: RolloutBatch, *, temperature: float, token_budg
         routing = Routing() if replay and batch.routed_experts is not None else None
         logp, _, _ = rows_logprobs(model, batch, idx, packing=packing, temperature=temperature, with_entropy=False,
                                    routing=routing)
-        out[idx.to(out.device, non_blocking=True)] = pad_response_tensor(logp, R)  # a CPU index would sync
+        out[send(idx, out.device)] = pad_response_tensor(logp, R)  # a CPU index would sync
     return out
 
 
@@ -111,7 +111,7 @@ def batch_values(value_model, batch: RolloutBatch, *, token_budget: int, packing
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
     for idx in split_rows(batch, token_budget, packing=packing):
         values, _ = rows_values(value_model, batch, idx, packing=packing)
-        out[idx.to(out.device, non_blocking=True)] = pad_response_tensor(values, R)
+        out[send(idx, out.device)] = pad_response_tensor(values, R)
     return out
 
 
