@@ -1,5 +1,5 @@
 """The rollout batch's layout built through masks (batch.layout_ids, right_padded) equals the row-at-a-time
-layout it replaced, and decode_responses gives transformers' batch_decode strings."""
+layout it replaced, decode_responses gives transformers' batch_decode strings, and batch.send moves host tensors."""
 import random
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from phaserl.batch import layout_ids, right_padded
+from phaserl.batch import layout_ids, right_padded, send
 from phaserl.data.prompts import _plain_fast, decode_responses
 from phaserl.world.tokenizer import build_tokenizer
 
@@ -85,3 +85,20 @@ def test_decode_responses_decodes_each_with_a_tokenizer_that_has_only_decode():
             return ",".join(str(i) for i in ids if not (skip_special_tokens and i == 0))
 
     assert decode_responses(DecodeOnly(), [[5, 0, 6], [], [7]]) == ["5,6", "", "7"]
+
+
+def test_layout_ids_returns_torch_long_tensors_and_right_padded_keeps_its_dtype():
+    ids, mask, P = layout_ids([[5, 6], [7]], [[1, 2, 3], []], 0)
+    assert ids.dtype == mask.dtype == torch.long and P == 2
+    assert ids.tolist() == [[5, 6, 1, 2, 3], [0, 7, 0, 0, 0]] and mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert right_padded([[0.5], []], 2, torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_send_gives_the_same_values_on_the_target_device(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    t = torch.arange(10)
+    out = send(t, device)
+    assert out.device.type == device and torch.equal(out.cpu(), t)
+    assert torch.equal(send(out, "cpu"), t)  # and back, from wherever it is
