@@ -174,6 +174,19 @@ def test_the_head_keeps_its_logits_where_the_triton_kernels_run_and_the_room_the
     assert _keep_logits(1, 1, plain_head=False)[1] == "the actor is not phaserl's decoder with a plain LM head"
 
 
+def test_keeping_head_logits_where_the_kernels_do_not_run_warns_that_the_setting_is_ignored(tmp_path, caplog):
+    from phaserl.trainer import RLTrainer
+
+    with caplog.at_level(logging.WARNING, logger="phaserl"):
+        trainer = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path)) + [
+            "trainer.loggers=[]", "ppo.keep_head_logits=true"]))
+    assert "ppo.keep_head_logits=true is ignored: CPU: no Triton log-prob kernels" in caplog.text
+    trainer.train_step()  # the head recomputes its logits, as without the setting
+    auto = RLTrainer.from_config(load_config(None, make_run_dir(str(tmp_path / "auto")) + ["trainer.loggers=[]"]))
+    assert auto.run.speed.keep_head_logits.line() == "ppo.keep_head_logits=auto -> off: CPU: no Triton log-prob kernels"
+    assert not auto.actor.keep_head_logits
+
+
 def test_the_kept_logits_are_the_micro_batchs_response_tokens_by_the_vocabulary_in_the_heads_dtype():
     from phaserl.doctor.memory import kept_logits_bytes, response_tokens_of
 

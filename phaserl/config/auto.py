@@ -195,6 +195,14 @@ def update_room(fixed_bytes: int, budget_bytes: int) -> float:
     return fixed_bytes + MICRO_ACTIVATION_SHARE * max(0, budget_bytes - fixed_bytes)
 
 
+def head_kernels_missing(*, device_type: str, triton: bool, compiled: bool, plain_head: bool) -> str:
+    """Why the actor's log-probs will not run through the Triton head kernels ('' when they will)."""
+    return (f"{device_type.upper()}: no Triton log-prob kernels" if device_type != "cuda" else
+            "Triton is not installed" if not triton else
+            "the actor is not compiled (its log-probs take the unfused head)" if not compiled else
+            "the actor is not phaserl's decoder with a plain LM head" if not plain_head else "")
+
+
 def keep_logits_rule(*, device_type: str, triton: bool, compiled: bool, plain_head: bool, peak_bytes: int,
                      logits_bytes: int, fixed_bytes: int, budget_bytes: int) -> tuple[bool, str]:
     """ppo.keep_head_logits when auto: (keep a micro-batch's LM-head logits from forward to backward, why).
@@ -206,10 +214,7 @@ def keep_logits_rule(*, device_type: str, triton: bool, compiled: bool, plain_he
     included when it is kept); `logits_bytes`: what keeping adds (the micro-batch's response tokens x vocabulary
     in bf16). Measured on the H200 at the 0.5B reference shape (BENCHMARKS.md, sixteenth session): the update
     1.304 -> 1.232 s, +5.5 GiB allocated."""
-    why_not = (f"{device_type.upper()}: no Triton log-prob kernels" if device_type != "cuda" else
-               "Triton is not installed" if not triton else
-               "the actor is not compiled (its log-probs take the unfused head)" if not compiled else
-               "the actor is not phaserl's decoder with a plain LM head" if not plain_head else "")
+    why_not = head_kernels_missing(device_type=device_type, triton=triton, compiled=compiled, plain_head=plain_head)
     if why_not:
         return False, why_not
     room, after = update_room(fixed_bytes, budget_bytes), peak_bytes + logits_bytes

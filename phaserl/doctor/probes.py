@@ -13,7 +13,7 @@ import logging
 import torch
 
 from .. import cuda_allocator
-from ..config.auto import choose, compile_rule, keep_awake_rule, keep_logits_rule, micro_batch_rule
+from ..config.auto import choose, compile_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule, micro_batch_rule
 from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
@@ -416,16 +416,17 @@ def _keep_logits(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
     with the kept engine as chosen): (the bytes keeping adds to the update, the details line when it was auto)."""
     micro = min(sizes.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
     logits = kept_logits_bytes(shape, response_tokens_of(micro, sizes.sequence_tokens, ctx.cfg.data.max_prompt_length))
+    head = dict(device_type=ctx.device.type, triton=importlib.util.find_spec("triton") is not None,
+                compiled=sizes.compiled, plain_head=supports_packing(ctx.policy) and getattr(ctx.policy, "plain_head",
+                                                                                                 False))
     asked = ctx.cfg.ppo.keep_head_logits
-    if asked is not None:
-        return (logits if asked else 0), ""
+    if asked is not None:  # set: kept whenever the kernels run, whatever the count says
+        return (logits if asked and not head_kernels_missing(**head) else 0), ""
     peak = kept + update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                                     gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
                                     sequence_tokens=sizes.sequence_tokens)
     choice = choose("ppo.keep_head_logits", None, keep_logits_rule(
-        device_type=ctx.device.type, triton=importlib.util.find_spec("triton") is not None, compiled=sizes.compiled,
-        plain_head=supports_packing(ctx.policy) and getattr(ctx.policy, "plain_head", False), peak_bytes=peak,
-        logits_bytes=logits, fixed_bytes=resident + grads + kept, budget_bytes=ctx.free_bytes))
+        **head, peak_bytes=peak, logits_bytes=logits, fixed_bytes=resident + grads + kept, budget_bytes=ctx.free_bytes))
     return (logits if choice.value else 0), choice.line()
 
 

@@ -25,7 +25,8 @@ import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
-                           extend_graphs_rule, keep_awake_rule, keep_logits_rule, micro_batch_rule)
+                           extend_graphs_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule,
+                           micro_batch_rule)
 from ..config.validate import sequence_tokens
 from ..doctor.memory import (ModelShape, UnknownShape, kept_engine_bytes, kept_logits_bytes, response_tokens_of,
                              update_peak_bytes)
@@ -88,12 +89,13 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
                                     actor_sharded=cfg.actor.fsdp.sharding_strategy != "NO_SHARD",
                                     lora=bool(cfg.actor.lora.rank), **needed)
     keep_awake = choose("rollout.engine_keep_awake", r.engine_keep_awake, keep_rule)
-    logits_rule = _keep_logits_rule(cfg, count, actor.model, device, compiled=actor_compile.value,
-                                    micro_tokens=micro.value, mini_batch_tokens=d.mini_batch_per_rank * count.sequence_tokens,
-                                    kept=engine_runs and keep_awake.value)
-    keep_logits = choose("ppo.keep_head_logits", cfg.ppo.keep_head_logits, logits_rule)
-    if cfg.ppo.keep_head_logits and not logits_rule[0] and "room" not in logits_rule[1]:
-        log.warning(f"ppo.keep_head_logits=true is ignored: {logits_rule[1]}; the head recomputes its logits")
+    head = dict(device_type=device.type, triton=triton_available(), compiled=actor_compile.value,
+                plain_head=supports_packing(actor.model) and getattr(actor.model, "plain_head", False))
+    keep_logits = choose("ppo.keep_head_logits", cfg.ppo.keep_head_logits, _keep_logits_rule(
+        cfg, count, head, micro_tokens=micro.value, mini_batch_tokens=d.mini_batch_per_rank * count.sequence_tokens,
+        kept=engine_runs and keep_awake.value))
+    if cfg.ppo.keep_head_logits and (missing := head_kernels_missing(**head)):
+        log.warning(f"ppo.keep_head_logits=true is ignored: {missing}; the head recomputes its logits")
     return SpeedChoices(
         actor_compile=actor_compile,
         critic_compile=None if critic is None else _compile_choice("critic.compile", cfg.critic.compile, critic.model,
@@ -106,19 +108,16 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         micro_batch_tokens=micro, keep_head_logits=keep_logits)
 
 
-def _keep_logits_rule(cfg: "Config", count: "UpdateCount", model: torch.nn.Module, device: torch.device, *,
-                      compiled: bool, micro_tokens: int, mini_batch_tokens: int, kept: bool) -> tuple[bool, str]:
-    """config/auto.keep_logits_rule on this run's facts: whether the Triton log-prob kernels run for the actor
-    (roles/forward._fused: a decoder compiled with inductor, a plain head) and the memory count at the chosen
-    micro-batch."""
+def _keep_logits_rule(cfg: "Config", count: "UpdateCount", head: dict, *, micro_tokens: int, mini_batch_tokens: int,
+                      kept: bool) -> tuple[bool, str]:
+    """config/auto.keep_logits_rule on this run's facts: `head`, whether the Triton log-prob kernels run for the actor
+    (head_kernels_missing's arguments), and the memory count at the chosen micro-batch."""
     if count.shape is None:
         return False, "no memory count for this model"
     tokens = min(micro_tokens, mini_batch_tokens)
     logits = kept_logits_bytes(count.shape, response_tokens_of(tokens, count.sequence_tokens,
                                                                cfg.data.max_prompt_length))
-    return keep_logits_rule(device_type=device.type, triton=triton_available(), compiled=compiled,
-                            plain_head=supports_packing(model) and getattr(model, "plain_head", False),
-                            peak_bytes=count.peak(tokens, kept=kept), logits_bytes=logits,
+    return keep_logits_rule(**head, peak_bytes=count.peak(tokens, kept=kept), logits_bytes=logits,
                             fixed_bytes=count.fixed_bytes(kept=kept), budget_bytes=count.budget_bytes)
 
 
