@@ -183,7 +183,8 @@ class StepPerf:
 
     perf/tokens_per_s counts every real token (prompt and response, all ranks) over the step's time;
     perf/rollout_tokens_per_s the sampled ones over the rollout phase's. perf/mfu is the model FLOPs of
-    the forward-only and update phases (all ranks; `FlopModel`) over their time times the devices' bf16
+    the forward-only and update phases (all ranks; `FlopModel`) over the time from the forward phase's start to the
+    update's end (the advantage phase between them waits for the forward kernels) times the devices' bf16
     peak (GPUs in PEAK_BF16_FLOPS only). The FLOP models are made at the first step that needs them.
     """
 
@@ -223,6 +224,8 @@ class StepPerf:
             critic = self._flops["critic"]
             flops += critic.forward_flops(lengths, 0) * (1 + critic.update_passes * update_epochs)
         total = float(all_reduce_sum(torch.tensor(flops, dtype=torch.float64, device=self.device)))
-        seconds = max(timings["forward"] + timings["update"], 1e-9)
+        # The advantage phase too: the forward phase's clock can stop while its kernels still run (nothing in it
+        # waits for them), and the advantage phase's first read of a result waits for the rest.
+        seconds = max(timings["forward"] + timings.get("advantage", 0.0) + timings["update"], 1e-9)
         out["perf/mfu"] = total / (seconds * peak * self.world_size)
         return out
