@@ -361,6 +361,37 @@ def test_the_doctor_counts_keep_awake_as_the_run_will_choose_it(tmp_path):
 
     memory = {r.name: r for r in run_doctor(load_doctor_config(None, make_run_dir(str(tmp_path)))) }["memory"]
     assert "rollout.engine_keep_awake=auto -> off: CPU (no CUDA graphs to keep)" in memory.details
+    assert "ppo.keep_head_logits=auto -> off: CPU: no Triton log-prob kernels" in memory.details
+
+
+def test_the_doctors_kept_logits_follow_the_rule_and_a_set_value_where_the_kernels_run(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from phaserl.doctor import probes
+    from phaserl.doctor.memory import PhaseSizes
+
+    shape = ModelShape(num_params=494_000_000, num_layers=24, hidden_size=896, intermediate_size=4864,
+                       num_kv_heads=2, head_dim=64, vocab_size=151_936, param_bytes=2)
+    fields = {f: 0 for f in PhaseSizes.__dataclass_fields__}
+    sizes = PhaseSizes(**{**fields, "micro_batch_tokens": 33_024, "mini_batch_per_rank": 512, "sequence_tokens": 384,
+                          "prompt_tokens": 128, "gradient_checkpointing": False, "compiled": True})
+    monkeypatch.setattr(probes, "supports_packing", lambda model: True)
+    monkeypatch.setattr(probes.importlib.util, "find_spec", lambda name: object())  # Triton "installed"
+    logits = 86 * 256 * 151_936 * 2
+
+    def ctx(asked, free_gib=139):
+        cfg = SimpleNamespace(ppo=SimpleNamespace(keep_head_logits=asked))
+        return SimpleNamespace(cfg=cfg, device=torch.device("cuda"), policy=SimpleNamespace(plain_head=True),
+                               free_bytes=free_gib * GIB)
+
+    added, line = probes._keep_logits(ctx(None), shape, sizes, resident=8 * GIB, grads=GIB, kept=0)
+    assert added == logits and line.startswith("ppo.keep_head_logits=auto -> on: 6.2 GiB of kept logits")
+    added, line = probes._keep_logits(ctx(None, free_gib=50), shape, sizes, resident=8 * GIB, grads=GIB, kept=0)
+    assert added == 0 and line.endswith("more than the room the micro-batch leaves (recomputed in backward)")
+    assert probes._keep_logits(ctx(True, free_gib=50), shape, sizes, resident=8 * GIB, grads=GIB, kept=0) == (logits, "")
+    assert probes._keep_logits(ctx(False), shape, sizes, resident=8 * GIB, grads=GIB, kept=0) == (0, "")
 
 
 # ----- the compile cache --------------------------------------------------------------------------------------

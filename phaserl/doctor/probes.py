@@ -415,7 +415,7 @@ def _keep_logits(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
     """ppo.keep_head_logits as the run will choose it (config/auto.py's rule on this count, at the micro-batch and
     with the kept engine as chosen): (the bytes keeping adds to the update, the details line when it was auto)."""
     micro = min(sizes.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
-    logits = kept_logits_bytes(shape, response_tokens_of(micro, sizes.sequence_tokens, ctx.cfg.data.max_prompt_length))
+    logits = kept_logits_bytes(shape, response_tokens_of(micro, sizes.sequence_tokens, sizes.prompt_tokens))
     head = dict(device_type=ctx.device.type, triton=importlib.util.find_spec("triton") is not None,
                 compiled=sizes.compiled, plain_head=supports_packing(ctx.policy) and getattr(ctx.policy, "plain_head",
                                                                                                  False))
