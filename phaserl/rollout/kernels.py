@@ -16,7 +16,10 @@ the slot-state update and one-pass sampling.
                     in that block, re-read), with noise from Philox keyed by the row's own seed, derived
                     in the kernel from (the call's seed, the row's sequence key, the position it draws
                     after) as sampling.row_states derives it; greedy = argmax z. Returns the token and its
-                    log-prob under log_softmax(z / T), like torch_path.sample_tokens.
+                    log-prob under log_softmax(z / T), like torch_path.sample_tokens. With fewer rows than
+                    SAMPLE_PROGRAMS, each row's blocks are split over programs and a second kernel merges
+                    their statistics and best blocks (the block keys depend on the block index only, so
+                    the draws do not change with the split).
   keyed_noise       Exp(1) noise [b, V] for torch_path.sample_tokens (top-k / top-p), Philox under the same
                     per-row seeds: the CUDA twin of sampling.keyed_noise (other numbers, the same law).
 All run inside CUDA graphs (no host sync; the seed, keys and positions live in device tensors).
