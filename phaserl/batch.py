@@ -143,9 +143,9 @@ def layout_ids(prompts: list, responses: list, pad_token_id: int) -> tuple[torch
     """Token id lists laid out as a batch: (input_ids [B, S], attention_mask [B, S], P), prompts left-padded to
     P, responses right-padded to R = max(1, longest). Filled through masks in one copy each, not a row at a
     time: row-major order of a mask's True cells is the order of the concatenated lists (512 rows of 384
-    tokens: ~1,500 small tensors a step before, tens of ms of host time). In numpy: torch's CPU kernels each
-    start its thread pool, which on a 16-core GPU host made these few [512, 384] operations ~100 ms a step
-    (H200, 2026-12-04; 8 ms on a 2-core CPU)."""
+    tokens: ~1,500 small tensors a step before, tens of ms of host time). In numpy: each torch CPU kernel woke
+    torch's thread pool, and on the H200's 16-core host these few [512, 384] operations took up to ~100 ms a
+    step (cProfile, 2026-12-04; 8 ms on a 2-core CPU)."""
     P = max(map(len, prompts))
     R = max(1, max(map(len, responses)))
     prompt_cells = np.arange(P) >= P - _lengths(prompts)[:, None]     # [B, P] left padding
