@@ -13,6 +13,7 @@ timed step, and the warm-up steps apart). `--only both` ends with a comparison l
     python benchmarks/grpo_step.py --tiny                   # a CPU smoke run of both sides (seconds)
     python benchmarks/grpo_step.py --shape 7b --lora-rank 16  # LoRA on both sides (benchmarks/lora_step.py runs the set)
     python benchmarks/grpo_step.py --only ours --sweep-micro-batch 8064,12288,32640  # the host's cost per micro-batch
+    python benchmarks/grpo_step.py --only ours --ours-micro-batch auto --ab keep_head_logits,pinned_copies  # on vs off
 
 Ours is built the way `phaserl train ours.yaml KEY=VALUE ...` builds it: the YAML this script writes, plus
 --ours-set overrides -> phaserl.config.load_config -> RLTrainer.from_config (phaserl.trainer.build); then
@@ -73,7 +74,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_setup  # noqa: E402
 from step_probes import (dynamo_counters, engine_stats, json_or_none, memory_gib, metric_group,  # noqa: E402
-                         micro_batch_sweep, profile_one_step, reset_peak, rollout_probe, sync, timed_step)
+                         micro_batch_sweep, profile_one_step, reset_peak, rollout_probe, settings_ab, sync,
+                         timed_step)
 
 BENCH = "grpo_step"
 
@@ -131,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-micro-batch", default=None, metavar="T[,T...]",
                    help="ours: after the timed steps, the update at each of these ppo.micro_batch_tokens in this same "
                         "process (1 + --steps steps each), and the host's cost per micro-batch fitted from them")
+    p.add_argument("--ab", default=None, metavar="NAME[,NAME...]",
+                   help="ours: after the timed steps, each on/off setting alternated in this process, --ab-rounds x "
+                        "(on, off) of --steps steps (step_probes.AB_SETTINGS: keep_head_logits, pinned_copies)")
+    p.add_argument("--ab-rounds", type=int, default=2, help="--ab: rounds of (on, off) per setting")
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
@@ -282,6 +288,8 @@ def run_ours(a, root: str, log_dir: str) -> dict:
         emit(**step)
     if a.rollout_probe:
         rollout_probe(trainer, a.rollout_probe, emit)
+    if a.ab:
+        settings_ab(trainer, [n.strip() for n in a.ab.split(",") if n.strip()], a.ab_rounds, a.steps, emit)
     if a.sweep_micro_batch:
         micro_batch_sweep(trainer, [int(t) for t in a.sweep_micro_batch.split(",")], a.steps,
                           a.prompt_len + a.new_tokens, emit)

@@ -1,6 +1,7 @@
 """Measuring one phaserl trainer step for the benchmarks: device syncs and peak memory, a step between syncs, the
 engine's and dynamo's counters, and the optional diagnostics of grpo_step.py (`--profile`: one more step under
-torch.profiler; `--rollout-probe`: the rollout phase alone at several KV memory fractions). The diagnostics print
+torch.profiler; `--rollout-probe`: the rollout phase alone at several KV memory fractions; `--ab`: on/off settings
+alternated in this process). The diagnostics print
 through the caller's `emit` (its bench name and, under multi_gpu.py, its rank tag).
 Not here: the step configs, the TRL side, the summary lines (grpo_step.py).
 """
@@ -217,3 +218,54 @@ def micro_batch_sweep(trainer, sizes: list, steps: int, sequence_tokens: int, em
     slope = sum((m - mx) * (u - my) for m, u in points) / sum((m - mx) ** 2 for m, _ in points)
     emit(measure="host_cost_per_micro_batch", seconds=round(slope, 5), intercept_s=round(my - slope * mx, 4),
          points=[[m, round(u, 4)] for m, u in points])
+
+
+def _pinned_copies(trainer) -> bool:
+    import phaserl.batch
+
+    return phaserl.batch.PIN_HOST_COPIES
+
+
+def _set_pinned_copies(trainer, on: bool) -> None:
+    import phaserl.batch
+
+    phaserl.batch.PIN_HOST_COPIES = on
+
+
+# name -> (read the setting, set it on or off): settings a built trainer can change between steps
+AB_SETTINGS = {
+    "keep_head_logits": (lambda t: t.actor.keep_head_logits,
+                         lambda t, on: setattr(t.actor, "keep_head_logits", on)),  # ppo.keep_head_logits
+    "pinned_copies": (_pinned_copies, _set_pinned_copies),  # batch.send
+}
+
+
+def settings_ab(trainer, names: list, rounds: int, steps: int, emit) -> None:
+    """Each named on/off setting (AB_SETTINGS) alternated in this one process, so that the machine's drift and its
+    difference from other machines fall on both sides alike: `rounds` x (on, off), each side one untimed step (a
+    kernel the other side does not use compiles there) and `steps` timed. Emits `measure=ab_side` per side and
+    round, and `measure=ab` per setting: the medians of all of each side's steps, and on - off. Restores the setting."""
+    import statistics
+
+    unknown = sorted(set(names) - set(AB_SETTINGS))
+    if unknown:
+        raise SystemExit(f"--ab: {unknown} are not settings; choose from {', '.join(AB_SETTINGS)}")
+    for name in names:
+        read, write = AB_SETTINGS[name]
+        before, seconds = read(trainer), {True: [], False: []}
+        for r in range(rounds):
+            for on in (True, False):
+                write(trainer, on)
+                timed_step(trainer)  # untimed
+                side = []
+                for _ in range(steps):
+                    reset_peak()
+                    metrics, wall = timed_step(trainer)
+                    side.append(wall)
+                seconds[on] += side
+                emit(measure="ab_side", setting=name, on=on, round=r, s_all=[round(x, 4) for x in side],
+                     timing_s=metric_group(metrics, "timing_s", 3), **memory_gib())
+        write(trainer, before)
+        on_s, off_s = statistics.median(seconds[True]), statistics.median(seconds[False])
+        emit(measure="ab", setting=name, on_s=round(on_s, 4), off_s=round(off_s, 4), on_minus_off_s=round(on_s - off_s, 4),
+             steps_per_side=len(seconds[True]))

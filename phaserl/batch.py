@@ -192,13 +192,16 @@ def layout_routes(prompt_lengths: list, routes: list, P: int, R: int) -> torch.T
     return out
 
 
+PIN_HOST_COPIES = True  # False: send() copies from pageable memory (comparisons: benchmarks/grpo_step.py --ab)
+
+
 def send(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without making the host wait: to a GPU through pinned memory (torch's caching host
     allocator keeps the block until the copy is done). A copy from pageable memory can wait for the stream to reach
     it, so the host stops queueing work while the GPU drains (the update's `aten::copy_` gaps on the H200,
     BENCHMARKS.md sixteenth session)."""
     device = torch.device(device)
-    if t.device.type == "cpu" and device.type == "cuda":
+    if PIN_HOST_COPIES and t.device.type == "cpu" and device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
 
