@@ -115,6 +115,9 @@ def test_save_logits_needs_the_triton_kernels_and_an_unused_entropy_costs_no_gra
     t = torch.randint(0, 11, (6,))
     with pytest.raises(ValueError, match="save_logits needs the Triton kernels"):
         token_logprobs_from_hidden(h, w, t, save_logits=True)
+    from phaserl.algo.logprobs import can_save_logits  # what the roles ask before asking for it
+
+    assert not can_save_logits(True, h) and not can_save_logits(False, h) and not can_save_logits("inductor", h)
     with pytest.raises(ValueError, match="fused='triton' needs a CUDA device"):
         token_logprobs_from_hidden(h, w, t, fused="triton")
     # entropy returned but left out of the loss: the gradient is that of the log-probs alone

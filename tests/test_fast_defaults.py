@@ -206,12 +206,12 @@ def test_the_head_keeps_logits_only_under_autograd_with_the_triton_kernels(monke
                         lambda h, w, t, **kw: seen.append((kw["save_logits"], kw["chunk_size"])) or (h[:, 0], None))
     model = type("M", (), {"plain_head": True, "output_weight": torch.zeros(5, 3), "compiled": "inductor"})()
     h, t = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
-    monkeypatch.setattr(forward, "triton_logprobs_available", lambda device: True)
+    monkeypatch.setattr(forward, "can_save_logits", lambda fused, hidden: fused is True)  # Triton "runs"
     forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=True)
     with torch.no_grad():  # a forward-only pass has no backward to keep them for
         forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=True)
     forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=False)
-    monkeypatch.setattr(forward, "triton_logprobs_available", lambda device: False)
+    monkeypatch.setattr(forward, "can_save_logits", lambda fused, hidden: False)
     forward.head_logprobs(model, h, t, temperature=1.0, chunk_size=1024, with_entropy=False, keep_logits=True)
     assert seen == [(True, forward.KEPT_LOGITS_CHUNK), (False, 1024), (False, 1024), (False, 1024)]
 

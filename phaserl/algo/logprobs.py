@@ -244,6 +244,12 @@ def token_logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, 
     return out, None
 
 
+def can_save_logits(fused: bool | str, hidden: Tensor) -> bool:
+    """Whether token_logprobs_from_hidden(hidden, ..., fused=fused) runs the Triton kernels, so save_logits=True
+    is allowed."""
+    return _pick_kernels(fused, hidden) == "triton"
+
+
 def _pick_kernels(fused: bool | str, hidden: Tensor) -> Optional[str]:
     """None (unfused), "triton", or a torch.compile backend name; see token_logprobs_from_hidden."""
     if not fused:

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..algo import token_logprobs_from_hidden
-from ..algo.logprob_kernels import available as triton_logprobs_available
+from ..algo.logprobs import can_save_logits
 from ..batch import RolloutBatch, send
 from ..batching import pad_response_tensor, split_by_tokens, trim_padding
 from ..models import CausalLM, ValueModel
@@ -56,8 +56,7 @@ def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, tempera
     recomputed there; elsewhere it changes nothing."""
     if getattr(model, "plain_head", True):
         fused = _fused(model)
-        save = keep_logits and fused is True and torch.is_grad_enabled() and hidden.dtype != torch.float64 \
-            and triton_logprobs_available(hidden.device)
+        save = keep_logits and torch.is_grad_enabled() and can_save_logits(fused, hidden)
         return token_logprobs_from_hidden(hidden, model.output_weight, targets, temperature=temperature,
                                           chunk_size=KEPT_LOGITS_CHUNK if save else chunk_size,
                                           with_entropy=with_entropy, fused=fused, save_logits=save)
