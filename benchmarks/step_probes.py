@@ -256,7 +256,7 @@ def settings_ab(trainer, names: list, rounds: int, steps: int, emit) -> None:
         for r in range(rounds):
             for on in (True, False):
                 write(trainer, on)
-                timed_step(trainer)  # untimed
+                metrics, _ = timed_step(trainer)  # untimed
                 side = []
                 for _ in range(steps):
                     reset_peak()
