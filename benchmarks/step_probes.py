@@ -250,6 +250,9 @@ def settings_ab(trainer, names: list, rounds: int, steps: int, emit) -> None:
     unknown = sorted(set(names) - set(AB_SETTINGS))
     if unknown:
         raise SystemExit(f"--ab: {unknown} are not settings; choose from {', '.join(AB_SETTINGS)}")
+    if steps < 1 or rounds < 1:
+        raise SystemExit(f"--ab times --steps steps per side in each of --ab-rounds rounds: got --steps {steps}, "
+                         f"--ab-rounds {rounds}; give both at least 1")
     for name in names:
         read, write = AB_SETTINGS[name]
         before, seconds = read(trainer), {True: [], False: []}

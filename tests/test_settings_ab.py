@@ -50,6 +50,18 @@ def test_an_unknown_setting_is_named_with_the_choices():
         step_probes.settings_ab(_Trainer(), ["fast_mode"], 1, 1, print)
 
 
+def test_ab_without_timed_steps_is_refused_before_anything_is_built():
+    # the sixteenth session's first GPU run: `--steps 0 --ab ...` built the trainer, ran four untimed steps and
+    # then failed on an empty median
+    import grpo_step
+    import step_probes
+
+    with pytest.raises(SystemExit):
+        grpo_step.parse_args(["--only", "ours", "--steps", "0", "--ab", "keep_head_logits"])
+    with pytest.raises(SystemExit, match="--steps 0, --ab-rounds 2; give both at least 1"):
+        step_probes.settings_ab(_Trainer(), ["keep_head_logits"], 2, 0, print)
+
+
 @pytest.mark.slow  # builds and runs the tiny GRPO world: ~20 s on a 2-core CPU
 def test_grpo_step_ab_on_the_tiny_run_prints_both_settings(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "grpo_step.py"), "--tiny", "--only", "ours",
