@@ -43,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=["0.5b", "7b"], default="0.5b")
     p.add_argument("--smoke", action="store_true", help="grpo_step.py --tiny on the CPU: checks the script only")
-    p.add_argument("--variants", default="full,r16,r64", help="comma-separated: full, rN (LoRA rank N)")
+    p.add_argument("--variants", default="full,r16,r64", help="comma-separated: full, rN (LoRA rank N, both sides), "
+                   "rN:ours (phaserl alone)")
     p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE", help="passed to grpo_step.py")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
@@ -112,9 +113,11 @@ def variant_argv(a, variant: str, world: str) -> list:
         argv += ["--ours-set", item]
     if variant == "full":
         return argv + ["--only", "ours"]
-    if not (variant.startswith("r") and variant[1:].isdigit() and int(variant[1:]) > 0):
-        raise SystemExit(f"--variants: {variant!r} is neither 'full' nor 'rN' (a LoRA rank, e.g. r16)")
-    return argv + ["--lora-rank", variant[1:], "--only", "both"]
+    rank, _, side = variant.partition(":")
+    if not (rank.startswith("r") and rank[1:].isdigit() and int(rank[1:]) > 0 and side in ("", "ours")):
+        raise SystemExit(f"--variants: {variant!r} is neither 'full' nor 'rN' / 'rN:ours' (a LoRA rank, e.g. r16; "
+                         ":ours leaves TRL + PEFT out)")
+    return argv + ["--lora-rank", rank[1:], "--only", side or "both"]
 
 
 def run_variant(argv: list) -> dict:
