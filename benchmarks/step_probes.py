@@ -249,7 +249,7 @@ AB_SETTINGS = {
     "keep_head_logits": (lambda t: t.actor.keep_head_logits,
                          lambda t, on: setattr(t.actor, "keep_head_logits", on)),  # ppo.keep_head_logits
     "pinned_copies": (_pinned_copies, _set_pinned_copies),  # batch.send
-    "fused_projections": (_fused_projections, _set_fused_projections),  # decoder.fuse_qkv, fuse_gate_up
+    "fused_projections": (_fused_projections, _set_fused_projections),  # decoder.fuse_projections
 }
 
 

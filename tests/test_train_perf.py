@@ -174,7 +174,7 @@ def test_the_gqa_probe_says_yes_when_its_first_call_comes_from_an_inference_mode
 
 # ----- compile and activation checkpointing: the same loss and gradients ----------------------------------
 def test_compiled_layers_multiply_fused_qkv_and_gate_up_with_the_same_result_and_gradients(monkeypatch):
-    """decoder.fuse_qkv / fuse_gate_up: the compiled path's q/k/v and gate/up as one weight each (layer_block run here
+    """decoder.fuse_projections: the compiled path's q/k/v and gate/up as one weight each (layer_block run here
     without torch.compile, the layer flagged compiled): the same output and every projection's own gradient."""
     from phaserl.models import layers
 
@@ -205,14 +205,13 @@ def test_lora_and_k_eq_v_projections_stay_separate():
     from phaserl.models.lora import LoRALinear
 
     w = _model().model.layers[0].weights()
-    fused = decoder.fuse_qkv(w)
+    fused = decoder.fuse_projections(w)
     assert fused.qkv.shape == (4 * 8 + 2 * 2 * 8, 32) and fused.qkv_bias.shape == (64,) and fused.q is None
-    assert fused.gate is w.gate and fused.o is w.o
-    fused = decoder.fuse_gate_up(w)
-    assert fused.gate_up.shape == (128, 32) and fused.gate is None and fused.q is w.q
+    assert fused.gate_up.shape == (128, 32) and fused.gate is None
     lora = w._replace(k=LoRALinear(w.k, rank=2, alpha=4.0), up=LoRALinear(w.up, rank=2, alpha=4.0))
-    assert decoder.fuse_qkv(lora) is lora and decoder.fuse_gate_up(lora) is lora
-    assert decoder.fuse_qkv(w._replace(v=None)).qkv is None  # Gemma 4's k_eq_v layers: values are the keys
+    kept = decoder.fuse_projections(lora)
+    assert kept.qkv is None and kept.q is w.q and kept.gate_up is None and kept.gate is w.gate
+    assert decoder.fuse_projections(w._replace(v=None)).qkv is None  # Gemma 4's k_eq_v layers: values are the keys
 
 
 @pytest.mark.slow
