@@ -232,24 +232,11 @@ def _set_pinned_copies(trainer, on: bool) -> None:
     phaserl.batch.PIN_HOST_COPIES = on
 
 
-def _fused_projections(trainer) -> bool:
-    from phaserl.models import decoder
-
-    return decoder.FUSE_PROJECTIONS
-
-
-def _set_fused_projections(trainer, on: bool) -> None:
-    from phaserl.models import decoder
-
-    decoder.FUSE_PROJECTIONS = on  # read inside the compiled layer: the first step after a change recompiles it
-
-
 # name -> (read the setting, set it on or off): settings a built trainer can change between steps
 AB_SETTINGS = {
     "keep_head_logits": (lambda t: t.actor.keep_head_logits,
                          lambda t, on: setattr(t.actor, "keep_head_logits", on)),  # ppo.keep_head_logits
     "pinned_copies": (_pinned_copies, _set_pinned_copies),  # batch.send
-    "fused_projections": (_fused_projections, _set_fused_projections),  # decoder.fuse_projections
 }
 
 

@@ -173,47 +173,6 @@ def test_the_gqa_probe_says_yes_when_its_first_call_comes_from_an_inference_mode
 
 
 # ----- compile and activation checkpointing: the same loss and gradients ----------------------------------
-def test_compiled_layers_multiply_fused_qkv_and_gate_up_with_the_same_result_and_gradients(monkeypatch):
-    """decoder.fuse_projections: the compiled path's q/k/v and gate/up as one weight each (layer_block run here
-    without torch.compile, the layer flagged compiled): the same output and every projection's own gradient."""
-    from phaserl.models import layers
-
-    layer = _model().model.layers[0]
-    h = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(1))
-    cos, sin = (t[None].expand(1, 9, -1) for t in layers.rope_tables(torch.ones(9, 8), torch.zeros(9, 8)))
-    seen = []
-    real_pre = decoder.pre_attention
-    monkeypatch.setattr(decoder, "pre_attention", lambda h, w, *a: seen.append(w.qkv is not None) or real_pre(h, w, *a))
-    mask = attention.build_attention_mask(torch.ones(1, 9, dtype=torch.bool), 0, 9)
-    results = []
-    for compiled in (None, "eager"):
-        layer.compiled = compiled
-        layer.zero_grad(set_to_none=True)
-        out = decoder.layer_block(layer, h, cos, sin, mask)
-        out.square().sum().backward()
-        results.append((out.detach(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
-    layer.compiled = None
-    assert seen == [False, True]  # plain path separate, the compiled one fused
-    (out0, g0), (out1, g1) = results
-    torch.testing.assert_close(out1, out0, rtol=1e-5, atol=1e-6)
-    assert g0.keys() == g1.keys() and {"self_attn.q_proj.weight", "self_attn.v_proj.bias", "mlp.up_proj.weight"} <= g1.keys()
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_lora_and_k_eq_v_projections_stay_separate():
-    from phaserl.models.lora import LoRALinear
-
-    w = _model().model.layers[0].weights()
-    fused = decoder.fuse_projections(w)
-    assert fused.qkv.shape == (4 * 8 + 2 * 2 * 8, 32) and fused.qkv_bias.shape == (64,) and fused.q is None
-    assert fused.gate_up.shape == (128, 32) and fused.gate is None
-    lora = w._replace(k=LoRALinear(w.k, rank=2, alpha=4.0), up=LoRALinear(w.up, rank=2, alpha=4.0))
-    kept = decoder.fuse_projections(lora)
-    assert kept.qkv is None and kept.q is w.q and kept.gate_up is None and kept.gate is w.gate
-    assert decoder.fuse_projections(w._replace(v=None)).qkv is None  # Gemma 4's k_eq_v layers: values are the keys
-
-
 @pytest.mark.slow
 def test_compiled_layers_and_checkpointing_give_the_same_loss_and_gradients():
     b = _batch(PROMPTS, RESPONSES)

@@ -188,8 +188,6 @@ def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: to
     """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D];
     route: a MoE layer's routing in/out (moe.Route)."""
     spec, w = layer.spec, layer.weights()
-    if FUSE_PROJECTIONS and layer.compiled and kv_cache is None:  # inside the compiled graph: the concatenations
-        w = fuse_projections(w)                                   # are its first kernels
     q, k, v = pre_attention(h, w, spec, cos, sin)  # [B, T, Hq|Hkv, D]
     if kv_cache is not None:
         k, v = kv_cache.update(layer.self_attn.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
@@ -199,26 +197,6 @@ def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 _COMPILED_BLOCKS: dict = {}  # backend -> torch.compile(layer_block), made once per process by enable_compile
-
-# Compiled training and forward-only passes multiply q/k/v and gate/up as one weight each (fuse_projections).
-# A switch for A/B runs (benchmarks/step_probes.AB_SETTINGS); flipping it recompiles the layer once.
-FUSE_PROJECTIONS = True
-
-
-def fuse_projections(w: LayerWeights) -> LayerWeights:
-    """q/k/v as one [(Hq + 2 Hkv) D, H] weight and gate/up as one [2 I, H] weight, concatenated per call, where
-    they are plain nn.Linear layers (biases on all of q/k/v or none; none on gate/up): one GEMM instead of three
-    (two) forward and two instead of six (four) backward, whose narrow k/v outputs (2 heads x 64 at 0.5B) ran
-    as GEMMs of their own. The gradient reaches each projection's own weight through the concatenation; the
-    copies cost one read and write of those weights per call. A LoRA wrapper, Gemma 4's k_eq_v layers (no
-    v_proj) and MoE layers keep their separate projections."""
-    attn, mlp = (w.q, w.k, w.v), (w.gate, w.up)
-    if all(type(m) is nn.Linear for m in attn) and len({m.bias is None for m in attn}) == 1:
-        bias = None if w.q.bias is None else torch.cat([m.bias for m in attn])
-        w = w._replace(q=None, k=None, v=None, qkv=torch.cat([m.weight for m in attn]), qkv_bias=bias)
-    if all(type(m) is nn.Linear and m.bias is None for m in mlp):
-        w = w._replace(gate=None, up=None, gate_up=torch.cat([m.weight for m in mlp]))
-    return w
 
 
 def enable_compile(model: nn.Module, enabled: bool = True, *, backend: str = "inductor") -> None:
