@@ -73,9 +73,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_setup  # noqa: E402
-from step_probes import (dynamo_counters, engine_stats, json_or_none, memory_gib, metric_group,  # noqa: E402
-                         micro_batch_sweep, profile_one_step, reset_peak, rollout_probe, settings_ab, sync,
-                         timed_step)
+from step_probes import (ab_counts_problem, dynamo_counters, engine_stats, json_or_none, memory_gib,  # noqa: E402
+                         metric_group, micro_batch_sweep, profile_one_step, reset_peak, rollout_probe, settings_ab,
+                         sync, timed_step)
 
 BENCH = "grpo_step"
 
@@ -140,9 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world", default=None, help="directory made by a previous run (model/, tokenizer/, train.parquet)")
     p.add_argument("--log-dir", default=None, help="where each side's logs go (default: inside the world dir)")
     a = p.parse_args(argv)
-    if a.ab and (a.steps < 1 or a.ab_rounds < 1):  # before building anything: --steps is each side's timed steps
-        p.error(f"--ab times --steps steps per side in each of --ab-rounds rounds: got --steps {a.steps}, "
-                f"--ab-rounds {a.ab_rounds}; give both at least 1")
+    if a.ab and ab_counts_problem(a.steps, a.ab_rounds):  # before anything is built
+        p.error(ab_counts_problem(a.steps, a.ab_rounds))
     # kv_fraction: 0.03 of free memory holds the 0.5B step's 512 x 384 tokens (2.25 GiB); at 7B the 128 x 768
     # tokens take 5.25 GiB, more than 0.03 of what is free (a 7B LoRA actor: ~91 slots by the arithmetic, so
     # two decode waves); at 1.5B the 256 x 1280 tokens take 8.75 GiB.

@@ -240,6 +240,14 @@ AB_SETTINGS = {
 }
 
 
+def ab_counts_problem(steps: int, rounds: int):
+    """What is wrong with --steps / --ab-rounds for settings_ab (None: nothing); grpo_step.py asks before building."""
+    if steps < 1 or rounds < 1:
+        return (f"--ab times --steps steps per side in each of --ab-rounds rounds: got --steps {steps}, "
+                f"--ab-rounds {rounds}; give both at least 1")
+    return None
+
+
 def settings_ab(trainer, names: list, rounds: int, steps: int, emit) -> None:
     """Each named on/off setting (AB_SETTINGS) alternated in this one process, so that the machine's drift and its
     difference from other machines fall on both sides alike: `rounds` x (on, off), each side one untimed step (a
@@ -250,9 +258,9 @@ def settings_ab(trainer, names: list, rounds: int, steps: int, emit) -> None:
     unknown = sorted(set(names) - set(AB_SETTINGS))
     if unknown:
         raise SystemExit(f"--ab: {unknown} are not settings; choose from {', '.join(AB_SETTINGS)}")
-    if steps < 1 or rounds < 1:
-        raise SystemExit(f"--ab times --steps steps per side in each of --ab-rounds rounds: got --steps {steps}, "
-                         f"--ab-rounds {rounds}; give both at least 1")
+    problem = ab_counts_problem(steps, rounds)
+    if problem:
+        raise SystemExit(problem)
     for name in names:
         read, write = AB_SETTINGS[name]
         before, seconds = read(trainer), {True: [], False: []}
