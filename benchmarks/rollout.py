@@ -6,6 +6,7 @@ EOS ignored (fixed lengths), temperature 1.
 
     python benchmarks/rollout.py --case all --budget 540      # the default --plan, each in its own process
     python benchmarks/rollout.py --case ours --shape 0.5b [--compile] [--no-fused] [--profile [--sweep]]
+    python benchmarks/rollout.py --case ours --shape 1.5b --workload grpo [--split-programs 2048]   # grpo_step's rows
     python benchmarks/rollout.py --case roofline|hf|hf_static|varlen|longtail|longtail_hf|profile --shape 0.5b
 
 --no-fused decodes through layers.py's torch functions instead of rollout/fused.py's kernels (the comparison).
@@ -37,6 +38,7 @@ from phaserl.rollout.torch_path import decode_attention  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 64, 8, 128, 256
+GRPO_WORKLOADS = {"0.5b": (64, 128, 256), "1.5b": (32, 256, 1024), "7b": (16, 256, 512), "tiny": (4, 16, 16)}
 DEVICE = "cuda"
 
 
@@ -153,7 +155,8 @@ def case_ours(args) -> None:
     with torch.inference_mode():  # the full-batch step alone (all slots idle now: the same work as a busy step)
         step_ms = per_call_ms(lambda: engine.runner.decode(len(ps)), 50)
     best = min(runs)
-    emit(case="ours", shape=args.shape, compile=args.compile, fused=rollout_runner.FUSED_DECODE,
+    emit(case="ours", shape=args.shape, workload=args.workload, split_programs=rollout_kernels.SPLIT_PROGRAMS,
+         prompt_len=PROMPT_LEN, compile=args.compile, fused=rollout_runner.FUSED_DECODE,
          fused_layers=sum(engine.runner.fused), sequences=len(ps), new_tokens=tokens,
          tokens_per_s=tokens / best, seconds=best, runs_s=runs, warmup_s=warmup, steps=engine.last_stats["steps"],
          decode_step_ms=step_ms, decode_only_tokens_per_s=len(ps) / step_ms * 1e3,
@@ -359,19 +362,21 @@ def fused_attention(q, k, v, keys, values, pos, runner, **launch):
 def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args, runner) -> None:
     """Launch settings of the Triton kernels, timed inside CUDA graphs (kernels.py's constants come from here)."""
     with torch.inference_mode():
-        # chunk None: kernels.py's choice (one split at 512 rows; a few 128-key splits for a 64-row bucket)
-        for rows, block_n, chunk, warps, stages in [
+        # splits None: kernels.py's choice (one split at 512 rows; a few for a 64-row bucket); benchmarks/
+        # decode_attention.py sweeps the GRPO shapes
+        for rows, block_n, splits, warps, stages in [
                 (512, 64, None, 4, 2), (512, 64, None, 4, 1), (512, 64, None, 4, 3), (512, 128, None, 4, 2),
                 (512, 128, None, 8, 2), (512, 128, None, 4, 1), (512, 32, None, 4, 2), (512, 64, None, 2, 2),
-                (512, 32, None, 2, 2), (512, 64, 128, 4, 2), (64, 64, None, 4, 2), (64, 64, 512, 4, 2),
-                (64, 64, 64, 4, 2),
+                (512, 32, None, 2, 2), (512, 64, 3, 4, 2), (64, 64, None, 4, 2), (64, 64, 1, 4, 2),
+                (64, 64, 6, 4, 2),
                 # one stage: half the shared memory per program, so all 1,024 programs of 512 rows can be resident
                 # at once (two stages: ~7 per SM by shared memory, a second wave of ~100 programs)
                 (512, 32, None, 4, 1), (512, 64, None, 2, 1), (512, 128, None, 8, 1), (512, 256, None, 8, 1),
-                (512, 256, None, 4, 1), (512, 64, 192, 4, 1), (512, 128, 128, 4, 1), (512, 32, None, 2, 1)]:
+                (512, 256, None, 4, 1), (512, 64, 2, 4, 1), (512, 128, 3, 4, 1), (512, 32, None, 2, 1)]:
             ms = graph_ms(lambda: fused_attention(q[:rows], k[:rows], v[:rows], keys, values, pos[:rows], runner,
-                                                  block_n=block_n, chunk=chunk, num_warps=warps, num_stages=stages))
-            emit(case="sweep_attention", shape=args.shape, rows=rows, block_n=block_n, chunk=chunk, num_warps=warps,
+                                                  block_n=block_n, splits=splits, num_warps=warps,
+                                                  num_stages=stages))
+            emit(case="sweep_attention", shape=args.shape, rows=rows, block_n=block_n, splits=splits, num_warps=warps,
                  num_stages=stages, ms=ms)
         for block, warps in ((2048, 4), (4096, 4), (4096, 8)):
             rollout_kernels.SAMPLE_BLOCK, rollout_kernels.SAMPLE_WARPS = block, warps
@@ -462,9 +467,18 @@ def main() -> None:
     parser.add_argument("--no-fused", action="store_true", help="decode through layers.py's torch functions")
     parser.add_argument("--sweep", action="store_true", help="with the profile: sweep the Triton launch settings")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, few tokens: checks the script")
+    parser.add_argument("--workload", choices=["reference", "grpo"], default="reference",
+                        help="reference: 64 x 8, 128 + 256 at every shape; grpo: grpo_step.py's rows and lengths "
+                             "for --shape (1.5b: 32 x 8, 256 + 1024; 7b: 16 x 8, 256 + 512)")
+    parser.add_argument("--split-programs", type=int, default=None,
+                        help="kernels.SPLIT_PROGRAMS for this run (decode attention's split rule)")
     args = parser.parse_args()
+    global DEVICE, PROMPTS, PROMPT_LEN, NEW_TOKENS
+    if args.workload == "grpo":
+        PROMPTS, PROMPT_LEN, NEW_TOKENS = GRPO_WORKLOADS[args.shape]
+    if args.split_programs:
+        rollout_kernels.SPLIT_PROGRAMS = args.split_programs
     if args.smoke:
-        global DEVICE, PROMPTS, NEW_TOKENS
         DEVICE, PROMPTS, NEW_TOKENS = "cpu", 4, 16
     rollout_runner.FUSED_DECODE = not args.no_fused
     torch.manual_seed(0)

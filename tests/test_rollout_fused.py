@@ -41,7 +41,7 @@ def attention_case(heads, slots, S, rows, device, dtype, seed=0):
     return keys, values, qkv, bias
 
 
-def check_fused_attention(heads, slots, S, pos, window, dtype, chunk, block_n, with_bias=True):
+def check_fused_attention(heads, slots, S, pos, window, dtype, splits, block_n, with_bias=True):
     device = kernel_device()
     Hq, Hkv, D = heads
     keys, values, qkv, bias = attention_case(heads, slots, S, len(pos), device, dtype)
@@ -53,7 +53,7 @@ def check_fused_attention(heads, slots, S, pos, window, dtype, chunk, block_n, w
     got_keys, got_values = keys.clone(), values.clone()
     out = kernels.decode_attention(q.view(b, Hq, D), k.view(b, Hkv, D), v.view(b, Hkv, D), got_keys, got_values,
                                    pos, None, window, bias=bias.split(sizes) if with_bias else None,
-                                   rope=(cos, sin), chunk=chunk, block_n=block_n)
+                                   rope=(cos, sin), splits=splits, block_n=block_n)
     # The torch path: the bias rounded in (as after a GEMM), layers.rotate, torch_path.cached_attention.
     q, k, v = (qkv + bias if with_bias else qkv).split(sizes, dim=-1)
     q = rotate(q.view(b, Hq, D), cos[pos], sin[pos])
@@ -69,23 +69,23 @@ def check_fused_attention(heads, slots, S, pos, window, dtype, chunk, block_n, w
 
 
 @pytest.mark.parametrize("window", [None, 10])
-@pytest.mark.parametrize("chunk", [16, 64])  # 16: three splits merged by the combine kernel; 64: one split
-def test_fused_attention_adds_bias_applies_rope_writes_kv_and_attends(window, chunk):
+@pytest.mark.parametrize("splits", [1, 3, 5])  # 3, 5: split runs merged by the combine kernel (5: some rows' empty)
+def test_fused_attention_adds_bias_applies_rope_writes_kv_and_attends(window, splits):
     check_fused_attention((4, 2, 16), slots=4, S=40, pos=[0, 15, 16, 39], window=window, dtype=torch.float32,
-                          chunk=chunk, block_n=16)
+                          splits=splits, block_n=16)
 
 
 def test_fused_attention_splits_the_keys_by_itself_when_few_rows_leave_the_device_idle(monkeypatch):
     kernel_device()  # skips without Triton before the spy reaches for the kernel
-    monkeypatch.setattr(kernels, "MIN_CHUNK", 16)  # 40 keys, 4 rows x 2 heads: two splits of 32 keys
+    monkeypatch.setattr(kernels, "MIN_CHUNK", 16)  # 40 keys, 4 rows x 2 heads: two splits
     launched = []
     monkeypatch.setattr(kernels, "_combine_kernel", SpyKernel(kernels._combine_kernel, launched))
     check_fused_attention((4, 2, 16), slots=4, S=40, pos=[0, 31, 32, 39], window=None, dtype=torch.float32,
-                          chunk=None, block_n=16)
+                          splits=None, block_n=16)
     assert launched == [(4, 2)]  # the merge ran: the keys were split
     monkeypatch.setattr(kernels, "SPLIT_PROGRAMS", 8)  # 8 programs are enough: one pass, no merge
     check_fused_attention((4, 2, 16), slots=4, S=40, pos=[0, 31, 32, 39], window=None, dtype=torch.float32,
-                          chunk=None, block_n=16)
+                          splits=None, block_n=16)
     assert launched == [(4, 2)]
 
 
@@ -100,7 +100,7 @@ class SpyKernel:
 
 
 def test_fused_attention_without_bias_and_with_a_seven_to_one_group():
-    check_fused_attention((14, 2, 16), slots=3, S=24, pos=[3, 23], window=None, dtype=torch.float32, chunk=16,
+    check_fused_attention((14, 2, 16), slots=3, S=24, pos=[3, 23], window=None, dtype=torch.float32, splits=2,
                           block_n=16, with_bias=False)
 
 
@@ -213,6 +213,6 @@ def test_engine_greedy_through_the_fused_layers_equals_the_uncached_loop(model_t
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_fused_attention_at_the_qwen2_half_b_shape(window, dtype):
-    # 14:2 heads of 64, a 384-position slot in three 128-key splits, rows at block and split edges
-    check_fused_attention((14, 2, 64), slots=64, S=384, pos=[0, 1, 63, 64, 127, 128, 129, 255, 256, 383] * 6,
-                          window=window, dtype=dtype, chunk=128, block_n=64)
+    # 14:2 heads of 64, a 384-position slot, each row's keys in three runs; rows at block and run edges
+    check_fused_attention((14, 2, 64), slots=64, S=384, pos=[0, 1, 63, 64, 127, 128, 129, 191, 192, 193, 255, 256,
+                                                             383] * 4, window=window, dtype=dtype, splits=3, block_n=64)

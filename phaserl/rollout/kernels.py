@@ -143,13 +143,14 @@ if HAVE_TRITON:
                                  sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, stat_ptr, scale, window,
                                  q_sb, kn_sb, vn_sb, cos_ss, c_sb, c_sh, c_ss, o_sb,
                                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_CHUNK: tl.constexpr,
                                  SPLITS: tl.constexpr, IEEE: tl.constexpr, PER_ROW_BOUND: tl.constexpr,
                                  HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STYLE: tl.constexpr,
                                  ROPE: tl.constexpr):
-        """Program (row, kv head, split): keys [split * CHUNK, (split + 1) * CHUNK) of the row's visible range.
-        The split holding `pos` also takes the row's own key and writes the new k/v into the cache. One split:
-        the output directly; several: (max, sum, acc) per split into part/stat, for _combine_kernel."""
+        """Program (row, kv head, split): the split-th of SPLITS equal runs of whole BLOCK_N blocks over the row's
+        visible cached keys [lo, pos), sized from this row's own length, so every split has the same work at any
+        context. Split 0 also takes the row's own key and writes the new k/v into the cache. One split: the
+        output directly; several: (max, sum, acc) per split into part/stat, for _combine_kernel."""
         row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -168,27 +169,27 @@ if HAVE_TRITON:
                            HEAD_DIM, HAS_BIAS, QK_NORM, STYLE, ROPE)  # [1, BLOCK_D]
         v_new = _load_head(vn_ptr, vb_ptr, vn_ptr, eps, cos, sin, row * vn_sb, kv_head + one, d, kv_mask, HEAD_DIM,
                            HAS_BIAS, False, STYLE, False)
-        own = split == pos // CHUNK
+        own = split == 0
         cache = row * c_sb + kv_head * c_sh
-        write = kv_mask & ((one[:, None] + split) == pos // CHUNK)  # [1, BLOCK_D]: own split only
+        write = kv_mask & ((one[:, None] + split) == 0)  # [1, BLOCK_D]: split 0 only
         tl.store(k_ptr + cache + pos * c_ss + d[None, :], k_new, mask=write)
         tl.store(v_ptr + cache + pos * c_ss + d[None, :], v_new, mask=write)
-        # The row's own key (its split only): always visible, so that split's running max starts finite.
+        # The row's own key (split 0 only): always visible, so that split's running max starts finite.
         s_own = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale  # [BLOCK_G]
         m = tl.where(own, s_own, float("-inf"))
         total = tl.where(own, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
         acc = tl.where(own, v_new.to(tl.float32), 0.0) + tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        first = split * CHUNK
+        chunk = tl.cdiv(tl.cdiv(pos - lo, SPLITS), BLOCK_N) * BLOCK_N  # this row's keys per split (<= MAX_CHUNK)
+        first = lo + split * chunk
+        hi = tl.minimum(pos, first + chunk)
         if PER_ROW_BOUND:
-            hi = tl.minimum(pos, first + CHUNK)
-            for start in range((tl.maximum(lo, first) // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, start, tl.maximum(lo, first), hi, c_ss, d,
-                                              d_ok, scale, m, total, acc, BLOCK_N, IEEE)
+            for start in range(first, hi, BLOCK_N):
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, start, first, hi, c_ss, d, d_ok, scale, m,
+                                              total, acc, BLOCK_N, IEEE)
         else:  # the interpreter cannot loop to a loaded bound; masked lanes load nothing either way
-            hi = tl.minimum(pos, first + CHUNK)
-            for start in range(0, CHUNK, BLOCK_N):
-                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, first + start, tl.maximum(lo, first), hi,
-                                              c_ss, d, d_ok, scale, m, total, acc, BLOCK_N, IEEE)
+            for start in range(0, MAX_CHUNK, BLOCK_N):
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, cache, first + start, first, hi, c_ss, d, d_ok,
+                                              scale, m, total, acc, BLOCK_N, IEEE)
         gd_ok = g_ok[:, None] & d_ok[None, :]
         if SPLITS == 1:
             out = acc / total[:, None]
@@ -426,7 +427,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
                      rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                      qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float, str]] = None,
                      block_n: Optional[int] = None,
-                     chunk: Optional[int] = None, num_warps: Optional[int] = None,
+                     splits: Optional[int] = None, num_warps: Optional[int] = None,
                      num_stages: Optional[int] = None) -> torch.Tensor:
     """q [b, Hq, D], the new k/v [b, Hkv, D], cache keys/values [slots >= b, Hkv, S, D], pos [b] -> [b, Hq * D].
 
@@ -436,8 +437,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     the raw projections (views into one [q; k; v] GEMM output): the kernel adds the biases and applies RoPE
     at each row's position first (rounded as layers.pre_attention rounds), so the caller needs no other kernel;
     qk_norm = (q_norm [D], k_norm [D], eps, norm style) RMS-norms each q/k head before RoPE (Qwen3's "head").
-    With few rows the keys are split into chunks of `chunk` positions (None: see SPLIT_PROGRAMS), one program
-    each, merged by a second kernel (flash-decoding), so that small buckets still fill the SMs.
+    The keys each row sees can be split into `splits` equal runs (None: `attention_splits`), each sized from the
+    row's own length at run time, one program each, merged by a second kernel (flash-decoding), so that few
+    rows or long contexts still fill the SMs.
     """
     b, Hq, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
@@ -450,11 +452,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     # Key/value tiles of BLOCK_N x BLOCK_D, pipelined in num_stages copies, must fit in shared memory: head_dim
     # 512 (Gemma 4's global layers) takes half as many keys per block as head_dim <= 256.
     block_n = block_n or min(ATTENTION_BLOCK_N, 16384 // BLOCK_D)
-    if chunk is None:
-        splits = max(1, min(triton.cdiv(SPLIT_PROGRAMS, b * Hkv), S // MIN_CHUNK))
-        chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n  # [0, S) in `splits` whole blocks
-    block_n = min(block_n, chunk)
-    splits = triton.cdiv(S, chunk)
+    splits = splits or attention_splits(b, Hkv, S)
+    max_chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n  # a split's most keys (the interpreter's loop)
     part = torch.empty(b, Hkv, splits, G, D if splits > 1 else 1, dtype=torch.float32, device=q.device)
     stat = torch.empty(b, Hkv, splits, G, 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
     qb, kb, vb = bias if bias is not None else (q, q, q)  # unread without HAS_BIAS
@@ -465,7 +464,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
         D ** -0.5 if scale is None else scale,
         S + 1 if window is None else int(window), q.stride(0), k.stride(0), v.stride(0),
         cos.stride(0) if rope is not None else 0, keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
-        GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits,
+        GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, MAX_CHUNK=max_chunk, SPLITS=splits,
         IEEE=q.dtype == torch.float32, PER_ROW_BOUND=not INTERPRET, HAS_BIAS=bias is not None,
         QK_NORM=qk_norm is not None, STYLE=NORM_STYLES[style], ROPE=rope is not None,
         num_warps=num_warps or attention_warps(BLOCK_D, splits), num_stages=num_stages or ATTENTION_STAGES)
@@ -473,6 +472,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
         _combine_kernel[(b, Hkv)](part, stat, out, out.stride(0), GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G,
                                   BLOCK_D=BLOCK_D, SPLITS=splits, num_warps=4)
     return out.view(b, Hq * D)
+
+
+def attention_splits(rows: int, kv_heads: int, slot_len: int) -> int:
+    """How many runs each row's keys are split into (see SPLIT_PROGRAMS above)."""
+    return max(1, min(triton.cdiv(SPLIT_PROGRAMS, rows * kv_heads), slot_len // MIN_CHUNK))
 
 
 def attention_warps(block_d: int, splits: int) -> int:
