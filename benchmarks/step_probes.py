@@ -232,11 +232,22 @@ def _set_pinned_copies(trainer, on: bool) -> None:
     phaserl.batch.PIN_HOST_COPIES = on
 
 
+def _set_train_graphs(trainer, on: bool) -> None:
+    """ppo.train_graphs: the actor's TrainGraphs kept across rounds (its graphs are captured once)."""
+    from phaserl.roles.train_graphs import TrainGraphs
+
+    actor = trainer.actor
+    if on and getattr(actor, "_ab_graphs", None) is None:
+        actor._ab_graphs = actor.train_graphs or TrainGraphs(actor.model)
+    actor.train_graphs = actor._ab_graphs if on else None
+
+
 # name -> (read the setting, set it on or off): settings a built trainer can change between steps
 AB_SETTINGS = {
     "keep_head_logits": (lambda t: t.actor.keep_head_logits,
                          lambda t, on: setattr(t.actor, "keep_head_logits", on)),  # ppo.keep_head_logits
     "pinned_copies": (_pinned_copies, _set_pinned_copies),  # batch.send
+    "train_graphs": (lambda t: t.actor.train_graphs is not None, _set_train_graphs),  # ppo.train_graphs
 }
 
 

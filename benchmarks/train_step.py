@@ -264,7 +264,7 @@ def run_profile(args, device, batches: dict) -> None:
         ours_step(model, batch, adv, args.micro_tokens, True, keep_logits=True)
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:
         t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         ours_step(model, batch, adv, args.micro_tokens, True, keep_logits=True)
@@ -272,6 +272,7 @@ def run_profile(args, device, batches: dict) -> None:
         wall = time.perf_counter() - t0
     for record in profiling.summarize(prof, wall, top=25):
         emit(variant="profile", micro_tokens=args.micro_tokens, **record)
+    emit(variant="profile", micro_tokens=args.micro_tokens, measure="idle_gaps", **profiling.idle_gaps(prof, top=15))
 
 
 def main() -> None:

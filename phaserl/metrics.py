@@ -12,7 +12,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -189,9 +189,11 @@ class StepPerf:
     """
 
     def __init__(self, actor: torch.nn.Module, ref: Optional[torch.nn.Module], critic: Optional[torch.nn.Module], *,
-                 device: torch.device, world_size: int):
+                 device: torch.device, world_size: int, held_bytes: Optional[Callable[[], int]] = None):
         self.models = {"actor": actor, "ref": ref, "critic": critic}
         self.device, self.world_size = device, world_size
+        # memory the allocator's peak does not count: CUDA graphs' private pools (ppo.train_graphs), held all step
+        self.held_bytes = held_bytes or (lambda: 0)
         self._flops: dict = {}  # role -> FlopModel
 
     def start_step(self) -> None:
@@ -207,7 +209,7 @@ class StepPerf:
                "perf/rollout_tokens_per_s": float(all_reduce_sum(response_mask.sum().float()))
                / max(timings["rollout"], 1e-9)}
         if self.device.type == "cuda":
-            out["perf/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out["perf/peak_memory_gb"] = (torch.cuda.max_memory_allocated(self.device) + self.held_bytes()) / 2**30
         peak = device_peak_flops(self.device)
         if peak is None:
             return out

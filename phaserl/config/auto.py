@@ -43,6 +43,8 @@ AUTO_RULES = {
                               "doctor's count) take at most "
                               f"{MICRO_ACTIVATION_SHARE:.0%} of the device memory that the weights, gradients, "
                               f"optimizer state and a kept engine leave; {MICRO_BATCH_OFF_CUDA} elsewhere",
+    "ppo.train_graphs": "off (opt-in: `true` graphs the actor's packed training micro-batches on one CUDA GPU for "
+                        "phaserl's dense decoder; not yet measured as the default)",
     "ppo.keep_head_logits": "on where the Triton log-prob kernels run (CUDA, Triton, the actor compiled, phaserl's "
                             "decoder) and a micro-batch's kept logits (its response tokens x vocabulary, bf16) fit "
                             "beside the update's peak in the room ppo.micro_batch_tokens's rule gives activations; "
@@ -203,6 +205,18 @@ def head_kernels_missing(*, device_type: str, triton: bool, compiled: bool, plai
             "the actor is not phaserl's decoder with a plain LM head" if not plain_head else "")
 
 
+def train_graphs_rule(*, why_not: str, packing: bool, world_size: int) -> tuple[bool, str]:
+    """ppo.train_graphs when auto: (graph the actor's packed training micro-batches, why). `why_not`:
+    roles/train_graphs.unsupported's answer for the actor's model ('' when it can run)."""
+    if world_size > 1:
+        return False, f"{world_size} ranks (FSDP's hooks gather and free parameters inside the forward)"
+    if not packing:
+        return False, "ppo.packing is off (the graphs take packed micro-batches)"
+    if why_not:
+        return False, why_not
+    return False, "opt-in until measured as the default (`true` to use it)"
+
+
 def keep_logits_rule(*, device_type: str, triton: bool, compiled: bool, plain_head: bool, peak_bytes: int,
                      logits_bytes: int, fixed_bytes: int, budget_bytes: int) -> tuple[bool, str]:
     """ppo.keep_head_logits when auto: (keep a micro-batch's LM-head logits from forward to backward, why).
@@ -241,10 +255,12 @@ class SpeedChoices:
     engine_extend_graphs: Optional[Choice] = None  # multi-turn runs only (agent.env)
     micro_batch_tokens: Optional[Choice] = None    # ppo.micro_batch_tokens (an int)
     keep_head_logits: Optional[Choice] = None      # ppo.keep_head_logits
+    train_graphs: Optional[Choice] = None          # ppo.train_graphs
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.engine_extend_graphs, self.packing, self.micro_batch_tokens, self.keep_head_logits)
+                            self.engine_extend_graphs, self.packing, self.micro_batch_tokens, self.keep_head_logits,
+                            self.train_graphs)
                 if c is not None]
 
     @property

@@ -29,6 +29,7 @@ from .models import as_causal_lm
 from .checkpointed import CheckpointedRole
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
+from .train_graphs import TrainGraphs
 
 log = logging.getLogger("phaserl")
 
@@ -65,6 +66,7 @@ class HybridActor(CheckpointedRole):
         self.engine_config: Optional[EngineConfig] = None
         self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
         self.keep_head_logits = False  # ppo.keep_head_logits: the head's logits kept for backward (set by the builder)
+        self.train_graphs: Optional[TrainGraphs] = None  # ppo.train_graphs: micro-batches as CUDA graphs (builder)
         self.routing_replay = False  # MoE: training forwards use the rollout's experts (setup_routing)
         self.router_aux = (0.0, 0)   # MoE: (router_aux_loss_coef, top_k); coefficient 0 = no aux loss
 
@@ -226,7 +228,8 @@ class HybridActor(CheckpointedRole):
                 else None
             logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
                                                  temperature=s.temperature, with_entropy=True, routing=routing,
-                                                 keep_logits=self.keep_head_logits)  # [b, R] each
+                                                 keep_logits=self.keep_head_logits,
+                                                 graphs=self.train_graphs)  # [b, R] each
             R = resp_mask.shape[1]
             mask = micro.rollout.loss_mask[:, :R].float()  # [b, R] sampled tokens only (observations are 0)
             old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1

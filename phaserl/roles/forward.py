@@ -8,7 +8,8 @@ With `packing=True` (ppo.packing) a micro-batch is its rows' real tokens in one 
 same [b, R] tensors, padding-free. Every rank runs the same number of micro-batches (`split_rows`):
 FSDP gathers parameters in each forward, so a rank with one forward more would wait forever.
 A model compiled with `models.decoder.enable_compile` also gets the fused (compiled) log-prob kernels, and with
-`keep_logits` (ppo.keep_head_logits) a training forward keeps the head's logits for its backward.
+`keep_logits` (ppo.keep_head_logits) a training forward keeps the head's logits for its backward, and with `graphs`
+(ppo.train_graphs, roles/train_graphs.py) a packed training micro-batch's body runs as CUDA graph replays.
 Legend: b rows of a micro-batch, R its longest response, M its real response tokens.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..models import CausalLM, ValueModel
 from ..models.moe import Routing
 from ..packing import Packed, pack_rows, split_packed_by_tokens
 from ..parallel import all_reduce_sum, rank_and_world
+from .train_graphs import TrainGraphs
 
 
 def _routing_kwargs(routing: Optional[Routing], replay: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> dict:
@@ -147,11 +149,14 @@ def _fused(model) -> str | bool:
 
 
 def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_entropy: bool, chunk_size: int = 1024,
-                          routing: Optional[Routing] = None, keep_logits: bool = False
-                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each."""
-    hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
-                   boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))  # [1, N, H]
+                          routing: Optional[Routing] = None, keep_logits: bool = False,
+                          graphs: Optional[TrainGraphs] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each.
+    graphs (ppo.train_graphs): the body's forward and backward as CUDA graph replays, where they can run."""
+    hidden = graphs.hidden(packed) if graphs is not None and routing is None else None  # [1, T >= N, H]
+    if hidden is None:
+        hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
+                       boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))  # [1, N, H]
     logp, ent = head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, temperature=temperature,
                               chunk_size=chunk_size, with_entropy=with_entropy, keep_logits=keep_logits)  # [M], [M]
     entropy = packed.unpack(ent.float()) if with_entropy else None
@@ -166,15 +171,15 @@ def packed_micro_values(value_model, packed: Packed) -> torch.Tensor:
 
 
 def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: bool, temperature: float,
-                  with_entropy: bool, routing: Optional[Routing] = None, keep_logits: bool = False
-                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                  with_entropy: bool, routing: Optional[Routing] = None, keep_logits: bool = False,
+                  graphs: Optional[TrainGraphs] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
-    batch's routed_experts where the batch has them (routing replay)."""
+    batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs."""
     if packing:
         packed = pack_rows(batch, idx)
         logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy,
-                                          routing=routing, keep_logits=keep_logits)
+                                          routing=routing, keep_logits=keep_logits, graphs=graphs)
         return logp, ent, packed.response_mask
     mb = trim_padding(batch.select(idx))
     logp, ent = micro_logprobs(model, mb, temperature=temperature, with_entropy=with_entropy, routing=routing,

@@ -42,6 +42,7 @@ from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
 from ..roles.actor import PolicyLossSettings
 from ..roles.optim import OptimSettings
 from ..roles.parallel_settings import FSDPSettings
+from ..roles.train_graphs import TrainGraphs
 from ..rollout import EngineConfig, SamplingParams
 from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
 from .agent_phase import with_agent
@@ -51,7 +52,7 @@ from .lora_setup import add_lora, lora_reference
 from .prompt_stream import PromptStream
 from .score_shaping import OverlongShaping, no_shaping
 from .settings import Roles, RunSettings
-from .speed import choose_speed, compile_watch, packing_choice
+from .speed import choose_speed, compile_watch, packing_choice, train_graphs_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -200,7 +201,10 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
 
         rm.fsdp = FSDPSettings.from_any(cfg.reward_model.fsdp, role="reward_model")
         shard_roles({"reward_model": rm}, actor.device)
-    return dataclasses.replace(speed, packing=packing_choice(cfg.ppo.packing, actor.packing, actor.device))
+    graphs = train_graphs_choice(cfg.ppo.train_graphs, actor, world_size=world_size)
+    actor.train_graphs = TrainGraphs(actor.model) if graphs.value else None
+    return dataclasses.replace(speed, packing=packing_choice(cfg.ppo.packing, actor.packing, actor.device),
+                               train_graphs=graphs)
 
 
 

@@ -67,7 +67,8 @@ class RLTrainer:
         self.hooks = HookRunner()
         self.perf = StepPerf(self.actor.model, self.ref_policy.model if self.ref_policy is not None else None,
                              self.critic.model if self.critic is not None else None,
-                             device=self.actor.device, world_size=self.world_size)
+                             device=self.actor.device, world_size=self.world_size,
+                             held_bytes=lambda: self.actor.train_graphs.pool_bytes if self.actor.train_graphs else 0)
 
     # Names the verl-style hooks read.
     @property

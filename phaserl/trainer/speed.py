@@ -26,12 +26,13 @@ import torch
 from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
                            extend_graphs_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule,
-                           micro_batch_rule)
+                           micro_batch_rule, train_graphs_rule)
 from ..config.validate import sequence_tokens
 from ..doctor.memory import (ModelShape, UnknownShape, kept_engine_bytes, kept_logits_bytes, response_tokens_of,
                              update_peak_bytes)
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
+from ..roles.train_graphs import unsupported
 from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
 from ..rollout.fused import decodes_fused
@@ -175,6 +176,18 @@ class UpdateCount:
         return update_peak_bytes(self.shape, resident=self.resident, grads=self.grads, micro_batch_tokens=tokens,
                                  gradient_checkpointing=self.gradient_checkpointing, compiled=self.compiled,
                                  sequence_tokens=self.sequence_tokens) + (self.kept_bytes if kept else 0)
+
+
+def train_graphs_choice(asked: Optional[bool], actor, *, world_size: int) -> Choice:
+    """ppo.train_graphs for the actor, once set_packing chose its packing (config/auto.train_graphs_rule); `true`
+    where the graphs cannot run is a warning and off."""
+    blocked = ("" if world_size == 1 else f"{world_size} ranks") or ("" if actor.packing else "ppo.packing is off") \
+        or unsupported(actor.model)
+    if asked and blocked:
+        log.warning(f"ppo.train_graphs=true is ignored: {blocked}")
+        return Choice("ppo.train_graphs", asked, False, f"ignored: {blocked}")
+    return choose("ppo.train_graphs", asked, train_graphs_rule(why_not=unsupported(actor.model),
+                                                                packing=actor.packing, world_size=world_size))
 
 
 def packing_choice(asked: Optional[bool], enabled: bool, device: torch.device) -> Choice:
