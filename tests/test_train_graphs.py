@@ -39,8 +39,16 @@ def test_the_padding_is_whole_sequences_after_the_rows(monkeypatch):
 
 
 def test_graphs_run_only_on_cuda_for_the_dense_decoder():
+    from phaserl.models.lora import LoRASettings, apply_lora
+
     assert unsupported(_model()).startswith("CPU")
     assert "not phaserl's decoder" in unsupported(torch.nn.Linear(2, 2))
+    model = _model()
+    model.model.gradient_checkpointing = True
+    assert unsupported(model) == "activation checkpointing"
+    model = _model()
+    apply_lora(model, LoRASettings(rank=2, alpha=4.0))
+    assert unsupported(model).startswith("LoRA adapters")
 
 
 def test_train_graphs_true_on_the_cpu_is_a_warning_and_off(caplog):

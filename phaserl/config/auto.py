@@ -43,8 +43,9 @@ AUTO_RULES = {
                               "doctor's count) take at most "
                               f"{MICRO_ACTIVATION_SHARE:.0%} of the device memory that the weights, gradients, "
                               f"optimizer state and a kept engine leave; {MICRO_BATCH_OFF_CUDA} elsewhere",
-    "ppo.train_graphs": "off (opt-in: `true` graphs the actor's packed training micro-batches on one CUDA GPU for "
-                        "phaserl's dense decoder; not yet measured as the default)",
+    "ppo.train_graphs": "off: at the auto micro-batch the graphs measured no gain (the host keeps up with 6 large "
+                        "micro-batches); `true` graphs the actor's packed training micro-batches on one CUDA GPU for "
+                        "phaserl's dense decoder, for a smaller ppo.micro_batch_tokens (less memory) at little cost",
     "ppo.keep_head_logits": "on where the Triton log-prob kernels run (CUDA, Triton, the actor compiled, phaserl's "
                             "decoder) and a micro-batch's kept logits (its response tokens x vocabulary, bf16) fit "
                             "beside the update's peak in the room ppo.micro_batch_tokens's rule gives activations; "
@@ -207,14 +208,22 @@ def head_kernels_missing(*, device_type: str, triton: bool, compiled: bool, plai
 
 def train_graphs_rule(*, why_not: str, packing: bool, world_size: int) -> tuple[bool, str]:
     """ppo.train_graphs when auto: (graph the actor's packed training micro-batches, why). `why_not`:
-    roles/train_graphs.unsupported's answer for the actor's model ('' when it can run)."""
+    roles/train_graphs.unsupported's answer for the actor's model ('' when it can run).
+
+    Off where it could run too. Measured on the H200 at the 0.5B reference shape (BENCHMARKS.md, eighteenth
+    session): at the auto micro-batch (33,024 tokens, 6 micro-batches) 2.247 s a step with graphs against 2.239 s
+    without, in one process; at 12,288-token micro-batches 2.28 against 2.51 s (another host, one process), the
+    update's host cost per micro-batch 7.7 ms with graphs against 20-92 ms without. The graphs pay off where the
+    micro-batches are small, which the auto micro-batch avoids; a user who lowers ppo.micro_batch_tokens for memory
+    should turn them on."""
     if world_size > 1:
         return False, f"{world_size} ranks (FSDP's hooks gather and free parameters inside the forward)"
     if not packing:
         return False, "ppo.packing is off (the graphs take packed micro-batches)"
     if why_not:
         return False, why_not
-    return False, "opt-in until measured as the default (`true` to use it)"
+    return False, ("no gain measured at the auto micro-batch; `true` with a smaller ppo.micro_batch_tokens for "
+                   "less memory")
 
 
 def keep_logits_rule(*, device_type: str, triton: bool, compiled: bool, plain_head: bool, peak_bytes: int,

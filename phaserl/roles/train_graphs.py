@@ -14,8 +14,8 @@ summation). T, K and max_len are rounded up (TOKEN_STEP, ROW_STEP, LENGTH_STEP):
 captured on first use by torch.cuda.make_graphed_callables (its warm-up iterations compile and tune first);
 all of them in one memory pool, which is safe because micro-batches run one after another.
 Not here: the LM head and the loss (eager: their shapes follow the response tokens), forward-only passes
-(no backward to save), MoE routing, FSDP, hybrid (Qwen3.5) layers and activation checkpointing: `unsupported`
-says which, and those micro-batches take the eager path.
+(no backward to save), MoE routing, FSDP, hybrid (Qwen3.5) layers, LoRA adapters and activation checkpointing:
+`unsupported` says which, and those runs take the eager path.
 Legend: N real tokens, T padded tokens, b rows, K padded sequence slots, H hidden.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import nn
 from ..models import CausalLM
 from ..models.decoder import PackedSeqs
 from ..models.attention import use_varlen, varlen_takes_windows
+from ..models.lora import has_lora
 from ..packing import Packed
 
 log = logging.getLogger("phaserl")
@@ -76,18 +77,20 @@ def unsupported(model) -> str:
     if not isinstance(model, CausalLM):
         return "the model is not phaserl's decoder"
     cfg, dev = model.config, model.output_weight.device
+    if cfg.num_experts:
+        return "mixture-of-experts layers (routing is decided per token on the host side of the graph)"
+    if cfg.linear_attention is not None:
+        return "hybrid linear-attention layers (Qwen3.5)"
+    if has_lora(model):
+        return "LoRA adapters (not measured with graphs yet)"
+    if model.model.gradient_checkpointing:
+        return "activation checkpointing"
     if dev.type != "cuda":
         return f"{dev.type.upper()}: CUDA graphs need a CUDA device"
     if not use_varlen(dev, model.output_weight.dtype):
         return "packed micro-batches do not take the varlen kernel here (CUDA, bf16/fp16 and a torch that has it)"
     if any(layer.spec.window is not None for layer in model.model.layers) and not varlen_takes_windows():
         return "sliding-window layers without a varlen window argument"
-    if cfg.num_experts:
-        return "mixture-of-experts layers (routing is decided per token on the host side of the graph)"
-    if cfg.linear_attention is not None:
-        return "hybrid linear-attention layers (Qwen3.5)"
-    if model.model.gradient_checkpointing:
-        return "activation checkpointing"
     return ""
 
 
