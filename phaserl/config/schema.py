@@ -282,8 +282,9 @@ class PPOConfig:
                                                   "doctor's memory count has room at the chosen micro-batch")
     train_graphs: Optional[bool] = spec(None, "run a packed training micro-batch's decoder body (forward and "
                                               "backward) as CUDA graph replays, padded to a few static shapes: the "
-                                              "host's cost per micro-batch goes, so small micro-batches run as fast "
-                                              "as large ones. null = auto (roles/train_graphs.py says where it runs)")
+                                              "host's cost per micro-batch goes, so small micro-batches (less memory) "
+                                              "run nearly as fast as large ones. null = auto: off (no gain measured "
+                                              "at the auto micro-batch; docs/performance.md)")
     packing: Optional[bool] = spec(None, "pack micro-batches without padding (budgets count real tokens; phaserl's "
                                          "decoder only). null = auto: on where the varlen flash kernel runs (CUDA, "
                                          "bf16/fp16 compute); padded elsewhere, where the dense block mask costs "

@@ -6,8 +6,9 @@ the slot-state update and one-pass sampling.
                     kernel also writes into the cache at `pos`. Optionally adds the q/k/v biases and
                     applies RoPE first (then q/k/v are raw views into the [q; k; v] GEMM output).
                     Reads K/V only up to each row's length (the torch fallback reads the whole slot),
-                    online softmax in float32, grouped-query heads share each K/V load; the keys are
-                    split into chunks, one program each, merged by a second small kernel (flash-decoding).
+                    online softmax in float32, grouped-query heads share each K/V load; with few rows each
+                    row's keys are split into equal runs (sized from its own length), one program each,
+                    merged by a second small kernel (flash-decoding).
   rms_norm          layers.rms_norm (every rounding style) in one kernel; add_rms_norm adds a residual first.
   gated             layers.activation(gate) * up from the [gate; up] GEMM output.
   record            kv_pool.SlotState.record: the step's tokens and log-probs into the slot state.
@@ -45,7 +46,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interprete
 # `benchmarks/rollout.py --case ours --profile --sweep`). Attention at 512 rows: one program per (row, kv head)
 # over its whole context, 30.4 us a layer; split into 128-key chunks 35.7 us (each split repeats the q/RoPE
 # prologue, plus the merge). So keys are split only when (rows x kv heads) programs leave SMs idle: below
-# SPLIT_PROGRAMS programs, into chunks of at least MIN_CHUNK keys.
+# SPLIT_PROGRAMS programs, into at most slot_len / MIN_CHUNK runs, each row's runs sized from its own length at run
+# time (at the GRPO shapes' 128-512 rows one split was the fastest, at 3-4 TB/s; with 32-64 rows the per-row runs
+# took 9.8-11.2 us against 11.8-15.1 for fixed chunks of the slot at short contexts: BENCHMARKS.md, eighteenth
+# session, benchmarks/decode_attention.py).
 # Two warps instead of four for heads of at most 64 dims when the keys are not split: at 512 rows of the 0.5B shape
 # (1,024 programs) four warps fit 6 programs per SM (registers and shared memory alike; Nsight Compute: 1.29 waves,
 # a tail of 233 programs), two fit all of them at once: 24.6 against 26.6 us a layer (2026-12-04, H200; 28.3 against
