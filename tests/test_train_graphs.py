@@ -20,12 +20,17 @@ def test_a_micro_batch_is_padded_to_rounded_tokens_slots_and_sequence_length():
     assert padded_shape(1500, 7, 300) == PaddedShape(tokens=2048, slots=16, max_len=384)
     assert padded_shape(2048, 16, 128) == PaddedShape(2048, 16, 128)  # no padding: no padding sequence
     assert padded_shape(1, 1, 1) == PaddedShape(1024, 16, 128)  # 1,023 padding tokens in 8 sequences of <= 128
+    # the run's longest sequence sets max_len for every micro-batch; padding sequences stay <= 512 tokens
+    shape = padded_shape(1500, 7, 300, run_longest=1000)
+    assert shape == PaddedShape(2048, 16, 1024) and shape.pad_len == 512
+    # slots: rows + padding sequences rounded up to a power of two
+    assert padded_shape(12000, 30, 384).slots == 32 and padded_shape(12000, 40, 384).slots == 64
 
 
 def test_the_padding_is_whole_sequences_after_the_rows(monkeypatch):
     monkeypatch.setattr(train_graphs, "TOKEN_STEP", 32)
     monkeypatch.setattr(train_graphs, "LENGTH_STEP", 8)
-    monkeypatch.setattr(train_graphs, "ROW_STEP", 4)
+    monkeypatch.setattr(train_graphs, "MIN_SLOTS", 4)
     b = _batch([3, 2], [4, 1])  # real lengths 7 and 3: 10 tokens
     packed = pack_rows(b, torch.tensor([0, 1]))
     shape = padded_shape(packed.num_tokens, 2, packed.max_len)
@@ -36,6 +41,12 @@ def test_the_padding_is_whole_sequences_after_the_rows(monkeypatch):
     assert positions[0, :10].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]
     assert positions[0, 10:].tolist() == list(range(8)) * 2 + list(range(6))
     assert cu.tolist() == [0, 7, 10, 18, 26, 32, 32, 32, 32]  # rows, padding sequences, then empty ones
+    monkeypatch.setattr(train_graphs, "PAD_CHUNK", 4)  # padding sequences shorter than max_len: 4, 4, 4, 4, 4, 2
+    shape = padded_shape(packed.num_tokens, 2, packed.max_len)
+    assert shape == PaddedShape(tokens=32, slots=8, max_len=8) and shape.pad_len == 4
+    ids, positions, cu = padded_inputs(packed, shape)
+    assert positions[0, 10:].tolist() == list(range(4)) * 5 + [0, 1]
+    assert cu.tolist() == [0, 7, 10, 14, 18, 22, 26, 30, 32]
 
 
 def test_graphs_run_only_on_cuda_for_the_dense_decoder():

@@ -6,11 +6,12 @@ The host's cost per micro-batch then no longer sets the update's speed, so a sma
 runs about as fast as a large one on any host.
 
 Static shapes: a micro-batch of N tokens in b rows is laid into T >= N tokens, its rows as they are and then
-the padding as extra sequences of at most `max_len` tokens each (token 0, positions 0, 1, ...), so the varlen
-kernel sees only whole sequences no longer than its max_seqlen and no padding token ever attends to a real
-one; the cumulative lengths are padded to K + 1 entries with empty sequences. The padding's outputs are never
+the padding as extra sequences of at most `pad_len` <= max_len tokens each (token 0, positions 0, 1, ...), so
+the varlen kernel sees only whole sequences no longer than its max_seqlen and no padding token ever attends to
+a real one; the cumulative lengths are padded to K + 1 entries with empty sequences. The padding's outputs are never
 read, so its gradients are zero and every parameter's gradient is the unpadded one (up to the GEMMs' order of
-summation). T, K and max_len are rounded up (TOKEN_STEP, ROW_STEP, LENGTH_STEP): one graph pair per shape met,
+summation). T and max_len are rounded up (TOKEN_STEP, LENGTH_STEP; max_len from the run's longest sequence when
+the builder gives it), K to a power of two: one graph pair per shape met,
 captured on first use by torch.cuda.make_graphed_callables (its warm-up iterations compile and tune first);
 all of them in one memory pool, which is safe because micro-batches run one after another.
 Not here: the LM head and the loss (eager: their shapes follow the response tokens), forward-only passes
@@ -36,8 +37,10 @@ from ..packing import Packed
 log = logging.getLogger("phaserl")
 
 TOKEN_STEP = 1024   # T: the micro-batch's tokens rounded up to this
-ROW_STEP = 16       # K: rows + padding sequences rounded up to this
-LENGTH_STEP = 128   # max_len: the longest row rounded up to this (the padding's sequences are this long)
+MIN_SLOTS = 16      # K: rows + padding sequences rounded up to a power of two, at least this (empty slots are cheap)
+LENGTH_STEP = 128   # max_len: the run's longest sequence (or this micro-batch's, if longer) rounded up to this
+PAD_CHUNK = 512     # the padding's sequences are at most this long (and never longer than max_len): their
+                    # attention, wasted work, stays small
 MAX_GRAPHS = 16     # graph pairs kept per model; a new shape past this runs eagerly (logged once)
 
 
@@ -47,21 +50,28 @@ class PaddedShape:
     slots: int     # K
     max_len: int   # the varlen kernel's max_seqlen
 
+    @property
+    def pad_len(self) -> int:
+        """The length of each padding sequence (the last one shorter)."""
+        return min(self.max_len, PAD_CHUNK)
 
-def padded_shape(tokens: int, rows: int, longest: int) -> PaddedShape:
-    """The static shape a micro-batch of `tokens` real tokens in `rows` rows (longest `longest`) is laid into."""
+
+def padded_shape(tokens: int, rows: int, longest: int, run_longest: int = 0) -> PaddedShape:
+    """The static shape a micro-batch of `tokens` real tokens in `rows` rows (longest `longest`) is laid into.
+    run_longest: the longest sequence the run allows (prompt + response): with it max_len is the same for every
+    micro-batch, so the shapes a run meets differ in T and K only (fewer captures)."""
     T = -(-tokens // TOKEN_STEP) * TOKEN_STEP
-    max_len = -(-max(longest, 1) // LENGTH_STEP) * LENGTH_STEP
-    pad_seqs = -(-(T - tokens) // max_len)
-    K = -(-(rows + pad_seqs) // ROW_STEP) * ROW_STEP
+    max_len = -(-max(longest, run_longest, 1) // LENGTH_STEP) * LENGTH_STEP
+    pad_seqs = -(-(T - tokens) // min(max_len, PAD_CHUNK))
+    K = max(MIN_SLOTS, 1 << (rows + pad_seqs - 1).bit_length())
     return PaddedShape(T, K, max_len)
 
 
 def padded_inputs(packed: Packed, shape: PaddedShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids [1, T], position_ids [1, T], cu_seqlens [K + 1] int32) on the packed batch's device, built there
-    without a host sync: the rows as packed, then padding sequences of max_len tokens (the last one shorter)."""
+    without a host sync: the rows as packed, then padding sequences of pad_len tokens (the last one shorter)."""
     N, b, dev = packed.num_tokens, len(packed.rows), packed.input_ids.device
-    T, K, L = shape.tokens, shape.slots, shape.max_len
+    T, K, L = shape.tokens, shape.slots, shape.pad_len
     pad = T - N
     ids = torch.nn.functional.pad(packed.input_ids, (0, pad))                          # [1, T] padding: token 0
     positions = torch.cat([packed.position_ids, (torch.arange(pad, device=dev) % L)[None]], dim=1)  # [1, T]
@@ -119,8 +129,8 @@ class TrainGraphs:
     """The graphed body of one model: `hidden(packed)` -> [1, T, H] hidden states under autograd (the first N
     positions are the packed tokens'), or None when this micro-batch takes the eager path."""
 
-    def __init__(self, model: CausalLM):
-        self.model = model
+    def __init__(self, model: CausalLM, *, max_seq_tokens: int = 0):
+        self.model, self.max_seq_tokens = model, max_seq_tokens  # the run's longest sequence (padded_shape)
         self.graphs: dict = {}
         self.pool = None
         self.pointers: Optional[list[int]] = None
@@ -132,7 +142,7 @@ class TrainGraphs:
             return None
         self._check_pointers()
         self._ensure_grads()
-        shape = padded_shape(packed.num_tokens, len(packed.rows), packed.max_len)
+        shape = padded_shape(packed.num_tokens, len(packed.rows), packed.max_len, self.max_seq_tokens)
         graphed = self.graphs.get(shape)
         inputs = padded_inputs(packed, shape)
         if graphed is None:

@@ -202,7 +202,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         rm.fsdp = FSDPSettings.from_any(cfg.reward_model.fsdp, role="reward_model")
         shard_roles({"reward_model": rm}, actor.device)
     graphs = train_graphs_choice(cfg.ppo.train_graphs, actor, world_size=world_size)
-    actor.train_graphs = TrainGraphs(actor.model) if graphs.value else None
+    actor.train_graphs = TrainGraphs(actor.model, max_seq_tokens=sequence_tokens(cfg)) if graphs.value else None
     return dataclasses.replace(speed, packing=packing_choice(cfg.ppo.packing, actor.packing, actor.device),
                                train_graphs=graphs)
 
