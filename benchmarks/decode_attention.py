@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from phaserl.models.layers import rope_tables  # noqa: E402
 from phaserl.rollout import kernels  # noqa: E402
 from qwen2_shapes import SHAPES  # noqa: E402
+from rollout import graph_ms  # noqa: E402
 
 CASES = {  # name: (model shape, rows, slot length, contexts)
     "0.5b-ref": ("0.5b", 512, 384, (192, 256, 383)),
@@ -37,24 +38,12 @@ CASES = {  # name: (model shape, rows, slot length, contexts)
 LAUNCHES = [None, (64, 2, 2), (64, 4, 1), (64, 4, 3), (32, 4, 2), (128, 4, 2), (128, 8, 2)]
 
 
-def timer_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    """Device time of one fn() call: `calls` launches in one CUDA graph (launch cost out); on the CPU, wall time."""
-    fn()  # Triton compiles this configuration
+def timer_ms(fn) -> float:
+    """Device time of one fn() call inside a CUDA graph (rollout.graph_ms); on the CPU (--smoke) one call, 0."""
     if not torch.cuda.is_available():
+        fn()  # the interpreter runs the kernel: the script is checked, nothing is timed
         return 0.0
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (calls * replays)
+    return graph_ms(fn)
 
 
 def run_case(name: str, split_list: list, device: str) -> None:

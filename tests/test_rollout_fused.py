@@ -216,3 +216,18 @@ def test_gpu_fused_attention_at_the_qwen2_half_b_shape(window, dtype):
     # 14:2 heads of 64, a 384-position slot, each row's keys in three runs; rows at block and run edges
     check_fused_attention((14, 2, 64), slots=64, S=384, pos=[0, 1, 63, 64, 127, 128, 129, 191, 192, 193, 255, 256,
                                                              383] * 4, window=window, dtype=dtype, splits=3, block_n=64)
+
+
+def test_the_decode_attention_benchmark_smoke_runs(capsys):
+    import json
+    import os
+    import sys
+
+    kernel_device()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import decode_attention
+
+    decode_attention.main(["--smoke"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [(r["splits"], r["default_splits"]) for r in lines if r["launch"] is None] == [(1, True), (2, False)]
+    assert not [r for r in lines if "error" in r]

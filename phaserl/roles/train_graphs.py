@@ -140,8 +140,7 @@ class TrainGraphs:
     def hidden(self, packed: Packed) -> Optional[torch.Tensor]:
         if not torch.is_grad_enabled() or packed.routed_experts is not None:
             return None
-        self._check_pointers()
-        self._ensure_grads()
+        self._check_parameters()
         shape = padded_shape(packed.num_tokens, len(packed.rows), packed.max_len, self.max_seq_tokens)
         graphed = self.graphs.get(shape)
         inputs = padded_inputs(packed, shape)
@@ -167,18 +166,19 @@ class TrainGraphs:
                  "GiB)")
         return graphed
 
-    def _ensure_grads(self) -> None:
-        """Every trainable parameter of the body holds a gradient tensor before a replay, so that autograd adds the
-        graph's gradients into it. Into a parameter without one, autograd may store the returned tensor itself,
-        and that is the graph's static buffer, overwritten by the next micro-batch's backward (pytorch#181723)."""
+    def _check_parameters(self) -> None:
+        """One pass over the body's parameters before a replay.
+
+        Addresses: the graphs read the parameters where they were when captured, so a parameter replaced since (a
+        load that swaps tensors instead of copying into them) drops every graph, to be captured again.
+        Gradients: every trainable parameter holds a gradient tensor, so that autograd adds the graph's gradients
+        into it. Into a parameter without one, autograd may store the returned tensor itself, and that is the
+        graph's static buffer, overwritten by the next micro-batch's backward (pytorch#181723)."""
+        pointers = []
         for p in self.model.model.parameters():
+            pointers.append(p.data_ptr())
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-
-    def _check_pointers(self) -> None:
-        """The graphs read the parameters at their addresses when captured: a parameter replaced since (a load
-        that swaps tensors instead of copying into them) drops every graph, to be captured again."""
-        pointers = [p.data_ptr() for p in self.model.model.parameters()]
         if pointers != self.pointers:
             if self.graphs:
                 log.info("ppo.train_graphs: the model's parameters moved; the graphs are captured again")

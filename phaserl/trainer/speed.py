@@ -181,13 +181,14 @@ class UpdateCount:
 def train_graphs_choice(asked: Optional[bool], actor, *, world_size: int) -> Choice:
     """ppo.train_graphs for the actor, once set_packing chose its packing (config/auto.train_graphs_rule); `true`
     where the graphs cannot run is a warning and off."""
+    why_not = unsupported(actor.model)
     blocked = ("" if world_size == 1 else f"{world_size} ranks") or ("" if actor.packing else "ppo.packing is off") \
-        or unsupported(actor.model)
+        or why_not
     if asked and blocked:
         log.warning(f"ppo.train_graphs=true is ignored: {blocked}")
         return Choice("ppo.train_graphs", asked, False, f"ignored: {blocked}")
-    return choose("ppo.train_graphs", asked, train_graphs_rule(why_not=unsupported(actor.model),
-                                                                packing=actor.packing, world_size=world_size))
+    return choose("ppo.train_graphs", asked, train_graphs_rule(why_not=why_not, packing=actor.packing,
+                                                                world_size=world_size))
 
 
 def packing_choice(asked: Optional[bool], enabled: bool, device: torch.device) -> Choice:
