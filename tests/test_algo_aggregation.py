@@ -50,8 +50,8 @@ def _batch():
     return feats, targets, mask, adv, old, weight0
 
 
-HYPER = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, tau_pos=1.0, tau_neg=1.05, beta=0.1, delta=0.1,
-             ratio_cap=20.0)
+HYPER = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, tau_pos=1.0, tau_neg=1.05, beta=0.1, delta_low=0.1,
+             delta_high=0.1, ratio_cap=20.0)
 
 
 def _micro_loss(weight, feats, targets, mask, adv, old, mode, n_tokens, n_seqs, loss="ppo", correction=None):

@@ -80,20 +80,33 @@ def test_dro_quadratic_penalty_by_hand():
 def test_dppo_masks_only_moves_beyond_the_trust_region_in_the_advantage_direction(name, delta):
     # p = 0.5 from p_old = 0.25: TV 0.25 > 0.15; binary KL = 0.25 log(0.5) + 0.75 log(1.5) = 0.1308 > 0.05
     fn = POLICY_LOSSES[name]
-    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, 1.0), delta=delta, ratio_cap=20.0)
+    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, 1.0), delta_low=delta, delta_high=delta, ratio_cap=20.0)
     assert loss == 0.0 and grad == 0.0 and stats["clipfrac"].item() == 1.0  # A > 0 and p rose too far
     # A < 0: the same move goes against the advantage's direction -> kept, weight sg[min(r, 20)] = 2
-    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, -1.0), delta=delta, ratio_cap=20.0)
+    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, -1.0), delta_low=delta, delta_high=delta, ratio_cap=20.0)
     assert loss == pytest.approx(2 * LOG_HALF) and grad == pytest.approx(2.0) and stats["clipfrac"].item() == 0.0
     # the ratio cap: r = 40 capped at 20
-    _, grad, _ = loss_and_grad(fn, *one_token(math.log(0.4), math.log(0.01), -1.0), delta=delta, ratio_cap=20.0)
+    _, grad, _ = loss_and_grad(fn, *one_token(math.log(0.4), math.log(0.01), -1.0), delta_low=delta, delta_high=delta, ratio_cap=20.0)
     assert grad == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_thresholds_depend_on_the_sign_of_the_advantage_as_in_verl(name):
+    """Issue 47 item 3: verl's DPPO masks by clip_ratio_high where A > 0 and clip_ratio_low where A <= 0."""
+    fn = POLICY_LOSSES[name]
+    up = one_token(LOG_HALF, LOG_QUARTER, 1.0)      # p 0.25 -> 0.5 with A > 0: 0.25 TV, 0.1308 binary KL
+    down = one_token(LOG_QUARTER, LOG_HALF, -1.0)    # p 0.5 -> 0.25 with A < 0: -0.25 TV, 0.1438 binary KL
+    wide, narrow = 0.3, 0.01
+    assert loss_and_grad(fn, *up, delta_low=narrow, delta_high=wide, ratio_cap=20.0)[2]["clipfrac"].item() == 0.0
+    assert loss_and_grad(fn, *up, delta_low=wide, delta_high=narrow, ratio_cap=20.0)[2]["clipfrac"].item() == 1.0
+    assert loss_and_grad(fn, *down, delta_low=wide, delta_high=narrow, ratio_cap=20.0)[2]["clipfrac"].item() == 0.0
+    assert loss_and_grad(fn, *down, delta_low=narrow, delta_high=wide, ratio_cap=20.0)[2]["clipfrac"].item() == 1.0
 
 
 def test_dppo_kl_binary_kl_by_hand():
     # p 0.3 -> 0.32, A > 0: KL = 0.3 log(0.3/0.32) + 0.7 log(0.7/0.68) = 0.000947 <= 0.05 -> inside
     _, grad, stats = loss_and_grad(POLICY_LOSSES["dppo_kl"], *one_token(math.log(0.32), math.log(0.3), 1.0),
-                                   delta=0.05, ratio_cap=20.0)
+                                   delta_low=0.05, delta_high=0.05, ratio_cap=20.0)
     assert stats["clipfrac"].item() == 0.0 and grad == pytest.approx(-0.32 / 0.3)
 
 
@@ -115,8 +128,8 @@ def test_losses_without_stop_gradients_pass_gradcheck(name, hyper):
 
 
 def test_bind_policy_loss_binds_only_each_losses_own_hyper_parameters_and_knows_verl_names():
-    hyper = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=None, tau_pos=1.0, tau_neg=1.05, beta=0.1, delta=0.1,
-                 ratio_cap=20.0)
+    hyper = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=None, tau_pos=1.0, tau_neg=1.05, beta=0.1, delta_low=0.1,
+                 delta_high=0.1, ratio_cap=20.0)
     logp, old, adv, mask = one_token(LOG_HALF, LOG_QUARTER, 1.0)
     for name in POLICY_LOSSES:
         loss, stats = bind_policy_loss(name, **hyper)(logp, old, adv, mask)
@@ -129,10 +142,34 @@ def test_bind_policy_loss_binds_only_each_losses_own_hyper_parameters_and_knows_
 
 @pytest.mark.parametrize("name, hyper, key", [
     ("sapo", dict(tau_pos=0.0, tau_neg=1.0), "sapo_tau"), ("dro", dict(beta=0.0), "dro_beta"),
-    ("dppo_tv", dict(delta=0.0, ratio_cap=20.0), "dppo_delta"), ("dppo_kl", dict(delta=0.1, ratio_cap=1.0),
-                                                                 "dppo_ratio_cap"),
+    ("dppo_tv", dict(delta_low=0.0, delta_high=0.2, ratio_cap=20.0), "dppo_delta"),
+    ("dppo_kl", dict(delta_low=0.1, delta_high=0.1, ratio_cap=1.0), "dppo_ratio_cap"),
     ("cispo", dict(clip_low=1.5, clip_high=0.2), "clip_ratio_low")])
 def test_bad_hyper_parameters_are_config_errors_naming_the_key(name, hyper, key):
     x = torch.zeros(1, 1)
     with pytest.raises(ConfigError, match=key):
         POLICY_LOSSES[name](x, x, x, torch.ones(1, 1), **hyper)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], (0.15, 0.15)),                                                       # the paper's TV threshold
+    (["actor.dppo_delta=0.1"], (0.1, 0.1)),                                   # one value as the shorthand
+    (["actor.clip_ratio_low=0.2", "actor.clip_ratio_high=0.28"], (0.2, 0.28)),  # a verl DPPO config, per sign
+    (["actor.dppo_delta=0.1", "actor.clip_ratio_high=0.28"], (0.1, 0.28)),    # a per-sign value wins on its side
+])
+def test_dppo_reads_verls_per_sign_keys_with_dppo_delta_as_the_shorthand(overrides, expected):
+    from phaserl.config import load_config
+    from phaserl.trainer.build import policy_loss_fn
+
+    cfg = load_config(None, ["actor.policy_loss=dppo_tv", *overrides])
+    fn = policy_loss_fn(cfg.actor)
+    assert (fn.keywords["delta_low"], fn.keywords["delta_high"]) == expected
+
+
+def test_the_other_losses_keep_their_default_clip_range():
+    from phaserl.config import load_config
+    from phaserl.trainer.build import policy_loss_fn
+
+    assert policy_loss_fn(load_config(None, []).actor).keywords == dict(clip_low=0.2, clip_high=0.2, dual_clip_c=3.0)
+    kl = policy_loss_fn(load_config(None, ["actor.policy_loss=dppo_kl"]).actor).keywords
+    assert (kl["delta_low"], kl["delta_high"]) == (0.05, 0.05)

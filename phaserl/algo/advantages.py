@@ -41,14 +41,16 @@ class AdvantageInputs:
 
 
 def _check(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    """(rewards with 0 beyond the mask, mask), at least float32, after shape checks (wiring mistakes)."""
+    """(rewards with 0 beyond the mask, mask), both in the rewards' dtype and at least float32, after shape checks
+    (wiring mistakes). One dtype for both: float64 rewards with a float32 mask broke OPO's index_add_ (issue 47)."""
     rewards, mask = inputs.token_rewards, inputs.response_mask
     if rewards.dim() != 2 or rewards.shape != mask.shape:
         raise ValueError(f"token_rewards {tuple(rewards.shape)} and response_mask {tuple(mask.shape)} "
                          "must both be [B, T]")
     if inputs.group_ids.shape != rewards.shape[:1]:
         raise ValueError(f"group_ids must be [B] = [{rewards.shape[0]}], got {tuple(inputs.group_ids.shape)}")
-    return _zero_padding(rewards, mask), mask.float()
+    rewards = _zero_padding(rewards, mask)
+    return rewards, mask.to(rewards.dtype)
 
 
 def _zero_padding(x: Tensor, mask: Tensor) -> Tensor:

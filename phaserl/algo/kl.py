@@ -136,12 +136,24 @@ class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning LMs from Human Preferences").
 
     After each step: e = clip(current_kl / target - 1, -0.2, 0.2) and
-    value *= 1 + e * n_responses / horizon, which drives the measured KL towards `target`.
+        value *= 1 + e * min(n_responses / horizon, 1)
+    which drives the measured KL towards `target`. `horizon` is in responses: while the KL stays off
+    target by 20% or more, the coefficient moves by a factor of about 1.2 (up) or 0.8 (down) every
+    `horizon` responses, whatever the step size.
+
+    Differences from Ziegler et al. and verl (whose multiplier is 1 + e * n / horizon): a step with more than
+    `horizon` responses moves the coefficient by one horizon's worth, not more, so the multiplier stays in
+    [0.8, 1.2] (verl's turns negative beyond 5 horizons per step, and a negative coefficient rewards moving
+    away from the reference); and the coefficient stays within a factor of `COEF_RANGE` (100) of the initial
+    one either way, so a KL that stays off target cannot drive it to 0 or to a value that drowns the reward.
     """
 
+    COEF_RANGE = 100.0  # value stays in [init / COEF_RANGE, init * COEF_RANGE]
+
     def __init__(self, init_coef: float, target: float, horizon: int):
-        if init_coef < 0:
-            raise ConfigError(f"algorithm.kl_coef must be >= 0, got {init_coef}")
+        if init_coef <= 0:
+            raise ConfigError(f"algorithm.kl_coef must be > 0 for the adaptive controller (algorithm.kl_target is "
+                              f"set), got {init_coef}: the controller scales it, and 0 stays 0")
         if target <= 0:
             raise ConfigError(f"algorithm.kl_target must be > 0 for the adaptive controller, got {target}; "
                               "set it to null for a fixed coefficient")
@@ -150,11 +162,13 @@ class AdaptiveKLController:
         self.value = float(init_coef)
         self.target = float(target)
         self.horizon = int(horizon)
+        self.low, self.high = init_coef / self.COEF_RANGE, init_coef * self.COEF_RANGE
 
     def update(self, current_kl: float, n_responses: int) -> None:
         """Adapt `value` to the KL measured on a step that used `n_responses` responses."""
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_responses / self.horizon
+        self.value *= 1.0 + error * min(n_responses / self.horizon, 1.0)  # in [0.8, 1.2]
+        self.value = min(max(self.value, self.low), self.high)
 
     def state_dict(self) -> dict:
         return {"value": self.value}

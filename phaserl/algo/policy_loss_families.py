@@ -132,40 +132,47 @@ def _dppo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tens
     return loss, _stats(log_ratio, mask, ~inside)
 
 
+def _check_thresholds(delta_low: float, delta_high: float, paper: str) -> None:
+    if delta_low <= 0 or delta_high <= 0:
+        raise ConfigError(f"the DPPO thresholds must be > 0 (the paper uses {paper}), got {delta_low} where A <= 0 "
+                          f"(actor.clip_ratio_low) and {delta_high} where A > 0 (actor.clip_ratio_high); "
+                          "actor.dppo_delta sets both")
+
+
 def dppo_tv_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                        delta: float, ratio_cap: float) -> tuple[Tensor, dict[str, Tensor]]:
+                        delta_low: float, delta_high: float, ratio_cap: float) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-TV (Qi et al. 2026, "Rethinking the Trust Region in LLM RL", arXiv 2602.04879).
 
     PPO's ratio clip judges a token by pi / pi_old, which over-punishes rare tokens and under-punishes
     likely ones; DPPO masks a token by the (binary) total variation of its probability change:
-        inside = (p - p_old <= delta) where A > 0,  (p - p_old >= -delta) where A <= 0
+        inside = (p - p_old <= delta_high) where A > 0,  (p - p_old >= -delta_low) where A <= 0
         loss = -A * sg[min(r, ratio_cap)] * logprobs * inside
-    (p = exp(logprobs)); the capped ratio is truncated IS in place of dual-clip. Paper/verl: delta =
-    0.15, ratio_cap = 20. verl reads delta from clip_ratio_low/high; here it is actor.dppo_delta
-    (one value both ways). `clipfrac` counts the masked tokens.
+    (p = exp(logprobs)); the capped ratio is truncated IS in place of dual-clip. As verl, the threshold
+    depends on the sign of the advantage: delta_low = actor.clip_ratio_low, delta_high = actor.clip_ratio_high
+    (verl's names, the same meaning); actor.dppo_delta is one value for both (the paper: 0.15).
+    ratio_cap = actor.dppo_ratio_cap (verl's clip_ratio_c; the paper's 20). `clipfrac` counts the masked tokens.
     """
-    if delta <= 0:
-        raise ConfigError(f"actor.dppo_delta must be > 0 (the paper uses 0.15 for TV), got {delta}")
+    _check_thresholds(delta_low, delta_high, "0.15 for TV")
     diff = torch.exp(upcast(logprobs)) - torch.exp(upcast(old_logprobs))  # [B, T] p - p_old
-    inside = torch.where(upcast(advantages) > 0, diff <= delta, diff >= -delta)
+    inside = torch.where(upcast(advantages) > 0, diff <= delta_high, diff >= -delta_low)
     return _dppo(logprobs, old_logprobs, advantages, mask, inside, ratio_cap)
 
 
 def dppo_kl_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                        delta: float, ratio_cap: float) -> tuple[Tensor, dict[str, Tensor]]:
+                        delta_low: float, delta_high: float, ratio_cap: float) -> tuple[Tensor, dict[str, Tensor]]:
     """DPPO-Binary-KL (arXiv 2602.04879; prime-rl's default loss with a KL term): DPPO-TV with the KL
     between the old and new Bernoulli(p) of the sampled token as the divergence:
         kl = p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p))
-        inside = (kl <= delta or p <= p_old) where A > 0,  (kl <= delta or p >= p_old) where A <= 0
-    i.e. only a move *further* in the advantage's direction beyond delta is masked. Paper/verl:
-    delta = 0.05, ratio_cap = 20 (verl adds 1e-8 inside the logs, as here).
+        inside = (kl <= delta_high or p <= p_old) where A > 0,  (kl <= delta_low or p >= p_old) where A <= 0
+    i.e. only a move *further* in the advantage's direction beyond the threshold is masked. Thresholds by
+    the advantage's sign as `dppo_tv_policy_loss` (the paper: 0.05 both ways), ratio_cap 20 (verl adds 1e-8
+    inside the logs, as here).
     """
-    if delta <= 0:
-        raise ConfigError(f"actor.dppo_delta must be > 0 (the paper uses 0.05 for KL), got {delta}")
+    _check_thresholds(delta_low, delta_high, "0.05 for KL")
     logp, old = upcast(logprobs).detach(), upcast(old_logprobs)
     p, p_old = torch.exp(logp), torch.exp(old)
     kl = p_old * (old - logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))  # [B, T]
-    inside = torch.where(upcast(advantages) > 0, (kl <= delta) | (p <= p_old), (kl <= delta) | (p >= p_old))
+    inside = torch.where(upcast(advantages) > 0, (kl <= delta_high) | (p <= p_old), (kl <= delta_low) | (p >= p_old))
     return _dppo(logprobs, old_logprobs, advantages, mask, inside, ratio_cap)
 
 

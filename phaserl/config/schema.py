@@ -155,8 +155,11 @@ class AlgorithmConfig:
                              choices=["k1", "k1+", "k2", "k2+", "k3", "k3+", "abs", "abs+", "kl", "kl+", "mse", "mse+",
                                       "low_var_kl", "low_var_kl+"])
     kl_coef: float = spec(0.001, "KL coefficient (initial value when adaptive)", min=0.0)
-    kl_target: Optional[float] = spec(None, "adaptive KL controller target (null = fixed coefficient)", min=0.0)
-    kl_horizon: int = spec(10000, "adaptive KL controller horizon, in responses", min=1)
+    kl_target: Optional[float] = spec(None, "adaptive KL controller target, in the loss or the reward (null = fixed "
+                                            "coefficient)", min=0.0)
+    kl_horizon: int = spec(10000, "adaptive KL controller horizon, in responses: while the KL is 20% or more off "
+                                  "target the coefficient moves by about x1.2 (x0.8) every horizon responses, at "
+                                  "most that much in one step, and within 100x of kl_coef either way", min=1)
     rollout_correction: str = spec("none", "rollout/training mismatch correction, a per-token weight on the policy "
                                            "loss: tis (truncated IS), icepop, masked_is, seq_mask (geometric mean)",
                                    choices=["none", "tis", "icepop", "masked_is", "seq_mask"])
@@ -211,8 +214,14 @@ class ActorConfig:
     policy_loss: str = spec("ppo", "policy loss (docs/concepts.md); vanilla and geo_mean are verl's names for ppo and "
                                    "gmpo", choices=["ppo", "gspo", "cispo", "sapo", "gmpo", "dro", "dppo_tv",
                                                     "dppo_kl", "gpg", "vanilla", "geo_mean"])
-    clip_ratio_low: float = spec(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", min=0.0)
-    clip_ratio_high: float = spec(0.2, "PPO clip: ratio <= 1 + clip_ratio_high (clip-higher when > low)", min=0.0)
+    clip_ratio_low: Optional[float] = spec(None, "the policy loss's range below / where A <= 0, as in verl: PPO/GSPO "
+                                                 "clip ratio >= 1 - clip_ratio_low, CISPO's weight bound, GMPO's "
+                                                 "log-space bound, DPPO's threshold where A <= 0 (null = 0.2; DPPO: "
+                                                 "actor.dppo_delta)", min=0.0)
+    clip_ratio_high: Optional[float] = spec(None, "the policy loss's range above / where A > 0, as in verl: PPO/GSPO "
+                                                  "clip ratio <= 1 + clip_ratio_high (clip-higher when > low), CISPO, "
+                                                  "GMPO, DPPO's threshold where A > 0 (null = 0.2; DPPO: "
+                                                  "actor.dppo_delta)", min=0.0)
     dual_clip_c: Optional[float] = spec(3.0, "dual-clip constant for negative advantages (null = off)", min=1.0)
     loss_agg_mode: str = spec("token-mean", "how per-token losses become one number",
                               choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -221,8 +230,10 @@ class ActorConfig:
     sapo_tau_pos: float = spec(1.0, "SAPO gate temperature for positive advantages", min=0.0)
     sapo_tau_neg: float = spec(1.05, "SAPO gate temperature for negative advantages", min=0.0)
     dro_beta: float = spec(0.1, "DRO: weight of the quadratic log-ratio penalty", min=0.0)
-    dppo_delta: Optional[float] = spec(None, "DPPO trust region on the sampled token's probability change "
-                                             "(null = the paper's: 0.15 for dppo_tv, 0.05 for dppo_kl)", min=0.0)
+    dppo_delta: Optional[float] = spec(None, "DPPO trust region on the sampled token's probability change (TV) or "
+                                             "binary KL, one value for both signs of the advantage: the shorthand "
+                                             "for clip_ratio_low/high, which win on their side when set (null = "
+                                             "the paper's: 0.15 for dppo_tv, 0.05 for dppo_kl)", min=0.0)
     dppo_ratio_cap: float = spec(20.0, "DPPO: truncated-IS cap on the ratio", min=1.0)
     gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
     compile: Optional[bool] = spec(None, "torch.compile the decoder layers and the log-prob kernels of the actor and "

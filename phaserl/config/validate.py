@@ -129,8 +129,8 @@ def _rule_errors(cfg: Config) -> list[str]:
     for i, fn in enumerate(cfg.reward.functions):
         if not fn.name.strip():
             errs.append(f"reward.functions[{i}].name is empty; give a built-in rule name or 'file.py:function'")
-    if cfg.actor.clip_ratio_low >= 1 and cfg.actor.policy_loss in ("ppo", "vanilla", "gspo"):
-        low = cfg.actor.clip_ratio_low
+    low = policy_loss_range(cfg.actor)[0]
+    if low >= 1 and cfg.actor.policy_loss in ("ppo", "vanilla", "gspo"):
         errs.append(f"actor.clip_ratio_low = {low}: the lower clip bound 1 - clip_ratio_low = 1 - {low} = "
                     f"{1 - low:g} is not positive, so the ratio is never clipped from below; "
                     "expected < 1 (usually 0.2)")
@@ -164,7 +164,7 @@ def _rule_errors(cfg: Config) -> list[str]:
 def _algorithm_errors(cfg: Config) -> list[str]:
     """Rules of the 2026 algorithm keys (losses, corrections, DAPO's sampling and shaping)."""
     a, actor, r, errs = cfg.algorithm, cfg.actor, cfg.rollout, []
-    if actor.policy_loss == "cispo" and actor.clip_ratio_low > 1:
+    if actor.policy_loss == "cispo" and policy_loss_range(actor)[0] > 1:
         errs.append(f"actor.clip_ratio_low = {actor.clip_ratio_low} with actor.policy_loss = cispo: the weight's lower "
                     "bound 1 - clip_ratio_low would be negative; use a value in [0, 1] (1 = no lower bound)")
     if a.dynamic_sampling and r.n < 2:
@@ -307,6 +307,17 @@ def sequence_tokens(cfg: Config) -> int:
     if cfg.agent.env or cfg.agent.harness:
         return cfg.agent.max_episode_tokens
     return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+
+
+def policy_loss_range(actor) -> tuple[float, float]:
+    """(low, high) of actor.policy_loss, as verl reads clip_ratio_low/high for each loss: PPO/GSPO/CISPO/GMPO's
+    clip range (null = 0.2), DPPO's thresholds where A <= 0 and where A > 0 (null = actor.dppo_delta, whose
+    own null is the paper's 0.15 for dppo_tv, 0.05 for dppo_kl)."""
+    both = 0.2
+    if actor.policy_loss in ("dppo_tv", "dppo_kl"):
+        both = actor.dppo_delta if actor.dppo_delta is not None else (0.05 if actor.policy_loss == "dppo_kl" else 0.15)
+    return (actor.clip_ratio_low if actor.clip_ratio_low is not None else both,
+            actor.clip_ratio_high if actor.clip_ratio_high is not None else both)
 
 
 def train_micro_batch_tokens(cfg: Config) -> int:

@@ -28,7 +28,7 @@ from ..cuda_allocator import configure_cuda_allocator
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
-from ..config.validate import GROUP_ESTIMATORS, sequence_tokens, train_micro_batch_tokens
+from ..config.validate import GROUP_ESTIMATORS, policy_loss_range, sequence_tokens, train_micro_batch_tokens
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
@@ -265,10 +265,10 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
 
 def policy_loss_fn(a) -> functools.partial:
     """actor.policy_loss with its hyper-parameters bound (each loss takes the ones it declares)."""
-    dppo_delta = a.dppo_delta if a.dppo_delta is not None else (0.05 if a.policy_loss == "dppo_kl" else 0.15)
-    return bind_policy_loss(a.policy_loss, clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high,
-                            dual_clip_c=a.dual_clip_c, tau_pos=a.sapo_tau_pos, tau_neg=a.sapo_tau_neg,
-                            beta=a.dro_beta, delta=dppo_delta, ratio_cap=a.dppo_ratio_cap)
+    low, high = policy_loss_range(a)  # verl's clip_ratio_low/high, each loss's meaning (DPPO: per-sign thresholds)
+    return bind_policy_loss(a.policy_loss, clip_low=low, clip_high=high, dual_clip_c=a.dual_clip_c,
+                            tau_pos=a.sapo_tau_pos, tau_neg=a.sapo_tau_neg, beta=a.dro_beta, delta_low=low,
+                            delta_high=high, ratio_cap=a.dppo_ratio_cap)
 
 
 def rollout_correction_fn(alg) -> Optional[functools.partial]:

@@ -180,8 +180,8 @@ class RLTrainer:
         metrics.update(self.perf.step_metrics(batch.attention_mask, batch.response_mask, timings,
                                               update_epochs=run.epochs if update_ok else 0,
                                               old_pass=old_logprobs is not None))
-        run.kl_controller.update(metrics.get("train/kl", 0.0), run.responses_per_step)
-        metrics["train/kl_coef"] = run.kl_controller.value
+        metrics["train/kl_coef"] = run.kl_controller.value  # the coefficient this step used (reward or loss)
+        run.kl_controller.update(metrics.get("train/kl", 0.0), run.responses_per_step)  # for the next step
         if run.compile_watch is not None and (line := run.compile_watch.step_done(timings["step"])):
             log.info(line)  # the first step: how long the compile warm-up took, what torch's cache served
         return metrics
@@ -204,6 +204,9 @@ class RLTrainer:
         Stats are the mini-batch's global values: each rank's share summed over ranks.
         """
         run = self.run
+        loss = self.actor.loss
+        if loss.kl_loss_coef > 0 and loss.kl_loss_coef != run.kl_controller.value:  # adaptive KL in the loss:
+            self.actor.loss = dataclasses.replace(loss, kl_loss_coef=run.kl_controller.value)  # this step's value
         sums, count = defaultdict(float), 0
         gen = torch.Generator().manual_seed(run.seed * 1_000_003 + self.step_num)
         K = train.num_responses // run.mini_batch_per_rank

@@ -53,9 +53,12 @@ def run_summary(trainer) -> str:
                 else f"≤ {rm.batch_size} sequences per call")
         rewards.append(f"reward model (weight {run.reward.reward_model_weight:g}, {unit})")
     adv, loss = run.advantage, actor.loss
+    ctl = run.kl_controller
+    coef = (f"coef {ctl.value:g}, adaptive: target {ctl.target:g}, horizon {ctl.horizon} responses"
+            if hasattr(ctl, "target") else f"coef {ctl.value:g}")
     kl = ("KL off" if trainer.ref_policy is None else
-          f"KL {adv.kl_estimator} in the reward" if adv.kl_in_reward else
-          f"KL {loss.kl_estimator} in the loss (coef {loss.kl_loss_coef:g})")
+          f"KL {adv.kl_estimator} in the reward ({coef})" if adv.kl_in_reward else
+          f"KL {loss.kl_estimator} in the loss ({coef})")
     mini_steps = run.responses_per_step // (run.mini_batch_per_rank * world)
     engine = actor.engine_kind if actor.engine_kind != "auto" else (
         "builtin engine" if _engine_supported(actor) else "transformers generate")
