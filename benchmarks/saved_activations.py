@@ -1,5 +1,5 @@
 """What one decoder layer saves for backward, per token, eager and torch.compile'd, against the doctor's count
-(doctor/memory.layer_bytes, train_bytes_per_token): the numbers behind the update's activation estimate and
+(memory/budget.layer_bytes, train_bytes_per_token): the numbers behind the update's activation estimate and
 `rollout.engine_keep_awake=auto`.
 
 One layer of phaserl's decoder (a Qwen2 shape from qwen2_shapes.py, random weights, the compute dtype) runs forward
@@ -20,7 +20,7 @@ Measured on the CPU (torch 2.13, bf16, inductor C++, `--smoke`; 2026-12-01): a c
 values per token (its input and normed input, q, the attention output, the residual after attention and its normed
 copy, k and v, gate, up and their product; the doctor's compiled count within 0.5%: the norm statistics), an eager
 one 10h + 4I + 2 Hkv D (each norm's float32 input copy, normed and weighted outputs too), which the doctor's
-per-layer count (doctor/activations.py) gives exactly, 2440 B per token at `--smoke`.
+per-layer count (memory/activations.py) gives exactly, 2440 B per token at `--smoke`.
 `--family` takes a benchmarks/families.py shape (its first layers: one of each kind), measures each layer kind
 eagerly (the packed training path of hybrid and MoE layers is eager) on one row of `--tokens` tokens packed as
 sequences of `--seq-len`, and the stack of those layers together (`layer_kind: "stack"`, against
@@ -53,8 +53,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from qwen2_shapes import decoder_config  # noqa: E402
-from phaserl.doctor.activations import dense_kind  # noqa: E402
-from phaserl.doctor.memory import ModelShape, layer_bytes, train_bytes_per_token  # noqa: E402
+from phaserl.memory.activations import dense_kind  # noqa: E402
+from phaserl.memory.budget import ModelShape, layer_bytes, train_bytes_per_token  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.models import attention, decoder  # noqa: E402
 

@@ -13,7 +13,7 @@ captured and replayed, the same rewards). With two GPUs (NCCL, FSDP2) the multi-
 switch runs passed with it on (BENCHMARKS.md, fourteenth session).
 
 A user's PYTORCH_CUDA_ALLOC_CONF (or torch's newer spelling PYTORCH_ALLOC_CONF) always wins, whatever it says.
-Not here: how much memory the run needs (doctor/memory.py) or when the engine frees its cache (rollout/).
+Not here: how much memory the run needs (memory/budget.py) or when the engine frees its cache (rollout/).
 """
 from __future__ import annotations
 

@@ -38,11 +38,12 @@ ALLOWED = {
     "world": {"agents", "data", "errors", "models", "rewards"},    # agent_task: the tiny multi-turn world
     "rm": {"config", "data", "errors", "models", "roles", "world"},
     "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
+    "memory": {"errors", "models", "rollout"},       # the budget in bytes and the plan: shapes, never a config file
     "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
-    "doctor": {"agents", "checkpoint", "config", "cuda_allocator", "data", "errors", "models", "parallel", "resolve",
-               "rewards", "roles", "rollout"},  # rollout: generate() for the agent episode probe
-    "trainer": {"agents", "algo", "batch", "checkpoint", "compile_cache", "config", "cuda_allocator", "data", "doctor",
-                "errors", "metrics", "models", "parallel", "report", "resolve", "rewards", "rm", "roles", "rollout"},
+    "doctor": {"agents", "checkpoint", "config", "cuda_allocator", "data", "errors", "memory", "models", "parallel",
+               "resolve", "rewards", "roles", "rollout"},  # rollout: generate() for the agent episode probe
+    "trainer": {"agents", "algo", "batch", "checkpoint", "compile_cache", "config", "cuda_allocator", "data", "errors",
+                "memory", "metrics", "models", "parallel", "report", "resolve", "rewards", "rm", "roles", "rollout"},
     "cli": {"config", "doctor", "errors", "parallel", "resolve", "rm", "trainer", "world"},
     "__main__": {"cli"},
 }
@@ -127,6 +128,22 @@ def test_the_table_is_layered():
 def test_nothing_imports_the_trainer_or_the_cli():
     assert {u for u, deps in ALLOWED.items() if "trainer" in deps} == {"cli"}
     assert {u for u, deps in ALLOWED.items() if "cli" in deps} == {"__main__"}
+
+
+TOOLS = {"doctor"}  # it reads the library and reports; a formula both need lives below both (phaserl.memory)
+
+
+def test_the_library_never_imports_its_tools():
+    """The doctor is a leaf: only the command line runs it. A run that imported the doctor would load the preflight
+    tool on every step's path, and the tool would sit below what it checks."""
+    for tool in TOOLS:
+        users = {u for u, deps in ALLOWED.items() if tool in deps}
+        assert users <= {"cli"}, f"{sorted(users - {'cli'})} may import phaserl.{tool}: move what they need below both"
+    importers = [f"{p.relative_to(PKG.parent)} imports phaserl.{tool}" for p in _py_files()
+                 for tool in TOOLS & _imported_units(p.read_text(), _module_parts(p), is_package=p.name == "__init__.py",
+                                                     units=_units())
+                 if _unit_of(_module_parts(p), _units()) not in TOOLS | {"cli"}]
+    assert not importers, "the library imports a tool:\n" + "\n".join(importers)
 
 
 def test_the_readme_layout_tree_lists_every_unit():

@@ -14,8 +14,10 @@ from _tiny_run import make_run_dir
 from _tiny_tokenizer import build_tiny_tokenizer
 from phaserl.doctor import (FAIL, OK, WARN, CheckResult, any_failed, format_report, load_doctor_config,
                             run_doctor)
+from phaserl.memory import budget
 from phaserl.doctor import memory
-from phaserl.doctor.memory import ModelShape, PhaseSizes, Suggestion
+from phaserl.memory.budget import ModelShape
+from phaserl.doctor.memory import PhaseSizes, Suggestion
 from phaserl.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -71,30 +73,30 @@ SIZES = PhaseSizes(n=2, prompt_tokens=32, sequence_tokens=36, rollout_batch_size
 
 
 def test_kv_cache_is_two_times_layers_heads_dim_bytes_tokens():
-    assert memory.kv_cache_bytes_per_sequence(SHAPE, 36) == 2 * 2 * 2 * 8 * 4 * 36 == 9216
+    assert budget.kv_cache_bytes_per_sequence(SHAPE, 36) == 2 * 2 * 2 * 8 * 4 * 36 == 9216
 
 
 def test_role_memory_per_sharding_strategy():
     # 1000 params × 4 B = 4000 B; grads 4000; AdamW two moments 8000.
     kw = dict(trainable=True, world_size=2, cpu_offload=False)
-    assert memory.role_memory(1000, 4, strategy="FULL_SHARD", **kw) == memory.RoleMemory(2000, 2000, 4000)
-    assert memory.role_memory(1000, 4, strategy="SHARD_GRAD_OP", **kw) == memory.RoleMemory(4000, 2000, 4000)
-    assert memory.role_memory(1000, 4, strategy="NO_SHARD", **kw) == memory.RoleMemory(4000, 4000, 8000)
-    frozen = memory.role_memory(1000, 4, trainable=False, strategy="FULL_SHARD", world_size=2, cpu_offload=False)
-    assert frozen == memory.RoleMemory(2000, 0, 0)
-    assert memory.role_memory(1000, 4, strategy="NO_SHARD", trainable=True, world_size=1, cpu_offload=True).total == 0
+    assert budget.role_memory(1000, 4, strategy="FULL_SHARD", **kw) == budget.RoleMemory(2000, 2000, 4000)
+    assert budget.role_memory(1000, 4, strategy="SHARD_GRAD_OP", **kw) == budget.RoleMemory(4000, 2000, 4000)
+    assert budget.role_memory(1000, 4, strategy="NO_SHARD", **kw) == budget.RoleMemory(4000, 4000, 8000)
+    frozen = budget.role_memory(1000, 4, trainable=False, strategy="FULL_SHARD", world_size=2, cpu_offload=False)
+    assert frozen == budget.RoleMemory(2000, 0, 0)
+    assert budget.role_memory(1000, 4, strategy="NO_SHARD", trainable=True, world_size=1, cpu_offload=True).total == 0
 
 
 def test_per_item_costs_of_each_phase():
     # update: per layer 8·32 + 4·64 + 2·2·8 = 544 values per token; × 2 layers × 4 B = 4352
-    assert memory.train_bytes_per_token(SHAPE, gradient_checkpointing=False) == 4352
+    assert budget.train_bytes_per_token(SHAPE, gradient_checkpointing=False) == 4352
     # checkpointing keeps one hidden state per layer plus one layer's worth: (2·32 + 544) × 4 = 2432
-    assert memory.train_bytes_per_token(SHAPE, gradient_checkpointing=True) == 2432
+    assert budget.train_bytes_per_token(SHAPE, gradient_checkpointing=True) == 2432
     # rollout: KV 9216 + prefill (2·32 + 2·64) × 4 B × 32 prompt tokens = 24576 + two float32 vocab rows 800
     assert memory.rollout_bytes_per_sequence(SHAPE, SIZES) == 9216 + 24576 + 800
     # log-probs: logits, log-softmax and gradient, float32, for at most 1024 tokens at a time
-    assert memory.logprob_chunk_bytes(SHAPE, 36) == 3 * 36 * 100 * 4
-    assert memory.logprob_chunk_bytes(SHAPE, 5000) == 3 * 1024 * 100 * 4
+    assert budget.logprob_chunk_bytes(SHAPE, 36) == 3 * 36 * 100 * 4
+    assert budget.logprob_chunk_bytes(SHAPE, 5000) == 3 * 1024 * 100 * 4
 
 
 def test_suggestions_fill_the_free_memory_up_to_what_each_phase_uses():
@@ -124,10 +126,10 @@ PHASERL_RM = dataclasses.replace(SIZES, rm_engine="phaserl", rm_micro_batch_toke
 def test_scoring_on_phaserl_costs_per_token_and_padding_adds_the_mask():
     # forward temporaries (2·32 + 2·64) × 4 B = 768 per token, no KV cache; right-padded rows add a
     # [b, 1, T, T] boolean mask and SDPA's float32 copy of it: 64 × (1 + 4) = 320 per token at T = max_length 64.
-    assert memory.scoring_bytes_per_token(SHAPE, 64, packed=True) == 768
-    assert memory.scoring_bytes_per_token(SHAPE, 64, packed=False) == 768 + 320
+    assert budget.scoring_bytes_per_token(SHAPE, 64, packed=True) == 768
+    assert budget.scoring_bytes_per_token(SHAPE, 64, packed=False) == 768 + 320
     # the transformers engine keeps its per-sequence cost: KV 2·2·2·8·4·64 = 16_384 + 768 × 64 tokens = 65_536
-    assert memory.scoring_bytes_per_sequence(SHAPE, 64) == 65_536
+    assert budget.scoring_bytes_per_sequence(SHAPE, 64) == 65_536
 
 
 def test_the_scoring_suggestion_names_the_key_of_the_engine():

@@ -1,5 +1,5 @@
-"""The doctor's count of what the dense decoder's layers save for backward (doctor/activations.py, through
-memory.layer_bytes and train_bytes_per_token) equals what they save, per family, in float32 and bfloat16: tiny
+"""The doctor's count of what the dense decoder's layers save for backward (memory/activations.py, through
+budget.layer_bytes and train_bytes_per_token) equals what they save, per family, in float32 and bfloat16: tiny
 random models of each native dense family run forward and backward on the CPU under saved_tensors_hooks
 (benchmarks/saved_activations.py's saved_bytes and stack_saved_bytes: the distinct storages still held when the
 forward returns, less parameters, RoPE tables and token ids), one layer of each kind and the whole stack.
@@ -23,8 +23,8 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from saved_activations import doctor_kind, flash_like, saved_bytes, stack_saved_bytes  # noqa: E402
 
-from phaserl.doctor import memory  # noqa: E402
-from phaserl.doctor.memory import ModelShape  # noqa: E402
+from phaserl.memory import budget  # noqa: E402
+from phaserl.memory.budget import ModelShape  # noqa: E402
 from phaserl.models import CausalLM, decoder  # noqa: E402
 from phaserl.models.families import config_from_hf  # noqa: E402
 
@@ -82,7 +82,7 @@ def assert_counted(measured: float, counted: float, left_out: float, what: str) 
 def test_each_dense_layer_kind_saves_what_the_doctor_counts(name, dtype):
     model = model_of(name, dtype)
     cfg = model.config
-    counted = memory.layer_bytes(ModelShape.of(model), sequence_tokens=SEQ_LEN)
+    counted = budget.layer_bytes(ModelShape.of(model), sequence_tokens=SEQ_LEN)
     first = {}
     for i in range(cfg.num_hidden_layers):
         first.setdefault(doctor_kind(cfg, i, counted), i)
@@ -98,7 +98,7 @@ def test_the_stack_saves_what_train_bytes_per_token_counts(name, dtype):
     model = model_of(name, dtype)
     shape = ModelShape.of(model)
     measured = stack_saved_bytes(model, TOKENS, torch.device("cpu"), SEQ_LEN, backward=True) / TOKENS
-    counted = memory.train_bytes_per_token(shape, False, sequence_tokens=SEQ_LEN)
+    counted = budget.train_bytes_per_token(shape, False, sequence_tokens=SEQ_LEN)
     # + 1: train_bytes_per_token rounds up; + 2 / TOKENS: Gemma's embedding scale, a 0-d tensor saved once
     left_out = (shape.num_layers * per_layer_constants(model) + 4) / TOKENS
     assert_counted(measured + 1, counted, left_out + 1, name)
@@ -115,15 +115,15 @@ def test_regression_the_dense_rule_counted_gemma_layers_a_third_low_in_bf16():
     rough = shape.num_layers * (8 * h + 4 * I + kv) * 2
     measured = stack_saved_bytes(model, TOKENS, torch.device("cpu"), SEQ_LEN) / TOKENS
     assert rough < 0.75 * measured  # what the old count missed
-    assert memory.train_bytes_per_token(shape, False) == pytest.approx(measured, rel=0.005)
+    assert budget.train_bytes_per_token(shape, False) == pytest.approx(measured, rel=0.005)
 
 
 def test_compiled_layers_keep_their_own_count():
     # torch.compile's partitioner saves another set (recomputed norm copies): layer_bytes leaves that count as it was.
     shape = ModelShape.of(model_of("gemma3", torch.bfloat16))
     h, I, kv = shape.hidden_size, shape.intermediate_size, 2 * shape.num_kv_heads * shape.head_dim
-    assert memory.layer_bytes(shape, compiled=True) == {"dense": (2, float((6 * h + 3 * I + kv) * 2))}
-    assert memory.layer_bytes(shape)["dense"][1] > memory.layer_bytes(shape, compiled=True)["dense"][1]
+    assert budget.layer_bytes(shape, compiled=True) == {"dense": (2, float((6 * h + 3 * I + kv) * 2))}
+    assert budget.layer_bytes(shape)["dense"][1] > budget.layer_bytes(shape, compiled=True)["dense"][1]
 
 
 def test_the_doctor_sizes_a_gemma4_update_by_its_per_layer_count(tmp_path):
@@ -144,9 +144,9 @@ def test_the_doctor_sizes_a_gemma4_update_by_its_per_layer_count(tmp_path):
     results = {r.name: r for r in run_doctor(load_doctor_config(None, overrides + [
         f"model.path={tmp_path / 'gemma4'}"]), world_size=1)}
     shape = ModelShape.of(model)
-    assert set(memory.layer_bytes(shape)) == {"dense sliding_attention", "dense full_attention"}
-    per_token = memory.train_bytes_per_token(shape, False, sequence_tokens=32 + 4)  # prompt + new
-    assert f"({memory.fmt_bytes(per_token)} per token)" in "\n".join(results["memory"].details)
+    assert set(budget.layer_bytes(shape)) == {"dense sliding_attention", "dense full_attention"}
+    per_token = budget.train_bytes_per_token(shape, False, sequence_tokens=32 + 4)  # prompt + new
+    assert f"({budget.fmt_bytes(per_token)} per token)" in "\n".join(results["memory"].details)
     assert results["memory"].status != "FAIL", results["memory"]
 
 
@@ -157,7 +157,7 @@ def test_gpu_layers_the_varlen_kernel_runs_save_what_the_doctor_counts(family, m
     shapes of benchmarks/families.py, 4 sequences of 512 tokens: each layer kind whose head_dim that kernel takes.
     Left to 2%: its float32 log-sum-exp (4 Hq bytes per token, which the count leaves out) and whatever else the
     CUDA kernels keep that the CPU does not. Gemma 4's global layers (head_dim 512) attend per sequence through
-    SDPA instead, which keeps more (module doc of doctor/activations.py): not asserted here, measured by
+    SDPA instead, which keeps more (module doc of memory/activations.py): not asserted here, measured by
     `benchmarks/saved_activations.py --family gemma4-1b --attention varlen`."""
     from families import SHAPES
 
@@ -172,7 +172,7 @@ def test_gpu_layers_the_varlen_kernel_runs_save_what_the_doctor_counts(family, m
     with torch.device("cuda"):
         model = CausalLM(config_from_hf(config.to_dict())).to(torch.bfloat16).train()
     cfg = model.config
-    counted = memory.layer_bytes(ModelShape.of(model), sequence_tokens=512)
+    counted = budget.layer_bytes(ModelShape.of(model), sequence_tokens=512)
     for i in range(cfg.num_hidden_layers):
         if cfg.heads(i)[2] > attention.VARLEN_MAX_HEAD_DIM:
             continue

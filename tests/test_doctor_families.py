@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from phaserl.doctor import memory
-from phaserl.doctor.memory import ExpertShape, ModelShape
+from phaserl.memory import budget
+from phaserl.memory.budget import ExpertShape, ModelShape
 from phaserl.models import CausalLM
 from phaserl.models.families import config_from_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
@@ -70,7 +70,7 @@ def test_the_doctors_slot_bytes_equal_what_the_engine_allocates(name):
     assert pool == 3 * S * shape.slot.kv_per_token
     assert state == 3 * shape.slot.state_per_slot
     assert routes == (3 * S * shape.slot.routes_per_token if replay else 0)
-    assert pool + state + routes == 3 * memory.kv_cache_bytes_per_sequence(shape, S, routes=replay)
+    assert pool + state + routes == 3 * budget.kv_cache_bytes_per_sequence(shape, S, routes=replay)
 
 
 def test_qwen35_linear_layers_hold_a_fixed_state_and_no_kv():
@@ -81,10 +81,10 @@ def test_qwen35_linear_layers_hold_a_fixed_state_and_no_kv():
     assert shape.slot.kv_per_token == 2 * 1 * 2 * 16 * 4
     # 3 linear layers: conv [C = 2*2*8 + 4*8 = 64, K-1 = 3] float32 + DeltaNet state [4, 8, 8] float32
     assert shape.slot.state_per_slot == 3 * (64 * 3 * 4 + 4 * 8 * 8 * 4)
-    one, many = (memory.kv_cache_bytes_per_sequence(shape, T) for T in (1, 1001))
+    one, many = (budget.kv_cache_bytes_per_sequence(shape, T) for T in (1, 1001))
     assert many - one == 1000 * shape.slot.kv_per_token  # the state does not grow with the sequence
     dense = 2 * 4 * 2 * 16 * 4 * 1001  # the old rule: every layer's KV
-    assert memory.kv_cache_bytes_per_sequence(shape, 1001) < dense / 3
+    assert budget.kv_cache_bytes_per_sequence(shape, 1001) < dense / 3
 
 
 def test_qwen35_layers_are_never_compiled_so_get_no_compiled_discount():
@@ -92,7 +92,7 @@ def test_qwen35_layers_are_never_compiled_so_get_no_compiled_discount():
         pytest.skip("this transformers has no Qwen3.5")
     shape = ModelShape.of(native("qwen35"))
     assert shape.hybrid and not ModelShape.of(native("llama")).hybrid
-    assert memory.train_bytes_per_token(shape, False, compiled=True) == memory.train_bytes_per_token(shape, False)
+    assert budget.train_bytes_per_token(shape, False, compiled=True) == budget.train_bytes_per_token(shape, False)
 
 
 def test_gemma4_rows_are_each_layers_own_width_and_k_eq_v_stores_values():
@@ -106,15 +106,15 @@ def test_gemma4_rows_are_each_layers_own_width_and_k_eq_v_stores_values():
 
 def test_mistral_sliding_layers_take_the_whole_slot_not_the_window():
     shape = ModelShape.of(native("mistral-sliding"))
-    assert memory.kv_cache_bytes_per_sequence(shape, 100) == 2 * 4 * 2 * 8 * 4 * 100  # window 3 changes nothing
+    assert budget.kv_cache_bytes_per_sequence(shape, 100) == 2 * 4 * 2 * 8 * 4 * 100  # window 3 changes nothing
 
 
 def test_qwen3_moe_routing_replay_records_k_int16_ids_per_moe_layer():
     shape = ModelShape.of(native("qwen3-moe"))
     assert shape.moe == ExpertShape(layers=2, top_k=3, width=16, experts=8, shared_width=0, hidden=32)  # layer 1 dense
     assert shape.slot.routes_per_token == 2 * 3 * 2
-    assert (memory.kv_cache_bytes_per_sequence(shape, 10, routes=True)
-            - memory.kv_cache_bytes_per_sequence(shape, 10)) == 10 * 12
+    assert (budget.kv_cache_bytes_per_sequence(shape, 10, routes=True)
+            - budget.kv_cache_bytes_per_sequence(shape, 10)) == 10 * 12
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
@@ -124,25 +124,25 @@ def test_dense_decoders_keep_the_dense_rules_numbers(name):
     by_hand = dict(shape.__dict__, slot=None, dense=None)  # without the engine's and the layers' layout: dense rules
     dense = ModelShape(**by_hand)
     for T in (1, 36, 384):
-        assert memory.kv_cache_bytes_per_sequence(shape, T) == memory.kv_cache_bytes_per_sequence(dense, T) \
+        assert budget.kv_cache_bytes_per_sequence(shape, T) == budget.kv_cache_bytes_per_sequence(dense, T) \
             == 2 * 4 * 2 * 8 * 4 * T
-    assert memory.train_bytes_per_token(dense, False) == 4 * (8 * 32 + 4 * 48 + 2 * 2 * 8) * 4
+    assert budget.train_bytes_per_token(dense, False) == 4 * (8 * 32 + 4 * 48 + 2 * 2 * 8) * 4
     # float32 with Hq x D = h: the per-layer count is the dense rule plus each layer's two norm statistics (measured:
     # tests/test_doctor_activations.py)
-    assert memory.train_bytes_per_token(shape, False) == memory.train_bytes_per_token(dense, False) + 4 * 2 * 4
-    assert memory.kept_engine_bytes(shape, 3, 64, kv_limit=10**9) == memory.kept_engine_bytes(dense, 3, 64)
+    assert budget.train_bytes_per_token(shape, False) == budget.train_bytes_per_token(dense, False) + 4 * 2 * 4
+    assert budget.kept_engine_bytes(shape, 3, 64, kv_limit=10**9) == budget.kept_engine_bytes(dense, 3, 64)
 
 
 def test_the_update_counts_top_k_expert_widths_in_moe_layers():
     shape = ModelShape.of(native("qwen3-moe"))
     h, q, kv = 32, 4 * 8, 2 * 8
-    # the dense layer (doctor/activations.py, float32 bytes): two norms (input, statistic, normed, output), the
+    # the dense layer (memory/activations.py, float32 bytes): two norms (input, statistic, normed, output), the
     # per-head qk-norms (input, statistic, normed), q, k, v and the attention output, gate, act, up, product
     dense = 2 * (12 * h + 4) + (8 * q + 4 * 4) + (8 * kv + 4 * 2) + 4 * (2 * q + 2 * kv) + 4 * 4 * 48
     # k x expert width; k gathered inputs, outputs and their unsorted copy; float32 router probs, int64 expert ids
     moe = 8 * h + 4 * 3 * 16 + 3 * 3 * h + 2 * 8 + 4 * 3 + 2 * kv
-    assert memory.train_bytes_per_token(shape, False) == dense + 2 * moe * 4
-    assert memory.train_bytes_per_token(shape, True) == 3 * h * 4 + max(dense, moe * 4)
+    assert budget.train_bytes_per_token(shape, False) == dense + 2 * moe * 4
+    assert budget.train_bytes_per_token(shape, True) == 3 * h * 4 + max(dense, moe * 4)
 
 
 def test_the_moe_count_is_what_the_expert_mixtures_save_for_backward():
@@ -155,7 +155,7 @@ def test_the_moe_count_is_what_the_expert_mixtures_save_for_backward():
                        None)
     shape = ModelShape(num_params=1, num_layers=1, hidden_size=H, intermediate_size=0, num_kv_heads=1, head_dim=2,
                        vocab_size=1, param_bytes=4, moe=ExpertShape(1, k, I, E, 0, H))
-    predicted = memory.train_bytes_per_token(shape, False) // 4 - 8 * H - 2  # the MoE part, in values
+    predicted = budget.train_bytes_per_token(shape, False) // 4 - 8 * H - 2  # the MoE part, in values
     skip = {t.untyped_storage().data_ptr() for t in (x, *w[:3])}
     mixtures = [moe.experts_loop] + ([moe.experts_grouped] if moe.grouped_mm_available() else [])
     for mixture in mixtures:  # measured 513 float32 values per token for both, the count 510
@@ -176,8 +176,8 @@ def test_the_moe_count_is_what_the_expert_mixtures_save_for_backward():
 def test_compiled_layers_save_fewer_activations():
     shape = ModelShape(num_params=1000, num_layers=2, hidden_size=32, intermediate_size=64, num_kv_heads=2,
                        head_dim=8, vocab_size=100, param_bytes=2)
-    assert memory.train_bytes_per_token(shape, False) == 2 * (8 * 32 + 4 * 64 + 32) * 2
-    assert memory.train_bytes_per_token(shape, False, compiled=True) == 2 * (6 * 32 + 3 * 64 + 32) * 2
+    assert budget.train_bytes_per_token(shape, False) == 2 * (8 * 32 + 4 * 64 + 32) * 2
+    assert budget.train_bytes_per_token(shape, False, compiled=True) == 2 * (6 * 32 + 3 * 64 + 32) * 2
 
 
 def test_a_kept_engine_counts_the_state_and_routes_of_the_slots_its_pool_holds():
@@ -188,9 +188,9 @@ def test_a_kept_engine_counts_the_state_and_routes_of_the_slots_its_pool_holds()
     assert experts == sum(layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel()
                           for layer in model.model.layers if layer.spec.moe is not None)
     weights = (shape.num_params - experts) * 4
-    assert memory.kept_engine_bytes(shape, 4, 64, routes=True) == 4 * 64 * (shape.slot.kv_per_token + 12) + weights
+    assert budget.kept_engine_bytes(shape, 4, 64, routes=True) == 4 * 64 * (shape.slot.kv_per_token + 12) + weights
     # a pool capped at 2.5 slots holds 2: their routes, not 4 slots' worth
-    capped = memory.kept_engine_bytes(shape, 4, 64, kv_limit=int(2.5 * kv_slot), routes=True)
+    capped = budget.kept_engine_bytes(shape, 4, 64, kv_limit=int(2.5 * kv_slot), routes=True)
     assert capped == int(2.5 * kv_slot) + 2 * 64 * 12 + weights
 
 
@@ -229,7 +229,7 @@ def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
     eager, compiled = (UpdateCount.of(cfg, roles, free_bytes=10**6, held_bytes=0, compiled=c)
                        .peak(64, kept=True) for c in (False, True))
     shape = ModelShape.of(t.actor.model)
-    per_token = memory.train_bytes_per_token(shape, False) - memory.train_bytes_per_token(shape, False, compiled=True)
+    per_token = budget.train_bytes_per_token(shape, False) - budget.train_bytes_per_token(shape, False, compiled=True)
     assert eager - compiled == 64 * per_token > 0  # ppo.micro_batch_tokens = 64
 
 
@@ -276,4 +276,4 @@ def test_a_transformers_gemma4_model_gets_an_estimate_not_a_crash():
         layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     shape = ModelShape.of(transformers.AutoModelForCausalLM.from_config(config))
     assert (shape.num_kv_heads, shape.head_dim) == (1, 32)  # the global layer: 1 x 32 > the sliding 2 x 8
-    assert memory.kv_cache_bytes_per_sequence(shape, 10) == 2 * 3 * 1 * 32 * 4 * 10
+    assert budget.kv_cache_bytes_per_sequence(shape, 10) == 2 * 3 * 1 * 32 * 4 * 10

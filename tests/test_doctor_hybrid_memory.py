@@ -1,4 +1,4 @@
-"""The doctor's count of what Qwen3.5's layers save for backward (doctor/memory.py: delta_layer_bytes,
+"""The doctor's count of what Qwen3.5's layers save for backward (memory/budget.py: delta_layer_bytes,
 gated_attention_layer_bytes, train_bytes_per_token) equals what they save, measured on the CPU with
 saved_tensors_hooks (benchmarks/saved_activations.py's held_bytes: the distinct storages still held when the
 forward returns, less parameters, RoPE tables and the shared Segments).
@@ -25,8 +25,8 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from saved_activations import flash_like, saved_bytes, stack_saved_bytes  # noqa: E402
 
-from phaserl.doctor import memory  # noqa: E402
-from phaserl.doctor.memory import ModelShape  # noqa: E402
+from phaserl.memory import budget  # noqa: E402
+from phaserl.memory.budget import ModelShape  # noqa: E402
 from phaserl.models import CausalLM, attention, linear_attention  # noqa: E402
 from phaserl.models.families import config_from_hf  # noqa: E402
 
@@ -76,7 +76,7 @@ def model_of(dtype=torch.bfloat16, **changes) -> CausalLM:
 def per_kind(model: CausalLM, tokens: int, seq_len, device: str = "cpu", varlen: bool = False):
     """kind -> (measured, counted) bytes per token of its first layer on one row of `tokens` (sequences of seq_len);
     varlen: the attention layers get packed boundaries (the real varlen kernel on CUDA)."""
-    counted = memory.layer_bytes(ModelShape.of(model), sequence_tokens=seq_len or tokens)
+    counted = budget.layer_bytes(ModelShape.of(model), sequence_tokens=seq_len or tokens)
     first = {"linear_attention": model.config.layer_types.index("linear_attention"),
              "gated_attention": model.config.layer_types.index("full_attention")}
     return {kind: (saved_bytes(model, tokens, torch.device(device), layer=i, seq_len=seq_len, varlen=varlen) / tokens,
@@ -109,7 +109,7 @@ def test_a_single_sequence_is_counted_within_the_views_matmul_keeps(tokens):
 def test_the_whole_stack_is_what_train_bytes_per_token_counts(checkpointing):
     model = model_of(**SHAPES["one-key-head"])
     shape, tokens, seq_len = ModelShape.of(model), 3 * 70, 70
-    counted = memory.train_bytes_per_token(shape, checkpointing, sequence_tokens=seq_len)
+    counted = budget.train_bytes_per_token(shape, checkpointing, sequence_tokens=seq_len)
     if not checkpointing:
         measured = stack_saved_bytes(model, tokens, torch.device("cpu"), seq_len) / tokens
     else:
@@ -118,14 +118,14 @@ def test_the_whole_stack_is_what_train_bytes_per_token_counts(checkpointing):
         kept = stack_saved_bytes(model, tokens, torch.device("cpu"), seq_len) / tokens
         assert kept == pytest.approx(shape.num_layers * shape.hidden_size * shape.param_bytes, rel=0.01)
         largest = max(measured for measured, _ in per_kind(model, tokens, seq_len).values())
-        measured = kept + largest + memory.SEGMENTS_BYTES
+        measured = kept + largest + budget.SEGMENTS_BYTES
     assert counted == pytest.approx(measured, rel=PACKED)
 
 
 def test_checkpointing_keeps_a_fraction_of_what_the_stack_saves():
     shape = ModelShape.of(model_of())
-    whole, checkpointed = (memory.train_bytes_per_token(shape, c, sequence_tokens=128) for c in (False, True))
-    largest = max(each for _, each in memory.layer_bytes(shape, sequence_tokens=128).values())
+    whole, checkpointed = (budget.train_bytes_per_token(shape, c, sequence_tokens=128) for c in (False, True))
+    largest = max(each for _, each in budget.layer_bytes(shape, sequence_tokens=128).values())
     assert checkpointed == pytest.approx(shape.num_layers * shape.hidden_size * 2 + largest + 9, abs=1)
     assert checkpointed < whole / 2
 
@@ -145,8 +145,8 @@ def test_regression_the_dense_rule_counted_a_qwen35_08b_deltanet_layer_about_6x_
 
 def test_compile_changes_nothing_for_hybrid_layers():
     shape = ModelShape.of(model_of())
-    assert memory.layer_bytes(shape, compiled=True) == memory.layer_bytes(shape)
-    assert memory.train_bytes_per_token(shape, False, compiled=True) == memory.train_bytes_per_token(shape, False)
+    assert budget.layer_bytes(shape, compiled=True) == budget.layer_bytes(shape)
+    assert budget.train_bytes_per_token(shape, False, compiled=True) == budget.train_bytes_per_token(shape, False)
 
 
 # ---- the fla path: its torch side measured, the kernel's saves as fla 0.6.0's autograd Function makes them ----
@@ -186,10 +186,10 @@ def test_the_fla_path_saves_what_the_doctor_counts_for_it(monkeypatch):
     assert fla.hybrid.delta_rule == "fla"  # the doctor asks the layer's own test, as training does
     tokens, seq_len = 3 * 70, 70
     measured = saved_bytes(model, tokens, torch.device("cpu"), layer=0, seq_len=seq_len) / tokens
-    counted = memory.delta_layer_bytes(fla, seq_len)
+    counted = budget.delta_layer_bytes(fla, seq_len)
     assert counted == pytest.approx(measured, rel=PACKED)
     torch_rule = dataclasses.replace(fla, hybrid=dataclasses.replace(fla.hybrid, delta_rule="torch"))
-    assert counted < memory.delta_layer_bytes(torch_rule, seq_len) / 2  # no float32 c x c matrices nor states
+    assert counted < budget.delta_layer_bytes(torch_rule, seq_len) / 2  # no float32 c x c matrices nor states
 
 
 def test_the_shape_takes_the_rule_training_runs_where_the_model_sits():
@@ -209,7 +209,7 @@ def test_the_doctors_details_count_each_kind_and_warn_only_where_the_count_is_un
                        gradient_checkpointing=False)
     shape = ModelShape.of(model_of())
     line = hybrid_activation_line(shape, sizes)
-    linear, attn = (memory.fmt_bytes(memory.layer_bytes(shape, sequence_tokens=70)[k][1])
+    linear, attn = (budget.fmt_bytes(budget.layer_bytes(shape, sequence_tokens=70)[k][1])
                     for k in ("linear_attention", "gated_attention"))
     assert line == (f"activations  per token: 3 × {linear} (Gated DeltaNet, torch chunked rule) + 1 × {attn} "
                     "(gated attention)")
@@ -232,10 +232,10 @@ def test_the_doctor_sizes_a_qwen35_update_by_the_per_kind_count(tmp_path):
     overrides = [o for o in make_run_dir(str(tmp_path)) if not o.startswith("model.path=")]
     memory_check = {r.name: r for r in run_doctor(load_doctor_config(None, overrides + [
         f"model.path={tmp_path / 'qwen35'}"]), world_size=1)}["memory"]
-    per_token = memory.train_bytes_per_token(ModelShape.of(model), False, sequence_tokens=32 + 4)  # prompt + new
+    per_token = budget.train_bytes_per_token(ModelShape.of(model), False, sequence_tokens=32 + 4)  # prompt + new
     details = "\n".join(memory_check.details)
     assert "(Gated DeltaNet, torch chunked rule)" in details
-    assert f"({memory.fmt_bytes(per_token)} per token)" in details  # the ppo.micro_batch_tokens line
+    assert f"({budget.fmt_bytes(per_token)} per token)" in details  # the ppo.micro_batch_tokens line
 
 
 @pytest.mark.gpu
@@ -287,7 +287,7 @@ def test_regression_a_transformers_path_qwen35_is_counted_by_its_layer_kinds_not
     hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     shape = ModelShape.of(HFCausalLM(hf))
     assert shape.hybrid is not None and shape.hybrid.delta_rule == "torch"
-    counted = memory.layer_bytes(shape, sequence_tokens=256)
+    counted = budget.layer_bytes(shape, sequence_tokens=256)
     dense_rule = (8 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.num_kv_heads * shape.head_dim) * 2
     saved = transformers_saved_per_layer(hf, batch=2, tokens=256)
     for kind, measured in zip(config.layer_types, saved):
@@ -302,4 +302,4 @@ def test_a_transformers_model_without_linear_attention_keeps_the_dense_rule():
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
     shape = ModelShape.of(HFCausalLM(transformers.AutoModelForCausalLM.from_config(config)))
-    assert shape.hybrid is None and set(memory.layer_bytes(shape)) == {"dense"}
+    assert shape.hybrid is None and set(budget.layer_bytes(shape)) == {"dense"}

@@ -15,7 +15,7 @@ from phaserl.config import explain, load_config
 from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, LORA_KEEP_SHARE,
                                  MICRO_ACTIVATION_SHARE, MICRO_BATCH_CAP, choose, compile_rule, keep_awake_rule,
                                  keep_logits_rule, micro_batch_rule)
-from phaserl.doctor.memory import ModelShape, kept_engine_bytes, update_peak_bytes
+from phaserl.memory.budget import ModelShape, kept_engine_bytes, update_peak_bytes
 from phaserl.errors import ConfigError
 
 GIB = 2**30
@@ -188,7 +188,7 @@ def test_keeping_head_logits_where_the_kernels_do_not_run_warns_that_the_setting
 
 
 def test_the_kept_logits_are_the_micro_batchs_response_tokens_by_the_vocabulary_in_the_heads_dtype():
-    from phaserl.doctor.memory import kept_logits_bytes, response_tokens_of
+    from phaserl.memory.budget import kept_logits_bytes, response_tokens_of
 
     shape = ModelShape(num_params=494_000_000, num_layers=24, hidden_size=896, intermediate_size=4864,
                        num_kv_heads=2, head_dim=64, vocab_size=151_936, param_bytes=2)
@@ -263,7 +263,7 @@ def test_on_the_cpu_the_defaults_stay_eager_and_the_summary_says_why(tmp_path):
 
 
 def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
-    from phaserl.doctor.memory import logprob_chunk_bytes, train_bytes_per_token
+    from phaserl.memory.budget import logprob_chunk_bytes, train_bytes_per_token
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
     from phaserl.trainer.speed import UpdateCount

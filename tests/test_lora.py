@@ -380,7 +380,7 @@ def test_a_transformers_fallback_model_gets_peft_adapters(tmp_path):
 def test_the_doctor_counts_adapter_state_and_no_reference_copy():
     from phaserl.doctor import run_doctor
 
-    from phaserl.doctor.memory import fmt_bytes
+    from phaserl.memory.budget import fmt_bytes
     from phaserl.models.lora import adapter_parameter_count
     from phaserl.world import prepare_tiny_world
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from phaserl.doctor.memory import ModelShape, UnknownShape
+from phaserl.memory.budget import ModelShape, UnknownShape
 from phaserl.errors import ConfigError
 from phaserl.models import load_pretrained
 from phaserl.models.hf_fallback import HFCausalLM

@@ -25,7 +25,7 @@ from ..parallel import rank_and_world
 from ..roles.parallel_settings import FSDPSettings
 from ..resolve import DTYPES, resolve_device, resolve_model_path
 from ..roles.reward_scoring import native_support
-from .memory import free_memory_bytes, fmt_bytes
+from ..memory.budget import fmt_bytes, free_memory_bytes
 from .report import FAIL, OK, WARN, CheckResult
 
 NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm")

@@ -18,7 +18,7 @@ from ..data import build_prompt_dataset
 from ..roles import HybridActor
 from ..roles.mismatch_probe import measure_mismatch
 from .checks import Context, check
-from .memory import free_memory_bytes
+from ..memory.budget import free_memory_bytes
 from .report import OK, WARN, CheckResult
 
 PROBE_PROMPTS = 4

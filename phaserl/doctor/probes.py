@@ -27,9 +27,10 @@ from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
 from .checks import Context, check, roles_enabled, short
-from .memory import (ModelShape, PhaseSizes, RoleMemory, UnknownShape, ceil_div, effective, fmt_bytes, judge,
-                     kept_engine_bytes, kept_logits_bytes, kv_cache_bytes_per_sequence, layer_bytes,
-                     response_tokens_of, role_memory, suggest_sizes, update_peak_bytes)
+from ..memory.budget import (ModelShape, RoleMemory, UnknownShape, fmt_bytes, kept_engine_bytes, kept_logits_bytes,
+                             kv_cache_bytes_per_sequence, layer_bytes, response_tokens_of, role_memory,
+                             update_peak_bytes)
+from .memory import PhaseSizes, ceil_div, effective, judge, suggest_sizes
 from .report import FAIL, OK, WARN, CheckResult
 
 log = logging.getLogger("phaserl")

@@ -20,7 +20,7 @@ import tempfile
 from ..checkpoint.lock import RunLock, describe
 from ..config import derive
 from .checks import Context, check
-from .memory import fmt_bytes
+from ..memory.budget import fmt_bytes
 from .report import FAIL, OK, CheckResult
 
 _NAME = "write paths"

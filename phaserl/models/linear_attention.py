@@ -49,7 +49,7 @@ CHUNK = 64  # tokens per chunk of the chunked rule (transformers' and fla's defa
 # (cuBLAS batched trsm on CUDA), "blocked" = unit_lower_inverse (batched matmuls only), then two matmuls.
 # "solve" until an H200 run of `benchmarks/families.py --case delta_rule` shows which is faster there (on the
 # CPU "blocked" is slower: its ~60 small ops per call cost more than LAPACK's solve). The doctor's activation
-# count (doctor/memory.delta_layer_bytes) is the "solve" rule's.
+# count (memory/budget.delta_layer_bytes) is the "solve" rule's.
 TRIANGULAR = "solve"
 INVERSE_BLOCK = 16  # unit_lower_inverse's diagonal blocks, inverted row by row
 

@@ -1,5 +1,5 @@
 """What the rollout engine holds per slot, read from the code that allocates it, so that the doctor's memory count
-(doctor/memory.py) and the engine cannot drift apart.
+(memory/budget.py) and the engine cannot drift apart.
 
 Per slot of S positions, in the dtype of the engine's weights:
   KV       KVPool.token_bytes × S: keys and values of the attention layers only (none for Qwen3.5's linear-attention

@@ -2,8 +2,8 @@
 which were chosen and why.
 
 `choose_speed(cfg, roles, derived, world_size)` gathers the facts (device, Triton, which models are phaserl's
-decoder and how big, world size, and for `rollout.engine_keep_awake` and `ppo.micro_batch_tokens` the doctor's
-memory count of the update (`UpdateCount`) against this process's device memory) and applies `config/auto.py`'s
+decoder and how big, world size, and for `rollout.engine_keep_awake` and `ppo.micro_batch_tokens` the memory
+budget's count of the update (`UpdateCount`) against this process's device memory) and applies `config/auto.py`'s
 rule to every setting left at auto (null); true / false (a number) in the config win. The builder applies the
 choices and keeps them in `RunSettings.speed`; the run summary prints one line per choice (`Choice.line()`):
 
@@ -11,7 +11,7 @@ choices and keeps them in `RunSettings.speed`; the run summary prints one line p
                rollout.engine_keep_awake=auto -> on: 24.3 GiB needed of 139 GiB
                ...
 
-Not here: the rules (config/auto.py), the memory formulas (doctor/memory.py), torch's compile caches
+Not here: the rules (config/auto.py), the memory formulas (memory/budget.py), torch's compile caches
 (compile_cache.py), `ppo.packing`'s per-role choice (build.set_packing: it is reported here as made).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, c
                            extend_graphs_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule,
                            micro_batch_rule, train_graphs_rule)
 from ..config.validate import sequence_tokens
-from ..doctor.memory import (ModelShape, UnknownShape, kept_engine_bytes, kept_logits_bytes, response_tokens_of,
+from ..memory.budget import (ModelShape, UnknownShape, kept_engine_bytes, kept_logits_bytes, response_tokens_of,
                              update_peak_bytes)
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing

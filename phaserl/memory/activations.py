@@ -1,6 +1,6 @@
 """What one eager layer of phaserl's dense decoder saves for backward, per token, in bytes, for every family it
 runs (Llama, Qwen2/3, Mistral/Ministral, Phi-3, Gemma 3, Gemma 4, OLMo 2): the update's activation count
-(memory.layer_bytes calls dense_layer_bytes once per distinct layer layout).
+(budget.layer_bytes calls dense_layer_bytes once per distinct layer layout).
 
 The count follows the code of models/layers.py tensor by tensor, each in its own dtype (b = bytes of the compute
 dtype, 4 for float32 tensors; n a normed width, r the rows it is normed over):
@@ -18,7 +18,7 @@ dtype, 4 for float32 tensors; n a normed width, r the rows it is normed over):
   v-norm            Gemma 4's weightless value norm: input and statistic; its output is the attention's v. In
                     float32 a k_eq_v layer's input is the key projection the k norm already saves.
   attention core    q and k after RoPE, v, the output (o_proj's input): b (2 Hq D + 2 Hkv D), what the varlen flash
-                    kernel saves (its float32 log-sum-exp, 4 Hq, is left out, as in memory.py).
+                    kernel saves (its float32 log-sum-exp, 4 Hq, is left out, as in budget.py).
   MLP               gate, act(gate), up and their product: 4 b I (SwiGLU and GeGLU alike).
 Measured: tests/test_doctor_activations.py runs tiny random models of each family forward (and backward) on the
 CPU in float32 and bfloat16 under saved_tensors_hooks (benchmarks/saved_activations.py's helpers, attention as the
@@ -29,8 +29,8 @@ statistic: benchmarks/saved_activations.py --family on the H200 is its check).
 Left out: per-layer constants (the gemma norms' 1 + w, Gemma 4's layer scalar), the embedding (its ids and sqrt(h)
 scale are saved once per forward, not per layer), Gemma 4's global layers on CUDA (head_dim 512 > the flash
 kernel's 256: attention.attend_each_sequence runs SDPA per sequence, which also keeps k and v repeated to Hq
-heads and each sequence's output), the MoE and Qwen3.5 layers (memory.py counts those), and torch.compile'd
-layers (memory.layer_bytes keeps its own count for those: the partitioner recomputes the norms' copies).
+heads and each sequence's output), the MoE and Qwen3.5 layers (budget.py counts those), and torch.compile'd
+layers (budget.layer_bytes keeps its own count for those: the partitioner recomputes the norms' copies).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def dense_layouts(cfg: DecoderConfig) -> tuple:
 
 
 def dense_kind(cfg: DecoderConfig, layer: int) -> str:
-    """The kind memory.layer_bytes names dense layer `layer` under when the model's dense layers differ."""
+    """The kind budget.layer_bytes names dense layer `layer` under when the model's dense layers differ."""
     return "dense " + (cfg.layer_types[layer] if cfg.layer_types else "full_attention")
 
 
