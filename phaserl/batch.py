@@ -40,6 +40,9 @@ class RolloutBatch:
     rollout_metrics: dict = field(default_factory=dict)  # name -> float, logged with the step (agent/*)
     # MoE routing replay (actor.routing_replay): the experts the rollout engine used at each position, per MoE layer
     routed_experts: Optional[torch.Tensor] = None  # [B, S, L, k] int16, -1 = not recorded (padding, last token)
+    # The policy version (optimizer steps taken before it) that sampled each response token; -1 where nothing was
+    # sampled. None = every token by the weights being trained (the synchronous step, rollout.max_staleness 0).
+    token_versions: Optional[torch.Tensor] = None  # [B, R] int64
     # CPU copies of fields (on_host), made once per batch; a new batch (select, replace) starts empty.
     _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -83,6 +86,7 @@ class RolloutBatch:
             loss_mask=take(self.loss_mask),
             episodes=None if self.episodes is None else [self.episodes[i] for i in idx],
             routed_experts=None if self.routed_experts is None else take(self.routed_experts),
+            token_versions=None if self.token_versions is None else take(self.token_versions),
         )
 
 

@@ -20,6 +20,12 @@ rho_t = pi_train(y_t) / pi_rollout(y_t):
                                                           a great ship"): masked and reweighted
         masked_is      w = 1 if 1/C <= rho <= C else 0    masked IS: tokens outside the band dropped,
                                                           no reweighting (verl's token-level rejection)
+        decoupled      w = rho if rho <= C else 0         decoupled PPO (Fu et al. 2025, AReaL, arXiv
+                                                          2505.24298): the trainer's pre-update log-probs are
+                                                          the proximal policy, the sampler's (possibly older
+                                                          versions') the behaviour policy; tokens whose weight
+                                                          passes the cap are masked, as AReaL's
+                                                          behav_imp_weight_cap
         seq_mask       w = 1 for the whole response if 1/C <= exp(mean_t log rho_t) <= C, else 0
                                                           sequence-level masking by the geometric mean
                                                           ratio (verl rollout_rs=seq_mean_k1; Liu et al.
@@ -98,9 +104,14 @@ def _seq_mask(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
     return keep.unsqueeze(-1).expand_as(log_rho)
 
 
+def _decoupled(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
+    return torch.where(log_rho <= torch.log(torch.tensor(float(cap), dtype=log_rho.dtype)), torch.exp(log_rho),
+                       torch.zeros_like(log_rho))
+
+
 # (log rho [B, T], mask [B, T], C) -> weights [B, T]
 ROLLOUT_CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
-    "tis": _tis, "icepop": _icepop, "masked_is": _masked_is, "seq_mask": _seq_mask,
+    "tis": _tis, "icepop": _icepop, "masked_is": _masked_is, "seq_mask": _seq_mask, "decoupled": _decoupled,
 }
 
 

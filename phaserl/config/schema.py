@@ -84,6 +84,13 @@ class RolloutConfig:
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "
                                    "benchmarks; the EOS token then stays in the text)")
+    max_staleness: int = spec(0, "asynchronous rollout: a batch may hold tokens sampled up to this many policy versions "
+                                 "(optimizer steps) before the weights it trains; responses still decoding when a "
+                                 "batch is ready continue after the update (docs/async.md). 0 = the synchronous step",
+                              min=0)
+    on_stale: str = spec("restart", "asynchronous rollout: a response whose oldest token would pass max_staleness is "
+                                    "started over (restart) or its whole group dropped (drop); counted either way",
+                         choices=["restart", "drop"])
 
 
 @dataclass
@@ -160,9 +167,12 @@ class AlgorithmConfig:
     kl_horizon: int = spec(10000, "adaptive KL controller horizon, in responses: while the KL is 20% or more off "
                                   "target the coefficient moves by about x1.2 (x0.8) every horizon responses, at "
                                   "most that much in one step, and within 100x of kl_coef either way", min=1)
-    rollout_correction: str = spec("none", "rollout/training mismatch correction, a per-token weight on the policy "
-                                           "loss: tis (truncated IS), icepop, masked_is, seq_mask (geometric mean)",
-                                   choices=["none", "tis", "icepop", "masked_is", "seq_mask"])
+    rollout_correction: str = spec("auto", "rollout/training mismatch correction, a per-token weight on the policy "
+                                           "loss: tis (truncated IS), icepop, masked_is, seq_mask (geometric mean), "
+                                           "decoupled (decoupled PPO: the proximal policy is the weights before the "
+                                           "update, tokens whose behaviour weight passes the cap masked); auto = "
+                                           "decoupled with rollout.max_staleness >= 1, else none",
+                                   choices=["auto", "none", "tis", "icepop", "masked_is", "seq_mask", "decoupled"])
     rollout_correction_cap: float = spec(2.0, "C of the correction: TIS's cap, the masks' band [1/C, C]", min=1.0)
     dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal and sample more prompts "
                                          "until the step has rollout.prompts_per_step informative groups")

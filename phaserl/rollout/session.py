@@ -42,6 +42,7 @@ class Turn:
     token_ids: list      # the sampled ids, in order (a stop token included when one ended the turn)
     logprobs: list       # the sampler's log-prob of each id
     stopped: bool        # True: a stop token ended it; False: its cap did
+    partial: bool = False  # True: suspend() cut it short (neither a stop token nor its cap ended it)
 
 
 @dataclass(eq=False)
@@ -194,6 +195,40 @@ class DecodeSession:
         self.by_slot[live.slot] = None
         self.free.append(live.slot)
         self.free.sort(reverse=True)
+
+    def suspend(self) -> tuple[list[Turn], list[Turn]]:
+        """Stop every turn in progress and free its slot: (turns that had ended, turns cut short).
+
+        For an asynchronous rollout that must hand a batch to training now: the device is synchronised once, a
+        sequence whose last step ended its turn comes back as an ended Turn, every other decoding (or queued)
+        one as a `partial` Turn with the ids sampled so far (possibly none). Either way its slot is released:
+        the caller continues a cut turn later by start()-ing the sequence again with those ids appended (its
+        KV re-prefilled, under whatever weights the model has then). Parked sequences stay."""
+        queued = {id(live) for live in self._starts} | {id(item[0]) for item in self._extends}
+        running = [live for live in self.by_slot if live is not None and live.decoding and id(live) not in queued]
+        ended, cut = [], []
+        if running:
+            slots = [live.slot for live in running]
+            flags = self.runner.state.finished[torch.tensor(slots, device=self.runner.device)].tolist()
+            tokens, logprobs, lengths = (t.tolist() for t in self.runner.collect(slots))
+            for live, done, toks, lps, n in zip(running, flags, tokens, logprobs, lengths):
+                toks, lps = toks[:n], lps[:n]
+                stopped = bool(toks) and toks[-1] in self.stop_ids
+                turn = Turn(live.key, toks, lps, stopped=stopped, partial=not done)
+                (ended if done else cut).append(turn)
+        cut += [Turn(live.key, [], [], stopped=False, partial=True)
+                for live in [*self._starts, *(item[0] for item in self._extends)]]
+        for live in [*running, *self._starts, *(item[0] for item in self._extends)]:
+            self._prompts.pop(live.key, None)
+            live.decoding = False
+            self.live.pop(live.key)
+            self.by_slot[live.slot] = None
+            self.free.append(live.slot)
+        self.free.sort(reverse=True)
+        self._starts, self._extends, self._known, self._decoding = [], [], None, 0
+        self.stats.turns += len(ended)
+        self.stats.new_tokens += sum(len(t.token_ids) for t in ended) + sum(len(t.token_ids) for t in cut)
+        return ended, cut
 
     # ----- one step -------------------------------------------------------------------------------
     def step(self) -> list[Turn]:

@@ -51,6 +51,7 @@ from .guard import RuntimeGuard
 from .lora_setup import add_lora, lora_reference
 from .prompt_stream import PromptStream
 from .score_shaping import OverlongShaping, no_shaping
+from .stream import AsyncStream, SyncStream
 from .settings import Roles, RunSettings
 from .speed import choose_speed, compile_watch, packing_choice, train_graphs_choice
 
@@ -177,7 +178,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         PolicyLossSettings(loss_fn=policy_loss_fn(a), agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef,
                            kl_loss_coef=alg.kl_coef if alg.kl_placement == "loss" and ref else 0.0,
                            kl_estimator=canonical_kl_estimator(alg.kl_estimator), temperature=_temperature(cfg),
-                           norm_len=r.max_new_tokens, correction=rollout_correction_fn(alg)))
+                           norm_len=r.max_new_tokens, correction=rollout_correction_fn(cfg)))
     actor.configure_rollout(r.engine, EngineConfig(
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
         cuda_graphs=r.engine_cuda_graphs, compile=speed.engine_compile.value, keep_awake=speed.engine_keep_awake.value,
@@ -260,7 +261,26 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
         keep_checkpoint_num=t.keep_checkpoint_num,
         metrics_logger=MetricsLogger(t.log_dir, t.loggers, rank=rank, config=to_dict(cfg)),
         checkpointer=build_checkpointer(cfg, rank, world_size), save_on_signal=t.save_on_signal,
-        show_progress=rank == 0 and "console" in t.loggers)
+        show_progress=rank == 0 and "console" in t.loggers,
+        stream=rollout_stream(cfg, train_prompts.dataset, prompts_per_rank=r.prompts_per_step // world_size))
+
+
+def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int):
+    """Phases 1-3's source (trainer/stream.py): the synchronous step, or the asynchronous stream (max_staleness >= 1)."""
+    r, alg = cfg.rollout, cfg.algorithm
+    if r.max_staleness == 0:
+        return SyncStream()
+    refused = [(alg.dynamic_sampling, "algorithm.dynamic_sampling (DAPO's extra rounds)"),
+               (alg.adv_estimator == "remax", "algorithm.adv_estimator=remax (its greedy baseline rollout)"),
+               (bool(cfg.agent.env or cfg.agent.harness), "multi-turn agent runs (agent.env / agent.harness)"),
+               (r.engine == "hf", "rollout.engine=hf (responses continue across updates in the built-in engine)")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"rollout.max_staleness={r.max_staleness} (asynchronous rollout) does not run with {what} "
+                              "yet: set rollout.max_staleness=0, or turn that setting off")
+    return AsyncStream(max_staleness=r.max_staleness, on_stale=r.on_stale, n=r.n, prompts_per_rank=prompts_per_rank,
+                       slots=min(r.batch_size * r.n, r.engine_max_slots), noise_seed=cfg.trainer.seed * 7919 + 17,
+                       dataset=dataset)
 
 
 def policy_loss_fn(a) -> functools.partial:
@@ -271,11 +291,21 @@ def policy_loss_fn(a) -> functools.partial:
                             delta_high=high, ratio_cap=a.dppo_ratio_cap)
 
 
-def rollout_correction_fn(alg) -> Optional[functools.partial]:
+def correction_mode(cfg: Config) -> str:
+    """algorithm.rollout_correction as it runs: auto is `decoupled` when the rollout is asynchronous (its tokens
+    were sampled by older weights: decoupled PPO weighs each by proximal / behaviour), else none."""
+    mode = cfg.algorithm.rollout_correction
+    if mode == "auto":
+        return "decoupled" if cfg.rollout.max_staleness > 0 else "none"
+    return mode
+
+
+def rollout_correction_fn(cfg: Config) -> Optional[functools.partial]:
     """algorithm.rollout_correction bound to its cap, or None (off)."""
-    if alg.rollout_correction == "none":
+    mode = correction_mode(cfg)
+    if mode == "none":
         return None
-    return functools.partial(rollout_correction, mode=alg.rollout_correction, cap=alg.rollout_correction_cap)
+    return functools.partial(rollout_correction, mode=mode, cap=cfg.algorithm.rollout_correction_cap)
 
 
 def build_checkpointer(cfg: Config, rank: int, world: int) -> "Checkpointer":

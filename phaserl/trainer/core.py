@@ -137,13 +137,10 @@ class RLTrainer:
         clock = _phase_clock(timings, self.step_num)
         self.perf.start_step()
         with clock("step"):
-            # 1. prompts: this rank's share of the global batch
-            with clock("prompts"):
-                items = run.train_prompts.next_items()
-            # 2-3. rollout and score: n responses per prompt, scored (with DAPO's dynamic sampling, more rounds
-            #      until every group on the step has rewards that differ)
-            scored, sampling_stats = run.sample(lambda chunk: self._rollout_and_score(chunk, clock), items,
-                                                run.train_prompts.next_items)
+            # 1-3. prompts, rollout and score: this rank's share of the prompts, n responses each, scored (DAPO's
+            #      dynamic sampling: more rounds until every group has rewards that differ). rollout.max_staleness
+            #      >= 1: complete groups from the asynchronous stream, their tokens up to k versions old.
+            scored, sampling_stats = run.stream.next_batch(self, clock)
             batch, scores, baseline_scores = scored.batch, scored.scores, scored.baseline_scores
             # 4. forward-only passes: old log-probs, reference log-probs, values
             with clock("forward"):
@@ -258,6 +255,8 @@ class RLTrainer:
     def save_checkpoint(self) -> None:
         if self.run.checkpointer is None:
             return
+        if self.run.stream.max_staleness:
+            self.run.stream.gather_for_save()  # collective: rank 0 writes every rank's responses in flight
         self.run.checkpointer.save(self.checkpoint_state())
         self.hooks.fire("on_save_checkpoint", self)
 
@@ -273,9 +272,10 @@ class RLTrainer:
 
         run = self.run
         roles = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        in_flight = {} if run.stream.max_staleness == 0 else {"rollout_stream": run.stream}
         return TrainingState(step=self.step_num, roles=roles, tokenizer=run.tokenizer,
                              stateful={"trainer": self, "kl_controller": run.kl_controller,
-                                       "prompt_loader": run.train_prompts},
+                                       "prompt_loader": run.train_prompts, **in_flight},
                              generators={"sampling": run.sampling_generator})
 
     def state_dict(self) -> dict:

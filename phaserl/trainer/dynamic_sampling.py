@@ -130,7 +130,7 @@ def concat_batches(parts: list, pad_token_id: int) -> RolloutBatch:
         elif isinstance(first, dict):  # rollout_metrics: per-row means weighted by rows, maxima as maxima
             values[f.name] = _join_metrics(parts)
         elif isinstance(first, torch.Tensor):
-            pad = {"input_ids": pad_token_id, "routed_experts": -1}.get(f.name, 0)
+            pad = {"input_ids": pad_token_id, "routed_experts": -1, "token_versions": -1}.get(f.name, 0)
             values[f.name] = torch.cat([_repad(getattr(p, f.name), p, P, R, pad, f.name) for p in parts])
         else:
             raise TypeError(f"concat_batches cannot join RolloutBatch.{f.name} ({type(first).__name__})")

@@ -15,6 +15,10 @@ class PromptStream:
     def next_items(self) -> list:
         return [self.dataset.items[i] for i in self.loader.next_batch()]
 
+    def next_indexed(self) -> list:
+        """(dataset index, item) of each prompt `next_items()` would give (advances the same way)."""
+        return [(i, self.dataset.items[i]) for i in self.loader.next_batch()]
+
     def state_dict(self) -> dict:
         return self.loader.state_dict()
 

@@ -7,13 +7,14 @@ sampling generator, the guard) change inside themselves and are saved in checkpo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from tqdm import tqdm
 
 from .rollout_phase import single_turn_rollout
+from .stream import SyncStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,6 +96,8 @@ class RunSettings:
     save_on_signal: bool = True         # trainer.save_on_signal: SIGINT/SIGTERM save before stopping
     # 2.-3. chosen at build time: (trainer, items, params, n) -> RolloutBatch; agent_phase's for multi-turn runs
     rollout_phase: Callable = single_turn_rollout
+    # 1.-3. where the step's scored batch comes from: SyncStream (rollout.max_staleness 0) or the AsyncStream
+    stream: object = field(default_factory=SyncStream)
     agent: Optional["AgentSettings"] = None    # a multi-turn run: environment + limits (or HarnessSettings)
     # the auto speed settings as chosen for this machine (trainer/speed.py), and the first compiled step's
     # console lines (rank 0, when something compiles; compile_cache.py)

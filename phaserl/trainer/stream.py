@@ -1,0 +1,279 @@
+"""Phases 1-3 as a stream: where a step's scored batch comes from, synchronous or asynchronous.
+
+`rollout.max_staleness` (k) is the one knob (docs/async.md):
+
+    k = 0   SyncStream: the step draws its prompts, samples every response and scores them (today's
+            lock-step step, unchanged: the same calls in the same order, so the same samples).
+    k >= 1  AsyncStream: responses are produced by a rollout that outlives the step. Up to (k + 1) steps'
+            worth of groups (a prompt and its n responses) are in flight; a rollout phase decodes until
+            this rank has a step's worth of *complete* groups, then hands them to training at once. The
+            responses still decoding are not thrown away: they are cut (DecodeSession.suspend), and the
+            next rollout phase continues them under the updated weights, their KV re-prefilled from the ids
+            so far. Every sampled token keeps the policy version (optimizer steps before it) that sampled
+            it and its behaviour log-prob; a group enters a batch only while its oldest token is at most k
+            versions behind the weights being trained. A sample that would break the bound is started over
+            (rollout.on_stale: restart) or its group dropped (drop), counted either way.
+
+One GPU runs rollout and training in turns (the HybridActor switch): what the asynchronous stream gains
+there is that no rollout phase waits for the slowest response of its batch (the long tail keeps decoding,
+in full slots, into the next phase) and the versions it records let the update correct for staleness
+(algorithm.rollout_correction, `decoupled` by default with k >= 1). Sampling noise is keyed by the sample
+and its position under one seed for the run, so a continued response draws the noise an uncut one would.
+Not here: the decode loop's slots and KV (rollout/session.py), the correction math (algo/mismatch.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from ..batch import ScoredBatch, right_padded
+from ..errors import ConfigError
+from ..parallel import rank_and_world
+from ..rollout import GenerationResult
+from .rollout_phase import build_rollout_batch, group_offset
+
+log = logging.getLogger("phaserl")
+STALE_ACTIONS = ("restart", "drop")
+KEY_RANKS = 1 << 16  # noise keys leave room for this many ranks
+
+
+class SyncStream:
+    """rollout.max_staleness = 0: the step's prompts, rolled out and scored now (with DAPO's rounds when on)."""
+
+    max_staleness = 0
+
+    def next_batch(self, trainer, clock) -> tuple[ScoredBatch, dict]:
+        run = trainer.run
+        with clock("prompts"):
+            items = run.train_prompts.next_items()
+        return run.sample(lambda chunk: trainer._rollout_and_score(chunk, clock), items, run.train_prompts.next_items)
+
+    def after_update(self, trainer) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class Sample:
+    """One response of a group, as far as it has been sampled."""
+
+    key: int                                       # its sampling-noise key (unique in the run's stream)
+    ids: list = field(default_factory=list)        # sampled ids so far
+    logprobs: list = field(default_factory=list)   # the behaviour log-prob of each
+    versions: list = field(default_factory=list)   # the policy version that sampled each
+    finish: Optional[str] = None                   # "stop" | "length" once complete
+    cuts: int = 0                                  # rollout phases that ended before it did
+
+    def start_over(self, key: int) -> None:
+        self.key, self.ids, self.logprobs, self.versions, self.finish, self.cuts = key, [], [], [], None, 0
+
+
+@dataclass(eq=False)
+class Group:
+    """A prompt and its n samples."""
+
+    order: int                  # this rank's stream position: batches take complete groups in this order
+    index: int                  # the prompt's index in the training dataset (saved in checkpoints)
+    item: object                # its PromptItem
+    samples: list
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+    def oldest(self) -> Optional[int]:
+        return min((s.versions[0] for s in self.samples if s.versions), default=None)
+
+
+class AsyncStream:
+    """rollout.max_staleness = k >= 1 (the module docstring). State: the groups in flight, saved in checkpoints."""
+
+    def __init__(self, *, max_staleness: int, on_stale: str, n: int, prompts_per_rank: int, slots: int,
+                 noise_seed: int, dataset):
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
+            raise ConfigError(f"rollout.max_staleness={max_staleness!r}: AsyncStream needs an integer >= 1 "
+                              "(0 is the synchronous step)")
+        if on_stale not in STALE_ACTIONS:
+            raise ConfigError(f"rollout.on_stale={on_stale!r}: choose one of {', '.join(STALE_ACTIONS)}")
+        self.max_staleness, self.on_stale, self.n = max_staleness, on_stale, n
+        self.prompts_per_rank, self.slots, self.noise_seed = prompts_per_rank, slots, noise_seed
+        self.dataset = dataset      # the training PromptDataset: a checkpoint names its prompts by index
+        self.capacity = prompts_per_rank * (max_staleness + 1)  # groups in flight: more would only go stale
+        self.groups: list[Group] = []
+        self.next_order = 0
+        self.next_key = 0
+        self._saved_by_rank: Optional[list] = None
+
+    # ----- the step's phases 1-3 ------------------------------------------------------------------
+    def next_batch(self, trainer, clock) -> tuple[ScoredBatch, dict]:
+        run, version = trainer.run, trainer.step_num
+        stats = {"async/restarted_samples": 0.0, "async/dropped_groups": 0.0}
+        with clock("prompts"):
+            self._enforce_bound(version, stats)
+            while len(self.groups) < self.capacity:
+                self._add_groups(run.train_prompts.next_indexed())
+        ready = [g for g in self.groups if g.complete]
+        with clock("rollout"):
+            if len(ready) < self.prompts_per_rank:
+                with trainer.actor.rollout_mode():
+                    self._decode(trainer, version, stats)
+        with clock("score"):
+            batch_groups = [g for g in self.groups if g.complete][:self.prompts_per_rank]
+            taken = set(map(id, batch_groups))
+            self.groups = [g for g in self.groups if id(g) not in taken]
+            scored = self._scored(trainer, batch_groups)
+        stats.update(self._version_stats(scored.batch, version))
+        stats["async/in_flight_groups"] = float(len(self.groups))
+        return scored, stats
+
+    def after_update(self, trainer) -> None:
+        pass
+
+    def _add_groups(self, indexed: list) -> None:
+        rank, world = rank_and_world()
+        for index, item in indexed:
+            samples = [Sample(self._new_key(rank, world)) for _ in range(self.n)]
+            self.groups.append(Group(self.next_order, index, item, samples))
+            self.next_order += 1
+
+    def _new_key(self, rank: int, world: int) -> int:
+        key = self.next_key * KEY_RANKS + rank  # unique across ranks, and after a resume on another number of ranks
+        self.next_key += 1
+        return key
+
+    def _enforce_bound(self, version: int, stats: dict) -> None:
+        """Every sample whose oldest token would be more than k versions behind when trained (at this step's
+        version or later) starts over, or its group is dropped."""
+        floor = version - self.max_staleness
+        rank, world = rank_and_world()
+        kept = []
+        for group in self.groups:
+            stale = [s for s in group.samples if s.versions and s.versions[0] < floor]
+            if stale and self.on_stale == "drop":
+                stats["async/dropped_groups"] += 1
+                continue
+            for sample in stale:
+                sample.start_over(self._new_key(rank, world))
+                stats["async/restarted_samples"] += 1
+            kept.append(group)
+        self.groups = kept
+
+    def _decode(self, trainer, version: int, stats: dict) -> None:
+        """Decode the unfinished samples (in group order, slots refilled as they free) until this rank holds a step's
+        worth of complete groups; cut the rest (their ids so far are kept for the next phase)."""
+        run = trainer.run
+        params = run.sampling
+        pending = deque(s for g in self.groups for s in g.samples if s.finish is None)
+        owner = {id(s): g for g in self.groups for s in g.samples}
+        by_key = {s.key: s for s in pending}
+        slot_len = max(len(owner[id(s)].item.prompt_ids) for s in pending) + params.max_new_tokens
+        eos = [] if run.ignore_eos else run.eos_token_ids
+        run.sampling_generator.manual_seed(self.noise_seed)  # one seed for the stream: noise keyed by sample and position
+        session = trainer.actor.decode_session(params, slot_len=slot_len, eos_token_ids=eos,
+                                               num_slots=min(self.slots, len(pending)),
+                                               generator=run.sampling_generator)
+        if session is None:
+            raise ConfigError("rollout.max_staleness >= 1 continues responses across updates in the built-in engine; "
+                              "this model runs on the transformers fallback (rollout.engine=hf or a non-native "
+                              "family): set rollout.max_staleness=0")
+        complete = sum(g.complete for g in self.groups)
+        admit_at = max(1, min(self.slots, len(pending)) // 16)  # prefill several sequences per pass
+        with session as s:
+            while complete < self.prompts_per_rank:
+                if pending and s.free_slots and (s.free_slots >= min(admit_at, len(pending)) or not s.decoding):
+                    while pending and s.free_slots:
+                        sample = pending.popleft()
+                        prompt = list(owner[id(sample)].item.prompt_ids)
+                        s.start(sample.key, prompt + sample.ids, params.max_new_tokens - len(sample.ids),
+                                noise_key=sample.key)
+                assert not s.idle, "async rollout stalled with groups incomplete"
+                for turn in s.step():
+                    sample = by_key[turn.key]
+                    self._append(sample, turn, version)
+                    s.release(turn.key)
+                    complete += owner[id(sample)].complete
+            ended, cut = s.suspend()
+        for turn in ended + cut:
+            self._append(by_key[turn.key], turn, version)
+        for turn in cut:
+            by_key[turn.key].cuts += 1
+        stats["async/cut_samples"] = float(len(cut))
+
+    def _append(self, sample: Sample, turn, version: int) -> None:
+        sample.ids += turn.token_ids
+        sample.logprobs += turn.logprobs
+        sample.versions += [version] * len(turn.token_ids)
+        if not turn.partial:
+            sample.finish = "stop" if turn.stopped else "length"
+
+    def _scored(self, trainer, groups: list) -> ScoredBatch:
+        run = trainer.run
+        samples = [s for g in groups for s in g.samples]
+        result = GenerationResult([s.ids for s in samples], [s.logprobs for s in samples],
+                                  [s.finish for s in samples])
+        batch = build_rollout_batch([g.item for g in groups], self.n, result, tokenizer=run.tokenizer,
+                                    pad_token_id=run.pad_token_id, group_offset=group_offset(trainer),
+                                    device=trainer.actor.device)
+        R = batch.response_mask.shape[1]
+        versions = right_padded([[v + 1 for v in s.versions] for s in samples], R, torch.long) - 1  # [B, R], -1 pad
+        batch = replace(batch, token_versions=versions.to(batch.input_ids.device))
+        return ScoredBatch(batch, run.shape_scores(run.reward.score(batch), batch))
+
+    def _version_stats(self, batch, version: int) -> dict:
+        """Per sampled token: how many versions behind the trained weights, mean, max and each lag's share."""
+        versions = batch.token_versions[batch.loss_mask.bool()]  # [tokens]
+        behind = (version - versions).clamp(min=0).cpu()
+        stats = {"async/staleness_mean": float(behind.float().mean()) if len(behind) else 0.0,
+                 "async/staleness_max": float(behind.max()) if len(behind) else 0.0}
+        counts = torch.bincount(behind) if len(behind) else torch.zeros(1, dtype=torch.long)
+        counts = torch.nn.functional.pad(counts, (0, max(0, self.max_staleness + 1 - len(counts))))
+        for lag, count in enumerate(counts.tolist()):
+            stats[f"async/token_share/behind_{lag}"] = count / max(len(behind), 1)
+        return stats
+
+    # ----- checkpoints ------------------------------------------------------------------------------
+    def gather_for_save(self) -> None:
+        """Collective (every rank, before a checkpoint is written): rank 0 gets every rank's groups."""
+        mine = self._own_state()
+        rank, world = rank_and_world()
+        if world == 1:
+            self._saved_by_rank = [mine]
+            return
+        import torch.distributed as dist
+
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        self._saved_by_rank = everyone
+
+    def _own_state(self) -> dict:
+        return {"next_order": self.next_order, "next_key": self.next_key,
+                "groups": [{"order": g.order, "index": g.index,
+                            "samples": [{"key": s.key, "ids": s.ids, "logprobs": s.logprobs, "versions": s.versions,
+                                         "finish": s.finish, "cuts": s.cuts} for s in g.samples]}
+                           for g in self.groups]}
+
+    def state_dict(self) -> dict:
+        ranks = self._saved_by_rank if self._saved_by_rank is not None else [self._own_state()]
+        return {"max_staleness": self.max_staleness, "n": self.n, "ranks": ranks}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Each rank takes back its own groups (the same number of ranks), or the saved ranks' groups dealt out
+        in turn (another number: each group whole, so nothing is lost or trained twice)."""
+        if int(state["n"]) != self.n:
+            raise ValueError(f"the checkpoint's stream has rollout.n={state['n']}, this run {self.n}")
+        rank, world = rank_and_world()
+        saved = state["ranks"]
+        if len(saved) == world:
+            mine = saved[rank]["groups"]
+        else:
+            everything = sorted((g for part in saved for g in part["groups"]), key=lambda g: (g["order"]))
+            mine = everything[rank::world]
+        items = self.dataset.items
+        self.groups = [Group(g["order"], int(g["index"]), items[int(g["index"])],
+                             [Sample(int(s["key"]), list(s["ids"]), list(s["logprobs"]), list(s["versions"]),
+                                     s["finish"], int(s["cuts"])) for s in g["samples"]]) for g in mine]
+        self.next_order = max(int(part["next_order"]) for part in saved)
+        self.next_key = max(int(part["next_key"]) for part in saved)
