@@ -101,6 +101,7 @@ class AsyncStream:
         self.max_staleness, self.on_stale, self.n = max_staleness, on_stale, n
         self.prompts_per_rank, self.slots, self.noise_seed = prompts_per_rank, slots, noise_seed
         self.dataset = dataset      # the training PromptDataset: a checkpoint names its prompts by index
+        self.longest_prompt = max((len(item.prompt_ids) for item in dataset.items), default=0) if dataset else 0
         self.capacity = prompts_per_rank * (max_staleness + 1)  # groups in flight: more would only go stale
         self.groups: list[Group] = []
         self.next_order = 0
@@ -169,18 +170,20 @@ class AsyncStream:
         pending = deque(s for g in self.groups for s in g.samples if s.finish is None)
         owner = {id(s): g for g in self.groups for s in g.samples}
         by_key = {s.key: s for s in pending}
-        slot_len = max(len(owner[id(s)].item.prompt_ids) for s in pending) + params.max_new_tokens
+        # the dataset's longest prompt, not this phase's: one slot layout for the run, so decode graphs are kept
+        longest = self.longest_prompt or max(len(owner[id(s)].item.prompt_ids) for s in pending)
+        slot_len = longest + params.max_new_tokens
         eos = [] if run.ignore_eos else run.eos_token_ids
         run.sampling_generator.manual_seed(self.noise_seed)  # one seed for the stream: noise keyed by sample and position
         session = trainer.actor.decode_session(params, slot_len=slot_len, eos_token_ids=eos,
-                                               num_slots=min(self.slots, len(pending)),
+                                               num_slots=self.slots,  # one layout every phase: graphs kept
                                                generator=run.sampling_generator)
         if session is None:
             raise ConfigError("rollout.max_staleness >= 1 continues responses across updates in the built-in engine; "
                               "this model runs on the transformers fallback (rollout.engine=hf or a non-native "
                               "family): set rollout.max_staleness=0")
         complete = sum(g.complete for g in self.groups)
-        admit_at = max(1, min(self.slots, len(pending)) // 16)  # prefill several sequences per pass
+        admit_at = max(1, self.slots // 16)  # prefill several sequences per pass
         with session as s:
             while complete < self.prompts_per_rank:
                 if pending and s.free_slots and (s.free_slots >= min(admit_at, len(pending)) or not s.decoding):

@@ -1,0 +1,211 @@
+"""Heavy-tailed response lengths: the synchronous step against the asynchronous stream, one trainer, one run.
+
+One JSON line per measurement on stdout. Shape: Qwen2-0.5B architecture (random weights, bf16), 64 prompts x 8
+samples per step, prompt 128 tokens, each response's length drawn from a heavy tail (90% uniform in [32, 512],
+8% in [512, 2048], 2% exactly 4,096: EOS is ignored and the length is the sample's cap), GRPO with phaserl's
+defaults otherwise. The same trainer runs every case in turn (`rollout.max_staleness` is the stream it reads
+from: RunSettings.stream is swapped between cases), in the order sync, async k..., sync again, so a run-order
+effect shows as two different sync numbers.
+
+Lengths: the sync path's generate calls get per-sample caps (RolloutEngine.generate's max_new_tokens list); the
+async path's session draws a sample's length when the sample first starts (a sample started over draws anew).
+Both draw from the same distribution with their own seeded generator.
+
+Per case: trained_tokens_per_s (sampled tokens in the batches the update trained on / wall of the timed steps),
+s_per_step, the phase split, the staleness metrics, restarted and cut samples, and gpu_busy (the mean of
+torch.cuda.utilization() sampled every 50 ms during the timed steps; null where NVML is missing).
+
+    python benchmarks/long_tail.py                       # GPU: 0.5b, sync vs async k = 1, 2, 4
+    python benchmarks/long_tail.py --tiny --steps 2      # CPU smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import grpo_step  # noqa: E402  (the world and phaserl's config for the GRPO shapes)
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def draw_length(rng: random.Random, longest: int) -> int:
+    """90% in [32, 512], 8% in [512, 2048], 2% the longest (scaled down with --tiny)."""
+    u = rng.random()
+    scale = longest / 4096
+    if u < 0.90:
+        return max(1, int(rng.randint(32, 512) * scale))
+    if u < 0.98:
+        return max(1, int(rng.randint(512, 2048) * scale))
+    return longest
+
+
+class LengthTail:
+    """Puts the drawn lengths into both rollout paths of one trainer (the engine's per-sample caps)."""
+
+    def __init__(self, trainer, longest: int):
+        self.longest, self.rng = longest, random.Random(0)
+        self.by_key: dict = {}
+        actor = trainer.actor
+        generate, session = actor.engine_generate_original, actor.decode_session
+
+        def capped_generate(prompts, params, **kwargs):
+            caps = [draw_length(self.rng, self.longest) for _ in prompts]
+            return generate(prompts, params, max_new_tokens=caps, **kwargs)
+        actor.engine.generate = capped_generate
+
+        def capped_session(*args, **kwargs):
+            return _CappedSession(session(*args, **kwargs), self)
+        actor.decode_session = capped_session
+
+
+class _CappedSession:
+    def __init__(self, inner, tail: LengthTail):
+        self.inner, self.tail = inner, tail
+
+    def __enter__(self):
+        s = self.inner.__enter__()
+        start, tail = s.start, self.tail
+
+        def capped_start(key, prompt_ids, cap, noise_key=None):
+            target = tail.by_key.setdefault(key, draw_length(tail.rng, tail.longest))
+            done = tail.longest - cap   # ids sampled before this phase (cap = max_new_tokens - done)
+            return start(key, prompt_ids, max(1, min(cap, target - done)), noise_key=noise_key)
+        s.start = capped_start
+        return s
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+class BusySampler:
+    def __init__(self):
+        self.values, self.stop = [], threading.Event()
+        try:
+            torch.cuda.utilization()
+            self.ok = torch.cuda.is_available()
+        except Exception:  # noqa: BLE001 - NVML missing: report null
+            self.ok = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.values.append(torch.cuda.utilization())
+            time.sleep(0.05)
+
+    def __enter__(self):
+        if self.ok:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.ok:
+            self.thread.join()
+
+    @property
+    def mean(self):
+        return round(statistics.mean(self.values) / 100, 3) if self.values else None
+
+
+def run_case(trainer, name: str, k: int, a) -> dict:
+    from phaserl.trainer.build import rollout_stream
+
+    cfg = dataclasses.replace(a.cfg, rollout=dataclasses.replace(a.cfg.rollout, max_staleness=k))
+    trainer.run = dataclasses.replace(trainer.run, stream=rollout_stream(
+        cfg, trainer.run.train_prompts.dataset, prompts_per_rank=a.prompts))
+    steps = []
+    for i in range(a.warmup + a.steps):
+        timed = i >= a.warmup
+        if timed and i == a.warmup:
+            busy = BusySampler().__enter__()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics = trainer.train_step()
+        trainer.step_num += 1
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        trained = metrics["train/response_length_mean"] * a.prompts * a.n
+        step = dict(measure="step", case=name, step=i, warmup=not timed, seconds=round(seconds, 3),
+                    trained_tokens=round(trained), timing_s={k2.split("/", 1)[1]: round(v, 3) for k2, v in
+                                                             metrics.items() if k2.startswith("timing_s/")},
+                    **{key: metrics[key] for key in metrics if key.startswith("async/")})
+        steps.append(step)
+        emit(**step)
+    busy.__exit__()
+    timed = [s for s in steps if not s["warmup"]]
+    wall = sum(s["seconds"] for s in timed)
+    tokens = sum(s["trained_tokens"] for s in timed)
+    summary = dict(measure="case", case=name, max_staleness=k, steps_timed=len(timed),
+                   trained_tokens_per_s=round(tokens / wall), s_per_step=round(wall / len(timed), 3),
+                   gpu_busy=busy.mean,
+                   timing_s={p: round(statistics.mean(s["timing_s"].get(p, 0.0) for s in timed), 3)
+                             for p in timed[0]["timing_s"]},
+                   restarted_samples=sum(s.get("async/restarted_samples", 0) for s in timed),
+                   staleness_mean=round(statistics.mean(s.get("async/staleness_mean", 0.0) for s in timed), 3))
+    emit(**summary)
+    return summary
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU-sized model and batch (smoke test)")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4], help="max_staleness values of the async cases")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per case")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per case (the async stream fills up)")
+    p.add_argument("--longest", type=int, default=None, help="the tail's length (4096; --tiny 64)")
+    a = p.parse_args(argv)
+    a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    a.longest = a.longest or (64 if a.tiny else 4096)
+    args = ["--shape", "0.5b", "--prompts", "4" if a.tiny else "64", "--n", "4" if a.tiny else "8",
+            "--prompt-len", "16" if a.tiny else "128", "--new-tokens", str(a.longest),
+            "--steps", str(len(a.ks) * (a.warmup + a.steps) + 2 * (a.warmup + a.steps) + 2)]
+    g = grpo_step.parse_args(args + (["--tiny"] if a.tiny else []))
+    a.prompts, a.n = g.prompts, g.n
+    root = grpo_step.make_world(g)
+    log_dir = os.path.join(root, "long_tail_logs")
+    cfg_dict = grpo_step.ours_config(g, root, log_dir)
+    cfg_dict["rollout"]["ignore_eos"] = True
+    cfg_dict["ppo"]["micro_batch_tokens"] = "auto"
+    cfg_dict["trainer"]["total_steps"] = 10_000
+    import yaml
+
+    from phaserl.config import load_config
+    from phaserl.trainer import RLTrainer
+
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, "long_tail.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg_dict, f, sort_keys=False)
+    a.cfg = load_config(path)
+    trainer = RLTrainer.from_config(a.cfg)
+    with trainer.actor.rollout_mode():
+        trainer.actor._ensure_engine()
+    trainer.actor.engine_generate_original = trainer.actor.engine.generate
+    LengthTail(trainer, a.longest)
+    emit(measure="setup", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
+         prompts=a.prompts, n=a.n, longest=a.longest, ks=a.ks)
+    cases = [("sync", 0)] + [(f"async_k{k}", k) for k in a.ks] + [("sync_again", 0)]
+    results = [run_case(trainer, name, k, a) for name, k in cases]
+    sync = statistics.mean(r["trained_tokens_per_s"] for r in results if r["max_staleness"] == 0)
+    emit(measure="summary", sync_trained_tokens_per_s=round(sync),
+         speedup={r["case"]: round(r["trained_tokens_per_s"] / sync, 3) for r in results if r["max_staleness"]})
+
+
+if __name__ == "__main__":
+    main()
