@@ -9,10 +9,12 @@ A failure on one rank must not become a silent hang or an anonymous "connection 
   "rank R of W failed in phase P (step S): ...", posts that line to the process group's key-value store,
   and re-raises it as `RankFailure`. A rank whose collective then breaks or times out reads the store and
   raises with the failing rank's message first, so rank 0's console names the rank that failed.
-- `set_phase(name, step)` records what this rank is doing (the trainer sets it per phase). A collective
-  timeout caught by `rank_errors()` says which phase was running and for how long; on NCCL, whose watchdog
-  aborts the process instead of raising, a watchdog thread logs the same message once a phase outlives
-  the collective timeout.
+- `set_phase(name, step)` records what this rank is doing (the trainer sets it per phase; `in_phase` for a
+  block inside another phase). A collective timeout caught by `rank_errors()` says which phase was running
+  and for how long; on NCCL, whose watchdog aborts the process instead of raising, a watchdog thread logs
+  the same message once a phase outlives the collective timeout.
+- `peer_failure(action, exc, ...)`: the one-line error of a transfer between named ranks (weight sync,
+  sample channel) whose peer timed out or vanished.
 Not here: FSDP (fsdp.py), shared-path checks (shared_storage.py), the launcher and peer watch (watch.py).
 """
 from __future__ import annotations
@@ -71,6 +73,18 @@ def set_phase(name: str, step: Optional[int] = None) -> None:
 def current_phase() -> str:
     """e.g. "phase 'update' (step 3)"."""
     return _phase.describe()
+
+
+@contextmanager
+def in_phase(name: str, step: Optional[int] = None):
+    """set_phase(name, step) for the block, then back to the phase it interrupted (its start time kept)."""
+    global _phase
+    outer = _phase
+    set_phase(name, step)
+    try:
+        yield
+    finally:
+        _phase = outer
 
 
 _TIMEOUT_HINT = ("Another rank is stuck, dead or in a different phase; the first rank to fail is named in its "
@@ -165,6 +179,34 @@ def rank_errors():
             message = own
         log.error(message)
         raise RankFailure(message) from exc
+
+
+def peer_failure(action: str, exc: BaseException, *, timeout_s: float, role: str = "") -> RankFailure:
+    """One line for a message or collective with named peers that broke, logged and returned to raise.
+
+    `action` says what this rank was doing and with which ranks ("receiving weights from trainer rank 0").
+    The line names this rank, its `role` and phase, and the cause: the peers gave no answer within
+    `timeout_s` (stuck or gone), or their connection closed (their process is gone); a failure line a peer
+    posted through rank_errors() comes first. Never more than one line: backend messages are cut to their
+    first line.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if text.startswith("[") and "] " in text:  # gloo's "[.../pair.cc:553] Connection closed by peer ..."
+        text = text.split("] ", 1)[1]
+    text = text.split(". ", 1)[0]          # gloo goes on with "This is typically caused by ..."
+    if _looks_like_timeout(exc):
+        cause = f"no answer within {timeout_s:g} s: the peer is stuck or gone"
+    elif "closed" in text.lower() or "reset by peer" in text.lower() or "broken pipe" in text.lower():
+        cause = f"the connection closed: the peer's process is gone ({text})"
+    else:
+        cause = f"{type(exc).__name__}: {text}"
+    who = f" ({role})" if role else ""
+    message = f"rank {rank} of {world}{who} in {_phase.describe()}: {action}: {cause}"
+    posted = _peer_failures(rank, world, wait_s=0.0) if dist.is_initialized() else []
+    message = " | ".join(line.replace("\n", " ") for line in posted + [message])
+    log.error(message)
+    return RankFailure(message)
 
 
 def _looks_like_timeout(exc: BaseException) -> bool:
