@@ -33,15 +33,15 @@ def cmd_config(args) -> int:
     return 0
 
 
-def _preflight(config_path, overrides, world_size: int) -> bool:
-    """Run the doctor's checks; print them on rank 0.  True when nothing FAILed."""
-    from .doctor import any_failed, format_report, load_doctor_config, run_doctor
+def _preflight(config_path, overrides, world_size: int) -> list:
+    """Run the doctor's checks; print them on rank 0.  The FAIL results ([] when nothing FAILed)."""
+    from .doctor import FAIL, format_report, load_doctor_config, run_doctor
     from .parallel import rank_and_world
 
     results = run_doctor(load_doctor_config(config_path, overrides), world_size=world_size)
     if rank_and_world()[0] == 0:
         print(format_report(results), flush=True)
-    return not any_failed(results)
+    return [r for r in results if r.status == FAIL]
 
 
 def cmd_doctor(args) -> int:
@@ -49,7 +49,7 @@ def cmd_doctor(args) -> int:
 
     _, world = init_distributed()  # under torchrun the shared-path check runs across ranks
     try:
-        return 0 if _preflight(args.config, args.overrides, world) else 1
+        return 1 if _preflight(args.config, args.overrides, world) else 0
     finally:
         destroy()
 
@@ -67,9 +67,14 @@ def cmd_train(args) -> int:
         return 2
     rank, world = init_distributed()  # (0, 1) without torchrun
     try:
-        if not args.skip_doctor and not _preflight(args.config, args.overrides, world):
-            print("phaserl train: stopped before training because a preflight check FAILed (see above); "
-                  "fix it, or pass --skip-doctor to train anyway", file=sys.stderr)
+        failed = [] if args.skip_doctor else _preflight(args.config, args.overrides, world)
+        if failed:  # the reason last, not in the middle of the report (issue 47)
+            from .doctor import format_failures
+
+            if rank == 0:
+                print(f"phaserl train: stopped before training: {len(failed)} preflight check(s) FAILed:\n"
+                      f"{format_failures(failed)}\nfix {'them' if len(failed) > 1 else 'it'}, or pass --skip-doctor "
+                      "to train anyway", file=sys.stderr)
             return 1
         cfg = load_config(args.config, args.overrides, world_size=world)
         with rank_errors():
@@ -77,9 +82,32 @@ def cmd_train(args) -> int:
             if rank == 0:
                 _write_resolved_config(cfg, cfg.trainer.log_dir)
             trainer.fit()
+        if rank == 0 and (line := held_out_line(trainer)):
+            log.info(line)  # the run's last line, as the quickstart's (issue 47)
         return 0
     finally:
         destroy()
+
+
+def held_out_line(trainer, seconds: float | None = None) -> str:
+    """'held-out score (greedy, 200 prompts): before 0.360 -> after 0.965 (+0.605)' from the run's validations
+    (the first and the last of this process; a resumed run names their steps), or '' when it did not validate."""
+    history = trainer.val_history
+    if not history:
+        return ""
+    run = trainer.run
+    how = "greedy" if run.val_sampling.temperature == 0 else f"temperature {run.val_sampling.temperature:g}, " \
+                                                               f"{run.val_n} sample(s) each"
+    if trainer.world_size == 1:
+        how += f", {len(run.val_prompts)} prompts"
+    (first_step, first), (last_step, last) = history[0], history[-1]
+    before, after = first["val/score_mean"], last["val/score_mean"]
+    took = "" if seconds is None else (f" in {seconds:.0f} s" if seconds < 120 else f" in {seconds / 60:.1f} min")
+    if len(history) == 1:
+        return f"held-out score ({how}): {after:.3f} at step {last_step}{took}"
+    names = ("before", "after") if first_step == 0 else (f"step {first_step}", f"step {last_step}")
+    return (f"held-out score ({how}): {names[0]} {before:.3f} -> {names[1]} {after:.3f} ({after - before:+.3f})"
+            f"{took}")
 
 
 def _write_resolved_config(cfg, log_dir: str) -> None:
@@ -115,11 +143,8 @@ def cmd_quickstart(args) -> int:
     log.info(f"phaserl quickstart: GRPO on the built-in tiny {task} task, {cfg.trainer.total_steps} steps "
              f"on {args.device}; resolved config in {os.path.join(out, 'config.yaml')}")
     trainer.fit()
-    before, after = trainer.val_history[0][1]["val/score_mean"], trainer.val_history[-1][1]["val/score_mean"]
-    minutes = (time.perf_counter() - t0) / 60
-    log.info(f"held-out score (greedy, {len(trainer.run.val_prompts)} prompts): "
-             f"before {before:.3f} -> after {after:.3f} ({after - before:+.3f}) in {minutes:.1f} min; "
-             f"metrics in {os.path.join(out, 'metrics.jsonl')}")
+    scores = held_out_line(trainer, time.perf_counter() - t0) or "no validation ran"
+    log.info(f"{scores}; metrics in {os.path.join(out, 'metrics.jsonl')}")
     return 0
 
 

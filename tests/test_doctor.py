@@ -175,9 +175,12 @@ def test_a_good_tiny_config_passes_every_check(run):
     results = doctor(run)
     assert not any_failed(results.values())
     assert all(r.status == OK for r in results.values()), format_report(list(results.values()))
-    # Regression (issue 23): a single-process run under /tmp (node-local) is not a warning, only a note.
+    # Regression (issue 23): a single-process run under /tmp (node-local) is not a warning; and (issue 47) one
+    # process gets no multi-node storage advice, nor a table of FSDP settings that apply only from 2 ranks on.
     assert "single process: nothing to share" in results["shared paths"].message
-    assert "node-local: for a multi-node run" in results["shared paths"].message
+    assert "node-local" not in results["shared paths"].message
+    assert results["parallel settings"].message.startswith("one process: no sharding")
+    assert results["parallel settings"].details == ()
     # <|im_start|> user \n 3+4 <|im_end|> \n <|im_start|> assistant \n: 1 + 4 + 1 + 3 + 1 + 1 + 1 + 9 + 1 = 22
     assert "train: 64 rows, longest prompt 22 tokens, 0 dropped, 0 truncated; val: 8 rows" in results["data"].message
     assert results["tokenizer/model"].message.startswith("100 tokens ≤ 100 embedding rows; eos '<|im_end|>' (id 1)")
@@ -186,9 +189,18 @@ def test_a_good_tiny_config_passes_every_check(run):
     assert results["reward model"].message == "no reward model (reward_model.enable = false)"
     details = "\n".join(results["memory"].details)
     assert "2 × 2 layers × 2 kv heads × 8 head dim × 4 B × 36 tokens = 9.0 KB per sequence" in details
-    assert "suggested for this machine: rollout.batch_size=4 ppo.micro_batch_tokens=" in details
+    assert ("suggested for this machine: ppo.micro_batch_tokens=288  (ppo.micro_batch_tokens: up to 288 fit (all one "
+            "step can use), so fewer passes)") in details  # rollout.batch_size = 4 already fits: not listed
     assert "CUDA allocator" not in details  # a CPU run: the allocator is not touched (cuda_allocator.py)
-    assert "actor   FULL_SHARD" in "\n".join(results["parallel settings"].details)
+
+
+def test_a_size_that_fits_is_not_lowered(run):
+    """Issue 47: the quickstart's ppo.micro_batch_tokens = 8192 fits, and one step fills 5120 of it; the doctor
+    suggested 5120 without saying why. A size that fits is left alone; one that does not is lowered, with why."""
+    details = "\n".join(doctor(run, "ppo.micro_batch_tokens=8192", "ppo.forward_micro_batch_tokens=8192")["memory"].details)
+    assert "suggested for this machine: the configured sizes (each fits this machine)" in details
+    low = "\n".join(doctor(run, "trainer.device=cpu")["memory"].details)
+    assert "ppo.micro_batch_tokens: up to 288 fit" in low
 
 
 def test_the_mismatch_check_measures_one_sampled_batch(run):
@@ -301,7 +313,9 @@ def test_the_reward_model_probe_names_the_cause(run, tmp_path, broken, expected)
         assert "'<|im_start|>user\\n" in rm.details[0]  # the doctor shows what the RM saw
     if "chat_template" not in broken:  # the RM loaded: its scoring phase is in the memory estimate
         # the tiny RM is a llama classifier: auto scores it on phaserl's decoder, sized in tokens (8 × 128 at most)
-        assert "reward_model.micro_batch_tokens=1024" in result["memory"].details[-1]
+        # the default 16384 fits and holds all 1024 a step can use: it fits, so the doctor suggests no change
+        assert "reward_model.micro_batch_tokens = 16384: uses at most 1024 tokens" in "\n".join(result["memory"].details)
+        assert "reward_model.micro_batch_tokens=" not in result["memory"].details[-1]
 
 
 def test_the_doctor_sizes_the_reward_model_by_the_key_its_engine_reads(run, tmp_path, monkeypatch):
@@ -326,8 +340,8 @@ def test_the_doctor_sizes_the_reward_model_by_the_key_its_engine_reads(run, tmp_
     assert big["memory"].status == WARN
     assert big["memory"].message == ("reward_model.micro_batch_tokens = 16384 likely does not fit: its phase needs "
                                      "~1.0 MB on top of the weights; 471 fit")
-    assert big["memory"].fix.startswith("rollout.batch_size=4 reward_model.micro_batch_tokens=471 "
-                                        "ppo.micro_batch_tokens=36;")
+    assert big["memory"].fix.startswith("reward_model.micro_batch_tokens=471  (reward_model.micro_batch_tokens: "
+                                        "16384 does not fit, 471 does);")  # the sizes that fit are not listed
     # transformers: per sequence KV 2 × 1 layer × 2 heads × 8 × 4 B × 128 = 8 KB + 384 × 128 = 48 KB = 64 KB;
     # 482_384 // 65_536 = 7 of the 8 responses fit, and batch_size 16 would take all 8.
     hf = doctor(run, *rm, "reward_model.engine=transformers")
@@ -335,7 +349,7 @@ def test_the_doctor_sizes_the_reward_model_by_the_key_its_engine_reads(run, tmp_
     assert hf["reward model"].details[1].startswith("engine: transformers (reward_model.engine = transformers)")
     assert hf["memory"].message == ("reward_model.batch_size = 16 likely does not fit: its phase needs ~512.0 KB on "
                                     "top of the weights; 7 fit")
-    assert hf["memory"].fix.startswith("rollout.batch_size=4 reward_model.batch_size=7 ppo.micro_batch_tokens=36;")
+    assert hf["memory"].fix.startswith("reward_model.batch_size=7  (reward_model.batch_size: 16 does not fit, 7 does);")
 
 
 def test_little_free_memory_gives_a_warning_with_sizes_that_fit(run, monkeypatch):
@@ -344,7 +358,8 @@ def test_little_free_memory_gives_a_warning_with_sizes_that_fit(run, monkeypatch
     monkeypatch.setattr("phaserl.doctor.checks.free_memory_bytes", lambda device: 612_000)
     result = doctor(run)["memory"]
     assert result.status == WARN and "rollout.batch_size = 4 likely does not fit" in result.message
-    assert result.fix.startswith("rollout.batch_size=2 ppo.micro_batch_tokens=36 (does not fit either)")
+    assert result.fix.startswith("rollout.batch_size=2 ppo.micro_batch_tokens=36  (rollout.batch_size: 4 does not "
+                                 "fit, 2 does; ppo.micro_batch_tokens: not even one full-length item fits)")
 
 
 def test_a_kept_rollout_engine_leaves_less_room_for_the_update(run, monkeypatch):
@@ -364,9 +379,8 @@ def test_a_kept_rollout_engine_leaves_less_room_for_the_update(run, monkeypatch)
 
 def test_shared_paths_in_one_process(run, monkeypatch):
     local = doctor(run)["shared paths"]
-    assert local.status == OK and "; trainer.checkpoint_path = '/tmp/" in local.message
+    assert local.status == OK and local.message == "single process: nothing to share"
     # Relative paths are fine in one process, wherever the checkout lives (CI may clone under /tmp).
-    monkeypatch.setattr("phaserl.doctor.checks.NODE_LOCAL_PREFIXES", ("/nonexistent-node-local",))
     relative = doctor(run, "trainer.checkpoint_path=runs/x/ckpt", "trainer.log_dir=runs/x")["shared paths"]
     assert relative.status == OK and "relative to" in relative.message
     planned = doctor(run, "trainer.checkpoint_path=runs/x/ckpt", "trainer.log_dir=runs/x",

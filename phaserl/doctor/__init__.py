@@ -23,7 +23,7 @@ from .checks import (Context, check_batch_sizes, check_config_rules, check_conte
 from .mismatch import check_mismatch
 from .probes import (check_chat_template, check_data, check_memory, check_reference, check_reference_frozen,
                      check_reward_functions, check_reward_model)
-from .report import FAIL, OK, WARN, CheckResult, any_failed, format_report
+from .report import FAIL, OK, WARN, CheckResult, any_failed, format_failures, format_report
 from .storage import check_write_paths
 
 # In order: config-only checks first, then what needs the device, the policy and the data.
@@ -50,4 +50,4 @@ def load_doctor_config(path: str | None, overrides: Iterable[str] = ()) -> Confi
 
 
 __all__ = ["CHECKS", "CheckResult", "OK", "WARN", "FAIL", "run_doctor", "load_doctor_config", "format_report",
-           "any_failed", "check_reference_frozen"]
+           "format_failures", "any_failed", "check_reference_frozen"]

@@ -28,8 +28,6 @@ from ..roles.reward_scoring import native_support
 from ..memory.budget import fmt_bytes, free_memory_bytes
 from .report import FAIL, OK, WARN, CheckResult
 
-NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm")
-
 
 @dataclass
 class Context:
@@ -153,11 +151,16 @@ def check_parallel_settings(ctx: Context) -> CheckResult:
                 f"reshard_after_forward={s.reshard_after_forward}{extra}{state}")
 
     switch = cfg.actor.hybrid_engine.enable_rollout_optimization_switch
+    problems = config_problems(ctx, "parallel settings")
+    if ctx.world_size == 1:  # nothing is sharded in one process: the FSDP table would describe settings not in force
+        message = ("one process: no sharding (each role's FSDP settings apply from 2 ranks on); only the actor "
+                   f"switches between rollout and training (actor.hybrid_engine: {'on' if switch else 'off'})")
+        return _problems_result("parallel settings", problems) if problems else \
+            CheckResult("parallel settings", OK, message)
     details = (line("actor", cfg.actor.fsdp, extra=f"; switches rollout/training: {str(switch).lower()}"),
                line("critic", cfg.critic.fsdp, critic_on, "; never switches"),
                line("ref", cfg.ref.fsdp, ref_on, "; frozen, never switches"),
                line("rm", cfg.reward_model.fsdp, cfg.reward_model.enable, "; forward only, never switches"))
-    problems = config_problems(ctx, "parallel settings")
     if problems:
         return _problems_result("parallel settings", problems, details=details)
     return CheckResult("parallel settings", OK, "each role has its own FSDP settings; only the actor switches "
@@ -218,7 +221,6 @@ def check_shared_paths(ctx: Context) -> CheckResult:
 
         check_on_all_ranks(paths, rank=rank, world_size=world)
         return CheckResult("shared paths", OK, f"all {world} ranks see the same {' and '.join(paths)}")
-    local = [f"{k} = {v!r}" for k, v in paths.items() if os.path.abspath(v).startswith(NODE_LOCAL_PREFIXES)]
     fix = "on several nodes put them on storage every node mounts (NFS, Lustre), e.g. /shared/ckpt/run1"
     if ctx.world_size > 1:
         return CheckResult("shared paths", WARN, f"not verified: world_size = {ctx.world_size} but the doctor runs "
@@ -226,10 +228,9 @@ def check_shared_paths(ctx: Context) -> CheckResult:
                            f"phaserl doctor CONFIG) so that every rank checks the paths; {fix}")
     relative = [k for k, v in paths.items() if not os.path.isabs(v)]
     note = f" ({', '.join(relative)} relative to {os.getcwd()})" if relative else ""
-    # One process shares nothing, so a node-local path is no problem here; it is only worth a word for later.
-    later = (f"; {' and '.join(local)} {'are' if len(local) > 1 else 'is'} node-local: for a multi-node run, "
-             "put them on storage every node mounts") if local else ""
-    return CheckResult("shared paths", OK, f"single process: nothing to share{note}{later}")
+    # One process shares nothing, so a node-local path is no problem here, and multi-node advice is not for this
+    # run (issue 47: print what matters for the run in front of the doctor; docs/distributed.md has the rest).
+    return CheckResult("shared paths", OK, f"single process: nothing to share{note}")
 
 
 # ---- loading: device, tokenizer, policy ---------------------------------------------------------

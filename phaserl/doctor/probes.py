@@ -317,8 +317,7 @@ def check_memory(ctx: Context) -> CheckResult:
     if ctx.device.type == "cuda":  # what the run's builder will set (cuda_allocator.py): the slack beyond the count
         details.append(f"CUDA allocator: {cuda_allocator.planned()}")
     details += [_size_line(s, sizes, ctx.free_bytes) for s in suggestions]
-    suggested = " ".join(f"{s.key}={s.fits}" if s.fits else f"{s.key}={s.whole or 1} (does not fit either)"
-                         for s in suggestions)
+    suggested = _suggested(suggestions, sizes)
     details.append(f"suggested for this machine: {suggested}")
     usable = fmt_bytes(ctx.free_bytes)
     problems = [p for p in (judge(s, sizes, device_type=ctx.device.type) for s in suggestions) if p]
@@ -429,6 +428,28 @@ def _keep_logits(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
     choice = choose("ppo.keep_head_logits", None, keep_logits_rule(
         **head, peak_bytes=peak, logits_bytes=logits, fixed_bytes=resident + grads + kept, budget_bytes=ctx.free_bytes))
     return (logits if choice.value else 0), choice.line()
+
+
+def _suggested(suggestions: list, sizes: PhaseSizes) -> str:
+    """The sizes to change, each with its reason: a size that does not fit is lowered, one below what fits is
+    raised; a size that fits and that its phase fills is left alone (issue 47: the doctor lowered a micro-batch
+    that fit to the most one step can use, saying nothing of why)."""
+    changes, why = [], []
+    for s in suggestions:
+        used = effective(s, sizes)
+        if not s.fits:
+            changes.append(f"{s.key}={s.whole or 1}")
+            why.append(f"{s.key}: not even one full-length item fits")
+        elif used > s.fits:
+            changes.append(f"{s.key}={s.fits}")
+            why.append(f"{s.key}: {s.configured} does not fit, {s.fits} does")
+        elif s.fits > used:
+            changes.append(f"{s.key}={s.fits}")
+            why.append(f"{s.key}: up to {s.fits} fit{' (all one step can use)' if s.fits >= s.cap else ''}, so fewer "
+                       "passes")
+    if not changes:
+        return "the configured sizes (each fits this machine)"
+    return " ".join(changes) + f"  ({'; '.join(why)})"
 
 
 def _size_line(s, sizes: PhaseSizes, free_bytes: int) -> str:

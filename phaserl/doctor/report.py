@@ -33,6 +33,21 @@ def any_failed(results: list[CheckResult]) -> bool:
 
 def format_report(results: list[CheckResult]) -> str:
     """One line per check (`STATUS name  message → fix`), detail lines indented under it, then a summary."""
+    lines = _check_lines(results, details=True)
+    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
+    verdict = ("the run would fail or waste GPU time: fix the FAIL lines first" if counts[FAIL]
+               else "ready to train" + (" (read the WARN lines)" if counts[WARN] else ""))
+    lines.append(f"{len(results)} checks: {counts[OK]} OK, {counts[WARN]} WARN, {counts[FAIL]} FAIL; {verdict}")
+    return "\n".join(lines)
+
+
+def format_failures(results: list[CheckResult]) -> str:
+    """The FAIL lines alone (message and fix, no detail tables): what a stopped run repeats last, so that the
+    reason is the end of the output and not the middle of the report."""
+    return "\n".join(_check_lines([r for r in results if r.status == FAIL], details=False))
+
+
+def _check_lines(results: list[CheckResult], *, details: bool) -> list[str]:
     width = max((len(r.name) for r in results), default=0)
     indent = " " * (5 + width + 2)
     lines = []
@@ -42,9 +57,5 @@ def format_report(results: list[CheckResult]) -> str:
         if arrow and not rest:  # one-line message: the fix goes on the same line
             first, arrow = f"{first} {arrow}", ""
         lines.append(f"{r.status:<4} {r.name:<{width}}  {first}")
-        lines.extend(indent + line for line in [*rest, *([arrow] if arrow else []), *r.details])
-    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
-    verdict = ("the run would fail or waste GPU time: fix the FAIL lines first" if counts[FAIL]
-               else "ready to train" + (" (read the WARN lines)" if counts[WARN] else ""))
-    lines.append(f"{len(results)} checks: {counts[OK]} OK, {counts[WARN]} WARN, {counts[FAIL]} FAIL; {verdict}")
-    return "\n".join(lines)
+        lines.extend(indent + line for line in [*rest, *([arrow] if arrow else []), *(r.details if details else ())])
+    return lines

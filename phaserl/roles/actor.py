@@ -2,7 +2,8 @@
 
 The actor is the only role that switches. Rollout mode: eval(), optimizer state optionally moved to
 the CPU, the rollout engine's KV cache allocated by the engine. Training mode: the cache is gone,
-optimizer state is back. Each switch logs one `[HybridEngine]` line with its duration and memory.
+optimizer state is back. Every switch's duration and memory go to the step's metrics (hybrid/*); the console
+shows the first `[HybridEngine]` line each way, then changes and summaries (switch_log.py).
 The update is phase 6 of the RL step (docs/concepts.md): epochs × mini-batches, micro-batches by token
 budget, losses normalized by the mini-batch's global token / sequence counts so the split never changes
 the gradient.
@@ -29,6 +30,7 @@ from .models import as_causal_lm
 from .checkpointed import CheckpointedRole
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
+from .switch_log import SwitchLog
 from .train_graphs import TrainGraphs
 
 log = logging.getLogger("phaserl")
@@ -61,6 +63,7 @@ class HybridActor(CheckpointedRole):
         self.loss: Optional[PolicyLossSettings] = None
         self.mode = "training"
         self.last_switch: dict = {}
+        self.switch_log = SwitchLog()  # rank 0's switches: console lines and the step's hybrid/* metrics
         self.engine: Optional[RolloutEngine] = None  # fast rollout for our CausalLM, made on first rollout
         self.engine_kind = "auto"                     # auto | builtin | hf (rollout.engine)
         self.engine_config: Optional[EngineConfig] = None
@@ -132,13 +135,17 @@ class HybridActor(CheckpointedRole):
         seconds = time.perf_counter() - t0
         self.last_switch = {"to": target, "seconds": seconds, "memory_before_gb": before, "memory_after_gb": after,
                             "kv_cache_gb": kv_bytes / 2**30}
-        if self.hybrid.enable_rollout_optimization_switch and rank_and_world()[0] == 0:  # one line per switch
+        if rank_and_world()[0] == 0:
             mem = "n/a on cpu" if before is None else f"{before:.2f} GB -> {after:.2f} GB allocated"
             kept = self.engine is not None and self.engine.kept_awake
             mem += (f", KV cache kept {self.engine.pool.allocated_bytes / 2**30:.2f} GB" if kept and kv_bytes == 0
                     else f", KV cache {'allocated' if kv_bytes >= 0 else 'freed'} {abs(kv_bytes) / 2**30:.2f} GB")
-            log.info(f"[HybridEngine] Switching actor from {source} to {target} mode "
-                     f"({seconds * 1000:.1f} ms, memory {mem})")
+            # every switch goes to the step's metrics; the console gets the first each way, then changes and
+            # a summary now and then (switch_log.py)
+            line = self.switch_log.record(source, target, seconds=seconds, memory_after_gb=after,
+                                          kv_cache_gb=kv_bytes / 2**30, detail=f"memory {mem}")
+            if line and self.hybrid.enable_rollout_optimization_switch:
+                log.info(line)
 
     # ----- rollout ----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams, *, eos_token_ids: list, pad_token_id: int,

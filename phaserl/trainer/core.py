@@ -386,6 +386,7 @@ class RLTrainer:
         return m
 
     def _log(self, step: int, metrics: dict) -> None:
+        metrics = {**metrics, **self.actor.switch_log.drain()}  # the mode switches since the last line (rank 0's)
         self.metrics = metrics
         self.run.metrics_logger.log(step, metrics)
 
