@@ -122,6 +122,23 @@ def resolve_rm_config(cfg: "RMTrainConfig") -> "RMTrainConfig":
         train_files=files(cfg.train_files, "train"), val_files=files(cfg.val_files, "val"))
 
 
+def resolve_reward_workers(cfg: "Config") -> int:
+    """reward.workers, or when auto the rule's answer for this machine (logged once, with why)."""
+    import logging
+    import os
+
+    from .config.auto import choose, reward_workers_rule
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's count of ranks on this machine
+    choice = choose("reward.workers", cfg.reward.workers,
+                    reward_workers_rule(functions=[f.name for f in cfg.reward.functions], cpus=cpus,
+                                        ranks_here=ranks_here))
+    if cfg.reward.workers is None:
+        logging.getLogger(__name__).info(f"[rewards] {choice.line()}")
+    return choice.value
+
+
 def build_reward_sources(cfg: "Config", device: torch.device) -> "RewardSources":
     """The score phase's sources from `reward.*` and `reward_model.*`, exactly as `train` builds them (the
     doctor's probes score real rows with the same objects)."""
@@ -131,7 +148,7 @@ def build_reward_sources(cfg: "Config", device: torch.device) -> "RewardSources"
     rules = None
     if cfg.reward.functions:
         rules = RuleRewards([(f.name, f.weight, f.kwargs) for f in cfg.reward.functions],
-                            timeout_s=cfg.reward.timeout_s)
+                            timeout_s=cfg.reward.timeout_s, workers=resolve_reward_workers(cfg))
     rm = None
     if cfg.reward_model.enable:
         rc = cfg.reward_model

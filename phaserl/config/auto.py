@@ -20,6 +20,8 @@ MICRO_BATCH_OFF_CUDA = 16384       # ... off CUDA, where compute and not launche
 MICRO_ACTIVATION_SHARE = 0.4       # ... its activations at most this share of what the fixed state leaves (the
                                    # rest: the allocator's slack; 62.8 GiB reserved for 35.8 allocated at 0.5B, 32k,
                                    # without expandable segments, 36.2 with them: cuda_allocator.py)
+REWARD_WORKERS_CAP = 4             # math-verify over 512 responses: 2.9 s in the main process, 1.6 s on 2 workers
+CHEAP_REWARDS = ("tiny_exact", "gsm8k", "format")  # built-ins that take microseconds a call
 
 # key -> the rule, in words; the order is the order of the start-of-run block
 AUTO_RULES = {
@@ -50,6 +52,9 @@ AUTO_RULES = {
                             "decoder) and a micro-batch's kept logits (its response tokens x vocabulary, bf16) fit "
                             "beside the update's peak in the room ppo.micro_batch_tokens's rule gives activations; "
                             "off otherwise (the logits are recomputed in backward, as before)",
+    "reward.workers": "0 (the main process) when every rule function is a cheap built-in (tiny_exact, gsm8k, "
+                      "format: 512 responses take 4 ms there and 15-40 ms through workers); otherwise "
+                      f"min({REWARD_WORKERS_CAP}, CPU cores per rank - 1), 0 with a single core per rank",
 }
 
 
@@ -191,6 +196,22 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
         limit = "the mini-batch" if most == S else f"the {MICRO_BATCH_CAP}-token cap"
         return tokens, f"{words} ({limit})"
     return tokens, words
+
+
+def reward_workers_rule(*, functions: list, cpus: int, ranks_here: int) -> tuple[int, str]:
+    """reward.workers when auto: (worker processes per rank, why). `functions`: reward.functions' names; `cpus`:
+    the cores this process may run on; `ranks_here`: the ranks on this machine, which share them. A worker pays
+    where a call costs milliseconds (math-verify: about 6 ms; a user's function: unknown, so assumed slow) and a
+    core is free for it; a cheap built-in costs microseconds, less than the hand-off to a worker."""
+    if not functions:
+        return 0, "no rule functions"
+    if all(name in CHEAP_REWARDS for name in functions):
+        return 0, f"only cheap built-ins ({', '.join(functions)}): a call costs less than the hand-off to a worker"
+    per_rank = max(1, cpus // max(1, ranks_here))
+    workers = min(REWARD_WORKERS_CAP, per_rank - 1)
+    if workers < 1:
+        return 0, "one CPU core per rank: none to spare for workers"
+    return workers, f"{per_rank} CPU cores per rank, one kept for the trainer (at most {REWARD_WORKERS_CAP})"
 
 
 def update_room(fixed_bytes: int, budget_bytes: int) -> float:

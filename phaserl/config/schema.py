@@ -107,6 +107,10 @@ class RewardConfig:
     reward_model_weight: float = spec(1.0, "weight of the reward model's score when reward_model.enable")
     timeout_s: float = spec(300.0, "longest a rule reward function may take on one response before the run "
                                    "stops with an error naming it and the row", min=0.001)
+    workers: Optional[int] = spec(None, "worker processes that run the rule reward functions, per rank (0 = in the "
+                                        "main process; the scores are the same). null = auto: 0 when every "
+                                        "function is a cheap built-in (tiny_exact, gsm8k, format), otherwise "
+                                        "min(4, CPU cores per rank - 1)", min=0, auto=True)
 
 
 @dataclass

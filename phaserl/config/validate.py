@@ -250,6 +250,9 @@ def _warnings(cfg: Config, world_size: int) -> list[str]:
     rm, L = cfg.reward_model, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if rm.path and not rm.enable:
         out.append(f"reward_model.path = {rm.path!r} is ignored because reward_model.enable = false")
+    if cfg.reward.workers and not cfg.reward.functions:
+        out.append(f"reward.workers = {cfg.reward.workers} is ignored because reward.functions is empty (the workers "
+                   "run rule functions; the reward model scores in the main process)")
     if rm.enable and not rm.truncation and rm.max_length < L:
         out.append(f"reward_model.max_length = {rm.max_length} < data.max_prompt_length + rollout.max_new_tokens "
                    f"= {L} with reward_model.truncation = false: long responses will fail to score")

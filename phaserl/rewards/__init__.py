@@ -1,12 +1,24 @@
 """Rule rewards: built-in functions, loading your own from a file, and their weighted sum.
 
 `RuleRewards([(name, weight, kwargs), ...]).score(prompts, responses, ground_truths, rows)` scores with
-rule functions; `RewardSources` (sources.py) adds a reward model's scores, weighted, and is what the
-trainer's score phase calls. The reward model itself lives in `phaserl.roles.reward_model`.
+rule functions, in the main process or in a pool of worker processes (`workers=`, pool.py); `RewardSources`
+(sources.py) adds a reward model's scores, weighted, and is what the trainer's score phase calls. The reward
+model itself lives in `phaserl.roles.reward_model`. Names load on first use, so that a reward worker process
+(worker.py) imports neither torch nor the batch types.
 """
-from phaserl.rewards.registry import RuleRewards, WeightedReward, resolve_reward_fn
-from phaserl.rewards.rules import BUILTIN_REWARDS, boxed_math, format_reward, gsm8k, last_boxed, tiny_exact
-from phaserl.rewards.sources import RewardSources
+import importlib
 
-__all__ = ["BUILTIN_REWARDS", "RewardSources", "RuleRewards", "WeightedReward", "resolve_reward_fn",
-           "boxed_math", "format_reward", "gsm8k", "last_boxed", "tiny_exact"]
+_LAZY = {
+    "RuleRewards": "registry", "RuleScoring": "registry", "WeightedReward": "registry", "resolve_reward_fn": "registry",
+    "BUILTIN_REWARDS": "rules", "boxed_math": "rules", "format_reward": "rules", "gsm8k": "rules",
+    "last_boxed": "rules", "tiny_exact": "rules", "RewardSources": "sources", "PendingScores": "sources",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"phaserl.rewards.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'phaserl.rewards' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

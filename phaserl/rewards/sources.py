@@ -4,6 +4,13 @@ The sources are fixed when the run is built (`phaserl.resolve.build_reward_sourc
 the weighted total and each source's raw scores (logged as `reward/<name>`). The reward model is any
 object with `score(prompts, responses) -> [B]` (`phaserl.roles.RewardModelWrapper`); this module does
 not load it.
+
+Scoring as responses complete: `submit(prompts, responses, rows)` (e.g. one group of n) starts the rule
+functions on the reward workers and returns at once; `collect([pending, ...])` waits for them, runs the
+reward model once over all the pending rows, so that its micro-batches stay full, and returns one Scores for
+them in the order given. Collecting each group on its own works too (the reward model's scores do not depend
+on which rows share a call), but with a reward model sharded over ranks every rank must make the same number
+of calls. `score(batch)` is `collect([submit(batch)])`.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import torch
 
 from phaserl.batch import RolloutBatch, Scores
 from phaserl.errors import RewardError
-from phaserl.rewards.registry import RuleRewards
+from phaserl.rewards.registry import RuleRewards, RuleScoring
 
 
 class ResponseScorer(Protocol):
@@ -38,16 +45,49 @@ class RewardSources:
         return self.score_texts(batch.prompts, batch.response_texts, batch.rows, device=batch.input_ids.device)
 
     def score_texts(self, prompts: list, responses: list, rows: list, *, device) -> Scores:
+        return self.collect([self.submit(prompts, responses, rows)], device=device)
+
+    def submit(self, prompts: list, responses: list, rows: list) -> "PendingScores":
+        """Start the rule functions on these responses (`rows`: their PromptRows) and return at once."""
+        rules = None
+        if self.rules is not None:
+            records = [dict(row.raw, __source__=row.source) for row in rows]
+            rules = self.rules.submit(prompts, responses, [row.ground_truth for row in rows], records)
+        return PendingScores(list(prompts), list(responses), rules)
+
+    def collect(self, pending: list["PendingScores"], *, device) -> Scores:
+        """The Scores of the pending responses, one after another in the order given: the rule results (waiting
+        for the workers), then the reward model's scores from one call over all of them."""
+        responses = [r for item in pending for r in item.responses]
         B = len(responses)
         total = torch.zeros(B, dtype=torch.float32)
         by_source = {}
         if self.rules is not None:
-            records = [dict(row.raw, __source__=row.source) for row in rows]
-            rule_total, per_fn = self.rules.score(prompts, responses, [row.ground_truth for row in rows], records)
-            total += torch.tensor(rule_total, dtype=torch.float32)
-            by_source.update({name: torch.tensor(v, dtype=torch.float32) for name, v in per_fn.items()})
+            results = [item.rules.result() for item in pending]
+            total += torch.tensor([t for rule_total, _ in results for t in rule_total], dtype=torch.float32)
+            for name in (results[0][1] if results else {}):
+                by_source[name] = torch.tensor([v for _, per_fn in results for v in per_fn[name]], dtype=torch.float32)
         if self.reward_model is not None:
+            prompts = [p for item in pending for p in item.prompts]
             rm_scores = self.reward_model.score(prompts, responses).float().cpu()  # [B]
             total += self.reward_model_weight * rm_scores
             by_source["reward_model"] = rm_scores
         return Scores(total=total.to(device), by_source={k: v.to(device) for k, v in by_source.items()})
+
+    def close(self) -> None:
+        """Stop the rule functions' worker processes, if any (the end of a run)."""
+        if self.rules is not None:
+            self.rules.close()
+
+
+@dataclass
+class PendingScores:
+    """One `RewardSources.submit`: the texts for the reward model and the rule functions' running scores."""
+
+    prompts: list
+    responses: list
+    rules: Optional[RuleScoring] = None
+
+    def done(self) -> bool:
+        """True when collecting it waits for no rule worker (the reward model still runs in `collect`)."""
+        return self.rules is None or self.rules.done()

@@ -95,6 +95,7 @@ class RLTrainer:
                 return self._fit()
             finally:
                 close()  # the run lock of trainer.checkpoint_path
+                self.run.reward.close()  # the rule reward workers (a later fit or validate starts new ones)
                 if isinstance(self.run.agent, AgentSettings):  # a harness run keeps no pool
                     self.run.agent.workers.stop_idle()  # idle environment threads would outlive the run
 
