@@ -38,7 +38,7 @@ ALLOWED = {
     "world": {"agents", "data", "errors", "models", "rewards"},    # agent_task: the tiny multi-turn world
     "rm": {"config", "data", "errors", "models", "roles", "world"},
     "checkpoint": {ROOT, "config", "errors", "models", "parallel"},
-    "memory": {"errors", "models", "rollout"},       # the budget in bytes and the plan: shapes, never a config file
+    "memory": {"config", "errors", "models", "rollout"},  # the budget in bytes and the plan (config.auto's rules)
     "resolve": {"config", "errors", "parallel", "rewards", "rm", "roles", "world"},  # names -> things
     "doctor": {"agents", "checkpoint", "config", "cuda_allocator", "data", "errors", "memory", "models", "parallel",
                "resolve", "rewards", "roles", "rollout"},  # rollout: generate() for the agent episode probe

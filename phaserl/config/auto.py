@@ -42,12 +42,20 @@ AUTO_RULES = {
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
     "ppo.micro_batch_tokens": f"on CUDA the fewest micro-batches of whole sequences, about {MICRO_BATCH_CAP} tokens "
                               "each (the sequences dealt evenly) and at most one mini-batch, whose activations (the "
-                              "doctor's count) take at most "
+                              "memory plan's count) take at most "
                               f"{MICRO_ACTIVATION_SHARE:.0%} of the device memory that the weights, gradients, "
                               f"optimizer state and a kept engine leave; {MICRO_BATCH_OFF_CUDA} elsewhere",
     "ppo.train_graphs": "off: at the auto micro-batch the graphs measured no gain (the host keeps up with 6 large "
                         "micro-batches); `true` graphs the actor's packed training micro-batches on one CUDA GPU for "
                         "phaserl's dense decoder, for a smaller ppo.micro_batch_tokens (less memory) at little cost",
+    "ref.stream_weights": "the memory plan, its cheapest measure (docs/memory.md): on one CUDA GPU when the step does "
+                          "not fit the device with the reference's layers resident; off otherwise, on the CPU and on "
+                          "several ranks (ref.fsdp.cpu_offload there)",
+    "actor.checkpoint_layers": "the memory plan, after the reference: none when the step fits; else the fewest layers "
+                               "whose recomputation leaves room for a micro-batch of about 4096 tokens (all of them "
+                               "for a transformers model, which checkpoints all or none); 0 on the CPU",
+    "actor.optimizer_offload": "the memory plan, after checkpointing: on one CUDA GPU only when the step does not fit "
+                               "even with every layer checkpointed; off otherwise, on the CPU and on several ranks",
     "ppo.keep_head_logits": "on where the Triton log-prob kernels run (CUDA, Triton, the actor compiled, phaserl's "
                             "decoder) and a micro-batch's kept logits (its response tokens x vocabulary, bf16) fit "
                             "beside the update's peak in the room ppo.micro_batch_tokens's rule gives activations; "
@@ -286,11 +294,15 @@ class SpeedChoices:
     micro_batch_tokens: Optional[Choice] = None    # ppo.micro_batch_tokens (an int)
     keep_head_logits: Optional[Choice] = None      # ppo.keep_head_logits
     train_graphs: Optional[Choice] = None          # ppo.train_graphs
+    stream_reference: Optional[Choice] = None      # ref.stream_weights     (the memory plan: memory/plan.py)
+    checkpoint_layers: Optional[Choice] = None     # actor.checkpoint_layers
+    optimizer_offload: Optional[Choice] = None     # actor.optimizer_offload
+    memory_plan: str = ""                          # the plan in one line, with its predicted peak ('' uncounted)
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.engine_extend_graphs, self.packing, self.micro_batch_tokens, self.keep_head_logits,
-                            self.train_graphs)
+                            self.engine_extend_graphs, self.packing, self.stream_reference, self.checkpoint_layers,
+                            self.optimizer_offload, self.micro_batch_tokens, self.keep_head_logits, self.train_graphs)
                 if c is not None]
 
     @property

@@ -249,7 +249,17 @@ class ActorConfig:
                                              "for clip_ratio_low/high, which win on their side when set (null = "
                                              "the paper's: 0.15 for dppo_tv, 0.05 for dppo_kl)", min=0.0)
     dppo_ratio_cap: float = spec(20.0, "DPPO: truncated-IS cap on the ratio", min=1.0)
-    gradient_checkpointing: bool = spec(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: bool = spec(False, "recompute every layer's activations in backward to save memory (the "
+                                               "same as actor.checkpoint_layers = all)")
+    checkpoint_layers: Optional[int] = spec(None, "activation checkpointing, selective: how many of the actor's decoder "
+                                                  "layers recompute their activations in backward (0 = none; the "
+                                                  "model's layer count or more = all). null = auto: the memory plan "
+                                                  "(docs/memory.md): none when the step fits the device, else the "
+                                                  "fewest that make it fit", min=0, auto=True)
+    optimizer_offload: Optional[bool] = spec(None, "keep AdamW's moments on the CPU and run the optimizer step there "
+                                                   "(gradients go down, updated weights come back, bucket by bucket "
+                                                   "overlapped; one process only). null = auto: the memory plan: on "
+                                                   "only when the step does not fit the device otherwise")
     compile: Optional[bool] = spec(None, "torch.compile the decoder layers and the log-prob kernels of the actor and "
                                          "the reference (phaserl's decoder only). null = auto: on for phaserl's "
                                          "decoder on one CUDA GPU with Triton and >= 100M parameters, off on the "
@@ -287,6 +297,10 @@ class RefConfig:
     enable: Optional[bool] = spec(None, "keep a frozen reference policy (null = when algorithm.kl_placement != none)")
     path: Optional[str] = spec(None, "reference init directory (null = model.path)")
     fsdp: FSDPConfig = spec(None, "parallel settings of the reference", factory=FSDPConfig)
+    stream_weights: Optional[bool] = spec(None, "keep the reference's decoder layers in CPU memory and copy each to the "
+                                                "GPU one layer ahead of its forward-only pass (one process; on several "
+                                                "ranks ref.fsdp.cpu_offload does it per shard). null = auto: the "
+                                                "memory plan: on only when the step does not fit the device otherwise")
 
 
 @dataclass

@@ -216,6 +216,23 @@ def _lora_errors(cfg: Config) -> list[str]:
     return errs
 
 
+def _memory_errors(cfg: Config, world_size: int) -> list[str]:
+    """The memory plan's keys set by hand (docs/memory.md): one way to say how many layers recompute, and the
+    single-process measures not asked of several ranks."""
+    a, errs = cfg.actor, []
+    if a.gradient_checkpointing and a.checkpoint_layers is not None:
+        errs.append(f"actor.gradient_checkpointing = true and actor.checkpoint_layers = {a.checkpoint_layers} both say "
+                    "how many layers recompute their activations: keep actor.checkpoint_layers (true means all of "
+                    "them) and delete actor.gradient_checkpointing")
+    if world_size > 1 and a.optimizer_offload:
+        errs.append(f"actor.optimizer_offload = true on {world_size} ranks: the CPU step is for one process; with "
+                    "several, actor.fsdp.sharding_strategy = FULL_SHARD spreads AdamW's moments over the ranks")
+    if world_size > 1 and cfg.ref.stream_weights:
+        errs.append(f"ref.stream_weights = true on {world_size} ranks: streaming is for one process; with several, "
+                    "set ref.fsdp.cpu_offload = true (each rank keeps its shard on the CPU)")
+    return errs
+
+
 def _warnings(cfg: Config, world_size: int) -> list[str]:
     """Settings that are valid but will be ignored or wasted."""
     a, out = cfg.algorithm, []
@@ -284,7 +301,7 @@ def _raise(errs: list[str], source: str) -> None:
 
 def validate(cfg: Config, world_size: int = 1, *, source: str = "config") -> None:
     """Raise one ConfigError listing every broken cross-field rule; warn about ignored settings."""
-    _raise(_batch_errors(cfg, world_size) + _rule_errors(cfg), source)
+    _raise(_batch_errors(cfg, world_size) + _rule_errors(cfg) + _memory_errors(cfg, world_size), source)
     for message in _warnings(cfg, world_size):
         warnings.warn(f"{source}: {message}", stacklevel=2)
 

@@ -33,8 +33,8 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   Qwen3.5's Gated DeltaNet and gated attention layers in bytes, each tensor they save counted with
                   its own dtype (delta_layer_bytes, gated_attention_layer_bytes: the float32 chunked rule on the
                   CPU, flash-linear-attention's kernels on CUDA where they run), on the transformers path too
-                  (activation checkpointing of k layers: those keep k × h × b, one layer's worth is recomputed at a time;
-                  selective: k < layers), plus float32 logits × 3 for the
+                  (activation checkpointing of the first k layers: those keep k × h × b, and the larger of the other
+                  layers and one recomputed layer is held at a time; selective: k < layers), plus float32 logits × 3 for the
                   log-prob projection of up to 1024 tokens at a time.
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
                   up to 64 tokens, at most engine_memory_fraction of the free memory), the recurrent state and
@@ -269,12 +269,13 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compi
                           sequence_tokens: Optional[int] = None, *, checkpoint_layers: Optional[int] = None) -> int:
     """Activations saved for backward, per token of a micro-batch (of whole sequences of `sequence_tokens`; None:
     long ones, see delta_layer_bytes): the sum over layer_bytes' kinds; a layer recomputed in backward (activation
-    checkpointing) keeps only its input (h × b), and the backward holds one recomputed layer's worth at a time (the
-    largest). `checkpoint_layers`: how many layers are recomputed (selective checkpointing; None: all of them with
-    gradient_checkpointing, none without). Where layers differ, the ones left uncheckpointed are counted as the
-    largest (the decoder recomputes the first k layers; the count errs on the safe side). Qwen3.5's linear layers
-    also keep, once per forward, where each sequence's tokens sit (linear_attention.Segments: an int64 index and a
-    bool mask)."""
+    checkpointing) keeps only its input (h × b). `checkpoint_layers`: how many layers are recomputed (selective
+    checkpointing; None: all of them with gradient_checkpointing, none without). The decoder recomputes its first k
+    layers, which the backward reaches last: by then the other layers' activations are freed, so the peak is the k
+    inputs plus the larger of the L - k kept layers and one recomputed layer (the largest). Where layers differ,
+    the kept ones are counted as the largest (the count errs on the safe side). Qwen3.5's linear layers also keep,
+    once per forward, where each sequence's tokens sit (linear_attention.Segments: an int64 index and a bool
+    mask)."""
     kinds = layer_bytes(shape, compiled, sequence_tokens)
     shared = SEGMENTS_BYTES if shape.hybrid and shape.hybrid.linear_layers else 0
     L = shape.num_layers
@@ -283,7 +284,7 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compi
         return math.ceil(sum(count * each for count, each in kinds.values()) + shared)
     per_layer = sorted((each for count, each in kinds.values() for _ in range(count)), reverse=True)  # [L]
     kept = sum(per_layer[:L - k])
-    return math.ceil(k * shape.hidden_size * shape.param_bytes + kept + per_layer[0] + shared)
+    return math.ceil(k * shape.hidden_size * shape.param_bytes + max(kept, per_layer[0]) + shared)
 
 
 def checkpointed_layers(num_layers: int, gradient_checkpointing: bool, checkpoint_layers: Optional[int]) -> int:

@@ -246,7 +246,16 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
         self.build_rotary()
-        self.gradient_checkpointing = False
+        self.checkpoint_layers = 0  # the first k layers recompute their activations in backward (selective when < all)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Some layer recomputes its activations in backward; setting it checkpoints all layers or none."""
+        return self.checkpoint_layers > 0
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.checkpoint_layers = len(self.layers) if enabled else 0
 
     def build_rotary(self, device=None) -> None:
         """(Re)make the RoPE tables' frequencies, derived from the config (a meta-built model needs this)."""
@@ -310,13 +319,14 @@ class DecoderModel(nn.Module):
         moe_layers = 0
         if self.config.num_experts:
             prepare_device(h.device)
-        for layer in self.layers:
+        recompute = self.checkpoint_layers if self.training and kv_cache is None else 0
+        for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.spec.local_rope]
             a = attn[layer.attn_key]
             route = None
             if routing is not None and layer.spec.moe is not None:
                 route, moe_layers = routing.route(moe_layers), moe_layers + 1
-            if self.gradient_checkpointing and self.training and kv_cache is None:
+            if i < recompute:
                 h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, a, kv_cache, route)

@@ -1,10 +1,21 @@
-"""Optimizer, learning-rate schedule and the clipped step shared by the trainable roles."""
+"""Optimizer, learning-rate schedule and the clipped step shared by the trainable roles.
+
+`Optimizer.offload_step()` (actor.optimizer_offload, the memory plan) moves AdamW to the CPU for good: its moments
+and a host copy of each trained weight live there, and each step copies the clipped gradients down, runs AdamW on
+the CPU and copies the updated weights back, bucket by bucket so that the copies overlap the CPU's work. The
+weights on the device are updated exactly as an on-device AdamW of the same dtype would update them (the same
+kernel when the run is on the CPU). Not here: deciding to offload (memory/plan.py), the rollout-mode offload of an
+on-device AdamW (`offload_state`, actor.hybrid_engine.offload_optimizer).
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+BUCKET_BYTES = 256 * 2**20  # weights per copy-and-step bucket of the offloaded step
 
 
 @dataclass(frozen=True)
@@ -41,17 +52,39 @@ class Optimizer:
                                      weight_decay=settings.weight_decay, fused=fused or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: _lr_factor(i, settings))
         self._pinned: dict[tuple, torch.Tensor] = {}  # offload_state: (id(param), state key) -> pinned CPU copy
+        self.host: Optional[_HostStep] = None  # offload_step: AdamW on the CPU
 
     @property
     def lr(self) -> float:
         return self.opt.param_groups[0]["lr"]
 
+    @property
+    def offloaded(self) -> bool:
+        return self.host is not None
+
+    def offload_step(self) -> None:
+        """From now on AdamW's state and step live on the CPU (see the module docstring). Called before the first
+        step (the builder does); the schedule and its settings carry over."""
+        if self.opt.state:
+            raise RuntimeError("Optimizer.offload_step() must come before the first step")
+        if self.host is None and self.params:
+            self.host = _HostStep(self.params)
+            s = self.settings
+            self.opt = torch.optim.AdamW(self.host.weights, lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay,
+                                         foreach=False)
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: _lr_factor(i, s))
+
     def step(self) -> float:
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         if torch.isfinite(grad_norm):  # a skipped update does not advance the schedule either
-            self.opt.step()
+            if self.host is not None:
+                self.host.step(self.opt)
+            else:
+                self.opt.step()
             self.sched.step()
+        for p in self.params:
+            p.grad = None
         self.opt.zero_grad(set_to_none=True)
         return float(grad_norm)
 
@@ -88,3 +121,76 @@ class Optimizer:
                     pinned = self._pinned[key]
                     storage.resize_(pinned.numel())
                     storage.copy_(pinned.untyped_storage(), non_blocking=True)
+
+
+class _HostStep:
+    """AdamW on the CPU for weights that live on a device: a host copy of each weight (pinned on CUDA), the
+    gradients copied down into pinned buffers, the step, and the updated weights copied back, per bucket of about
+    BUCKET_BYTES: the gradients of later buckets cross while the CPU steps earlier ones, and each updated bucket
+    crosses back while the CPU steps the next."""
+
+    def __init__(self, params: list):
+        self.params = params
+        self.device = params[0].device
+        pin = self.device.type == "cuda"
+        self.weights = [self._host_like(p, pin) for p in params]
+        self.refresh()
+        self.grads = [self._host_like(p, pin) for p in params]
+        self.stream = torch.cuda.Stream(self.device) if pin else None
+        self.buckets, size = [[]], 0
+        for i, p in enumerate(params):
+            if self.buckets[-1] and size + p.numel() * p.element_size() > BUCKET_BYTES:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += p.numel() * p.element_size()
+
+    @staticmethod
+    def _host_like(p: torch.Tensor, pin: bool) -> torch.Tensor:
+        local = p.detach()
+        w = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+        w.requires_grad_(True)  # an AdamW parameter (its .grad is the pinned gradient buffer)
+        return w
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        """One AdamW step of `opt` (over self.weights) from the device gradients; the device weights updated."""
+        if self.stream is None:
+            return self._step_here(opt)
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # the backward's gradients (and the clip's scaling) are written
+        arrived = []
+        with torch.cuda.stream(self.stream):
+            for bucket in self.buckets:
+                for i in bucket:
+                    grad = self.params[i].grad
+                    grad.record_stream(self.stream)  # dropped after the step while its copy may still run
+                    self.grads[i].copy_(grad, non_blocking=True)
+                arrived.append(self.stream.record_event())
+            for bucket, event in zip(self.buckets, arrived):
+                event.synchronize()  # this bucket's gradients are on the host
+                self._step_bucket(opt, bucket)
+                for i in bucket:
+                    self.params[i].data.copy_(self.weights[i].detach(), non_blocking=True)
+        compute.wait_stream(self.stream)  # the next forward reads the updated weights
+
+    def _step_here(self, opt: torch.optim.Optimizer) -> None:
+        for bucket in self.buckets:
+            for i in bucket:
+                self.grads[i].copy_(self.params[i].grad)
+            self._step_bucket(opt, bucket)
+            for i in bucket:
+                self.params[i].data.copy_(self.weights[i].detach())
+
+    def _step_bucket(self, opt: torch.optim.Optimizer, bucket: list) -> None:
+        """AdamW on this bucket's weights only: the others have no gradient, which AdamW skips."""
+        for i in bucket:
+            self.weights[i].grad = self.grads[i]
+        opt.step()
+        for i in bucket:
+            self.weights[i].grad = None
+
+    def refresh(self) -> None:
+        """The host copies from the device weights (after a checkpoint filled the device weights)."""
+        with torch.no_grad():
+            for w, p in zip(self.weights, self.params):
+                w.copy_(p.detach())

@@ -4,7 +4,9 @@ Frozen by construction (classic mistake 3): parameters get `requires_grad_(False
 eval mode, and every forward runs under `torch.inference_mode()`. `check_frozen()` runs every step;
 a parameter that became trainable is an error naming it, never a warning.
 With a LoRA actor the reference is the actor's own model with its adapters off (`ReferencePolicy.base_of`):
-no second copy of the weights; the frozen base is what both read.
+no second copy of the weights; the frozen base is what both read. `stream_weights(device)` (ref.stream_weights, the
+memory plan) keeps its decoder layers in CPU memory and streams them to the device layer by layer during each
+forward (roles/streaming.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..parallel import reshard_params
 from .forward import batch_logprobs
 from .models import as_causal_lm
 from .parallel_settings import FSDPSettings, reject_hybrid_config
+from .streaming import StreamedLayers
 
 
 class ReferencePolicy:
@@ -32,6 +35,7 @@ class ReferencePolicy:
         self.fsdp = FSDPSettings.from_any(fsdp_config, role="ref")
         self.packing = False  # ppo.packing: padding-free micro-batches (set by the builder)
         self.shares_actor_base = False  # base_of(): the actor's model with its LoRA adapters off
+        self.streamed: Optional[StreamedLayers] = None  # ref.stream_weights: layers in CPU memory between passes
 
     @classmethod
     def base_of(cls, actor_model: torch.nn.Module, fsdp: Optional[FSDPSettings] = None) -> "ReferencePolicy":
@@ -47,7 +51,18 @@ class ReferencePolicy:
         ref = cls.__new__(cls)
         # fsdp: the actor's settings (its model is sharded once, as the actor); they decide packing alike
         ref.model, ref.fsdp, ref.packing, ref.shares_actor_base = actor_model, fsdp or FSDPSettings(), False, True
+        ref.streamed = None
         return ref
+
+    def stream_weights(self, device: torch.device) -> int:
+        """Keep the decoder layers in CPU memory, streamed to `device` one layer ahead of each forward; returns the
+        bytes taken off the device. Not for a reference that is the actor's own base (there is no copy to move)."""
+        if self.shares_actor_base:
+            raise PreflightError("ref.stream_weights: the reference is the LoRA actor's own base (no copy of its "
+                                 "own to keep on the CPU); set ref.stream_weights=false")
+        if self.streamed is None:
+            self.streamed = StreamedLayers(self.model, device)
+        return self.streamed.layer_bytes
 
     def check_frozen(self) -> None:
         trainable = [name for name, p in self.model.named_parameters()
@@ -80,9 +95,13 @@ class ReferencePolicy:
         self.check_frozen()
         if self.shares_actor_base:
             return self._base_logprobs(batch, temperature=temperature, token_budget=token_budget)
-        with torch.inference_mode(), linear_attention.reference_pass():
-            logprobs = batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget,
-                                      packing=self.packing)
+        try:
+            with torch.inference_mode(), linear_attention.reference_pass():
+                logprobs = batch_logprobs(self.model, batch, temperature=temperature, token_budget=token_budget,
+                                          packing=self.packing)
+        finally:
+            if self.streamed is not None:  # a pass that raised midway leaves no layer on the device
+                self.streamed.release()
         # FSDP2 keeps a root unit (embeddings, head) gathered after forward and frees it in backward; a
         # frozen role has no backward, so without this a full copy would stay until the process ends.
         reshard_params(self.model)

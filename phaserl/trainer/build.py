@@ -189,7 +189,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
                               cliprange_value=cfg.critic.cliprange_value, loss_coef=cfg.critic.loss_coef,
                               agg_mode=a.loss_agg_mode, norm_len=r.max_new_tokens)
-    model_gradient_checkpointing(actor.model, a.gradient_checkpointing)
+    apply_memory_plan(speed, actor, ref)
     set_packing([actor, critic, ref], cfg.ppo.packing)
     actor.keep_head_logits = speed.keep_head_logits.value
     set_compile([actor, ref], speed.actor_compile.value)
@@ -385,3 +385,19 @@ def set_compile(roles: list, enabled: bool) -> None:
 def model_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = enabled
+
+
+def apply_memory_plan(speed: SpeedChoices, actor, ref) -> None:
+    """The memory plan's measures (memory/plan.py, as trainer/speed.py chose them): the actor's first k layers
+    recompute their activations (all or none on the transformers path), its AdamW steps on the CPU, the reference's
+    layers stay in CPU memory between passes."""
+    layers = speed.checkpoint_layers.value
+    decoder = getattr(actor.model, "model", None)
+    if hasattr(decoder, "checkpoint_layers"):
+        decoder.checkpoint_layers = layers
+    else:
+        model_gradient_checkpointing(actor.model, layers > 0)
+    if speed.optimizer_offload.value:
+        actor.optimizer.offload_step()
+    if speed.stream_reference.value and ref is not None:
+        ref.stream_weights(actor.device)

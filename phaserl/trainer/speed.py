@@ -26,10 +26,11 @@ import torch
 from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
                            extend_graphs_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule,
-                           micro_batch_rule, train_graphs_rule)
+                           train_graphs_rule)
 from ..config.validate import sequence_tokens
-from ..memory.budget import (ModelShape, UnknownShape, kept_engine_bytes, kept_logits_bytes, response_tokens_of,
-                             update_peak_bytes)
+from ..memory.budget import ModelShape, UnknownShape, kept_engine_bytes, kept_logits_bytes, response_tokens_of
+from ..memory.plan import Asked, Measures, MemoryPlan, PlanFacts, choose_plan, fixed_bytes, peak_bytes
+from ..parallel.fsdp import decoder_layers
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
 from ..roles.train_graphs import unsupported
@@ -71,14 +72,11 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_reserved(device)
-    count = UpdateCount.of(cfg, roles, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held)
-    may_keep = engine_runs and r.engine_keep_awake is not False  # the micro-batch leaves room for a kept engine
-    micro_rule = (max(count.sequence_tokens, MICRO_BATCH_OFF_CUDA), "no memory count for this model: the fixed "
-                  "default") if count.shape is None else micro_batch_rule(
-        device_type=device.type, sequence_tokens=count.sequence_tokens, mini_batch_sequences=d.mini_batch_per_rank,
-        fixed_bytes=count.fixed_bytes(kept=may_keep), budget_bytes=count.budget_bytes,
-        peak_of=lambda tokens: count.peak(tokens, kept=may_keep))
-    micro = choose("ppo.micro_batch_tokens", cfg.ppo.micro_batch_tokens, micro_rule)
+    count = UpdateCount.of(cfg, roles, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held,
+                           mini_batch_sequences=d.mini_batch_per_rank, world_size=world_size, device_type=device.type)
+    may_keep = engine_runs and r.engine_keep_awake is not False  # the plan leaves room for a kept engine
+    plan = memory_plan(cfg, count, may_keep=may_keep)
+    micro = plan.micro_batch_tokens
     keep_rule = (False, "")  # not used when the config sets it
     if r.engine_keep_awake is None:
         needed = {"needed_bytes": 0, "kept_bytes": 0, "budget_bytes": 0}
@@ -106,7 +104,40 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_extend_graphs=None if not cfg.agent.env else choose(
             "rollout.engine_extend_graphs", r.engine_extend_graphs, extend_graphs_rule(
                 engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs)),
-        micro_batch_tokens=micro, keep_head_logits=keep_logits)
+        micro_batch_tokens=micro, keep_head_logits=keep_logits, stream_reference=plan.stream_reference,
+        checkpoint_layers=plan.checkpoint_layers, optimizer_offload=plan.optimizer_offload,
+        memory_plan=plan.summary() if count.shape is not None else "")
+
+
+def asked_of(cfg: "Config", num_layers: int) -> Asked:
+    """The memory plan's keys as the config sets them (actor.gradient_checkpointing: true means every layer)."""
+    a = cfg.actor
+    layers = num_layers if a.gradient_checkpointing else a.checkpoint_layers
+    return Asked(stream_reference=cfg.ref.stream_weights, checkpoint_layers=layers,
+                 optimizer_offload=a.optimizer_offload, micro_batch_tokens=cfg.ppo.micro_batch_tokens)
+
+
+def memory_plan(cfg: "Config", count: "UpdateCount", *, may_keep: bool) -> MemoryPlan:
+    """memory/plan.py's plan on this run's count (`may_keep`: room is left for a kept engine); `count` then peaks
+    under the plan's measures. Without a count (a model whose shape is unknown) nothing is planned."""
+    if count.shape is None:
+        return _unplanned(cfg, count)
+    plan = choose_plan(count.facts(kept=may_keep), asked_of(cfg, count.shape.num_layers))
+    count.measures = plan.measures
+    return plan
+
+
+def _unplanned(cfg: "Config", count: "UpdateCount") -> MemoryPlan:
+    why = "no memory count for this model"
+    a = cfg.actor
+    micro = choose("ppo.micro_batch_tokens", cfg.ppo.micro_batch_tokens,
+                   (max(count.sequence_tokens, MICRO_BATCH_OFF_CUDA), f"{why}: the fixed default"))
+    layers = choose("actor.checkpoint_layers", count.num_layers if a.gradient_checkpointing else a.checkpoint_layers,
+                    (0, why))
+    return MemoryPlan(choose("ref.stream_weights", cfg.ref.stream_weights, (False, why)), layers,
+                      choose("actor.optimizer_offload", a.optimizer_offload, (False, why)), micro,
+                      measures=Measures(bool(cfg.ref.stream_weights), layers.value, bool(a.optimizer_offload)),
+                      peak_bytes=0, budget_bytes=count.budget_bytes, kv_sequences=-1)
 
 
 def _keep_logits_rule(cfg: "Config", count: "UpdateCount", head: dict, *, micro_tokens: int, mini_batch_tokens: int,
@@ -124,10 +155,11 @@ def _keep_logits_rule(cfg: "Config", count: "UpdateCount", head: dict, *, micro_
 
 @dataclass
 class UpdateCount:
-    """The doctor's count of this run's update on this process's device: the loaded roles' resident bytes (weights,
-    and for what trains AdamW's moments; a LoRA reference shares the actor's base), the actor's gradients, the
-    bytes a kept engine holds (KV pool, recurrent state, route record, weight copies), the device memory this
-    process can have (free + what it holds already), and how a micro-batch's activations grow (`peak`)."""
+    """The memory budget's count of this run's update on this process's device: the loaded roles' resident bytes
+    (weights, and for what trains AdamW's moments; a LoRA reference shares the actor's base), the actor's gradients,
+    the bytes a kept engine holds (KV pool, recurrent state, route record, weight copies), the device memory this
+    process can have (free + what it holds already), and how a micro-batch's activations grow (`peak`), under the
+    memory plan's measures once they are chosen (`measures`)."""
 
     shape: Optional[ModelShape]
     resident: int
@@ -137,45 +169,77 @@ class UpdateCount:
     sequence_tokens: int
     gradient_checkpointing: bool
     compiled: bool
+    actor_bytes: int = 0        # the actor's weights (of `resident`)
+    ref_bytes: int = 0          # a separate reference's weights (of `resident`)
+    ref_layer_bytes: int = 0    # of which in its decoder layers
+    mini_batch_sequences: int = 1
+    world_size: int = 1
+    device_type: str = "cpu"
+    kv_fraction: float = 0.4
+    sequences_per_call: int = 1
+    routes: bool = False
+    selective: bool = True      # phaserl's decoder checkpoints any number of layers; transformers all or none
+    num_layers: int = 0         # the actor's decoder layers
+    measures: Measures = Measures()
 
     @classmethod
-    def of(cls, cfg: "Config", roles: "Roles", *, compiled: bool, free_bytes: int, held_bytes: int) -> "UpdateCount":
+    def of(cls, cfg: "Config", roles: "Roles", *, compiled: bool, free_bytes: int, held_bytes: int,
+           mini_batch_sequences: int = 1, world_size: int = 1, device_type: str = "cpu") -> "UpdateCount":
         """free_bytes: the device's free memory now (the engine's KV pool is a fraction of it); held_bytes: what
         this process's allocator holds already."""
         seq = sequence_tokens(cfg)  # a slot
+        layers = decoder_layers(roles.actor.model)
         try:
             shape = ModelShape.of(roles.actor.model)
         except UnknownShape:  # our decoder always has a shape: count nothing, and the rules stay careful
             shape = None
-        models = [(roles.actor.model, True), (roles.critic.model if roles.critic else None, True),
-                  (roles.ref_policy.model if roles.ref_policy else None, False),
+        ref = roles.ref_policy.model if roles.ref_policy else None
+        models = [(roles.actor.model, True), (roles.critic.model if roles.critic else None, True), (ref, False),
                   (getattr(roles.reward.reward_model, "model", None), False)]
-        seen, resident, grads = set(), 0, 0
-        for model, trains in models:  # the doctor's role_memory, per tensor: a LoRA reference shares the base
-            for p in model.parameters() if model is not None else ():
+        seen, held, grads = set(), [0, 0, 0, 0], 0  # per model: weights (+ AdamW for what trains)
+        for i, (model, trains) in enumerate(models):  # the doctor's role_memory, per tensor: a LoRA reference
+            for p in model.parameters() if model is not None else ():  # shares the actor's base
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
                 size = p.numel() * p.element_size()
                 trainable = size if trains and p.requires_grad else 0
-                resident, grads = resident + size + 2 * trainable, grads + trainable  # params + AdamW; gradients
+                held[i] += size + 2 * trainable
+                grads += trainable if i == 0 else 0
+        ref_layers = 0
+        if ref is not None and held[2]:
+            ref_layers = sum(p.numel() * p.element_size() for layer in decoder_layers(ref) for p in layer.parameters())
         r = cfg.rollout
         kept = 0 if shape is None else kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(seq),
                                                          kv_limit=int(r.engine_memory_fraction * free_bytes),
                                                          routes=cfg.actor.routing_replay)
-        return cls(shape, resident, grads, kept, free_bytes + held_bytes, seq, cfg.actor.gradient_checkpointing,
-                   compiled)
+        return cls(shape, sum(held), grads, kept, free_bytes + held_bytes, seq, cfg.actor.gradient_checkpointing,
+                   compiled, actor_bytes=held[0] - 2 * grads, ref_bytes=held[2], ref_layer_bytes=ref_layers,
+                   mini_batch_sequences=mini_batch_sequences, world_size=world_size, device_type=device_type,
+                   kv_fraction=r.engine_memory_fraction, sequences_per_call=r.batch_size * r.n,
+                   routes=cfg.actor.routing_replay, selective=supports_packing(roles.actor.model),
+                   num_layers=len(layers), measures=Measures(layers=len(layers) if cfg.actor.gradient_checkpointing
+                                                             else 0))
+
+    def facts(self, *, kept: bool) -> PlanFacts:
+        """The plan's facts: this count, with a kept engine's bytes when `kept`."""
+        return PlanFacts(shape=self.shape, device_type=self.device_type, budget_bytes=self.budget_bytes,
+                         actor_params=self.actor_bytes, actor_trainable=self.grads, ref_bytes=self.ref_bytes,
+                         ref_layer_bytes=self.ref_layer_bytes,
+                         other_bytes=self.resident - self.actor_bytes - 2 * self.grads - self.ref_bytes,
+                         kept_bytes=self.kept_bytes if kept else 0, sequence_tokens=self.sequence_tokens,
+                         mini_batch_sequences=self.mini_batch_sequences, compiled=self.compiled,
+                         world_size=self.world_size, selective=self.selective, kv_fraction=self.kv_fraction,
+                         sequences_per_call=self.sequences_per_call, routes=self.routes)
 
     def fixed_bytes(self, *, kept: bool) -> int:
-        return self.resident + self.grads + (self.kept_bytes if kept else 0)
+        return fixed_bytes(self.facts(kept=kept), self.measures)
 
     def peak(self, tokens: int, *, kept: bool) -> int:
         """The update's peak with a micro-batch of `tokens` (unknown shape: more than any device has)."""
         if self.shape is None:
             return 2**62
-        return update_peak_bytes(self.shape, resident=self.resident, grads=self.grads, micro_batch_tokens=tokens,
-                                 gradient_checkpointing=self.gradient_checkpointing, compiled=self.compiled,
-                                 sequence_tokens=self.sequence_tokens) + (self.kept_bytes if kept else 0)
+        return peak_bytes(self.facts(kept=kept), self.measures, tokens)
 
 
 def train_graphs_choice(asked: Optional[bool], actor, *, world_size: int) -> Choice:
