@@ -91,6 +91,11 @@ class RolloutConfig:
     on_stale: str = spec("restart", "asynchronous rollout: a response whose oldest token would pass max_staleness is "
                                     "started over (restart) or its whole group dropped (drop); counted either way",
                          choices=["restart", "drop"])
+    ranks: int = spec(0, "rollout ranks: under torchrun the last `ranks` ranks only generate and the others only train, "
+                         "sending new weights to them after each optimizer step (docs/distributed.md, 'Rollout "
+                         "ranks'). 0 = every rank both generates and trains (the hybrid actor)", min=0)
+    weight_bucket_mb: int = spec(256, "rollout ranks: weights travel to them in buckets of at most this many MiB "
+                                      "(a larger parameter travels alone)", min=1)
 
 
 @dataclass

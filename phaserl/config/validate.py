@@ -59,8 +59,40 @@ def _divisors(x: int) -> str:
     return ", ".join([str(d) for d in range(1, x + 1) if x % d == 0][:8])
 
 
-def _batch_errors(cfg: Config, world_size: int) -> list[str]:
-    """Broken batch arithmetic (prompts -> ranks -> responses -> mini-batches), one message per rule."""
+def trainer_ranks(cfg: Config, world_size: int) -> int:
+    """The ranks that train and so divide the batches: the launch's world size less rollout.ranks (the whole world
+    when rollout.ranks = 0, or when the split itself is wrong: _split_errors says so)."""
+    k = cfg.rollout.ranks
+    return world_size - k if isinstance(world_size, int) and 0 < k < world_size else world_size
+
+
+def _ranks_name(cfg: Config, world_size: int) -> str:
+    """How the batch rules name the ranks they divide by."""
+    k = cfg.rollout.ranks
+    if isinstance(world_size, int) and 0 < k < world_size:
+        return f"the trainer ranks (world_size - rollout.ranks = {world_size} - {k})"
+    return "world_size"
+
+
+def _split_errors(cfg: Config, world_size: int) -> list[str]:
+    """rollout.ranks against the launch: rollout ranks of their own need torchrun, and a trainer rank must remain."""
+    k = cfg.rollout.ranks
+    if k == 0 or not isinstance(world_size, int) or isinstance(world_size, bool):
+        return []
+    if world_size == 1:
+        return [f"rollout.ranks = {k} puts generation on ranks of its own, but this run is one process (no "
+                f"torchrun): launch with torchrun --nproc-per-node N, N > {k} (the first N - {k} ranks train, the "
+                f"last {k} generate), or set rollout.ranks = 0 (every rank generates and trains)"]
+    if k >= world_size:
+        return [f"rollout.ranks = {k} leaves no trainer rank: the launch has world_size = {world_size} ranks and the "
+                f"last {k} would only generate; set rollout.ranks to at most {world_size - 1}, or launch at least "
+                f"{k + 1} ranks"]
+    return []
+
+
+def _batch_errors(cfg: Config, world_size: int, ranks: str = "world_size") -> list[str]:
+    """Broken batch arithmetic (prompts -> ranks -> responses -> mini-batches), one message per rule. `ranks` names
+    the rank count they divide by (the trainer ranks when rollout.ranks > 0)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         return [f"world_size = {world_size!r}: expected an integer >= 1"]
     ws, P, n = world_size, cfg.rollout.prompts_per_step, cfg.rollout.n
@@ -68,7 +100,7 @@ def _batch_errors(cfg: Config, world_size: int) -> list[str]:
     responses = f"rollout.prompts_per_step × rollout.n = {P} × {n} = {R} responses per step"
     errs = []
     if P % ws:
-        errs.append(f"rollout.prompts_per_step = {P} is not divisible by world_size = {ws} (prompts per rank = "
+        errs.append(f"rollout.prompts_per_step = {P} is not divisible by {ranks} = {ws} (prompts per rank = "
                     f"{P} / {ws} = {P / ws:g}); use a multiple of {ws}, e.g. {_multiples(P, ws)}")
     if mbs is None and R % nmb:
         errs.append(f"{responses} do not split into ppo.num_mini_batches = {nmb} equal mini-batches "
@@ -83,7 +115,7 @@ def _batch_errors(cfg: Config, world_size: int) -> list[str]:
     resolved = mbs if mbs is not None else R // nmb
     if resolved * nmb == R and resolved % ws:  # only once the mini-batch itself is right
         what = "ppo.mini_batch_size" if mbs is not None else f"ppo.mini_batch_size (derived: {R} / {nmb})"
-        errs.append(f"{what} = {resolved} responses per optimizer step (global) is not divisible by world_size = "
+        errs.append(f"{what} = {resolved} responses per optimizer step (global) is not divisible by {ranks} = "
                     f"{ws} ({resolved} / {ws} = {resolved / ws:g} per rank); use a multiple of {ws}, "
                     f"e.g. {_multiples(resolved, ws)}")
     return errs
@@ -236,7 +268,12 @@ def _memory_errors(cfg: Config, world_size: int) -> list[str]:
 def _warnings(cfg: Config, world_size: int) -> list[str]:
     """Settings that are valid but will be ignored or wasted."""
     a, out = cfg.algorithm, []
-    if cfg.rollout.engine_keep_awake and world_size > 1 and cfg.actor.fsdp.sharding_strategy != "NO_SHARD":
+    if cfg.rollout.ranks and cfg.actor.hybrid_engine.offload_optimizer:
+        out.append(f"actor.hybrid_engine.offload_optimizer = true is ignored with rollout.ranks = {cfg.rollout.ranks}: "
+                   "the trainer ranks never switch the actor to rollout mode (the rollout ranks generate), so its "
+                   "optimizer state stays where it is; delete the key")
+    if (cfg.rollout.engine_keep_awake and world_size > 1 and cfg.actor.fsdp.sharding_strategy != "NO_SHARD"
+            and not cfg.rollout.ranks):  # rollout ranks keep their own unsharded copy: nothing moves there
         out.append(f"rollout.engine_keep_awake = true with actor.fsdp.sharding_strategy = "
                    f"{cfg.actor.fsdp.sharding_strategy} on {world_size} ranks: the weights gathered for each "
                    "rollout land at new addresses, so the engine re-captures its graphs every step anyway while "
@@ -301,7 +338,8 @@ def _raise(errs: list[str], source: str) -> None:
 
 def validate(cfg: Config, world_size: int = 1, *, source: str = "config") -> None:
     """Raise one ConfigError listing every broken cross-field rule; warn about ignored settings."""
-    _raise(_batch_errors(cfg, world_size) + _rule_errors(cfg) + _memory_errors(cfg, world_size), source)
+    batch = _batch_errors(cfg, trainer_ranks(cfg, world_size), _ranks_name(cfg, world_size))
+    _raise(_split_errors(cfg, world_size) + batch + _rule_errors(cfg) + _memory_errors(cfg, world_size), source)
     for message in _warnings(cfg, world_size):
         warnings.warn(f"{source}: {message}", stacklevel=2)
 
@@ -351,10 +389,13 @@ def train_micro_batch_tokens(cfg: Config) -> int:
 def derive(cfg: Config, world_size: int = 1, *, reward_model_engine: str | None = None) -> Derived:
     """The resolved batch arithmetic and role switches of `cfg` on `world_size` ranks (config untouched).
 
-    `reward_model_engine` ('phaserl' or 'transformers') is the engine a caller resolved from the RM
+    With rollout.ranks = k > 0 the batches divide over the world_size - k trainer ranks, and Derived.world_size
+    is that count. `reward_model_engine` ('phaserl' or 'transformers') is the engine a caller resolved from the RM
     directory; None takes reward_model.engine as configured, where 'auto' stays unresolved.
     """
-    _raise(_batch_errors(cfg, world_size), "config")
+    _raise(_split_errors(cfg, world_size) + _batch_errors(cfg, trainer_ranks(cfg, world_size),
+                                                          _ranks_name(cfg, world_size)), "config")
+    world_size = trainer_ranks(cfg, world_size)
     engine = reward_model_engine or cfg.reward_model.engine
     if engine not in ("auto", "phaserl", "transformers"):
         raise ValueError(f"derive: reward_model_engine={reward_model_engine!r}; expected phaserl, transformers, "

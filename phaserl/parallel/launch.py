@@ -77,10 +77,11 @@ def current_phase() -> str:
 
 @contextmanager
 def in_phase(name: str, step: Optional[int] = None):
-    """set_phase(name, step) for the block, then back to the phase it interrupted (its start time kept)."""
+    """set_phase(name, step) for the block (step None: the interrupted phase's step), then back to the phase it
+    interrupted (its start time kept)."""
     global _phase
     outer = _phase
-    set_phase(name, step)
+    set_phase(name, outer.step if step is None else step)
     try:
         yield
     finally:

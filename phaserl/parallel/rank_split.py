@@ -10,7 +10,9 @@ process groups the two sides use, every one with the collective timeout:
               which NCCL refuses: CUDA tensors are then staged through host memory)
     control   the same ranks over gloo: version headers (polled without blocking) and the one-time check that
               both sides hold the same parameters
-    samples   every rank over gloo, point to point only: completed sample groups (sample_channel.py)
+    samples   per rollout rank r, gloo over [0, r]: its completed sample groups to trainer rank 0 (a group of
+              two, so that a broadcast from r is a message whose failure a poll sees: sample_channel.py)
+    trainer_cpu  the trainer ranks over gloo: trainer rank 0 hands out the sample groups
 
 Why the last ranks: global rank 0 stays trainer rank 0, the rank that logs, writes checkpoints and prints, as
 in a colocated run; the trainer ranks are 0 .. T-1 in the same order as the global ones.
@@ -89,7 +91,8 @@ class RankGroups:
     rollout: Optional[dist.ProcessGroup]
     sync: Optional[dist.ProcessGroup]       # trainer rank 0 + rollout ranks, sync_backend
     control: Optional[dist.ProcessGroup]    # trainer rank 0 + rollout ranks, gloo
-    samples: dist.ProcessGroup              # every rank, gloo
+    samples: dict                           # rollout rank r -> gloo group [0, r] (the ones this rank is in)
+    trainer_cpu: Optional[dist.ProcessGroup]  # the trainer ranks, gloo
 
     @property
     def role(self) -> str:
@@ -150,10 +153,13 @@ def build_groups(split: RankSplit, timeout_s: float, *, sync_backend: str = "aut
         made = dist.new_group(ranks, timeout=timeout, backend=backend)  # collective: every rank, same order
         return made if rank in ranks else None
 
+    trainer, rollout = group(split.trainers), group(split.rollouts)
+    sync, control = group(sync_ranks, sync_backend), group(sync_ranks, "gloo")
+    samples = {r: group([0, r], "gloo") for r in split.rollouts}
     groups = RankGroups(split=split, rank=rank, timeout_s=float(timeout_s), sync_backend=sync_backend,
-                        trainer=group(split.trainers), rollout=group(split.rollouts),
-                        sync=group(sync_ranks, sync_backend), control=group(sync_ranks, "gloo"),
-                        samples=group(list(range(split.world_size)), "gloo"))
+                        trainer=trainer, rollout=rollout, sync=sync, control=control,
+                        samples={r: g for r, g in samples.items() if g is not None},
+                        trainer_cpu=group(split.trainers, "gloo"))
     if rank == 0:
         log.info(f"[rank 0] rollout ranks {split.rollouts}, trainer ranks {split.trainers}; weights over "
                  f"{sync_backend}, collective timeout {timeout_s:g} s")

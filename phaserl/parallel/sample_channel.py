@@ -4,9 +4,12 @@ A rollout rank sends each batch of completed groups (the n responses to one prom
 behaviour log-probs and policy versions, finish reasons, the prompt's row) to trainer rank 0 without waiting
 for it to be taken (`SampleSender.send`). Trainer rank 0 receives from whichever rollout rank sends next
 (`SampleReceiver.poll` / `receive`) and, once it has formed a batch, hands every trainer rank its share
-(`scatter_groups`): one rank decides which groups train together and where, the others only receive.
+(`scatter_groups`, point to point over the trainer ranks' gloo group): one rank decides which groups train
+together and where, the others only receive.
 
-Each batch is three messages over the gloo `samples` group (rank_split.py), length-prefixed:
+Each batch is three broadcasts over the gloo group of its rollout rank and trainer rank 0 (`groups.samples[r]`,
+rank_split.py; collectives rather than point-to-point messages, because a poll sees a collective fail when its
+peer dies, while a point-to-point receive only times out), length-prefixed:
     header  int64 [2]    the sizes I and F of the two below; [-1, -1]: this rollout rank sends no more
     ints    int64 [I]    M, then M numbers of metadata: G, and per group prompt_index, n, and per response
                          its length T and finish code; then every response's token ids, then every
@@ -23,6 +26,7 @@ in flight until every rollout rank has closed. Not here: which groups form a bat
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -35,8 +39,7 @@ from .rank_split import RankGroups
 
 FINISH_REASONS = ("stop", "length", "abort")  # EOS or a stop token; max_new_tokens; cut off unfinished
 _CODES = {reason: code for code, reason in enumerate(FINISH_REASONS)}
-_TO_TRAINER = (1, 2, 3)      # message tags (header, ints, floats): rollout rank -> trainer rank 0
-_TO_SHARE = (4, 5, 6)        # trainer rank 0 -> another trainer rank (scatter_groups)
+_TO_SHARE = (1, 2, 3)        # message tags (header, ints, floats): trainer rank 0 -> another trainer rank
 _DONE = -1
 
 
@@ -111,9 +114,9 @@ def unpack_groups(ints: torch.Tensor, floats: torch.Tensor) -> list[SampleGroup]
     return out
 
 
-def _nonempty(tensors: list, tags: tuple) -> list:
-    """(tensor, tag) for the messages that carry something (the header always does; an empty one is not sent)."""
-    return [(t, tag) for t, tag in zip(tensors, tags) if t.numel()]
+def _nonempty(tensors: list) -> list:
+    """The messages that carry something (the header always does; an empty payload is not sent)."""
+    return [t for t in tensors if t.numel()]
 
 
 def _peers(ranks: Sequence[int]) -> str:
@@ -127,7 +130,8 @@ class SampleSender:
         if groups.role != "rollout":
             raise ValueError(f"rank {groups.rank} is a trainer rank: only rollout ranks send samples")
         self.groups = groups
-        self._pending: list = []        # (works, tensors kept alive until sent, what)
+        self._group = groups.samples[groups.rank]   # gloo [trainer rank 0, this rank]
+        self._pending: list = []                    # (works, tensors kept alive until taken, what)
         self._sent = 0
 
     @property
@@ -140,7 +144,7 @@ class SampleSender:
         """Queue these completed groups for trainer rank 0 (never blocks; raises when an earlier batch failed)."""
         self._reap()
         ints, floats = pack_groups(groups)
-        self._post([ints, floats], f"sample batch {self._sent + 1} ({len(groups)} groups)")
+        self._post([ints, floats], f"sample batch {self._sent + 1} ({len(groups)} group{'' if len(groups) == 1 else 's'})")
         self._sent += 1
 
     def flush(self) -> None:
@@ -161,23 +165,26 @@ class SampleSender:
 
     def _post(self, payload: list, what: str) -> None:
         sizes = [t.numel() for t in payload] if payload else [_DONE, _DONE]
-        messages = _nonempty([torch.tensor(sizes, dtype=torch.int64)] + payload, _TO_TRAINER)
+        messages = _nonempty([torch.tensor(sizes, dtype=torch.int64)] + payload)
         try:
-            works = [dist.isend(t, dst=self.groups.sender_rank, group=self.groups.samples, tag=tag)
-                     for t, tag in messages]
+            works = [dist.broadcast(t, src=self.groups.rank, group=self._group, async_op=True) for t in messages]
         except RuntimeError as exc:
             raise self._failure(what, exc) from exc
         self._pending.append((works, messages, what))
 
     def _reap(self) -> None:
         """Drop the batches already taken; raise for one that failed (timed out, or the trainer is gone)."""
-        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
-            works, _, what = self._pending.pop(0)
+        while self._pending and any(w.is_completed() for w in self._pending[0][0]):
+            works, _, what = self._pending[0]
             for work in works:
-                try:
-                    work.wait()
-                except RuntimeError as exc:
-                    raise self._failure(what, exc) from exc
+                if work.is_completed():
+                    try:
+                        work.wait()
+                    except RuntimeError as exc:
+                        raise self._failure(what, exc) from exc
+            if not all(w.is_completed() for w in works):
+                return
+            self._pending.pop(0)
 
     def _failure(self, what: str, exc: BaseException):
         return peer_failure(f"sending {what} to trainer rank {self.groups.sender_rank}", exc,
@@ -185,70 +192,80 @@ class SampleSender:
 
 
 class SampleReceiver:
-    """Trainer rank 0's end: batches from whichever rollout rank sends next."""
+    """Trainer rank 0's end: batches from whichever rollout rank sends next.
+
+    One header receive stays posted per open rollout rank, each over the group of that rank and trainer rank 0
+    (a collective's progress is what a poll can see fail: a point-to-point receive from a peer that died stays
+    "not completed" until its timeout)."""
 
     def __init__(self, groups: RankGroups):
         if groups.rank != groups.sender_rank:
             raise ValueError(f"rank {groups.rank}: only trainer rank {groups.sender_rank} receives samples "
                              "(the others get their share from scatter_groups)")
         self.groups = groups
-        self.open = set(groups.split.rollouts)  # rollout ranks that have not closed
-        self._header = torch.zeros(2, dtype=torch.int64)
-        self._work = None
-        self._post()
+        self.open = list(groups.split.rollouts)  # rollout ranks that have not closed, in the order served next
+        self._headers = {rank: torch.zeros(2, dtype=torch.int64) for rank in self.open}
+        self._works: dict = {}
+        for rank in self.open:
+            self._post(rank)
 
-    def _post(self) -> None:
+    def _post(self, rank: int) -> None:
         try:
-            self._work = dist.irecv(self._header, src=None, group=self.groups.samples, tag=_TO_TRAINER[0])
+            self._works[rank] = dist.broadcast(self._headers[rank], src=rank, group=self.groups.samples[rank],
+                                               async_op=True)
         except RuntimeError as exc:
-            raise self._failure(exc) from exc
+            raise self._failure(exc, [rank]) from exc
 
-    def _failure(self, exc: BaseException, rank: Optional[int] = None):
-        whom = f"rollout rank {rank}" if rank is not None else f"rollout {_peers(sorted(self.open))}"
-        return peer_failure(f"waiting for samples from {whom}", exc, timeout_s=self.groups.timeout_s,
-                            role="trainer")
+    def _failure(self, exc: BaseException, ranks: list):
+        return peer_failure(f"waiting for samples from rollout {_peers(ranks)}", exc,
+                            timeout_s=self.groups.timeout_s, role="trainer")
 
     @property
     def closed(self) -> bool:
         """True once every rollout rank has said it sends no more."""
         return not self.open
 
+    def _ready(self) -> Optional[int]:
+        """The first open rank (round robin) whose header has come; raises for one whose receive failed."""
+        for rank in self.open:
+            work = self._works[rank]
+            if work.is_completed():
+                try:
+                    work.wait()  # at once: done, or failed (then it raises)
+                except RuntimeError as exc:
+                    raise self._failure(exc, [rank]) from exc
+                return rank
+        return None
+
     def poll(self) -> bool:
         """True when a batch (or a rollout rank's end) is waiting; never blocks."""
-        if self.closed:
-            return True
-        if not self._work.is_completed():
-            return False
-        try:
-            self._work.wait()
-        except RuntimeError as exc:
-            raise self._failure(exc) from exc
-        return True
+        return self.closed or self._ready() is not None
 
     def receive(self) -> Optional[tuple[int, list[SampleGroup]]]:
         """The next batch as (rollout rank, groups), blocking at most the timeout for it; None once every rollout
         rank has closed. A rollout rank's end is taken in passing (the wait goes on for the others)."""
         timeout = timedelta(seconds=self.groups.timeout_s)
+        deadline = time.monotonic() + self.groups.timeout_s
         while not self.closed:
-            try:
-                self._work.wait(timeout=timeout)
-            except RuntimeError as exc:
-                raise self._failure(exc) from exc
-            src = dist.get_global_rank(self.groups.samples, self._work._source_rank())
-            n_ints, n_floats = self._header.tolist()
+            src = self._ready()
+            if src is None:
+                if time.monotonic() > deadline:
+                    raise self._failure(TimeoutError("timed out"), self.open)
+                time.sleep(0.001)
+                continue
+            self.open.remove(src)
+            n_ints, n_floats = self._headers[src].tolist()
             if n_ints == _DONE:
-                self.open.discard(src)
-                if not self.closed:
-                    self._post()
                 continue
             ints = torch.empty(n_ints, dtype=torch.int64)
             floats = torch.empty(n_floats, dtype=torch.float32)
-            for tensor, tag in _nonempty([ints, floats], _TO_TRAINER[1:]):
+            for tensor in _nonempty([ints, floats]):
                 try:
-                    dist.irecv(tensor, src=src, group=self.groups.samples, tag=tag).wait(timeout=timeout)
+                    dist.broadcast(tensor, src=src, group=self.groups.samples[src], async_op=True).wait(timeout=timeout)
                 except RuntimeError as exc:
-                    raise self._failure(exc, src) from exc
-            self._post()
+                    raise self._failure(exc, [src]) from exc
+            self.open.append(src)  # served last next time: no rollout rank waits behind a busier one
+            self._post(src)
             return src, unpack_groups(ints, floats)
         return None
 
@@ -263,10 +280,10 @@ class SampleReceiver:
 def scatter_groups(groups: RankGroups, shares: Optional[list]) -> list[SampleGroup]:
     """Every trainer rank's share of a batch: trainer rank 0 passes `shares` (one list of SampleGroup per
     trainer rank, in trainer-rank order), the others None; each returns its own list. Every trainer rank calls it."""
-    if groups.trainer is None:
+    if groups.trainer_cpu is None:
         raise ValueError(f"rank {groups.rank} is a rollout rank: scatter_groups runs on the trainer ranks")
     trainers, timeout = groups.split.trainers, timedelta(seconds=groups.timeout_s)
-    root = groups.sender_rank
+    root, group = groups.sender_rank, groups.trainer_cpu
     if groups.rank == root:
         if shares is None or len(shares) != len(trainers):
             raise ValueError(f"scatter_groups: trainer rank 0 must pass one share per trainer rank "
@@ -275,8 +292,8 @@ def scatter_groups(groups: RankGroups, shares: Optional[list]) -> list[SampleGro
         for rank, share in zip(trainers[1:], shares[1:]):
             ints, floats = pack_groups(share)
             header = torch.tensor([ints.numel(), floats.numel()], dtype=torch.int64)
-            for tensor, tag in _nonempty([header, ints, floats], _TO_SHARE):
-                sends.append((dist.isend(tensor, dst=rank, group=groups.samples, tag=tag), tensor, rank))
+            for tensor, tag in zip(_nonempty([header, ints, floats]), _TO_SHARE):
+                sends.append((dist.isend(tensor, dst=rank, group=group, tag=tag), tensor, rank))
         for work, _, rank in sends:
             try:
                 work.wait(timeout=timeout)
@@ -286,11 +303,11 @@ def scatter_groups(groups: RankGroups, shares: Optional[list]) -> list[SampleGro
         return list(shares[0])
     header = torch.zeros(2, dtype=torch.int64)
     try:
-        dist.irecv(header, src=root, group=groups.samples, tag=_TO_SHARE[0]).wait(timeout=timeout)
+        dist.irecv(header, src=root, group=group, tag=_TO_SHARE[0]).wait(timeout=timeout)
         ints = torch.empty(int(header[0]), dtype=torch.int64)
         floats = torch.empty(int(header[1]), dtype=torch.float32)
-        for tensor, tag in _nonempty([ints, floats], _TO_SHARE[1:]):
-            dist.irecv(tensor, src=root, group=groups.samples, tag=tag).wait(timeout=timeout)
+        for tensor, tag in zip(_nonempty([ints, floats]), _TO_SHARE[1:]):
+            dist.irecv(tensor, src=root, group=group, tag=tag).wait(timeout=timeout)
     except RuntimeError as exc:
         raise peer_failure(f"waiting for its share of the samples from trainer rank {root}", exc,
                            timeout_s=groups.timeout_s, role="trainer") from exc

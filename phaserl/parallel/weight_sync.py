@@ -190,7 +190,7 @@ class WeightSender:
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"weight version {version} after {self.last_version}: versions must increase")
         start = time.perf_counter()
-        with in_phase("weight sync", version), torch.no_grad():
+        with in_phase("weight sync"), torch.no_grad():
             if self.is_root:
                 self._header([version, len(self.buckets), self.nbytes])
                 self._send_buckets(version)
@@ -202,7 +202,7 @@ class WeightSender:
     def close(self) -> None:
         """Tell the rollout ranks no version follows (their receive() returns None); trainer rank 0 only sends."""
         if self.is_root:
-            with in_phase("weight sync", self.last_version):
+            with in_phase("weight sync"):
                 self._header([_CLOSED, 0, 0])
 
     def _header(self, values: list[int]) -> None:
@@ -318,7 +318,7 @@ class WeightReceiver:
             raise RuntimeError(f"weight version {version}: the trainer sends {count} buckets of {nbytes} bytes in "
                                f"all, this rank planned {len(self.buckets)} of {self.nbytes}")
         start = time.perf_counter()
-        with in_phase("weight sync", version), torch.no_grad():
+        with in_phase("weight sync"), torch.no_grad():
             for i, bucket in enumerate(self.buckets):
                 raw = self._buffer[:bucket.nbytes]
                 try:
