@@ -131,3 +131,22 @@ class Jittery(Feedback):
         time.sleep(random.Random().uniform(0, 0.04))
         self.observation = f"n{len(action) % 10}"
         return super().step(action)
+
+
+class FaultyEvenSeeds(Feedback):
+    """Issue 47's third-party environment: on the episodes of even seed, step() raises (`fault=raise`), hangs for
+    30 s (`fault=hang`) or returns a dict for an observation (`fault=dict`); the others behave."""
+
+    def __init__(self, fault: str = "raise", **kwargs):
+        super().__init__(**kwargs)
+        self.fault = fault
+
+    def step(self, action):
+        if self.seed % 2 == 0:
+            if self.fault == "raise":
+                raise ValueError("the simulator lost its state")
+            if self.fault == "hang":
+                time.sleep(30)
+            if self.fault == "dict":
+                return {"text": "ab"}, 0.0, False, {}
+        return super().step(action)

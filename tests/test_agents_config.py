@@ -55,7 +55,8 @@ def test_the_doctor_runs_one_episode_and_shows_its_mask():
 def test_the_doctor_fails_on_an_environment_that_raises():
     line = _agent_line([f"agent.env={ENVS}:RaisesOnSecondStep", "agent.kwargs={turns: 4}"])
     assert line.status == FAIL
-    assert "environment RaisesOnSecondStep (" in line.message and "step() raised RuntimeError" in line.message
+    assert "environment RaisesOnSecondStep: 4 of 4 probe episodes hit a fault" in line.message
+    assert "step() raised RuntimeError" in line.message and "on_env_error=end" not in line.fix  # no advice to end them all
 
 
 def test_episode_budgets_are_checked_against_the_other_sizes():

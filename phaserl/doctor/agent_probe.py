@@ -1,11 +1,14 @@
 """The doctor's one-episode probe of the configured environment (agent.env; docs/agents.md), or of
 the configured external harness (agent.harness).
 
-It builds the environment as `train` would, runs one episode from the first training row with the
-policy (greedy, rollout.max_new_tokens per turn, the agent.* limits) and reports what it saw: the
-reset, the first model turn, tool calls the environment counted, how the episode ended, and the
-mask of its tokens (which the loss sees, which are observations). An environment that raises, hangs
-or returns a bad value is a FAIL with the message training would give. For agent.harness it serves
+It builds the environment as `train` would, runs `PROBE_EPISODES` episodes from the first training rows with
+the policy (greedy, rollout.max_new_tokens per turn, the agent.* limits) and reports what the first one saw:
+the reset, the first model turn, tool calls the environment counted, how the episode ended, and the mask of
+its tokens (which the loss sees, which are observations). An environment that raises, hangs or returns a bad
+value is judged as training would meet it (issue 47): with agent.on_env_error=stop a FAIL with the message
+that would stop the run; with `end` (the default) such episodes end and training goes on, so a WARN naming
+the environment, the fault and how many probe episodes it hit; a FAIL only when it hit every one (nothing
+would be left to learn from), with advice for that fault. For agent.harness it serves
 the policy (greedy) on the localhost endpoint as training does, runs one harness conversation on the
 first training row and reports its requests, turns, reward, prefix mismatches and token mask; a
 harness that raises, times out or makes no request is a FAIL. Nothing is trained.
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+from contextlib import contextmanager
 
 from ..agents.completion import GenerateBackend
 from ..agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart
@@ -26,6 +31,7 @@ from .checks import Context, check, short
 from .report import FAIL, OK, WARN, CheckResult
 
 NAME = "agent episode"
+PROBE_EPISODES = 4  # one per training row (the first rows), run together as training runs them
 
 
 @check(NAME, needs=("tokenizer", "policy", "train_rows"))
@@ -37,18 +43,26 @@ def check_agent(ctx: Context) -> CheckResult:
         return CheckResult(NAME, OK, "off: single-turn RL (agent.env and agent.harness are not set)")
     factory = EnvironmentFactory.from_spec(cfg.agent.env, dict(cfg.agent.kwargs))
     context = getattr(getattr(ctx.policy, "config", None), "max_position_embeddings", None) or cfg.agent.max_episode_tokens
-    limits = dataclasses.replace(AgentLimits.from_config(cfg, context), on_env_error="stop", workers=1)
-    item = build_prompt_dataset(ctx.train_rows[:1], tok, max_prompt_length=cfg.data.max_prompt_length,
-                                overlong=cfg.data.overlong_prompts,
-                                apply_chat_template=cfg.data.apply_chat_template).items[0]
+    # on_env_error=end whatever the config: the probe counts the faulty episodes, then judges them by the config
+    limits = dataclasses.replace(AgentLimits.from_config(cfg, context), on_env_error="end", workers=PROBE_EPISODES)
+    items = build_prompt_dataset(ctx.train_rows[:PROBE_EPISODES], tok, max_prompt_length=cfg.data.max_prompt_length,
+                                 overlong=cfg.data.overlong_prompts,
+                                 apply_chat_template=cfg.data.apply_chat_template).items
+    starts = [EpisodeStart(items[i % len(items)], seed=cfg.trainer.seed + i,
+                           label=f"{items[i % len(items)].row.source}, sample {i // len(items)}")
+              for i in range(PROBE_EPISODES)]
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or [0])[0]
     decoder = _decoder(ctx, limits.max_episode_tokens + params.max_new_tokens)
     decode = decoder.generate if isinstance(decoder, RolloutEngine) else functools.partial(generate, decoder)
-    episode = EpisodeRunner(factory, tok, limits).run_generate(
-        lambda prompts: decode(prompts, params, eos_token_ids=eos, pad_token_id=pad),
-        [EpisodeStart(item, seed=cfg.trainer.seed, label=f"{item.row.source}, sample 0")])[0]
+    with _episode_faults() as faults:
+        episodes = EpisodeRunner(factory, tok, limits).run_generate(
+            lambda prompts: decode(prompts, params, eos_token_ids=eos, pad_token_id=pad), starts)
+    hit = [e for e in episodes if e.finish_reason in ("env_error", "env_timeout")]
+    if hit:
+        return _faults_result(factory.name, hit, faults, cfg)
+    episode, item = episodes[0], items[0]
     layout = " | ".join(f"{s.kind} {len(s.token_ids)}" + (" (masked)" if s.kind == "observation" else "")
                         for s in episode.segments)
     model = [s for s in episode.segments if s.kind == "model"]
@@ -67,6 +81,54 @@ def check_agent(ctx: Context) -> CheckResult:
         return CheckResult(NAME, FAIL, message, details=details, fix="no room for a model turn after the prompt and "
                            "the reset observation: raise agent.max_episode_tokens")
     return CheckResult(NAME, OK, message, details=details)
+
+
+@contextmanager
+def _episode_faults():
+    """The episode runner's fault lines ('... -> the episode ends') while the probe runs: kept for the check's
+    message instead of printed in the middle of the report."""
+    faults: list = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and "-> the episode ends" in record.getMessage():
+            faults.append(record.getMessage().split(" -> the episode ends")[0])
+            return False
+        return True
+
+    logger = logging.getLogger("phaserl")
+    logger.addFilter(keep)
+    try:
+        yield faults
+    finally:
+        logger.removeFilter(keep)
+
+
+def _faults_result(env: str, hit: list, faults: list, cfg) -> CheckResult:
+    """Faulty probe episodes, judged by agent.on_env_error: `end` trains on without them (WARN) unless every
+    episode had one; `stop` would stop the run at the first (FAIL). The advice fits the config and the fault."""
+    faults = [f.removeprefix(f"environment {env} ") for f in faults]  # "(row ...): what went wrong"
+    first = faults[0] if faults else f"the episode ended by {hit[0].finish_reason}"
+    timeouts = sum(e.finish_reason == "env_timeout" for e in hit)
+    message = (f"environment {env}: {len(hit)} of {PROBE_EPISODES} probe episodes hit a fault "
+               f"({len(hit) - timeouts} error(s), {timeouts} timeout(s)); the first: {first}")
+    details = tuple(faults[1:])
+    some = len(hit) < PROBE_EPISODES
+    if some and cfg.agent.on_env_error == "end":
+        return CheckResult(NAME, WARN, message, details=details,
+                           fix="agent.on_env_error=end: training ends such episodes (their turns so far kept) and "
+                               "counts them in agent/ended/env_error and agent/ended/env_timeout; fix the environment "
+                               "if they should not happen")
+    if some:  # stop
+        return CheckResult(NAME, FAIL, message, details=details,
+                           fix="agent.on_env_error=stop: the run would stop at the first such episode; fix the "
+                               "environment, or set agent.on_env_error=end to end such episodes and train on the rest")
+    if timeouts == len(hit):
+        fix = (f"every probe episode timed out: raise agent.step_timeout_s (now {cfg.agent.step_timeout_s:g} s) or "
+               "make the environment answer sooner")
+    else:
+        fix = ("every probe episode hit it, so training would have nothing to learn from: fix the environment "
+               "(run its reset and step by hand on the first training row: docs/agents.md)")
+    return CheckResult(NAME, FAIL, message, fix=fix, details=details)
 
 
 def _decoder(ctx: Context, longest: int):

@@ -113,7 +113,9 @@ class RLTrainer:
             log.info(run_summary(self))
         self.hooks.fire("on_train_start", self)
         progress = run.progress_bar(self.step_num)
-        with logging_redirect_tqdm():  # step and [HybridEngine] lines print above the progress bar, not through it
+        # step and [HybridEngine] lines print above the progress bar, not through it; an error closes the bar first,
+        # so that its message is the run's last line (issue 47)
+        with logging_redirect_tqdm(), progress:
             if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
                 self._log(self.step_num, self.validate())
             while self.step_num < run.total_steps:
