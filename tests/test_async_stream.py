@@ -161,3 +161,30 @@ def test_settings_async_cannot_run_with_are_refused_before_training(tmp_path):
 
     with pytest.raises(ConfigError, match=r"rollout\.max_staleness=2.*dynamic_sampling"):
         RLTrainer.from_config(_tiny_cfg(tmp_path, "rollout.max_staleness=2", "algorithm.dynamic_sampling=true"))
+
+
+@pytest.mark.slow
+def test_async_agent_episodes_carry_over_phases_and_their_observations_have_no_version(tmp_path):
+    from phaserl.cli import QUICKSTART_CONFIGS
+    from phaserl.config import load_config
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(QUICKSTART_CONFIGS["agent"], [
+        f"trainer.log_dir={tmp_path / 'logs'}", f"trainer.checkpoint_path={tmp_path / 'ckpt'}", "trainer.total_steps=4",
+        "trainer.val_interval=0", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
+        "rollout.prompts_per_step=8", "rollout.max_staleness=1"])
+    trainer = RLTrainer.from_config(cfg)
+    seen = []
+    update = trainer.update
+    trainer.update = lambda train: (seen.append((trainer.step_num, train.rollout)), update(train))[1]
+    trainer.fit()
+    carried = 0
+    for step, batch in seen:
+        versions, sampled = batch.token_versions, batch.loss_mask.bool()
+        assert (versions[sampled] >= step - 1).all() and (versions[sampled] <= step).all()
+        assert (versions[~sampled] == -1).all()      # observations and padding: nothing sampled them
+        for ep in batch.episodes:                    # one model segment per turn, however many phases it took
+            kinds = [seg.kind for seg in ep.segments[1:]]
+            assert all(a != b or a != "model" for a, b in zip(kinds, kinds[1:]))
+            carried += len({v for seg in ep.segments if seg.kind == "model" for v in seg.versions}) > 1
+    assert carried > 0, "no episode was continued across an update"

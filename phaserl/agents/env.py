@@ -85,6 +85,8 @@ class Segment:
     kind: Literal["prompt", "model", "observation"]
     token_ids: list                      # the exact ids: sampled (model) or appended (prompt, observation)
     logprobs: Optional[list] = None      # model segments: the sampler's log-prob of each id
+    versions: Optional[list] = None      # model segments of an asynchronous rollout: the policy version that sampled
+                                         # each id (None: the weights being trained)
 
 
 @dataclass
@@ -117,6 +119,16 @@ class Episode:
     def loss_mask(self) -> list:
         """1 per sampled token, 0 per observation token, aligned with response_ids()."""
         return [int(s.kind == "model") for s in self.segments[1:] for _ in s.token_ids]
+
+    def response_versions(self) -> Optional[list]:
+        """The policy version per response token (-1 on observation tokens), or None when no model segment records
+        versions (a synchronous rollout)."""
+        if not any(s.versions is not None for s in self.segments[1:] if s.kind == "model"):
+            return None
+        out = []
+        for s in self.segments[1:]:
+            out += list(s.versions) if s.kind == "model" else [-1] * len(s.token_ids)
+        return out
 
     def response_logprobs(self) -> list:
         """The sampler's log-prob per response token (0.0 on observation tokens)."""

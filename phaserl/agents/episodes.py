@@ -101,6 +101,8 @@ class _Run:
     workers: object = None        # the pool the call runs on
     in_session: bool = False
     routes: object = None         # routing replay: the slot's expert record, read when the slot is released
+    cut: tuple = ((), (), ())     # asynchronous rollout: the turn in progress when its phase ended (ids, log-probs,
+                                  # versions), continued from there in the next phase
 
     @property
     def ids(self) -> list:
@@ -178,8 +180,8 @@ class EpisodeRunner:
         return answered
 
     def _start(self, session, run: _Run) -> None:
-        ids = run.ids
-        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - len(ids))
+        ids = run.ids + list(run.cut[0])  # a turn cut at the end of an asynchronous phase continues where it stopped
+        cap = min(self.limits.max_turn_tokens - len(run.cut[0]), self.limits.max_episode_tokens - len(ids))
         if cap < 1:
             return self._finish(session, run, self.limits.budget_reason)
         key = run.start.seed if run.start.noise_key is None else run.start.noise_key
@@ -204,7 +206,75 @@ class EpisodeRunner:
             return self._finish(session, run, self.limits.budget_reason)
         if obs_ids:
             run.segments.append(Segment("observation", obs_ids))
+        if not run.in_session:  # asynchronous rollout: its slot went at the end of a phase; prefilled anew
+            waiting.append(run)
+            return
         session.extend(run.index, obs_ids, cap)
+
+    # ----- the asynchronous rollout: episodes that outlive a phase -----------------------------------
+    def begin_runs(self, starts: list[EpisodeStart], first_index: int) -> list:
+        """Episodes for trainer/agent_stream.py: their resets are submitted now, on the caller's pool (kept across
+        phases), and they are driven by run_phase() until they end, over as many phases as it takes."""
+        assert self.workers is not None, "begin_runs needs the caller's worker pool"
+        runs = [_Run(first_index + i, s, [Segment("prompt", list(s.item.prompt_ids))]) for i, s in enumerate(starts)]
+        for run in runs:
+            self._submit(self.workers, run, "reset", self._reset, run)
+        return runs
+
+    def run_phase(self, session, runs: list, *, version: int, enough: Callable[[], bool]) -> dict:
+        """Drive `runs` in `session` (a fresh DecodeSession of this phase's weights, tagged `version`) until
+        enough() or every run has ended; then end the phase: turns still decoding are cut (kept in run.cut, continued
+        next phase), parked episodes lose their slot (their environment call goes on: its answer is used next
+        phase), and nothing waits for an environment. Returns {cut, released}: what the phase left in flight."""
+        self._warned = 0
+        by_key = {run.index: run for run in runs}
+        # ready to (re)start: reset answered, a turn cut, or an observation that arrived after the last phase's end
+        waiting = [r for r in runs if r.finish_reason is None and r.future is None and not r.in_session]
+        held: dict = {}
+        live = lambda: any(r.finish_reason is None for r in runs)  # noqa: E731
+        while live() and not enough():
+            for run in self._gathered(session, runs, self._answers(runs, block=False), held):
+                self._apply(session, run, waiting)
+            waiting.sort(key=lambda r: r.index)
+            while waiting and session.free_slots:
+                self._start(session, waiting.pop(0))
+            if not session.idle:
+                self._ended_turns(session.step(), by_key, version)
+            elif not waiting or not session.free_slots:
+                for run in self._gathered(session, runs, self._answers(runs, block=True, first=True), held):
+                    self._apply(session, run, waiting)
+        ended, cut = session.suspend()  # their slots are free already
+        for turn in ended:
+            by_key[turn.key].in_session = False
+        self._ended_turns(ended, by_key, version)
+        for turn in cut:
+            run = by_key[turn.key]
+            run.cut = ((*run.cut[0], *turn.token_ids), (*run.cut[1], *turn.logprobs),
+                       (*run.cut[2], *[version] * len(turn.token_ids)))
+            run.in_session = False
+        released = 0
+        for run in runs:
+            if run.in_session:  # parked, its environment still at work: the slot goes, the episode stays
+                session.release(run.index)
+                run.in_session, released = False, released + 1
+        return {"cut": len(cut), "released": released}
+
+    def _ended_turns(self, ended: list, by_key: dict, version: int) -> None:
+        texts = decode_responses(self.tokenizer, [turn.token_ids for turn in ended]) if ended else []
+        for turn, text in zip(ended, texts):
+            self._turn_ended(by_key[turn.key], turn.token_ids, turn.logprobs, text, self.workers, version)
+
+    def abandon(self, run: _Run) -> None:
+        """Drop an episode that went stale (its environment closed on a worker; a call in progress is left to end)."""
+        run.finish_reason = run.finish_reason or "abandoned"
+        if run.future is not None and not run.future.done():
+            run.workers.abandon(run.future)
+        env, run.env = run.env, None
+        if env is not None and callable(getattr(env, "close", None)):
+            self.workers.submit(env.close)
+
+    def episode(self, run: _Run) -> Episode:
+        return self._episode(run)
 
     # ----- the fallback path (re-prefill every turn) ----------------------------------------------
     def run_generate(self, generate: Callable, starts: list[EpisodeStart]) -> list[Episode]:
@@ -275,10 +345,16 @@ class EpisodeRunner:
         _add(run.metrics, "env_seconds", time.perf_counter() - t0)
         return result
 
-    def _turn_ended(self, run: _Run, ids: list, logprobs: list, text: str, workers: Workers) -> None:
+    def _turn_ended(self, run: _Run, ids: list, logprobs: list, text: str, workers: Workers,
+                    version: Optional[int] = None) -> None:
         """A model turn is over: keep its ids, and hand its text (decoded with the step's other turns, one
-        batch call) to the environment."""
-        run.segments.append(Segment("model", ids, logprobs))  # the caller's fresh lists: kept, not copied
+        batch call) to the environment. version: the policy version that sampled the ids (asynchronous rollout;
+        a turn cut by earlier phases is joined to its start, each id keeping its own version)."""
+        versions = None if version is None else [*run.cut[2], *[version] * len(ids)]
+        if run.cut[0]:
+            ids, logprobs, run.cut = [*run.cut[0], *ids], [*run.cut[1], *logprobs], ((), (), ())
+            text = decode_responses(self.tokenizer, [ids])[0]
+        run.segments.append(Segment("model", ids, logprobs, versions))  # the caller's fresh lists: kept, not copied
         run.num_turns += 1
         self._submit(workers, run, "step", self._step, run, text)
 

@@ -51,6 +51,7 @@ from .guard import RuntimeGuard
 from .lora_setup import add_lora, lora_reference
 from .prompt_stream import PromptStream
 from .score_shaping import OverlongShaping, no_shaping
+from .agent_stream import AgentStream
 from .stream import AsyncStream, SyncStream
 from .settings import Roles, RunSettings
 from .speed import choose_speed, compile_watch, packing_choice, train_graphs_choice
@@ -152,7 +153,9 @@ def build_run(cfg: Config, roles: Roles) -> RunSettings:
     settings = run_settings(cfg, roles, derived, rank=rank, world_size=world)
     settings = dataclasses.replace(settings, speed=speed, compile_watch=compile_watch(speed, roles, rank=rank),
                                    train_tokens=speed.micro_batch_tokens.value)  # ppo.micro_batch_tokens as chosen
-    return with_agent(settings, cfg, model_context=context)
+    settings = with_agent(settings, cfg, model_context=context)
+    return dataclasses.replace(settings, stream=rollout_stream(
+        cfg, settings.train_prompts.dataset, prompts_per_rank=cfg.rollout.prompts_per_step // world, agent=settings.agent))
 
 
 def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> SpeedChoices:
@@ -261,26 +264,26 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
         keep_checkpoint_num=t.keep_checkpoint_num,
         metrics_logger=MetricsLogger(t.log_dir, t.loggers, rank=rank, config=to_dict(cfg)),
         checkpointer=build_checkpointer(cfg, rank, world_size), save_on_signal=t.save_on_signal,
-        show_progress=rank == 0 and "console" in t.loggers,
-        stream=rollout_stream(cfg, train_prompts.dataset, prompts_per_rank=r.prompts_per_step // world_size))
+        show_progress=rank == 0 and "console" in t.loggers)
 
 
-def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int):
+def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None):
     """Phases 1-3's source (trainer/stream.py): the synchronous step, or the asynchronous stream (max_staleness >= 1)."""
     r, alg = cfg.rollout, cfg.algorithm
     if r.max_staleness == 0:
         return SyncStream()
     refused = [(alg.dynamic_sampling, "algorithm.dynamic_sampling (DAPO's extra rounds)"),
                (alg.adv_estimator == "remax", "algorithm.adv_estimator=remax (its greedy baseline rollout)"),
-               (bool(cfg.agent.env or cfg.agent.harness), "multi-turn agent runs (agent.env / agent.harness)"),
+               (bool(cfg.agent.harness), "agent.harness (an external harness drives its own episodes)"),
                (r.engine == "hf", "rollout.engine=hf (responses continue across updates in the built-in engine)")]
     for on, what in refused:
         if on:
             raise ConfigError(f"rollout.max_staleness={r.max_staleness} (asynchronous rollout) does not run with {what} "
                               "yet: set rollout.max_staleness=0, or turn that setting off")
-    return AsyncStream(max_staleness=r.max_staleness, on_stale=r.on_stale, n=r.n, prompts_per_rank=prompts_per_rank,
-                       slots=min(r.batch_size * r.n, r.engine_max_slots), noise_seed=cfg.trainer.seed * 7919 + 17,
-                       dataset=dataset)
+    kind, extra = (AgentStream, {"agent": agent}) if cfg.agent.env else (AsyncStream, {})
+    return kind(max_staleness=r.max_staleness, on_stale=r.on_stale, n=r.n, prompts_per_rank=prompts_per_rank,
+                slots=min(r.batch_size * r.n, r.engine_max_slots), noise_seed=cfg.trainer.seed * 7919 + 17,
+                dataset=dataset, **extra)
 
 
 def policy_loss_fn(a) -> functools.partial:

@@ -30,6 +30,10 @@ def episodes_batch(episodes: list, n: int, *, tokenizer, pad_token_id: int, grou
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, S] on the device: no CPU kernels
     group_ids = torch.arange(B // n).repeat_interleave(n) + group_offset  # [B]
+    versions = [ep.response_versions() for ep in episodes]
+    token_versions = None  # [B, R] the asynchronous stream's episodes: each sampled id's policy version, -1 elsewhere
+    if any(v is not None for v in versions):
+        token_versions = (right_padded([[t + 1 for t in v] for v in versions], R, torch.long) - 1).to(device)
     return RolloutBatch(
         input_ids=input_ids, attention_mask=attention_mask,
         position_ids=position_ids, response_mask=attention_mask[:, P:].contiguous(),
@@ -38,7 +42,7 @@ def episodes_batch(episodes: list, n: int, *, tokenizer, pad_token_id: int, grou
         response_texts=decode_responses(tokenizer, responses),
         rows=[ep.row for ep in episodes], finish_reasons=[ep.finish_reason for ep in episodes],
         loss_mask=loss_mask.to(device), episodes=list(episodes), rollout_metrics=episode_metrics(episodes),
-        routed_experts=episode_routes(episodes, prompts, responses, P, R, device))
+        routed_experts=episode_routes(episodes, prompts, responses, P, R, device), token_versions=token_versions)
 
 
 def episode_routes(episodes: list, prompts: list, responses: list, P: int, R: int, device):
@@ -75,6 +79,9 @@ def episode_metrics(episodes: list) -> dict:
 class EpisodeScores:
     """Phase 3, multi-turn: the environment's rewards (the sum of an episode's turn rewards), each turn's
     reward placed on the last sampled token of that turn."""
+
+    def close(self) -> None:
+        """Nothing to stop: the environments scored in the rollout (RewardSources.close's counterpart)."""
 
     def score(self, batch: RolloutBatch) -> Scores:
         device = batch.input_ids.device

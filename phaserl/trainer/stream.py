@@ -113,9 +113,9 @@ class AsyncStream:
         run, version = trainer.run, trainer.step_num
         stats = {"async/restarted_samples": 0.0, "async/dropped_groups": 0.0}
         with clock("prompts"):
-            self._enforce_bound(version, stats)
+            self._enforce_bound(version, stats, trainer)
             while len(self.groups) < self.capacity:
-                self._add_groups(run.train_prompts.next_indexed())
+                self._add_groups(run.train_prompts.next_indexed(), trainer)
         ready = [g for g in self.groups if g.complete]
         with clock("rollout"):
             if len(ready) < self.prompts_per_rank:
@@ -133,7 +133,7 @@ class AsyncStream:
     def after_update(self, trainer) -> None:
         pass
 
-    def _add_groups(self, indexed: list) -> None:
+    def _add_groups(self, indexed: list, trainer) -> None:
         rank, world = rank_and_world()
         for index, item in indexed:
             samples = [Sample(self._new_key(rank, world)) for _ in range(self.n)]
@@ -145,7 +145,7 @@ class AsyncStream:
         self.next_key += 1
         return key
 
-    def _enforce_bound(self, version: int, stats: dict) -> None:
+    def _enforce_bound(self, version: int, stats: dict, trainer=None) -> None:
         """Every sample whose oldest token would be more than k versions behind when trained (at this step's
         version or later) starts over, or its group is dropped."""
         floor = version - self.max_staleness

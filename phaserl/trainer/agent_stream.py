@@ -1,0 +1,137 @@
+"""The asynchronous stream for multi-turn episodes (agent.env with rollout.max_staleness >= 1).
+
+The same contract as stream.AsyncStream (read its docstring first): up to (k + 1) steps' worth of groups in
+flight, a rollout phase runs until this rank has a step's worth of complete groups, what is unfinished carries
+on. Here a group is a prompt's n *episodes* (agents.episodes: EpisodeRunner.begin_runs / run_phase), and an
+episode outlives a phase whole: a turn cut mid-decode continues from its ids, an episode waiting for its
+environment keeps waiting (its call runs on while the trainer trains; only its KV slot is freed), and the answer
+is used in the next phase. So a tool's latency never holds the GPU: other episodes decode meanwhile, in this
+phase or the next. Every sampled id records its policy version (Segment.versions).
+
+Staleness: an episode whose oldest sampled id would be more than k versions behind is abandoned and begun again
+from its prompt (restart: a new environment, a new noise key), or its group dropped (drop). Checkpoints save
+which prompts were in flight; a resume begins their episodes again (environments cannot be saved; docs/async.md).
+Not here: running an episode (agents/episodes.py), the slots (rollout/session.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..agents.episodes import EpisodeRunner, EpisodeStart
+from ..batch import ScoredBatch
+from ..parallel import rank_and_world
+from .episode_batch import episodes_batch
+from .rollout_phase import group_offset
+from .stream import AsyncStream
+
+
+@dataclass(eq=False)
+class EpisodeGroup:
+    order: int
+    index: int                 # the prompt's dataset index
+    item: object
+    runs: list                 # n of agents.episodes._Run
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finish_reason is not None for r in self.runs)
+
+    @property
+    def samples(self) -> list:  # what AsyncStream's counting reads
+        return self.runs
+
+
+def _oldest(run):
+    versions = [v for seg in run.segments if seg.versions for v in seg.versions] + list(run.cut[2])
+    return min(versions, default=None)
+
+
+class AgentStream(AsyncStream):
+    """rollout.max_staleness >= 1 for agent.env runs."""
+
+    def __init__(self, *, agent, **kwargs):
+        super().__init__(**kwargs)
+        self.agent = agent            # AgentSettings: factory, limits, workers
+        self.runner = None            # made at the first phase (needs the run's tokenizer and sampling cap)
+        self._resumed: list = []      # prompt indices in flight at the checkpoint: begun again first
+
+    def _runner(self, trainer) -> EpisodeRunner:
+        if self.runner is None:
+            run = trainer.run
+            limits = dataclasses.replace(self.agent.limits, max_turn_tokens=run.sampling.max_new_tokens)
+            self.runner = EpisodeRunner(self.agent.factory, run.tokenizer, limits, workers=self.agent.workers)
+        return self.runner
+
+    def _add_groups(self, indexed: list, trainer) -> None:
+        if self._resumed:
+            items = self.dataset.items
+            indexed, self._resumed = [(i, items[i]) for i in self._resumed] + list(indexed), []
+        for index, item in indexed:
+            runs = [self._begin(trainer, item, k) for k in range(self.n)]
+            self.groups.append(EpisodeGroup(self.next_order, index, item, runs))
+            self.next_order += 1
+
+    def _begin(self, trainer, item, k: int):
+        rank, world = rank_and_world()
+        key = self._new_key(rank, world)
+        start = EpisodeStart(item, seed=(trainer.run.seed * 1_000_003 + key) & (2**31 - 1),
+                             label=f"{item.row.source}, sample {k}", noise_key=key)
+        return self._runner(trainer).begin_runs([start], first_index=key)[0]
+
+    def _enforce_bound(self, version: int, stats: dict, trainer=None) -> None:
+        floor = version - self.max_staleness
+        kept = []
+        for group in self.groups:
+            stale = [i for i, r in enumerate(group.runs) if (_oldest(r) is not None and _oldest(r) < floor)]
+            if stale and self.on_stale == "drop":
+                for r in group.runs:
+                    self.runner.abandon(r)
+                stats["async/dropped_groups"] += 1
+                continue
+            for i in stale:
+                self.runner.abandon(group.runs[i])
+                group.runs[i] = self._begin(trainer, group.item, i)
+                stats["async/restarted_samples"] += 1
+            kept.append(group)
+        self.groups = kept
+
+    def _decode(self, trainer, version: int, stats: dict) -> None:
+        run = trainer.run
+        runner = self._runner(trainer)
+        eos = [] if run.ignore_eos else run.eos_token_ids
+        run.sampling_generator.manual_seed(self.noise_seed)
+        session = trainer.actor.decode_session(run.sampling, slot_len=runner.limits.max_episode_tokens,
+                                               eos_token_ids=eos, num_slots=self.slots,
+                                               generator=run.sampling_generator)
+        need = self.prompts_per_rank
+        runs = [r for g in self.groups for r in g.runs]
+        with session as s:
+            left = runner.run_phase(s, runs, version=version,
+                                    enough=lambda: sum(g.complete for g in self.groups) >= need)
+        stats["async/cut_samples"] = float(left["cut"])
+        stats["async/parked_episodes"] = float(left["released"])
+
+    def _scored(self, trainer, groups: list) -> ScoredBatch:
+        run = trainer.run
+        episodes = [self.runner.episode(r) for g in groups for r in g.runs]
+        batch = episodes_batch(episodes, self.n, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
+                               group_offset=group_offset(trainer), device=trainer.actor.device)
+        return ScoredBatch(batch, run.shape_scores(run.reward.score(batch), batch))
+
+    # ----- checkpoints: which prompts were in flight (their episodes begin again on resume) ------------
+    def _own_state(self) -> dict:
+        return {"next_order": self.next_order, "next_key": self.next_key,
+                "episode_groups": [{"order": g.order, "index": g.index} for g in self.groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["n"]) != self.n:
+            raise ValueError(f"the checkpoint's stream has rollout.n={state['n']}, this run {self.n}")
+        rank, world = rank_and_world()
+        saved = state["ranks"]
+        groups = saved[rank]["episode_groups"] if len(saved) == world else sorted(
+            (g for part in saved for g in part["episode_groups"]), key=lambda g: g["order"])[rank::world]
+        self._resumed = [int(g["index"]) for g in groups]
+        self.groups = []
+        self.next_order = max(int(part["next_order"]) for part in saved)
+        self.next_key = max(int(part["next_key"]) for part in saved)
