@@ -8,6 +8,9 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
     shared_storage.py  checkpoint/log paths every rank must share (classic mistake 5)
     memory.py          the memory timeline of a step (GPU memory at every phase boundary and switch)
     watch.py           ranks stop at once when their launcher or a peer on their host is gone
+    rank_split.py      rollout.ranks: which ranks train and which generate, and their process groups
+    weight_sync.py     new weights from the trainer ranks to the rollout ranks, in buckets, between decode steps
+    sample_channel.py  completed sample groups from the rollout ranks to the trainer ranks
 """
 from __future__ import annotations
 

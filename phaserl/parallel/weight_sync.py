@@ -180,7 +180,7 @@ class WeightSender:
 
     @property
     def nbytes(self) -> int:
-        """Bytes one version puts on the wire."""
+        """Bytes one version puts on the wire (known on trainer rank 0; 0 on the other trainer ranks)."""
         return sum(b.nbytes for b in self.buckets)
 
     def send(self, version: int) -> None:
@@ -321,8 +321,9 @@ class WeightReceiver:
         with in_phase("weight sync"), torch.no_grad():
             for i, bucket in enumerate(self.buckets):
                 raw = self._buffer[:bucket.nbytes]
-                try:
-                    dist.broadcast(raw, src=self.groups.sender_rank, group=self.groups.sync)
+                try:  # async + wait: a timeout raises here on NCCL too (instead of its watchdog ending the process)
+                    dist.broadcast(raw, src=self.groups.sender_rank, group=self.groups.sync, async_op=True).wait(
+                        timeout=timedelta(seconds=self.groups.timeout_s))
                 except RuntimeError as exc:
                     raise peer_failure(f"receiving bucket {i + 1} of {count} of weight version {version} from "
                                        f"trainer rank {self.groups.sender_rank}", exc,
