@@ -4,6 +4,7 @@ after either, user files loaded in the workers, lambdas kept in the main process
 import logging
 import os
 import signal
+import textwrap
 import time
 
 import pytest
@@ -269,3 +270,29 @@ def test_a_training_run_scores_in_workers_and_stops_them_at_the_end(user_file, t
     assert trainer.run.reward.rules._pool is None
     with pytest.raises(ProcessLookupError):
         os.kill(seen[0], 0)
+
+
+def test_workers_exit_when_the_trainer_process_dies_mid_call(user_file, tmp_path):
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from phaserl.rewards import RuleRewards
+        rules = RuleRewards([("{user_file}:waits_to_be_killed", 1.0, {{"pid_file": "busy.pid"}})], workers=1)
+        rules.submit(["q", "q"], ["a", "b"], [0, 1], [{{}}, {{}}])
+        while not (os.path.exists("busy.pid") and open("busy.pid").read()):
+            time.sleep(0.02)
+        os._exit(0)  # as a second Ctrl-C does: no cleanup runs
+    """)
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True, timeout=60)
+    worker = int((tmp_path / "busy.pid").read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(worker, signal.SIGKILL)
+    raise AssertionError("the reward worker outlived the process that started it")
