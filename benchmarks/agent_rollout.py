@@ -238,6 +238,55 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
                 extend_graphs_captured=extend_graphs(engine.runner) - graphs_before, **extra)
 
 
+def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
+    """The asynchronous stream's rollout (rollout.max_staleness 1): 2 x episodes in flight, phases back to back, each
+    ending when `episodes` more episodes are complete (a step's batch); unfinished ones carry on into the next phase
+    (EpisodeRunner.run_phase, as trainer/agent_stream.py drives it; no training between phases here, so a tool's
+    call overlaps only decoding). tokens_per_s: the model tokens of the completed batches over the timed phases' wall
+    (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them."""
+    episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
+    limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
+                         context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=2 * a.episodes,
+                         overlap=True)
+    env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter)
+    runner = EpisodeRunner(EnvironmentFactory(SimulatedTool, env_kwargs), IdsTokenizer(), limits, workers=pool)
+    params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
+    total = a.episodes * (a.async_phases + 4)
+    pool_ids = prompts(total, a.prompt, engine.model.config.vocab_size)
+    in_flight, next_i, batches, sampled = [], 0, [], 0
+
+    def phase(version: int):
+        nonlocal next_i, in_flight, sampled
+        while len(in_flight) < 2 * a.episodes:
+            in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
+            next_i += 1
+        with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=a.episodes) as session:
+            left = runner.run_phase(session, in_flight, version=version,
+                                    enough=lambda: sum(r.finish_reason is not None for r in in_flight) >= a.episodes)
+        sampled += engine.last_stats["new_tokens"]
+        done = [r for r in in_flight if r.finish_reason is not None][:a.episodes]
+        taken = set(map(id, done))
+        in_flight = [r for r in in_flight if id(r) not in taken]
+        return done, left
+
+    phase(0)  # warm-up: the stream fills up (the first phase has nothing carried over)
+    sync(a.device)
+    t0, sampled = time.perf_counter(), 0
+    cut = parked = 0
+    for v in range(1, a.async_phases + 1):
+        done, left = phase(v)
+        batches.append(done)
+        cut, parked = cut + left["cut"], parked + left["released"]
+    sync(a.device)
+    seconds = time.perf_counter() - t0
+    assert all(r.finish_reason == "done" for b in batches for r in b), [r.finish_reason for r in batches[0][:4]]
+    tokens = sum(len(s.token_ids) for b in batches for r in b for s in r.segments if s.kind == "model")
+    carried = sum(len({v for s in r.segments if s.kind == "model" for v in s.versions}) > 1 for b in batches for r in b)
+    return dict(seconds=seconds, phases=a.async_phases, trained_tokens=tokens, tokens_per_s=tokens / seconds,
+                sampled_tokens_per_s=sampled / seconds, cut_turns=cut, parked_released=parked,
+                episodes_across_phases=carried)
+
+
 def single_turn(engine, ids, a) -> dict:
     params = SamplingParams(max_new_tokens=a.turns * a.turn_tokens, temperature=1.0)
     clock = Clock(a.device)
@@ -281,6 +330,15 @@ def run_variant(model, a, pool: Workers, common: dict, compile, extend) -> list:
             lines.append(dict(case="multi_turn_jitter" if jitter else "multi_turn", latency_ms=latency, **common, **r,
                               vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"], lockstep_bound=bound))
             emit(**lines[-1])
+        for latency, jitter in ([(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms]
+                                if a.async_phases else []):
+            multi_turn_async(engine, a, latency / 1000, pool, jitter)  # warm-up
+            for order in ("first", "second"):  # twice, apart in time: a run-order effect would show
+                r = multi_turn_async(engine, a, latency / 1000, pool, jitter)
+                lines.append(dict(case="async_jitter" if jitter else "async", measured=order, latency_ms=latency,
+                                  **common, **r, vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"],
+                                  sampled_vs_single_turn=r["sampled_tokens_per_s"] / base["tokens_per_s"]))
+                emit(**lines[-1])
         if a.profile_extend:
             for record in extend_profile(engine, ids, a):
                 emit(**common, **record)
@@ -362,6 +420,9 @@ def main(argv=None) -> None:
     p.add_argument("--extend-kernel", choices=["on", "off"], default="on",
                    help="runner.EXTEND_KERNEL: extend passes' attention through rollout/extend_kernel.py (Triton) "
                         "or the torch path (a gathered copy of the slots, a [rows, tokens, context] mask)")
+    p.add_argument("--async-phases", type=int, default=0,
+                   help="also the asynchronous stream's rollout (max_staleness 1) per latency: this many timed phases "
+                        "of `episodes` completed episodes each, measured twice (0 = off)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 8 episodes x 2 turns")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: the host's own costs at a turn boundary (host_s) with a tiny model, e.g. --device cpu "
@@ -371,12 +432,13 @@ def main(argv=None) -> None:
     if a.smoke:
         a.device, a.shape, a.episodes, a.turns, a.prompt, a.turn_tokens, a.obs_tokens = "cpu", "tiny", 8, 2, 16, 8, 4
         a.latency_ms, a.repeats, a.jitter_ms = [0.0, 20.0], 1, [20.0]
+        a.async_phases = a.async_phases or 2
         torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     with torch.device(a.device):
         model = CausalLM(decoder_config(a.shape)).to(dtype).eval()
-    pool = Workers(a.episodes, name="bench-env")
+    pool = Workers(2 * a.episodes, name="bench-env")  # the asynchronous case holds twice the episodes
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
                   obs_tokens=a.obs_tokens, repeats=a.repeats, extend_kernel=a.extend_kernel)
