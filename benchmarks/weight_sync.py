@@ -111,6 +111,7 @@ def main() -> None:
     groups = build_groups(RankSplit(2, 1), timeout_s=600.0)
     dtype = getattr(torch, args.dtype)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    shared = device.type == "cuda" and groups.sync_backend == "gloo"  # both ranks on one GPU
     for shape in args.shapes:
         for lora, buckets in [(0, args.bucket_mb)] + ([(args.lora, [args.bucket_mb[-1]])] if args.lora else []):
             model = build(shape, device, dtype, lora, seed=groups.rank)
@@ -127,8 +128,7 @@ def main() -> None:
                             "buckets": result["buckets"], "seconds_median": round(median, 5),
                             "seconds": [round(s, 5) for s in result["seconds"]],
                             "gb_per_s": round(result["bytes"] / median / 1e9, 3), "backend": groups.sync_backend,
-                            "device": card, "ranks_share_a_gpu": device.type == "cuda" and groups.sync_backend == "gloo"}),
-                            flush=True)
+                            "device": card, "ranks_share_a_gpu": shared}), flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

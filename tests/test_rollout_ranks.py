@@ -372,13 +372,13 @@ def test_sample_groups_reach_the_trainer_ranks_exactly(main_run):
 @pytest.mark.slow
 def test_a_stalled_peer_gives_a_one_line_error_within_the_timeout(tmp_path):
     trainer, rollout = _spawn(tmp_path, "stall", world=2)
-    cases = {"rollout_takes_no_bucket": (trainer, "rank 0 of 2 (trainer) in phase 'weight sync': sending bucket 1 of "),
-             "trainer_sends_no_version": (rollout, "rank 1 of 2 (rollout) in phase 'startup': waiting for weights after "
-                                                   "the first version from trainer rank 0"),
-             "trainer_takes_no_samples": (rollout, "rank 1 of 2 (rollout) in phase 'startup': sending sample batch 1 "
-                                                   "(1 group) to trainer rank 0"),
-             "no_samples_arrive": (trainer, "rank 0 of 2 (trainer) in phase 'startup': waiting for samples from rollout "
-                                            "rank 1")}
+    trainer_line, rollout_line = "rank 0 of 2 (trainer) in phase", "rank 1 of 2 (rollout) in phase 'startup'"
+    cases = {"rollout_takes_no_bucket": (trainer, f"{trainer_line} 'weight sync': sending bucket 1 of "),
+             "trainer_sends_no_version": (rollout, f"{rollout_line}: waiting for weights after the first version from "
+                                                   "trainer rank 0"),
+             "trainer_takes_no_samples": (rollout, f"{rollout_line}: sending sample batch 1 (1 group) to trainer "
+                                                   "rank 0"),
+             "no_samples_arrive": (trainer, f"{trainer_line} 'startup': waiting for samples from rollout rank 1")}
     for case, (out, start) in cases.items():
         message, seconds = out[case]
         assert message.startswith(start), (case, message)

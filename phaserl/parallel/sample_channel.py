@@ -144,7 +144,8 @@ class SampleSender:
         """Queue these completed groups for trainer rank 0 (never blocks; raises when an earlier batch failed)."""
         self._reap()
         ints, floats = pack_groups(groups)
-        self._post([ints, floats], f"sample batch {self._sent + 1} ({len(groups)} group{'' if len(groups) == 1 else 's'})")
+        plural = "" if len(groups) == 1 else "s"
+        self._post([ints, floats], f"sample batch {self._sent + 1} ({len(groups)} group{plural})")
         self._sent += 1
 
     def flush(self) -> None:
