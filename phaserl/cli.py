@@ -240,6 +240,8 @@ def main(argv=None) -> int:
             print(f"phaserl {argv[0]}: error: {exc}", file=sys.stderr)
             return 1
     args = build_parser().parse_args(argv)
+    from .parallel import RankFailure
+    from .trainer.oom import SCREEN_TITLE
     from .trainer.stop import RunStopped
 
     previous = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
@@ -247,6 +249,11 @@ def main(argv=None) -> int:
         return args.fn(args)
     except PhaserlError as exc:
         print(f"phaserl {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except RankFailure as exc:  # under torchrun: a rank's out-of-memory screen, on it and on the ranks it stopped
+        if SCREEN_TITLE not in str(exc):
+            raise
+        print(f"phaserl {args.command}: {exc}", file=sys.stderr)
         return 1
     except RunStopped as stop:  # SIGINT/SIGTERM during training: stopped at a safe point (trainer/stop.py)
         if _rank() == 0:

@@ -70,7 +70,7 @@ def test_each_measure_is_the_fewest_that_fits():
 def test_a_card_too_small_says_so_with_every_measure_taken():
     plan = choose_plan(facts("14b", 48))
     assert measures(plan) == (True, 48, True) and not plan.fits
-    assert "more than the 46.5 GiB this process has" in plan.problem
+    assert "more than the 46.50 GB this process has" in plan.problem
 
 
 def test_long_responses_plan_checkpointing_instead_of_failing():

@@ -298,6 +298,7 @@ class SpeedChoices:
     checkpoint_layers: Optional[Choice] = None     # actor.checkpoint_layers
     optimizer_offload: Optional[Choice] = None     # actor.optimizer_offload
     memory_plan: str = ""                          # the plan in one line, with its predicted peak ('' uncounted)
+    memory: object = None                          # (memory.plan.PlanFacts, MemoryPlan): for the out-of-memory screen
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config.auto import Choice, choose, micro_batch_rule, update_room
-from .budget import GB, ModelShape, kv_cache_bytes_per_sequence, update_peak_bytes
+from .budget import GB, ModelShape, fmt_bytes, kv_cache_bytes_per_sequence, update_peak_bytes
 
 PLAN_TARGET_TOKENS = 4096  # a micro-batch at least this long keeps the host's per-micro-batch work small beside its
                            # compute; below it the plan checkpoints layers rather than shrinking the micro-batch
@@ -110,10 +110,10 @@ class MemoryPlan:
                                             (f"{self.checkpoint_layers.value} layer(s) checkpointed",
                                              self.checkpoint_layers.value),
                                             ("optimizer state on the CPU", self.optimizer_offload.value)) if on]
+        where = "everything on the device" if self.kv_sequences >= 0 else "nothing planned off CUDA"
         kv = "" if self.kv_sequences < 0 else f"; rollout holds {self.kv_sequences} sequence(s) at once"
-        return (f"memory plan: {', '.join(measures) or 'everything on the device'}; micro-batch "
-                f"{self.micro_batch_tokens.value} tokens; predicted update peak {self.peak_bytes / GB:.1f} GiB of "
-                f"{self.budget_bytes / GB:.1f} GiB{kv}")
+        return (f"memory plan: {', '.join(measures) or where}; micro-batch {self.micro_batch_tokens.value} tokens; "
+                f"predicted update peak {fmt_bytes(self.peak_bytes)} of {fmt_bytes(self.budget_bytes)}{kv}")
 
 
 def fixed_bytes(f: PlanFacts, s: Measures) -> int:
@@ -229,8 +229,8 @@ def _problem(f: PlanFacts, peak: int, kv: int) -> str:
     if f.device_type != "cuda":
         return ""
     if peak > f.budget_bytes:
-        return (f"the update needs ~{peak / GB:.1f} GiB with one sequence per micro-batch and every measure the "
-                f"config leaves to the plan, more than the {f.budget_bytes / GB:.1f} GiB this process has")
+        return (f"the update needs ~{fmt_bytes(peak)} with one sequence per micro-batch and every measure the "
+                f"config leaves to the plan, more than the {fmt_bytes(f.budget_bytes)} this process has")
     if kv < 1:
         return (f"the rollout KV budget (rollout.engine_memory_fraction={f.kv_fraction}) holds no sequence of "
                 f"{f.sequence_tokens} tokens")
@@ -239,6 +239,10 @@ def _problem(f: PlanFacts, peak: int, kv: int) -> str:
 
 def tighter_plan(f: PlanFacts, *, predicted_bytes: int, measured_bytes: int) -> MemoryPlan:
     """The plan the budget would choose if the count were off by what a run measured (`measured_bytes` against
-    the `predicted_bytes` peak): every key back to auto, the budget scaled down by predicted / measured."""
+    the `predicted_bytes` peak): every key back to auto, the budget scaled down by predicted / measured. Off CUDA
+    the same rule on the host's memory, where only checkpointing and smaller micro-batches save anything."""
     scale = min(1.0, predicted_bytes / max(1, measured_bytes)) * 0.9  # and a margin: the run did not fit
-    return choose_plan(dataclasses.replace(f, budget_bytes=int(f.budget_bytes * scale)), Asked())
+    asked = Asked()
+    if f.device_type != "cuda":  # weights streamed or stepped "on the CPU" would not leave host memory
+        f, asked = dataclasses.replace(f, device_type="cuda"), Asked(stream_reference=False, optimizer_offload=False)
+    return choose_plan(dataclasses.replace(f, budget_bytes=int(f.budget_bytes * scale)), asked)

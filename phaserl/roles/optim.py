@@ -133,9 +133,9 @@ class _HostStep:
         self.params = params
         self.device = params[0].device
         pin = self.device.type == "cuda"
-        self.weights = [self._host_like(p, pin) for p in params]
+        self.weights = [self._host_like(p, pin).requires_grad_(True) for p in params]  # AdamW's parameters
         self.refresh()
-        self.grads = [self._host_like(p, pin) for p in params]
+        self.grads = [self._host_like(p, pin) for p in params]  # each weight's .grad during its bucket's step
         self.stream = torch.cuda.Stream(self.device) if pin else None
         self.buckets, size = [[]], 0
         for i, p in enumerate(params):
@@ -147,11 +147,9 @@ class _HostStep:
 
     @staticmethod
     def _host_like(p: torch.Tensor, pin: bool) -> torch.Tensor:
-        local = p.detach()
-        w = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-        w.requires_grad_(True)  # an AdamW parameter (its .grad is the pinned gradient buffer)
-        return w
+        return torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
 
+    @torch.no_grad()
     def step(self, opt: torch.optim.Optimizer) -> None:
         """One AdamW step of `opt` (over self.weights) from the device gradients; the device weights updated."""
         if self.stream is None:
@@ -173,6 +171,7 @@ class _HostStep:
                     self.params[i].data.copy_(self.weights[i].detach(), non_blocking=True)
         compute.wait_stream(self.stream)  # the next forward reads the updated weights
 
+    @torch.no_grad()
     def _step_here(self, opt: torch.optim.Optimizer) -> None:
         for bucket in self.buckets:
             for i in bucket:

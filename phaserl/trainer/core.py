@@ -24,6 +24,7 @@ from . import build
 from .advantage_phase import compute_advantages, nonfinite_advantage_cause
 from .agent_phase import AgentSettings
 from .hooks import HookRunner
+from .oom import out_of_memory_screen
 from .settings import Roles, RunSettings
 from .stop import StopSignals
 
@@ -92,7 +93,8 @@ class RLTrainer:
         close = self.run.checkpointer.close if self.run.checkpointer is not None else (lambda: None)
         with StopSignals(rank=self.rank, save=self.run.save_on_signal, on_exit_now=close) as self._signals:
             try:
-                return self._fit()
+                with out_of_memory_screen(self):  # one screen naming the phase and what would fit (trainer/oom.py)
+                    return self._fit()
             finally:
                 close()  # the run lock of trainer.checkpoint_path
                 self.run.reward.close()  # the rule reward workers (a later fit or validate starts new ones)
@@ -239,6 +241,7 @@ class RLTrainer:
         run = self.run
         if run.val_prompts is None:
             return {}
+        set_phase("validate", self.step_num)
         with self.actor.rollout_mode():
             batch = self._generate(run.val_prompts, run.val_sampling, run.val_n)
         scores = run.reward.score(batch).total                                      # [B]
@@ -258,6 +261,7 @@ class RLTrainer:
     def save_checkpoint(self) -> None:
         if self.run.checkpointer is None:
             return
+        set_phase("checkpoint", self.step_num)
         if self.run.stream.max_staleness:
             self.run.stream.gather_for_save()  # collective: rank 0 writes every rank's responses in flight
         self.run.checkpointer.save(self.checkpoint_state())

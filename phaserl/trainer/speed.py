@@ -28,7 +28,8 @@ from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, c
                            extend_graphs_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule,
                            train_graphs_rule)
 from ..config.validate import sequence_tokens
-from ..memory.budget import ModelShape, UnknownShape, kept_engine_bytes, kept_logits_bytes, response_tokens_of
+from ..memory.budget import (ModelShape, UnknownShape, free_memory_bytes, kept_engine_bytes, kept_logits_bytes,
+                             response_tokens_of)
 from ..memory.plan import Asked, Measures, MemoryPlan, PlanFacts, choose_plan, fixed_bytes, peak_bytes
 from ..parallel.fsdp import decoder_layers
 from ..resolve import resolve_compile_cache_dir
@@ -68,9 +69,8 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_runs=engine_runs, device_type=device.type, triton=triton_available(),
         fused=engine_runs and decodes_fused(actor.model)))
     actor_compile = _compile_choice("actor.compile", cfg.actor.compile, actor.model, device, world_size)
-    free = held = 0
+    free, held = free_memory_bytes(device), 0  # off CUDA the host's available memory (nothing is planned there)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_reserved(device)
     count = UpdateCount.of(cfg, roles, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held,
                            mini_batch_sequences=d.mini_batch_per_rank, world_size=world_size, device_type=device.type)
@@ -106,7 +106,8 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
                 engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs)),
         micro_batch_tokens=micro, keep_head_logits=keep_logits, stream_reference=plan.stream_reference,
         checkpoint_layers=plan.checkpoint_layers, optimizer_offload=plan.optimizer_offload,
-        memory_plan=plan.summary() if count.shape is not None else "")
+        memory_plan=plan.summary() if count.shape is not None else "",
+        memory=(count.facts(kept=may_keep), plan) if count.shape is not None else None)
 
 
 def asked_of(cfg: "Config", num_layers: int) -> Asked:
