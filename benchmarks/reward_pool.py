@@ -6,8 +6,9 @@ built-in `boxed_math` (math-verify) unless --functions names others.
 
 Cases:
 - batch: `RuleRewards.score` over all 512 at once, as the synchronous step scores, with workers=0 (the main
-  process) and each --workers count. `first_s` is the first call (workers start and import math-verify),
-  `seconds` the median of --repeats later calls. `equal` says the scores are those of the main process.
+  process) and each --workers count, the cases timed in turns. `first_s` is the first call (workers start and
+  import math-verify), `seconds` the median of --repeats later calls, `speedup` the main process's seconds over
+  these. `equal` says the scores are those of the main process. `load_avg`: the machine's 1-minute load.
 - stream: the groups complete one by one while the main thread is busy `--decode-ms` per group (a stand-in for
   the decode loop, holding the GIL as the engine's host loop does); each group is submitted as it completes and
   all are collected after the last. `wait_s` is the time from the last group to having every score: what
@@ -60,24 +61,32 @@ def busy(ms: float) -> None:
         x += 1
 
 
-def batch_case(specs, workers: int, data, repeats: int, expected) -> dict:
+def batch_cases(specs, counts: list, data, repeats: int) -> list:
+    """Every pool size in `counts` (0 = the main process), each warmed once, then timed in turns: on a shared
+    machine the load changes over a run, and taking turns spreads it over every case alike."""
     responses, truths, rows = data
     prompts = ["Compute it."] * len(responses)
-    rules = RuleRewards(specs, workers=workers)
+    rules = {w: RuleRewards(specs, workers=w) for w in counts}
+    lines = {w: {"case": "batch", "workers": w, "seconds_all": []} for w in counts}
     try:
-        t0 = time.perf_counter()
-        first = rules.score(prompts, responses, truths, rows)
-        first_s = time.perf_counter() - t0
-        seconds = []
-        for _ in range(repeats):
+        for w in counts:
             t0 = time.perf_counter()
-            out = rules.score(prompts, responses, truths, rows)
-            seconds.append(time.perf_counter() - t0)
+            lines[w]["scores"] = rules[w].score(prompts, responses, truths, rows)
+            lines[w]["first_s"] = round(time.perf_counter() - t0, 3)
+        for _ in range(repeats):
+            for w in counts:
+                t0 = time.perf_counter()
+                out = rules[w].score(prompts, responses, truths, rows)
+                lines[w]["seconds_all"].append(round(time.perf_counter() - t0, 3))
+                lines[w]["equal"] = out == lines[0]["scores"] and lines[w]["scores"] == lines[0]["scores"]
     finally:
-        rules.close()
-    return {"case": "batch", "workers": workers, "seconds": round(statistics.median(seconds), 3),
-            "seconds_all": [round(s, 3) for s in seconds], "first_s": round(first_s, 3),
-            "equal": expected is None or (out == expected and first == expected), "scores": out}
+        for r in rules.values():
+            r.close()
+    for line in lines.values():
+        line["seconds"] = statistics.median(line["seconds_all"])
+        line["speedup"] = round(lines[0]["seconds"] / line["seconds"], 2)
+        del line["scores"]
+    return [lines[w] for w in counts]
 
 
 def stream_case(specs, workers: int, data, decode_ms: float, expected) -> dict:
@@ -114,17 +123,13 @@ def main() -> None:
     data = make_responses(args.responses)
     common = {"bench": "reward_pool", "responses": args.responses, "functions": args.functions,
               "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
-    here = batch_case(specs, 0, data, args.repeats, None)
-    expected = here.pop("scores")
-    print(json.dumps({**common, **here}), flush=True)
-    for workers in args.workers:
-        line = batch_case(specs, workers, data, args.repeats, expected)
-        line.pop("scores")
-        line["speedup"] = round(here["seconds"] / line["seconds"], 2)
-        print(json.dumps({**common, **line}), flush=True)
+    expected = RuleRewards(specs).score(["Compute it."] * len(data[0]), *data)
+    for line in batch_cases(specs, [0, *args.workers], data, args.repeats):
+        print(json.dumps({**common, **line, "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
     for workers in [0, *args.workers]:
-        print(json.dumps({**common, "decode_ms": args.decode_ms,
-                          **stream_case(specs, workers, data, args.decode_ms, expected)}), flush=True)
+        print(json.dumps({**common, "decode_ms": args.decode_ms, **stream_case(specs, workers, data, args.decode_ms,
+                                                                               expected),
+                          "load_avg": round(os.getloadavg()[0], 2)}), flush=True)
 
 
 if __name__ == "__main__":
