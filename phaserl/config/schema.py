@@ -360,6 +360,20 @@ class TrainerConfig:
 
 
 @dataclass
+class VerifiersConfig:
+    env: Optional[str] = spec(None, "agent.harness: verifiers: the environment, an installed module (a taskset "
+                                    "package, or one defining load_environment) or 'path/to/env.py' (docs/agents.md)")
+    kwargs: dict = spec(None, "load_environment(**kwargs), or for a taskset package its environment config "
+                              "({taskset: {...}, agent: {harness: ..., runtime: ...}})", factory=dict)
+    eval_kwargs: Optional[dict] = spec(None, "the validation environment: these keys laid over kwargs (e.g. "
+                                             "{taskset: {split: test}}); null = validation prompts come from "
+                                             "data.val_files with prompts: files, none with prompts: env")
+    prompts: str = spec("env", "env: the environment's tasks are the prompt rows (data.train_files / val_files "
+                               "unused); files: data.*_files rows, each read as one of the environment's tasks",
+                        choices=["env", "files"])
+
+
+@dataclass
 class AgentConfig:
     env: Optional[str] = spec(None, "multi-turn RL: the environment class, 'path/to/file.py:ClassName' or "
                                     "'package.module:ClassName' (a fresh instance per episode; docs/agents.md). "
@@ -378,11 +392,14 @@ class AgentConfig:
     harness: Optional[str] = spec(None, "multi-turn RL driven by an external harness instead of agent.env: "
                                         "'path/to/file.py:function' or 'package.module:function', called as "
                                         "harness(base_url, row) -> reward or None against phaserl's OpenAI-compatible "
-                                        "endpoint (None: reward.functions score the last reply; docs/agents.md)")
+                                        "endpoint (None: reward.functions score the last reply; docs/agents.md); "
+                                        "'verifiers': a verifiers environment's own rollouts (agent.verifiers)")
     harness_workers: int = spec(16, "harness conversations running at once (threads), per rank", min=1)
     harness_timeout_s: float = spec(300.0, "seconds one harness conversation may take; then its recorded turns "
                                            "are kept with reward 0 (agent/ended/env_error)", min=0.001)
     tool_parser: str = spec("hermes", "how the endpoint parses tool calls out of the model's replies (agent.harness)")
+    verifiers: VerifiersConfig = spec(None, "agent.harness: verifiers: the environment and where prompts come from",
+                                      factory=VerifiersConfig)
 
 
 @dataclass

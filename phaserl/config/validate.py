@@ -217,6 +217,7 @@ def _agent_errors(cfg: Config) -> list[str]:
     if ag.env and ag.harness:
         errs.append(f"agent.env = {ag.env!r} and agent.harness = {ag.harness!r} are both set: an episode comes from "
                     "an environment or from an external harness; set exactly one of them (the other null)")
+    errs += _verifiers_errors(ag)
     if not (ag.env or ag.harness):
         return errs
     p, t = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
@@ -229,6 +230,18 @@ def _agent_errors(cfg: Config) -> list[str]:
             errs.append(f"ppo.{key} = {getattr(cfg.ppo, key)} cannot hold one whole episode of up to "
                         f"agent.max_episode_tokens = {ag.max_episode_tokens} tokens (an episode is never split "
                         f"across micro-batches); set ppo.{key} >= {ag.max_episode_tokens}")
+    return errs
+
+
+def _verifiers_errors(ag) -> list[str]:
+    """agent.harness = verifiers and agent.verifiers.* go together."""
+    v, errs = ag.verifiers, []
+    if ag.harness == "verifiers" and not v.env:
+        errs.append("agent.harness = verifiers needs agent.verifiers.env: the environment's installed module (e.g. "
+                    "my_env) or its file ('path/to/env.py'), with its settings in agent.verifiers.kwargs")
+    if ag.harness != "verifiers" and (v.env or v.kwargs or v.eval_kwargs is not None):
+        errs.append(f"agent.verifiers.* is set but agent.harness = {ag.harness!r}: set agent.harness = verifiers to "
+                    "train on that environment, or delete agent.verifiers")
     return errs
 
 

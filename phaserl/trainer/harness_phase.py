@@ -27,21 +27,34 @@ Groups stay exact: each prompt contributes exactly n rows, in order. Per (row, s
 - no request at all (the harness raised or timed out first): an empty episode (the prompt's ids, no
   response, loss mask 0, reward 0, finish reason env_error), counted in `agent/harness_missing_mean`.
 Rewards: the harness's return value, or for None the run's reward.functions on the last reply
-(`EpisodeScores` places it on the last sampled token). Not here: HTTP (agents/server.py), recording
-(agents/recorder.py), running the harness threads (agents/harness.py).
+(`EpisodeScores` places it on the last sampled token).
+
+`agent.harness: verifiers` (`with_verifiers`, `verifiers_rollout`): the same endpoint, limits and exact
+groups, with a verifiers environment's own rollouts in place of a harness function
+(agents/adapters/verifiers.py): its rewards are the episode's, and its tasks the prompt rows unless
+agent.verifiers.prompts is `files` (each data row then read as one of its tasks); agent.verifiers.eval_kwargs
+loads the environment that validation runs.
+Not here: HTTP (agents/server.py), recording (agents/recorder.py), running the harness threads
+(agents/harness.py).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from ..agents.completion import GenerateBackend
 from ..agents.env import Episode, Segment
 from ..agents.harness import harness_row, run_harness_samples
 from ..agents.server import ChatServer
 from ..batch import RolloutBatch
-from .episode_batch import episodes_batch
+from ..data import build_prompt_dataset
+from ..data.rows import parse_prompt_row
+from ..parallel import rank_and_world
+from .episode_batch import EpisodeScores, episodes_batch
+from .prompt_stream import PromptStream
 from .rollout_phase import group_offset
 
 log = logging.getLogger("phaserl")
@@ -61,8 +74,19 @@ class HarnessSettings:
 
 def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
     """Phase 2, harness: n harness conversations per prompt through a localhost endpoint (module docstring)."""
-    run, actor = trainer.run, trainer.actor
-    h = run.agent
+    h = trainer.run.agent
+    with endpoint(trainer, items, params, n) as (server, backend):
+        per_sample = run_harness_samples(h.harness, [harness_row(item.row) for item in items], server,
+                                         samples_per_row=n, max_workers=h.workers, timeout_s=h.timeout_s,
+                                         reward=h.reward, episode_rows=[item.row for item in items])
+    return _batch(trainer, per_sample, items, n, backend)
+
+
+@contextlib.contextmanager
+def endpoint(trainer, items: list, params, n: int):
+    """(ChatServer, GenerateBackend) on the actor for one rollout call, with the run's episode limits and this
+    phase's sampling; both stop on the way out (also when the episodes or the decode fail)."""
+    run, actor, h = trainer.run, trainer.actor, trainer.run.agent
     first = trainer.rank * len(items) * n
     run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first, n, 2)) & (2**63 - 1))
     eos = [] if run.ignore_eos else run.eos_token_ids
@@ -75,16 +99,18 @@ def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
                             context_reason=h.context_reason)
         try:
             server.start()
-            per_sample = run_harness_samples(h.harness, [harness_row(item.row) for item in items], server,
-                                             samples_per_row=n, max_workers=h.workers, timeout_s=h.timeout_s,
-                                             reward=h.reward, episode_rows=[item.row for item in items])
+            yield server, backend
         finally:
             server.close()
     finally:
         backend.close()
+
+
+def _batch(trainer, per_sample: list, items: list, n: int, backend) -> RolloutBatch:
+    run = trainer.run
     episodes = exact_groups(per_sample, [item for item in items for _ in range(n)])
     batch = episodes_batch(episodes, n, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
-                           group_offset=group_offset(trainer), device=actor.device)
+                           group_offset=group_offset(trainer), device=trainer.actor.device)
     batch.rollout_metrics["agent/harness_generate_calls"] = float(backend.calls)
     return batch
 
@@ -108,4 +134,89 @@ def exact_groups(per_sample: list, items: list) -> list:
     if missing:
         log.warning("harness: %d of %d conversations made no request; each is an empty episode (reward 0, "
                     "nothing trained; agent/harness_missing_mean)", missing, len(per_sample))
+    return out
+
+
+# ----- agent.harness: verifiers -------------------------------------------------------------------
+@dataclass(frozen=True)
+class VerifiersSettings:
+    tasks: dict                       # id(PromptRow) -> (VerifiersSource, task): what each prompt row runs
+    workers: int                      # episodes at once, per rank (agent.harness_workers)
+    timeout_s: float                  # one episode, at most (agent.harness_timeout_s)
+    on_env_error: str                 # end | stop
+    tool_parser: str
+    max_episode_tokens: int
+    max_turns: int
+    context_reason: str
+
+
+def with_verifiers(run, cfg, model_context: int):
+    """RunSettings for agent.harness = verifiers: the environment's rollouts as phase 2, its rewards as phase 3,
+    and its tasks as the prompt rows unless agent.verifiers.prompts = files (module docstring)."""
+    from ..agents.adapters.verifiers import VerifiersSource, load_environment
+    from ..agents.tool_parsers import get_tool_parser
+    from ..errors import ConfigError
+
+    a, v = cfg.agent, cfg.agent.verifiers
+    try:
+        get_tool_parser(a.tool_parser)
+    except ValueError as exc:
+        raise ConfigError(f"agent.tool_parser: {exc}") from None
+
+    def source(kwargs: dict):
+        return VerifiersSource(v.env, load_environment(v.env, kwargs, max_turns=a.max_turns, timeout_s=a.harness_timeout_s))
+
+    train = source(v.kwargs)
+    val = source(_laid_over(v.kwargs, v.eval_kwargs)) if v.eval_kwargs is not None else None
+    train_prompts, val_prompts = run.train_prompts, run.val_prompts
+    if v.prompts == "env":
+        rank, world = rank_and_world()
+        if cfg.data.train_files != ["tiny"] or cfg.data.val_files != ["tiny"]:
+            log.warning("agent.verifiers.prompts = env: the prompts are the environment's tasks; data.train_files "
+                        "and data.val_files are not used (agent.verifiers.prompts = files reads them as its tasks)")
+        train_prompts = PromptStream(_env_dataset(train, cfg, run.tokenizer), cfg.rollout.prompts_per_step,
+                                     seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, rank=rank, world_size=world)
+        val_prompts = None
+        if val is not None:
+            items = _env_dataset(val, cfg, run.tokenizer).items[:cfg.data.val_max_prompts]
+            val_prompts = items[rank::world]
+    tasks = {id(item.row): (train, train.task_for(item.row)) for item in train_prompts.dataset.items}
+    for item in val_prompts or []:
+        tasks[id(item.row)] = (val or train, (val or train).task_for(item.row))
+    settings = VerifiersSettings(tasks=tasks, workers=a.harness_workers, timeout_s=a.harness_timeout_s,
+                                 on_env_error=a.on_env_error, tool_parser=a.tool_parser,
+                                 max_episode_tokens=min(a.max_episode_tokens, model_context), max_turns=a.max_turns,
+                                 context_reason="context" if model_context < a.max_episode_tokens else "max_tokens")
+    return dataclasses.replace(run, rollout_phase=verifiers_rollout, reward=EpisodeScores(), agent=settings,
+                               train_prompts=train_prompts, val_prompts=val_prompts)
+
+
+def verifiers_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
+    """Phase 2, verifiers: n of the environment's own episodes per prompt row through the localhost endpoint."""
+    from ..agents.adapters.verifiers import run_samples
+
+    v = trainer.run.agent
+    sources = {id(v.tasks[id(item.row)][0]) for item in items}
+    assert len(sources) == 1, "one call's prompts come from one split (train or validation)"
+    source = v.tasks[id(items[0].row)][0]
+    with endpoint(trainer, items, params, n) as (server, backend):
+        per_sample = run_samples(source, [v.tasks[id(item.row)][1] for item in items], [item.row for item in items],
+                                 server, samples_per_row=n, max_workers=v.workers, on_env_error=v.on_env_error,
+                                 timeout_s=v.timeout_s)
+    return _batch(trainer, per_sample, items, n, backend)
+
+
+def _env_dataset(source, cfg, tokenizer):
+    """The environment's tasks as a tokenized prompt dataset (rows named by the environment and task index)."""
+    rows = [parse_prompt_row(record, prompt_key="prompt", source=source.row_source(i), index=i)
+            for i, record in enumerate(source.records())]
+    return build_prompt_dataset(rows, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                                overlong=cfg.data.overlong_prompts, apply_chat_template=cfg.data.apply_chat_template)
+
+
+def _laid_over(base: dict, top: Optional[dict]) -> dict:
+    """`top` laid over `base`, mapping by mapping."""
+    out = dict(base)
+    for key, value in (top or {}).items():
+        out[key] = _laid_over(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
