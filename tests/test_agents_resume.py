@@ -17,7 +17,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOT_COMPARED = ("timing_s/", "perf/", "agent/env_seconds")
+NOT_COMPARED = ("timing_s/", "perf/", "agent/env_seconds", "hybrid/to_")
 
 pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 

@@ -10,6 +10,9 @@ The child process is this file run as a script: it loads the config, builds the 
 The signal chain sends SIGINT (twice: out at once; once: stop after the step with a checkpoint) and SIGTERM
 from inside the rollout of a step, and checks the exit codes, the checkpoints and the same final state.
 
+With rollout.max_staleness=1 (the asynchronous stream) the same chain holds: the responses in flight at a
+checkpoint, their ids, log-probs and versions, are saved with it, and the resumed run continues them.
+
 The chain: kill in the rollout of step 3 (resume from step_2), kill in the update of step 5 (resume from
 step_4), kill while step 6 is being written (the temporary directory is reported and skipped; resume from
 step_4 again), then run to the end. The same chain runs with LoRA adapters on the actor and the critic
@@ -33,7 +36,7 @@ def score(prompt, response, ground_truth, **row):
     """Varied, deterministic rewards so that a tiny random policy gets real gradients."""
     return (sum(map(ord, response)) % 7) / 6.0
 '''
-NOT_COMPARED = ("timing_s/", "perf/")
+NOT_COMPARED = ("timing_s/", "perf/", "hybrid/to_")  # times (hybrid/to_*_s: the mode switches)
 
 
 # ---------------------------------------------------------------------------------------------- the child
@@ -63,13 +66,19 @@ def _install_pause(trainer, spec: str) -> None:
             return generate(prompts, params, **kwargs)
         trainer.actor.generate = signalled_generate
     elif moment == "rollout":
-        generate = trainer.actor.generate
+        generate, session = trainer.actor.generate, trainer.actor.decode_session
 
         def paused_generate(prompts, params, **kwargs):
             if in_step() and params is trainer.run.sampling:   # the step's rollout, not a validation
                 _pause(spec)
             return generate(prompts, params, **kwargs)
         trainer.actor.generate = paused_generate
+
+        def paused_session(params, **kwargs):                  # the asynchronous stream's rollout phase
+            if in_step() and params is trainer.run.sampling:
+                _pause(spec)
+            return session(params, **kwargs)
+        trainer.actor.decode_session = paused_session
     elif moment == "update":
         update = trainer.actor.update_mini_batch
 
@@ -209,7 +218,11 @@ def _assert_same_state(a_path: str, b_path: str) -> None:
         assert a[f"{role}_optim"]["scheduler"] == b[f"{role}_optim"]["scheduler"]
 
 
-@pytest.mark.parametrize("extra", [(), tuple(LORA)], ids=["full", "lora"])
+# the asynchronous stream: the responses in flight at a checkpoint are saved with it and continue on resume
+ASYNC = ["rollout.max_staleness=1", "rollout.batch_size=3"]  # 6 slots for 8 groups: some carried over
+
+
+@pytest.mark.parametrize("extra", [(), tuple(LORA), tuple(ASYNC)], ids=["full", "lora", "async"])
 def test_killed_at_rollout_update_and_save_resumes_exactly(tmp_path, extra):
     ref_cfg, cfg = _write_config(tmp_path, "reference", extra), _write_config(tmp_path, "killed", extra)
     reference = _start(ref_cfg, "none", str(tmp_path / "reference.pt"))   # runs alongside the chain
@@ -222,9 +235,11 @@ def test_killed_at_rollout_update_and_save_resumes_exactly(tmp_path, extra):
             reference.communicate()
     expected = _comparable_metrics(tmp_path / "reference" / "logs")
     assert [r["step"] for r in expected] == [0, 1, 2, 3, 4, 5, 6]
+    if extra == tuple(ASYNC):  # the stream really carried responses over updates, and the resumed run continued them
+        assert max(r["async/staleness_max"] for r in expected[1:]) == 1
     assert _comparable_metrics(tmp_path / "killed" / "logs") == expected
     _assert_same_state(str(tmp_path / "reference.pt"), str(tmp_path / "killed.pt"))
-    if extra:  # the adapters really trained, so equal states are not equal zeros
+    if extra == tuple(LORA):  # the adapters really trained, so equal states are not equal zeros
         import torch
 
         final = torch.load(str(tmp_path / "killed.pt"), weights_only=True)
