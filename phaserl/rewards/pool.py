@@ -181,6 +181,8 @@ class RewardPool:
                 self._requeue(w, w.position)
             self._fail_queued("the reward pool was closed")
         os.write(self._wake_w, b"x")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)  # before the connections close under it
         for w in workers:
             try:
                 w.conn.send(None)  # "stop"; a busy worker stops after its call, or is killed below
@@ -194,8 +196,6 @@ class RewardPool:
                 w.process.kill()
                 w.process.wait()
             w.conn.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -210,7 +210,12 @@ class RewardPool:
                     conns = [w.conn for w in self._workers]
                     deadlines = [self._deadline(w) for w in self._workers if w.chunk is not None or not w.ready]
                 timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
-                ready = wait(conns + [self._wake_r], timeout)
+                try:
+                    ready = wait(conns + [self._wake_r], timeout)
+                except (OSError, ValueError):
+                    if self._closed:  # close() ended the pool while this thread waited
+                        return
+                    raise
                 with self._lock:
                     if self._closed:
                         return
