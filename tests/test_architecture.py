@@ -199,6 +199,26 @@ def test_the_layer_math_is_written_once_for_training_and_rollout():
         assert {"pre_attention", "post_attention"} <= imported, f"{user.name} must run layers.py's pieces"
 
 
+def test_adapters_import_their_ecosystems_only_when_used():
+    """phaserl/agents/adapters/*: a module's top level imports the standard library and phaserl only; the
+    ecosystem's package (verifiers, textarena, reasoning-gym, openai, ...) is imported inside the functions that
+    use it, so every adapter module imports without its extra and the extras stay optional."""
+    import sys
+
+    allowed = set(sys.stdlib_module_names) | {"phaserl", "__future__"}
+    for path in sorted((PKG / "agents" / "adapters").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            outside = [n for n in names if n.split(".")[0] not in allowed]
+            assert not outside, (f"{path.relative_to(PKG.parent)} imports {outside} at its top level: import the "
+                                 "ecosystem's package inside the function that uses it")
+
+
 def test_lora_is_a_thin_seam_over_the_built_model():
     """models/lora.py wraps projections by name after a model is built: it needs no decoder internals (only
     phaserl.errors), and the decoder's layer math does not know about it (the adapters sit in its Linear slots)."""
