@@ -176,3 +176,44 @@ def test_the_keys_are_checked_with_the_fix_named():
         load_config(None, ["actor.checkpoint_layer=3"])
     cfg = load_config(None, ["actor.checkpoint_layers=auto", "ref.stream_weights=auto", "actor.optimizer_offload=true"])
     assert cfg.actor.checkpoint_layers is None and cfg.ref.stream_weights is None and cfg.actor.optimizer_offload
+
+
+# ----- the run and the doctor show the plan ---------------------------------------------------------------------
+def test_the_run_applies_the_plan_set_by_hand_and_prints_it(tmp_path):
+    """Set by hand on the CPU (where nothing is planned): the builder applies each measure and a step trains."""
+    from _tiny_run import make_run_dir
+
+    from phaserl.trainer import RLTrainer
+    from phaserl.trainer.summary import run_summary
+
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[]", "trainer.total_steps=1", "actor.checkpoint_layers=1", "actor.optimizer_offload=true",
+        "ref.stream_weights=true", "trainer.val_before_train=false", "actor.entropy_coef=0.01"])  # a gradient
+    trainer = RLTrainer.from_config(cfg)
+    assert trainer.actor.model.model.checkpoint_layers == 1 and trainer.actor.optimizer.offloaded
+    assert trainer.ref_policy.streamed is not None
+    summary = run_summary(trainer)
+    for line in ("actor.checkpoint_layers=1 -> 1: set in the config", "actor.optimizer_offload=true -> on: set in the "
+                 "config", "ref.stream_weights=true -> on: set in the config", "memory     memory plan: reference "
+                 "streamed, 1 layer(s) checkpointed, optimizer state on the CPU; micro-batch 64 tokens"):
+        assert line in summary, line
+    before = [p.detach().clone() for p in trainer.actor.model.parameters()]
+    trainer.fit()
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.actor.model.parameters()))  # AdamW on the host
+
+
+def test_the_doctor_shows_the_plan_the_run_will_choose():
+    from phaserl.doctor.memory import PhaseSizes, plan_for
+
+    f = facts("7b", 80)
+    roles = {"actor": budget.RoleMemory(f.actor_params, f.actor_trainable, 2 * f.actor_trainable),
+             "ref": budget.RoleMemory(f.ref_bytes, 0, 0)}
+    sizes = PhaseSizes(n=8, prompt_tokens=256, sequence_tokens=768, rollout_batch_size=16, prompts_per_rank=16,
+                       rm_engine="phaserl", rm_batch_size=16, rm_micro_batch_tokens=16384, rm_packed=True,
+                       rm_max_length=512, responses_per_rank=128, micro_batch_tokens=16384, mini_batch_per_rank=128,
+                       gradient_checkpointing=False, compiled=True)
+    doctor_facts, plan = plan_for(f.shape, sizes, roles, Asked(), free_bytes=f.budget_bytes, device_type="cuda",
+                                  world_size=1, kept=0, layer_share=f.ref_layer_bytes / f.ref_bytes, selective=True,
+                                  kv_fraction=0.4)
+    assert plan == choose_plan(f)
+    assert "reference streamed, 21 layer(s) checkpointed" in plan.summary()

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ..memory.budget import (HEADROOM, LOGPROB_CHUNK, ModelShape, fmt_bytes, logprob_chunk_bytes,
                              scoring_bytes_per_sequence, scoring_bytes_per_token, train_bytes_per_token)
 from ..memory.budget import rollout_bytes_per_sequence as _sequence_bytes
+from ..memory.plan import Asked, MemoryPlan, PlanFacts, choose_plan
 
 IDLE_FRACTION = 0.25     # a configured size under a quarter of what fits leaves the GPU mostly idle
 
@@ -42,6 +44,7 @@ class PhaseSizes:
     gradient_checkpointing: bool
     routing_replay: bool = False  # actor.routing_replay: the engine also records each position's experts
     compiled: bool = False        # the actor's decoder layers run through torch.compile (actor.compile as chosen)
+    checkpoint_layers: Optional[int] = None  # layers recomputed in backward as the memory plan chose (None: the switch)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,25 @@ class Suggestion:
     cap: int          # what the phase can use at most, in the key's units
     per_item: int     # bytes per unit of the key (per prompt / sequence / token)
     whole: int = 0    # token budgets: tokens of one full-length sequence, the smallest forward (0: a count)
+
+def plan_for(shape: ModelShape, sizes: PhaseSizes, roles: dict, asked: Asked, *, free_bytes: int, device_type: str,
+             world_size: int, kept: int, layer_share: float, selective: bool,
+             kv_fraction: float) -> tuple[PlanFacts, MemoryPlan]:
+    """The memory plan a run of these sizes would choose (memory/plan.py, the builder's rule) from the doctor's
+    per-role count (`roles`: name -> budget.RoleMemory); `layer_share` is the share of a model's weights in its
+    decoder layers (what streaming the reference moves), `kept` what a kept engine would hold. Returns the facts
+    and the plan."""
+    actor, ref = roles["actor"], roles.get("ref")
+    other = sum(m.params + m.optimizer for name, m in roles.items() if name not in ("actor", "ref"))
+    facts = PlanFacts(
+        shape=shape, device_type=device_type, budget_bytes=free_bytes, actor_params=actor.params,
+        actor_trainable=actor.grads, ref_bytes=ref.params if ref else 0,
+        ref_layer_bytes=int(ref.params * layer_share) if ref else 0, other_bytes=other, kept_bytes=kept,
+        sequence_tokens=sizes.sequence_tokens, mini_batch_sequences=sizes.mini_batch_per_rank,
+        compiled=sizes.compiled, world_size=world_size, selective=selective, kv_fraction=kv_fraction,
+        sequences_per_call=sizes.rollout_batch_size * sizes.n, routes=sizes.routing_replay)
+    return facts, choose_plan(facts, asked)
+
 
 def rollout_bytes_per_sequence(shape: ModelShape, sizes: PhaseSizes) -> int:
     """One sequence of this run's rollout phase (memory.budget.rollout_bytes_per_sequence at its sizes)."""
@@ -96,7 +118,8 @@ def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, 
         out.append(Suggestion("reward_model.batch_size", sizes.rm_batch_size,
                               _largest(usable - resident, per_seq, sizes.responses_per_rank),
                               sizes.responses_per_rank, per_seq))
-    per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing, sizes.compiled, sizes.sequence_tokens)
+    per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing, sizes.compiled, sizes.sequence_tokens,
+                                      checkpoint_layers=sizes.checkpoint_layers)
     seqs = _largest_micro_batch(usable - resident - update_extra, policy, per_token, sizes)
     out.append(Suggestion("ppo.micro_batch_tokens", sizes.micro_batch_tokens, seqs * sizes.sequence_tokens,
                           sizes.mini_batch_per_rank * sizes.sequence_tokens, per_token, whole=sizes.sequence_tokens))

@@ -30,7 +30,9 @@ from .checks import Context, check, roles_enabled, short
 from ..memory.budget import (ModelShape, RoleMemory, UnknownShape, fmt_bytes, kept_engine_bytes, kept_logits_bytes,
                              kv_cache_bytes_per_sequence, layer_bytes, response_tokens_of, role_memory,
                              update_peak_bytes)
-from .memory import PhaseSizes, ceil_div, effective, judge, suggest_sizes
+from ..memory.plan import asked_from_config, saved_bytes
+from ..parallel.fsdp import decoder_layers
+from .memory import PhaseSizes, ceil_div, effective, judge, plan_for, suggest_sizes
 from .report import FAIL, OK, WARN, CheckResult
 
 log = logging.getLogger("phaserl")
@@ -297,6 +299,9 @@ def check_memory(ctx: Context) -> CheckResult:
                                             strategy=rm_fsdp.sharding_strategy, world_size=ctx.world_size,
                                             cpu_offload=rm_fsdp.cpu_offload)
     resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
+    facts, plan = _memory_plan(ctx, shape, sizes, roles)  # what the run's builder will choose (memory/plan.py)
+    resident -= saved_bytes(facts, plan.measures)
+    sizes = dataclasses.replace(sizes, checkpoint_layers=plan.measures.layers)
     sizes, micro_line = _micro_batch(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
     keep, auto_line = _keep_awake(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
     kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if keep else 0
@@ -306,7 +311,8 @@ def check_memory(ctx: Context) -> CheckResult:
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
                                                              f"{fmt_bytes(m.optimizer)}" if m.grads else "")
                + " per rank" for name, m in roles.items()]
-    details += lora_lines + [line for line in (micro_line, auto_line, logits_line) if line]
+    details += lora_lines + [plan.summary()] + [c.line() for c in plan.all()[:3] if c.asked is None]
+    details += [line for line in (micro_line, auto_line, logits_line) if line]
     if shared_ref:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
     details.append(kv_line(shape, sizes))
@@ -324,12 +330,28 @@ def check_memory(ctx: Context) -> CheckResult:
     if resident > ctx.free_bytes:
         problems.insert(0, f"the weights and optimizer state alone need {fmt_bytes(resident)} per rank, more than "
                            f"the {usable} free")
+    elif not plan.fits:
+        problems.insert(0, plan.problem)
     fix = (f"{suggested}; or shard over more ranks (FULL_SHARD), turn on actor.gradient_checkpointing, or use "
            "model.dtype=bfloat16")
     if problems:
         return CheckResult("memory", WARN, "; ".join(problems), fix=fix, details=tuple(details))
     return CheckResult("memory", OK, f"~{fmt_bytes(resident)} of weights and optimizer state per rank; every phase "
                                      f"fits the {usable} free on {ctx.device}", details=tuple(details))
+
+
+def _memory_plan(ctx: Context, shape: ModelShape, sizes: PhaseSizes, roles: dict):
+    """The memory plan the run's builder will choose on this machine (memory/plan.py's rule on the doctor's count,
+    room left for a kept engine where it may be kept, as the builder leaves it): (its facts, the plan)."""
+    cfg = ctx.cfg
+    engine = cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy)
+    kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if engine and cfg.rollout.engine_keep_awake is not False \
+        else 0
+    in_layers = sum(p.numel() for layer in decoder_layers(ctx.policy) for p in layer.parameters())
+    return plan_for(shape, sizes, roles, asked_from_config(cfg, shape.num_layers), free_bytes=ctx.free_bytes,
+                    device_type=ctx.device.type, world_size=ctx.world_size, kept=kept,
+                    layer_share=in_layers / max(1, shape.num_params), selective=supports_packing(ctx.policy),
+                    kv_fraction=cfg.rollout.engine_memory_fraction)
 
 
 def hybrid_activation_line(shape: ModelShape, sizes: PhaseSizes) -> str:
@@ -384,6 +406,7 @@ def _micro_batch(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
     def peak_of(tokens: int) -> int:
         return kept + update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=tokens,
                                         gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
+                                        checkpoint_layers=sizes.checkpoint_layers,
                                         sequence_tokens=sizes.sequence_tokens)
     choice = choose("ppo.micro_batch_tokens", None, micro_batch_rule(
         device_type=ctx.device.type, sequence_tokens=sizes.sequence_tokens,
@@ -401,6 +424,7 @@ def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident:
     micro = min(sizes.micro_batch_tokens, sizes.mini_batch_per_rank * sizes.sequence_tokens)
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                              gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
+                             checkpoint_layers=sizes.checkpoint_layers,
                              sequence_tokens=sizes.sequence_tokens)
     kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes)
     choice = choose("rollout.engine_keep_awake", None, keep_awake_rule(
@@ -424,6 +448,7 @@ def _keep_logits(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
         return (logits if asked and not head_kernels_missing(**head) else 0), ""
     peak = kept + update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                                     gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
+                                    checkpoint_layers=sizes.checkpoint_layers,
                                     sequence_tokens=sizes.sequence_tokens)
     choice = choose("ppo.keep_head_logits", None, keep_logits_rule(
         **head, peak_bytes=peak, logits_bytes=logits, fixed_bytes=resident + grads + kept, budget_bytes=ctx.free_bytes))

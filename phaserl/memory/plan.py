@@ -116,6 +116,14 @@ class MemoryPlan:
                 f"predicted update peak {fmt_bytes(self.peak_bytes)} of {fmt_bytes(self.budget_bytes)}{kv}")
 
 
+def asked_from_config(cfg, num_layers: int) -> Asked:
+    """The plan's keys as a Config sets them (actor.gradient_checkpointing: true means every layer)."""
+    a = cfg.actor
+    layers = num_layers if a.gradient_checkpointing else a.checkpoint_layers
+    return Asked(stream_reference=cfg.ref.stream_weights, checkpoint_layers=layers,
+                 optimizer_offload=a.optimizer_offload, micro_batch_tokens=cfg.ppo.micro_batch_tokens)
+
+
 def fixed_bytes(f: PlanFacts, s: Measures) -> int:
     """What the update holds whatever the micro-batch: weights, gradients, AdamW (unless offloaded), the reference
     (its layers unless streamed: then the two layers in flight), the other roles and a kept engine."""
@@ -125,6 +133,11 @@ def fixed_bytes(f: PlanFacts, s: Measures) -> int:
         ref = f.ref_bytes - f.ref_layer_bytes + 2 * f.ref_layer_bytes // layers
     optimizer = 0 if s.offload else 2 * f.actor_trainable
     return f.actor_params + f.actor_trainable + optimizer + ref + f.other_bytes + f.kept_bytes
+
+
+def saved_bytes(f: PlanFacts, s: Measures) -> int:
+    """What the measures take off the device's fixed state (the streamed reference's layers, AdamW's moments)."""
+    return fixed_bytes(f, Measures()) - fixed_bytes(f, s)
 
 
 def peak_bytes(f: PlanFacts, s: Measures, tokens: int) -> int:

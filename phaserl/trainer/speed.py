@@ -30,7 +30,8 @@ from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, c
 from ..config.validate import sequence_tokens
 from ..memory.budget import (ModelShape, UnknownShape, free_memory_bytes, kept_engine_bytes, kept_logits_bytes,
                              response_tokens_of)
-from ..memory.plan import Asked, Measures, MemoryPlan, PlanFacts, choose_plan, fixed_bytes, peak_bytes
+from ..memory.plan import (Measures, MemoryPlan, PlanFacts, asked_from_config, choose_plan, fixed_bytes,
+                           peak_bytes)
 from ..parallel.fsdp import decoder_layers
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing
@@ -110,20 +111,12 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         memory=(count.facts(kept=may_keep), plan) if count.shape is not None else None)
 
 
-def asked_of(cfg: "Config", num_layers: int) -> Asked:
-    """The memory plan's keys as the config sets them (actor.gradient_checkpointing: true means every layer)."""
-    a = cfg.actor
-    layers = num_layers if a.gradient_checkpointing else a.checkpoint_layers
-    return Asked(stream_reference=cfg.ref.stream_weights, checkpoint_layers=layers,
-                 optimizer_offload=a.optimizer_offload, micro_batch_tokens=cfg.ppo.micro_batch_tokens)
-
-
 def memory_plan(cfg: "Config", count: "UpdateCount", *, may_keep: bool) -> MemoryPlan:
     """memory/plan.py's plan on this run's count (`may_keep`: room is left for a kept engine); `count` then peaks
     under the plan's measures. Without a count (a model whose shape is unknown) nothing is planned."""
     if count.shape is None:
         return _unplanned(cfg, count)
-    plan = choose_plan(count.facts(kept=may_keep), asked_of(cfg, count.shape.num_layers))
+    plan = choose_plan(count.facts(kept=may_keep), asked_from_config(cfg, count.shape.num_layers))
     count.measures = plan.measures
     return plan
 

@@ -79,6 +79,7 @@ def run_summary(trainer) -> str:
         f"checkpointing: {_on_off(getattr(actor.model, 'gradient_checkpointing', False))}; compile: "
         f"{_on_off(_compiled(actor.model))}; optimizer offload in rollout: {_on_off(actor.hybrid.offload_optimizer)}",
         *_speed_lines(run.speed),
+        *([f"memory     {run.speed.memory_plan}"] if run.speed is not None and run.speed.memory_plan else []),
         *([f"memory     CUDA allocator: {cuda_allocator.ACTIVE}"] if cuda_allocator.ACTIVE and actor.device.type == "cuda"
           else []),
         f"run        {run.total_steps} steps; validation "
