@@ -134,6 +134,35 @@ def test_errors_name_the_environment_and_the_row(tmp_path):
             run_samples(source, source.tasks, rows, server, samples_per_row=1, max_workers=2, on_env_error="stop")
 
 
+def test_max_turns_stops_the_seat_and_scores_it_and_a_slow_episode_times_out(tmp_path):
+    """agent.max_turns caps the trained seat: verifiers refuses the next turn itself, the episode ends there
+    (agent/ended/max_turns) and is scored; an episode past agent.harness_timeout_s keeps its turns at reward 0."""
+    from phaserl.agents.completion import FakeBackend
+    from phaserl.agents.server import ChatServer
+
+    tok = _tiny()
+    tok.chat_template = TOOLS_TEMPLATE
+    wrong = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id], eos_token_ids=(tok.eos_token_id,))
+    source = VerifiersSource("tools", load_environment(TOOLS, {"num_tasks": 2}, max_turns=2))
+    with ChatServer(wrong, tok, parser="tiny_check") as server:
+        per_sample = run_samples(source, source.tasks, _rows(source), server, samples_per_row=1, max_workers=2)
+    for (episode,) in per_sample:
+        assert (episode.finish_reason, episode.num_turns, episode.reward) == ("max_turns", 2, 0.0)
+        assert episode.metrics["vf_metric/checks"] == 2.0 and episode.metrics["vf_errors"] == 0.0  # scored
+        assert [s.kind for s in episode.segments] == ["prompt", "model", "observation", "model"]
+
+    slow = tmp_path / "slow_env.py"
+    slow.write_text(open(ARITH).read().replace("            async for _ in stream:\n                pass\n",
+                                               "            async for _ in stream:\n                pass\n"
+                                               "            import asyncio\n            await asyncio.sleep(30)\n"))
+    source = VerifiersSource("slow", load_environment(str(slow), {**LOCAL, "taskset": {"num_tasks": 1}},
+                                                      timeout_s=1.0))
+    with ChatServer(wrong, tok) as server:
+        ((episode,),) = run_samples(source, source.tasks, _rows(source), server, samples_per_row=1, max_workers=1)
+    assert (episode.finish_reason, episode.reward, episode.metrics["vf_timeouts"]) == ("env_error", 0.0, 1.0)
+    assert episode.num_turns == 1  # the turn it made before the deadline is kept
+
+
 def test_two_seats_on_the_runs_model_are_refused(tmp_path):
     env = tmp_path / "duo_env.py"
     env.write_text(open(ARITH).read() + '''
