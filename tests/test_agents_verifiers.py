@@ -129,7 +129,7 @@ def test_errors_name_the_environment_and_the_row(tmp_path):
         (episode,) = per_sample[0]
         assert episode.finish_reason == "env_error" and episode.reward == 0.0 and episode.metrics["vf_errors"] == 1.0
         assert episode.response_ids() == [tok.convert_tokens_to_ids("7"), tok.eos_token_id]  # its turn is kept
-        with pytest.raises(RuntimeError, match=r"verifiers env '.*broken_env.py', verifiers env .*task 0, sample 0: "
+        with pytest.raises(RuntimeError, match=r"^verifiers env '.*broken_env.py', task 0, sample 0: "
                                                r"HarnessError: .*the sandbox fell over.*agent.on_env_error=stop"):
             run_samples(source, source.tasks, rows, server, samples_per_row=1, max_workers=2, on_env_error="stop")
 

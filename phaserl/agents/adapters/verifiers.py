@@ -167,6 +167,11 @@ class VerifiersSource:
     def row_source(self, index: int) -> str:
         return f"verifiers env {self.env_id!r}, task {index}"
 
+    def where(self, row) -> str:
+        """A row named for messages: its source, after the environment's id unless the source has it."""
+        prefix = f"verifiers env {self.env_id!r}"
+        return row.source if row.source.startswith(prefix) else f"{prefix}, {row.source}"
+
     def task_for(self, row):
         """The task a row stands for: its `extra_info.verifiers_task` when the row came from `records`, else the
         row's fields read as the taskset's task data (a DataError names the row and the field)."""
@@ -220,7 +225,7 @@ def run_samples(source: VerifiersSource, tasks: list, rows: list, server, *, sam
         per_sample.append(episodes)
     if failures:
         row, k, failure = failures[0]
-        where = f"verifiers env {source.env_id!r}, {row.source}, sample {k}"
+        where = f"{source.where(row)}, sample {k}"
         if on_env_error == "stop":
             raise RuntimeError(f"{where}: {failure} (agent.on_env_error=stop; `end` keeps training with such "
                                "episodes at reward 0)")
@@ -228,7 +233,7 @@ def run_samples(source: VerifiersSource, tasks: list, rows: list, server, *, sam
                     "(agent/vf_errors_mean, agent/vf_timeouts_mean)", where, failure, len(failures), len(jobs))
     if not any(per_sample) and failures:
         raise RuntimeError(f"verifiers env {source.env_id!r}: no episode reached phaserl's endpoint; the first "
-                           f"failure, on {failures[0][0].source}: {failures[0][2]}")
+                           f"failure, on {source.where(failures[0][0])}: {failures[0][2]}")
     return per_sample
 
 
