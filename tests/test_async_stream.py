@@ -188,3 +188,18 @@ def test_async_agent_episodes_carry_over_phases_and_their_observations_have_no_v
             assert all(a != b or a != "model" for a, b in zip(kinds, kinds[1:]))
             carried += len({v for seg in ep.segments if seg.kind == "model" for v in seg.versions}) > 1
     assert carried > 0, "no episode was continued across an update"
+
+
+@pytest.mark.parametrize("overrides, status, words", [
+    ([], "OK", "synchronous"),
+    (["rollout.max_staleness=1"], "OK", "correction: decoupled"),
+    (["rollout.max_staleness=1", "algorithm.rollout_correction=none"], "WARN", "rollout_correction=none"),
+    (["rollout.max_staleness=4", "actor.optim.lr=1e-5"], "WARN", "lower k or the learning rate"),
+])
+def test_the_doctor_names_the_mode_the_bound_and_the_correction(overrides, status, words):
+    from phaserl.doctor import load_doctor_config
+    from phaserl.doctor.checks import Context
+    from phaserl.doctor.rollout_mode import check_rollout_mode
+
+    result = check_rollout_mode(Context(cfg=load_doctor_config(None, overrides), world_size=1))
+    assert result.status == status and words in result.message + result.fix, (result.message, result.fix)

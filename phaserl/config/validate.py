@@ -458,3 +458,12 @@ def check_context_length(cfg: Config, max_position_embeddings: int, source: str)
     raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {p} + {t} = {p + t} tokens, but the model "
                       f"({source}) has max_position_embeddings = {max_position_embeddings}; lower them so the sum is "
                       f"at most {max_position_embeddings} ({fix})")
+
+
+def rollout_correction_mode(cfg) -> str:
+    """algorithm.rollout_correction as it runs: auto is `decoupled` when the rollout is asynchronous (its tokens were
+    sampled by older weights: decoupled PPO weighs each by proximal / behaviour), else none."""
+    mode = cfg.algorithm.rollout_correction
+    if mode == "auto":
+        return "decoupled" if cfg.rollout.max_staleness > 0 else "none"
+    return mode

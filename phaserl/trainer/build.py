@@ -28,7 +28,8 @@ from ..cuda_allocator import configure_cuda_allocator
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
-from ..config.validate import GROUP_ESTIMATORS, policy_loss_range, sequence_tokens, train_micro_batch_tokens
+from ..config.validate import (GROUP_ESTIMATORS, policy_loss_range, rollout_correction_mode, sequence_tokens,
+                               train_micro_batch_tokens)
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
@@ -294,18 +295,9 @@ def policy_loss_fn(a) -> functools.partial:
                             delta_high=high, ratio_cap=a.dppo_ratio_cap)
 
 
-def correction_mode(cfg: Config) -> str:
-    """algorithm.rollout_correction as it runs: auto is `decoupled` when the rollout is asynchronous (its tokens
-    were sampled by older weights: decoupled PPO weighs each by proximal / behaviour), else none."""
-    mode = cfg.algorithm.rollout_correction
-    if mode == "auto":
-        return "decoupled" if cfg.rollout.max_staleness > 0 else "none"
-    return mode
-
-
 def rollout_correction_fn(cfg: Config) -> Optional[functools.partial]:
     """algorithm.rollout_correction bound to its cap, or None (off)."""
-    mode = correction_mode(cfg)
+    mode = rollout_correction_mode(cfg)
     if mode == "none":
         return None
     return functools.partial(rollout_correction, mode=mode, cap=cfg.algorithm.rollout_correction_cap)

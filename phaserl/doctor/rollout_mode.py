@@ -1,0 +1,44 @@
+"""The doctor's "rollout mode" line: synchronous or asynchronous (rollout.max_staleness), the bound, the correction.
+
+It reports what the run will do (trainer/stream.py: which stream, how many groups in flight, what happens to a
+sample past the bound, which off-policy correction weighs the update) and warns where the settings make
+staleness costly: a large bound at a large learning rate (the policy moves further between sampling and
+training than the measured runs of docs/async.md), or the asynchronous stream with the correction turned off.
+"""
+from __future__ import annotations
+
+from ..config.validate import rollout_correction_mode
+from .checks import Context, check
+from .report import OK, WARN, CheckResult
+
+# k x lr above which the update trains on tokens from policies that moved "far": the tiny world's parity runs
+# (docs/async.md) used k <= 2; the 2026 peers' defaults are k <= 4 at lr <= 2e-6 (AReaL, prime-rl)
+DRIFT_WARN = 1e-5
+
+
+@check("rollout mode")
+def check_rollout_mode(ctx: Context) -> CheckResult:
+    cfg = ctx.cfg
+    r, lr, k = cfg.rollout, cfg.actor.optim.lr, cfg.rollout.max_staleness
+    mode = rollout_correction_mode(cfg)
+    if k == 0:
+        correction = "" if mode == "none" else f"; algorithm.rollout_correction={mode} weighs the update"
+        return CheckResult("rollout mode", OK, "synchronous: every response of a step is sampled by the weights it "
+                                               f"trains (rollout.max_staleness=0){correction}")
+    per_rank = r.prompts_per_step // max(ctx.world_size, 1)
+    kind = "agent episodes" if cfg.agent.env else "responses"
+    detail = (f"asynchronous: a batch may hold tokens up to {k} policy version(s) old; up to {per_rank * (k + 1)} "
+              f"groups per rank in flight ({kind} cut at a batch continue after the update); a sample past the bound "
+              f"is {'started over' if r.on_stale == 'restart' else 'dropped with its group'} (rollout.on_stale="
+              f"{r.on_stale}); correction: {mode}")
+    warnings = []
+    if mode == "none":
+        warnings.append("algorithm.rollout_correction=none: the update treats tokens of older policies as its own "
+                        "(set auto or decoupled)")
+    if k >= 2 and k * lr > DRIFT_WARN:
+        warnings.append(f"rollout.max_staleness={k} at actor.optim.lr={lr:g}: tokens up to {k} updates old at this "
+                        f"learning rate (k x lr = {k * lr:.2g} > {DRIFT_WARN:g}); learning parity with the synchronous "
+                        "step was measured at k <= 2 (docs/async.md): lower k or the learning rate")
+    if warnings:
+        return CheckResult("rollout mode", WARN, detail, fix="; ".join(warnings))
+    return CheckResult("rollout mode", OK, detail)
