@@ -3,7 +3,7 @@
 Reward (train/reward_mean ± train/reward_std, the band clipped to the step's train/reward_min..max),
 validation score (val/score_mean), KL (train/kl and actor/kl_loss: one curve when they are the same
 numbers) and response length (train/response_length_mean, val/response_length_mean); every axis is
-labelled and a caption says what to look at. Written at
+labelled and a caption says what this run's curves show (`caption`). Written at
 the end of `fit` on rank 0 and by `phaserl report RUN_DIR`. matplotlib draws off-screen (Agg); the file
 is replaced atomically. Not here: live dashboards (TensorBoard reads the same run directory).
 """
@@ -24,10 +24,43 @@ PANELS = (  # (title, y-axis label, [(metric, legend label)])
     ("response length (tokens)", "tokens per response", [("train/response_length_mean", "train (mean)"),
                                                          ("val/response_length_mean", "val (mean)")]),
 )
-CAPTION = ("What to look at: reward and validation score should rise together (reward up with validation flat or "
-           "falling is reward hacking or overfitting); KL should grow slowly (a jump means the policy runs away "
-           "from the reference: lower the learning rate or raise the KL coefficient); response length should not "
-           "collapse to a few tokens nor pin at rollout.max_new_tokens.")
+LENGTH_ADVICE = "response length should neither collapse to a few tokens nor sit at rollout.max_new_tokens"
+
+
+def caption(records: list) -> str:
+    """What this run's curves say, read from them (issue 47: a fixed 'KL should grow slowly' contradicted the
+    quickstart's own curve): reward against validation score, the KL against what the score did, the lengths."""
+    reward, val = _change(records, "train/reward_mean"), _change(records, "val/score_mean")
+    kl = series(records, "train/kl")[1] or series(records, "actor/kl_loss")[1]
+    parts = []
+    if reward and val:
+        agree = (reward[1] > reward[0]) == (val[1] > val[0]) or abs(val[1] - val[0]) < 0.01
+        parts.append(f"reward {reward[0]:.3g} -> {reward[1]:.3g} and validation score {val[0]:.3g} -> {val[1]:.3g}"
+                     + (": they agree" if agree else ": the validation score does not follow the reward (reward "
+                        "hacking or overfitting: check the reward function and the held-out data)"))
+    elif reward:
+        parts.append(f"reward {reward[0]:.3g} -> {reward[1]:.3g} (no validation logged: set data.val_files to see "
+                     "whether it generalizes)")
+    if kl:
+        top = max(kl)
+        step = series(records, "train/kl")[0] or series(records, "actor/kl_loss")[0]
+        where = step[kl.index(top)]
+        gained = val is not None and val[1] > val[0] + 0.01
+        parts.append(f"KL to the reference up to {top:.3g} (step {where}), {kl[-1]:.3g} at the end"
+                     + ("; the validation score rose with it, so the policy's move away from the reference paid"
+                        if gained else "; with no gain on held-out prompts, a rising KL is the policy drifting: "
+                        "lower the learning rate or raise algorithm.kl_coef"))
+    parts.append(LENGTH_ADVICE)
+    return "This run: " + "; ".join(parts) + "."
+
+
+def _change(records: list, key: str) -> Optional[tuple]:
+    """(first, last) of `key`: the mean of its first and last few points (one point: None)."""
+    values = series(records, key)[1]
+    if len(values) < 2:
+        return None
+    k = max(1, min(5, len(values) // 4))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 def read_metrics(path: str) -> list:
@@ -112,7 +145,7 @@ def draw_report(records: list, title: str):
             ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes,
                     color="gray")
     fig.get_layout_engine().set(rect=(0, 0.07, 1, 0.93))  # room for the caption below the panels
-    fig.text(0.01, 0.01, CAPTION, fontsize=8, wrap=True, va="bottom", color="0.25")
+    fig.text(0.01, 0.01, caption(records), fontsize=8, wrap=True, va="bottom", color="0.25")
     return fig
 
 
@@ -128,7 +161,8 @@ def _band(ax, records: list, steps: list, means: list) -> None:
     if all(s in stds and math.isfinite(stds[s]) for s in steps):
         low = [max(m - stds[s], by_step["train/reward_min"].get(s, -math.inf)) for s, m in zip(steps, means)]
         high = [min(m + stds[s], by_step["train/reward_max"].get(s, math.inf)) for s, m in zip(steps, means)]
-        ax.fill_between(steps, low, high, alpha=0.2, label="± std (within min..max)")
+        ax.fill_between(steps, low, high, alpha=0.2, label="spread of the step's responses: mean ± 1 std, "
+                                                           "clipped to their lowest and highest")
 
 
 def cli_report(argv: Optional[list] = None) -> int:

@@ -36,15 +36,17 @@ def test_env_and_harness_together_is_an_error_naming_both_keys(tmp_path):
 def test_harness_spec_errors_name_the_key_and_what_is_there(tmp_path):
     from phaserl.agents.loader import load_harness_function
 
+    mine = tmp_path / "mine.py"  # not the example: it imports openai, which only the `agents` extra installs
+    mine.write_text("def harness(base_url, row):\n    return 0.0\n")
     with pytest.raises(ConfigError, match=r"agent.harness=.*defines no 'nope'.*functions defined there: harness"):
-        load_harness_function(f"{HARNESS}:nope")
+        load_harness_function(f"{mine}:nope")
     with pytest.raises(ConfigError, match=r"agent.harness=.*file .*missing.py not found"):
         load_harness_function(str(tmp_path / "missing.py") + ":harness")
     bad = tmp_path / "bad.py"
     bad.write_text("def harness(base_url):\n    return 0.0\n")
     with pytest.raises(ConfigError, match=r"harness\(base_url, row\)"):
         load_harness_function(f"{bad}:harness")
-    assert load_harness_function(f"{HARNESS}:harness").__name__ == "harness"
+    assert load_harness_function(f"{mine}:harness").__name__ == "harness"
 
 
 def test_the_harness_endpoint_gets_the_runs_episode_limits(tmp_path):

@@ -45,3 +45,51 @@ def test_train_without_validation_ends_with_done(tmp_path, config, caplog):
     with caplog.at_level(logging.INFO, logger="phaserl"):
         assert main(["train", "--skip-doctor", config, *overrides]) == 0
     assert caplog.records[-1].getMessage().startswith("phaserl: done at step 2")
+
+
+def test_a_lora_target_that_matches_nothing_names_the_full_key(tmp_path):
+    """Issue 47 item 12: the error said `lora.target_modules`; the key is `actor.lora.target_modules`."""
+    from phaserl.config import load_config
+    from phaserl.errors import ConfigError
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + ["actor.lora.rank=4", "actor.lora.target_modules=[out_proj]"])
+    with pytest.raises(ConfigError, match=r"^actor\.lora\.target_modules=\['out_proj'\] matched no linear layer"):
+        RLTrainer.from_config(cfg)
+
+
+def test_the_walkthrough_downloads_with_the_command_huggingface_hub_ships():
+    """Issue 47 item 7: `huggingface-cli download` fails with huggingface-hub 2.x, which ships only `hf`."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                            "your-own-task.md")).read()
+    command = re.search(r"`(hf download [^`]+)`", doc).group(1)
+    assert "huggingface-cli download" not in doc
+    hf = os.path.join(os.path.dirname(sys.executable), "hf")
+    if not os.path.exists(hf):
+        pytest.skip("no hf command beside this python (huggingface-hub installs it)")
+    usage = subprocess.run([hf, "download", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert all(option in usage for option in re.findall(r"--[a-z-]+", command))
+
+
+def test_ci_runs_the_readme_commands_word_for_word():
+    """Issue 47 item 6: CI installed `.[test,agents,lora]` while the README said `.[test]`, so CI never saw the
+    README's own commands fail. After its torch line (CI's wheel store stands in for PyTorch's index), every
+    command .ci/run runs is one of the README's."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    block = re.search(r"```bash\n(.*?)```", open(os.path.join(root, "README.md")).read(), re.S).group(1)
+    readme = {line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")}
+    ci = [line.strip() for line in open(os.path.join(root, ".ci", "run")) if line.strip()
+          and not line.strip().startswith("#")]
+    after_torch = ci[ci.index("python -m pip install torch==2.13.0") + 1:]
+    commands = [c for c in after_torch if not c.startswith(("if ", "fi", "then"))]
+    assert 'pip install -e ".[test]"' in commands and "python -m pytest -q tests" in commands
+    assert all(c in readme for c in commands), [c for c in commands if c not in readme]
+    assert any(line.endswith('pip install -e ".[test]"') and "torch==2.13.0" in line for line in readme)

@@ -41,6 +41,9 @@ def _pattern(name: str) -> re.Pattern:
 
 @pytest.fixture(scope="module")
 def emitted(tmp_path_factory) -> set:
+    # the harness run's example drives the endpoint with the openai client: without the `agents` extra these
+    # tests skip (issue 47: `pip install -e ".[test]"` and the README's test command must pass as written)
+    pytest.importorskip("openai", reason="the example harness uses the openai client (the `agents` extra)")
     names = set()
     for run, extra in RUNS.items():
         root = tmp_path_factory.mktemp(run)

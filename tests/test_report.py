@@ -118,7 +118,7 @@ def test_the_report_labels_its_axes_clips_the_band_and_draws_one_kl_curve_per_qu
     import matplotlib
 
     matplotlib.use("Agg")
-    from phaserl.report import CAPTION, draw_report
+    from phaserl.report import caption, draw_report
 
     records = [{"step": s, "train/reward_mean": 0.9, "train/reward_std": 0.3, "train/reward_min": 0.0,
                 "train/reward_max": 1.0, "train/kl": 0.01 * s, "actor/kl_loss": 0.01 * s,
@@ -133,4 +133,38 @@ def test_the_report_labels_its_axes_clips_the_band_and_draws_one_kl_curve_per_qu
     assert len(length.get_lines()) == 2                                        # different numbers: two curves
     records[1]["actor/kl_loss"] = 0.5
     assert len(draw_report(records, "t").axes[2].get_lines()) == 2
-    assert CAPTION in [t.get_text() for t in fig.texts]
+    assert caption(records) in [t.get_text() for t in fig.texts]
+
+
+def _curves(kl, val, reward=None):
+    reward = reward or [0.5 + 0.05 * s for s in range(len(kl))]
+    records = [{"step": s, "train/reward_mean": r, "train/kl": k} for s, (k, r) in enumerate(zip(kl, reward))]
+    for s, v in val:
+        records[s]["val/score_mean"] = v
+    return records
+
+
+def test_the_caption_says_what_this_runs_curves_show():
+    """Issue 47 item 11: 'KL should grow slowly (a jump means the policy runs away)' sat under the quickstart,
+    whose KL jumps to 0.40 in 7 steps while its held-out score goes 0.36 -> 0.965."""
+    from phaserl.report import caption
+
+    quickstart = caption(_curves([0.0, 0.02, 0.1, 0.17, 0.34, 0.22, 0.4, 0.25, 0.3, 0.28], [(0, 0.36), (9, 0.965)]))
+    assert "should grow slowly" not in quickstart and "runs away" not in quickstart
+    assert "validation score 0.36 -> 0.965: they agree" in quickstart
+    assert "KL to the reference up to 0.4 (step 6)" in quickstart and "paid" in quickstart
+    drifting = caption(_curves([0.0, 0.1, 0.2, 0.3], [(0, 0.5), (3, 0.5)]))
+    assert "lower the learning rate or raise algorithm.kl_coef" in drifting
+    hacking = caption(_curves([0.0] * 4, [(0, 0.6), (3, 0.3)]))
+    assert "does not follow the reward (reward hacking or overfitting" in hacking
+
+
+def test_the_band_says_what_it_is():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from phaserl.report import draw_report
+
+    records = [{"step": s, "train/reward_mean": 0.5, "train/reward_std": 0.1} for s in range(3)]
+    (band,) = draw_report(records, "t").axes[0].collections
+    assert band.get_label() == "spread of the step's responses: mean ± 1 std, clipped to their lowest and highest"

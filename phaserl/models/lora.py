@@ -125,21 +125,22 @@ def _is_peft_target(model: nn.Module) -> bool:
     return hasattr(model, "hf_model")  # models.hf_fallback.HFCausalLM (kept duck-typed: no import cycle)
 
 
-def apply_lora(model: nn.Module, settings: LoRASettings, *, trainable: tuple = (), base_path: Optional[str] = None
-               ) -> list[str]:
+def apply_lora(model: nn.Module, settings: LoRASettings, *, trainable: tuple = (), base_path: Optional[str] = None,
+               key: str = "lora") -> list[str]:
     """Put adapters on every projection named in `settings.target_modules`; freeze all else but `trainable`.
 
     `trainable`: top-level module names that stay fully trained (the critic's `score` head). `base_path`:
-    the base model's directory, kept on the model for export. Returns the adapted module names.
+    the base model's directory, kept on the model for export. `key`: the config section the errors name
+    (`actor.lora`, `critic.lora`). Returns the adapted module names.
     """
     if settings.rank < 1:
-        raise ConfigError(f"lora.rank={settings.rank}: a LoRA rank is at least 1 (0 means no LoRA)")
+        raise ConfigError(f"{key}.rank={settings.rank}: a LoRA rank is at least 1 (0 means no LoRA)")
     if has_lora(model):
         raise ConfigError(f"{type(model).__name__} already has LoRA adapters; apply_lora runs once per model")
-    targets = resolve_targets(settings.target_modules)
+    targets = resolve_targets(settings.target_modules, key=f"{key}.target_modules")
     model.requires_grad_(False)
     if _is_peft_target(model):
-        names = _inject_peft(model, settings, targets)
+        names = _inject_peft(model, settings, targets, key)
     else:
         names = []
         for name, module in list(model.named_modules()):
@@ -148,7 +149,7 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, trainable: tuple = (
                     setattr(module, child_name, LoRALinear(child, settings.rank, settings.alpha, settings.dropout))
                     names.append(f"{name}.{child_name}" if name else child_name)
     if not names:
-        raise ConfigError(f"lora.target_modules={list(targets)} matched no linear layer of {type(model).__name__}")
+        raise ConfigError(f"{key}.target_modules={list(targets)} matched no linear layer of {type(model).__name__}")
     for head in trainable:
         getattr(model, head).requires_grad_(True)
     if not _is_peft_target(model):
@@ -161,7 +162,7 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, trainable: tuple = (
     return names
 
 
-def _inject_peft(model: nn.Module, settings: LoRASettings, targets: tuple) -> list[str]:
+def _inject_peft(model: nn.Module, settings: LoRASettings, targets: tuple, key: str) -> list[str]:
     """The transformers fallback: peft's own LoRA layers, injected in place (the model stays a transformers model)."""
     try:
         from peft import LoraConfig, inject_adapter_in_model
@@ -178,7 +179,7 @@ def _inject_peft(model: nn.Module, settings: LoRASettings, targets: tuple) -> li
     except ValueError as exc:  # peft: no module of the model matches the targets
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.hf_model.named_modules()
                          if type(m).__name__ in ("Linear", "Conv1D")})
-        raise ConfigError(f"lora.target_modules={list(targets)} matched no layer of this transformers model "
+        raise ConfigError(f"{key}.target_modules={list(targets)} matched no layer of this transformers model "
                           f"({type(model.hf_model).__name__}); its linear layers are named {linear[:12]}: use "
                           "all-linear") from exc
     for name, p in model.named_parameters():

@@ -20,9 +20,11 @@ from ..roles import HybridActor, ReferencePolicy
 log = logging.getLogger("phaserl")
 
 
-def lora_settings(c) -> LoRASettings:
-    """actor.lora / critic.lora -> LoRASettings (target names resolved: short names, all-linear)."""
-    return LoRASettings(rank=c.rank, alpha=c.alpha, dropout=c.dropout, target_modules=resolve_targets(c.target_modules))
+def lora_settings(c, key: str = "lora") -> LoRASettings:
+    """actor.lora / critic.lora -> LoRASettings (target names resolved: short names, all-linear); `key` names the
+    section in errors."""
+    return LoRASettings(rank=c.rank, alpha=c.alpha, dropout=c.dropout,
+                        target_modules=resolve_targets(c.target_modules, key=f"{key}.target_modules"))
 
 
 def add_lora(cfg: Config, model, role: str, base_path: str) -> None:
@@ -30,7 +32,8 @@ def add_lora(cfg: Config, model, role: str, base_path: str) -> None:
     c = getattr(cfg, role).lora
     if not c.rank:
         return
-    apply_lora(model, lora_settings(c), trainable=("score",) if role == "critic" else (), base_path=base_path)
+    apply_lora(model, lora_settings(c, f"{role}.lora"), trainable=("score",) if role == "critic" else (),
+               base_path=base_path, key=f"{role}.lora")
     if rank_and_world()[0] == 0:
         s = model.lora_settings
         log.info(f"[HybridEngine] {role}: LoRA r={s.rank} alpha={s.alpha:g} on {','.join(s.target_modules)}, "
