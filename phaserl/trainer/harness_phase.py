@@ -164,7 +164,8 @@ def with_verifiers(run, cfg, model_context: int):
         raise ConfigError(f"agent.tool_parser: {exc}") from None
 
     def source(kwargs: dict):
-        return VerifiersSource(v.env, load_environment(v.env, kwargs, max_turns=a.max_turns, timeout_s=a.harness_timeout_s))
+        env = load_environment(v.env, kwargs, max_turns=a.max_turns, timeout_s=a.harness_timeout_s)
+        return VerifiersSource(v.env, env)
 
     train = source(v.kwargs)
     val = source(_laid_over(v.kwargs, v.eval_kwargs)) if v.eval_kwargs is not None else None

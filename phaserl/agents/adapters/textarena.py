@@ -73,8 +73,8 @@ class TextArenaEnvironment(Environment):
         self.game = _without_observation_wrappers(made, ta)
         self.num_players = num_players if num_players is not None else (1 if opponent is None else 2)
         if not 0 <= player_id < self.num_players:
-            raise ValueError(f"TextArenaEnvironment: player_id={player_id} is not a player of a {self.num_players}-player "
-                             f"game of {game}")
+            raise ValueError(f"TextArenaEnvironment: player_id={player_id} is not a player of a "
+                             f"{self.num_players}-player game of {game}")
         if self.num_players > 1 and opponent is None:
             raise ValueError(f"TextArenaEnvironment: {game} with num_players={self.num_players} needs an opponent: a "
                              "function 'file.py:name', {endpoint: ..., model: ...} or {model_path: ...}")

@@ -186,9 +186,10 @@ class VerifiersSource:
         except ValidationError as exc:
             first = exc.errors()[0]
             field = ".".join(str(p) for p in first["loc"]) or "(row)"
-            raise DataError(f"{row.source}: not a task of verifiers env {self.env_id!r} ({task_cls.data_type().__name__}):"
-                            f" field {field!r}: {first['msg']} ({exc.error_count()} problem(s)); give the row the "
-                            "task's fields, or use the environment's own tasks (agent.verifiers.prompts: env)") from None
+            kind = task_cls.data_type().__name__
+            raise DataError(f"{row.source}: not a task of verifiers env {self.env_id!r} ({kind}): field {field!r}: "
+                            f"{first['msg']} ({exc.error_count()} problem(s)); give the row the task's fields, or "
+                            "use the environment's own tasks (agent.verifiers.prompts: env)") from None
         return task_cls(data, self.env.taskset.config.task)
 
     def _messages(self, task, index: int) -> list:
