@@ -16,6 +16,7 @@ Not here: the rules (config/auto.py), the memory formulas (memory/budget.py), to
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -96,6 +97,13 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         kept=engine_runs and keep_awake.value))
     if cfg.ppo.keep_head_logits and (missing := head_kernels_missing(**head)):
         log.warning(f"ppo.keep_head_logits=true is ignored: {missing}; the head recomputes its logits")
+    kept = engine_runs and keep_awake.value
+    if count.shape is not None:  # the predicted peak as the run will be: the engine kept or not, logits kept or not
+        tokens = min(micro.value, d.mini_batch_per_rank * count.sequence_tokens)
+        logits = kept_logits_bytes(count.shape, response_tokens_of(tokens, count.sequence_tokens,
+                                                                   cfg.data.max_prompt_length))
+        plan = dataclasses.replace(plan, peak_bytes=count.peak(tokens, kept=kept) + (
+            logits if keep_logits.value and not head_kernels_missing(**head) else 0))
     return SpeedChoices(
         actor_compile=actor_compile,
         critic_compile=None if critic is None else _compile_choice("critic.compile", cfg.critic.compile, critic.model,
@@ -108,7 +116,7 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         micro_batch_tokens=micro, keep_head_logits=keep_logits, stream_reference=plan.stream_reference,
         checkpoint_layers=plan.checkpoint_layers, optimizer_offload=plan.optimizer_offload,
         memory_plan=plan.summary() if count.shape is not None else "",
-        memory=(count.facts(kept=may_keep), plan) if count.shape is not None else None)
+        memory=(count.facts(kept=kept), plan) if count.shape is not None else None)
 
 
 def memory_plan(cfg: "Config", count: "UpdateCount", *, may_keep: bool) -> MemoryPlan:
