@@ -217,3 +217,18 @@ def test_the_doctor_shows_the_plan_the_run_will_choose():
                                   kv_fraction=0.4)
     assert plan == choose_plan(f)
     assert "reference streamed, 21 layer(s) checkpointed" in plan.summary()
+
+
+def test_the_benchmark_runs_a_long_synthetic_step_on_the_cpu(capsys):
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import memory_plan
+
+    memory_plan.main(["--tiny", "--long", "--synthetic-rollout"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    summary = lines[-1]
+    assert summary["measure"] == "summary" and summary["long"] and summary["s_per_step_median"] > 0
+    assert next(x for x in lines if x["measure"] == "plan")["plan"].startswith("memory plan: nothing planned off CUDA")
