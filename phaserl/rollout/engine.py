@@ -154,6 +154,11 @@ class RolloutEngine:
         self.runner.release()
         return self.pool.sleep()
 
+    def refresh_weights(self) -> None:
+        """The model's parameters were overwritten in place (an in-flight weight update): refill the engine's
+        derived copies so that the next prefill or decode step of an open session uses them (ModelRunner)."""
+        self.runner.refresh_weights()
+
     # ----- generate -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, eos_token_ids: list[int],
                  pad_token_id: int, batch_size: Optional[int] = None, generator: Optional[torch.Generator] = None,

@@ -245,6 +245,20 @@ class ModelRunner:
 
     engine_weights = staticmethod(fused_weights)  # a layer's LayerWeights for the engine (hybrid runners differ)
 
+    def refresh_weights(self) -> None:
+        """Refill the engine's own copies ([q; k; v], [gate; up], LoRA-merged projections) from the module's
+        parameters, in place, in the middle of a call: for weights copied into those parameters at the same
+        addresses (a rollout rank's in-flight update, parallel/weight_sync.py). Captured graphs stay valid: they
+        read the same buffers. Nothing to do before begin() (it fills them) or after release()."""
+        if self.weights is None:
+            return
+        layers = self.model.model.layers
+        if [t.data_ptr() for layer in layers for t in module_tensors(layer)] != self.pointers:
+            raise RuntimeError("refresh_weights: the model's parameters moved since begin(); copy new weights into "
+                               "them in place (Tensor.copy_), or begin a new call")
+        with torch.inference_mode():
+            self.weights = [self.engine_weights(layer, old) for layer, old in zip(layers, self.weights)]
+
     def bucket_for(self, span: int) -> int:
         """Decode rows for slots [0, span): the smallest captured bucket, or exactly span without graphs."""
         return next(b for b in decode_buckets(self.layout[0]) if b >= span) if self.use_graphs else span
