@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import CheckpointException as _DCPException  #
 from .. import __version__
 from ..errors import CheckpointError, ConfigError, PhaserlError
 from ..models.lora import has_lora
-from ..parallel import is_distributed
+from ..parallel import is_distributed, training_group
 from . import manifest, store
 from .export import export_role
 from .lock import RunLock
@@ -245,7 +245,7 @@ class Checkpointer:
                 box[0] = ("ok", fn())
             except PhaserlError as exc:
                 box[0] = ("error", exc)
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=training_group())  # trainer rank 0 is global rank 0
         kind, value = box[0]
         if kind == "error":
             raise value
@@ -285,8 +285,8 @@ def _gather_to_rank0(mine: dict) -> dict:
         return mine
     import torch.distributed as dist
 
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
+    parts = [None] * dist.get_world_size(training_group())
+    dist.all_gather_object(parts, mine, group=training_group())
     return {k: v for part in parts for k, v in part.items()}
 
 
@@ -295,8 +295,8 @@ def _union_over_ranks(problems: list) -> list:
         return problems
     import torch.distributed as dist
 
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, problems)
+    parts = [None] * dist.get_world_size(training_group())
+    dist.all_gather_object(parts, problems, group=training_group())
     return sorted({p for part in parts for p in part})
 
 
@@ -312,7 +312,7 @@ def _barrier() -> None:
     if is_distributed():
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=training_group())
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

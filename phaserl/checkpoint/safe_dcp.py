@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import CheckpointError
-from ..parallel import is_distributed
+from ..parallel import is_distributed, training_group
 
 METADATA_FILE = ".metadata"
 
@@ -123,7 +123,7 @@ def save_tensors(tensors: dict, directory: str) -> None:
     bad = [key for key, value in tensors.items() if not isinstance(value, torch.Tensor)]
     assert not bad, f"save_tensors takes tensors only, got {bad[:3]}"
     with _single_process_ok():
-        dcp.save(tensors, checkpoint_id=directory, no_dist=not is_distributed())
+        dcp.save(tensors, checkpoint_id=directory, no_dist=not is_distributed(), process_group=training_group())
 
 
 def load_tensors(template: dict, directory: str, *, no_dist: bool = False) -> None:
@@ -132,7 +132,7 @@ def load_tensors(template: dict, directory: str, *, no_dist: bool = False) -> No
     try:
         with _single_process_ok():
             dcp.load(template, storage_reader=reader, planner=_TensorsOnlyPlanner(),
-                     no_dist=no_dist or not is_distributed())
+                     no_dist=no_dist or not is_distributed(), process_group=training_group())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException

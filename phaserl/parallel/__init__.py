@@ -1,7 +1,8 @@
 """torch.distributed helpers: rank/world size, and reductions that are no-ops in one process.
 
 One process (no launcher) is the default; under torchrun every rank runs the same program (SPMD).
-    collectives.py     rank_and_world, all_reduce_sum, max_over_ranks, reduce_metrics, gather/reshard
+    collectives.py     rank_and_world, all_reduce_sum, max_over_ranks, reduce_metrics, gather/reshard; the training
+                       group (the trainer ranks, when rollout ranks are split off)
     launch.py          init_distributed / destroy, rank_errors, set_phase (failures name rank and phase)
     fsdp.py            apply_fsdp per role, gather/reshard around the actor's rollout (imported lazily:
                        torch.distributed.fsdp costs seconds to import and one process never needs it)
@@ -14,11 +15,11 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
 """
 from __future__ import annotations
 
-from .collectives import (all_reduce_sum, gather_full_params, is_distributed, max_over_ranks, rank_and_world,
-                          reduce_metrics, reshard_params)
+from .collectives import (all_reduce_sum, gather_full_params, is_distributed, launch_rank_and_world, max_over_ranks,
+                          rank_and_world, reduce_metrics, reshard_params, set_training_group, training_group)
 from .launch import RankFailure, current_phase, destroy, init_distributed, rank_errors, set_phase
 from .memory import mark_memory, record_memory, stop_recording
 
-__all__ = ["is_distributed", "rank_and_world", "all_reduce_sum", "max_over_ranks", "reduce_metrics",
+__all__ = ["is_distributed", "rank_and_world", "launch_rank_and_world", "training_group", "set_training_group", "all_reduce_sum", "max_over_ranks", "reduce_metrics",
            "gather_full_params", "reshard_params", "mark_memory", "record_memory", "stop_recording", "init_distributed",
            "destroy", "rank_errors", "set_phase", "current_phase", "RankFailure"]

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..errors import ConfigError
+from .collectives import rank_and_world, training_group
 
 log = logging.getLogger("phaserl")
 
@@ -49,13 +50,25 @@ _MESHES: dict = {}
 
 
 def world_mesh(device_type: str, sharding_strategy: str = "FULL_SHARD") -> DeviceMesh:
-    """The data-parallel mesh over every rank: 1-D (FULL_SHARD, SHARD_GRAD_OP), or (world, 1) for NO_SHARD."""
-    world = dist.get_world_size()
+    """The data-parallel mesh over the ranks that train (every rank, or the trainer ranks when rollout ranks are
+    split off: collectives.training_group): 1-D (FULL_SHARD, SHARD_GRAD_OP), or (world, 1) for NO_SHARD."""
+    group = training_group()
+    world = dist.get_world_size(group)
     shape, names = ((world, 1), ("replicate", "shard")) if sharding_strategy == "NO_SHARD" else ((world,), ("shard",))
     key = (device_type, shape)
     if key not in _MESHES:  # creating a mesh creates process groups: once per shape, on every rank
-        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        _MESHES[key] = (init_device_mesh(device_type, shape, mesh_dim_names=names) if group is None
+                        else _group_mesh(group, device_type, shape, names))
     return _MESHES[key]
+
+
+def _group_mesh(group, device_type: str, shape: tuple, names: tuple) -> DeviceMesh:
+    """The mesh of `shape` over the ranks of `group` alone (the other ranks of the launch take no part)."""
+    if len(shape) == 1:
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=names)
+    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)  # the size-1 "shard" dimension
+    ranks = torch.tensor(dist.get_process_group_ranks(group)).view(shape)
+    return DeviceMesh.from_group([group, alone], device_type, mesh=ranks, mesh_dim_names=names)
 
 
 def decoder_layers(model: nn.Module) -> list:
@@ -140,11 +153,11 @@ def shard_roles(roles: dict, device: torch.device) -> None:
         if role is None:
             continue
         if is_sharded(role.model):  # the reference of a LoRA actor: the actor's own model, sharded once as the actor
-            if dist.get_rank() == 0:
+            if rank_and_world()[0] == 0:
                 log.info(f"[rank 0] {name}: shares a model sharded already (the actor's base, adapters off)")
             continue
         apply_fsdp(role.model, world_mesh(device.type), role.fsdp, role=name)
-        if dist.get_rank() == 0:
+        if rank_and_world()[0] == 0:
             log.info(f"[rank 0] {name}: {role.fsdp.sharding_strategy}, "
                      f"{sharding_summary(role.model) or 'a plain replica on every rank (frozen, NO_SHARD)'}")
 

@@ -70,6 +70,11 @@ def set_phase(name: str, step: Optional[int] = None) -> None:
     mark_memory(name, step)
 
 
+def collective_timeout_s() -> float:
+    """The collective timeout the process group was started with (init_distributed), else the default."""
+    return _timeout_s if _timeout_s is not None else DEFAULT_TIMEOUT_S
+
+
 def current_phase() -> str:
     """e.g. "phase 'update' (step 3)"."""
     return _phase.describe()
@@ -146,6 +151,9 @@ def destroy() -> None:
     """Tear down the process group (and the watchdog); a no-op when none is running."""
     global _watchdog
     stop_watch()
+    from .rank_split import end_rank_split
+
+    end_rank_split()
     if _watchdog is not None:
         _watchdog.stop()
         _watchdog = None

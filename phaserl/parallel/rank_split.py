@@ -14,6 +14,11 @@ process groups the two sides use, every one with the collective timeout:
               two, so that a broadcast from r is a message whose failure a poll sees: sample_channel.py)
     trainer_cpu  the trainer ranks over gloo: trainer rank 0 hands out the sample groups
 
+`start_rank_split(rollout_ranks)` does it once for the process and makes the trainer group the process's training
+group (collectives.set_training_group): from then on the trainer's reductions, FSDP's mesh, checkpoints and the
+stop vote run among the trainer ranks, and `rank_and_world()` counts them alone. A rollout rank keeps its global
+rank there (it never logs or writes checkpoints; rank 0 does).
+
 Why the last ranks: global rank 0 stays trainer rank 0, the rank that logs, writes checkpoints and prints, as
 in a colocated run; the trainer ranks are 0 .. T-1 in the same order as the global ones.
 `rollout.ranks: 0` (the default) is the colocated run: every rank samples and trains (HybridActor), and
@@ -164,6 +169,46 @@ def build_groups(split: RankSplit, timeout_s: float, *, sync_backend: str = "aut
         log.info(f"[rank 0] rollout ranks {split.rollouts}, trainer ranks {split.trainers}; weights over "
                  f"{sync_backend}, collective timeout {timeout_s:g} s")
     return groups
+
+
+_started: Optional[RankGroups] = None
+
+
+def start_rank_split(rollout_ranks: int, timeout_s: Optional[float] = None) -> Optional[RankGroups]:
+    """The process's rank split (made once: every rank of the launch calls it, the same way): the groups, with the
+    trainer group set as the training group on the trainer ranks. None when colocated (rollout_ranks = 0) or in one
+    process. timeout_s: the collective timeout (None: the one the process group was started with)."""
+    global _started
+    if not rollout_ranks or not dist.is_initialized():
+        return None
+    if _started is not None:
+        if _started.split.rollout_ranks != rollout_ranks:
+            raise ValueError(f"this process already split off {_started.split.rollout_ranks} rollout ranks; "
+                             f"asked for {rollout_ranks}")
+        return _started
+    from .collectives import set_training_group
+    from .launch import collective_timeout_s
+
+    groups = build_groups(RankSplit(dist.get_world_size(), rollout_ranks),
+                          timeout_s if timeout_s is not None else collective_timeout_s())
+    if groups.trainer is not None:
+        set_training_group(groups.trainer)
+    _started = groups
+    return groups
+
+
+def rank_groups() -> Optional[RankGroups]:
+    """The groups start_rank_split made for this process, or None (colocated, one process)."""
+    return _started
+
+
+def end_rank_split() -> None:
+    """Forget the split (before the process group is destroyed): the training group is every rank again."""
+    global _started
+    from .collectives import set_training_group
+
+    _started = None
+    set_training_group(None)
 
 
 def trainer_mesh(groups: RankGroups, device_type: str):

@@ -17,6 +17,7 @@ import uuid
 import torch.distributed as dist
 
 from ..errors import PreflightError
+from .collectives import training_group
 
 MARKER_PREFIX = ".phaserl_shared_check"
 
@@ -77,16 +78,16 @@ def check_shared_paths(paths: dict, *, rank: int, world_size: int) -> None:
     if world_size <= 1:
         return
     box = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=training_group())
     nonce = box[0]
     host = socket.gethostname()
     errors = _write_markers(paths, nonce, rank, host)
     mine = {"rank": rank, "host": host, "write_errors": errors,
             "realpaths": {k: os.path.realpath(p) for k, p in paths.items()}}
     ranks = [None] * world_size
-    dist.all_gather_object(ranks, mine)   # also the barrier: every marker is written before rank 0 looks
+    dist.all_gather_object(ranks, mine, group=training_group())   # also the barrier: every marker is written before rank 0 looks
     message = [_verdict(paths, nonce, ranks) if rank == 0 else None]
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, src=0, group=training_group())
     for path in paths.values():
         try:
             os.remove(_marker(path, nonce, rank))

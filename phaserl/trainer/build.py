@@ -34,7 +34,8 @@ from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
 from ..models import load_pretrained, load_tokenizer
-from ..parallel import is_distributed, rank_and_world
+from ..parallel import is_distributed, launch_rank_and_world, rank_and_world
+from ..parallel.rank_split import rank_groups, start_rank_split
 from ..resolve import (build_reward_sources, resolve_compile_cache_dir, resolve_data_files, resolve_device,
                        resolve_dtype, resolve_model_path, resolve_reward_model_path)
 from ..rewards import RewardSources, RuleRewards
@@ -78,18 +79,26 @@ def config_with_trainer_kwargs(cfg: Optional[Config], **kwargs) -> Config:
     if not given:
         return cfg
     source = "RLTrainer(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if v is not None) + ")"
-    return with_overrides(cfg, given, source=source, world_size=rank_and_world()[1])
+    return with_overrides(cfg, given, source=source, world_size=launch_rank_and_world()[1])
 
 
 # ---- cfg -> roles -------------------------------------------------------------------------------
 
+def is_rollout_rank() -> bool:
+    """True on a rank that only generates (rollout.ranks, after build_roles split the launch)."""
+    groups = rank_groups()
+    return groups is not None and groups.role == "rollout"
+
+
 def build_roles(cfg: Config) -> Roles:
-    """Load the models the config names and wrap them in roles (the reward sources too)."""
+    """Load the models the config names and wrap them in roles (the reward sources too). With rollout.ranks, the
+    ranks split first (the trainer ranks train among themselves), and a rollout rank loads the policy alone."""
+    groups = start_rank_split(cfg.rollout.ranks)
     torch.manual_seed(cfg.trainer.seed)
     device, dtype = resolve_device(cfg.trainer.device), resolve_dtype(cfg.model.dtype)
     if device.type == "cuda":  # before the models load: expandable segments unless the user set the allocator
         configure_cuda_allocator()
-    derived = derive(cfg, rank_and_world()[1])
+    derived = derive(cfg, launch_rank_and_world()[1])
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
     load = lambda path: load_pretrained(resolve_model_path(path), dtype=dtype, device=device,  # noqa: E731
@@ -100,6 +109,8 @@ def build_roles(cfg: Config) -> Roles:
     check_context_length(cfg, policy.config.max_position_embeddings, source=os.path.join(model_dir, "config.json"))
     actor = HybridActor(policy, tokenizer, fsdp_config=cfg.actor.fsdp, hybrid_engine_config=cfg.actor.hybrid_engine)
     add_lora(cfg, actor.model, "actor", model_dir)  # actor.lora (lora_setup.py); the reference may then be its base
+    if groups is not None and groups.role == "rollout":  # it only generates (trainer/rollout_worker.py)
+        return Roles(actor=actor, critic=None, ref_policy=None, reward=None, tokenizer=tokenizer)
     ref = None
     if derived.ref_enabled:
         ref = lora_reference(cfg, actor) or ReferencePolicy(load(cfg.ref.path or model_dir), fsdp_config=cfg.ref.fsdp)
@@ -147,8 +158,8 @@ def _as_reward_sources(reward, cfg: Config, device: torch.device) -> RewardSourc
 
 def build_run(cfg: Config, roles: Roles) -> RunSettings:
     """Set the roles up for training (`prepare_roles`), then resolve the rest of the run (`run_settings`)."""
-    rank, world = rank_and_world()
-    derived = derive(cfg, world)
+    rank, world = rank_and_world()  # among the trainer ranks when rollout ranks are split off
+    derived = derive(cfg, launch_rank_and_world()[1])
     speed = prepare_roles(cfg, roles, derived, world_size=world)
     context = getattr(roles.actor.model.config, "max_position_embeddings", None) or cfg.agent.max_episode_tokens
     settings = run_settings(cfg, roles, derived, rank=rank, world_size=world)
@@ -156,7 +167,8 @@ def build_run(cfg: Config, roles: Roles) -> RunSettings:
                                    train_tokens=speed.micro_batch_tokens.value)  # ppo.micro_batch_tokens as chosen
     settings = with_agent(settings, cfg, model_context=context)
     return dataclasses.replace(settings, stream=rollout_stream(
-        cfg, settings.train_prompts.dataset, prompts_per_rank=cfg.rollout.prompts_per_step // world, agent=settings.agent))
+        cfg, settings.train_prompts.dataset, prompts_per_rank=cfg.rollout.prompts_per_step // world, agent=settings.agent,
+        model=roles.actor.model))
 
 
 def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> SpeedChoices:
@@ -268,10 +280,11 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
         show_progress=rank == 0 and "console" in t.loggers)
 
 
-def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None):
-    """Phases 1-3's source (trainer/stream.py): the synchronous step, or the asynchronous stream (max_staleness >= 1)."""
+def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, model=None):
+    """Phases 1-3's source (trainer/stream.py): the synchronous step, the asynchronous stream (max_staleness >= 1),
+    or the groups rollout ranks send (rollout.ranks >= 1, trainer/remote_stream.py)."""
     r, alg = cfg.rollout, cfg.algorithm
-    if r.max_staleness == 0:
+    if r.max_staleness == 0 and not r.ranks:
         return SyncStream()
     refused = [(alg.dynamic_sampling, "algorithm.dynamic_sampling (DAPO's extra rounds)"),
                (alg.adv_estimator == "remax", "algorithm.adv_estimator=remax (its greedy baseline rollout)"),
@@ -281,6 +294,10 @@ def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None):
         if on:
             raise ConfigError(f"rollout.max_staleness={r.max_staleness} (asynchronous rollout) does not run with {what} "
                               "yet: set rollout.max_staleness=0, or turn that setting off")
+    if r.ranks:  # `model`: the actor's, whose weights go to the rollout ranks
+        from .remote_stream import remote_stream
+
+        return remote_stream(cfg, dataset, prompts_per_rank=prompts_per_rank, model=model)
     kind, extra = (AgentStream, {"agent": agent}) if cfg.agent.env else (AsyncStream, {})
     return kind(max_staleness=r.max_staleness, on_stale=r.on_stale, n=r.n, prompts_per_rank=prompts_per_rank,
                 slots=min(r.batch_size * r.n, r.engine_max_slots), noise_seed=cfg.trainer.seed * 7919 + 17,

@@ -50,6 +50,10 @@ class RLTrainer:
     @classmethod
     def from_config(cls, cfg) -> "RLTrainer":
         roles = build.build_roles(cfg)
+        if build.is_rollout_rank():  # rollout.ranks: this rank generates for the trainer ranks and never trains
+            from .rollout_worker import RolloutWorker
+
+            return RolloutWorker.from_config(cfg, roles)
         return cls.from_parts(roles, build.build_run(cfg, roles))
 
     @classmethod
@@ -124,6 +128,7 @@ class RLTrainer:
                 self._signals.check(self)  # a safe point: SIGINT/SIGTERM stop here, with a checkpoint
                 metrics = self.train_step()
                 self.step_num += 1
+                metrics.update(run.stream.after_update(self) or {})  # rollout ranks: the new weights (version = step)
                 if run.val_interval and self.step_num % run.val_interval == 0 or self.step_num == run.total_steps:
                     metrics.update(self.validate())
                 self._log(self.step_num, metrics)
@@ -132,6 +137,7 @@ class RLTrainer:
                     self.save_checkpoint()
                 progress.update(1)
         progress.close()
+        run.stream.close()  # rollout ranks: no version follows, they stop
         self.hooks.fire("on_train_end", self)
         run.metrics_logger.close()
         self._finish()

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..parallel import is_distributed
+from ..parallel import is_distributed, training_group
 
 _NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
@@ -78,7 +78,7 @@ class StopSignals:
             import torch.distributed as dist
 
             t = torch.tensor([mine], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=training_group())  # the trainer ranks
             mine = int(t.item())
         return mine or None
 

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..batch import ScoredBatch, right_padded
+from ..data.prompts import decode_responses
 from ..errors import ConfigError
 from ..parallel import rank_and_world
 from ..rollout import GenerationResult
@@ -53,6 +54,9 @@ class SyncStream:
         return run.sample(lambda chunk: trainer._rollout_and_score(chunk, clock), items, run.train_prompts.next_items)
 
     def after_update(self, trainer) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -79,6 +83,7 @@ class Group:
     index: int                  # the prompt's index in the training dataset (saved in checkpoints)
     item: object                # its PromptItem
     samples: list
+    pending: object = None      # its scores in the making (RewardSources.submit), from when it completed
 
     @property
     def complete(self) -> bool:
@@ -131,6 +136,9 @@ class AsyncStream:
         return scored, stats
 
     def after_update(self, trainer) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def _add_groups(self, indexed: list, trainer) -> None:
@@ -197,10 +205,14 @@ class AsyncStream:
                     sample = by_key[turn.key]
                     self._append(sample, turn, version)
                     s.release(turn.key)
-                    complete += owner[id(sample)].complete
+                    if owner[id(sample)].complete:
+                        complete += 1
+                        self._submit_scores(run, owner[id(sample)])  # scored by the reward workers meanwhile
             ended, cut = s.suspend()
         for turn in ended + cut:
             self._append(by_key[turn.key], turn, version)
+            if owner[id(by_key[turn.key])].complete:
+                self._submit_scores(run, owner[id(by_key[turn.key])])
         for turn in cut:
             by_key[turn.key].cuts += 1
         stats["async/cut_samples"] = float(len(cut))
@@ -211,6 +223,15 @@ class AsyncStream:
         sample.versions += [version] * len(turn.token_ids)
         if not turn.partial:
             sample.finish = "stop" if turn.stopped else "length"
+
+    @staticmethod
+    def _submit_scores(run, group: Group) -> None:
+        """Start scoring a group that just completed (rule functions in the reward workers: reward.workers), so that
+        scoring overlaps decoding; the batch collects the results (and runs the reward model once over it)."""
+        if group.pending is None and hasattr(run.reward, "submit"):
+            texts = decode_responses(run.tokenizer, [s.ids for s in group.samples])  # as build_rollout_batch decodes
+            row = group.item.row
+            group.pending = run.reward.submit([row.prompt] * len(texts), texts, [row] * len(texts))
 
     def _scored(self, trainer, groups: list) -> ScoredBatch:
         run = trainer.run
@@ -223,7 +244,12 @@ class AsyncStream:
         R = batch.response_mask.shape[1]
         versions = right_padded([[v + 1 for v in s.versions] for s in samples], R, torch.long) - 1  # [B, R], -1 pad
         batch = replace(batch, token_versions=versions.to(batch.input_ids.device))
-        return ScoredBatch(batch, run.shape_scores(run.reward.score(batch), batch))
+        if not hasattr(run.reward, "collect"):  # a reward source of the Python API without submit/collect
+            return ScoredBatch(batch, run.shape_scores(run.reward.score(batch), batch))
+        for group in groups:
+            self._submit_scores(run, group)  # groups restored from a checkpoint have none pending yet
+        scores = run.reward.collect([g.pending for g in groups], device=trainer.actor.device)
+        return ScoredBatch(batch, run.shape_scores(scores, batch))
 
     def _version_stats(self, batch, version: int) -> dict:
         """Per sampled token: how many versions behind the trained weights, mean, max and each lag's share."""
