@@ -232,14 +232,22 @@ class EpisodeRunner:
         waiting = [r for r in runs if r.finish_reason is None and r.future is None and not r.in_session]
         held: dict = {}
         live = lambda: any(r.finish_reason is None for r in runs)  # noqa: E731
+        overlap = self.limits.overlap
         while live() and not enough():
-            for run in self._gathered(session, runs, self._answers(runs, block=False), held):
-                self._apply(session, run, waiting)
+            if overlap:
+                for run in self._gathered(session, runs, self._answers(runs, block=False), held):
+                    self._apply(session, run, waiting)
             waiting.sort(key=lambda r: r.index)
             while waiting and session.free_slots:
                 self._start(session, waiting.pop(0))
             if not session.idle:
                 self._ended_turns(session.step(), by_key, version)
+                if not overlap:  # answers used in episode order after each step: reproducible
+                    for run in self._answers(runs, block=True):
+                        self._apply(session, run, waiting)
+            elif not overlap:
+                for run in self._answers(runs, block=True):
+                    self._apply(session, run, waiting)
             elif not waiting or not session.free_slots:
                 for run in self._gathered(session, runs, self._answers(runs, block=True, first=True), held):
                     self._apply(session, run, waiting)
