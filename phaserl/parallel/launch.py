@@ -126,13 +126,20 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "auto"
                           "(torchrun --nproc-per-node N -m phaserl train cfg.yaml), which sets all of them")
     if backend not in ("auto", "nccl", "gloo"):
         raise ConfigError(f"backend={backend!r}: expected auto, nccl or gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): e.g. a trainer and a rollout rank sharing
+            # one (rollout.ranks); gloo stages CUDA tensors through host memory
+            log.warning(f"[rank {os.environ['RANK']}] {os.environ['LOCAL_WORLD_SIZE']} ranks on this host share "
+                        f"{torch.cuda.device_count()} GPU(s): torch.distributed runs over gloo, not NCCL")
+            backend = "gloo"
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("backend=nccl needs CUDA, but no GPU is visible; use backend=gloo on the CPU")
     kwargs, spec = {}, backend
     if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
         spec = "cpu:gloo,cuda:nccl"  # small CPU reductions (counts, metrics) go through gloo
