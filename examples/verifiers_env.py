@@ -22,12 +22,16 @@ environment's own episodes against its endpoint and trains on the ids that endpo
 (docs/agents.md, "verifiers environments"; tests/test_agents_verifiers.py trains it.)
 """
 import json
+import ssl
 
+import httpx
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 
 from phaserl.world import prepare_tiny_world
 
+
+TLS = ssl.create_default_context()  # made once: loading the CA bundle for every episode's client is slow
 
 class ArithData(vf.TaskData):
     answer: str
@@ -65,7 +69,8 @@ class StreamingChat(vf.Harness[vf.HarnessConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                             http_client=httpx.AsyncClient(verify=TLS, timeout=None))
         try:
             stream = await client.chat.completions.create(model=ctx.model, stream=True,
                                                           stream_options={"include_usage": True},

@@ -283,21 +283,22 @@ def test_a_multi_turn_tool_environment_trains_with_its_tool_results_masked(tmp_p
     for e in retried:  # the tool's answer, as the template renders a tool message, is an observation
         result = next(s for s in e.segments if s.kind == "observation")
         assert tok.decode(result.token_ids) == f"<|user|>no {e.row.prompt[0]['content']}<|assistant|>"
-    assert all(e.metrics["vf_metric/checks"] == e.num_turns for e in episodes)  # every turn was a tool call
+    # every turn but a last one without a call (the model wrote something other than digits) called the tool
+    assert all(e.num_turns - 1 <= e.metrics["vf_metric/checks"] <= e.num_turns for e in episodes)
     assert {e.reward for e in episodes} <= {0.0, 1.0} and all(e.metrics["vf_errors"] == 0.0 for e in episodes)
 
 
-@pytest.mark.slow  # a learning check: 8 steps on 2 cores (about 50 s)
+@pytest.mark.slow  # a learning check: 6 steps of 16 tasks x 8 episodes on 2 cores (about 60 s)
 def test_training_on_the_verifiers_environment_raises_its_held_out_score(tmp_path):
     from phaserl.trainer import RLTrainer
 
     cfg = _config(tmp_path, ARITH, {**LOCAL, "taskset": {"num_tasks": 2000}}, {"taskset": {"split": "val", "num_tasks": 64}},
-                  "rollout.prompts_per_step=16", "rollout.batch_size=16", "rollout.n=4", "actor.optim.lr=2e-3",
+                  "rollout.prompts_per_step=16", "rollout.batch_size=16", "rollout.n=8", "actor.optim.lr=1e-3",
                   "algorithm.kl_placement=loss", "algorithm.kl_estimator=k3", "algorithm.kl_coef=0.001",
-                  "trainer.total_steps=8", "trainer.val_interval=8", "agent.harness_workers=16")
+                  "trainer.total_steps=6", "trainer.val_interval=6", "agent.harness_workers=16")
     torch.manual_seed(0)
     RLTrainer.from_config(cfg).fit()
     lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
     vals = [(m["step"], m["val/score_mean"]) for m in lines if "val/score_mean" in m]
-    assert [step for step, _ in vals] == [0, 8]
-    assert vals[-1][1] - vals[0][1] >= 0.15, vals  # measured: 0.39 -> 0.67
+    assert [step for step, _ in vals] == [0, 6]
+    assert vals[-1][1] - vals[0][1] >= 0.2, vals  # measured: 0.39 -> 0.83 (plain GRPO on these sizes: 0.75-0.83)
