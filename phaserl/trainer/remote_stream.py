@@ -117,6 +117,10 @@ def remote_stream(cfg, dataset, *, prompts_per_rank: int, model) -> RemoteStream
     from ..parallel.rank_split import rank_groups
 
     r = cfg.rollout
+    if rank_groups() is None:
+        raise ConfigError(f"rollout.ranks = {r.ranks}: the launch is split into trainer and rollout ranks when the "
+                          "roles are loaded from the config (phaserl train, RLTrainer.from_config); with roles made "
+                          "by hand set rollout.ranks = 0")
     if r.max_staleness < 1:
         raise ConfigError(f"rollout.ranks = {r.ranks} generates on ranks of its own while the trainer ranks train, so "
                           f"a batch holds tokens of the previous weights: set rollout.max_staleness >= 1 (it is "
