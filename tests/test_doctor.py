@@ -22,7 +22,8 @@ from phaserl.errors import ConfigError
 
 torch.set_num_threads(1)
 
-CHECK_NAMES = ["config rules", "parallel settings", "batch sizes", "shared paths", "device", "model", "write paths",
+CHECK_NAMES = ["config rules", "parallel settings", "batch sizes", "rollout mode", "shared paths", "device", "model",
+               "write paths",
                "tokenizer/model", "context length", "data", "chat template", "reward functions", "agent episode",
                "reward model", "reference frozen", "memory", "rollout/training mismatch"]
 
