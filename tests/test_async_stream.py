@@ -178,6 +178,8 @@ def test_async_agent_episodes_carry_over_phases_and_their_observations_have_no_v
     update = trainer.update
     trainer.update = lambda train: (seen.append((trainer.step_num, train.rollout)), update(train))[1]
     trainer.fit()
+    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert all("async/parked_episodes" in m and m["async/staleness_max"] <= 1 for m in lines)
     carried = 0
     for step, batch in seen:
         versions, sampled = batch.token_versions, batch.loss_mask.bool()
