@@ -91,6 +91,24 @@ def test_episodes_run_the_environments_own_loop_and_keep_the_endpoints_ids():
         assert episode.metrics["vf_errors"] == 0.0 and episode.finish_reason == "done"
 
 
+def test_episodes_also_run_from_a_thread_that_runs_an_event_loop():
+    """A notebook's thread runs an event loop: the episodes then get a loop on a thread of their own."""
+    import asyncio
+
+    from phaserl.agents.completion import FakeBackend
+    from phaserl.agents.server import ChatServer
+
+    tok = _tiny()
+    backend = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id], eos_token_ids=(tok.eos_token_id,))
+    source = VerifiersSource("arith", load_environment(ARITH, {**LOCAL, "taskset": {"num_tasks": 1}}))
+
+    async def in_a_notebook():
+        with ChatServer(backend, tok) as server:
+            return run_samples(source, source.tasks, _rows(source), server, samples_per_row=1, max_workers=1)
+    ((episode,),) = asyncio.run(in_a_notebook())
+    assert episode.response_ids() == [tok.convert_tokens_to_ids("7"), tok.eos_token_id]
+
+
 def test_errors_name_the_environment_and_the_row(tmp_path):
     from phaserl.agents.completion import FakeBackend
     from phaserl.agents.server import ChatServer

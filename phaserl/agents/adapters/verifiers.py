@@ -216,7 +216,7 @@ def run_samples(source: VerifiersSource, tasks: list, rows: list, server, *, sam
     assert len(tasks) == len(rows), (len(tasks), len(rows))
     run_id = uuid.uuid4().hex[:8]
     jobs = [(i, k, f"vf-{run_id}-{i}-{k}") for i in range(len(tasks)) for k in range(samples_per_row)]
-    outcomes = asyncio.run(_run(source, tasks, jobs, server, max_workers=max_workers, timeout_s=timeout_s))
+    outcomes = _run_to_end(_run(source, tasks, jobs, server, max_workers=max_workers, timeout_s=timeout_s))
     per_sample, failures = [], []
     for (i, k, conv_id), (status, value) in zip(jobs, outcomes):
         conv = server.store.pop(conv_id)
@@ -236,6 +236,16 @@ def run_samples(source: VerifiersSource, tasks: list, rows: list, server, *, sam
         raise RuntimeError(f"verifiers env {source.env_id!r}: no episode reached phaserl's endpoint; the first "
                            f"failure, on {source.where(failures[0][0])}: {failures[0][2]}")
     return per_sample
+
+
+def _run_to_end(coroutine):
+    """asyncio.run, on a thread of its own when this one already runs an event loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="phaserl-verifiers-loop") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 async def _run(source, tasks, jobs, server, *, max_workers: int, timeout_s: Optional[float]) -> list:
