@@ -52,7 +52,8 @@ def main() -> None:
         json.dump(cfg, f)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "phaserl",
                "train", path, "--skip-doctor"]
-    done = subprocess.run(command, timeout=a.timeout, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}  # the reward's module
+    done = subprocess.run(command, timeout=a.timeout, capture_output=True, text=True, env=env)
     if done.returncode:
         print(json.dumps({"bench": "disaggregated", "measure": "error", "returncode": done.returncode,
                           "stderr_tail": done.stderr[-3000:], "stdout_tail": done.stdout[-2000:]}))
