@@ -198,9 +198,14 @@ class Duo(vf.Env[DuoConfig]):
 __all__ = ["ArithTaskset", "StreamingChat", "Duo"]
 ''')
     local = {"first": {"runtime": {"type": "subprocess"}}, "second": {"runtime": {"type": "subprocess"}}}
-    with pytest.raises(ConfigError, match=r"2 of its agent seats \(first, second\) use the run's model.*pin the others"):
+    with pytest.raises(ConfigError, match=r"2 of its agent seats \(first, second\) use the run's endpoint.*an "
+                                          r"endpoint of their own"):
         load_environment(str(env), local)
-    pinned = {**local, "second": {"model": "a-fixed-opponent", "runtime": {"type": "subprocess"}}}
+    named = {**local, "second": {"model": "another-name", "runtime": {"type": "subprocess"}}}
+    with pytest.raises(ConfigError, match="2 of its agent seats"):  # a model name alone still reaches the policy
+        load_environment(str(env), named)
+    pinned = {**local, "second": {"model": "a-fixed-opponent", "runtime": {"type": "subprocess"},
+                                  "client": {"type": "eval", "base_url": "http://127.0.0.1:9/v1"}}}
     assert VerifiersSource("duo", load_environment(str(env), pinned)).seat == "first"
 
 

@@ -15,8 +15,8 @@ The module named either defines `load_environment(**kwargs) -> vf.Env`, or is a 
 `__all__` exports a `vf.Taskset`, optionally its `vf.Harness` and `vf.Env`), loaded as `vf-eval` loads
 it with `kwargs` as the environment config (`{taskset: {...}, agent: {harness: ..., runtime: ...}}`).
 
-Exactly one agent seat of the environment may use the run's model (the others pin their own `model` or
-`client`, e.g. a fixed opponent): its trace is the episode. Its rewards' weighted sum is the episode's
+Exactly one agent seat of the environment may talk to the run's endpoint (the others pin a `client` of
+their own, e.g. a fixed opponent): its trace is the episode. Its rewards' weighted sum is the episode's
 reward; each reward's score and each metric are logged (`vf_reward/<name>`, `vf_metric/<name>`). The
 seat's `max_turns` is capped at `max_turns` (verifiers stops the rollout there and still scores it), the
 environment's episode deadline at `timeout_s`. An episode that fails (its harness, runtime or rewards
@@ -104,8 +104,8 @@ def _import(env_id: str, what: str):
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise ConfigError(f"{what}: cannot import {name} ({exc}); install the environment's package (e.g. "
-                          f"`prime env install {env_id}` or pip), or give its file as 'path/to/env.py'") from exc
+        raise ConfigError(f"{what}: cannot import {name} ({exc}); install the environment's package, or give its "
+                          "file as 'path/to/env.py'") from exc
 
 
 def _plugin_id(module) -> str:
@@ -116,16 +116,17 @@ def _plugin_id(module) -> str:
 
 
 def trained_seat(env, env_id: str) -> str:
-    """The one agent seat that uses the run's model (no `model` or `client` of its own)."""
+    """The one agent seat that talks to the run's endpoint (no `client` of its own: a seat that pins only a
+    `model` name still reaches phaserl's endpoint, and so the policy)."""
     from verifiers.v1.configs.agent import agent_config_fields
 
     seats = agent_config_fields(env.config)
-    ours = [name for name, spec in seats.items() if spec.model is None and spec.client is None]
+    ours = [name for name, spec in seats.items() if spec.client is None]
     if len(ours) != 1:
         raise ConfigError(f"agent.verifiers.env={env_id!r}: {len(ours)} of its agent seats ({', '.join(seats)}) use "
-                          "the run's model; phaserl trains exactly one seat per episode: pin the others' model or "
-                          "client in agent.verifiers.kwargs (a fixed opponent), e.g. {<seat>: {client: {base_url: "
-                          "...}, model: ...}}")
+                          "the run's endpoint; phaserl trains exactly one seat per episode: give the others an "
+                          "endpoint of their own in agent.verifiers.kwargs (a fixed opponent), e.g. {<seat>: "
+                          "{client: {type: eval, base_url: ...}, model: ...}}")
     return ours[0]
 
 
@@ -136,7 +137,7 @@ def _cap(env, max_turns: Optional[int], timeout_s: Optional[float]) -> None:
     updates = {}
     if max_turns is not None:
         for name, spec in agent_config_fields(env.config).items():
-            if spec.model is None and spec.client is None and (spec.max_turns is None or spec.max_turns > max_turns):
+            if spec.client is None and (spec.max_turns is None or spec.max_turns > max_turns):
                 updates[name] = spec.model_copy(update={"max_turns": max_turns})
     deadline = env.config.timeout.episode
     if timeout_s is not None and (deadline is None or deadline > timeout_s):
