@@ -12,7 +12,8 @@ from phaserl.config import load_config
 from phaserl.trainer import RLTrainer
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "metrics.md")
-GPU_ONLY = {"perf/mfu", "perf/peak_memory_gb"}  # absent on CPU, as their rows say
+GPU_ONLY = {"perf/mfu", "perf/peak_memory_gb", "hybrid/memory_after_rollout_switch_gb",
+            "hybrid/memory_after_training_switch_gb"}  # absent on CPU, as their rows say
 MOE_ONLY = {"actor/router_aux_loss"}  # MoE runs only: tests/test_moe_replay.py's train step writes it
 # asynchronous agent runs only: tests/test_async_stream.py's agent run checks it is written
 ASYNC_AGENT_ONLY = {"async/parked_episodes"}
