@@ -13,7 +13,7 @@ import logging
 import torch
 
 from .. import cuda_allocator
-from ..config.auto import choose, compile_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule, micro_batch_rule
+from ..config.auto import choose, compile_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule
 from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
@@ -30,7 +30,7 @@ from .checks import Context, check, roles_enabled, short
 from ..memory.budget import (ModelShape, RoleMemory, UnknownShape, fmt_bytes, kept_engine_bytes, kept_logits_bytes,
                              kv_cache_bytes_per_sequence, layer_bytes, response_tokens_of, role_memory,
                              update_peak_bytes)
-from ..memory.plan import asked_from_config, saved_bytes
+from ..memory.plan import Measures, asked_from_config, saved_bytes
 from ..parallel.fsdp import decoder_layers
 from .memory import PhaseSizes, ceil_div, effective, judge, plan_for, suggest_sizes
 from .report import FAIL, OK, WARN, CheckResult
@@ -299,10 +299,11 @@ def check_memory(ctx: Context) -> CheckResult:
                                             strategy=rm_fsdp.sharding_strategy, world_size=ctx.world_size,
                                             cpu_offload=rm_fsdp.cpu_offload)
     resident = sum(m.params + m.optimizer for m in roles.values())  # gradients live only during the update
-    facts, plan = _memory_plan(ctx, shape, sizes, roles)  # what the run's builder will choose (memory/plan.py)
+    facts, plan, ctx = _memory_plan(ctx, shape, sizes, roles)  # what the run's builder will choose (memory/plan.py)
     resident -= saved_bytes(facts, plan.measures)
-    sizes = dataclasses.replace(sizes, checkpoint_layers=plan.measures.layers)
-    sizes, micro_line = _micro_batch(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
+    sizes = dataclasses.replace(sizes, checkpoint_layers=plan.measures.layers,
+                                micro_batch_tokens=plan.micro_batch_tokens.value)
+    micro_line = plan.micro_batch_tokens.line() if cfg.ppo.micro_batch_tokens is None else ""
     keep, auto_line = _keep_awake(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
     kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if keep else 0
     logits, logits_line = _keep_logits(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads, kept=kept)
@@ -342,16 +343,27 @@ def check_memory(ctx: Context) -> CheckResult:
 
 def _memory_plan(ctx: Context, shape: ModelShape, sizes: PhaseSizes, roles: dict):
     """The memory plan the run's builder will choose on this machine (memory/plan.py's rule on the doctor's count,
-    room left for a kept engine where it may be kept, as the builder leaves it): (its facts, the plan)."""
-    cfg = ctx.cfg
+    as trainer/speed.py asks it): room for a kept engine where one is asked for, or where it may be kept and costs no
+    measure. Returns (its facts, the plan, the context the rest of the check reads: with rollout.engine_keep_awake
+    off where the plan rules the kept engine out)."""
+    cfg, asked = ctx.cfg, asked_from_config(ctx.cfg, shape.num_layers)
     engine = cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy)
-    kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if engine and cfg.rollout.engine_keep_awake is not False \
-        else 0
+    keep = cfg.rollout.engine_keep_awake
     in_layers = sum(p.numel() for layer in decoder_layers(ctx.policy) for p in layer.parameters())
-    return plan_for(shape, sizes, roles, asked_from_config(cfg, shape.num_layers), free_bytes=ctx.free_bytes,
-                    device_type=ctx.device.type, world_size=ctx.world_size, kept=kept,
-                    layer_share=in_layers / max(1, shape.num_params), selective=supports_packing(ctx.policy),
-                    kv_fraction=cfg.rollout.engine_memory_fraction)
+
+    def plan(kept: int):
+        return plan_for(shape, sizes, roles, asked, free_bytes=ctx.free_bytes, device_type=ctx.device.type,
+                        world_size=ctx.world_size, kept=kept, layer_share=in_layers / max(1, shape.num_params),
+                        selective=supports_packing(ctx.policy), kv_fraction=cfg.rollout.engine_memory_fraction)
+    candidate = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if engine and keep is not False else 0
+    facts, chosen = plan(candidate if keep is True else 0)
+    if keep is None and candidate and chosen.measures == Measures():
+        roomy = plan(candidate)
+        facts, chosen = roomy if roomy[1].measures == Measures() else (facts, chosen)
+    if keep is None and chosen.measures != Measures():  # the run turns the kept engine off: memory comes first
+        ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, rollout=dataclasses.replace(
+            cfg.rollout, engine_keep_awake=False)))
+    return facts, chosen, ctx
 
 
 def hybrid_activation_line(shape: ModelShape, sizes: PhaseSizes) -> str:
@@ -391,28 +403,6 @@ def keep_candidate(cfg, shape: ModelShape, sizes: PhaseSizes, free_bytes: int) -
     r = cfg.rollout
     return kept_engine_bytes(shape, r.engine_max_slots, engine_slot_tokens(sizes.sequence_tokens),
                              kv_limit=int(r.engine_memory_fraction * free_bytes), routes=sizes.routing_replay)
-
-
-def _micro_batch(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int,
-                 grads: int) -> tuple[PhaseSizes, str]:
-    """ppo.micro_batch_tokens as the run will choose it when auto (config/auto.py's rule on this count, a kept
-    engine counted whenever it may be kept) and the details line saying so ('' when set)."""
-    cfg = ctx.cfg
-    if cfg.ppo.micro_batch_tokens is not None:
-        return sizes, ""
-    kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if cfg.rollout.engine_keep_awake is not False and \
-        cfg.rollout.engine != "hf" and RolloutEngine.supports(ctx.policy) else 0
-
-    def peak_of(tokens: int) -> int:
-        return kept + update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=tokens,
-                                        gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
-                                        checkpoint_layers=sizes.checkpoint_layers,
-                                        sequence_tokens=sizes.sequence_tokens)
-    choice = choose("ppo.micro_batch_tokens", None, micro_batch_rule(
-        device_type=ctx.device.type, sequence_tokens=sizes.sequence_tokens,
-        mini_batch_sequences=sizes.mini_batch_per_rank, fixed_bytes=resident + grads + kept,
-        budget_bytes=ctx.free_bytes, peak_of=peak_of))
-    return dataclasses.replace(sizes, micro_batch_tokens=choice.value), choice.line()
 
 
 def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident: int, grads: int) -> tuple[bool, str]:

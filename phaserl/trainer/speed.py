@@ -77,10 +77,17 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     count = UpdateCount.of(cfg, roles, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held,
                            mini_batch_sequences=d.mini_batch_per_rank, world_size=world_size, device_type=device.type)
     may_keep = engine_runs and r.engine_keep_awake is not False  # the plan leaves room for a kept engine
-    plan = memory_plan(cfg, count, may_keep=may_keep)
+    plan = memory_plan(cfg, count, may_keep=may_keep and r.engine_keep_awake is True)
+    if may_keep and r.engine_keep_awake is None and plan.measures == Measures():
+        roomy = memory_plan(cfg, count, may_keep=True)  # as before: the micro-batch leaves a kept engine its room,
+        plan = roomy if roomy.measures == Measures() else plan  # but no measure is taken for a kept engine's sake
+        count.measures = plan.measures
     micro = plan.micro_batch_tokens
     keep_rule = (False, "")  # not used when the config sets it
-    if r.engine_keep_awake is None:
+    if r.engine_keep_awake is None and plan.measures != Measures():  # a kept engine is speed; memory comes first
+        keep_rule = (False, "the memory plan takes measures (the step fits only with them): no room for a kept "
+                            "engine")
+    elif r.engine_keep_awake is None:
         needed = {"needed_bytes": 0, "kept_bytes": 0, "budget_bytes": 0}
         if engine_runs and device.type == "cuda":
             tokens = min(micro.value, d.mini_batch_per_rank * count.sequence_tokens)
