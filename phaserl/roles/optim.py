@@ -70,8 +70,11 @@ class Optimizer:
         if self.host is None and self.params:
             self.host = _HostStep(self.params)
             s = self.settings
+            # CUDA weights: torch's fused CPU AdamW (one pass, float32 math like the fused CUDA kernel); a CPU run
+            # keeps the kernel its on-device optimizer runs, so the two give the same weights
+            gpu = self.host.device.type == "cuda"
             self.opt = torch.optim.AdamW(self.host.weights, lr=s.lr, betas=tuple(s.betas), weight_decay=s.weight_decay,
-                                         foreach=False)
+                                         fused=True if gpu else None, foreach=None if gpu else False)
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: _lr_factor(i, s))
 
     def step(self) -> float:
