@@ -192,8 +192,8 @@ def choose_plan(f: PlanFacts, asked: Asked = Asked()) -> MemoryPlan:
     if f.device_type == "cuda" and not _fits(f, s):
         if asked.stream_reference is None and not blocked["stream"]:
             s = dataclasses.replace(s, stream=True)
-            why["stream"] = f"frees {(fixed_bytes(f, Measures(False, 0, False)) - fixed_bytes(f, s)) / GB:.1f} GiB of " \
-                            "reference layers, copied one layer ahead of its forward"
+            why["stream"] = (f"frees {saved_bytes(f, s) / GB:.1f} GiB of reference layers, copied one layer ahead of "
+                             "its forward")
         if asked.checkpoint_layers is None and not _fits(f, s):
             s = dataclasses.replace(s, layers=_fewest_layers(f, s))
         if asked.optimizer_offload is None and not blocked["offload"] and not _fits(f, s):
@@ -202,8 +202,9 @@ def choose_plan(f: PlanFacts, asked: Asked = Asked()) -> MemoryPlan:
             if asked.checkpoint_layers is None:  # with the moments gone, fewer layers may do
                 s = dataclasses.replace(s, layers=_fewest_layers(f, dataclasses.replace(s, layers=0)))
         if s.layers:
-            why["layers"] = (f"{s.layers} of {L} layers recompute their activations in backward: the smallest number "
-                             f"that leaves room for a {target_tokens(f)}-token micro-batch")
+            why["layers"] = (f"{s.layers} of {L} layers recompute their activations in backward: " + (
+                f"the smallest number that leaves room for a {target_tokens(f)}-token micro-batch" if _fits(f, s)
+                else "all of them, and the micro-batch is still smaller than the plan aims for"))
     micro = choose("ppo.micro_batch_tokens", asked.micro_batch_tokens, micro_batch_rule(
         device_type=f.device_type, sequence_tokens=f.sequence_tokens, mini_batch_sequences=f.mini_batch_sequences,
         fixed_bytes=fixed_bytes(f, s), budget_bytes=f.budget_bytes, peak_of=lambda tokens: peak_bytes(f, s, tokens)))
