@@ -240,7 +240,7 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
 
 def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
     """The asynchronous stream's rollout (rollout.max_staleness 1): 2 x episodes in flight, phases back to back, each
-    ending when `episodes` more episodes are complete (a step's batch); unfinished ones carry on into the next phase
+    ending when the oldest `episodes` episodes are complete (a step's batch); unfinished ones carry on into the next phase
     (EpisodeRunner.run_phase, as trainer/agent_stream.py drives it; no training between phases here, so a tool's
     call overlaps only decoding). tokens_per_s: the model tokens of the completed batches over the timed phases' wall
     (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them."""
@@ -261,12 +261,10 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
             in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
             next_i += 1
         with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=a.episodes) as session:
-            left = runner.run_phase(session, in_flight, version=version,
-                                    enough=lambda: sum(r.finish_reason is not None for r in in_flight) >= a.episodes)
+            left = runner.run_phase(session, in_flight, version=version,  # the oldest episodes: a batch, in order
+                                    enough=lambda: all(r.finish_reason is not None for r in in_flight[:a.episodes]))
         sampled += engine.last_stats["new_tokens"]
-        done = [r for r in in_flight if r.finish_reason is not None][:a.episodes]
-        taken = set(map(id, done))
-        in_flight = [r for r in in_flight if id(r) not in taken]
+        done, in_flight = in_flight[:a.episodes], in_flight[a.episodes:]
         return done, left
 
     phase(0)  # warm-up: the stream fills up (the first phase has nothing carried over)
@@ -383,7 +381,7 @@ def side_by_side(lines: list) -> dict:
     """Per multi-turn case: each variant's tokens/s and ratio; extend graphs on over off at the same compile."""
     table: dict = {}
     for line in lines:
-        if line["case"] == "single_turn":
+        if line["case"] == "single_turn" or line["case"].startswith("async"):
             continue
         name = f"{line['case']}@{line['latency_ms']:g}ms"
         table.setdefault(name, {})[f"compile={line['engine_compile']},extend_graphs={line['extend_graphs']}"] = dict(
@@ -432,7 +430,6 @@ def main(argv=None) -> None:
     if a.smoke:
         a.device, a.shape, a.episodes, a.turns, a.prompt, a.turn_tokens, a.obs_tokens = "cpu", "tiny", 8, 2, 16, 8, 4
         a.latency_ms, a.repeats, a.jitter_ms = [0.0, 20.0], 1, [20.0]
-        a.async_phases = a.async_phases or 2
         torch.set_num_threads(1)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32

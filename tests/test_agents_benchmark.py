@@ -31,6 +31,19 @@ def test_the_agent_rollout_benchmark_smoke_runs(capsys):
     assert all(0 < r["device_busy"] <= 1.0 + 1e-6 for r in lines)
 
 
+def test_the_agent_rollout_benchmark_measures_the_asynchronous_stream_twice_per_latency(capsys):
+    import agent_rollout
+
+    agent_rollout.main(["--smoke", "--async-phases", "2", "--jitter-ms"])
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    runs = [r for r in out if r["case"] == "async"]
+    assert [(r["latency_ms"], r["measured"]) for r in runs] == [(0.0, "first"), (0.0, "second"), (20.0, "first"),
+                                                                  (20.0, "second")]
+    for r in runs:  # 2 timed phases of 8 completed 2-turn episodes of 8 tokens a turn each
+        assert r["phases"] == 2 and r["trained_tokens"] == 2 * 8 * 2 * 8 and r["tokens_per_s"] > 0
+        assert r["sampled_tokens_per_s"] >= r["tokens_per_s"] * 0.5 and r["vs_single_turn"] > 0
+
+
 def test_the_agent_host_benchmark_runs_the_real_runner_over_a_sleeping_session(capsys):
     import agent_host
 

@@ -19,7 +19,7 @@ from ..agents.workers import Workers
 from ..batch import RolloutBatch
 from ..errors import ConfigError
 from .episode_batch import EpisodeScores, episodes_batch
-from .harness_phase import HarnessSettings, harness_rollout
+from .harness_phase import HarnessSettings, harness_rollout, with_verifiers
 from .rollout_phase import group_offset
 
 log = logging.getLogger("phaserl")
@@ -40,6 +40,8 @@ def with_agent(run, cfg, model_context: int):
     if cfg.reward_model.enable:
         log.warning("agent.%s is set: the score is the episode's rewards; reward_model.enable is ignored",
                     "env" if a.env else "harness")
+    if a.harness == "verifiers":  # a verifiers environment runs its own episodes against the endpoint
+        return with_verifiers(run, cfg, model_context)
     if a.harness:
         return dataclasses.replace(run, rollout_phase=harness_rollout, reward=EpisodeScores(),
                                    agent=harness_settings(cfg, model_context))

@@ -1,8 +1,8 @@
 """The asynchronous stream for multi-turn episodes (agent.env with rollout.max_staleness >= 1).
 
 The same contract as stream.AsyncStream (read its docstring first): up to (k + 1) steps' worth of groups in
-flight, a rollout phase runs until this rank has a step's worth of complete groups, what is unfinished carries
-on. Here a group is a prompt's n *episodes* (agents.episodes: EpisodeRunner.begin_runs / run_phase), and an
+flight, a rollout phase runs until the step's groups (the oldest in flight) are complete, what is unfinished
+carries on. Here a group is a prompt's n *episodes* (agents.episodes: EpisodeRunner.begin_runs / run_phase), and an
 episode outlives a phase whole: a turn cut mid-decode continues from its ids, an episode waiting for its
 environment keeps waiting (its call runs on while the trainer trains; only its KV slot is freed), and the answer
 is used in the next phase. So a tool's latency never holds the GPU: other episodes decode meanwhile, in this
@@ -49,6 +49,8 @@ def _oldest(run):
 
 class AgentStream(AsyncStream):
     """rollout.max_staleness >= 1 for agent.env runs."""
+
+    PHASE_STATS = (*AsyncStream.PHASE_STATS, "async/parked_episodes")
 
     def __init__(self, *, agent, **kwargs):
         super().__init__(**kwargs)
@@ -104,11 +106,9 @@ class AgentStream(AsyncStream):
         session = trainer.actor.decode_session(run.sampling, slot_len=runner.limits.max_episode_tokens,
                                                eos_token_ids=eos, num_slots=self.slots,
                                                generator=run.sampling_generator)
-        need = self.prompts_per_rank
         runs = [r for g in self.groups for r in g.runs]
         with session as s:
-            left = runner.run_phase(s, runs, version=version,
-                                    enough=lambda: sum(g.complete for g in self.groups) >= need)
+            left = runner.run_phase(s, runs, version=version, enough=self._batch_ready)
         stats["async/cut_samples"] = float(left["cut"])
         stats["async/parked_episodes"] = float(left["released"])
 
