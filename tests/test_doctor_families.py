@@ -221,12 +221,14 @@ def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
     from phaserl.config import load_config
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
+    from phaserl.config.validate import sequence_tokens
     from phaserl.trainer.speed import UpdateCount
 
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
     t = RLTrainer.from_config(cfg)
     roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
-    eager, compiled = (UpdateCount.of(cfg, roles, free_bytes=10**6, held_bytes=0, compiled=c)
+    eager, compiled = (UpdateCount.of(cfg, roles, free_bytes=10**6, held_bytes=0, compiled=c,
+                                                    sequence_tokens=sequence_tokens(cfg))
                        .peak(64, kept=True) for c in (False, True))
     shape = ModelShape.of(t.actor.model)
     per_token = budget.train_bytes_per_token(shape, False) - budget.train_bytes_per_token(shape, False, compiled=True)

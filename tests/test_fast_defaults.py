@@ -266,12 +266,14 @@ def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
     from phaserl.memory.budget import logprob_chunk_bytes, train_bytes_per_token
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
+    from phaserl.config.validate import sequence_tokens
     from phaserl.trainer.speed import UpdateCount
 
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
     t = RLTrainer.from_config(cfg)
     roles = Roles(actor=t.actor, critic=None, ref_policy=t.ref_policy, reward=t.run.reward, tokenizer=t.run.tokenizer)
-    count = UpdateCount.of(cfg, roles, free_bytes=1_000_000, held_bytes=234, compiled=False)
+    count = UpdateCount.of(cfg, roles, free_bytes=1_000_000, held_bytes=234, compiled=False,
+                           sequence_tokens=sequence_tokens(cfg))
     shape = ModelShape.of(t.actor.model)
     weights = 21_920 * 4  # the tiny float32 policy; the reference is a second copy of it
     # resident: actor weights + AdamW (2x) + reference weights; gradients of the actor; one micro-batch of

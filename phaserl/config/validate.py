@@ -44,6 +44,7 @@ class Derived:
     reward_model_scoring_calls_per_rank: int  # at most, per RL step (0 when the reward model is off)
     total_responses: int  # over the whole run
     max_sequence_tokens: int  # prompt + response, at most
+    sequence_tokens: int  # a micro-batch's or an engine slot's longest sequence (a whole episode in multi-turn runs)
     sequences_per_micro_batch: int  # full-length sequences that fit ppo.micro_batch_tokens
     max_grad_accum_steps: int  # micro-batches per optimizer step per rank when every sequence is full length
 
@@ -380,6 +381,16 @@ def sequence_tokens(cfg: Config) -> int:
     return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
 
 
+def critic_enabled(cfg: Config) -> bool:
+    """critic.enable, or when null whether the advantage estimator needs values (gae)."""
+    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+
+
+def ref_enabled(cfg: Config) -> bool:
+    """ref.enable, or when null whether a KL term is placed anywhere."""
+    return cfg.ref.enable if cfg.ref.enable is not None else cfg.algorithm.kl_placement != "none"
+
+
 def policy_loss_range(actor) -> tuple[float, float]:
     """(low, high) of actor.policy_loss, as verl reads clip_ratio_low/high for each loss: PPO/GSPO/CISPO/GMPO's
     clip range (null = 0.2), DPPO's thresholds where A <= 0 and where A > 0 (null = actor.dppo_delta, whose
@@ -435,13 +446,14 @@ def derive(cfg: Config, world_size: int = 1, *, reward_model_engine: str | None 
         mini_batch_per_rank=mini_batch_per_rank,
         num_mini_batches=ppo.num_mini_batches,
         optimizer_steps_per_rl_step=ppo.epochs * ppo.num_mini_batches,
-        critic_enabled=cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae",
-        ref_enabled=cfg.ref.enable if cfg.ref.enable is not None else cfg.algorithm.kl_placement != "none",
+        critic_enabled=critic_enabled(cfg),
+        ref_enabled=ref_enabled(cfg),
         reward_model_engine=engine,
         reward_model_inputs_per_call=rm_per_call,
         reward_model_scoring_calls_per_rank=math.ceil(responses_per_rank / rm_per_call) if rm.enable else 0,
         total_responses=cfg.trainer.total_steps * responses_per_step,
         max_sequence_tokens=max_sequence_tokens,
+        sequence_tokens=sequence_tokens(cfg),
         sequences_per_micro_batch=sequences_per_micro_batch,
         max_grad_accum_steps=math.ceil(mini_batch_per_rank / sequences_per_micro_batch),
     )

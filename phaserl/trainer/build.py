@@ -28,8 +28,8 @@ from ..cuda_allocator import configure_cuda_allocator
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
-from ..config.validate import (GROUP_ESTIMATORS, policy_loss_range, rollout_correction_mode, sequence_tokens,
-                               train_micro_batch_tokens)
+from ..config.validate import (GROUP_ESTIMATORS, critic_enabled, policy_loss_range, ref_enabled,
+                               rollout_correction_mode)
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
@@ -47,7 +47,7 @@ from ..roles.parallel_settings import FSDPSettings
 from ..roles.train_graphs import TrainGraphs
 from ..rollout import EngineConfig, SamplingParams
 from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
-from .agent_phase import with_agent
+from .agent_phase import rollout_choice
 from .dynamic_sampling import DynamicSampling, single_round
 from .guard import RuntimeGuard
 from .lora_setup import add_lora, lora_reference
@@ -98,7 +98,6 @@ def build_roles(cfg: Config) -> Roles:
     device, dtype = resolve_device(cfg.trainer.device), resolve_dtype(cfg.model.dtype)
     if device.type == "cuda":  # before the models load: expandable segments unless the user set the allocator
         configure_cuda_allocator()
-    derived = derive(cfg, launch_rank_and_world()[1])
     model_dir = resolve_model_path(cfg.model.path)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
     load = lambda path: load_pretrained(resolve_model_path(path), dtype=dtype, device=device,  # noqa: E731
@@ -112,10 +111,10 @@ def build_roles(cfg: Config) -> Roles:
     if groups is not None and groups.role == "rollout":  # it only generates (trainer/rollout_worker.py)
         return Roles(actor=actor, critic=None, ref_policy=None, reward=None, tokenizer=tokenizer)
     ref = None
-    if derived.ref_enabled:
+    if ref_enabled(cfg):
         ref = lora_reference(cfg, actor) or ReferencePolicy(load(cfg.ref.path or model_dir), fsdp_config=cfg.ref.fsdp)
     critic = None
-    if derived.critic_enabled:  # critic.init_from: policy | reward_model
+    if critic_enabled(cfg):  # critic.init_from: policy | reward_model
         c = cfg.critic
         start = (resolve_model_path(c.path or model_dir) if c.init_from == "policy"
                  else resolve_reward_model_path(c.path or cfg.reward_model.path))
@@ -157,18 +156,12 @@ def _as_reward_sources(reward, cfg: Config, device: torch.device) -> RewardSourc
 # ---- cfg, roles -> RunSettings ------------------------------------------------------------------
 
 def build_run(cfg: Config, roles: Roles) -> RunSettings:
-    """Set the roles up for training (`prepare_roles`), then resolve the rest of the run (`run_settings`)."""
+    """Set the roles up for training (`prepare_roles`), then resolve the rest of the run (`run_settings`): the
+    derived arithmetic once, each number taken from it."""
     rank, world = rank_and_world()  # among the trainer ranks when rollout ranks are split off
     derived = derive(cfg, launch_rank_and_world()[1])
     speed = prepare_roles(cfg, roles, derived, world_size=world)
-    context = getattr(roles.actor.model.config, "max_position_embeddings", None) or cfg.agent.max_episode_tokens
-    settings = run_settings(cfg, roles, derived, rank=rank, world_size=world)
-    settings = dataclasses.replace(settings, speed=speed, compile_watch=compile_watch(speed, roles, rank=rank),
-                                   train_tokens=speed.micro_batch_tokens.value)  # ppo.micro_batch_tokens as chosen
-    settings = with_agent(settings, cfg, model_context=context)
-    return dataclasses.replace(settings, stream=rollout_stream(
-        cfg, settings.train_prompts.dataset, prompts_per_rank=cfg.rollout.prompts_per_step // world, agent=settings.agent,
-        model=roles.actor.model))
+    return run_settings(cfg, roles, derived, speed, rank=rank, world_size=world)
 
 
 def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> SpeedChoices:
@@ -199,7 +192,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
         cuda_graphs=r.engine_cuda_graphs, compile=speed.engine_compile.value, keep_awake=speed.engine_keep_awake.value,
         extend_graphs=speed.engine_extend_graphs.value if speed.engine_extend_graphs is not None else None,
-        max_seq_tokens=sequence_tokens(cfg)))
+        max_seq_tokens=d.sequence_tokens))
     actor.setup_routing(replay=a.routing_replay)
     if critic is not None:
         critic.setup_training(_optim(cfg.critic.optim, total_optim_steps),
@@ -219,17 +212,19 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         rm.fsdp = FSDPSettings.from_any(cfg.reward_model.fsdp, role="reward_model")
         shard_roles({"reward_model": rm}, actor.device)
     graphs = train_graphs_choice(cfg.ppo.train_graphs, actor, world_size=world_size)
-    actor.train_graphs = TrainGraphs(actor.model, max_seq_tokens=sequence_tokens(cfg)) if graphs.value else None
+    actor.train_graphs = TrainGraphs(actor.model, max_seq_tokens=d.sequence_tokens) if graphs.value else None
     return dataclasses.replace(speed, packing=packing_choice(cfg.ppo.packing, actor.packing, actor.device),
                                train_graphs=graphs)
 
 
 
-def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size: int) -> RunSettings:
-    """Everything the loop reads, resolved from the config, by phase (`RunSettings`' groups)."""
+def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, rank: int,
+                 world_size: int) -> RunSettings:
+    """Everything the loop reads, resolved from the config, the derived arithmetic `d` and the speed settings as
+    chosen, by phase (`RunSettings`' groups)."""
     alg, r, t, tokenizer = cfg.algorithm, cfg.rollout, cfg.trainer, roles.tokenizer
     device = roles.actor.device
-    # 1. prompts
+    # 1. prompts, and 2.-3. the rollout phase and what scores it (single turn, or episodes)
     train_prompts = PromptStream(_prompt_dataset(cfg, cfg.data.train_files, "train", tokenizer), r.prompts_per_step,
                                  seed=t.seed, shuffle=cfg.data.shuffle, rank=rank, world_size=world_size)
     val_prompts = None
@@ -238,6 +233,9 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
         if cfg.data.val_max_prompts:
             items = items[: cfg.data.val_max_prompts]
         val_prompts = items[rank::world_size]
+    context = getattr(roles.actor.model.config, "max_position_embeddings", None) or cfg.agent.max_episode_tokens
+    phases = rollout_choice(cfg, model_context=context, tokenizer=tokenizer, reward=roles.reward,
+                            train_prompts=train_prompts, val_prompts=val_prompts)
     # 2. rollout
     eos = _eos_ids(tokenizer, roles.actor.model)
     sampled = r.val_temperature > 0
@@ -259,25 +257,29 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, *, rank: int, world_size
     kl_controller = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_target is not None
                      else FixedKLController(alg.kl_coef))
     return RunSettings(
-        tokenizer=tokenizer, train_prompts=train_prompts, val_prompts=val_prompts, **rollout,
+        tokenizer=tokenizer, train_prompts=phases.train_prompts, val_prompts=phases.val_prompts, **rollout,
         # 2.-3. one round of rollout + score, or DAPO's dynamic sampling
         sample=DynamicSampling(alg.dynamic_sampling_max_rounds, rollout["pad_token_id"]) if alg.dynamic_sampling
         else single_round,
-        reward=roles.reward,  # 3. score
+        rollout_phase=phases.phase, agent=phases.agent, harness=phases.harness,
+        stream=rollout_stream(cfg, phases.train_prompts.dataset, prompts_per_rank=d.prompts_per_rank,
+                              agent=phases.agent, model=roles.actor.model),
+        reward=phases.reward,  # 3. score
         shape_scores=(OverlongShaping(r.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
                       if alg.overlong_buffer else no_shaping),
         forward_tokens=cfg.ppo.forward_micro_batch_tokens, advantage=advantage, kl_controller=kl_controller,
         zero_variance=ZeroVarianceMonitor(alg.adv_estimator, alg.adv_estimator in GROUP_ESTIMATORS),
         # 6. update
         epochs=cfg.ppo.epochs, mini_batch_per_rank=d.mini_batch_per_rank, responses_per_step=d.responses_per_step,
-        train_tokens=train_micro_batch_tokens(cfg), guard=RuntimeGuard(t.on_nonfinite),  # build_run: as chosen
+        train_tokens=speed.micro_batch_tokens.value, guard=RuntimeGuard(t.on_nonfinite),
         # 7. checkpoint, log, the loop
         seed=t.seed, total_steps=t.total_steps, val_before_train=t.val_before_train, val_interval=t.val_interval,
         save_interval=t.save_interval, checkpoint_path=t.checkpoint_path, log_dir=t.log_dir,
         keep_checkpoint_num=t.keep_checkpoint_num,
         metrics_logger=MetricsLogger(t.log_dir, t.loggers, rank=rank, config=to_dict(cfg)),
         checkpointer=build_checkpointer(cfg, rank, world_size), save_on_signal=t.save_on_signal,
-        show_progress=rank == 0 and "console" in t.loggers)
+        show_progress=rank == 0 and "console" in t.loggers,
+        speed=speed, compile_watch=compile_watch(speed, roles, rank=rank))
 
 
 def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, model=None):

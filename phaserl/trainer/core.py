@@ -22,9 +22,9 @@ from ..metrics import StepPerf
 from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
 from . import build
 from .advantage_phase import compute_advantages, nonfinite_advantage_cause
-from .agent_phase import AgentSettings
 from .hooks import HookRunner
 from .oom import out_of_memory_screen
+from .rollout_context import RolloutContext
 from .settings import Roles, RunSettings
 from .stop import StopSignals
 
@@ -102,7 +102,7 @@ class RLTrainer:
             finally:
                 close()  # the run lock of trainer.checkpoint_path
                 self.run.reward.close()  # the rule reward workers (a later fit or validate starts new ones)
-                if isinstance(self.run.agent, AgentSettings):  # a harness run keeps no pool
+                if self.run.agent is not None:  # agent.env's pool (a harness run keeps none)
                     self.run.agent.workers.stop_idle()  # idle environment threads would outlive the run
 
     def _fit(self) -> dict:
@@ -376,7 +376,7 @@ class RLTrainer:
     def _generate(self, items: list, params, n: int):
         """n responses (single-turn) or episodes (multi-turn) per prompt: the rollout phase chosen at build
         time (trainer/rollout_phase.py, trainer/agent_phase.py)."""
-        return self.run.rollout_phase(self, items, params, n)
+        return self.run.rollout_phase(RolloutContext(self.run, self.actor, self.rank, self.step_num), items, params, n)
 
     def _step_metrics(self, batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats) -> dict:
         mask = batch.loss_mask.float()  # [B, R] the sampled tokens

@@ -4,7 +4,7 @@ A row's response is the episode after the prompt, model turns and observations i
 ids sampled and appended; `loss_mask` is 1 on the sampled ids only. Each turn's reward lies on the
 last token of that turn, so GAE credits turns and GRPO/RLOO compare whole trajectories (the sum)
 within a prompt's group. Used by agent_phase.py and harness_phase.py alike.
-Not here: running episodes (phaserl.agents), choosing the phase (agent_phase.with_agent).
+Not here: running episodes (phaserl.agents), choosing the phase (agent_phase.rollout_choice).
 """
 from __future__ import annotations
 

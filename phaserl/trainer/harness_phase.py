@@ -1,7 +1,7 @@
 """Phase 2 of a harness run: an external agent harness drives the episodes through phaserl's
 OpenAI-compatible endpoint, and the recorded completions become a `RolloutBatch`.
 
-Chosen once when the run is built (`with_agent` in agent_phase.py, when `agent.harness` is set). Per
+Chosen once when the run is built (`rollout_choice` in agent_phase.py, when `agent.harness` is set). Per
 call, inside the actor's rollout mode: a `GenerateBackend` on the actor (batching the harness's
 concurrent requests) and a `ChatServer` on 127.0.0.1 (context = the episode token budget, default
 max_tokens = rollout.max_new_tokens) start; `run_harness_samples` runs the harness n times per prompt
@@ -29,7 +29,7 @@ Groups stay exact: each prompt contributes exactly n rows, in order. Per (row, s
 Rewards: the harness's return value, or for None the run's reward.functions on the last reply
 (`EpisodeScores` places it on the last sampled token).
 
-`agent.harness: verifiers` (`with_verifiers`, `verifiers_rollout`): the same endpoint, limits and exact
+`agent.harness: verifiers` (`verifiers_choice`, `verifiers_rollout`): the same endpoint, limits and exact
 groups, with a verifiers environment's own rollouts in place of a harness function
 (agents/adapters/verifiers.py): its rewards are the episode's, and its tasks the prompt rows unless
 agent.verifiers.prompts is `files` (each data row then read as one of its tasks); agent.verifiers.eval_kwargs
@@ -40,10 +40,9 @@ Not here: HTTP (agents/server.py), recording (agents/recorder.py), running the h
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ..agents.completion import GenerateBackend
 from ..agents.env import Episode, Segment
@@ -55,7 +54,11 @@ from ..data.rows import parse_prompt_row
 from ..parallel import rank_and_world
 from .episode_batch import EpisodeScores, episodes_batch
 from .prompt_stream import PromptStream
+from .rollout_context import RolloutChoice
 from .rollout_phase import group_offset
+
+if TYPE_CHECKING:
+    from .rollout_context import RolloutContext
 
 log = logging.getLogger("phaserl")
 
@@ -72,23 +75,22 @@ class HarnessSettings:
     context_reason: str               # what max_episode_tokens stands for: "max_tokens" | "context" (the model's)
 
 
-def harness_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
+def harness_rollout(ctx: "RolloutContext", items: list, params, n: int) -> RolloutBatch:
     """Phase 2, harness: n harness conversations per prompt through a localhost endpoint (module docstring)."""
-    h = trainer.run.agent
-    with endpoint(trainer, items, params, n) as (server, backend):
+    h = ctx.run.harness
+    with endpoint(ctx, items, params, n) as (server, backend):
         per_sample = run_harness_samples(h.harness, [harness_row(item.row) for item in items], server,
                                          samples_per_row=n, max_workers=h.workers, timeout_s=h.timeout_s,
                                          reward=h.reward, episode_rows=[item.row for item in items])
-    return _batch(trainer, per_sample, items, n, backend)
+    return _batch(ctx, per_sample, items, n, backend)
 
 
 @contextlib.contextmanager
-def endpoint(trainer, items: list, params, n: int):
+def endpoint(ctx: "RolloutContext", items: list, params, n: int):
     """(ChatServer, GenerateBackend) on the actor for one rollout call, with the run's episode limits and this
     phase's sampling; both stop on the way out (also when the episodes or the decode fail)."""
-    run, actor, h = trainer.run, trainer.actor, trainer.run.agent
-    first = trainer.rank * len(items) * n
-    run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first, n, 2)) & (2**63 - 1))
+    run, actor, h = ctx.run, ctx.actor, ctx.run.harness
+    run.sampling_generator.manual_seed(ctx.seeds.harness_endpoint(ctx.rank * len(items) * n, n))
     eos = [] if run.ignore_eos else run.eos_token_ids
     backend = GenerateBackend(actor, eos_token_ids=eos, pad_token_id=run.pad_token_id,
                               max_batch=run.generate_batch_size * n, generator=run.sampling_generator)
@@ -106,11 +108,11 @@ def endpoint(trainer, items: list, params, n: int):
         backend.close()
 
 
-def _batch(trainer, per_sample: list, items: list, n: int, backend) -> RolloutBatch:
-    run = trainer.run
+def _batch(ctx: "RolloutContext", per_sample: list, items: list, n: int, backend) -> RolloutBatch:
+    run = ctx.run
     episodes = exact_groups(per_sample, [item for item in items for _ in range(n)])
     batch = episodes_batch(episodes, n, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
-                           group_offset=group_offset(trainer), device=trainer.actor.device)
+                           group_offset=group_offset(ctx), device=ctx.actor.device)
     batch.rollout_metrics["agent/harness_generate_calls"] = float(backend.calls)
     return batch
 
@@ -150,8 +152,8 @@ class VerifiersSettings:
     context_reason: str
 
 
-def with_verifiers(run, cfg, model_context: int):
-    """RunSettings for agent.harness = verifiers: the environment's rollouts as phase 2, its rewards as phase 3,
+def verifiers_choice(cfg, model_context: int, *, tokenizer, train_prompts, val_prompts) -> RolloutChoice:
+    """Phases 1-3 for agent.harness = verifiers: the environment's rollouts as phase 2, its rewards as phase 3,
     and its tasks as the prompt rows unless agent.verifiers.prompts = files (module docstring)."""
     from ..agents.adapters.verifiers import VerifiersSource, load_environment
     from ..agents.tool_parsers import get_tool_parser
@@ -169,17 +171,16 @@ def with_verifiers(run, cfg, model_context: int):
 
     train = source(v.kwargs)
     val = source(_laid_over(v.kwargs, v.eval_kwargs)) if v.eval_kwargs is not None else None
-    train_prompts, val_prompts = run.train_prompts, run.val_prompts
     if v.prompts == "env":
         rank, world = rank_and_world()
         if cfg.data.train_files != ["tiny"] or cfg.data.val_files != ["tiny"]:
             log.warning("agent.verifiers.prompts = env: the prompts are the environment's tasks; data.train_files "
                         "and data.val_files are not used (agent.verifiers.prompts = files reads them as its tasks)")
-        train_prompts = PromptStream(_env_dataset(train, cfg, run.tokenizer), cfg.rollout.prompts_per_step,
+        train_prompts = PromptStream(_env_dataset(train, cfg, tokenizer), cfg.rollout.prompts_per_step,
                                      seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, rank=rank, world_size=world)
         val_prompts = None
         if val is not None:
-            items = _env_dataset(val, cfg, run.tokenizer).items[:cfg.data.val_max_prompts]
+            items = _env_dataset(val, cfg, tokenizer).items[:cfg.data.val_max_prompts]
             val_prompts = items[rank::world]
     tasks = {id(item.row): (train, train.task_for(item.row)) for item in train_prompts.dataset.items}
     for item in val_prompts or []:
@@ -188,23 +189,22 @@ def with_verifiers(run, cfg, model_context: int):
                                  on_env_error=a.on_env_error, tool_parser=a.tool_parser,
                                  max_episode_tokens=min(a.max_episode_tokens, model_context), max_turns=a.max_turns,
                                  context_reason="context" if model_context < a.max_episode_tokens else "max_tokens")
-    return dataclasses.replace(run, rollout_phase=verifiers_rollout, reward=EpisodeScores(), agent=settings,
-                               train_prompts=train_prompts, val_prompts=val_prompts)
+    return RolloutChoice(verifiers_rollout, EpisodeScores(), train_prompts, val_prompts, harness=settings)
 
 
-def verifiers_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
+def verifiers_rollout(ctx: "RolloutContext", items: list, params, n: int) -> RolloutBatch:
     """Phase 2, verifiers: n of the environment's own episodes per prompt row through the localhost endpoint."""
     from ..agents.adapters.verifiers import run_samples
 
-    v = trainer.run.agent
+    v = ctx.run.harness
     sources = {id(v.tasks[id(item.row)][0]) for item in items}
     assert len(sources) == 1, "one call's prompts come from one split (train or validation)"
     source = v.tasks[id(items[0].row)][0]
-    with endpoint(trainer, items, params, n) as (server, backend):
+    with endpoint(ctx, items, params, n) as (server, backend):
         per_sample = run_samples(source, [v.tasks[id(item.row)][1] for item in items], [item.row for item in items],
                                  server, samples_per_row=n, max_workers=v.workers, on_env_error=v.on_env_error,
                                  timeout_s=v.timeout_s)
-    return _batch(trainer, per_sample, items, n, backend)
+    return _batch(ctx, per_sample, items, n, backend)
 
 
 def _env_dataset(source, cfg, tokenizer):

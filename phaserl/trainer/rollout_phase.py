@@ -5,27 +5,32 @@ RLOO) are exact and stay on one rank. Multi-turn episodes are trainer/agent_phas
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..batch import RolloutBatch, layout_ids, layout_routes, right_padded
 from ..data.prompts import decode_responses
 from ..rollout import GenerationResult
 
+if TYPE_CHECKING:
+    from .rollout_context import RolloutContext
 
-def single_turn_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
+
+def single_turn_rollout(ctx: "RolloutContext", items: list, params, n: int) -> RolloutBatch:
     """n responses per prompt, rollout.batch_size prompts per generate call.
 
-    Each call's generator is seeded from (seed, step, global index of the call's first prompt), never from
-    the rank: when rollout.batch_size divides the prompts per rank, a prompt's samples are the same on
-    any number of ranks (the invariance test relies on it; docs/distributed.md).
+    Each call's generator is seeded from the global index of the call's first prompt (`SeedStreams.generate_call`),
+    never from the rank: when rollout.batch_size divides the prompts per rank, a prompt's samples are the same
+    on any number of ranks (the invariance test relies on it; docs/distributed.md).
     """
-    run = trainer.run
-    first = trainer.rank * len(items)  # global index of this rank's first prompt (contiguous, equal shares)
+    run = ctx.run
+    first = ctx.rank * len(items)  # global index of this rank's first prompt (contiguous, equal shares)
     parts = []
     for start in range(0, len(items), run.generate_batch_size):
         chunk = repeat_prompts(items[start:start + run.generate_batch_size], n)
-        run.sampling_generator.manual_seed(hash((run.seed, trainer.step_num, first + start, n)) & (2**63 - 1))
-        parts.append(trainer.actor.generate(
+        run.sampling_generator.manual_seed(ctx.seeds.generate_call(first + start, n))
+        parts.append(ctx.actor.generate(
             [list(item.prompt_ids) for item in chunk], params,
             eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
             pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator))
@@ -33,12 +38,13 @@ def single_turn_rollout(trainer, items: list, params, n: int) -> RolloutBatch:
                                 for name in ("response_ids", "logprobs", "finish_reasons")),
                               routes=None if parts[0].routes is None else [r for part in parts for r in part.routes])
     return build_rollout_batch(items, n, result, tokenizer=run.tokenizer, pad_token_id=run.pad_token_id,
-                               group_offset=group_offset(trainer), device=trainer.actor.device)
+                               group_offset=group_offset(ctx), device=ctx.actor.device)
 
 
-def group_offset(trainer) -> int:
-    """The first group id of this rank's prompts at this step (ids unique across ranks and steps)."""
-    return (trainer.rank * 1_000_000) + trainer.step_num * 10_000
+def group_offset(ctx) -> int:
+    """The first group id of this rank's prompts at this step (ids unique across ranks and steps); `ctx` is a
+    RolloutContext or anything else with its `rank` and `step_num` (the trainer, in the streams)."""
+    return (ctx.rank * 1_000_000) + ctx.step_num * 10_000
 
 
 def repeat_prompts(items: list, n: int) -> list:

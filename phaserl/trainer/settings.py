@@ -7,14 +7,11 @@ sampling generator, the guard) change inside themselves and are saved in checkpo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from tqdm import tqdm
-
-from .rollout_phase import single_turn_rollout
-from .stream import SyncStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -30,6 +27,7 @@ if TYPE_CHECKING:
     from ..rollout import SamplingParams
     from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
     from .agent_phase import AgentSettings
+    from .harness_phase import HarnessSettings, VerifiersSettings
     from .guard import RuntimeGuard
     from .prompt_stream import PromptStream
 
@@ -78,7 +76,7 @@ class RunSettings:
     epochs: int
     mini_batch_per_rank: int                   # responses per rank per optimizer step
     responses_per_step: int                    # global
-    train_tokens: int                          # token budget of an update micro-batch
+    train_tokens: int                          # token budget of an update micro-batch (ppo.micro_batch_tokens as chosen)
     guard: "RuntimeGuard"
     # 7. checkpoint, log, the loop
     seed: int
@@ -92,17 +90,19 @@ class RunSettings:
     metrics_logger: "MetricsLogger"
     checkpointer: Optional["Checkpointer"]
     show_progress: bool
-    reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
-    save_on_signal: bool = True         # trainer.save_on_signal: SIGINT/SIGTERM save before stopping
-    # 2.-3. chosen at build time: (trainer, items, params, n) -> RolloutBatch; agent_phase's for multi-turn runs
-    rollout_phase: Callable = single_turn_rollout
-    # 1.-3. where the step's scored batch comes from: SyncStream (rollout.max_staleness 0) or the AsyncStream
-    stream: object = field(default_factory=SyncStream)
-    agent: Optional["AgentSettings"] = None    # a multi-turn run: environment + limits (or HarnessSettings)
+    # 2.-3. chosen at build time (agent_phase.rollout_choice): (RolloutContext, items, params, n) -> RolloutBatch
+    rollout_phase: Callable
+    agent: Optional["AgentSettings"]           # agent.env: environment, limits, workers (read by agent_rollout)
+    harness: Union["HarnessSettings", "VerifiersSettings", None]  # agent.harness: read by its own rollout phase
+    # 1.-3. where the step's scored batch comes from: SyncStream (rollout.max_staleness 0), the AsyncStream, or
+    # the groups rollout ranks send (build.rollout_stream)
+    stream: object
     # the auto speed settings as chosen for this machine (trainer/speed.py), and the first compiled step's
     # console lines (rank 0, when something compiles; compile_cache.py)
-    speed: Optional["SpeedChoices"] = None
-    compile_watch: Optional["CompileWatch"] = None
+    speed: "SpeedChoices"
+    compile_watch: Optional["CompileWatch"]
+    reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
+    save_on_signal: bool = True         # trainer.save_on_signal: SIGINT/SIGTERM save before stopping
 
     def progress_bar(self, start: int):
         return tqdm(total=self.total_steps, initial=start, desc="phaserl", unit="step",

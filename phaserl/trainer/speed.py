@@ -28,7 +28,6 @@ from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
                            extend_graphs_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule,
                            train_graphs_rule)
-from ..config.validate import sequence_tokens
 from ..memory.budget import (ModelShape, UnknownShape, free_memory_bytes, kept_engine_bytes, kept_logits_bytes,
                              response_tokens_of)
 from ..memory.plan import (Measures, MemoryPlan, PlanFacts, asked_from_config, choose_plan, fixed_bytes,
@@ -75,7 +74,8 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     if device.type == "cuda":
         held = torch.cuda.memory_reserved(device)
     count = UpdateCount.of(cfg, roles, compiled=actor_compile.value, free_bytes=int(free), held_bytes=held,
-                           mini_batch_sequences=d.mini_batch_per_rank, world_size=world_size, device_type=device.type)
+                           sequence_tokens=d.sequence_tokens, mini_batch_sequences=d.mini_batch_per_rank,
+                           world_size=world_size, device_type=device.type)
     may_keep = engine_runs and r.engine_keep_awake is not False  # the plan leaves room for a kept engine
     plan = memory_plan(cfg, count, may_keep=may_keep and r.engine_keep_awake is True)
     if may_keep and r.engine_keep_awake is None and plan.measures == Measures():
@@ -193,10 +193,11 @@ class UpdateCount:
 
     @classmethod
     def of(cls, cfg: "Config", roles: "Roles", *, compiled: bool, free_bytes: int, held_bytes: int,
-           mini_batch_sequences: int = 1, world_size: int = 1, device_type: str = "cpu") -> "UpdateCount":
+           sequence_tokens: int, mini_batch_sequences: int = 1, world_size: int = 1,
+           device_type: str = "cpu") -> "UpdateCount":
         """free_bytes: the device's free memory now (the engine's KV pool is a fraction of it); held_bytes: what
-        this process's allocator holds already."""
-        seq = sequence_tokens(cfg)  # a slot
+        this process's allocator holds already; sequence_tokens: a slot (Derived.sequence_tokens)."""
+        seq = sequence_tokens
         layers = decoder_layers(roles.actor.model)
         try:
             shape = ModelShape.of(roles.actor.model)
