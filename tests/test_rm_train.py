@@ -72,7 +72,10 @@ def test_export_loads_in_transformers_and_scores_like_our_decoder(trained):
     with torch.no_grad():
         logit = hf(**tokenizer(text, add_special_tokens=False, return_tensors="pt")).logits[0, 0]
     assert float(logit) == pytest.approx(float(ours.score(prompts[:1], responses[:1])[0]), abs=1e-5)
-    assert evaluate_pairs(theirs, toy_pairs(100, 16)) == stats.val_after
+    # transformers' scores equal ours within float32 rounding (the kernels differ by version), not bit for bit
+    theirs_pairs = evaluate_pairs(theirs, toy_pairs(100, 16))
+    assert (theirs_pairs.accuracy, theirs_pairs.pairs) == (stats.val_after.accuracy, stats.val_after.pairs)
+    assert theirs_pairs.margin_mean == pytest.approx(stats.val_after.margin_mean, abs=1e-5)
     record = json.load(open(os.path.join(rm_dir, "phaserl_rm.json")))
     assert record["apply_chat_template"] is True and record["val_after"]["accuracy"] == 1.0
 
