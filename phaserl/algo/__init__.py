@@ -35,6 +35,7 @@ from phaserl.algo.aggregation import LOSS_AGG_MODES, aggregate
 from phaserl.algo.kl import (
     KL_ESTIMATOR_NAMES,
     KL_ESTIMATORS,
+    TRAIN_KL_ESTIMATOR,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_to_rewards,
@@ -69,6 +70,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "apply_kl_to_rewards",
+    "TRAIN_KL_ESTIMATOR",
     "canonical_kl_estimator",
     "kl_penalty",
     "entropy_from_logits",

@@ -49,6 +49,10 @@ def kl_abs(log_ratio: Tensor) -> Tensor:
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs}
 
+# The estimator of the logged `train/kl` (policy to reference, token mean), whatever algorithm.kl_estimator is:
+# k3 is unbiased and never negative, so the curve reads as a KL in every run.
+TRAIN_KL_ESTIMATOR = "k3"
+
 # verl's names for the same estimators (`algorithm.kl_penalty` / `actor.kl_loss_type`).
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..algo import aggregate, kl_penalty, mismatch_sums
+from ..algo import TRAIN_KL_ESTIMATOR, aggregate, kl_penalty, mismatch_sums
 from ..batch import TrainBatch
 from ..errors import ConfigError
 from ..models import CausalLM
@@ -210,77 +210,93 @@ class HybridActor(CheckpointedRole):
         """One optimizer step on mini-batch `mb` (this rank's share).  Returns summed stats."""
         if self.optimizer is None:
             raise ConfigError("HybridActor.setup_training(...) must be called before update (RLTrainer does it)")
-        s = self.loss
-        max_len = s.norm_len  # a constant, so Dr.GRPO's normalization is the same in every mini-batch and rank
-        # Summed on the device and read once at the end: a float() per micro-batch would stop the host from
-        # queueing the next micro-batch while the GPU works.
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        stats = {"actor/pg_loss": zero, "actor/entropy": zero, "actor/kl_loss": zero,
-                 "actor/pg_clipfrac": zero, "actor/ppo_kl": zero}
         on_policy = mb.old_logprobs is None  # the trainer skipped the old log-prob pass (one optimizer step)
+        aux_coef = self.router_aux[0]
+        names = ["actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl"]
         if on_policy and mb.ref_logprobs is not None:
-            stats["train/kl"] = zero  # what the skipped pass would have given: k3 to the reference, token mean
+            names.append("train/kl")  # what the skipped pass would have given: token mean to the reference
         if on_policy:  # the trainer has no pre-update log-probs of its own: the mismatch is measured here
-            stats.update({"mismatch/k3": zero, "mismatch/abs_diff_mean": zero, "mismatch/ratio_out_frac": zero,
-                          "mismatch/abs_diff_max": zero})
-        if s.correction is not None:
-            stats["mismatch/correction_rejected_frac"] = stats["mismatch/correction_weight_mean"] = zero
-        aux_coef, top_k = self.router_aux
+            names += ["mismatch/k3", "mismatch/abs_diff_mean", "mismatch/ratio_out_frac", "mismatch/abs_diff_max"]
+        if self.loss.correction is not None:
+            names += ["mismatch/correction_rejected_frac", "mismatch/correction_weight_mean"]
         if aux_coef > 0:
-            stats["actor/router_aux_loss"] = zero
-        norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
+            names.append("actor/router_aux_loss")
+        stats = StepStats(names, self.device)
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
-            micro = mb.select(idx)
-            routing = Routing() if aux_coef > 0 or (self.routing_replay and mb.rollout.routed_experts is not None) \
-                else None
-            logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
-                                                 temperature=s.temperature, with_entropy=True, routing=routing,
-                                                 keep_logits=self.keep_head_logits,
-                                                 graphs=self.train_graphs)  # [b, R] each
-            R = resp_mask.shape[1]
-            mask = micro.rollout.loss_mask[:, :R].float()  # [b, R] sampled tokens only (observations are 0)
-            old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
-            adv = micro.advantages[:, :R]
-            rollout_logp = micro.rollout.rollout_logprobs[:, :R]              # [b, R] the sampler's
-            pg_mat, pg_stats = s.loss_fn(logp, old, adv, mask)               # [b, R]
-            if s.correction is not None:  # rollout/training mismatch: weight each token's loss (0 = rejected)
-                weights, fix = s.correction(old, rollout_logp, mask)          # [b, R] detached
-                pg_mat = pg_mat * weights
-                # out of place: every stat starts as the same `zero` tensor
-                stats["mismatch/correction_rejected_frac"] = (stats["mismatch/correction_rejected_frac"]
-                                                              + fix["rejected"] / global_tokens)
-                stats["mismatch/correction_weight_mean"] = (stats["mismatch/correction_weight_mean"]
-                                                            + fix["weight"] / global_tokens)
-            pg_loss = aggregate(pg_mat, mask, s.agg_mode, **norm)
-            loss = pg_loss
-            if s.entropy_coef:  # the bonus follows the loss's aggregation mode, as verl
-                loss = loss - s.entropy_coef * aggregate(ent, mask, s.agg_mode, **norm)
-            if s.kl_loss_coef > 0:
-                kl_mat = kl_penalty(logp, micro.ref_logprobs[:, :R], s.kl_estimator)  # [b, R]
-                kl_loss = aggregate(kl_mat, mask, s.agg_mode, **norm)
-                loss = loss + s.kl_loss_coef * kl_loss
-                stats["actor/kl_loss"] = stats["actor/kl_loss"] + kl_loss.detach()
-            if aux_coef > 0:  # the router's load balancing, over this micro-batch's tokens, weighted by its share
-                aux = routing.aux_loss(top_k) * (mask.sum() / global_tokens)
-                loss = loss + aux_coef * aux
-                stats["actor/router_aux_loss"] = stats["actor/router_aux_loss"] + aux.detach()
-            loss.backward()
-            if "train/kl" in stats:
-                k3 = kl_penalty(logp.detach(), micro.ref_logprobs[:, :R], "k3")  # [b, R]
-                stats["train/kl"] = stats["train/kl"] + (k3 * mask).sum() / global_tokens
-            if on_policy:
-                sums = mismatch_sums(old, rollout_logp, mask)
-                stats["mismatch/k3"] = stats["mismatch/k3"] + sums["k3"] / global_tokens
-                stats["mismatch/abs_diff_mean"] = stats["mismatch/abs_diff_mean"] + sums["abs_diff"] / global_tokens
-                stats["mismatch/ratio_out_frac"] = stats["mismatch/ratio_out_frac"] + sums["ratio_out"] / global_tokens
-                stats["mismatch/abs_diff_max"] = torch.maximum(stats["mismatch/abs_diff_max"], sums["abs_diff_max"])
-            share = mask.sum() / global_tokens
-            stats["actor/pg_loss"] = stats["actor/pg_loss"] + pg_loss.detach()
-            # The logged entropy is the token mean whatever the mode, so runs with different modes compare.
-            stats["actor/entropy"] = stats["actor/entropy"] + (ent.detach() * mask).sum() / global_tokens
-            stats["actor/pg_clipfrac"] = stats["actor/pg_clipfrac"] + pg_stats["clipfrac"] * share
-            stats["actor/ppo_kl"] = stats["actor/ppo_kl"] + pg_stats["approx_kl"] * share
-        stats = {k: float(v) for k, v in stats.items()}
+            self.micro_batch_loss(mb, idx, stats, on_policy=on_policy, global_tokens=global_tokens,
+                                  global_seqs=global_seqs).backward()
+        stats = stats.read()
         stats["actor/grad_norm"] = self.optimizer.step()
         stats["actor/lr"] = self.optimizer.lr
         return stats
+
+    def micro_batch_loss(self, mb: TrainBatch, idx, stats: "StepStats", *, on_policy: bool, global_tokens: float,
+                         global_seqs: float) -> torch.Tensor:
+        """The loss of micro-batch `idx` of `mb`, normalized by the mini-batch's global counts so the split never
+        changes the gradient; its stats are added to `stats` (detached, as shares of the mini-batch)."""
+        s, (aux_coef, top_k) = self.loss, self.router_aux
+        # s.norm_len: a constant, so Dr.GRPO's normalization is the same in every mini-batch and rank
+        norm = dict(global_tokens=global_tokens, global_seqs=global_seqs, max_len=s.norm_len)
+        micro = mb.select(idx)
+        routing = Routing() if aux_coef > 0 or (self.routing_replay and mb.rollout.routed_experts is not None) else None
+        logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
+                                             temperature=s.temperature, with_entropy=True, routing=routing,
+                                             keep_logits=self.keep_head_logits, graphs=self.train_graphs)  # [b, R] each
+        R = resp_mask.shape[1]
+        mask = micro.rollout.loss_mask[:, :R].float()  # [b, R] sampled tokens only (observations are 0)
+        old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
+        rollout_logp = micro.rollout.rollout_logprobs[:, :R]              # [b, R] the sampler's
+        pg_mat, pg_stats = s.loss_fn(logp, old, micro.advantages[:, :R], mask)  # [b, R]
+        if s.correction is not None:  # rollout/training mismatch: weight each token's loss (0 = rejected)
+            weights, fix = s.correction(old, rollout_logp, mask)          # [b, R] detached
+            pg_mat = pg_mat * weights
+            stats.add({"mismatch/correction_rejected_frac": fix["rejected"] / global_tokens,
+                       "mismatch/correction_weight_mean": fix["weight"] / global_tokens})
+        pg_loss = aggregate(pg_mat, mask, s.agg_mode, **norm)
+        loss = pg_loss
+        if s.entropy_coef:  # the bonus follows the loss's aggregation mode, as verl
+            loss = loss - s.entropy_coef * aggregate(ent, mask, s.agg_mode, **norm)
+        if s.kl_loss_coef > 0:
+            kl_loss = aggregate(kl_penalty(logp, micro.ref_logprobs[:, :R], s.kl_estimator), mask, s.agg_mode, **norm)
+            loss = loss + s.kl_loss_coef * kl_loss
+            stats.add({"actor/kl_loss": kl_loss.detach()})
+        if aux_coef > 0:  # the router's load balancing, over this micro-batch's tokens, weighted by its share
+            aux = routing.aux_loss(top_k) * (mask.sum() / global_tokens)
+            loss = loss + aux_coef * aux
+            stats.add({"actor/router_aux_loss": aux.detach()})
+        if "train/kl" in stats:
+            kl = kl_penalty(logp.detach(), micro.ref_logprobs[:, :R], TRAIN_KL_ESTIMATOR)  # [b, R]
+            stats.add({"train/kl": (kl * mask).sum() / global_tokens})
+        if on_policy:
+            sums = mismatch_sums(old, rollout_logp, mask)
+            stats.add({"mismatch/k3": sums["k3"] / global_tokens, "mismatch/abs_diff_mean": sums["abs_diff"] / global_tokens,
+                       "mismatch/ratio_out_frac": sums["ratio_out"] / global_tokens})
+            stats.maximum("mismatch/abs_diff_max", sums["abs_diff_max"])
+        share = mask.sum() / global_tokens
+        # The logged entropy is the token mean whatever the mode, so runs with different modes compare.
+        stats.add({"actor/pg_loss": pg_loss.detach(), "actor/entropy": (ent.detach() * mask).sum() / global_tokens,
+                   "actor/pg_clipfrac": pg_stats["clipfrac"] * share, "actor/ppo_kl": pg_stats["approx_kl"] * share})
+        return loss
+
+
+class StepStats:
+    """An optimizer step's stats, summed over its micro-batches on the device and read once at the end: a
+    float() per micro-batch would stop the host from queueing the next micro-batch while the GPU works. Every
+    named stat is reported, 0 when nothing added to it."""
+
+    def __init__(self, names: list, device: torch.device):
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        self._values = dict.fromkeys(names, zero)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values
+
+    def add(self, values: dict) -> None:
+        for name, value in values.items():
+            self._values[name] = self._values[name] + value  # out of place: the stats share one zero to start
+
+    def maximum(self, name: str, value: torch.Tensor) -> None:
+        self._values[name] = torch.maximum(self._values[name], value)
+
+    def read(self) -> dict:
+        return {name: float(value) for name, value in self._values.items()}

@@ -1,4 +1,4 @@
-"""RolloutEngine: the built-in fast rollout path for our CausalLM (Llama / Qwen2 / Qwen3).
+"""RolloutEngine: the built-in fast rollout path for our CausalLM (every family of phaserl.models).
 
 Same contract as `generate()`: token ids in, `GenerationResult` out, results in prompt order, the
 log-prob of each sampled token under log_softmax(logits / T). Underneath:
@@ -20,7 +20,7 @@ import importlib.util
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -28,7 +28,7 @@ from phaserl.errors import ConfigError, DataError
 from phaserl.models.decoder import CausalLM
 from phaserl.rollout.extend import StaticExtend
 from phaserl.rollout.fused import decodes_fused
-from phaserl.rollout.generate import GenerationResult, _check_prompts
+from phaserl.rollout.generate import GenerationResult, check_prompts
 from phaserl.rollout.kv_pool import KVPool
 from phaserl.rollout.runner import ModelRunner
 from phaserl.rollout.sampling import SamplingParams
@@ -74,6 +74,16 @@ class EngineConfig:
         if self.max_slots < 1 or self.prefill_tokens < 1:
             raise ConfigError(f"EngineConfig: max_slots={self.max_slots} and prefill_tokens="
                               f"{self.prefill_tokens} must be >= 1")
+
+
+class _Finished(NamedTuple):
+    """Sequences that stopped together, and their outputs gathered on the device (ModelRunner.collect)."""
+
+    seqs: list                      # k Sequences, in the order of the rows below
+    tokens: torch.Tensor            # [k, N+1] sampled ids
+    logprobs: torch.Tensor          # [k, N+1]
+    lengths: torch.Tensor           # [k] tokens sampled per sequence
+    routes: Optional[torch.Tensor]  # [k, S, L, top_k] experts at every position (routing replay), or None
 
 
 @contextmanager
@@ -170,11 +180,8 @@ class RolloutEngine:
         <= params.max_new_tokens (benchmarks use it for long-tail lengths). pad_token_id is unused:
         responses are returned unpadded.
         """
-        weight = self.model.output_weight
-        if (weight.dtype, weight.device) != (self.pool.dtype, self.pool.device):
-            self.release()
-            self._build()  # the model moved or changed dtype since the pool was made
-        _check_prompts(prompts, weight.shape[0])
+        weight = self._follow_model()
+        check_prompts(prompts, weight.shape[0])
         caps = self._caps(len(prompts), params, max_new_tokens)
         slot_len = _round_slot(max(map(len, prompts)) + max(caps))
         num_slots = min(batch_size or self.config.max_slots, self.config.max_slots, len(prompts))
@@ -221,10 +228,7 @@ class RolloutEngine:
         slot_len: the longest sequence (prompt + every turn and appended observation); params.max_new_tokens
         caps one turn. num_slots: most sequences held at once, decoding or parked (None: config.max_slots).
         """
-        weight = self.model.output_weight
-        if (weight.dtype, weight.device) != (self.pool.dtype, self.pool.device):
-            self.release()
-            self._build()
+        weight = self._follow_model()
         slot_len = _round_slot(slot_len)
         slots = session_slots(num_slots, self.config.max_slots, self.pool.slots_that_fit(slot_len), slot_len,
                               self.pool.capacity_tokens)
@@ -242,6 +246,15 @@ class RolloutEngine:
                            "slot_len": slot_len, "graphs": len(self.runner.graphs), "new_tokens": st.new_tokens,
                            "turns": st.turns, "extend_tokens": st.extend_tokens, "prefill_tokens": st.prefill_tokens,
                            "busy_slot_steps": st.busy_slot_steps, "swaps": st.swaps, **st.extra}
+
+    def _follow_model(self) -> torch.Tensor:
+        """The model's output weight, after rebuilding the pool and runner if the model moved or changed dtype
+        since they were made."""
+        weight = self.model.output_weight
+        if (weight.dtype, weight.device) != (self.pool.dtype, self.pool.device):
+            self.release()
+            self._build()
+        return weight
 
     @staticmethod
     def _caps(n: int, params: SamplingParams, max_new_tokens: Optional[list[int]]) -> list[int]:
@@ -285,7 +298,7 @@ class RolloutEngine:
         if stopped:
             slots = [seq.slot for seq in stopped]
             routes = self.runner.collect_routes(slots) if self.runner.routes is not None else None
-            finished.append((stopped, *self.runner.collect(slots), routes))
+            finished.append(_Finished(stopped, *self.runner.collect(slots), routes))
             for seq in stopped:
                 scheduler.finish(seq)
 
@@ -294,17 +307,17 @@ class RolloutEngine:
         result = GenerationResult([[] for _ in range(n)], [[] for _ in range(n)], ["length"] * n)
         if not finished:
             return result
-        tokens = torch.cat([f[1] for f in finished]).tolist()
-        logprobs = torch.cat([f[2] for f in finished]).tolist()
-        lengths = torch.cat([f[3] for f in finished]).tolist()
-        seqs = [seq for f in finished for seq in f[0]]
+        tokens = torch.cat([f.tokens for f in finished]).tolist()
+        logprobs = torch.cat([f.logprobs for f in finished]).tolist()
+        lengths = torch.cat([f.lengths for f in finished]).tolist()
+        seqs = [seq for f in finished for seq in f.seqs]
         for seq, toks, lps, length in zip(seqs, tokens, logprobs, lengths):
             result.response_ids[seq.index] = toks[:length]
             result.logprobs[seq.index] = lps[:length]
             result.finish_reasons[seq.index] = "stop" if toks[length - 1] in stop_ids else "length"
-        if finished[0][4] is not None:  # routes of every position; the last token was never fed: -1 there
+        if finished[0].routes is not None:  # routes of every position; the last token was never fed: -1 there
             result.routes = [None] * n
-            routes = [row for f in finished for row in f[4]]  # [S, L, k] each
+            routes = [row for f in finished for row in f.routes]  # [S, L, k] each
             for seq, row, length in zip(seqs, routes, lengths):
                 end = len(seq.prompt) + length
                 result.routes[seq.index] = torch.cat([row[:end - 1], torch.full_like(row[:1], -1)])

@@ -128,7 +128,7 @@ def _generate_batch(model: nn.Module, prompts: list[list[int]], params: Sampling
     )
 
 
-def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
     if not prompts:
         raise DataError("generate() got no prompts")
     for i, prompt in enumerate(prompts):
@@ -147,7 +147,7 @@ def generate(model: nn.Module, prompts: list[list[int]], params: SamplingParams,
     `batch_size` prompts are decoded together (None: all at once). Seeded `generator` (on the model's
     device) -> the same responses every time, for the same batch_size.
     """
-    _check_prompts(prompts, model.output_weight.shape[0])
+    check_prompts(prompts, model.output_weight.shape[0])
     batch_size = batch_size or len(prompts)
     stop_ids = torch.tensor(sorted({*eos_token_ids, *params.stop_token_ids}), dtype=torch.long,
                             device=model.output_weight.device)

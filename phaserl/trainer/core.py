@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from ..algo import kl_penalty, masked_mean, mismatch_metrics
+from ..algo import TRAIN_KL_ESTIMATOR, kl_penalty, masked_mean, mismatch_metrics
 from ..batch import ScoredBatch, TrainBatch
 from ..metrics import StepPerf
 from ..parallel import all_reduce_sum, rank_and_world, reduce_metrics, set_phase
@@ -392,7 +392,7 @@ class RLTrainer:
         m.update({f"train/reward/{k}": float(v.mean()) for k, v in scores.by_source.items()})
         m.update(batch.rollout_metrics)  # agent/* of multi-turn rollouts
         if ref_logprobs is not None and old_logprobs is not None:
-            m["train/kl"] = float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, "k3"), mask))
+            m["train/kl"] = float(masked_mean(kl_penalty(old_logprobs, ref_logprobs, TRAIN_KL_ESTIMATOR), mask))
         m.update(update_stats)  # without an old log-prob pass, train/kl comes from the update (global mean)
         self.run.guard.check_rewards(scores.total, self.step_num)
         self.metrics = m
