@@ -126,6 +126,9 @@ def test_a_malformed_sample_group_names_the_prompt_and_response():
 
 
 def test_a_transfer_failure_is_one_line_with_the_cause():
+    from phaserl.parallel.launch import set_phase
+
+    set_phase("startup")  # the process-wide phase: an earlier test in this process may have left another
     closed = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4242. This is "
                           "typically caused by a remote worker crashing.\nmore")
     message = str(peer_failure("receiving weights from trainer rank 0", closed, timeout_s=2.0, role="rollout"))
