@@ -12,8 +12,7 @@ decode while the tools run: the 3 x latency is idle device time by construction,
 possible ratio at 50 ms is single / (single + 0.15 s).
 
 Both cases are timed the same way: after a warm-up of each (slot layout, fused weights, graph capture,
-compile, worker threads: none of it in a timed region; each multi-turn case once more untimed, so that the
-extend passes' buckets it meets are captured), `--repeats` runs each, the median reported. Instead of
+compile, worker threads: none of it in a timed region; each multi-turn case once more untimed), `--repeats` runs each, the median reported. Instead of
 torch.profiler (whose tracing of graph replays slowed the single-turn case 10x on the H200), every runner
 call is bracketed by CUDA events: device_s is the device time of each kind of call (decode steps, prefills,
 extends of observation ids, output gathers) and device_busy their sum over the wall; host_s is where the
@@ -25,17 +24,14 @@ waiting for them); gc the garbage collector's pauses.
     python benchmarks/agent_rollout.py --latency-ms 0 --profile-extend   # H200: where an extend pass's time goes
     python benchmarks/agent_rollout.py --latency-ms 0 --profile-extend --extend-kernel off   # the torch attention
     python benchmarks/agent_rollout.py --latency-ms 0 50 --jitter-ms 50 \
-        --engine-compile off on --extend-graphs off on      # H200: the 4 variants, one engine each, in one run
+        --engine-compile off on             # H200: both variants, one engine each, in one run
 
-Variants (--engine-compile, --extend-graphs: off / on / auto each, every combination): each gets its own engine
-(EngineConfig.compile, EngineConfig.extend_graphs) and its own single-turn baseline; every line names them. The
-last line (case=variants) sets them side by side per latency: tokens/s, the ratio to single turn, and extend
-graphs' speedup over the eager extend passes at the same compile setting.
+Variants (--engine-compile: off / on / auto each): each gets its own engine (EngineConfig.compile) and its own
+single-turn baseline; every line names it. The last line (case=variants) sets them side by side per latency:
+tokens/s and the ratio to single turn.
 
 Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the same engine's single-turn
-tokens/s), extend_passes and extend_pass_ms (device ms per extend pass: eager or static),
-extend_graphs_captured (extend graphs captured inside the timed run: a bucket first seen there; every
-repeat's in extend_graphs_captured_all, in run order),
+tokens/s), extend_passes and extend_pass_ms (device ms per extend pass),
 slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a tool or free),
 decode_steps, swaps (resumed episodes moved down into a parked slot), seconds (median) and seconds_all,
 device_s, device_busy, host_s, calls, gc.
@@ -57,7 +53,6 @@ from phaserl.agents import Environment, StepResult  # noqa: E402
 from phaserl.agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart  # noqa: E402
 from phaserl.agents.loader import EnvironmentFactory  # noqa: E402
 from phaserl.agents.workers import Workers  # noqa: E402
-from phaserl.config.auto import extend_graphs_rule  # noqa: E402
 from phaserl.data.prompts import PromptItem  # noqa: E402
 from phaserl.data.rows import PromptRow  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
@@ -175,12 +170,6 @@ def wrap_runner(clock: Clock, runner) -> None:
     for kind in DEVICE_KINDS:
         clock.wrap(runner, kind, kind)
     clock.wrap(runner, "_extend_pass", "extend_pass", device=False)  # passes per extend() call
-    if runner.extender is not None:  # EngineConfig.extend_graphs: the static passes instead
-        clock.wrap(runner.extender, "run", "extend_pass", device=False)
-
-
-def extend_graphs(runner) -> int:
-    return sum(1 for key in runner.graphs if key[0] == "extend")
 
 
 def measured(fn, clock: Clock, device: str) -> tuple:
@@ -202,8 +191,6 @@ def median_run(cases: list) -> dict:
     ordered = sorted(cases, key=lambda c: c["seconds"])
     mid = dict(ordered[len(ordered) // 2])
     mid["seconds_all"] = [round(c["seconds"], 4) for c in cases]
-    if "extend_graphs_captured" in mid:  # in run order: whether captures die out as buckets repeat
-        mid["extend_graphs_captured_all"] = [c["extend_graphs_captured"] for c in cases]
     return mid
 
 
@@ -225,7 +212,6 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
             clock.wrap(session, "_retire", "session_retire", device=False)    # waits for the step before, gathers
             clock.wrap(session, "_prefill", "session_prefill", device=False)  # launches prefills and extends
             return runner.run_session(session, starts(ids))
-    graphs_before = extend_graphs(engine.runner)
     seconds, episodes, extra = measured(once, clock, a.device)
     passes = extra["calls"].get("extend_pass", 0)
     assert all(e.num_turns == a.turns for e in episodes), [e.finish_reason for e in episodes[:4]]
@@ -234,8 +220,7 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, decode_steps=st["steps"],
                 slot_occupancy=st["busy_slot_steps"] / max(1, st["steps"] * st["slots"]),
                 extend_tokens=st["extend_tokens"], swaps=st["swaps"], extend_passes=passes,
-                extend_pass_ms=round(1000 * extra["device_s"]["extend"] / passes, 3) if passes else None,
-                extend_graphs_captured=extend_graphs(engine.runner) - graphs_before, **extra)
+                extend_pass_ms=round(1000 * extra["device_s"]["extend"] / passes, 3) if passes else None, **extra)
 
 
 def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
@@ -304,24 +289,23 @@ def sync(device: str) -> None:
 SWITCH = {"off": False, "on": True, "auto": None}
 
 
-def run_variant(model, a, pool: Workers, common: dict, compile, extend) -> list:
+def run_variant(model, a, pool: Workers, common: dict, compile) -> list:
     """One engine with these settings: warm-ups, the single-turn baseline, every latency; its JSON lines."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     engine = RolloutEngine(model, EngineConfig(max_slots=a.episodes, max_seq_tokens=episode_len,
-                                               compile=SWITCH[compile], extend_graphs=SWITCH[extend]))
+                                               compile=SWITCH[compile]))
     engine.wake()
     ids = prompts(a.episodes, a.prompt, model.config.vocab_size)
-    common = dict(common, engine_compile=compile, extend_graphs=extend,
-                  extend_static=engine.runner.extender is not None)
+    common = dict(common, engine_compile=compile)
     lines = []
     with torch.inference_mode():
         single_turn(engine, ids, a)            # warm-up: layout, fused weights, graphs, compile
-        multi_turn(engine, ids, a, 0.0, pool)  # and the session's layout, extend shapes, worker threads
+        multi_turn(engine, ids, a, 0.0, pool)  # and the session's layout, worker threads
         base = median_run([single_turn(engine, ids, a) for _ in range(a.repeats)])
         lines.append(dict(case="single_turn", **common, **base))
         emit(**lines[-1])
         for latency, jitter in [(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms]:
-            multi_turn(engine, ids, a, latency / 1000, pool, jitter)  # warm-up: the buckets this case's passes use
+            multi_turn(engine, ids, a, latency / 1000, pool, jitter)  # warm-up
             r = median_run([multi_turn(engine, ids, a, latency / 1000, pool, jitter) for _ in range(a.repeats)])
             # lock-step episodes idle the device for every turn's latency; with jitter, the others decode meanwhile
             bound = None if jitter else base["seconds"] / (base["seconds"] + (a.turns - 1) * latency / 1000)
@@ -378,22 +362,16 @@ def extend_profile(engine, ids, a) -> list[dict]:
 
 
 def side_by_side(lines: list) -> dict:
-    """Per multi-turn case: each variant's tokens/s and ratio; extend graphs on over off at the same compile."""
+    """Per multi-turn case: each variant's tokens/s and ratio to single turn."""
     table: dict = {}
     for line in lines:
         if line["case"] == "single_turn" or line["case"].startswith("async"):
             continue
         name = f"{line['case']}@{line['latency_ms']:g}ms"
-        table.setdefault(name, {})[f"compile={line['engine_compile']},extend_graphs={line['extend_graphs']}"] = dict(
+        table.setdefault(name, {})[f"compile={line['engine_compile']}"] = dict(
             tokens_per_s=round(line["tokens_per_s"]), vs_single_turn=round(line["vs_single_turn"], 3),
             extend_pass_ms=line["extend_pass_ms"], device_busy=line["device_busy"])
-    speedup = {}
-    for name, row in table.items():
-        for key, v in row.items():
-            if key.endswith("extend_graphs=on") and key.replace("=on", "=off") in row:
-                off = row[key.replace("=on", "=off")]
-                speedup[f"{name} {key.split(',')[0]}"] = round(v["tokens_per_s"] / off["tokens_per_s"], 3)
-    return dict(table=table, extend_graphs_speedup=speedup)
+    return dict(table=table)
 
 
 def main(argv=None) -> None:
@@ -410,8 +388,6 @@ def main(argv=None) -> None:
                    help="also these mean latencies with each step's drawn uniformly in [0, 2 x mean]")
     p.add_argument("--engine-compile", nargs="+", choices=sorted(SWITCH), default=["auto"],
                    help="EngineConfig.compile of each variant (auto: the engine's rule)")
-    p.add_argument("--extend-graphs", nargs="+", choices=sorted(SWITCH), default=["auto"],
-                   help="EngineConfig.extend_graphs of each variant (static extend passes, CUDA graphs on CUDA)")
     p.add_argument("--profile-extend", action="store_true",
                    help="per variant, after the timed cases: one lock-step extend call and the prompt prefill under "
                         "torch.profiler (device time, busy share, top kernels)")
@@ -439,16 +415,13 @@ def main(argv=None) -> None:
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
                   obs_tokens=a.obs_tokens, repeats=a.repeats, extend_kernel=a.extend_kernel)
-    on, why = extend_graphs_rule(engine_runs=True, device_type=a.device, cuda_graphs=True)
-    emit(case="extend_graphs_rule", auto="on" if on else "off", why=why)
     lines = []
     for compile in a.engine_compile:
-        for extend in a.extend_graphs:
-            lines += run_variant(model, a, pool, common, compile, extend)
-            gc.collect()
-            if a.device == "cuda":
-                torch.cuda.empty_cache()
-    if len(a.engine_compile) * len(a.extend_graphs) > 1:
+        lines += run_variant(model, a, pool, common, compile)
+        gc.collect()
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    if len(a.engine_compile) > 1:
         emit(case="variants", **common, **side_by_side(lines))
 
 

@@ -9,20 +9,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 def test_the_agent_rollout_benchmark_smoke_runs(capsys):
     import agent_rollout
 
-    agent_rollout.main(["--smoke", "--extend-graphs", "off", "on", "--profile-extend"])
+    agent_rollout.main(["--smoke", "--engine-compile", "off", "auto", "--profile-extend"])
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     profiles = [r for r in out if r["case"] == "extend_profile"]
     out = [r for r in out if r["case"] != "extend_profile"]
-    rule, lines, variants = out[0], out[1:-1], out[-1]
+    lines, variants = out[:-1], out[-1]
     # per variant: the prompt prefill (8 prompts x 16 ids) and one lock-step extend (8 x (4 ids + the last sampled))
     assert [(r["part"], r["tokens"]) for r in profiles] == [("prefill", 8 * 16), ("extend", 8 * 5)] * 2
     assert all(r["wall_ms"] > 0 and r["us_per_token"] > 0 and "top" in r for r in profiles)  # kernels: CUDA only
-    assert rule["case"] == "extend_graphs_rule" and rule["auto"] == "off" and rule["why"]
     cases = [("single_turn", None), ("multi_turn", 0.0), ("multi_turn", 20.0), ("multi_turn_jitter", 20.0)]
     assert [(r["case"], r.get("latency_ms")) for r in lines] == cases * 2
-    assert [r["extend_static"] for r in lines] == [False] * 4 + [True] * 4  # the eager passes, then the static
+    assert [r["engine_compile"] for r in lines] == ["off"] * 4 + ["auto"] * 4  # one engine per variant
     assert all(r["extend_passes"] >= 1 and r["extend_pass_ms"] > 0 for r in lines if r["case"] != "single_turn")
-    assert variants["case"] == "variants" and len(variants["extend_graphs_speedup"]) == 3  # per multi-turn case
+    assert variants["case"] == "variants" and len(variants["table"]) == 3  # per multi-turn case
     assert all(r["sampled_tokens"] == 8 * 2 * 8 for r in lines)  # 8 episodes x 2 turns x 8 tokens
     assert lines[1]["extend_tokens"] == 8 * 4                    # one 4-token observation per episode
     # the breakdown counts what ran: one decode call per step, extends only in the multi-turn cases

@@ -517,19 +517,13 @@ def test_a_second_process_compiles_from_the_first_ones_cache_and_a_corrupt_one_r
     assert again["sum"] == cold["sum"] and "moved it to" in stderr
 
 
-def test_extend_graphs_are_a_multi_turn_setting_off_by_default_and_reach_the_engine(tmp_path):
-    """rollout.engine_extend_graphs (the graphed multi-turn continuation pass, rollout/extend.py): chosen only for
-    agent.env runs, off when auto (0.90-1.11x on the H200) and printed with its reason; true reaches the
-    engine's config."""
-    from phaserl.trainer import RLTrainer
+def test_the_removed_extend_graphs_key_is_an_error_that_says_what_to_do():
+    """rollout.engine_extend_graphs (graphed multi-turn continuation passes) was removed: in YAML or on the command
+    line it is an error naming the key, why it went and what to do, not a guess at another key."""
+    from phaserl.config.load import config_from_dict
+    from phaserl.errors import ConfigError
 
-    envs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_varied.py")
-    base = make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"]
-    assert RLTrainer.from_config(load_config(None, base)).run.speed.engine_extend_graphs is None  # single-turn
-    agent = base + [f"agent.env={envs}:Varied", "agent.max_episode_tokens=64"]
-    auto = RLTrainer.from_config(load_config(None, agent))
-    assert auto.run.speed.engine_extend_graphs.line() == ("rollout.engine_extend_graphs=auto -> off: CPU (no CUDA "
-                                                          "graphs: the static pass would only pad)")
-    assert auto.actor.engine_config.extend_graphs is False
-    on = RLTrainer.from_config(load_config(None, agent + ["rollout.engine_extend_graphs=true"]))
-    assert on.actor.engine_config.extend_graphs is True
+    for load in (lambda: load_config(None, ["rollout.engine_extend_graphs=true"]),
+                 lambda: config_from_dict({"rollout": {"engine_extend_graphs": True}}, source="cfg.yaml")):
+        with pytest.raises(ConfigError, match=r"rollout.engine_extend_graphs was removed: .*delete the key"):
+            load()

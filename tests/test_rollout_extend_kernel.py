@@ -1,12 +1,10 @@
 """The extend pass's Triton kernels (rollout/extend_kernel.py) against the torch path they replace.
 
 extend_attention must compute what torch_path.extend_attention computes over a gathered copy of the slots with
-torch_path.extend_mask's mask: rows with different starts and lengths, padding tokens (and a static pass's padding row
-past the context), grouped-query heads (G = 1, 2, 7), head_dim 64 and 128, a sliding window, slots out of order and
+torch_path.extend_mask's mask: rows with different starts and lengths, padding tokens, grouped-query heads (G = 1, 2, 7), head_dim 64 and 128, a sliding window, slots out of order and
 some unused, several query blocks and key blocks per row; in float32 to ~1e-6, in bfloat16 within a tolerance that a
 one-key mask error exceeds. Keys no query may see are poisoned with NaN: outputs stay as they were. write_kv writes
-what the index_put writes do. Then the engine's extend passes (eager and static, dense, sliding and Qwen3.5) with the
-kernels give the torch path's turns. On the CPU these need Triton and TRITON_INTERPRET=1 (skipped otherwise);
+what the index_put writes do. Then the engine's extend passes (dense, sliding and Qwen3.5) with the kernels give the torch path's turns. On the CPU these need Triton and TRITON_INTERPRET=1 (skipped otherwise);
 @pytest.mark.gpu runs the Qwen2-0.5B shapes in bf16 on CUDA, and inside a CUDA graph.
 """
 import pytest
@@ -15,7 +13,6 @@ import torch
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, extend_kernel, kernels
 from phaserl.rollout import recurrent_state
 from phaserl.rollout import runner as runner_module
-from phaserl.rollout.extend import StaticExtend
 from phaserl.rollout.runner import extend_attention, extend_mask
 from tests.test_rollout_engine import PROMPTS, tiny_model
 from tests.test_rollout_extend import tiny_qwen35
@@ -32,8 +29,8 @@ def kernel_device() -> str:
 
 NUM_SLOTS, S = 7, 48
 # Rows (slot, start, length), M = 9 tokens each (right-padded): slots out of order, 0, 2 and 4 unused; a row of
-# one token, one whose padding runs past its end, and a static pass's padding row (position S - 1, length 0,
-# the first row's slot) whose tokens sit past the context.
+# one token, one whose padding runs past its end, and a padding row (position S - 1, length 0, the first row's
+# slot) whose tokens sit past the context.
 ROWS = [(5, 9, 6), (1, 0, 1), (3, 30, 9), (6, 17, 4), (5, S - 1, 0)]
 M = 9
 
@@ -72,7 +69,7 @@ def exact_context(rows=ROWS) -> int:
 def test_the_kernel_equals_the_torch_path_in_float32(heads, window, scale, rows, block_n, context):
     device = kernel_device()
     keys, values, q, slots, pos, lengths = case(heads, torch.float32, device)
-    ctx = exact_context() if context == "exact" else S  # "slot": a static pass's context bucket
+    ctx = exact_context() if context == "exact" else S  # "slot": the whole slot as context
     want = torch_attention(q, keys, values, slots, pos, lengths, ctx, scale, window)
     got = extend_kernel.extend_attention(q, keys, values, slots, pos, lengths, ctx, scale, window, rows=rows,
                                          block_n=block_n)
@@ -216,14 +213,14 @@ def decode_in_torch(monkeypatch) -> None:
     monkeypatch.setattr(recurrent_state, "USE_DELTA_KERNEL", False)
 
 
-def session_turns(model, extend_graphs: bool, kernel: bool, monkeypatch, torch_decode: bool = False) -> dict:
+def session_turns(model, kernel: bool, monkeypatch, torch_decode: bool = False) -> dict:
     """Greedy turns of a few sequences over 3 slots; the extend pass's attention through the kernel or not
     (torch_decode: decode_in_torch)."""
     monkeypatch.setattr(runner_module, "EXTEND_KERNEL", kernel)
     if torch_decode:
         decode_in_torch(monkeypatch)
     plan = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [[38] * 9, [1]], 4: [None]}
-    engine = RolloutEngine(model, EngineConfig(max_slots=3, extend_graphs=extend_graphs, token_budget=4096))
+    engine = RolloutEngine(model, EngineConfig(max_slots=3, token_budget=4096))
     with engine.session(SamplingParams(max_new_tokens=4, temperature=0.0), slot_len=48, eos_token_ids=[]) as s:
         for key in (0, 1, 2):
             s.start(key, PROMPTS[key], cap=4)
@@ -240,18 +237,17 @@ def session_model(model_type: str):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen2-sliding", "qwen35"])
-@pytest.mark.parametrize("extend_graphs", [False, True], ids=["eager-pass", "static-pass"])
-def test_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, extend_graphs, monkeypatch):
+def test_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, monkeypatch):
     """Several turns with refill, the decode steps on the torch path either way: greedy tokens equal, log-probs
     close, whether the extend pass attends through extend_kernel.py or the torch path."""
     kernel_device()
     model = session_model(model_type)
     calls, attend = [], extend_kernel.extend_attention
     monkeypatch.setattr(extend_kernel, "extend_attention", lambda *a, **k: calls.append(1) or attend(*a, **k))
-    with_kernel = session_turns(model, extend_graphs, True, monkeypatch, torch_decode=True)
+    with_kernel = session_turns(model, True, monkeypatch, torch_decode=True)
     launched = len(calls)
     assert launched >= 4  # every extend pass (4 or more), in every attention layer (Qwen3.5: 1 of 4 layers)
-    without = session_turns(model, extend_graphs, False, monkeypatch, torch_decode=True)
+    without = session_turns(model, False, monkeypatch, torch_decode=True)
     assert len(calls) == launched and sum(len(turns) for turns in without.values()) == 12
     for key in without:
         assert [t.token_ids for t in with_kernel[key]] == [t.token_ids for t in without[key]]
@@ -259,10 +255,8 @@ def test_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, 
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
-def test_padding_tokens_past_the_context_of_a_sliding_layer_write_no_nan_through_the_kernel(static, monkeypatch):
-    """tests/test_rollout_extend.py's regression (padding tokens past the eager pass's context, a static padding
-    row past its context bucket, in a sliding layer) with the extend pass through the kernel: finite KV, finite
+def test_padding_tokens_past_the_context_of_a_sliding_layer_write_no_nan_through_the_kernel(monkeypatch):
+    """tests/test_rollout_extend.py's regression (padding tokens past the eager pass's context, in a sliding layer) with the extend pass through the kernel: finite KV, finite
     log-probs in the decode steps after it."""
     kernel_device()
     decode_in_torch(monkeypatch)
@@ -274,7 +268,7 @@ def test_padding_tokens_past_the_context_of_a_sliding_layer_write_no_nan_through
                     ((3,), [2], [8], [2])])
     items = [(0, [i % 39 + 1 for i in range(30)], 2, 4), (1, [5], 40, 4), (2, [6, 7], 1, 4)]
     with torch.inference_mode():
-        (StaticExtend(runner).run if static else runner._extend_pass)(items)
+        runner._extend_pass(items)
         for _ in range(3):
             runner.decode(4)
     assert not any(torch.isnan(t).any() for t in (*runner.keys, *runner.values))
@@ -384,13 +378,12 @@ def test_gpu_the_fused_extend_layer_in_bf16_is_as_close_to_float32_as_the_torch_
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen2-sliding", "qwen35"])
 def test_gpu_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, monkeypatch):
-    """float32 on CUDA (IEEE dots in the kernel), eager and static extend passes with graphs: the same greedy turns
-    and close log-probs with and without the kernel."""
+    """float32 on CUDA (IEEE dots in the kernel): the same greedy turns and close log-probs with and without the
+    kernel."""
     model = session_model(model_type).to("cuda")
-    for extend_graphs in (False, True):
-        with_kernel = session_turns(model, extend_graphs, True, monkeypatch)
-        without = session_turns(model, extend_graphs, False, monkeypatch)
-        for key in without:
-            assert [t.token_ids for t in with_kernel[key]] == [t.token_ids for t in without[key]]
-            for a, b in zip(with_kernel[key], without[key]):
-                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    with_kernel = session_turns(model, True, monkeypatch)
+    without = session_turns(model, False, monkeypatch)
+    for key in without:
+        assert [t.token_ids for t in with_kernel[key]] == [t.token_ids for t in without[key]]
+        for a, b in zip(with_kernel[key], without[key]):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)

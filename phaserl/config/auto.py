@@ -37,8 +37,6 @@ AUTO_RULES = {
                                  "device memory, and for a LoRA actor the kept engine is at most "
                                  f"{LORA_KEEP_SHARE:.0%} of that peak (its merged weight copies are a second copy "
                                  "of the model); off otherwise (CPU, FSDP, tight memory, a large LoRA model)",
-    "rollout.engine_extend_graphs": "off (the graphed multi-turn continuation passes measured 0.90-1.11x of the "
-                                    "eager ones on the H200); off on the CPU and without CUDA graphs",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
     "ppo.micro_batch_tokens": f"on CUDA the fewest micro-batches of whole sequences, about {MICRO_BATCH_CAP} tokens "
                               "each (the sequences dealt evenly) and at most one mini-batch, whose activations (the "
@@ -116,22 +114,6 @@ def engine_compile_rule(*, engine_runs: bool, device_type: str, triton: bool, fu
     if fused:
         return False, "every layer decodes through the engine's fused Triton kernels (compiling adds only warm-up)"
     return True, "CUDA, Triton, layers without fused decode kernels"
-
-
-def extend_graphs_rule(*, engine_runs: bool, device_type: str, cuda_graphs: bool) -> tuple[bool, str]:
-    """EngineConfig.extend_graphs when auto (the engine applies the same answer: off). Measured on the H200
-    (2026-12-01, BENCHMARKS.md ninth session, agent_rollout.py at 0.5B, 6-8 repeats, captures at a bucket's second
-    pass, buckets of powers of two): 0.90-1.11x of the eager passes with the engine eager, 0.90-1.03x compiled, and
-    never above the compiled engine's eager passes at 0 ms tools (0.59 of single turn): the lock-step passes took
-    as long replayed as eager, and new buckets kept being captured over the repeats."""
-    if not engine_runs:
-        return False, "the built-in engine does not run (rollout.engine=hf or a transformers model)"
-    if device_type != "cuda":
-        return False, f"{device_type.upper()} (no CUDA graphs: the static pass would only pad)"
-    if not cuda_graphs:
-        return False, "the engine's CUDA graphs are off"
-    return False, ("0.90-1.11x of the eager passes on the H200 (lock-step passes as slow replayed as eager; new "
-                   "buckets kept being captured); `true` to try it")
 
 
 def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, actor_sharded: bool,
@@ -290,7 +272,6 @@ class SpeedChoices:
     engine_compile: Choice
     engine_keep_awake: Choice
     packing: Optional[Choice] = None   # filled in by the builder once set_packing chose (per role; the actor's)
-    engine_extend_graphs: Optional[Choice] = None  # multi-turn runs only (agent.env)
     micro_batch_tokens: Optional[Choice] = None    # ppo.micro_batch_tokens (an int)
     keep_head_logits: Optional[Choice] = None      # ppo.keep_head_logits
     train_graphs: Optional[Choice] = None          # ppo.train_graphs
@@ -302,7 +283,7 @@ class SpeedChoices:
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.engine_extend_graphs, self.packing, self.stream_reference, self.checkpoint_layers,
+                            self.packing, self.stream_reference, self.checkpoint_layers,
                             self.optimizer_offload, self.micro_batch_tokens, self.keep_head_logits, self.train_graphs)
                 if c is not None]
 

@@ -113,8 +113,18 @@ def _help(key: str) -> str:
     return _meta(cls, parts[-1])["help"]
 
 
+# Keys the schema had once: what happened to each, and what to do.
+REMOVED_KEYS = {
+    "rollout.engine_extend_graphs": "the graphed multi-turn continuation passes measured 0.90-1.11x of the plain "
+                                    "passes on the H200 and were removed; delete the key (multi-turn runs continue "
+                                    "their slots through the plain extend pass)",
+}
+
+
 def _unknown_key(key: str, siblings: list[str], where: str) -> ConfigError:
     """Error for a key the schema lacks, with the likeliest intended key(s) and their help."""
+    if key in REMOVED_KEYS:
+        return ConfigError(f"{where}: {key} was removed: {REMOVED_KEYS[key]}")
     def leaf_of(k: str) -> str:
         return k.rsplit(".", 1)[-1]
 

@@ -76,10 +76,6 @@ class RolloutConfig:
                                                 "Triton where some layer has no fused decode kernels; the first "
                                                 "rollout on a machine then pays the compile, cached for later runs: "
                                                 "docs/performance.md)")
-    engine_extend_graphs: Optional[bool] = spec(None, "builtin engine, multi-turn runs: capture each continuation "
-                                                      "(extend) pass as a CUDA graph per rows x tokens x context "
-                                                      "bucket (rollout/extend.py; null = auto: off, 0.90-1.11x of "
-                                                      "the eager passes on the H200)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "

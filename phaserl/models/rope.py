@@ -138,14 +138,3 @@ class RotaryEmbedding(nn.Module):
         cos = angles.cos() * self.attention_scaling
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, heads_dim: int = 1) -> torch.Tensor:
-    """x [B, heads, T, D] (heads_dim=1) or [B, T, heads, D] (heads_dim=2); cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(heads_dim), sin.unsqueeze(heads_dim)  # [B, 1, T, D] or [B, T, 1, D]
-    return x * cos + _rotate_half(x) * sin

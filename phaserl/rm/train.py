@@ -178,7 +178,7 @@ def export_reward_model(model: ValueModel, tokenizer, out_dir: str, *, wrapper: 
 
     A custom chat_template becomes the saved tokenizer's own template, so that loading the directory
     with apply_chat_template=true and no chat_template reproduces the training format. The format
-    (and the held-out accuracy) is also recorded in phaserl_rm.json for people and `doctor`.
+    (and the held-out accuracy) is also recorded in phaserl_rm.json for people.
     """
     saved_tokenizer = tokenizer
     if wrapper.apply_chat_template and wrapper.chat_template is not None:
@@ -198,31 +198,6 @@ def export_reward_model(model: ValueModel, tokenizer, out_dir: str, *, wrapper: 
         f.write("\n")
     os.replace(tmp, os.path.join(path, FORMAT_FILE))
     return str(path)
-
-
-def training_format_mismatches(rm_dir: str, *, apply_chat_template: bool, chat_template: Optional[str],
-                               max_length: int, truncation_side: str) -> list[str]:
-    """How scoring settings differ from the format recorded by `phaserl train-rm` in rm_dir ([] when they
-    agree or the RM has no record). For `doctor` and the trainer to warn before a run scores garbage."""
-    record_file = os.path.join(rm_dir, FORMAT_FILE)
-    if not os.path.isfile(record_file):
-        return []
-    with open(record_file) as f:
-        trained = json.load(f)
-    out = []
-    if trained["apply_chat_template"] != apply_chat_template:
-        out.append(f"reward_model.apply_chat_template = {str(apply_chat_template).lower()}, but the RM was trained "
-                   f"with apply_chat_template = {str(trained['apply_chat_template']).lower()} ({record_file})")
-    elif apply_chat_template and chat_template is not None and chat_template != trained["chat_template"]:
-        out.append(f"reward_model.chat_template differs from the template the RM was trained with (saved as its "
-                   f"tokenizer's own template: set reward_model.chat_template = null) ({record_file})")
-    if max_length < trained["max_length"]:
-        out.append(f"reward_model.max_length = {max_length} is below the {trained['max_length']} tokens the RM was "
-                   f"trained with: longer inputs get cut where training kept them ({record_file})")
-    if truncation_side != trained["truncation_side"]:
-        out.append(f"reward_model.truncation_side = {truncation_side}, but the RM was trained with "
-                   f"{trained['truncation_side']} ({record_file})")
-    return out
 
 
 def _encode_pairs(wrapper: RewardModelWrapper, rows: list[PreferenceRow]) -> tuple[list, list]:

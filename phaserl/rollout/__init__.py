@@ -6,7 +6,6 @@
     kv_pool.py    KVPool (slot KV cache, sleep/wake), SlotState (per-slot decode state on the device)
     scheduler.py  Scheduler, Sequence: slots for sequences, continuous refill, compaction
     runner.py     ModelRunner: prefill and graph-captured decode (fused qkv / gate-up copies of the weights)
-    extend.py     StaticExtend: multi-turn continuation passes with static shapes, a CUDA graph per bucket
     recurrent_state.py  HybridRunner, RecurrentState: Qwen3.5's per-slot DeltaNet/conv state beside the KV
     delta_kernel.py     Triton kernel of the DeltaNet decode step (the state read and written once)
     extend_kernel.py    Triton kernels of the extend pass: its KV write and its attention over the slots in place

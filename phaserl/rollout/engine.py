@@ -26,7 +26,6 @@ import torch
 
 from phaserl.errors import ConfigError, DataError
 from phaserl.models.decoder import CausalLM
-from phaserl.rollout.extend import StaticExtend
 from phaserl.rollout.fused import decodes_fused
 from phaserl.rollout.generate import GenerationResult, check_prompts
 from phaserl.rollout.kv_pool import KVPool
@@ -63,10 +62,6 @@ class EngineConfig:
                                           # at the next rollout, their memory stays taken during training
     record_routes: bool = False           # MoE models: return the experts chosen at every position (routing
                                           # replay; GenerationResult.routes)
-    extend_graphs: Optional[bool] = None  # multi-turn continuations through static-shape passes, a CUDA graph per
-                                          # (rows, tokens, context) bucket (rollout/extend.py; on the CPU the static
-                                          # pass runs eagerly); None = off until an H200 run shows it faster
-                                          # (config/auto.extend_graphs_rule)
 
     def __post_init__(self):
         if self.max_seq_tokens is not None and self.max_seq_tokens < 1:
@@ -129,8 +124,6 @@ class RolloutEngine:
             from phaserl.rollout.recurrent_state import HybridRunner as runner
         self.runner = runner(self.model, self.pool, cuda_graphs=c.cuda_graphs, compile=compile,
                              prefill_tokens=c.prefill_tokens, record_routes=c.record_routes)
-        if c.extend_graphs:  # auto (None) is off: config/auto.extend_graphs_rule says why
-            self.runner.extender = StaticExtend(self.runner)
         self._pinned: list[torch.Tensor] = []
 
     @staticmethod

@@ -166,13 +166,11 @@ class HybridRunner(ModelRunner):
         self.state.start(slots, tokens, logprobs, lengths[group_of], caps)
 
     # ----- extend (multi-turn) --------------------------------------------------------------------
-    # ModelRunner._extend_pass (the eager pass: exact shapes) feeds this; rollout/extend.py's static pass too.
+    # ModelRunner._extend_pass (the eager pass: exact shapes) feeds this.
     def _extend_forward(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, caps: Tensor,
-                        context: int, source: Optional[Tensor] = None) -> None:
+                        context: int) -> None:
         """ModelRunner._extend_forward for the hybrid layers. A linear layer's slot state goes on from the row's
-        last real token; source [C]: the row whose new conv and DeltaNet state (and sampled token, end, cap) each
-        row's slot takes, so that a static pass's padding rows (the first row's slot, length 0) write exactly the
-        first row's values, not their own unchanged copy of the slot's old state."""
+        last real token."""
         (C, M), S = ids.shape, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         masks: dict = {}  # ModelRunner._extend_attention's masks (the torch path only; Qwen3.5 has no window)
@@ -185,8 +183,6 @@ class HybridRunner(ModelRunner):
                 x = rms_norm(h, w.attn_in, spec.eps, spec.norm_style).view(C, M, -1)
                 out, conv, delta = continue_sequences(module.linear_attn, x, lengths, R.conv[j][slots],
                                                       R.delta[j][slots])  # the slot's state goes on
-                if source is not None:
-                    conv, delta = conv[source], delta[source]
                 R.conv[j][slots], R.delta[j][slots] = conv, delta
                 h = self.fns.post(h, out.view(C * M, -1), post, spec)
                 continue
@@ -198,8 +194,6 @@ class HybridRunner(ModelRunner):
         ends = starts + lengths
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm), slots,
                                         ends - 1)
-        if source is not None:
-            tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
         self.state.start(slots, tokens, logprobs, ends, caps)
 
     # ----- decode ---------------------------------------------------------------------------------

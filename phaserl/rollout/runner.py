@@ -195,7 +195,6 @@ class ModelRunner:
         self.seed = torch.zeros(1, dtype=torch.long, device=self.device)
         self.fused: list[bool] = []  # per layer: decode through fused.py (set at begin(), from the weights)
         self.fused_record = False    # SlotState.record as kernels.record
-        self.extender = None         # rollout/extend.py's StaticExtend (set by the engine), or eager extend passes
         # Routing replay: the experts every MoE layer chose at every position of every slot (moe.py).
         moe = [i for i, spec in enumerate(self.specs) if spec.moe is not None]
         self.moe_index = {layer: j for j, layer in enumerate(moe)}  # layer -> its column in `routes`
@@ -331,11 +330,8 @@ class ModelRunner:
 
         `tokens` go at positions start, start + 1, ... of the slot; the KV before `start` is kept and
         attended (no re-prefill of the conversation so far). The last token's distribution draws the
-        next turn's first token. Split into passes of <= prefill_tokens (rows x longest). With an `extender`
-        (rollout/extend.py: EngineConfig.extend_graphs) the passes have static shapes instead.
+        next turn's first token. Split into passes of <= prefill_tokens (rows x longest).
         """
-        if self.extender is not None:
-            return self.extender.extend(items)
         chunk, longest = [], 0
         for item in items:
             if chunk and max(longest, len(item[1])) * (len(chunk) + 1) > self.prefill_tokens:
@@ -357,12 +353,10 @@ class ModelRunner:
         self._extend_forward(*(t.to(self.device, non_blocking=True) for t in host), context)
 
     def _extend_forward(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, caps: Tensor,
-                        context: int, source: Optional[Tensor] = None) -> None:
+                        context: int) -> None:
         """The extend pass on device tensors, no host sync: ids [C, M] right-padded, starts/lengths/slots/caps [C];
         keys at positions [0, context) are attended (each token's up to its own: _extend_attention). A padding
-        token writes KV (and routes) past its row's end, where decode writes before it reads. source [C]: the row
-        whose sampled token, end and cap each row's slot state takes (rollout/extend.py's padding rows copy a real
-        row's), None = its own; such a row has length 0 (it samples from its last padding token, unused)."""
+        token writes KV (and routes) past its row's end, where decode writes before it reads."""
         (C, M), S = ids.shape, self.layout[1]
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         masks: dict = {}  # window -> extend_mask [C, M, ctx], for the layers on the torch path only
@@ -393,8 +387,6 @@ class ModelRunner:
             x = (kernels.rms_norm if any(self.fused) else self.fns.norm)(last, weight, *self.final_norm)
         ends = starts + lengths
         tokens, logprobs = self._sample(x, slots, ends - 1)
-        if source is not None:
-            tokens, logprobs, ends, caps = tokens[source], logprobs[source], ends[source], caps[source]
         self.state.start(slots, tokens, logprobs, ends, caps)
 
     def _extend_attention(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slots: Tensor,
@@ -467,7 +459,7 @@ class ModelRunner:
             self._decode_step(b)
 
     def _capture(self, key, step: callable) -> None:
-        """This step (`step()`: a decode step, or rollout/extend.py's static extend pass), eagerly (it doubles as the
+        """This step (`step()`: a decode step), eagerly (it doubles as the
         warm-up: compiles, picks kernels, allocates workspaces), then recorded as the bucket's graph (capture runs
         nothing) into the one memory pool all buckets share. Lazy:
         a fixed-length call captures one bucket, not all 13 (0.35-0.6 s per call without keep_awake). Stored

@@ -116,8 +116,7 @@ class DecodeSession:
         """How long a caller may hold sequences that could resume, to resume more of them together: what a
         separate resumption would cost, one decode step or one more prefill/extend call (whichever is more; an
         eager extend pass is tens of ms of launches on a GPU host, during which nothing else decodes: H200,
-        0.5B, 2026-12-03: 37-42 ms of wall for 2.8k-8.4k tokens alike; a graphed one (EngineConfig.extend_graphs)
-        little: its device time grows with its tokens, so separate passes cost about what one joint pass does).
+        0.5B, 2026-12-03: 37-42 ms of wall for 2.8k-8.4k tokens alike).
         The last prefill call stands in for an extend pass before the first one; FIRST_GATHER_S before any step."""
         if not self._gaps:
             return FIRST_GATHER_S

@@ -191,7 +191,6 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
     actor.configure_rollout(r.engine, EngineConfig(
         max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction,
         cuda_graphs=r.engine_cuda_graphs, compile=speed.engine_compile.value, keep_awake=speed.engine_keep_awake.value,
-        extend_graphs=speed.engine_extend_graphs.value if speed.engine_extend_graphs is not None else None,
         max_seq_tokens=d.sequence_tokens))
     actor.setup_routing(replay=a.routing_replay)
     if critic is not None:

@@ -26,7 +26,7 @@ import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
 from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
-                           extend_graphs_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule,
+                           head_kernels_missing, keep_awake_rule, keep_logits_rule,
                            train_graphs_rule)
 from ..memory.budget import (ModelShape, UnknownShape, free_memory_bytes, kept_engine_bytes, kept_logits_bytes,
                              response_tokens_of)
@@ -117,9 +117,6 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
                                                                    device, world_size),
         engine_compile=engine_compile,
         engine_keep_awake=keep_awake,
-        engine_extend_graphs=None if not cfg.agent.env else choose(
-            "rollout.engine_extend_graphs", r.engine_extend_graphs, extend_graphs_rule(
-                engine_runs=engine_runs, device_type=device.type, cuda_graphs=r.engine_cuda_graphs)),
         micro_batch_tokens=micro, keep_head_logits=keep_logits, stream_reference=plan.stream_reference,
         checkpoint_layers=plan.checkpoint_layers, optimizer_offload=plan.optimizer_offload,
         memory_plan=plan.summary() if count.shape is not None else "",
