@@ -1,6 +1,6 @@
 """Multi-turn rollout throughput: episodes with simulated tool latency vs the single-turn engine, one run.
 
-One JSON line per measurement on stdout. Shape (issue 15): Qwen2-0.5B architecture, random weights,
+One JSON line per measurement on stdout. Shape: Qwen2-0.5B architecture, random weights,
 bf16; 256 episodes x 4 turns, prompt 128 tokens, 64 sampled tokens per turn (EOS ignored: fixed
 lengths), a 32-token observation after each of the first 3 turns; every environment step sleeps the
 simulated tool latency (0 / 50 / 500 ms) on its worker thread (one per episode, from one pool kept

@@ -1,4 +1,4 @@
-"""Several GPUs of one host (issue 21): correctness, scaling and the hybrid switch, all in one call.
+"""Several GPUs of one host: correctness, scaling and the hybrid switch, all in one call.
 
     python benchmarks/multi_gpu.py                  # on a 2- or 4-GPU machine: every part, ~10 min at most
     python benchmarks/multi_gpu.py --smoke          # CPU, 2 gloo ranks, tiny shapes (the test runs this)

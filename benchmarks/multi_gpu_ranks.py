@@ -1,4 +1,4 @@
-"""The rank program of benchmarks/multi_gpu.py (issue 21): one part of the several-GPU measurements, run on the
+"""The rank program of benchmarks/multi_gpu.py: one part of the several-GPU measurements, run on the
 ranks torchrun starts (or in one plain process for the 1-rank references). Prints JSON lines and writes .pt files;
 it compares nothing (multi_gpu.py does) and is not meant to be started by hand, though it can be:
 

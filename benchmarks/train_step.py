@@ -1,4 +1,4 @@
-"""Training-step throughput: forward + backward of the actor's loss path, tokens/s and MFU (issue 6).
+"""Training-step throughput: forward + backward of the actor's loss path, tokens/s and MFU.
 
 One JSON line per measurement on stdout. Reference shape (BENCHMARKS.md): Qwen2-0.5B architecture with random
 weights, bf16, 512 rows of 128 prompt + 256 response tokens ("fixed"), and the same rows with long-tail

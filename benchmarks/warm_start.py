@@ -1,5 +1,5 @@
 """Warm start: the first GRPO step of a fresh process with an empty compile cache (cold) vs the same in a second
-process that finds the first one's cache (warm). Target (issue 18): warm first step <= 40% of the cold one.
+process that finds the first one's cache (warm). Target: warm first step <= 40% of the cold one.
 
 Each run is one `benchmarks/grpo_step.py --only ours` process (what `phaserl train` builds, phaserl's defaults
 plus --ours-set), on one synthetic world at the 0.5B reference shape (64 prompts x 8, 128 + 256 tokens), with

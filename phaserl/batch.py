@@ -203,7 +203,7 @@ def send(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without making the host wait: to a GPU through pinned memory (torch's caching host
     allocator keeps the block until the copy is done). A copy from pageable memory can wait for the stream to reach
     it, so the host stops queueing work while the GPU drains (the update's `aten::copy_` gaps on the H200,
-    BENCHMARKS.md sixteenth session)."""
+    BENCHMARKS.md, 2026-12-04)."""
     device = torch.device(device)
     if PIN_HOST_COPIES and t.device.type == "cpu" and device.type == "cuda":
         t = t.pin_memory()

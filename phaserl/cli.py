@@ -68,7 +68,7 @@ def cmd_train(args) -> int:
     rank, world = init_distributed()  # (0, 1) without torchrun
     try:
         failed = [] if args.skip_doctor else _preflight(args.config, args.overrides, world)
-        if failed:  # the reason last, not in the middle of the report (issue 47)
+        if failed:  # the reason last, not in the middle of the report
             from .doctor import format_failures
 
             if rank == 0:
@@ -83,7 +83,7 @@ def cmd_train(args) -> int:
                 _write_resolved_config(cfg, cfg.trainer.log_dir)
             trainer.fit()
         if rank == 0 and (line := held_out_line(trainer)):
-            log.info(line)  # the run's last line, as the quickstart's (issue 47)
+            log.info(line)  # the run's last line, as the quickstart's
         return 0
     finally:
         destroy()

@@ -103,7 +103,7 @@ def test_models_and_a_tool_calling_conversation_with_the_openai_client(tok):
 
 def merging_tokenizer():
     """Char-level plus one merge '1'+'2' -> '12': the model may sample '1','2' separately, but re-encoding
-    the decoded text yields the merged token: the re-tokenization drift of issue 15, in miniature."""
+    the decoded text yields the merged token: the re-tokenization drift, in miniature."""
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
     vocab["12"] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[("1", "2")], unk_token="<unk>"))

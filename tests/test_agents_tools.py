@@ -222,7 +222,7 @@ def test_an_async_tool_runs_like_a_plain_one():
 
 @pytest.mark.slow
 def test_tool_environment_inside_the_episode_runner():
-    """The two halves of issue 15 together: ToolEnvironment run by agents-core's EpisodeRunner (skipped
+    """The two halves of multi-turn tools together: ToolEnvironment run by agents-core's EpisodeRunner (skipped
     on a branch without it). A stand-in parser calls `add` for any turn not starting with a digit, so
     the random tiny model produces both tool turns and final answers."""
     episodes_mod = pytest.importorskip("phaserl.agents.episodes")

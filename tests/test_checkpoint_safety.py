@@ -1,4 +1,4 @@
-"""Checkpoints that cannot run code, that name their damage, and that one run at a time writes (issue 22).
+"""Checkpoints that cannot run code, that name their damage, and that one run at a time writes.
 
 Bugs reproduced here:
 - a dcp/.metadata replaced by a crafted pickle ran its payload on resume and on export (DCP reads it with

@@ -1,4 +1,4 @@
-"""No command writes a run's files before its inputs validate (issue 23): a quickstart or train that fails
+"""No command writes a run's files before its inputs validate: a quickstart or train that fails
 while loading (no CUDA device, a missing data file) leaves the run directory as it was."""
 import os
 

@@ -1,4 +1,4 @@
-"""Regression (thirteenth session): under dynamic=True, dynamo made a layer's `spec.eps` a symbolic float; rms_norm
+"""Regression (2026-12-04): under dynamic=True, dynamo made a layer's `spec.eps` a symbolic float; rms_norm
 needs a concrete eps, so every compile of a decoder block restarted its analysis after AOTAutograd had traced the
 joint graph once for nothing (4 of 11 AOT compiles thrown away in the warm-start smoke, each missing the cache on
 every run). compile_cache.specialize_floats makes dynamo treat floats as constants wherever phaserl compiles; it

@@ -81,7 +81,7 @@ def test_an_empty_section_means_its_defaults(tmp_path):
 
 
 def test_an_empty_config_file_is_an_error_not_all_defaults(tmp_path):
-    """Bug (issue 22): an empty file was taken as "all defaults", i.e. the built-in tiny task."""
+    """Bug: an empty file was taken as "all defaults", i.e. the built-in tiny task."""
     for text in ("", "# only a comment\n"):
         path = write(tmp_path, text)
         with pytest.raises(ConfigError, match=rf"config file '{path}' is empty.*phaserl train --defaults"):

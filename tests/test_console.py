@@ -1,4 +1,4 @@
-"""The console of a run (issue 23): a start-of-run summary, and log lines (steps, [HybridEngine] switches)
+"""The console of a run: a start-of-run summary, and log lines (steps, [HybridEngine] switches)
 printed through the progress bar (tqdm.write) instead of across it."""
 import logging
 import sys

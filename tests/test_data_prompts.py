@@ -104,7 +104,7 @@ def test_truncate_left_keeps_the_end_and_right_keeps_the_start(tokenizer):
 # "<|im_start|>user\n" + content + "<|im_end|>\n<|im_start|>assistant\n" is 19 tokens around the content.
 @pytest.mark.parametrize("overlong, kept", [("truncate_left", "question"), ("truncate_right", "a long q")])
 def test_truncation_cuts_the_user_text_and_never_the_generation_prompt(tokenizer, overlong, kept):
-    # Regression (issue 23): truncate_right used to cut the template's `<|im_start|>assistant\n` off the end.
+    # Regression: truncate_right used to cut the template's `<|im_start|>assistant\n` off the end.
     (item,) = build([row("a long question")], tokenizer, max_len=27, overlong=overlong).items
     assert item.prompt_text == f"<|im_start|>user\n{kept}<|im_end|>\n<|im_start|>assistant\n"
     assert len(item.prompt_ids) == 27 and tokenizer.decode(item.prompt_ids) == item.prompt_text

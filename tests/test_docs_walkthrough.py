@@ -1,4 +1,4 @@
-"""The docs' walk-throughs run as written (issue 23): every code block of docs/your-own-task.md in order in an
+"""The docs' walk-throughs run as written: every code block of docs/your-own-task.md in order in an
 empty directory (bash blocks through bash, python blocks through python, `# file: NAME` blocks written to
 NAME), the complete script of docs/python-api.md, and the examples of docs/rewards.md."""
 import json
@@ -50,8 +50,7 @@ def test_your_own_task_runs_from_an_empty_directory(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(__import__("phaserl.rewards.registry").rewards.registry, "_VERL_PARAMS"),
-                    reason="verl's compute_score signature is called by name only once the reward registry "
-                           "change of issue 22 (engineer trust) is in this checkout")
+                    reason="this reward registry does not call verl's compute_score signature by name")
 def test_the_verl_signature_gets_the_rows_data_source(tmp_path):
     # your-own-task.md's compute_score only scores rows whose data_source is "my_adder": called with the
     # prompt in that place (positionally, as phaserl's own signature is), it would always return 0.

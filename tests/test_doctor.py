@@ -176,7 +176,7 @@ def test_a_good_tiny_config_passes_every_check(run):
     results = doctor(run)
     assert not any_failed(results.values())
     assert all(r.status == OK for r in results.values()), format_report(list(results.values()))
-    # Regression (issue 23): a single-process run under /tmp (node-local) is not a warning; and (issue 47) one
+    # Regression: a single-process run under /tmp (node-local) is not a warning; and one
     # process gets no multi-node storage advice, nor a table of FSDP settings that apply only from 2 ranks on.
     assert "single process: nothing to share" in results["shared paths"].message
     assert "node-local" not in results["shared paths"].message
@@ -255,7 +255,7 @@ def test_overlong_prompts_fail_with_the_row_or_are_counted(run):
 
 
 def test_a_single_cut_prompt_is_reported(run, tmp_path):
-    # Regression (issue 23): the doctor used to stay OK until over 10% of the prompts were cut.
+    # Regression: the doctor used to stay OK until over 10% of the prompts were cut.
     from phaserl.data import write_records
 
     rows = [{"prompt": "1+1", "reward_model": {"ground_truth": "2"}}] * 20
@@ -333,7 +333,7 @@ def test_the_doctor_sizes_the_reward_model_by_the_key_its_engine_reads(run, tmp_
     # hidden 16, MLP 32, float32: (2·16 + 2·32) × 4 = 384 B + the padded mask 128 × (1 + 4) = 640 B: 1 KB a token;
     # 482_384 // 1_024 = 471 tokens fit. 300 configured hold 2 inputs of 128 = 256 tokens: fine.
     assert native["memory"].status == OK
-    # Regression (issue 23): the line says in words what the configured size uses of what is free.
+    # Regression: the line says in words what the configured size uses of what is free.
     assert ("reward_model.micro_batch_tokens = 300: uses at most 256 tokens, 256.0 KB of the 976.6 KB free (1.0 KB per "
             "token of a right-padded scoring forward); at most 471 would fit") in native["memory"].details
     # The default 16384 tokens would score all 8 responses at once: 8 × 128 × 1 KB = 1.0 MB, over 471 tokens.

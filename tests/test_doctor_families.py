@@ -98,7 +98,7 @@ def test_qwen35_layers_are_never_compiled_so_get_no_compiled_discount():
 def test_gemma4_rows_are_each_layers_own_width_and_k_eq_v_stores_values():
     shape = ModelShape.of(native("gemma4-global-k-eq-v"))
     # 2 sliding layers of 2 kv heads x 8 and 2 global layers of 1 x 32, each row its own width (not every row the
-    # global layers' 32: issue 19/20's 40% at the 1B shape); K and V both, float32
+    # global layers' 32: the 40% once unused at the 1B shape); K and V both, float32
     assert shape.slot.kv_per_token == 2 * (2 * 2 * 8 + 2 * 1 * 32) * 4 and shape.slot.state_per_slot == 0
     assert shape.slot.kv_rows == ((2, 16), (2, 32))
     assert shape.head_dim == 8 and shape.num_kv_heads == 2  # what the dense rule read: half of it
@@ -270,7 +270,7 @@ def test_the_doctor_says_what_an_auto_micro_batch_becomes_and_sizes_the_update_w
 def test_a_transformers_gemma4_model_gets_an_estimate_not_a_crash():
     """Regression: transformers refuses `config.head_dim` / `num_key_value_heads` on Gemma 4 (per-layer
     attributes), so the doctor crashed on a Gemma 4 model run through model.implementation=transformers
-    (issue 19: the doctor works for any causal LM transformers loads). The dense estimate takes the widest layer."""
+   . The dense estimate takes the widest layer."""
     config = transformers.Gemma4TextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,

@@ -1,4 +1,4 @@
-"""Export and tokenizers (issue 23): loading an export with `AutoTokenizer.from_pretrained` must give the
+"""Export and tokenizers: loading an export with `AutoTokenizer.from_pretrained` must give the
 token ids training used, or `phaserl export` names the call that does. transformers 5 loads a qwen2 export's
 tokenizer as Qwen2Tokenizer, rebuilt with Qwen's own pre-tokenizer (digits split one by one), so a byte-level
 BPE tokenizer of another kind (GPT-2 style: " 84" is one token) tokenizes differently; under a llama config

@@ -1,4 +1,4 @@
-"""Fast by default (issue 18): the auto speed settings' rules, the builder's choices and the start-of-run block,
+"""Fast by default: the auto speed settings' rules, the builder's choices and the start-of-run block,
 `--explain`'s rules; and the warm start: torch.compile's caches in phaserl's cache directory, safe when that
 directory is unwritable or corrupt, and a second process that compiles from the first one's cache."""
 import json

@@ -3,7 +3,7 @@ shape; sliding layers of 2 x 8, 1 x 256 there): every layer's row is exactly its
 pool's bytes are what the doctor counts, more slots fit the same memory than when every row took the widest layer's
 width, and moving / exchanging slots (compaction, session packing) keeps every layer's KV exact.
 
-Regression for issues 19/20: the pool gave every layer the widest layer's row, 40% of it unused at the 1B shape.
+Regression: the pool gave every layer the widest layer's row, 40% of it unused at the 1B shape.
 """
 import pytest
 import torch

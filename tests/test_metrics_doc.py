@@ -1,4 +1,4 @@
-"""docs/metrics.md is checked against the metric names the code emits (issue 23): every name a GRPO run
+"""docs/metrics.md is checked against the metric names the code emits: every name a GRPO run
 (KL in the loss, a custom reward function), a PPO run (critic, KL in the reward, 2 epochs × 2 mini-batches),
 a DAPO run (dynamic sampling, overlong shaping, IcePop), a multi-turn agent run and a harness run (agent.harness) write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
 import json
@@ -46,7 +46,7 @@ def _pattern(name: str) -> re.Pattern:
 @pytest.fixture(scope="module")
 def emitted(tmp_path_factory) -> set:
     # the harness run's example drives the endpoint with the openai client: without the `agents` extra these
-    # tests skip (issue 47: `pip install -e ".[test]"` and the README's test command must pass as written)
+    # tests skip
     pytest.importorskip("openai", reason="the example harness uses the openai client (the `agents` extra)")
     names = set()
     for run, extra in RUNS.items():

@@ -1,5 +1,5 @@
 """benchmarks/multi_gpu.py --smoke: the several-GPU driver on the CPU (2 gloo ranks, tiny shapes), so that the one
-device call issue 21 needs is known to run end to end. Speed is not asserted; agreement of 1 and 2 ranks is (the
+device call needs is known to run end to end. Speed is not asserted; agreement of 1 and 2 ranks is (the
 smoke runs float32, inside the driver's bf16 tolerance by far)."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""Tests never write outside temporary directories (issue 23): phaserl's first-use caches follow
+"""Tests never write outside temporary directories: phaserl's first-use caches follow
 $PHASERL_CACHE_DIR, which tests/conftest.py points at a temp dir, instead of ~/.cache/phaserl."""
 import os
 import tempfile

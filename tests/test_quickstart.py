@@ -24,7 +24,7 @@ def test_quickstart_raises_the_held_out_score_by_20_points(tmp_path, caplog):
     cfg = load_config(str(out / "config.yaml"))  # `phaserl train DIR/config.yaml` reads the same run
     assert cfg.trainer.log_dir == str(out) and cfg.algorithm.adv_estimator == "grpo"
     assert "held-out score (greedy, 200 prompts): before" in caplog.text
-    # Regression (issue 23): the README quoted 0.255 -> 0.82 after the committed model had changed.
+    # Regression: the README quoted 0.255 -> 0.82 after the committed model had changed.
     quoted = readme_quickstart_scores()
     assert quoted == {step: round(score, 3) for step, score in vals}, (
         f"README.md quotes {quoted}; this run gives {vals}: update the README's quickstart paragraph")

@@ -114,7 +114,7 @@ def test_tensorboard_curves_after_a_resume_hold_only_the_resumed_runs_values(tmp
 
 
 def test_the_report_labels_its_axes_clips_the_band_and_draws_one_kl_curve_per_quantity():
-    # Regression (issue 23): unlabelled y-axes, a ±std band past the rewards' range, two identical KL curves.
+    # Regression: unlabelled y-axes, a ±std band past the rewards' range, two identical KL curves.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""The reward model on phaserl's decoder (issue 6): token-budget micro-batches, packed without padding.
+"""The reward model on phaserl's decoder: token-budget micro-batches, packed without padding.
 
 `RewardModelWrapper.from_pretrained` loads a llama / qwen2 / qwen3 `*ForSequenceClassification` directory as
 phaserl's ValueModel (engine "auto" / "phaserl") and must score exactly like transformers'

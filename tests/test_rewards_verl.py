@@ -1,6 +1,6 @@
 """verl's reward signature is called by name; a reward function that hangs is stopped by reward.timeout_s.
 
-Bug (issue 22): `compute_score(data_source, solution_str, ground_truth, extra_info=None)` was called
+Bug: `compute_score(data_source, solution_str, ground_truth, extra_info=None)` was called
 positionally, so `data_source` received the prompt; with **kwargs it failed with "got multiple values
 for argument 'data_source'". A function that never returned blocked the run.
 """

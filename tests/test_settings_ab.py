@@ -51,7 +51,7 @@ def test_an_unknown_setting_is_named_with_the_choices():
 
 
 def test_ab_without_timed_steps_is_refused_before_anything_is_built():
-    # the sixteenth session's first GPU run: `--steps 0 --ab ...` built the trainer, ran four untimed steps and
+    # a first GPU run (2026-12-04): `--steps 0 --ab ...` built the trainer, ran four untimed steps and
     # then failed on an empty median
     import grpo_step
     import step_probes

@@ -1,4 +1,4 @@
-"""Training throughput features (issue 6): micro-batches equal in number on every rank and balanced by tokens,
+"""Training throughput features: micro-batches equal in number on every rank and balanced by tokens,
 the varlen attention kernel, compiled layers, activation checkpointing, fused log-prob kernels, perf/ metrics.
 
 Every speed feature must leave the numbers alone: each is compared with the plain path. CUDA-only checks are

@@ -1,4 +1,4 @@
-"""The remaining messages of issue 22: each used to be silence, a traceback, or a failure after training.
+"""Messages of engineer trust: each used to be silence, a traceback, or a failure after training.
 
 - a checkpoint_path or log_dir that is a file, or a disk too full for a checkpoint, passed the doctor and
   failed at the first save;

@@ -1,4 +1,4 @@
-"""What the docs promise across world sizes (issue 23): rollout samples agree across world sizes only where
+"""What the docs promise across world sizes: rollout samples agree across world sizes only where
 rollout.batch_size divides the prompts per rank; the doctor and a resume onto another world size say when it
 does not, and a resume without a rank's RNG state says (truthfully) that phaserl's sampling does not need it."""
 import logging
@@ -55,7 +55,7 @@ def test_a_resume_onto_another_world_size_warns_when_samples_will_differ(run, ca
 
 
 def test_a_missing_rank_rng_state_is_a_note_not_a_warning(tmp_path, caplog):
-    # Regression (issue 23): it warned "its samples differ", but sampling is reseeded per generate call.
+    # Regression: it warned "its samples differ", but sampling is reseeded per generate call.
     with caplog.at_level(logging.INFO, logger="phaserl"):
         assert load_rng({}, str(tmp_path), rank=1, seed_hint="seeded") is False
     (record,) = [r for r in caplog.records if "no RNG state for rank 1" in r.getMessage()]

@@ -42,7 +42,7 @@ class AdvantageInputs:
 
 def _check(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """(rewards with 0 beyond the mask, mask), both in the rewards' dtype and at least float32, after shape checks
-    (wiring mistakes). One dtype for both: float64 rewards with a float32 mask broke OPO's index_add_ (issue 47)."""
+    (wiring mistakes). One dtype for both: float64 rewards with a float32 mask broke OPO's index_add_."""
     rewards, mask = inputs.token_rewards, inputs.response_mask
     if rewards.dim() != 2 or rewards.shape != mask.shape:
         raise ValueError(f"token_rewards {tuple(rewards.shape)} and response_mask {tuple(mask.shape)} "

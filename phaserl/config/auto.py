@@ -158,7 +158,7 @@ def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_seque
     Why as large as fits on CUDA: each micro-batch costs the host a fixed amount of work (launches, Python), and
     how long that takes differs several-fold between machines. At the 0.5B reference shape (1.21 s of update
     kernels) it came to 11-15 ms per micro-batch on one lent H200 and 29-89 ms on another (BENCHMARKS.md,
-    thirteenth session: the update took 1.39 s vs 1.30 s at 12,288 vs 32,640 tokens on the first, 2.04 s vs
+    2026-12-04: the update took 1.39 s vs 1.30 s at 12,288 vs 32,640 tokens on the first, 2.04 s vs
     1.39 s on the second; 8,064 tokens 3.44 s). A rule that picked "just enough work per micro-batch" (3.6e13
     FLOP, tried that day) made the update 47% slower at 0.5B (against 32,640 tokens) and 54% at 1.5B (against
     10,240) on the slower host; the largest micro-batch is the one that is fast on both. The price is memory:
@@ -246,7 +246,7 @@ def keep_logits_rule(*, device_type: str, triton: bool, compiled: bool, plain_he
     kernels do: CUDA, Triton, the actor compiled, and `plain_head` (phaserl's decoder, logits exactly
     hidden @ output_weight.T). `peak_bytes`: the doctor's update peak at the chosen micro-batch (a kept engine
     included when it is kept); `logits_bytes`: what keeping adds (the micro-batch's response tokens x vocabulary
-    in bf16). Measured on the H200 at the 0.5B reference shape (BENCHMARKS.md, sixteenth session): the update
+    in bf16). Measured on the H200 at the 0.5B reference shape (BENCHMARKS.md, 2026-12-04): the update
     1.304 -> 1.232 s, +5.5 GiB allocated."""
     why_not = head_kernels_missing(device_type=device_type, triton=triton, compiled=compiled, plain_head=plain_head)
     if why_not:

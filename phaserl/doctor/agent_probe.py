@@ -5,7 +5,7 @@ It builds the environment as `train` would, runs `PROBE_EPISODES` episodes from 
 the policy (greedy, rollout.max_new_tokens per turn, the agent.* limits) and reports what the first one saw:
 the reset, the first model turn, tool calls the environment counted, how the episode ended, and the mask of
 its tokens (which the loss sees, which are observations). An environment that raises, hangs or returns a bad
-value is judged as training would meet it (issue 47): with agent.on_env_error=stop a FAIL with the message
+value is judged as training would meet it: with agent.on_env_error=stop a FAIL with the message
 that would stop the run; with `end` (the default) such episodes end and training goes on, so a WARN naming
 the environment, the fault and how many probe episodes it hit; a FAIL only when it hit every one (nothing
 would be left to learn from), with advice for that fault. For agent.harness it serves

@@ -229,7 +229,7 @@ def check_shared_paths(ctx: Context) -> CheckResult:
     relative = [k for k, v in paths.items() if not os.path.isabs(v)]
     note = f" ({', '.join(relative)} relative to {os.getcwd()})" if relative else ""
     # One process shares nothing, so a node-local path is no problem here, and multi-node advice is not for this
-    # run (issue 47: print what matters for the run in front of the doctor; docs/distributed.md has the rest).
+    # run (what matters is the run in front of the doctor; docs/distributed.md has the rest).
     return CheckResult("shared paths", OK, f"single process: nothing to share{note}")
 
 

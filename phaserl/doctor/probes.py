@@ -447,8 +447,8 @@ def _keep_logits(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
 
 def _suggested(suggestions: list, sizes: PhaseSizes) -> str:
     """The sizes to change, each with its reason: a size that does not fit is lowered, one below what fits is
-    raised; a size that fits and that its phase fills is left alone (issue 47: the doctor lowered a micro-batch
-    that fit to the most one step can use, saying nothing of why)."""
+    raised; a size that fits and that its phase fills is left alone (lowering a micro-batch that fits to the most
+    one step can use, saying nothing of why, would only confuse)."""
     changes, why = [], []
     for s in suggestions:
         used = effective(s, sizes)

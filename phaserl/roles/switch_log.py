@@ -1,7 +1,7 @@
 """The actor's mode switches: which ones reach the console, and what every one leaves in metrics.jsonl.
 
 A run switches twice a step (and twice more per validation), so one console line per switch buried the step
-lines (issue 47: 2 of every 3 lines of the CPU quickstart). The console shows the first switch each way with
+lines (2 of every 3 lines of the CPU quickstart). The console shows the first switch each way with
 the seed's message (`[HybridEngine] Switching actor from training to rollout mode (...)`, which users grep
 for), then a switch only when its cost changes (memory after it, or its KV cache, by more than
 `MEMORY_STEP_GB`; its time by more than 2x and 50 ms), and a summary line every `SUMMARY_EVERY` switches

@@ -120,7 +120,7 @@ class RLTrainer:
         self.hooks.fire("on_train_start", self)
         progress = run.progress_bar(self.step_num)
         # step and [HybridEngine] lines print above the progress bar, not through it; an error closes the bar first,
-        # so that its message is the run's last line (issue 47)
+        # so that its message is the run's last line
         with logging_redirect_tqdm(), progress:
             if run.val_before_train and self.step_num == 0 and run.val_prompts is not None:
                 self._log(self.step_num, self.validate())
