@@ -269,7 +269,8 @@ class HybridActor(CheckpointedRole):
             stats.add({"train/kl": (kl * mask).sum() / global_tokens})
         if on_policy:
             sums = mismatch_sums(old, rollout_logp, mask)
-            stats.add({"mismatch/k3": sums["k3"] / global_tokens, "mismatch/abs_diff_mean": sums["abs_diff"] / global_tokens,
+            stats.add({"mismatch/k3": sums["k3"] / global_tokens,
+                       "mismatch/abs_diff_mean": sums["abs_diff"] / global_tokens,
                        "mismatch/ratio_out_frac": sums["ratio_out"] / global_tokens})
             stats.maximum("mismatch/abs_diff_max", sums["abs_diff_max"])
         share = mask.sum() / global_tokens

@@ -13,14 +13,11 @@ Not here: the asynchronous stream's seeds (stream.py, agent_stream.py), which ke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from ..roles import HybridActor
-    from .agent_phase import AgentSettings
-    from .harness_phase import HarnessSettings, VerifiersSettings
     from .prompt_stream import PromptStream
-    from .settings import RunSettings
 
 _BITS_63 = 2**63 - 1  # a torch.Generator seed
 _BITS_31 = 2**31 - 1  # an environment's reset seed (numpy and Gym take 32-bit seeds)
@@ -54,7 +51,7 @@ class SeedStreams:
 
 @dataclass(frozen=True)
 class RolloutContext:
-    run: "RunSettings"
+    run: Any           # the RunSettings (settings.py; not imported: the phases below it would import back up)
     actor: "HybridActor"
     rank: int          # among the trainer ranks
     step_num: int      # the RL step the rollout is for
@@ -73,5 +70,5 @@ class RolloutChoice:
     reward: object                     # RewardSources, or EpisodeScores for episodes
     train_prompts: "PromptStream"
     val_prompts: Optional[list]        # this rank's share of the held-out PromptItems, or None
-    agent: Optional["AgentSettings"] = None                                # agent.env: read by agent_rollout
-    harness: Union["HarnessSettings", "VerifiersSettings", None] = None    # agent.harness: read by its phase
+    agent: Any = None      # agent.env: agent_phase.AgentSettings, read by agent_rollout
+    harness: Any = None    # agent.harness: harness_phase.HarnessSettings or VerifiersSettings, read by its phase

@@ -76,7 +76,7 @@ class RunSettings:
     epochs: int
     mini_batch_per_rank: int                   # responses per rank per optimizer step
     responses_per_step: int                    # global
-    train_tokens: int                          # token budget of an update micro-batch (ppo.micro_batch_tokens as chosen)
+    train_tokens: int                          # update micro-batch token budget (ppo.micro_batch_tokens as chosen)
     guard: "RuntimeGuard"
     # 7. checkpoint, log, the loop
     seed: int
