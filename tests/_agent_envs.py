@@ -134,7 +134,7 @@ class Jittery(Feedback):
 
 
 class FaultyEvenSeeds(Feedback):
-    """Issue 47's third-party environment: on the episodes of even seed, step() raises (`fault=raise`), hangs for
+    """A third-party environment: on the episodes of even seed, step() raises (`fault=raise`), hangs for
     30 s (`fault=hang`) or returns a dict for an observation (`fault=dict`); the others behave."""
 
     def __init__(self, fault: str = "raise", **kwargs):

@@ -1,4 +1,4 @@
-"""Issue 47 item 4: the doctor's agent probe judges environment faults as training would meet them.
+"""the doctor's agent probe judges environment faults as training would meet them.
 
 With agent.on_env_error=end (the default) an environment that raises, hangs or returns a bad observation on some
 episodes made the preflight FAIL, advising "set agent.on_env_error=end", the setting in force. Now: a WARN naming

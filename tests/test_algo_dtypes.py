@@ -1,4 +1,4 @@
-"""Issue 47 item 2: every advantage estimator, policy loss and the rest of algo's menu accept float32 and float64
+"""every advantage estimator, policy loss and the rest of algo's menu accept float32 and float64
 inputs alike, and give the same numbers (to float32 precision).
 
 The bug: OPO on float64 scores raised `index_add_(): self (Double) and source (Float) must have the same scalar

@@ -92,7 +92,7 @@ def test_dppo_masks_only_moves_beyond_the_trust_region_in_the_advantage_directio
 
 @pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
 def test_dppo_thresholds_depend_on_the_sign_of_the_advantage_as_in_verl(name):
-    """Issue 47 item 3: verl's DPPO masks by clip_ratio_high where A > 0 and clip_ratio_low where A <= 0."""
+    """verl's DPPO masks by clip_ratio_high where A > 0 and clip_ratio_low where A <= 0."""
     fn = POLICY_LOSSES[name]
     up = one_token(LOG_HALF, LOG_QUARTER, 1.0)      # p 0.25 -> 0.5 with A > 0: 0.25 TV, 0.1308 binary KL
     down = one_token(LOG_QUARTER, LOG_HALF, -1.0)    # p 0.5 -> 0.25 with A < 0: -0.25 TV, 0.1438 binary KL

@@ -196,7 +196,7 @@ def test_a_good_tiny_config_passes_every_check(run):
 
 
 def test_a_size_that_fits_is_not_lowered(run):
-    """Issue 47: the quickstart's ppo.micro_batch_tokens = 8192 fits, and one step fills 5120 of it; the doctor
+    """the quickstart's ppo.micro_batch_tokens = 8192 fits, and one step fills 5120 of it; the doctor
     suggested 5120 without saying why. A size that fits is left alone; one that does not is lowered, with why."""
     details = "\n".join(doctor(run, "ppo.micro_batch_tokens=8192", "ppo.forward_micro_batch_tokens=8192")["memory"].details)
     assert "suggested for this machine: the configured sizes (each fits this machine)" in details

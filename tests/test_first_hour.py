@@ -1,4 +1,4 @@
-"""Issue 47, the first hour: what `phaserl train` prints last (the held-out score before -> after; the FAIL lines
+"""The first hour: what `phaserl train` prints last (the held-out score before -> after; the FAIL lines
 when the preflight stops it), and what the doctor prints for one CPU process."""
 import json
 import logging
@@ -48,7 +48,7 @@ def test_train_without_validation_ends_with_done(tmp_path, config, caplog):
 
 
 def test_a_lora_target_that_matches_nothing_names_the_full_key(tmp_path):
-    """Issue 47 item 12: the error said `lora.target_modules`; the key is `actor.lora.target_modules`."""
+    """the error said `lora.target_modules`; the key is `actor.lora.target_modules`."""
     from phaserl.config import load_config
     from phaserl.errors import ConfigError
     from phaserl.trainer import RLTrainer
@@ -59,7 +59,7 @@ def test_a_lora_target_that_matches_nothing_names_the_full_key(tmp_path):
 
 
 def test_the_walkthrough_downloads_with_the_command_huggingface_hub_ships():
-    """Issue 47 item 7: `huggingface-cli download` fails with huggingface-hub 2.x, which ships only `hf`."""
+    """`huggingface-cli download` fails with huggingface-hub 2.x, which ships only `hf`."""
     import os
     import re
     import subprocess
@@ -77,15 +77,16 @@ def test_the_walkthrough_downloads_with_the_command_huggingface_hub_ships():
 
 
 def test_ci_runs_the_readme_commands_word_for_word():
-    """Issue 47 item 6: CI installed `.[test,agents,lora]` while the README said `.[test]`, so CI never saw the
+    """Regression: CI installed `.[test,agents,lora]` while the README said `.[test]`, so CI never saw the
     README's own commands fail. After its torch line (CI's wheel store stands in for PyTorch's index), every
     command .ci/run runs is one of the README's."""
     import os
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    block = re.search(r"```bash\n(.*?)```", open(os.path.join(root, "README.md")).read(), re.S).group(1)
-    readme = {line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")}
+    blocks = re.findall(r"```bash\n(.*?)```", open(os.path.join(root, "README.md")).read(), re.S)
+    readme = {line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
+              if line.strip() and not line.startswith("#")}
     ci = [line.strip() for line in open(os.path.join(root, ".ci", "run")) if line.strip()
           and not line.strip().startswith("#")]
     after_torch = ci[ci.index("python -m pip install torch==2.13.0") + 1:]

@@ -1,4 +1,4 @@
-"""Issue 47 item 1: the adaptive KL controller with the KL in the loss, and the controller's own bounds.
+"""the adaptive KL controller with the KL in the loss, and the controller's own bounds.
 
 Before the fix the loss kept the fixed `algorithm.kl_coef` while `train/kl_coef` logged the controller's value,
 and the controller's multiplier 1 + e * responses / horizon went negative once a step had more than 5 horizons of

@@ -145,7 +145,7 @@ def _curves(kl, val, reward=None):
 
 
 def test_the_caption_says_what_this_runs_curves_show():
-    """Issue 47 item 11: 'KL should grow slowly (a jump means the policy runs away)' sat under the quickstart,
+    """'KL should grow slowly (a jump means the policy runs away)' sat under the quickstart,
     whose KL jumps to 0.40 in 7 steps while its held-out score goes 0.36 -> 0.965."""
     from phaserl.report import caption
 

@@ -1,4 +1,4 @@
-"""Issue 47 item 8: the [HybridEngine] switch lines were 2 of every 3 console lines of the CPU quickstart. The
+"""the [HybridEngine] switch lines were 2 of every 3 console lines of the CPU quickstart. The
 console keeps the seed's line for the first switch each way, then only changed costs and a periodic summary;
 every switch's time and memory stay in the step's metrics (hybrid/*)."""
 import pytest
