@@ -32,7 +32,7 @@ def _weights(trainer) -> dict:
 
 def _metrics(log_dir: str) -> list:
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s/", "perf/"))} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s/", "perf/", "hybrid/to_"))} for line in f]
 
 
 @pytest.fixture(scope="module")
