@@ -142,7 +142,10 @@ def test_a_transfer_failure_is_one_line_with_the_cause():
 # ----- several processes ---------------------------------------------------------------------------------------
 
 def _worker(rank: int, world: int, port: int, root: str, job: str) -> None:
+    from phaserl.parallel.launch import set_phase
+
     torch.set_num_threads(1)
+    set_phase("startup")  # a forked worker inherits the parent's phase and step (earlier tests in the process set them)
     # Not launch.init_distributed: its watch would stop a rank the moment its peer on this host dies, and the dead
     # peer cases test what the transfers themselves report (what a rank on another host sees).
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
