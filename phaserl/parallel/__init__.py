@@ -15,8 +15,9 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
 """
 from __future__ import annotations
 
-from .collectives import (all_reduce_sum, gather_full_params, is_distributed, launch_rank_and_world, max_over_ranks,
-                          rank_and_world, reduce_metrics, reshard_params, set_training_group, training_group)
+from .collectives import (all_reduce_sum, is_distributed, launch_rank_and_world, max_over_ranks, rank_and_world,
+                          reduce_metrics, set_training_group, training_group)
+from .gather import gather_full_params, reshard_params
 from .launch import RankFailure, current_phase, destroy, init_distributed, rank_errors, set_phase
 from .memory import mark_memory, record_memory, stop_recording
 

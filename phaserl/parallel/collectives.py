@@ -6,8 +6,8 @@ so every reduction here, FSDP's mesh, the checkpoint's collectives and the stop 
 process (rank_split.start_rank_split); unset, it is every rank of the launch, as in a colocated run.
 `launch_rank_and_world()` is always the whole launch.
 
-Also the gather/reshard pair around the actor's rollout, which loads `fsdp.py` (seconds to import)
-only when the model is sharded. Not here: starting the process group (launch.py) or sharding (fsdp.py).
+Not here: starting the process group (launch.py), sharding (fsdp.py), the gather/reshard pair around the actor's
+rollout (gather.py).
 """
 from __future__ import annotations
 
@@ -88,21 +88,3 @@ def reduce_metrics(metrics: dict) -> dict:
         else:
             out[key] = sum(values) / len(values)
     return out
-
-
-def gather_full_params(model) -> bool:
-    """FSDP units of `model` gathered (and kept gathered) for rollout; False when `model` is not sharded."""
-    if not is_distributed():
-        return False
-    from .fsdp import gather_full_params as gather
-
-    return gather(model)
-
-
-def reshard_params(model) -> bool:
-    """Back to shards after rollout; False when `model` is not sharded."""
-    if not is_distributed():
-        return False
-    from .fsdp import reshard_params as reshard
-
-    return reshard(model)

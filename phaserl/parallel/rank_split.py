@@ -174,10 +174,10 @@ def build_groups(split: RankSplit, timeout_s: float, *, sync_backend: str = "aut
 _started: Optional[RankGroups] = None
 
 
-def start_rank_split(rollout_ranks: int, timeout_s: Optional[float] = None) -> Optional[RankGroups]:
+def start_rank_split(rollout_ranks: int, timeout_s: float) -> Optional[RankGroups]:
     """The process's rank split (made once: every rank of the launch calls it, the same way): the groups, with the
     trainer group set as the training group on the trainer ranks. None when colocated (rollout_ranks = 0) or in one
-    process. timeout_s: the collective timeout (None: the one the process group was started with)."""
+    process. timeout_s: the collective timeout (launch.collective_timeout_s(): the process group's own)."""
     global _started
     if not rollout_ranks or not dist.is_initialized():
         return None
@@ -187,10 +187,8 @@ def start_rank_split(rollout_ranks: int, timeout_s: Optional[float] = None) -> O
                              f"asked for {rollout_ranks}")
         return _started
     from .collectives import set_training_group
-    from .launch import collective_timeout_s
 
-    groups = build_groups(RankSplit(dist.get_world_size(), rollout_ranks),
-                          timeout_s if timeout_s is not None else collective_timeout_s())
+    groups = build_groups(RankSplit(dist.get_world_size(), rollout_ranks), timeout_s)
     if groups.trainer is not None:
         set_training_group(groups.trainer)
     _started = groups

@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from ..metrics import MetricsLogger
 from ..models import load_pretrained, load_tokenizer
 from ..parallel import is_distributed, launch_rank_and_world, rank_and_world
+from ..parallel.launch import collective_timeout_s
 from ..parallel.rank_split import rank_groups, start_rank_split
 from ..resolve import (build_reward_sources, resolve_compile_cache_dir, resolve_data_files, resolve_device,
                        resolve_dtype, resolve_model_path, resolve_reward_model_path)
@@ -93,7 +94,7 @@ def is_rollout_rank() -> bool:
 def build_roles(cfg: Config) -> Roles:
     """Load the models the config names and wrap them in roles (the reward sources too). With rollout.ranks, the
     ranks split first (the trainer ranks train among themselves), and a rollout rank loads the policy alone."""
-    groups = start_rank_split(cfg.rollout.ranks)
+    groups = start_rank_split(cfg.rollout.ranks, collective_timeout_s())
     torch.manual_seed(cfg.trainer.seed)
     device, dtype = resolve_device(cfg.trainer.device), resolve_dtype(cfg.model.dtype)
     if device.type == "cuda":  # before the models load: expandable segments unless the user set the allocator

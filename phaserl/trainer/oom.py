@@ -24,7 +24,7 @@ import re
 import resource
 import traceback
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -32,9 +32,6 @@ from ..errors import PhaserlError
 from ..memory.budget import GB
 from ..memory.plan import tighter_plan
 from ..parallel import current_phase
-
-if TYPE_CHECKING:
-    from .core import RLTrainer
 
 SCREEN_TITLE = "phaserl: out of memory in"  # the first words of the screen (the command line looks for them)
 _PHASE_HINTS = {  # what else bounds a phase that the update's plan does not cover
@@ -57,7 +54,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 @contextmanager
-def out_of_memory_screen(trainer: "RLTrainer"):
+def out_of_memory_screen(trainer):  # an RLTrainer
     """Turn an out-of-memory error inside the block into OutOfMemoryStop with the screen."""
     try:
         yield
@@ -69,14 +66,14 @@ def out_of_memory_screen(trainer: "RLTrainer"):
         raise OutOfMemoryStop(oom_screen(trainer, str(exc))) from None
 
 
-def _free_device(trainer: "RLTrainer") -> None:
+def _free_device(trainer) -> None:
     gc.collect()
     device = trainer.actor.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def oom_screen(trainer: "RLTrainer", error: str) -> str:
+def oom_screen(trainer, error: str) -> str:
     """The screen for an out-of-memory `error` in the phase this rank is in."""
     device = trainer.actor.device
     peak, card = measured_peak(device)
