@@ -325,3 +325,14 @@ def test_training_on_the_verifiers_environment_raises_its_held_out_score(tmp_pat
     vals = [(m["step"], m["val/score_mean"]) for m in lines if "val/score_mean" in m]
     assert [step for step, _ in vals] == [0, 6]
     assert vals[-1][1] - vals[0][1] >= 0.2, vals  # measured: 0.39 -> 0.83 (plain GRPO on these sizes: 0.75-0.83)
+
+
+def test_the_preflight_does_not_fail_a_verifiers_run_it_cannot_probe():
+    """Regression: the agent probe read agent.harness=verifiers as a harness function path and FAILed the run."""
+    from phaserl.doctor import load_doctor_config
+    from phaserl.doctor.agent_probe import check_agent
+    from phaserl.doctor.checks import Context
+
+    cfg = load_doctor_config(None, ["agent.harness=verifiers", "agent.verifiers.env=my_env"])
+    result = check_agent(Context(cfg=cfg, world_size=1, tokenizer=object(), policy=object(), train_rows=[]))
+    assert result.status == "WARN" and "my_env" in result.message and "not probed" in result.message

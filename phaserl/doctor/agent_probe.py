@@ -37,6 +37,11 @@ PROBE_EPISODES = 4  # one per training row (the first rows), run together as tra
 @check(NAME, needs=("tokenizer", "policy", "train_rows"))
 def check_agent(ctx: Context) -> CheckResult:
     cfg, tok = ctx.cfg, ctx.tokenizer
+    if cfg.agent.harness == "verifiers":  # its episodes run inside the environment's own loop
+        return CheckResult(NAME, WARN, f"agent.harness=verifiers ({cfg.agent.verifiers.env}): not probed before "
+                                       "training; the first step runs its episodes, and an error there names the "
+                                       "environment and the row",
+                           fix="try the environment by hand first (docs/agents.md, verifiers)")
     if cfg.agent.harness:
         return check_harness(ctx)
     if not cfg.agent.env:
