@@ -245,7 +245,7 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
         while len(in_flight) < 2 * a.episodes:
             in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
             next_i += 1
-        with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=a.episodes) as session:
+        with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=2 * a.episodes) as session:
             left = runner.run_phase(session, in_flight, version=version,  # the oldest episodes: a batch, in order
                                     enough=lambda: all(r.finish_reason is not None for r in in_flight[:a.episodes]))
         sampled += engine.last_stats["new_tokens"]
@@ -292,7 +292,8 @@ SWITCH = {"off": False, "on": True, "auto": None}
 def run_variant(model, a, pool: Workers, common: dict, compile) -> list:
     """One engine with these settings: warm-ups, the single-turn baseline, every latency; its JSON lines."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
-    engine = RolloutEngine(model, EngineConfig(max_slots=a.episodes, max_seq_tokens=episode_len,
+    engine = RolloutEngine(model, EngineConfig(max_slots=2 * a.episodes if a.async_phases else a.episodes,
+                                               max_seq_tokens=episode_len,
                                                compile=SWITCH[compile]))
     engine.wake()
     ids = prompts(a.episodes, a.prompt, model.config.vocab_size)
