@@ -126,34 +126,38 @@ class EpisodeRunner:
     def run_session(self, session, starts: list[EpisodeStart]) -> list[Episode]:
         """Episodes decoded in `session` (a DecodeSession), environments on worker threads."""
         runs, workers = self._begin(starts)
-        waiting: list = []  # reset done, waiting for a free slot (episode order)
-        held: dict = {}     # overlap: episode index -> when its answer was first seen, held while others decode
-        overlap = self.limits.overlap
         try:
-            while any(r.finish_reason is None for r in runs):
-                if overlap:
-                    for run in self._gathered(session, runs, self._answers(runs, block=False), held):
-                        self._apply(session, run, waiting)
-                waiting.sort(key=lambda r: r.index)
-                while waiting and session.free_slots:
-                    self._start(session, waiting.pop(0))
-                if not session.idle:
-                    ended = session.step()  # most steps end no turn: then no tokenizer call
-                    texts = decode_responses(self.tokenizer, [turn.token_ids for turn in ended]) if ended else []
-                    for turn, text in zip(ended, texts):
-                        self._turn_ended(runs[turn.key], turn.token_ids, turn.logprobs, text, workers)
-                    if not overlap:  # answers used in episode order after each step: reproducible
-                        for run in self._answers(runs, block=True):
-                            self._apply(session, run, waiting)
-                elif not waiting or not session.free_slots:
-                    answered = self._answers(runs, block=True, first=overlap)
-                    assert answered or waiting or all(r.finish_reason for r in runs), "episode runner stalled"
-                    for run in self._gathered(session, runs, answered, held) if overlap else answered:
-                        self._apply(session, run, waiting)
+            self._drive(session, runs, [], workers)
         finally:
             if workers is not self.workers:
                 workers.shutdown()
         return [self._episode(r) for r in runs]
+
+    def _drive(self, session, runs: list, waiting: list, workers: Workers, *, version: Optional[int] = None,
+               enough: Callable[[], bool] = lambda: False) -> None:
+        """The engine path's loop, shared by run_session (until every run has ended) and run_phase (until enough()):
+        environment answers applied (as they come with overlap, else in episode order after each step), waiting
+        runs started in free slots, one decode step, its ended turns handed to their environments."""
+        by_key = {run.index: run for run in runs}
+        held: dict = {}     # overlap: episode index -> when its answer was first seen, held while others decode
+        overlap = self.limits.overlap
+        while any(r.finish_reason is None for r in runs) and not enough():
+            if overlap:
+                for run in self._gathered(session, runs, self._answers(runs, block=False), held):
+                    self._apply(session, run, waiting)
+            waiting.sort(key=lambda r: r.index)
+            while waiting and session.free_slots:
+                self._start(session, waiting.pop(0))
+            if not session.idle:
+                self._ended_turns(session.step(), by_key, workers, version)  # most steps end no turn
+                if not overlap:  # answers used in episode order after each step: reproducible
+                    for run in self._answers(runs, block=True):
+                        self._apply(session, run, waiting)
+            elif not waiting or not session.free_slots:
+                answered = self._answers(runs, block=True, first=overlap)
+                assert answered or waiting or all(r.finish_reason for r in runs), "episode runner stalled"
+                for run in self._gathered(session, runs, answered, held) if overlap else answered:
+                    self._apply(session, run, waiting)
 
     def _gathered(self, session, runs: list, answered: list, held: dict) -> list:
         """The answered episodes to resume now, so that each resumption (a prefill or extend pass: on a GPU host
@@ -230,31 +234,11 @@ class EpisodeRunner:
         by_key = {run.index: run for run in runs}
         # ready to (re)start: reset answered, a turn cut, or an observation that arrived after the last phase's end
         waiting = [r for r in runs if r.finish_reason is None and r.future is None and not r.in_session]
-        held: dict = {}
-        live = lambda: any(r.finish_reason is None for r in runs)  # noqa: E731
-        overlap = self.limits.overlap
-        while live() and not enough():
-            if overlap:
-                for run in self._gathered(session, runs, self._answers(runs, block=False), held):
-                    self._apply(session, run, waiting)
-            waiting.sort(key=lambda r: r.index)
-            while waiting and session.free_slots:
-                self._start(session, waiting.pop(0))
-            if not session.idle:
-                self._ended_turns(session.step(), by_key, version)
-                if not overlap:  # answers used in episode order after each step: reproducible
-                    for run in self._answers(runs, block=True):
-                        self._apply(session, run, waiting)
-            elif not overlap:
-                for run in self._answers(runs, block=True):
-                    self._apply(session, run, waiting)
-            elif not waiting or not session.free_slots:
-                for run in self._gathered(session, runs, self._answers(runs, block=True, first=True), held):
-                    self._apply(session, run, waiting)
+        self._drive(session, runs, waiting, self.workers, version=version, enough=enough)
         ended, cut = session.suspend()  # their slots are free already
         for turn in ended:
             by_key[turn.key].in_session = False
-        self._ended_turns(ended, by_key, version)
+        self._ended_turns(ended, by_key, self.workers, version)
         for turn in cut:
             run = by_key[turn.key]
             run.cut = ((*run.cut[0], *turn.token_ids), (*run.cut[1], *turn.logprobs),
@@ -267,10 +251,11 @@ class EpisodeRunner:
                 run.in_session, released = False, released + 1
         return {"cut": len(cut), "released": released}
 
-    def _ended_turns(self, ended: list, by_key: dict, version: int) -> None:
+    def _ended_turns(self, ended: list, by_key: dict, workers: Workers, version: Optional[int]) -> None:
+        """Hand turns that ended to their environments (their texts decoded in one batch call; none: no call)."""
         texts = decode_responses(self.tokenizer, [turn.token_ids for turn in ended]) if ended else []
         for turn, text in zip(ended, texts):
-            self._turn_ended(by_key[turn.key], turn.token_ids, turn.logprobs, text, self.workers, version)
+            self._turn_ended(by_key[turn.key], turn.token_ids, turn.logprobs, text, workers, version)
 
     def abandon(self, run: _Run) -> None:
         """Drop an episode that went stale (its environment closed on a worker; a call in progress is left to end)."""
