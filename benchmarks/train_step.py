@@ -44,13 +44,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import profiling  # noqa: E402
 from phaserl.batch import RolloutBatch  # noqa: E402
 from phaserl.metrics import PEAK_BF16_FLOPS, FlopModel, device_peak_flops  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.models.decoder import enable_compile  # noqa: E402
 from phaserl.models.families import config_to_hf  # noqa: E402
 from phaserl.roles.forward import rows_logprobs, split_rows  # noqa: E402
-import profiling  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
 VARIANTS = ["padded", "packed", "packed_ckpt", "packed_compile", "hf", "breakdown"]
@@ -200,7 +200,7 @@ def run_variant(variant: str, args, device, batches: dict, flops: dict, peaks: d
         record["mfu_6nd_measured"] = (flops[f"{kind}_6nd"] / seconds / peaks["measured"]
                                       if "measured" in peaks else None)
         emit(**record)
-    del model
+    model = None  # the step closures hold it too: clearing the shared name frees it for empty_cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -249,7 +249,6 @@ def run_breakdown(args, device, batches: dict, flops: dict) -> None:
             sync(device)
             emit(variant="breakdown", part=name, batch=kind, seconds_per_step=(time.perf_counter() - t0) / args.iters,
                  micro_batches=len(packs))
-    del model
 
 
 def run_profile(args, device, batches: dict) -> None:

@@ -73,8 +73,11 @@ def test_exact_groups_keeps_the_last_piece_and_fills_a_missing_conversation():
     from phaserl.trainer.harness_phase import exact_groups
 
     items = [_item(0), _item(0), _item(1), _item(1)]
-    ep = lambda row, ids: Episode(row=row, segments=[Segment("prompt", [1, 2]), Segment("model", ids, [-0.5] * len(ids))],
-                                  turn_rewards=[1.0], num_turns=1)  # noqa: E731
+
+    def ep(row, ids):
+        return Episode(row=row, segments=[Segment("prompt", [1, 2]), Segment("model", ids, [-0.5] * len(ids))],
+                       turn_rewards=[1.0], num_turns=1)
+
     first, last = ep(items[2].row, [3]), ep(items[2].row, [4, 5])
     out = exact_groups([[ep(items[0].row, [7])], [], [first, last], [ep(items[3].row, [8])]], items)
     assert len(out) == 4 and out[2] is last
@@ -141,7 +144,8 @@ def test_train_with_the_example_harness_trains_on_the_recorded_ids_and_resumes(t
     two_turn = 0  # rows whose response holds an observation between two sampled turns
     for batch in batches:
         assert batch.group_ids.tolist() == sorted(batch.group_ids.tolist()) and len(batch.rows) == 8
-        assert [r.index for r in batch.rows][::2] == [r.index for r in batch.rows][1::2]  # n = 2 rows per prompt, in order
+        # n = 2 rows per prompt, in order
+        assert [r.index for r in batch.rows][::2] == [r.index for r in batch.rows][1::2]
         P = batch.prompt_width
         for i in range(len(batch.rows)):
             ids = batch.input_ids[i][batch.attention_mask[i].bool()].tolist()  # prompt + response, unpadded

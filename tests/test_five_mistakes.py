@@ -24,7 +24,6 @@ from phaserl.errors import ConfigError, PreflightError, RewardError
 from phaserl.models import ValueModel, load_pretrained
 from phaserl.trainer.advantage_phase import nonfinite_advantage_cause
 from phaserl.trainer.guard import RuntimeGuard
-from phaserl.trainer.guard import RuntimeGuard
 
 torch.set_num_threads(1)
 

@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from _multiproc import free_port, start_method
 
+from _multiproc import free_port, start_method
 from phaserl.config import load_config
 from phaserl.config.validate import derive
 from phaserl.errors import ConfigError
@@ -23,8 +23,14 @@ from phaserl.models.lora import LoRASettings, apply_lora, is_adapter_parameter
 from phaserl.parallel import RankFailure
 from phaserl.parallel.launch import peer_failure
 from phaserl.parallel.rank_split import RankSplit, build_groups, trainer_mesh
-from phaserl.parallel.sample_channel import (SampleGroup, SampleReceiver, SampleSender, pack_groups, scatter_groups,
-                                             unpack_groups)
+from phaserl.parallel.sample_channel import (
+    SampleGroup,
+    SampleReceiver,
+    SampleSender,
+    pack_groups,
+    scatter_groups,
+    unpack_groups,
+)
 from phaserl.parallel.weight_sync import WeightReceiver, WeightSender, plan_buckets
 
 SHORT_S = 1.5          # the failure cases' collective timeout
@@ -400,7 +406,7 @@ def test_a_dead_rollout_rank_gives_a_one_line_error_at_once(tmp_path):
     for case, action in (("samples_from_a_dead_rank", "waiting for samples from rollout rank 1"),
                          ("weights_to_a_dead_rank", "sending weight version 1's header to rollout rank 1")):
         message, seconds = trainer[case]
-        assert message.startswith(f"rank 0 of 2 (trainer) in phase "), message
+        assert message.startswith("rank 0 of 2 (trainer) in phase "), message
         assert action in message and "the connection closed: the peer's process is gone" in message, message
         assert "\n" not in message and seconds < 5, (case, seconds)
 

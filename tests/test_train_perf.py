@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_packing import PROMPTS, RESPONSES, _batch
 from phaserl.batching import split_by_tokens
 from phaserl.metrics import FlopModel, device_peak_flops
-from phaserl.models import CausalLM, DecoderConfig
-from phaserl.models import attention, decoder
+from phaserl.models import CausalLM, DecoderConfig, attention, decoder
 from phaserl.packing import split_packed_by_tokens
 from phaserl.roles import forward
 from phaserl.roles.forward import rows_logprobs, split_rows
+from test_packing import PROMPTS, RESPONSES, _batch
 
 V = 37
 
@@ -108,8 +107,8 @@ def test_the_varlen_path_passes_sequence_boundaries_and_matches_the_padded_path(
     monkeypatch.setattr(attention, "_VARLEN", (_reference_varlen(calls), {"window_size": (-1, 0)}, False))
     monkeypatch.setattr(attention, "_GQA_PROBED", {})  # this kernel wants equal heads: the probe says no
     monkeypatch.setattr(decoder, "use_varlen", lambda device, dtype: True)
-    b = _batch([3, 1, 2], [2, 4, 1])  # real lengths 5, 5, 3
     model = _model()
+    # one packed row of three sequences, lengths 5, 5, 3
     hidden = model(*[x[None] for x in (torch.arange(1, 14), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2]))],
                    seq_ids=torch.tensor([[0] * 5 + [1] * 5 + [2] * 3]))
     assert hidden.shape == (1, 13, 32)
