@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--world-size", type=int, default=1, help="number of ranks to explain for")
     c.set_defaults(fn=cmd_config)
 
-    e = sub.add_parser("export", add_help=False, help="write a checkpoint's actor (or --critic) as a Hugging Face directory")
+    e = sub.add_parser("export", add_help=False,
+                       help="write a checkpoint's actor (or --critic) as a Hugging Face directory")
     e.add_argument("args", nargs=argparse.REMAINDER)
     e.set_defaults(fn=lambda a: _delegate(*DELEGATED["export"], a.args))
 

@@ -268,8 +268,8 @@ class CompileWatch:
 
     def announce(self) -> str:
         if self.cold:
-            return (f"compile: compiling {self.what} (first run on this machine: ~{COLD_ESTIMATE_S[self.device_type]} s; "
-                    f"cached afterwards in {self.cache.words()})")
+            return (f"compile: compiling {self.what} (first run on this machine: "
+                    f"~{COLD_ESTIMATE_S[self.device_type]} s; cached afterwards in {self.cache.words()})")
         last = self.previous.get("first_step_s")
         last = f"; the first step took {last:.1f} s then" if isinstance(last, (int, float)) else ""
         return f"compile: compiling {self.what} from the cache in {self.cache.words()} (compiled here before{last})"

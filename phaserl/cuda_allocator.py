@@ -7,9 +7,9 @@ Why. A step alternates phases whose temporaries differ in size (the rollout's KV
 micro-batches of activations, the log-prob chunks), and with fixed-size segments the allocator keeps freed blocks
 it cannot reuse for the next shape: at the 0.5B reference shape with 32,640-token micro-batches the H200 reserved
 62.8 GiB for a 35.8 GiB allocated peak, with expandable segments 36.2 GiB (BENCHMARKS.md, H200,
-2026-12-04, where the same-call timing with and without is recorded). torchtitan's launch scripts set the same. The engine's
-CUDA graphs keep their own pool, which expandable segments leave alone (the engine ran with it there: graphs
-captured and replayed, the same rewards). With two GPUs (NCCL, FSDP2) the multi-GPU correctness, checkpoint and
+2026-12-04, where the same-call timing with and without is recorded). torchtitan's launch scripts set the same.
+The engine's CUDA graphs keep their own pool, which expandable segments leave alone (the engine ran with it there:
+graphs captured and replayed, the same rewards). With two GPUs (NCCL, FSDP2) the multi-GPU correctness, checkpoint and
 switch runs passed with it on (BENCHMARKS.md, 2026-12-04).
 
 A user's PYTORCH_CUDA_ALLOC_CONF (or torch's newer spelling PYTORCH_ALLOC_CONF) always wins, whatever it says.

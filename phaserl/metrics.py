@@ -97,7 +97,8 @@ def _start_wandb(run_name, config):
     try:
         import wandb
     except ImportError:
-        log.warning("trainer.loggers has 'wandb' but wandb is not installed: `pip install wandb`; continuing without it")
+        log.warning("trainer.loggers has 'wandb' but wandb is not installed: `pip install wandb`; "
+                    "continuing without it")
         return None
     return wandb.init(project="phaserl", name=run_name, config=config)
 
@@ -165,7 +166,8 @@ class FlopModel:
         untied_params = untied.weight.numel() if untied is not None and hasattr(untied, "weight") else 0
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
-        chosen, of = getattr(cfg, "num_experts_per_tok", None) or 0, getattr(cfg, "num_experts", None) or 0  # None: dense
+        # None: dense
+        chosen, of = getattr(cfg, "num_experts_per_tok", None) or 0, getattr(cfg, "num_experts", None) or 0
         idle = experts - experts * chosen // max(of, 1)
         return cls(body_params=total - V * H - untied_params - idle, head_params=V * H if lm_head else 0,
                    attn_width=attention_width(cfg),

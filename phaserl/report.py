@@ -29,7 +29,8 @@ LENGTH_ADVICE = "response length should neither collapse to a few tokens nor sit
 
 def caption(records: list) -> str:
     """What this run's curves say, read from them (a fixed 'KL should grow slowly' would
-    contradict the quickstart's own curve): reward against validation score, the KL against what the score did, the lengths."""
+    contradict the quickstart's own curve): reward against validation score, the KL against what the score did,
+    the lengths."""
     reward, val = _change(records, "train/reward_mean"), _change(records, "val/score_mean")
     kl = series(records, "train/kl")[1] or series(records, "actor/kl_loss")[1]
     parts = []

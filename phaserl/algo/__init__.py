@@ -21,13 +21,13 @@ from phaserl.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
     compute_gae_advantages,
+    compute_gpg_advantages,
     compute_grpo_advantages,
+    compute_opo_advantages,
+    compute_passk_advantages,
     compute_reinforce_plus_plus_advantages,
     compute_reinforce_plus_plus_baseline_advantages,
     compute_remax_advantages,
-    compute_gpg_advantages,
-    compute_opo_advantages,
-    compute_passk_advantages,
     compute_rloo_advantages,
     group_has_variance,
 )
@@ -45,8 +45,13 @@ from phaserl.algo.kl import (
 from phaserl.algo.logprobs import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from phaserl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten, upcast
 from phaserl.algo.mismatch import ROLLOUT_CORRECTIONS, mismatch_metrics, mismatch_sums, rollout_correction
-from phaserl.algo.policy_loss import (POLICY_LOSS_ALIASES, POLICY_LOSSES, bind_policy_loss, gspo_policy_loss,
-                                      ppo_policy_loss)
+from phaserl.algo.policy_loss import (
+    POLICY_LOSS_ALIASES,
+    POLICY_LOSSES,
+    bind_policy_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+)
 from phaserl.algo.reward_shaping import overlong_penalty
 from phaserl.algo.value_loss import clipped_value_loss
 

@@ -23,11 +23,19 @@ import torch
 from torch import Tensor
 
 from phaserl.algo.masked import masked_mean, upcast
+from phaserl.algo.policy_loss_families import (
+    cispo_policy_loss,
+    dppo_kl_policy_loss,
+    dppo_tv_policy_loss,
+    dro_policy_loss,
+    gmpo_policy_loss,
+    gpg_policy_loss,
+    sapo_policy_loss,
+)
 from phaserl.algo.ratio import approx_kl as _approx_kl
-from phaserl.algo.policy_loss_families import (cispo_policy_loss, dppo_kl_policy_loss, dppo_tv_policy_loss,
-                                               dro_policy_loss, gmpo_policy_loss, gpg_policy_loss, sapo_policy_loss)
 from phaserl.algo.ratio import bounded_ratio, check_clip, zero_padding
 from phaserl.errors import ConfigError
+
 
 def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
                        clip_high: float, dual_clip_c: Optional[float]) -> tuple[Tensor, dict[str, Tensor]]:

@@ -11,7 +11,6 @@ softly instead of being scored as if complete. Pure tensor math.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from phaserl.errors import ConfigError

@@ -30,8 +30,18 @@ from . import manifest, store
 from .export import export_role
 from .lock import RunLock
 from .rng import load_rng, rng_file, save_rng
-from .state import (DCP_DIR, RNG_DIR, ROLES_FILE, STATE_FILE, TrainingState, load_json_state, load_roles,
-                    save_architecture, save_json_state, save_roles)
+from .state import (
+    DCP_DIR,
+    RNG_DIR,
+    ROLES_FILE,
+    STATE_FILE,
+    TrainingState,
+    load_json_state,
+    load_roles,
+    save_architecture,
+    save_json_state,
+    save_roles,
+)
 
 log = logging.getLogger("phaserl")
 
@@ -72,7 +82,8 @@ class Checkpointer:
             published = True
         except (Exception, _DCPException) as exc:
             if _out_of_space(exc) or _free_bytes(self.root) < (64 << 20):
-                kept = f"the previous checkpoint {self.last_saved} is intact" if self.last_saved else "no earlier checkpoint"
+                kept = (f"the previous checkpoint {self.last_saved} is intact" if self.last_saved
+                        else "no earlier checkpoint")
                 raise CheckpointError(
                     f"saving step {state.step} to {self.root} failed: no space left on the device "
                     f"({_free_bytes(self.root) / 2**30:.2f} GiB free); {kept}. Free space (or lower "

@@ -78,7 +78,8 @@ def read_metadata_safely(path: str) -> "dcp_metadata.Metadata":
     except CheckpointError:
         raise
     except FileNotFoundError as exc:
-        raise CheckpointError(f"{path} is missing: the checkpoint's tensor index is gone; use an earlier step_N") from exc
+        raise CheckpointError(f"{path} is missing: the checkpoint's tensor index is gone; "
+                              "use an earlier step_N") from exc
     except Exception as exc:  # any malformed pickle: truncated, wrong opcodes, wrong argument types
         raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); use an earlier step_N") from exc
     if not isinstance(meta, dcp_metadata.Metadata):

@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..errors import CheckpointError
 from ..models.config import DecoderConfig
@@ -161,7 +165,8 @@ def load_json_state(state: TrainingState, path: str) -> dict:
     missing = [name for name in state.stateful if name not in saved] if isinstance(saved, dict) else ["everything"]
     if missing:
         raise CheckpointError(f"{path} has no state for {missing}; it was written by another phaserl version or "
-                              "for another kind of run. Start a new run (trainer.resume=never) or resume a matching one.")
+                              "for another kind of run. Start a new run (trainer.resume=never) or resume a "
+                              "matching one.")
     for name, obj in state.stateful.items():
         try:
             obj.load_state_dict(saved[name])

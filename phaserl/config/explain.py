@@ -90,7 +90,8 @@ def _arithmetic(cfg: Config, d: Derived) -> list[tuple[str, str]]:
                                            "the value off CUDA; on CUDA the run decides, see Speed settings)"
                                            if ppo.micro_batch_tokens is None else "")),
         ("grad accumulation, worst case", f"ceil(mini-batch per rank / full sequences per micro-batch) = ceil("
-                                          f"{d.mini_batch_per_rank} / {d.sequences_per_micro_batch}) = {d.max_grad_accum_steps}   "
+                                          f"{d.mini_batch_per_rank} / {d.sequences_per_micro_batch}) = "
+                                          f"{d.max_grad_accum_steps}   "
                                           "(micro-batches per optimizer step, per rank)"),
         ("total responses", f"trainer.total_steps × responses per step = {cfg.trainer.total_steps} × "
                             f"{d.responses_per_step} = {d.total_responses}"),
@@ -187,7 +188,8 @@ def _auto_settings(cfg: Config) -> list[str]:
         shown = "auto" if value is None else f"{str(value).lower()} (set: the rule is not applied)"
         lines.append(f"#   {key:<26} = {shown}")
         lines.append(f"#   {'':<26}   rule: {rule}")
-    lines.append("#   (`phaserl train` prints the choices and why at start; `phaserl doctor` counts keep_awake's memory)")
+    lines.append("#   (`phaserl train` prints the choices and why at start; "
+                 "`phaserl doctor` counts keep_awake's memory)")
     return lines
 
 

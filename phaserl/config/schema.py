@@ -38,7 +38,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = spec(None, "prompt files (.parquet or .jsonl, verl schema); 'tiny' = built-in task", factory=lambda: ["tiny"])
+    train_files: list[str] = spec(None, "prompt files (.parquet or .jsonl, verl schema); 'tiny' = built-in task",
+                                  factory=lambda: ["tiny"])
     val_files: list[str] = spec(None, "held-out prompt files; 'tiny' = built-in task", factory=lambda: ["tiny"])
     prompt_key: str = spec("prompt", "column holding the prompt (a string or a list of chat messages)")
     max_prompt_length: int = spec(128, "tokens; prompts longer than this follow data.overlong_prompts", min=1)
@@ -80,15 +81,16 @@ class RolloutConfig:
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "
                                    "benchmarks; the EOS token then stays in the text)")
-    max_staleness: int = spec(0, "asynchronous rollout: a batch may hold tokens sampled up to this many policy versions "
-                                 "(optimizer steps) before the weights it trains; responses still decoding when a "
-                                 "batch is ready continue after the update (docs/async.md). 0 = the synchronous step",
+    max_staleness: int = spec(0, "asynchronous rollout: a batch may hold tokens sampled up to this many policy "
+                                 "versions (optimizer steps) before the weights it trains; responses still decoding "
+                                 "when a batch is ready continue after the update (docs/async.md). 0 = the "
+                                 "synchronous step",
                               min=0)
     on_stale: str = spec("restart", "asynchronous rollout: a response whose oldest token would pass max_staleness is "
                                     "started over (restart) or its whole group dropped (drop); counted either way",
                          choices=["restart", "drop"])
-    ranks: int = spec(0, "rollout ranks: under torchrun the last `ranks` ranks only generate and the others only train, "
-                         "sending new weights to them after each optimizer step (docs/distributed.md, 'Rollout "
+    ranks: int = spec(0, "rollout ranks: under torchrun the last `ranks` ranks only generate and the others only "
+                         "train, sending new weights to them after each optimizer step (docs/distributed.md, 'Rollout "
                          "ranks'). 0 = every rank both generates and trains (the hybrid actor)", min=0)
     weight_bucket_mb: int = spec(256, "rollout ranks: weights travel to them in buckets of at most this many MiB "
                                       "(a larger parameter travels alone)", min=1)
@@ -103,8 +105,8 @@ class RewardFunctionConfig:
 
 @dataclass
 class RewardConfig:
-    functions: list[RewardFunctionConfig] = spec(None, "rule reward functions (list of {name, weight, kwargs}, or plain names)",
-                           factory=lambda: [RewardFunctionConfig()])
+    functions: list[RewardFunctionConfig] = spec(None, "rule reward functions (list of {name, weight, kwargs}, "
+                                                       "or plain names)", factory=lambda: [RewardFunctionConfig()])
     reward_model_weight: float = spec(1.0, "weight of the reward model's score when reward_model.enable")
     timeout_s: float = spec(300.0, "longest a rule reward function may take on one response before the run "
                                    "stops with an error naming it and the row", min=0.001)
@@ -252,10 +254,10 @@ class ActorConfig:
     dppo_ratio_cap: float = spec(20.0, "DPPO: truncated-IS cap on the ratio", min=1.0)
     gradient_checkpointing: bool = spec(False, "recompute every layer's activations in backward to save memory (the "
                                                "same as actor.checkpoint_layers = all)")
-    checkpoint_layers: Optional[int] = spec(None, "activation checkpointing, selective: how many of the actor's decoder "
-                                                  "layers recompute their activations in backward (0 = none; the "
-                                                  "model's layer count or more = all). null = auto: the memory plan "
-                                                  "(docs/memory.md): none when the step fits the device, else the "
+    checkpoint_layers: Optional[int] = spec(None, "activation checkpointing, selective: how many of the actor's "
+                                                  "decoder layers recompute their activations in backward (0 = none; "
+                                                  "the model's layer count or more = all). null = auto: the memory "
+                                                  "plan (docs/memory.md): none when the step fits the device, else the "
                                                   "fewest that make it fit", min=0, auto=True)
     optimizer_offload: Optional[bool] = spec(None, "keep AdamW's moments on the CPU and run the optimizer step there "
                                                    "(gradients go down, updated weights come back, bucket by bucket "
@@ -298,15 +300,17 @@ class RefConfig:
     enable: Optional[bool] = spec(None, "keep a frozen reference policy (null = when algorithm.kl_placement != none)")
     path: Optional[str] = spec(None, "reference init directory (null = model.path)")
     fsdp: FSDPConfig = spec(None, "parallel settings of the reference", factory=FSDPConfig)
-    stream_weights: Optional[bool] = spec(None, "keep the reference's decoder layers in CPU memory and copy each to the "
-                                                "GPU one layer ahead of its forward-only pass (one process; on several "
-                                                "ranks ref.fsdp.cpu_offload does it per shard). null = auto: the "
-                                                "memory plan: on only when the step does not fit the device otherwise")
+    stream_weights: Optional[bool] = spec(None, "keep the reference's decoder layers in CPU memory and copy each to "
+                                                "the GPU one layer ahead of its forward-only pass (one process; on "
+                                                "several ranks ref.fsdp.cpu_offload does it per shard). null = auto: "
+                                                "the memory plan: on only when the step does not fit the device "
+                                                "otherwise")
 
 
 @dataclass
 class PPOConfig:
-    mini_batch_size: Optional[int] = spec(None, "responses per optimizer step, GLOBAL (null = derived from num_mini_batches)", min=1)
+    mini_batch_size: Optional[int] = spec(None, "responses per optimizer step, GLOBAL (null = derived from "
+                                                "num_mini_batches)", min=1)
     num_mini_batches: int = spec(1, "optimizer steps per epoch over one RL step's responses", min=1)
     epochs: int = spec(1, "passes over one RL step's responses", min=1)
     micro_batch_tokens: Optional[int] = spec(None, "tokens per training micro-batch, per rank (forward+backward). "
@@ -314,7 +318,8 @@ class PPOConfig:
                                                    "tokens (whole sequences, dealt evenly) that the doctor's memory "
                                                    "count gives room for; 16384 elsewhere",
                                              min=1, auto=True)
-    forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old log-probs, values)", min=1)
+    forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old "
+                                                  "log-probs, values)", min=1)
     keep_head_logits: Optional[bool] = spec(None, "keep a training micro-batch's LM-head logits (its response tokens "
                                                   "x vocabulary, bf16) from forward to backward instead of "
                                                   "recomputing them: one of the head's four matmuls saved (Triton "
@@ -336,7 +341,8 @@ class TrainerConfig:
     total_steps: int = spec(10, "RL steps to run", min=1)
     seed: int = spec(0, "seed for data order, sampling and init")
     device: str = spec("auto", "cpu, cuda, or auto (cuda when available)", choices=["auto", "cpu", "cuda"])
-    checkpoint_path: str = spec("runs/default/checkpoints", "where step_{N}/ checkpoints go (shared storage on several nodes)")
+    checkpoint_path: str = spec("runs/default/checkpoints",
+                                "where step_{N}/ checkpoints go (shared storage on several nodes)")
     log_dir: str = spec("runs/default", "metrics.jsonl, TensorBoard events and the report go here")
     save_interval: int = spec(0, "save every this many steps (0 = only at the end)", min=0)
     keep_checkpoint_num: int = spec(3, "keep the newest N complete checkpoints", min=1)
@@ -349,7 +355,8 @@ class TrainerConfig:
                                   choices=["full", "size"])
     resume_fallback: bool = spec(True, "a damaged newest checkpoint: resume from the newest good one (false: stop)")
     save_on_signal: bool = spec(True, "SIGINT/SIGTERM: save a checkpoint at the next safe point before stopping")
-    loggers: list[str] = spec(None, "where metrics go (rank 0 only)", choices=["console", "jsonl", "tensorboard", "wandb"],
+    loggers: list[str] = spec(None, "where metrics go (rank 0 only)",
+                              choices=["console", "jsonl", "tensorboard", "wandb"],
                               factory=lambda: ["console", "jsonl", "tensorboard"])
     on_nonfinite: str = spec("stop", "non-finite advantages/loss/grad norm: stop the run or skip the step",
                              choices=["stop", "skip"])

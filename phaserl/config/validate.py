@@ -208,7 +208,8 @@ def _algorithm_errors(cfg: Config) -> list[str]:
                     f"{r.max_new_tokens}; use at most the limit (DAPO: a quarter of it) or 0 to turn it off")
     if a.rollout_correction not in ("none", "auto") and a.rollout_correction_cap <= 1:
         errs.append(f"algorithm.rollout_correction_cap = {a.rollout_correction_cap} must be > 1 with "
-                    f"algorithm.rollout_correction = {a.rollout_correction} (2.0 is usual for tokens, 1.01 for seq_mask)")
+                    f"algorithm.rollout_correction = {a.rollout_correction} (2.0 is usual for tokens, "
+                    "1.01 for seq_mask)")
     return errs
 
 
