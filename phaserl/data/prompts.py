@@ -83,7 +83,8 @@ def _truncate_last_user_turn(row: PromptRow, tokenizer, max_prompt_length: int, 
     """Cut the content of the prompt's last user message (its start with keep_end, else its end) until the
     templated prompt fits: the template's turns and its generation prompt (`<|im_start|>assistant\\n`) are
     never cut. A prompt whose template and other messages alone are over the limit is an error."""
-    messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else [dict(m) for m in row.prompt]
+    messages = ([{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str)
+                else [dict(m) for m in row.prompt])
     users = [i for i, m in enumerate(messages) if m.get("role") == "user" and isinstance(m.get("content"), str)]
     if not users:
         raise DataError(f"{row.source}: prompt is over data.max_prompt_length={max_prompt_length} and has no user "
@@ -138,7 +139,8 @@ def build_prompt_dataset(rows: Sequence[PromptRow], tokenizer, *, max_prompt_len
                 dropped += 1
                 continue
             if apply_chat_template:
-                text, ids = _truncate_last_user_turn(row, tokenizer, max_prompt_length, keep_end=overlong == "truncate_left")
+                text, ids = _truncate_last_user_turn(row, tokenizer, max_prompt_length,
+                                                     keep_end=overlong == "truncate_left")
             else:
                 ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
                 text = tokenizer.decode(ids, skip_special_tokens=False)

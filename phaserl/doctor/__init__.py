@@ -18,19 +18,36 @@ from typing import Iterable
 
 from ..config import Config
 from .agent_probe import check_agent
-from .checks import (Context, check_batch_sizes, check_config_rules, check_context, check_device, check_model,
-                     check_parallel_settings, check_shared_paths, check_tokenizer_model)
+from .checks import (
+    Context,
+    check_batch_sizes,
+    check_config_rules,
+    check_context,
+    check_device,
+    check_model,
+    check_parallel_settings,
+    check_shared_paths,
+    check_tokenizer_model,
+)
 from .mismatch import check_mismatch
-from .rollout_mode import check_rollout_mode
-from .probes import (check_chat_template, check_data, check_memory, check_reference, check_reference_frozen,
-                     check_reward_functions, check_reward_model)
+from .probes import (
+    check_chat_template,
+    check_data,
+    check_memory,
+    check_reference,
+    check_reference_frozen,
+    check_reward_functions,
+    check_reward_model,
+)
 from .report import FAIL, OK, WARN, CheckResult, any_failed, format_failures, format_report
+from .rollout_mode import check_rollout_mode
 from .storage import check_write_paths
 
 # In order: config-only checks first, then what needs the device, the policy and the data.
 CHECKS = (check_config_rules, check_parallel_settings, check_batch_sizes, check_rollout_mode, check_shared_paths,
-          check_device, check_model, check_write_paths, check_tokenizer_model, check_context, check_data, check_chat_template,
-          check_reward_functions, check_agent, check_reward_model, check_reference, check_memory, check_mismatch)
+          check_device, check_model, check_write_paths, check_tokenizer_model, check_context, check_data,
+          check_chat_template, check_reward_functions, check_agent, check_reward_model, check_reference, check_memory,
+          check_mismatch)
 
 
 def run_doctor(cfg: Config, *, world_size: int = 1) -> list[CheckResult]:

@@ -47,7 +47,8 @@ def check_agent(ctx: Context) -> CheckResult:
     if not cfg.agent.env:
         return CheckResult(NAME, OK, "off: single-turn RL (agent.env and agent.harness are not set)")
     factory = EnvironmentFactory.from_spec(cfg.agent.env, dict(cfg.agent.kwargs))
-    context = getattr(getattr(ctx.policy, "config", None), "max_position_embeddings", None) or cfg.agent.max_episode_tokens
+    context = (getattr(getattr(ctx.policy, "config", None), "max_position_embeddings", None)
+               or cfg.agent.max_episode_tokens)
     # on_env_error=end whatever the config: the probe counts the faulty episodes, then judges them by the config
     limits = dataclasses.replace(AgentLimits.from_config(cfg, context), on_env_error="end", workers=PROBE_EPISODES)
     items = build_prompt_dataset(ctx.train_rows[:PROBE_EPISODES], tok, max_prompt_length=cfg.data.max_prompt_length,

@@ -20,12 +20,12 @@ from typing import Any, Optional
 from ..config import Config, Derived, check_context_length, derive, validate
 from ..config.invariance import same_samples_world_sizes
 from ..errors import ConfigError, PhaserlError
+from ..memory.budget import fmt_bytes, free_memory_bytes
 from ..models import linear_attention, load_pretrained, load_tokenizer
 from ..parallel import rank_and_world
-from ..roles.parallel_settings import FSDPSettings
 from ..resolve import DTYPES, resolve_device, resolve_model_path
+from ..roles.parallel_settings import FSDPSettings
 from ..roles.reward_scoring import native_support
-from ..memory.budget import fmt_bytes, free_memory_bytes
 from .report import FAIL, OK, WARN, CheckResult
 
 
@@ -262,7 +262,8 @@ def check_model(ctx: Context) -> CheckResult:
         return CheckResult("model", OK, line)
     return CheckResult("model", WARN, f"{line}; {trouble}",
                        fix="model.implementation=native (phaserl's decoder, which probes fla and keeps its own rule), "
-                           "or uninstall fla-core (transformers then uses its torch fallback, slower), or Triton >= 3.7.1")
+                           "or uninstall fla-core (transformers then uses its torch fallback, slower), "
+                           "or Triton >= 3.7.1")
 
 
 def _transformers_delta_rule_trouble(policy, device) -> Optional[str]:

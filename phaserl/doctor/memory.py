@@ -16,8 +16,16 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..memory.budget import (HEADROOM, LOGPROB_CHUNK, ModelShape, fmt_bytes, logprob_chunk_bytes,
-                             scoring_bytes_per_sequence, scoring_bytes_per_token, train_bytes_per_token)
+from ..memory.budget import (
+    HEADROOM,
+    LOGPROB_CHUNK,
+    ModelShape,
+    fmt_bytes,
+    logprob_chunk_bytes,
+    scoring_bytes_per_sequence,
+    scoring_bytes_per_token,
+    train_bytes_per_token,
+)
 from ..memory.budget import rollout_bytes_per_sequence as _sequence_bytes
 from ..memory.plan import Asked, MemoryPlan, PlanFacts, choose_plan
 

@@ -15,10 +15,10 @@ difference between the paths, worth finding whatever its size.
 from __future__ import annotations
 
 from ..data import build_prompt_dataset
+from ..memory.budget import free_memory_bytes
 from ..roles import HybridActor
 from ..roles.mismatch_probe import measure_mismatch
 from .checks import Context, check
-from ..memory.budget import free_memory_bytes
 from .report import OK, WARN, CheckResult
 
 PROBE_PROMPTS = 4

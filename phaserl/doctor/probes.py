@@ -17,9 +17,24 @@ from ..config.auto import choose, compile_rule, head_kernels_missing, keep_awake
 from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
 from ..errors import PreflightError, RewardError
+from ..memory.budget import (
+    ModelShape,
+    RoleMemory,
+    UnknownShape,
+    fmt_bytes,
+    kept_engine_bytes,
+    kept_logits_bytes,
+    kv_cache_bytes_per_sequence,
+    layer_bytes,
+    response_tokens_of,
+    role_memory,
+    update_peak_bytes,
+)
+from ..memory.plan import Measures, asked_from_config, saved_bytes
 from ..models import load_pretrained
 from ..models.decoder import use_varlen
 from ..models.lora import LoRASettings, adapter_parameter_count, resolve_targets
+from ..parallel.fsdp import decoder_layers
 from ..resolve import DTYPES, build_reward_sources, reference_is_lora_base, resolve_data_files, resolve_model_path
 from ..rewards import RuleRewards
 from ..roles import ReferencePolicy
@@ -27,11 +42,6 @@ from ..roles.forward import supports_packing
 from ..rollout import RolloutEngine
 from ..rollout.engine import engine_slot_tokens
 from .checks import Context, check, roles_enabled, short
-from ..memory.budget import (ModelShape, RoleMemory, UnknownShape, fmt_bytes, kept_engine_bytes, kept_logits_bytes,
-                             kv_cache_bytes_per_sequence, layer_bytes, response_tokens_of, role_memory,
-                             update_peak_bytes)
-from ..memory.plan import Measures, asked_from_config, saved_bytes
-from ..parallel.fsdp import decoder_layers
 from .memory import PhaseSizes, ceil_div, effective, judge, plan_for, suggest_sizes
 from .report import FAIL, OK, WARN, CheckResult
 
@@ -64,7 +74,8 @@ def check_data(ctx: Context) -> CheckResult:
         return CheckResult("data", WARN, f"{message}; prompt lengths not checked: no chat template (see below)")
     if cut:  # any cut prompt is reported: a truncated question may no longer say what its ground truth answers
         return CheckResult("data", WARN, f"{cut} prompt(s) are cut or dropped by data.overlong_prompts = "
-                           f"{d.overlong_prompts}; {message}", fix="raise data.max_prompt_length to keep every prompt whole")
+                           f"{d.overlong_prompts}; {message}",
+                           fix="raise data.max_prompt_length to keep every prompt whole")
     return CheckResult("data", OK, message)
 
 
@@ -287,7 +298,8 @@ def check_memory(ctx: Context) -> CheckResult:
         return RoleMemory(base.params + extra.params, extra.grads, extra.optimizer)
 
     lora_lines: list = []
-    roles = {"actor": lora_state(cfg.actor.lora, cfg.actor.fsdp) if cfg.actor.lora.rank else state(cfg.actor.fsdp, True)}
+    roles = {"actor": (lora_state(cfg.actor.lora, cfg.actor.fsdp) if cfg.actor.lora.rank
+                       else state(cfg.actor.fsdp, True))}
     if critic_on:
         roles["critic"] = lora_state(cfg.critic.lora, cfg.critic.fsdp) if cfg.critic.lora.rank else \
             state(cfg.critic.fsdp, True)
@@ -320,7 +332,8 @@ def check_memory(ctx: Context) -> CheckResult:
     if shape.hybrid:
         details.append(hybrid_activation_line(shape, sizes))
     if kept:
-        details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the device through the update")
+        details.append(f"rollout.engine_keep_awake: {fmt_bytes(kept)} of KV cache and fused weights stay on the "
+                       "device through the update")
     if ctx.device.type == "cuda":  # what the run's builder will set (cuda_allocator.py): the slack beyond the count
         details.append(f"CUDA allocator: {cuda_allocator.planned()}")
     details += [_size_line(s, sizes, ctx.free_bytes) for s in suggestions]
@@ -470,7 +483,8 @@ def _suggested(suggestions: list, sizes: PhaseSizes) -> str:
 def _size_line(s, sizes: PhaseSizes, free_bytes: int) -> str:
     """One phase's size in words: what the configured value uses, of what is free, and what would fit."""
     used = effective(s, sizes)
-    units = "prompts" if s.key == "rollout.batch_size" else "sequences" if s.key == "reward_model.batch_size" else "tokens"
+    units = ("prompts" if s.key == "rollout.batch_size" else "sequences" if s.key == "reward_model.batch_size"
+             else "tokens")
     if s.fits >= s.cap:
         room = f"the most this phase can use ({s.cap}) fits"
     elif s.fits:

@@ -19,8 +19,8 @@ import tempfile
 
 from ..checkpoint.lock import RunLock, describe
 from ..config import derive
-from .checks import Context, check
 from ..memory.budget import fmt_bytes
+from .checks import Context, check
 from .report import FAIL, OK, CheckResult
 
 _NAME = "write paths"

@@ -88,7 +88,7 @@ def norm_bytes(n: int, rows: int, style: Optional[str], b: int, *, read: bool, i
 
 def dense_layer_bytes(layout: LayerLayout, b: int) -> int:
     """Bytes one eager dense layer saves for backward per token, b the compute dtype's (see the module doc)."""
-    h, I, (Hq, Hkv, D), style = layout.hidden, layout.intermediate, layout.heads, layout.norm_style
+    h, inter, (Hq, Hkv, D), style = layout.hidden, layout.intermediate, layout.heads, layout.norm_style
     q, kv = Hq * D, Hkv * D
     norms = {"pre": 2 * norm_bytes(h, 1, style, b, read=True),
              "sandwich": 2 * norm_bytes(h, 1, style, b, read=True) + 2 * norm_bytes(h, 1, style, b, read=False),
@@ -102,4 +102,4 @@ def dense_layer_bytes(layout: LayerLayout, b: int) -> int:
     v = norm_bytes(kv, Hkv, None, b, read=False, input_saved=layout.v_from_k and bool(layout.qk_norm)) \
         if layout.v_norm else 0
     attention = b * (2 * q + 2 * kv)
-    return norms + qk + v + attention + 4 * b * I
+    return norms + qk + v + attention + 4 * b * inter

@@ -28,14 +28,15 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
   update          per token and layer, saved activations: phaserl's dense layers eager in bytes, each tensor in
                   its dtype for the family's norms, qk/v-norms and per-layer widths (activations.py; the
                   transformers path 8h + 4I + 2 × kv_heads × head_dim values), torch.compile'd layers
-                  (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see layer_bytes); a MoE layer's I is top-k × moe_intermediate_size (+ its shared expert)
+                  (actor.compile) 6h + 3I + 2 × kv_heads × head_dim (see layer_bytes); a MoE layer's I is
+                  top-k × moe_intermediate_size (+ its shared expert)
                   plus 3k × h of gathered inputs and expert outputs and the router's probabilities; × b;
                   Qwen3.5's Gated DeltaNet and gated attention layers in bytes, each tensor they save counted with
                   its own dtype (delta_layer_bytes, gated_attention_layer_bytes: the float32 chunked rule on the
                   CPU, flash-linear-attention's kernels on CUDA where they run), on the transformers path too
                   (activation checkpointing of the first k layers: those keep k × h × b, and the larger of the other
-                  layers and one recomputed layer is held at a time; selective: k < layers), plus float32 logits × 3 for the
-                  log-prob projection of up to 1024 tokens at a time.
+                  layers and one recomputed layer is held at a time; selective: k < layers), plus float32 logits × 3
+                  for the log-prob projection of up to 1024 tokens at a time.
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
                   up to 64 tokens, at most engine_memory_fraction of the free memory), the recurrent state and
                   route record of the slots that pool holds (outside the pool's budget) + the weights once more
@@ -55,11 +56,11 @@ from typing import Optional
 import torch
 
 from ..errors import ConfigError
-from ..models.config import DecoderConfig
 from ..models import linear_attention
+from ..models.config import DecoderConfig
 from ..models.families import config_from_hf
-from .activations import dense_layer_bytes, dense_layouts, norm_bytes
 from ..rollout.slot_memory import SlotMemory, slot_memory
+from .activations import dense_layer_bytes, dense_layouts, norm_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HEADROOM = 0.85          # use at most this fraction of the free memory (allocator slack, CUDA context)

@@ -182,7 +182,8 @@ def kv_sequences(f: PlanFacts, s: Measures) -> int:
 
 def choose_plan(f: PlanFacts, asked: Asked = Asked()) -> MemoryPlan:
     """The plan for facts `f`: measures set in `asked` are kept, the auto ones added cheapest first until the
-    target micro-batch fits; then the micro-batch rule picks the largest micro-batch the chosen state leaves room for."""
+    target micro-batch fits; then the micro-batch rule picks the largest micro-batch the chosen state leaves room
+    for."""
     L = f.shape.num_layers
     s = Measures(stream=bool(asked.stream_reference), layers=asked.checkpoint_layers or 0,
                offload=bool(asked.optimizer_offload))

@@ -15,12 +15,21 @@ One process (no launcher) is the default; under torchrun every rank runs the sam
 """
 from __future__ import annotations
 
-from .collectives import (all_reduce_sum, is_distributed, launch_rank_and_world, max_over_ranks, rank_and_world,
-                          reduce_metrics, set_training_group, training_group)
+from .collectives import (
+                          all_reduce_sum,
+                          is_distributed,
+                          launch_rank_and_world,
+                          max_over_ranks,
+                          rank_and_world,
+                          reduce_metrics,
+                          set_training_group,
+                          training_group,
+)
 from .gather import gather_full_params, reshard_params
 from .launch import RankFailure, current_phase, destroy, init_distributed, rank_errors, set_phase
 from .memory import mark_memory, record_memory, stop_recording
 
-__all__ = ["is_distributed", "rank_and_world", "launch_rank_and_world", "training_group", "set_training_group", "all_reduce_sum", "max_over_ranks", "reduce_metrics",
-           "gather_full_params", "reshard_params", "mark_memory", "record_memory", "stop_recording", "init_distributed",
-           "destroy", "rank_errors", "set_phase", "current_phase", "RankFailure"]
+__all__ = ["is_distributed", "rank_and_world", "launch_rank_and_world", "training_group", "set_training_group",
+           "all_reduce_sum", "max_over_ranks", "reduce_metrics", "gather_full_params", "reshard_params", "mark_memory",
+           "record_memory", "stop_recording", "init_distributed", "destroy", "rank_errors", "set_phase",
+           "current_phase", "RankFailure"]

@@ -5,7 +5,8 @@ phase starts) and every hybrid switch of the actor adds one sample: allocated an
 right then, and the peak allocated since the previous sample (the segment that just ended). To measure
 that peak the timeline resets torch's peak statistic at every sample, so while one is recorded
 `perf/peak_memory_gb` covers only a step's last segment: it is a profiling tool, off by default.
-Nothing is recorded until a timeline is started, and nothing at all off CUDA. `benchmarks/memory_timeline.py` prints the samples of a 2-GPU run.
+Nothing is recorded until a timeline is started, and nothing at all off CUDA. `benchmarks/memory_timeline.py`
+prints the samples of a 2-GPU run.
 Not here: the per-step `perf/peak_memory_gb` metric (trainer/core.py).
 """
 from __future__ import annotations

@@ -85,7 +85,8 @@ def check_shared_paths(paths: dict, *, rank: int, world_size: int) -> None:
     mine = {"rank": rank, "host": host, "write_errors": errors,
             "realpaths": {k: os.path.realpath(p) for k, p in paths.items()}}
     ranks = [None] * world_size
-    dist.all_gather_object(ranks, mine, group=training_group())   # also the barrier: every marker is written before rank 0 looks
+    # also the barrier: every marker is written before rank 0 looks
+    dist.all_gather_object(ranks, mine, group=training_group())
     message = [_verdict(paths, nonce, ranks) if rank == 0 else None]
     dist.broadcast_object_list(message, src=0, group=training_group())
     for path in paths.values():

@@ -7,8 +7,8 @@ daemon thread (`start_watch`, called by `init_distributed`) checks once a second
 - every rank on this host that registered itself is still alive.
 Ranks register by writing `{rank}.pid` into a directory keyed by the launcher's pid and the rendezvous
 port (under the system's temp directory) and unregister in `stop_watch` (from `destroy()`, and at interpreter
-exit), so a rank that finished cleanly is never mistaken for a dead one. When either check fails, the rank logs one line and
-exits with code 1 through `os._exit`, at once: a checkpoint being written stays an unpublished
+exit), so a rank that finished cleanly is never mistaken for a dead one. When either check fails, the rank logs one
+line and exits with code 1 through `os._exit`, at once: a checkpoint being written stays an unpublished
 `.tmp_step_*` directory (never resumed from). Ranks on other hosts are covered by the collectives
 themselves: gloo raises when a peer's connection closes, NCCL after the collective timeout
 (launch.py names the phase). Not here: the process group, failures that raise (launch.py).

@@ -70,7 +70,8 @@ def resolve_reward_fn(name) -> Callable:
         close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown reward function {name!r}.{hint} Built-ins: {', '.join(BUILTIN_REWARDS)}; "
-                          f"your own function is written 'path/to/file.py:function_name' or 'package.module:function_name'.")
+                          "your own function is written 'path/to/file.py:function_name' or "
+                          "'package.module:function_name'.")
     module = load_file(path, f"reward function {name!r}")
     if not hasattr(module, fn_name):
         defined = [n for n, obj in vars(module).items()
@@ -349,7 +350,8 @@ def _check_verl_signature(fn: Callable, kwargs: dict, where: str) -> Optional[fr
     has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     missing = [name for name in _VERL_PARAMS if name not in params and not has_var_kw]
     unknown = [k for k in kwargs if k not in params and not has_var_kw]
-    required = [p.name for p in params.values() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    required = [p.name for p in params.values()
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                 and p.name not in (*_VERL_PARAMS, "extra_info", *kwargs)]
     if missing or unknown or required:
         what = (f"it lacks {missing}" if missing else f"unknown kwarg {unknown[0]!r}" if unknown

@@ -15,8 +15,14 @@ from phaserl.rm.critic_init import CRITIC_SOURCES, init_critic, is_reward_model_
 from phaserl.rm.run import run_train_rm
 from phaserl.rm.tiny_model import prepare_tiny_reward_model
 from phaserl.rm.tiny_prefs import make_tiny_preference_records, write_tiny_preference_files
-from phaserl.rm.train import (PairAccuracy, RMTrainStats, SequenceScorer, evaluate_pairs, export_reward_model,
-                              train_reward_model)
+from phaserl.rm.train import (
+                              PairAccuracy,
+                              RMTrainStats,
+                              SequenceScorer,
+                              evaluate_pairs,
+                              export_reward_model,
+                              train_reward_model,
+)
 
 __all__ = ["RMTrainConfig", "load_rm_config", "CRITIC_SOURCES", "init_critic", "is_reward_model_dir",
            "make_tiny_preference_records", "write_tiny_preference_files", "PairAccuracy", "RMTrainStats",

@@ -84,9 +84,9 @@ def prepare_tiny_world(root: str | os.PathLike | None = None) -> TinyWorld:
 
 def regenerate_assets(out_dir: str | os.PathLike = ASSETS_DIR, *, seed: int = 0, log_every: int = 500):
     """Rebuild the warm-started model from scratch (deterministic for a given machine and seed)."""
-    from phaserl.world.sft import run_sft  # torch and the model code load only when needed
-
     import torch
+
+    from phaserl.world.sft import run_sft  # torch and the model code load only when needed
 
     # One thread: the same weights on any machine with this torch build (and the model is too small to
     # gain from more; on a busy 2-core box two threads were several times slower).
@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Prepare the tiny world's data files, or rebuild its model.")
     parser.add_argument("--regenerate", action="store_true", help="rebuild the committed warm-started model")
     parser.add_argument("--out", default=str(ASSETS_DIR), help="where --regenerate writes the model")
-    parser.add_argument("--root", default=None, help="data cache directory (default $PHASERL_CACHE_DIR/tiny-world, else ~/.cache/phaserl/tiny-world)")
+    parser.add_argument("--root", default=None,
+                        help="data cache directory (default $PHASERL_CACHE_DIR/tiny-world, "
+                             "else ~/.cache/phaserl/tiny-world)")
     args = parser.parse_args(argv)
     if args.regenerate:
         regenerate_assets(args.out)
