@@ -108,7 +108,8 @@ def run_harness_samples(harness: Callable, rows: list, server, *, samples_per_ro
     if not any(per_sample) and first_error is not None:
         status, value, i = first_error
         raise RuntimeError(f"run_harness: no harness call recorded a completion; the first failure was on row {i}: "
-                           + (f"{type(value).__name__}: {value}" if status == "error" else f"timeout after {timeout_s} s")) \
+                           + (f"{type(value).__name__}: {value}" if status == "error"
+                              else f"timeout after {timeout_s} s")) \
             from (value if isinstance(value, Exception) else None)
     return per_sample
 

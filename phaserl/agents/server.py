@@ -277,7 +277,8 @@ class ChatServer:
             return message, finish_reason
         message["content"] = parsed.content if not parsed.errors else text
         message["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                                  "function": {"name": c.name,
+                                               "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                                  for c in parsed.calls]
         return message, "tool_calls"
 
@@ -340,7 +341,8 @@ def _normalize_call(call, index: int) -> dict:
         except json.JSONDecodeError as exc:
             raise RequestError(f"messages[{index}].tool_calls: arguments of {function['name']!r} are not JSON "
                                f"({exc.msg})", param="messages") from exc
-    return {"id": str(call.get("id") or ""), "type": "function", "function": {"name": function["name"], "arguments": args}}
+    return {"id": str(call.get("id") or ""), "type": "function",
+            "function": {"name": function["name"], "arguments": args}}
 
 
 def _handler_for(server: ChatServer):

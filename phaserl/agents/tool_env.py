@@ -49,7 +49,8 @@ class ToolEnvironment(Environment):
         if on_timeout not in ON_TIMEOUT:
             raise ValueError(f"ToolEnvironment: on_timeout={on_timeout!r}; choose one of {ON_TIMEOUT}")
         if observation_role not in OBSERVATION_ROLES:
-            raise ValueError(f"ToolEnvironment: observation_role={observation_role!r}; choose one of {OBSERVATION_ROLES}")
+            raise ValueError(f"ToolEnvironment: observation_role={observation_role!r}; "
+                             f"choose one of {OBSERVATION_ROLES}")
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"ToolEnvironment: timeout_s={timeout_s!r} must be a positive number of seconds")
         if max_calls_per_turn < 1:

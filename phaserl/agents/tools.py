@@ -186,7 +186,8 @@ def validate_arguments(schema: dict, value, path: str = "arguments") -> list:
 
 def _is_type(value, json_type: str) -> bool:
     if json_type == "integer":
-        return isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, float) and value.is_integer())
+        return (isinstance(value, int) and not isinstance(value, bool)
+                or (isinstance(value, float) and value.is_integer()))
     if json_type == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     python = {"string": str, "boolean": bool, "object": dict, "array": list, "null": type(None)}.get(json_type)

@@ -25,9 +25,9 @@ from ..models import CausalLM
 from ..models.moe import Routing
 from ..parallel import gather_full_params, mark_memory, rank_and_world, reshard_params
 from ..rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
+from .checkpointed import CheckpointedRole
 from .forward import batch_logprobs, rows_logprobs, split_rows
 from .models import as_causal_lm
-from .checkpointed import CheckpointedRole
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
 from .switch_log import SwitchLog

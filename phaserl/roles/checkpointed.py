@@ -11,8 +11,12 @@ same full-parameter state). Not here: where and when checkpoints are written.
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..models.lora import state_dict_options
 
@@ -53,7 +57,8 @@ def _host_optimizer_state(model, optimizer) -> dict:
     opt, names = optimizer.opt, _trained_names(model, optimizer)
     for w in optimizer.host.weights:
         if not opt.state[w]:
-            opt.state[w].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(w, memory_format=torch.preserve_format),
+            opt.state[w].update(step=torch.tensor(0.0),
+                                exp_avg=torch.zeros_like(w, memory_format=torch.preserve_format),
                                 exp_avg_sq=torch.zeros_like(w, memory_format=torch.preserve_format))
     plain = opt.state_dict()  # state keyed by position in the optimizer, the live tensors
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}

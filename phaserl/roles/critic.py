@@ -8,8 +8,8 @@ import torch
 from ..algo import aggregate, clipped_value_loss
 from ..batch import TrainBatch
 from ..errors import ConfigError
-from .forward import batch_values, rows_values, split_rows
 from .checkpointed import CheckpointedRole
+from .forward import batch_values, rows_values, split_rows
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, reject_hybrid_config
 

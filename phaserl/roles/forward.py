@@ -155,8 +155,8 @@ def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_ent
     graphs (ppo.train_graphs): the body's forward and backward as CUDA graph replays, where they can run."""
     hidden = graphs.hidden(packed) if graphs is not None and routing is None else None  # [1, T >= N, H]
     if hidden is None:
-        hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,
-                       boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))  # [1, N, H]
+        hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,  # [1, N, H]
+                       boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))
     logp, ent = head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, temperature=temperature,
                               chunk_size=chunk_size, with_entropy=with_entropy, keep_logits=keep_logits)  # [M], [M]
     entropy = packed.unpack(ent.float()) if with_entropy else None

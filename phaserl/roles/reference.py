@@ -88,7 +88,8 @@ class ReferencePolicy:
             raise PreflightError(
                 f"ReferencePolicy shares {len(shared)} parameter(s) with the actor ({', '.join(shared[:3])}...): "
                 "freezing the reference froze the actor, and the KL would always be 0. Give the reference its own "
-                "copy, e.g. ReferencePolicy(model=AutoModelForCausalLM.from_pretrained(path)) or copy.deepcopy(policy).")
+                "copy, e.g. ReferencePolicy(model=AutoModelForCausalLM.from_pretrained(path)) or "
+                "copy.deepcopy(policy).")
 
     def compute_logprobs(self, batch, *, temperature: float, token_budget: int) -> torch.Tensor:
         """Reference log-probs of the responses.  [B, R]"""

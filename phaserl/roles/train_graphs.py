@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ..models import CausalLM
-from ..models.decoder import PackedSeqs
 from ..models.attention import use_varlen, varlen_takes_windows
+from ..models.decoder import PackedSeqs
 from ..models.lora import has_lora
 from ..packing import Packed
 

@@ -109,7 +109,7 @@ class ZeroVarianceMonitor:
                 what = "every group" if frac == 1.0 else f"{zero:.0f} of {groups:.0f} groups ({100 * frac:.1f}%)"
                 log.warning(f"step {step}: {what} scored all rollout.n responses alike, so their "
                             f"{self.estimator_name} advantages are 0 and they add nothing to the update. Turn on "
-                            "algorithm.dynamic_sampling (DAPO), raise rollout.n, or make the reward less all-or-nothing "
-                            "(train/zero_variance_group_frac is logged every step)")
+                            "algorithm.dynamic_sampling (DAPO), raise rollout.n, or make the reward less "
+                            "all-or-nothing (train/zero_variance_group_frac is logged every step)")
                 self.warned_some, self.warned_all = True, self.warned_all or frac == 1.0
         return frac

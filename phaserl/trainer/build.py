@@ -21,15 +21,20 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from ..algo import (ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, bind_policy_loss,
-                    canonical_kl_estimator, rollout_correction)
+from ..algo import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    bind_policy_loss,
+    canonical_kl_estimator,
+    rollout_correction,
+)
 from ..compile_cache import enable_compile_cache
-from ..cuda_allocator import configure_cuda_allocator
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
-from ..config.validate import (GROUP_ESTIMATORS, critic_enabled, policy_loss_range, ref_enabled,
-                               rollout_correction_mode)
+from ..config.validate import GROUP_ESTIMATORS, critic_enabled, policy_loss_range, ref_enabled, rollout_correction_mode
+from ..cuda_allocator import configure_cuda_allocator
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
@@ -37,8 +42,15 @@ from ..models import load_pretrained, load_tokenizer
 from ..parallel import is_distributed, launch_rank_and_world, rank_and_world
 from ..parallel.launch import collective_timeout_s
 from ..parallel.rank_split import rank_groups, start_rank_split
-from ..resolve import (build_reward_sources, resolve_compile_cache_dir, resolve_data_files, resolve_device,
-                       resolve_dtype, resolve_model_path, resolve_reward_model_path)
+from ..resolve import (
+    build_reward_sources,
+    resolve_compile_cache_dir,
+    resolve_data_files,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+    resolve_reward_model_path,
+)
 from ..rewards import RewardSources, RuleRewards
 from ..rm import init_critic
 from ..roles import Critic, HybridActor, ReferencePolicy, RewardModelWrapper
@@ -49,15 +61,15 @@ from ..roles.train_graphs import TrainGraphs
 from ..rollout import EngineConfig, SamplingParams
 from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
 from .agent_phase import rollout_choice
+from .agent_stream import AgentStream
 from .dynamic_sampling import DynamicSampling, single_round
 from .guard import RuntimeGuard
 from .lora_setup import add_lora, lora_reference
 from .prompt_stream import PromptStream
 from .score_shaping import OverlongShaping, no_shaping
-from .agent_stream import AgentStream
-from .stream import AsyncStream, SyncStream
 from .settings import Roles, RunSettings
 from .speed import choose_speed, compile_watch, packing_choice, train_graphs_choice
+from .stream import AsyncStream, SyncStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -137,8 +149,8 @@ def complete_roles(cfg: Config, actor: HybridActor, critic: Optional[Critic] = N
     tokenizer = tokenizer or actor.tokenizer or load_tokenizer(
         resolve_model_path(cfg.model.tokenizer_path or cfg.model.path))
     actor.tokenizer = tokenizer
-    return Roles(actor=actor, critic=critic, ref_policy=ref_policy, reward=_as_reward_sources(reward, cfg, actor.device),
-                 tokenizer=tokenizer)
+    return Roles(actor=actor, critic=critic, ref_policy=ref_policy,
+                 reward=_as_reward_sources(reward, cfg, actor.device), tokenizer=tokenizer)
 
 
 def _as_reward_sources(reward, cfg: Config, device: torch.device) -> RewardSources:
@@ -172,7 +184,8 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
     actor, critic, ref = roles.actor, roles.critic, roles.ref_policy
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     if alg.adv_estimator == "gae" and critic is None:
-        raise ConfigError("algorithm.adv_estimator=gae needs a critic: pass critic=Critic(...) or set critic.enable=true")
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic: pass critic=Critic(...) or set "
+                          "critic.enable=true")
     if world_size > 1:  # each role's own FSDP2 settings, before the optimizers take the parameters
         from ..parallel.fsdp import shard_roles
 
@@ -241,7 +254,8 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
     sampled = r.val_temperature > 0
     rollout = dict(
         n=r.n, val_n=r.val_n,
-        sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k),
         greedy=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0),
         val_sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.val_temperature,
                                     top_p=r.top_p if sampled else 1.0, top_k=r.top_k if sampled else 0),
@@ -252,7 +266,8 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
     # 4.-5. forward-only passes, advantage
     has_ref = roles.ref_policy is not None
     advantage = AdvantageSettings(estimator=ADVANTAGE_ESTIMATORS[alg.adv_estimator], gamma=alg.gamma, lam=alg.lam,
-                                  norm_by_std=alg.norm_adv_by_std, kl_in_reward=alg.kl_placement == "reward" and has_ref,
+                                  norm_by_std=alg.norm_adv_by_std,
+                                  kl_in_reward=alg.kl_placement == "reward" and has_ref,
                                   kl_estimator=canonical_kl_estimator(alg.kl_estimator))
     kl_controller = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon) if alg.kl_target is not None
                      else FixedKLController(alg.kl_coef))
@@ -294,8 +309,8 @@ def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, m
                (r.engine == "hf", "rollout.engine=hf (responses continue across updates in the built-in engine)")]
     for on, what in refused:
         if on:
-            raise ConfigError(f"rollout.max_staleness={r.max_staleness} (asynchronous rollout) does not run with {what} "
-                              "yet: set rollout.max_staleness=0, or turn that setting off")
+            raise ConfigError(f"rollout.max_staleness={r.max_staleness} (asynchronous rollout) does not run with "
+                              f"{what} yet: set rollout.max_staleness=0, or turn that setting off")
     if r.ranks:  # `model`: the actor's, whose weights go to the rollout ranks
         from .remote_stream import remote_stream
 

@@ -251,7 +251,8 @@ class RLTrainer:
         with self.actor.rollout_mode():
             batch = self._generate(run.val_prompts, run.val_sampling, run.val_n)
         scores = run.reward.score(batch).total                                      # [B]
-        metrics = {"val/score_mean": float(all_reduce_sum(scores.sum()) / all_reduce_sum(torch.tensor(float(len(scores))))),
+        total, count = all_reduce_sum(scores.sum()), all_reduce_sum(torch.tensor(float(len(scores))))
+        metrics = {"val/score_mean": float(total / count),
                    "val/response_length_mean": float(batch.response_lengths().float().mean())}
         by_source = defaultdict(list)
         for row, s in zip(batch.rows, scores.tolist()):
@@ -342,7 +343,8 @@ class RLTrainer:
                         f"{self.world_size}; rollout.batch_size = {size} does not divide the prompts per rank "
                         f"({prompts} / {saved_world} and {prompts} / {self.world_size}) on both, so from here on the "
                         "samples differ from those of the uninterrupted run (set rollout.batch_size to a common "
-                        f"divisor, e.g. {math.gcd(prompts // saved_world, prompts // self.world_size, size)}, to keep them)")
+                        f"divisor, e.g. {math.gcd(prompts // saved_world, prompts // self.world_size, size)}, "
+                        "to keep them)")
 
     def _finish(self) -> None:
         """Rank 0: the run report, and one last console line naming what the run left on disk."""
@@ -381,7 +383,8 @@ class RLTrainer:
     def _step_metrics(self, batch, scores, advantages, returns, old_logprobs, ref_logprobs, update_stats) -> dict:
         mask = batch.loss_mask.float()  # [B, R] the sampled tokens
         lengths = batch.sampled_lengths().float()
-        m = {"train/reward_mean": float(scores.total.mean()), "train/reward_std": float(scores.total.std(unbiased=False)),
+        m = {"train/reward_mean": float(scores.total.mean()),
+             "train/reward_std": float(scores.total.std(unbiased=False)),
              "train/reward_min": float(scores.total.min()), "train/reward_max": float(scores.total.max()),
              "train/response_length_mean": float(lengths.mean()), "train/response_length_max": float(lengths.max()),
              "train/truncated_frac": sum(r == "length" for r in batch.finish_reasons) / len(batch.finish_reasons),

@@ -73,8 +73,9 @@ class DynamicSampling:
         if filled:
             kept.append(_first_groups(join(spare, self.pad_token_id), filled, n))
             if rank_and_world()[0] == 0:
-                log.warning(f"dynamic sampling: after {rounds} rounds only {n_kept} of {target} groups on this rank had "
-                            f"different rewards; the step is filled with {filled} zero-variance groups (advantage 0). "
+                log.warning(f"dynamic sampling: after {rounds} rounds only {n_kept} of {target} groups on this "
+                            f"rank had different rewards; the step is filled with {filled} zero-variance groups "
+                            "(advantage 0). "
                             "Raise algorithm.dynamic_sampling_max_rounds, raise rollout.n, or check the reward")
         out = join(kept, self.pad_token_id)
         n = out.batch.num_responses // target

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from ..rollout import SamplingParams
     from .advantage_phase import AdvantageSettings, ZeroVarianceMonitor
     from .agent_phase import AgentSettings
-    from .harness_phase import HarnessSettings, VerifiersSettings
     from .guard import RuntimeGuard
+    from .harness_phase import HarnessSettings, VerifiersSettings
     from .prompt_stream import PromptStream
 
 

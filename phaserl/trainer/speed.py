@@ -25,13 +25,27 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..compile_cache import CompileWatch, enable_compile_cache
-from ..config.auto import (MICRO_BATCH_OFF_CUDA, Choice, SpeedChoices, choose, compile_rule, engine_compile_rule,
-                           head_kernels_missing, keep_awake_rule, keep_logits_rule,
-                           train_graphs_rule)
-from ..memory.budget import (ModelShape, UnknownShape, free_memory_bytes, kept_engine_bytes, kept_logits_bytes,
-                             response_tokens_of)
-from ..memory.plan import (Measures, MemoryPlan, PlanFacts, asked_from_config, choose_plan, fixed_bytes,
-                           peak_bytes)
+from ..config.auto import (
+    MICRO_BATCH_OFF_CUDA,
+    Choice,
+    SpeedChoices,
+    choose,
+    compile_rule,
+    engine_compile_rule,
+    head_kernels_missing,
+    keep_awake_rule,
+    keep_logits_rule,
+    train_graphs_rule,
+)
+from ..memory.budget import (
+    ModelShape,
+    UnknownShape,
+    free_memory_bytes,
+    kept_engine_bytes,
+    kept_logits_bytes,
+    response_tokens_of,
+)
+from ..memory.plan import Measures, MemoryPlan, PlanFacts, asked_from_config, choose_plan, fixed_bytes, peak_bytes
 from ..parallel.fsdp import decoder_layers
 from ..resolve import resolve_compile_cache_dir
 from ..roles.forward import supports_packing

@@ -190,7 +190,8 @@ class AsyncStream:
         longest = self.longest_prompt or max(len(owner[id(s)].item.prompt_ids) for s in pending)
         slot_len = longest + params.max_new_tokens
         eos = [] if run.ignore_eos else run.eos_token_ids
-        run.sampling_generator.manual_seed(self.noise_seed)  # one seed for the stream: noise keyed by sample and position
+        # one seed for the stream: noise keyed by sample and position
+        run.sampling_generator.manual_seed(self.noise_seed)
         session = trainer.actor.decode_session(params, slot_len=slot_len, eos_token_ids=eos,
                                                num_slots=self.slots,  # one layout every phase: graphs kept
                                                generator=run.sampling_generator)

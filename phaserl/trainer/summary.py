@@ -60,28 +60,31 @@ def run_summary(trainer) -> str:
           f"KL {adv.kl_estimator} in the reward ({coef})" if adv.kl_in_reward else
           f"KL {loss.kl_estimator} in the loss ({coef})")
     mini_steps = run.responses_per_step // (run.mini_batch_per_rank * world)
+    reused = run.reuse_update_logprobs and run.epochs == 1 and mini_steps == 1 and not adv.kl_in_reward
     engine = actor.engine_kind if actor.engine_kind != "auto" else (
         "builtin engine" if _engine_supported(actor) else "transformers generate")
     lines = [
         f"device     {actor.device}, {world} rank(s)",
         "model      " + "; ".join(models) + f"; tokenizer {getattr(run.tokenizer, 'name_or_path', '') or '?'}",
-        f"data       {train_prompts} training prompts ({train_prompts / (per_rank * world):.1f} steps per epoch), {val}",
-        f"algorithm  {_name(ADVANTAGE_ESTIMATORS, adv.estimator)} advantages, {_name(POLICY_LOSSES, loss.loss_fn)} policy loss ({loss.agg_mode}), {kl}; "
+        f"data       {train_prompts} training prompts ({train_prompts / (per_rank * world):.1f} steps per epoch), "
+        f"{val}",
+        f"algorithm  {_name(ADVANTAGE_ESTIMATORS, adv.estimator)} advantages, "
+        f"{_name(POLICY_LOSSES, loss.loss_fn)} policy loss ({loss.agg_mode}), {kl}; "
         f"reward: {', '.join(rewards)}",
         f"rollout    {per_rank * world} prompts × {run.n} = {run.responses_per_step} responses per step "
         f"({per_rank} prompts per rank, ≤ {run.generate_batch_size} per generate call), ≤ "
         f"{run.sampling.max_new_tokens} new tokens, temperature {run.sampling.temperature:g}",
         f"forward    ≤ {run.forward_tokens} tokens per micro-batch (old log-probs: "
-        f"{'reused from the update' if run.reuse_update_logprobs and run.epochs == 1 and mini_steps == 1 and not adv.kl_in_reward else 'own pass'})",
-        f"update     {run.epochs} epoch(s) × {mini_steps} optimizer step(s) of {run.mini_batch_per_rank * world} responses, "
-        f"≤ {run.train_tokens} tokens per micro-batch",
+        f"{'reused from the update' if reused else 'own pass'})",
+        f"update     {run.epochs} epoch(s) × {mini_steps} optimizer step(s) of {run.mini_batch_per_rank * world} "
+        f"responses, ≤ {run.train_tokens} tokens per micro-batch",
         f"speed      rollout: {engine}; micro-batches: {'packed' if actor.packing else 'padded'}; gradient "
         f"checkpointing: {_on_off(getattr(actor.model, 'gradient_checkpointing', False))}; compile: "
         f"{_on_off(_compiled(actor.model))}; optimizer offload in rollout: {_on_off(actor.hybrid.offload_optimizer)}",
         *_speed_lines(run.speed),
         *([f"memory     {run.speed.memory_plan}"] if run.speed is not None and run.speed.memory_plan else []),
-        *([f"memory     CUDA allocator: {cuda_allocator.ACTIVE}"] if cuda_allocator.ACTIVE and actor.device.type == "cuda"
-          else []),
+        *([f"memory     CUDA allocator: {cuda_allocator.ACTIVE}"]
+          if cuda_allocator.ACTIVE and actor.device.type == "cuda" else []),
         f"run        {run.total_steps} steps; validation "
         f"{f'every {run.val_interval} steps' if run.val_interval else 'at the end'}; checkpoints "
         f"{f'every {run.save_interval} steps' if run.save_interval else 'at the end'} in {run.checkpoint_path}; "

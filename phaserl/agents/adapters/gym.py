@@ -11,8 +11,8 @@ observations are text. GEM (`pip install gem-llm`) is exactly this:
 One wrapped environment is made per episode (phaserl makes one GymEnvironment per episode). Every
 observation, the reset one included, is returned as a user message (the runner appends it after the
 row's prompt, which may be empty for envs that pose their own task); `observation_as: text` returns
-raw text instead. Gym's info dict is passed on as StepResult.info. With `options_from_row: true` the data row is passed as
-reset's `options` (Gymnasium's way to parameterize an episode), so a dataset can drive the env.
+raw text instead. Gym's info dict is passed on as StepResult.info. With `options_from_row: true` the data row is
+passed as reset's `options` (Gymnasium's way to parameterize an episode), so a dataset can drive the env.
 Not here: vectorized envs, multi-agent turn order (TextArena's multi-player games).
 """
 from __future__ import annotations

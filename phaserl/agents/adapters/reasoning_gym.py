@@ -6,7 +6,8 @@ the exact entry and asks the dataset's own `score_answer`:
 
     records("basic_arithmetic", size=1000, seed=0)  -> verl-schema rows:
         {"prompt": [{"role": "user", "content": question + instruction}], "data_source": "reasoning_gym/<name>",
-         "reward_model": {"ground_truth": answer}, "extra_info": {"reasoning_gym": {dataset, seed, size, index, config (JSON text)}}}
+         "reward_model": {"ground_truth": answer},
+         "extra_info": {"reasoning_gym": {dataset, seed, size, index, config (JSON text)}}}
     score(prompt, response, ground_truth, extra_info=...)  -> float in [0, 1]    (a reward.functions entry)
     ReasoningGymEnvironment(attempts=3)   -> a wrong answer gets "incorrect, try again" until attempts run out
 
@@ -107,11 +108,13 @@ class ReasoningGymEnvironment(Environment):
     """
 
     def __init__(self, attempts: int = 1, answer_format: str = "tag", decay: float = 1.0,
-                 feedback: str = "Your answer {answer} is incorrect. Try again; give the answer inside <answer></answer>."):
+                 feedback: str = ("Your answer {answer} is incorrect. Try again; "
+                                  "give the answer inside <answer></answer>.")):
         if attempts < 1:
             raise ValueError(f"ReasoningGymEnvironment: attempts={attempts} must be >= 1")
         if answer_format not in ANSWER_FORMATS:
-            raise ValueError(f"ReasoningGymEnvironment: answer_format={answer_format!r}; choose one of {ANSWER_FORMATS}")
+            raise ValueError(f"ReasoningGymEnvironment: answer_format={answer_format!r}; "
+                             f"choose one of {ANSWER_FORMATS}")
         if not 0 < decay <= 1:
             raise ValueError(f"ReasoningGymEnvironment: decay={decay} must be in (0, 1]")
         self.attempts, self.answer_format, self.decay, self.feedback = attempts, answer_format, decay, feedback
