@@ -68,6 +68,7 @@ class DecoderConfig:
     partial_rotary_factor: float = 1.0       # RoPE rotates the first head_dim * this dims of q and k (Qwen3.5: 0.25)
     attn_output_gate: bool = False           # Qwen3.5: q_proj also yields a gate, attention output * sigmoid(gate)
     linear_attention: Optional["LinearAttentionShape"] = None  # Gated DeltaNet layers' shape (layer_types says which)
+    mrope_section: Optional[tuple] = None    # Qwen2.5-VL: rotary frequencies per position axis (t, h, w), mrope.py
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list, None] = None
     pad_token_id: Optional[int] = None
@@ -127,6 +128,11 @@ class DecoderConfig:
         if ("linear_attention" in (self.layer_types or ())) != (self.linear_attention is not None):
             raise ConfigError("layer_types has linear_attention layers exactly when linear_attention (their shape) "
                               f"is set; got layer_types={self.layer_types}, linear_attention={self.linear_attention}")
+        if self.mrope_section is not None:
+            self.mrope_section = tuple(self.mrope_section)
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2:
+                raise ConfigError(f"mrope_section={list(self.mrope_section)} must be 3 sections summing to "
+                                  f"head_dim / 2 = {self.rotary_dim // 2}")
         if self.rope_scaling is not None:
             self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
             if self.rope_scaling["rope_type"] == "default":

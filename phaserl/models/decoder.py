@@ -37,6 +37,7 @@ from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attenti
                                    rope_tables)
 from phaserl.models.modules import MLP, RMSNorm  # noqa: F401  (their home; imported from here too)
 from phaserl.models.moe import MoEWeights, Route, Routing, SharedExpert, prepare_device
+from phaserl.models.mrope import MRotaryEmbedding
 from phaserl.models.rope import RotaryEmbedding
 
 
@@ -261,7 +262,8 @@ class DecoderModel(nn.Module):
         """(Re)make the RoPE tables' frequencies, derived from the config (a meta-built model needs this)."""
         cfg = self.config
         full = cfg if cfg.global_head_dim is None else cfg.replace(head_dim=cfg.global_head_dim)  # Gemma 4
-        self.rotary_emb = RotaryEmbedding(full).to(device or "cpu")
+        rotary = RotaryEmbedding if cfg.mrope_section is None else MRotaryEmbedding  # Qwen2.5-VL: M-RoPE
+        self.rotary_emb = rotary(full).to(device or "cpu")
         self.rotary_emb_local = None
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: default RoPE, their own theta
             local = cfg.replace(rope_theta=cfg.local_rope_theta, rope_scaling=None)
@@ -277,7 +279,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
-                boundaries: Optional[PackedSeqs] = None, routing: Optional[Routing] = None) -> torch.Tensor:
+                boundaries: Optional[PackedSeqs] = None, routing: Optional[Routing] = None,
+                embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H].
 
         attention_mask [B, T]: 1 = real token, 0 = padding (either side). position_ids [B, T]: when None,
@@ -288,6 +291,8 @@ class DecoderModel(nn.Module):
         kernel sees them (phaserl.packing.Packed.boundaries), when the caller knows them: saves the host
         sync of working them out from seq_ids. routing (MoE models, moe.Routing): experts to replay
         ([B, T, L, k], -1 = route by the router) and, filled here, the experts and router logits every MoE layer used.
+        embeds [B, T, H]: the input embeddings instead of input_ids' (vision-language models: image features in
+        place of the placeholders, qwen_vl.py); position_ids may then be M-RoPE's [3, B, T].
         """
         if seq_ids is not None and (kv_cache is not None or position_ids is None):
             raise ValueError("DecoderModel.forward(seq_ids=...) packs sequences for a cache-free forward: "
@@ -301,7 +306,9 @@ class DecoderModel(nn.Module):
         if position_ids is None:
             before = key_valid[:, :start].sum(-1, keepdim=True)  # [B, 1] real tokens already cached
             position_ids = (before + attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
-        h = embed(input_ids, self.embed_tokens.weight, self.config.embed_scale)  # [B, T, H]
+        if embeds is None:
+            embeds = embed(input_ids, self.embed_tokens.weight, self.config.embed_scale)
+        h = embeds  # [B, T, H]
         windows = {layer.spec.window for layer in self.layers}
         if (seq_ids is not None and no_padding and use_varlen(h.device, h.dtype)
                 and (windows == {None} or varlen_takes_windows())):

@@ -28,6 +28,7 @@ from phaserl.models.families import (FAMILIES, NATIVE_MODEL_TYPES, config_from_h
                                      native_names, native_state)
 from phaserl.models.hf_fallback import HFCausalLM, HFValueModel
 from phaserl.models.moe import file_expert, stack_experts
+from phaserl.models.qwen_vl import build_vl, is_vl_config, vl_config_to_hf
 from phaserl.models.value import ValueModel
 
 log = logging.getLogger("phaserl")
@@ -175,6 +176,8 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
     model_type = hf_config.get("model_type")
     if implementation == "native" and model_type == "qwen3_5":  # the composite Qwen3.5: the error says what to do
         config_from_hf(hf_config, source=str(directory / "config.json"))
+    if is_vl_config(hf_config) and implementation != "transformers":  # Qwen2.5-VL: the decoder + a vision tower
+        return _load_vl(directory, hf_config, dtype, device, allow_random_init)
     if implementation == "native" and model_type not in NATIVE_MODEL_TYPES:
         raise ConfigError(f"{directory / 'config.json'}: model_type {model_type!r} has no native implementation "
                           f"(native: {', '.join(NATIVE_MODEL_TYPES)}); use model.implementation=auto")
@@ -189,6 +192,16 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
     _load_weights(model, directory, dtype, device, ignore=("lm_head.weight",) if cfg.tie_word_embeddings else (),
                   allow_missing=allow_random_init)
     _restore_rotary(model, cfg, device)
+    return model
+
+
+def _load_vl(directory: Path, hf_config: dict, dtype, device, allow_random_init: bool):
+    model = build_vl(hf_config, str(directory / "config.json"), meta=not allow_random_init)
+    if allow_random_init:
+        model = model.to(device=device, dtype=dtype)
+    ignore = ("lm_head.weight",) if model.config.tie_word_embeddings else ()
+    _load_weights(model, directory, dtype, device, ignore=ignore, allow_missing=allow_random_init)
+    _restore_rotary(model, model.config, device)
     return model
 
 
@@ -327,7 +340,11 @@ def save_pretrained(model: Union[CausalLM, HFCausalLM], out_dir: PathLike, *, to
         return _write_atomically(out_dir, write_hf)
     # Tied models have no lm_head.weight (the HF layout for tied weights); Phi-3 stores fused tensors.
     state = hf_state(model.config, _cpu_state(model, dtype))
-    config = config_to_hf(model.config, _dtype_name(dtype or model.output_weight.dtype))
+    dtype_name = _dtype_name(dtype or model.output_weight.dtype)
+    if getattr(model, "takes_images", False):  # Qwen2.5-VL: the composite config (text_config, vision_config)
+        config = vl_config_to_hf(model.config, model.vision_config, model.image_tokens, dtype_name)
+    else:
+        config = config_to_hf(model.config, dtype_name)
     return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, model.config, tokenizer))
 
 

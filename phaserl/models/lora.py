@@ -143,7 +143,10 @@ def apply_lora(model: nn.Module, settings: LoRASettings, *, trainable: tuple = (
         names = _inject_peft(model, settings, targets, key)
     else:
         names = []
+        skip = tuple(getattr(model, "lora_skip", ()))  # subtrees without adapters (a vision tower: qwen_vl.py)
         for name, module in list(model.named_modules()):
+            if name.split(".")[0] in skip:
+                continue
             for child_name, child in list(module.named_children()):
                 if child_name in targets and isinstance(child, nn.Linear):
                     setattr(module, child_name, LoRALinear(child, settings.rank, settings.alpha, settings.dropout))

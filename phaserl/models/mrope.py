@@ -1,0 +1,94 @@
+"""Multimodal rotary positions (M-RoPE, Qwen2.5-VL): three position axes (time, row, column) per token.
+
+Text tokens sit at one position on all three axes, counting up as in plain RoPE; an image's placeholder tokens take
+(the image's start, start + row, start + column) of their merged patch, and the text after the image continues from
+the largest position so far + 1. The rotary frequencies of each head are split in three sections
+(`mrope_section`, summing to head_dim / 2): the first turns with the time position, the second with the row, the
+third with the column. With all three axes equal (text only) that is exactly plain RoPE, so decoding after the
+prompt is plain RoPE at the shifted position `slot position + delta` (delta = max position + 1 - prompt length).
+  mrope_positions        one row's real tokens -> [3, L] positions and its delta
+  batch_mrope_positions  a padded batch [B, S] (left-padded prompts, responses after) -> [3, B, S]
+  MRotaryEmbedding       cos/sin tables from [3, B, T] positions ([B, T] ones: plain RoPE)
+Not here: the vision tower (vision.py), the image processor (data/images.py).
+
+Legend: L tokens of a row, B rows, S padded width, T tokens of a call, D head_dim.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from phaserl.models.rope import RotaryEmbedding
+
+
+def mrope_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, image_token_id: int,
+                    merge: int) -> tuple[torch.Tensor, int]:
+    """(positions [3, L] int64, delta) of one row's real tokens `ids` whose images have processor grids `grids`
+    (in order). Each image's placeholder run must hold exactly t * h * w / merge^2 tokens: a mismatch between the
+    ids and the images is a ValueError, never shifted positions."""
+    ids = torch.as_tensor(list(ids), dtype=torch.long)
+    is_image = (ids == image_token_id).tolist()
+    out = torch.empty(3, len(is_image), dtype=torch.long)
+    cur, i, image = 0, 0, 0
+    while i < len(is_image):
+        if not is_image[i]:
+            j = i
+            while j < len(is_image) and not is_image[j]:
+                j += 1
+            out[:, i:j] = torch.arange(cur, cur + j - i)
+            cur, i = cur + j - i, j
+            continue
+        if image >= len(grids):
+            raise ValueError(f"the ids hold more image placeholder runs than the {len(grids)} image(s) given")
+        t, h, w = grids[image]
+        hm, wm = h // merge, w // merge
+        n = t * hm * wm
+        if i + n > len(is_image) or not all(is_image[i:i + n]):
+            run = next((k for k in range(i, len(is_image)) if not is_image[k]), len(is_image)) - i
+            raise ValueError(f"image {image} (grid {t}x{h}x{w}) needs {n} placeholder tokens, the ids hold a run of "
+                             f"{run}: the ids and the images did not come from one processor call")
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(hm), torch.arange(wm), indexing="ij"))
+        out[:, i:i + n] = cur + grid.reshape(3, -1)  # [3, n]: (t, row, column) from the image's start
+        cur += max(hm, wm)  # transformers' rule for still images: the text resumes after the longer side
+        i, image = i + n, image + 1
+    if image != len(grids):
+        raise ValueError(f"{len(grids)} image(s) given but the ids hold placeholders for {image}")
+    last = int(out.max()) + 1 if out.numel() else 0
+    return out, last - len(is_image)
+
+
+def batch_mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, grids: list[Optional[list]], *,
+                          image_token_id: int, merge: int) -> torch.Tensor:
+    """[3, B, S] positions of a padded batch: each row's real tokens (attention_mask 1) get mrope_positions over
+    them, in order; padding gets 0. grids[b]: row b's image grids (None or [] for a text row)."""
+    B, S = input_ids.shape
+    out = torch.zeros(3, B, S, dtype=torch.long)
+    ids_host, mask_host = input_ids.cpu(), attention_mask.bool().cpu()
+    for b in range(B):
+        real = mask_host[b]
+        pos, _ = mrope_positions(ids_host[b][real].tolist(), grids[b] or [], image_token_id=image_token_id,
+                                 merge=merge)
+        out[:, b, real] = pos
+    return out.to(input_ids.device)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding whose frequencies are split in sections by position axis (cfg.mrope_section)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.sections = tuple(cfg.mrope_section)
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [3, B, T] -> cos, sin [B, T, D]; [B, T] -> plain RoPE (every axis the same position)."""
+        if position_ids.dim() == 2:
+            return super().forward(position_ids, dtype)
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        angles = position_ids[..., None].float() * self.inv_freq.float()  # [3, B, T, D/2]
+        parts = angles.split(self.sections, dim=-1)
+        angles = torch.cat([part[axis % 3] for axis, part in enumerate(parts)], dim=-1)  # [B, T, D/2]
+        angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
+        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)

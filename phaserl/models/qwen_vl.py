@@ -1,0 +1,209 @@
+"""Qwen2.5-VL on the native decoder: the vision tower's embeddings in place of the image placeholder tokens, M-RoPE
+positions, and the Hugging Face directory (config.json + safetensors) in and out.
+
+`VisionLM` is a CausalLM (the Qwen2 decoder with `mrope_section` set, so the roles, LoRA, the rollout engine and
+checkpoints treat it as one) plus `visual`, the tower of vision.py. Its forward takes `images`: per row, None (a text
+row) or an object with `pixel_values` [N, F] and `grids` [(t, h, w), ...] (data.images.ImageInputs, one processor
+call per row). It checks each row's placeholder count against its images' token count (a ValueError naming both,
+never a silent shift), embeds the tokens, writes the tower's output over the placeholder rows, and runs the decoder
+at the rows' M-RoPE positions. A row object shared by several rows (the n samples of a prompt) goes through the
+tower once. Without images the model is the Qwen2 decoder at plain RoPE positions (identical: mrope.py).
+Files: transformers (4.x and 5.x) stores `model.*` (the language model), `visual.*` and `lm_head.*`, our parameter
+names; config.json is written in transformers 5's form (text_config, vision_config).
+Not here: the tower (vision.py), M-RoPE math (mrope.py), the image processor (data/images.py).
+
+Legend: B rows, S tokens per row, H hidden, M image tokens of a call, L a prompt's tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from phaserl.errors import ConfigError
+from phaserl.models.config import DecoderConfig
+from phaserl.models.decoder import CausalLM, init_weights
+from phaserl.models.families import config_from_hf, config_to_hf
+from phaserl.models.layers import embed
+from phaserl.models.mrope import batch_mrope_positions, mrope_positions
+from phaserl.models.vision import VisionConfig, VisionTower, set_trainable
+
+VL_MODEL_TYPES = ("qwen2_5_vl",)
+ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+
+
+@dataclass(frozen=True)
+class ImageTokenIds:
+    """The special tokens of the family's prompt format (`<|vision_start|><|image_pad|>*n<|vision_end|>`)."""
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+
+_VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "in_channels",
+                "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes",
+                "hidden_act")
+_VISION_DEFAULTS = dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                        in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+                        fullatt_block_indexes=(7, 15, 23, 31), hidden_act="silu")
+_TOKEN_DEFAULTS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                       vision_end_token_id=151653)
+
+
+def vl_config_from_hf(d: dict, *, source: str = "config.json") -> tuple[DecoderConfig, VisionConfig, ImageTokenIds]:
+    """The language model's DecoderConfig (a qwen2 decoder with mrope_section), the tower's VisionConfig and the
+    image token ids of a qwen2_5_vl config.json (text keys nested in text_config, or top-level in 4.x files)."""
+    if d.get("model_type") not in VL_MODEL_TYPES:
+        raise ConfigError(f"{source}: model_type={d.get('model_type')!r} is not a native vision-language model "
+                          f"({', '.join(VL_MODEL_TYPES)})")
+    text = dict(d.get("text_config") or d)
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    if section is None:
+        raise ConfigError(f"{source}: the text config's rope_parameters (or rope_scaling) has no mrope_section")
+    if rope.get("rope_type", rope.get("type")) in (None, "mrope", "default"):
+        rope = {k: v for k, v in rope.items() if k not in ("type", "rope_type")}
+        rope["rope_type"] = "default"
+    rope.setdefault("rope_theta", text.get("rope_theta", d.get("rope_theta", 1000000.0)))
+    tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    text = {**text, "model_type": "qwen2", "rope_parameters": rope, "rope_scaling": None, "tie_word_embeddings": tie}
+    cfg = config_from_hf(text, source=f"{source} (text_config)")
+    try:
+        cfg = cfg.replace(mrope_section=tuple(section))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    v = d.get("vision_config") or {}
+    theta = (v.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    vision = VisionConfig(**{k: v.get(k, _VISION_DEFAULTS[k]) for k in _VISION_KEYS}, rope_theta=float(theta))
+    if vision.out_hidden_size != cfg.hidden_size:
+        raise ConfigError(f"{source}: vision_config.out_hidden_size={vision.out_hidden_size} differs from the "
+                          f"language model's hidden_size={cfg.hidden_size}")
+    tokens = ImageTokenIds(**{k: d.get(k, text.get(k, default)) for k, default in _TOKEN_DEFAULTS.items()})
+    return cfg, vision, tokens
+
+
+def vl_config_to_hf(cfg: DecoderConfig, vision: VisionConfig, tokens: ImageTokenIds, dtype: str = "float32") -> dict:
+    """A qwen2_5_vl config.json dict from which transformers builds the same network."""
+    text = config_to_hf(cfg.replace(mrope_section=None), dtype)
+    for key in ("architectures", "torch_dtype", "rope_theta", "rope_scaling"):
+        text.pop(key, None)
+    text.update(model_type="qwen2_5_vl_text", rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                                               "mrope_section": list(cfg.mrope_section)})
+    v = {k: getattr(vision, k) for k in _VISION_KEYS}
+    v.update(model_type="qwen2_5_vl_vision", fullatt_block_indexes=list(vision.fullatt_block_indexes),
+             rope_parameters={"rope_type": "axial", "rope_theta": vision.rope_theta})
+    return {"architectures": [ARCHITECTURE], "model_type": "qwen2_5_vl", "text_config": text, "vision_config": v,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": dtype, **asdict(tokens)}
+
+
+class VisionLM(CausalLM):
+    """Qwen2.5-VL: the Qwen2 decoder (M-RoPE), a vision tower, and the image placeholders between them."""
+
+    takes_images = True
+    lora_skip = ("visual",)  # LoRA adapts the language model; the tower is frozen or fully trained (vision_trainable)
+
+    def __init__(self, cfg: DecoderConfig, vision: VisionConfig, tokens: ImageTokenIds, *,
+                 vision_trainable: bool = False):
+        if cfg.mrope_section is None:
+            raise ConfigError("VisionLM needs a decoder config with mrope_section (M-RoPE)")
+        super().__init__(cfg)
+        self.vision_config, self.image_tokens = vision, tokens
+        self.visual = VisionTower(vision)
+        init_weights(self.visual)
+        set_trainable(self.visual, vision_trainable)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.image_tokens.image_token_id
+
+    def image_tokens_of(self, image) -> int:
+        """Placeholder tokens the processor put in the prompt for one row's images."""
+        return sum(self.vision_config.tokens(g) for g in image.grids)
+
+    def image_features(self, images: Sequence) -> list[Optional[torch.Tensor]]:
+        """The tower's output per row ([M_row, H], None for a text row); rows holding the same object share one
+        tower pass (the n samples of a prompt), and every distinct image of the call goes through it together."""
+        distinct = list({id(im): im for im in images if im is not None}.values())
+        if not distinct:
+            return [None] * len(images)
+        weight = self.visual.patch_embed.proj.weight
+        pixels = torch.cat([im.pixel_values for im in distinct]).to(weight.device)  # [N, F]
+        features = self.visual(pixels, [g for im in distinct for g in im.grids])    # [M, H]
+        parts = features.split([self.image_tokens_of(im) for im in distinct])
+        by_id = {id(im): part for im, part in zip(distinct, parts)}
+        return [None if im is None else by_id[id(im)] for im in images]
+
+    def embed_with_images(self, input_ids: torch.Tensor, images: Sequence) -> torch.Tensor:
+        """input_ids [B, S] -> embeddings [B, S, H], each row's placeholder tokens replaced by its image features
+        (checked: the row's placeholder count equals its images' token count)."""
+        h = embed(input_ids, self.model.embed_tokens.weight, self.config.embed_scale)  # [B, S, H]
+        if len(images) != input_ids.shape[0]:
+            raise ValueError(f"images has {len(images)} entries for {input_ids.shape[0]} rows")
+        is_image = input_ids == self.image_token_id  # [B, S]
+        counts = is_image.sum(-1).tolist()
+        for row, (image, count) in enumerate(zip(images, counts)):
+            want = 0 if image is None else self.image_tokens_of(image)
+            if count != want:
+                raise ValueError(f"row {row} holds {count} image placeholder tokens, its images give {want} "
+                                 "(image_grid_thw): the ids and the pixels did not come from one processor call")
+        features = [f for f in self.image_features(images) if f is not None]
+        if not features:
+            return h
+        return h.masked_scatter(is_image[..., None], torch.cat(features).to(h.dtype))
+
+    def mrope_positions(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                        images: Sequence) -> torch.Tensor:
+        """[3, B, S] M-RoPE positions of a padded batch (mrope.batch_mrope_positions)."""
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return batch_mrope_positions(input_ids, mask, [None if im is None else list(im.grids) for im in images],
+                                     image_token_id=self.image_token_id,
+                                     merge=self.vision_config.spatial_merge_size)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, kv_cache=None, *, images: Optional[Sequence] = None,
+                seq_ids=None, boundaries=None, routing=None) -> torch.Tensor:
+        """input_ids [B, S] -> hidden [B, S, H]. images: per row None or its ImageInputs (None: a text batch, plain
+        positions as given). With images, the positions are the rows' M-RoPE positions (position_ids is ignored);
+        packed rows (seq_ids) and a KV cache take no images."""
+        if images is None or all(im is None for im in images):
+            return super().forward(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids,
+                                   boundaries=boundaries, routing=routing)
+        if seq_ids is not None or kv_cache is not None:
+            raise ValueError("VisionLM.forward(images=...) runs padded rows without a KV cache; the rollout engine "
+                             "prefills images itself (prefill_inputs)")
+        embeds = self.embed_with_images(input_ids, images)
+        positions = self.mrope_positions(input_ids, attention_mask, images)
+        return self.model(input_ids, positions, attention_mask, embeds=embeds)
+
+    @torch.no_grad()
+    def prefill_inputs(self, prompt: Sequence[int], image) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For the rollout engine: one prompt's embeddings [L, H] (image features in place), its M-RoPE positions
+        [3, L] and delta (decode positions are slot position + delta)."""
+        ids = torch.tensor([list(prompt)], device=self.output_weight.device)
+        embeds = self.embed_with_images(ids, [image])[0]
+        positions, delta = mrope_positions(prompt, list(image.grids), image_token_id=self.image_token_id,
+                                           merge=self.vision_config.spatial_merge_size)
+        return embeds, positions.to(ids.device), delta
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def is_vl_config(hf_config: dict) -> bool:
+    return hf_config.get("model_type") in VL_MODEL_TYPES
+
+
+def build_vl(hf_config: dict, source: str, *, vision_trainable: bool = False, meta: bool = False) -> VisionLM:
+    cfg, vision, tokens = vl_config_from_hf(hf_config, source=source)
+    if meta:
+        with torch.device("meta"):
+            return VisionLM(cfg, vision, tokens, vision_trainable=vision_trainable)
+    return VisionLM(cfg, vision, tokens, vision_trainable=vision_trainable)
+
+
+def write_config(directory: Path, model: VisionLM, dtype: str) -> None:
+    config = vl_config_to_hf(model.config, model.vision_config, model.image_tokens, dtype)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
