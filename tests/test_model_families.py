@@ -40,6 +40,13 @@ def family_configs():
         ("gemma4-global-head-dim", transformers.Gemma4TextConfig(  # "vision": bidirectional for images only
             **TINY, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0, sliding_window=3,
             layer_types=ALTERNATE, rope_parameters=GEMMA4_ROPE, use_bidirectional_attention="vision")),
+        # Gemma 4 E2B/E4B: per-layer inputs; the last 3 layers attend over layer 1's (sliding) or layer 2's (full)
+        # keys and values, with MLPs twice as wide.
+        ("gemma4-per-layer-inputs-shared-kv", transformers.Gemma4TextConfig(
+            **{**TINY, "num_hidden_layers": 6}, head_dim=8, global_head_dim=16, sliding_window=3,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, final_logit_softcapping=5.0,
+            rope_parameters=GEMMA4_ROPE, hidden_size_per_layer_input=8, vocab_size_per_layer_input=96,
+            num_kv_shared_layers=3, use_double_wide_mlp=True)),
         ("olmo2-postnorm", transformers.Olmo2Config(**TINY)),
         ("phi3-fused-sliding", transformers.Phi3Config(**TINY, sliding_window=3, pad_token_id=0, eos_token_id=2)),
         ("qwen2-sliding-layers", transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=3,
@@ -142,7 +149,9 @@ def test_engine_logprobs_equal_the_trainers_log_softmax(pair):
             hidden = ours(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]  # [R, H] predicting each token
             expected, _ = head_logprobs(ours, hidden, torch.tensor(tokens), temperature=0.8, chunk_size=4,
                                         with_entropy=False)
-        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
+        # float32: the deepest stack here (6 Gemma 4 layers with per-layer inputs) differs by up to ~1.3e-5 at
+        # |log p| ~ 6 between the engine's and the trainer's summation orders (float64: equal).
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=4e-6)
 
 
 @pytest.mark.gpu
@@ -208,11 +217,6 @@ def test_config_round_trips_through_config_json(pair):
 
 
 GEMMA4_REFUSED = {
-    "per-layer inputs": (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=96),
-                         "hidden_size_per_layer_input=8"),
-    # With per-layer inputs, as in E2B/E4B (transformers 5.24's own forward needs them with shared KV).
-    "shared kv": (dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=2),
-                  "num_kv_shared_layers=2"),
     "moe block": (dict(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                        moe_intermediate_size=16), "enable_moe_block=true"),
 }

@@ -65,6 +65,12 @@ class DecoderConfig:
     v_norm: bool = False                     # values RMS-normed per head, no weight
     layer_scalar: bool = False               # each layer's output times its `layer_scalar` buffer [1]
     final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap)
+    # Gemma 4 E2B/E4B: a second embedding gives every layer a small input of its own (layers.per_layer_inputs),
+    # and the last kv_shared_layers layers attend over the keys/values of an earlier layer (kv_source).
+    per_layer_input_size: int = 0            # P of each layer's own input; 0: none
+    per_layer_vocab_size: int = 0            # rows of the per-layer embedding table (Gemma 4: the vocabulary)
+    kv_shared_layers: int = 0                # the last this many layers keep no keys/values of their own
+    double_wide_mlp: bool = False            # those layers' MLPs are 2 x intermediate_size wide
     partial_rotary_factor: float = 1.0       # RoPE rotates the first head_dim * this dims of q and k (Qwen3.5: 0.25)
     attn_output_gate: bool = False           # Qwen3.5: q_proj also yields a gate, attention output * sigmoid(gate)
     linear_attention: Optional["LinearAttentionShape"] = None  # Gated DeltaNet layers' shape (layer_types says which)
@@ -128,6 +134,7 @@ class DecoderConfig:
         if ("linear_attention" in (self.layer_types or ())) != (self.linear_attention is not None):
             raise ConfigError("layer_types has linear_attention layers exactly when linear_attention (their shape) "
                               f"is set; got layer_types={self.layer_types}, linear_attention={self.linear_attention}")
+        self._check_kv_sharing()
         if self.mrope_section is not None:
             self.mrope_section = tuple(self.mrope_section)
             if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2:
@@ -137,6 +144,36 @@ class DecoderConfig:
             self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
             if self.rope_scaling["rope_type"] == "default":
                 self.rope_scaling = None
+
+    def _check_kv_sharing(self) -> None:
+        n, shared = self.num_hidden_layers, self.kv_shared_layers
+        if not 0 <= shared < n:
+            raise ConfigError(f"kv_shared_layers={shared} must be in [0, num_hidden_layers={n}): at least the first "
+                              "layer computes its own keys and values")
+        kinds = {self.layer_kind(i) for i in range(n - shared)}
+        missing = sorted({self.layer_kind(i) for i in range(n - shared, n)} - kinds)
+        if missing:
+            raise ConfigError(f"kv_shared_layers={shared}: the shared layers include {missing} layers but none of "
+                              f"the first {n - shared} layers is one, so there are no keys/values to share")
+        if self.per_layer_input_size and self.per_layer_vocab_size < 1:
+            raise ConfigError(f"per_layer_input_size={self.per_layer_input_size} needs per_layer_vocab_size >= 1")
+
+    def layer_kind(self, layer: int) -> str:
+        """layer_types[layer], or "full_attention" where layer_types is None."""
+        return "full_attention" if self.layer_types is None else self.layer_types[layer]
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over: itself, or for one of the last kv_shared_layers the
+        last layer of its kind before them (transformers' Gemma 4 rule)."""
+        first = self.num_hidden_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        return max(i for i in range(first) if self.layer_kind(i) == self.layer_kind(layer))
+
+    def mlp_width(self, layer: int) -> int:
+        """The dense MLP's inner width at `layer` (Gemma 4's double_wide_mlp doubles it in the KV-sharing layers)."""
+        wide = self.double_wide_mlp and self.kv_source(layer) != layer
+        return self.intermediate_size * (2 if wide else 1)
 
     @property
     def rotary_dim(self) -> int:
@@ -154,8 +191,9 @@ class DecoderConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers that keep keys and values (every layer but the linear-attention ones)."""
-        return sum(not self.is_linear(i) for i in range(self.num_hidden_layers))
+        """Layers that keep keys and values of their own (not the linear-attention ones, nor Gemma 4's KV-sharing
+        ones)."""
+        return sum(not self.is_linear(i) and self.kv_source(i) == i for i in range(self.num_hidden_layers))
 
     @property
     def rope_type(self) -> str:

@@ -33,8 +33,8 @@ from phaserl.models.config import DecoderConfig
 from phaserl.models.heads import chunked_token_logprobs, softcap
 from phaserl.models import hybrid
 from phaserl.models.hybrid import HybridLayer
-from phaserl.models.layers import (LayerWeights, embed, layer_spec, post_attention, pre_attention,
-                                   rope_tables)
+from phaserl.models.layers import (LayerWeights, embed, layer_spec, per_layer_inputs, post_attention,
+                                   pre_attention, rope_tables)
 from phaserl.models.modules import MLP, RMSNorm  # noqa: F401  (their home; imported from here too)
 from phaserl.models.moe import MoEWeights, Route, Routing, SharedExpert, prepare_device
 from phaserl.models.mrope import MRotaryEmbedding
@@ -56,9 +56,13 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: DecoderConfig, batch_size: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str) -> "KVCache":
-        shapes = [(batch_size, cfg.heads(i)[1], max_len, cfg.heads(i)[2]) for i in range(cfg.num_hidden_layers)]
-        return cls(keys=[torch.zeros(shape, dtype=dtype, device=device) for shape in shapes],
-                   values=[torch.zeros(shape, dtype=dtype, device=device) for shape in shapes],
+        keys, values = [], []
+        for i in range(cfg.num_hidden_layers):  # a KV-sharing layer (Gemma 4) holds its source's tensors, unwritten
+            shape = (batch_size, cfg.heads(i)[1], max_len, cfg.heads(i)[2])
+            own = cfg.kv_source(i) == i
+            keys.append(torch.zeros(shape, dtype=dtype, device=device) if own else keys[cfg.kv_source(i)])
+            values.append(torch.zeros(shape, dtype=dtype, device=device) if own else values[cfg.kv_source(i)])
+        return cls(keys=keys, values=values,
                    key_valid=torch.zeros(batch_size, max_len, dtype=torch.bool, device=device))
 
     @property
@@ -94,16 +98,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         (Hq, Hkv, D), H = cfg.heads(layer_idx), cfg.hidden_size
+        own_kv = cfg.kv_source(layer_idx) == layer_idx  # Gemma 4's KV-sharing layers have no key/value weights
         self.q_proj = nn.Linear(H, Hq * D, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias) if own_kv else None
         # Gemma 4's attention_k_eq_v layers have no v_proj: their values are the keys' projection.
-        self.v_proj = None if cfg.v_from_k(layer_idx) else nn.Linear(H, Hkv * D, bias=cfg.attention_bias)
+        own_v = own_kv and not cfg.v_from_k(layer_idx)
+        self.v_proj = nn.Linear(H, Hkv * D, bias=cfg.attention_bias) if own_v else None
         self.o_proj = nn.Linear(Hq * D, H, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
             per_head = cfg.qk_norm_scope == "head"
             self.q_norm = RMSNorm(D if per_head else Hq * D, cfg.rms_norm_eps, cfg.norm_style)
-            self.k_norm = RMSNorm(D if per_head else Hkv * D, cfg.rms_norm_eps, cfg.norm_style)
+            self.k_norm = RMSNorm(D if per_head else Hkv * D, cfg.rms_norm_eps, cfg.norm_style) if own_kv else None
 
 
 class Experts(nn.Module):
@@ -151,9 +157,18 @@ class DecoderLayer(nn.Module):
         for name in self.norm_roles.values():
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style))
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = SparseMoE(cfg) if self.spec.moe is not None else MLP(cfg)
+        self.mlp = SparseMoE(cfg) if self.spec.moe is not None else MLP(cfg, cfg.mlp_width(layer_idx))
         if cfg.layer_scalar:  # Gemma 4: a checkpoint buffer (not trained) that scales the layer's output
             self.register_buffer("layer_scalar", torch.ones(1))
+        # Gemma 4 E2B/E4B: the layer reads keys/values of kv_source (itself unless shared); kv_store: a later layer
+        # reads this one's; and the per-layer input's gate [P, H], projection [H, P] and norm.
+        self.kv_source = cfg.kv_source(layer_idx)
+        self.kv_store = any(cfg.kv_source(j) == layer_idx != j for j in range(cfg.num_hidden_layers))
+        if cfg.per_layer_input_size:
+            H, P = cfg.hidden_size, cfg.per_layer_input_size
+            self.per_layer_input_gate = nn.Linear(H, P, bias=False)
+            self.per_layer_projection = nn.Linear(P, H, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(H, cfg.rms_norm_eps, cfg.norm_style)
         self.compiled: Optional[str] = None  # enable_compile(): the torch.compile backend of cache-free calls
 
     @property
@@ -169,32 +184,45 @@ class DecoderLayer(nn.Module):
             dense = dict(gate=None, up=None, down=None, moe=m.weights())
         else:
             dense = dict(gate=m.gate_proj, up=m.up_proj, down=m.down_proj)
+        ple = {}
+        if hasattr(self, "per_layer_input_gate"):
+            ple = dict(ple_gate=self.per_layer_input_gate, ple_proj=self.per_layer_projection,
+                       ple_norm=self.post_per_layer_input_norm.weight)
         return LayerWeights(
             attn_in=norms.get("attn_in"), q=a.q_proj, k=a.k_proj, v=a.v_proj, qkv=None, qkv_bias=None,
-            q_norm=a.q_norm.weight if a.qk_norm else None, k_norm=a.k_norm.weight if a.qk_norm else None,
+            q_norm=a.q_norm.weight if a.qk_norm else None,
+            k_norm=getattr(a.k_norm, "weight", None) if a.qk_norm else None,  # none in a KV-sharing layer
             o=a.o_proj, o_bias=None, attn_out=norms.get("attn_out"), mlp_in=norms.get("mlp_in"),
-            gate_up=None, mlp_out=norms.get("mlp_out"), layer_scalar=getattr(self, "layer_scalar", None), **dense)
+            gate_up=None, mlp_out=norms.get("mlp_out"), layer_scalar=getattr(self, "layer_scalar", None), **dense,
+            **ple)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
-                kv_cache: Optional[KVCache] = None, route: Optional[Route] = None) -> torch.Tensor:
+                kv_cache: Optional[KVCache] = None, route: Optional[Route] = None,
+                per_layer_input: Optional[torch.Tensor] = None, shared: Optional[dict] = None) -> torch.Tensor:
         # The module call (and any FSDP hook on it) stays outside torch.compile; only the math is compiled.
         if self.compiled and kv_cache is None and route is None:
-            return _COMPILED_BLOCKS[self.compiled](self, h, cos, sin, attn)
-        return layer_block(self, h, cos, sin, attn, kv_cache, route)
+            return _COMPILED_BLOCKS[self.compiled](self, h, cos, sin, attn, None, None, per_layer_input, shared)
+        return layer_block(self, h, cos, sin, attn, kv_cache, route, per_layer_input, shared)
 
 
 def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None,
-                route: Optional[Route] = None) -> torch.Tensor:
+                route: Optional[Route] = None, per_layer_input: Optional[torch.Tensor] = None,
+                shared: Optional[dict] = None) -> torch.Tensor:
     """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D];
-    route: a MoE layer's routing in/out (moe.Route)."""
+    route: a MoE layer's routing in/out (moe.Route); per_layer_input [B, T, P] (Gemma 4); shared: layer -> its
+    (k, v) [B, S, Hkv, D], written by the layers later ones share keys/values with (kv_store), read by those."""
     spec, w = layer.spec, layer.weights()
     q, k, v = pre_attention(h, w, spec, cos, sin)  # [B, T, Hq|Hkv, D]
-    if kv_cache is not None:
+    if spec.kv_shared:
+        k, v = shared[layer.kv_source]
+    elif kv_cache is not None:
         k, v = kv_cache.update(layer.self_attn.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D]
+    if layer.kv_store:
+        shared[layer.self_attn.layer_idx] = k, v
     out = _attend(q, k, v, attn, spec.scale)  # [B, T, Hq, D]
-    return post_attention(h, out.flatten(-2), w, spec, route)
+    return post_attention(h, out.flatten(-2), w, spec, route, per_layer_input)
 
 
 _COMPILED_BLOCKS: dict = {}  # backend -> torch.compile(layer_block), made once per process by enable_compile
@@ -246,6 +274,12 @@ class DecoderModel(nn.Module):
             layer_class = HybridLayer
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
+        if cfg.per_layer_input_size:  # Gemma 4 E2B/E4B: layers.per_layer_inputs' table, projection and norm
+            LP = cfg.num_hidden_layers * cfg.per_layer_input_size
+            self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, LP,
+                                                       _weight=torch.empty(cfg.per_layer_vocab_size, LP))
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, LP, bias=False)
+            self.per_layer_projection_norm = RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps, cfg.norm_style)
         self.build_rotary()
         self.checkpoint_layers = 0  # the first k layers recompute their activations in backward (selective when < all)
 
@@ -275,6 +309,13 @@ class DecoderModel(nn.Module):
         if self.rotary_emb_local is not None:
             tables.append(rope_tables(*self.rotary_emb_local(position_ids, dtype)))
         return tables
+
+    def per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
+        """Gemma 4's per-layer inputs [..., L, P] for ids [...] embedded as h [..., H]; None for other models."""
+        if not self.config.per_layer_input_size:
+            return None
+        return per_layer_inputs(ids, h, self.embed_tokens_per_layer.weight, self.per_layer_model_projection,
+                                self.per_layer_projection_norm.weight, self.config.rms_norm_eps, self.config.norm_style)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -323,6 +364,8 @@ class DecoderModel(nn.Module):
 
             attn["linear"] = Segments.of(attention_mask, seq_ids)
         rope = self.rope(position_ids, h.dtype)
+        ple = self.per_layer_inputs(input_ids, h)  # [B, T, L, P] or None
+        shared = {} if self.config.kv_shared_layers else None  # KV-sharing layers' sources' (k, v)
         moe_layers = 0
         if self.config.num_experts:
             prepare_device(h.device)
@@ -333,10 +376,12 @@ class DecoderModel(nn.Module):
             route = None
             if routing is not None and layer.spec.moe is not None:
                 route, moe_layers = routing.route(moe_layers), moe_layers + 1
+            gemma4 = {} if ple is None and shared is None else dict(  # Gemma 4 E2B/E4B's extra inputs
+                per_layer_input=None if ple is None else ple[:, :, i], shared=shared)  # [B, T, P], layer -> (k, v)
             if i < recompute:
-                h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False, **gemma4)
             else:
-                h = layer(h, cos, sin, a, kv_cache, route)
+                h = layer(h, cos, sin, a, kv_cache, route, **gemma4)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h)

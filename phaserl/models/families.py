@@ -11,7 +11,8 @@ same network. The layer math those fields select lives in `layers.py`, once for 
   gemma3_text           sandwich norms x * (1 + w), GeGLU, sqrt(H) embedding scale, per-head qk-norm,
                         query_pre_attn_scalar, local (sliding, own RoPE theta) / global layers
   gemma4_text           Gemma 3's layout with plain norms, value norm, global layers' own head_dim / kv heads /
-                        proportional RoPE / k_eq_v, a layer scalar and soft-capped logits (gemma4.py)
+                        proportional RoPE / k_eq_v, a layer scalar and soft-capped logits; E2B/E4B's per-layer
+                        inputs and key/value sharing between layers (gemma4.py)
   olmo2                 norms after attention and MLP only, (w * x) rounding, qk-norm over the projection
   qwen3_moe             Qwen3 with a mixture of experts in place of the MLP (moe.py: top-k softmax routing,
                         stacked experts in memory, one tensor per expert in the files, the router's aux loss
@@ -371,6 +372,8 @@ def native_names(cfg: DecoderConfig, name: str) -> list[str]:
     expert = file_expert(name) if cfg.num_experts else None
     if expert is not None:  # one file tensor per expert: it fills a slice of our stacked parameter
         return [expert[0]]
+    if gemma4.unused_tensor(cfg, name):  # a KV-sharing layer's key/value weights: none of ours
+        return []
     suffix = _fused_suffix(name) if cfg.model_type == "phi3" else None
     if suffix is None:
         return [name]

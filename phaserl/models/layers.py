@@ -41,6 +41,7 @@ class LayerSpec:
     local_rope: bool                # takes the sliding layers' RoPE table (Gemma 3)
     moe: Optional[MoESpec] = None   # a mixture of experts instead of the gated MLP (moe.py)
     v_norm: bool = False            # values RMS-normed per head without a weight (Gemma 4)
+    kv_shared: bool = False         # queries only: the keys/values are an earlier layer's (Gemma 4, cfg.kv_source)
 
 
 def layer_spec(cfg: DecoderConfig, layer: int) -> LayerSpec:
@@ -48,7 +49,8 @@ def layer_spec(cfg: DecoderConfig, layer: int) -> LayerSpec:
     moe = MoESpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) if cfg.is_moe(layer) else None
     return LayerSpec(cfg.heads(layer), cfg.rms_norm_eps,
                      cfg.norm_style, cfg.qk_norm_scope if cfg.qk_norm else "", cfg.hidden_act, scale,
-                     cfg.window(layer), cfg.local_rope(layer), moe=moe, v_norm=cfg.v_norm)
+                     cfg.window(layer), cfg.local_rope(layer), moe=moe, v_norm=cfg.v_norm,
+                     kv_shared=cfg.kv_source(layer) != layer)
 
 
 class LayerWeights(NamedTuple):
@@ -73,6 +75,9 @@ class LayerWeights(NamedTuple):
     mlp_out: Optional[Tensor]       # norm of the MLP output (sandwich, post)
     moe: Optional[MoEWeights] = None  # router and stacked experts (gate/up/down are then None)
     layer_scalar: Optional[Tensor] = None  # [1]: the layer's output is scaled by it (Gemma 4)
+    ple_gate: Optional[Linear] = None      # [P, H] Gemma 4's per-layer input gate (add_per_layer_input)
+    ple_proj: Optional[Linear] = None      # [H, P] its projection back to the residual stream
+    ple_norm: Optional[Tensor] = None      # [H] the norm of that projection
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str = "llama") -> Tensor:
@@ -94,6 +99,23 @@ def embed(ids: Tensor, weight: Tensor, scale: Optional[float]) -> Tensor:
     """Token embeddings [N, H]; Gemma multiplies them by sqrt(H), rounded to the weight dtype first."""
     h = F.embedding(ids, weight)
     return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)
+
+
+def per_layer_inputs(ids: Tensor, h: Tensor, table: Tensor, projection: Linear, norm: Tensor, eps: float,
+                     style: str) -> Tensor:
+    """Gemma 4's per-layer inputs [N, L, P] for tokens ids [N] embedded as h [N, H]: the token's row of the
+    per-layer table [V, L P] (times sqrt(P)) and the projection of h [L P, H] (times H^-0.5, RMS-normed per
+    layer), summed and scaled by 2^-0.5. Layer i reads [:, i] (add_per_layer_input)."""
+    P = norm.shape[-1]
+    token = embed(ids, table, P ** 0.5).unflatten(-1, (-1, P))  # [N, L, P]
+    context = (linear(h, projection) * h.shape[-1] ** -0.5).unflatten(-1, (-1, P))  # [N, L, P]
+    return (rms_norm(context, norm, eps, style) + token) * 2 ** -0.5
+
+
+def add_per_layer_input(h: Tensor, p: Tensor, w: LayerWeights, spec: LayerSpec) -> Tensor:
+    """h [N, H] plus norm(proj(act(gate(h)) * p)), p [N, P] the layer's own input (per_layer_inputs)."""
+    g = activation(linear(h, w.ple_gate), spec.act) * p  # [N, P]
+    return h + rms_norm(linear(g, w.ple_proj), w.ple_norm, spec.eps, spec.norm_style)
 
 
 def linear(x: Tensor, w: Linear, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
@@ -125,6 +147,8 @@ def pre_attention(h: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin:
     cos/sin are rope_tables(...) [N, D]."""
     Hq, Hkv, D = spec.heads
     x = h if w.attn_in is None else rms_norm(h, w.attn_in, spec.eps, spec.norm_style)
+    if spec.kv_shared:  # the caller brings the keys/values of the layer it shares them with
+        return query_only(x, w, spec, cos, sin), None, None
     if w.qkv is not None:
         q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [N, heads * D] each
     else:
@@ -140,13 +164,25 @@ def pre_attention(h: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin:
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
+def query_only(x: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin: Tensor) -> Tensor:
+    """A KV-sharing layer's queries [N, Hq, D] from its normed input x [N, H] (qkv: the engine's q rows alone)."""
+    Hq, _, D = spec.heads
+    assert spec.qk_norm != "projection", "KV-sharing layers take per-head q-norms (Gemma 4) or none"
+    q = (linear(x, w.q) if w.qkv is None else F.linear(x, w.qkv, w.qkv_bias)).unflatten(-1, (Hq, D))
+    if spec.qk_norm == "head":
+        q = rms_norm(q, w.q_norm, spec.eps, spec.norm_style)
+    return rotate(q, cos, sin)
+
+
 def activation(gate: Tensor, act: str) -> Tensor:
     return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
 
 
-def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, route: Optional[Route] = None) -> Tensor:
+def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, route: Optional[Route] = None,
+                   per_layer_input: Optional[Tensor] = None) -> Tensor:
     """Residual stream after the attention core: h [N, H], attn [N, Hq * D] -> h [N, H]
-    (o_proj, its output norm, residual, MLP input norm, gated MLP or experts, its output norm, residual).
+    (o_proj, its output norm, residual, MLP input norm, gated MLP or experts, its output norm, residual, then
+    Gemma 4's per-layer input [N, P] where the layer has one, and its layer scalar).
     route: a MoE layer's routing in/out (moe.Route: replayed experts, the experts and router logits used)."""
     if w.attn_out is None:
         h = linear(attn, w.o, w.o_bias, residual=h)
@@ -165,5 +201,7 @@ def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, ro
         h = linear(a, w.down, residual=h)
     else:
         h = h + rms_norm(linear(a, w.down), w.mlp_out, spec.eps, spec.norm_style)
+    if w.ple_gate is not None:
+        h = add_per_layer_input(h, per_layer_input, w, spec)
     # In h's dtype, as transformers' in-place `h *= layer_scalar` (an fp32 buffer under bf16 compute included).
     return h if w.layer_scalar is None else h * w.layer_scalar.to(h.dtype)

@@ -10,6 +10,9 @@ sliding ones), and each width group has its own region of the buffer, [Lg, 2, ca
 layer's row is exactly as wide as its own keys and values. Slot s sits at the same slot index in every group:
 moving whole slots is one index copy per group (`slot_rows`), a handful at most, not one per layer.
 
+Gemma 4's KV-sharing layers (E2B/E4B) keep no rows of their own: `layout` hands each of them the views of the
+layer whose keys and values it reads (DecoderConfig.kv_source), so the pool holds only the layers that write.
+
 Size: an explicit token budget, or `memory_fraction` of the free accelerator memory at wake() time,
 capped at `max_tokens` (what the run can use: its most slots times its longest slot), so a small
 model with short sequences does not take 40% of a GPU.
@@ -39,6 +42,9 @@ class KVPool:
         self.cfg = cfg
         self.layer_heads = self.kv_layer_heads(cfg)
         self.num_layers = len(self.layer_heads)
+        # per attention layer (linear ones left out): the index into layer_heads of the layer whose KV it reads
+        owners = [i for i in range(cfg.num_hidden_layers) if self.keeps_kv(cfg, i)]
+        self.reads = [owners.index(cfg.kv_source(i)) for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]
         self.groups = self.width_groups(self.layer_heads)  # [G] (Hkv * D, the pool's layers of that width)
         # per layer with KV: (its group, its index among the group's layers)
         self.place = {i: (g, j) for g, (_, layers) in enumerate(self.groups) for j, i in enumerate(layers)}
@@ -49,11 +55,17 @@ class KVPool:
         self.capacity_tokens = 0
 
     @staticmethod
-    def kv_layer_heads(cfg: DecoderConfig) -> list[tuple[int, int]]:
-        """(Hkv, D) of every layer that keeps keys and values. Linear-attention layers (Qwen3.5) keep none: their
-        state lives in rollout/recurrent_state.py. Gemma 4's global layers differ from its sliding ones. Sliding
-        layers get the whole slot, not only their window (slot positions are RoPE positions in every layer)."""
-        return [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers) if not cfg.is_linear(i)]
+    def keeps_kv(cfg: DecoderConfig, layer: int) -> bool:
+        """True when `layer` writes keys and values of its own: not a linear-attention layer (Qwen3.5: its state
+        lives in rollout/recurrent_state.py), nor a KV-sharing one (Gemma 4 E2B/E4B)."""
+        return not cfg.is_linear(layer) and cfg.kv_source(layer) == layer
+
+    @classmethod
+    def kv_layer_heads(cls, cfg: DecoderConfig) -> list[tuple[int, int]]:
+        """(Hkv, D) of every layer that keeps keys and values (keeps_kv). Gemma 4's global layers differ from its
+        sliding ones. Sliding layers get the whole slot, not only their window (slot positions are RoPE positions
+        in every layer)."""
+        return [cfg.heads(i)[1:] for i in range(cfg.num_hidden_layers) if cls.keeps_kv(cfg, i)]
 
     @staticmethod
     def width_groups(layer_heads: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
@@ -136,7 +148,8 @@ class KVPool:
         return self.capacity_tokens // slot_len
 
     def layout(self, num_slots: int, slot_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer keys and values, each [num_slots, Hkv, S, D], viewing the buffer (grown on demand on CPU)."""
+        """Per attention layer keys and values, each [num_slots, Hkv, S, D], viewing the buffer (grown on demand on
+        CPU); a KV-sharing layer gets its source's views."""
         needed = num_slots * slot_len
         if self.slots_that_fit(slot_len) is None:  # sized on demand
             if not self.awake or needed > self.capacity_tokens:
@@ -150,7 +163,7 @@ class KVPool:
         for i, (h, d) in enumerate(self.layer_heads):
             g, j = self.place[i]
             views.append(rows[g][j].unflatten(-1, (h, slot_len, d)))  # [2, slots, Hkv, S, D]
-        return [v[0] for v in views], [v[1] for v in views]
+        return [views[i][0] for i in self.reads], [views[i][1] for i in self.reads]
 
     def slot_rows(self, num_slots: int, slot_len: int) -> list[torch.Tensor]:
         """All of the KV as one [Lg, 2, num_slots, S * width] per width group, for moving whole slots with one

@@ -143,7 +143,7 @@ class HybridRunner(ModelRunner):
     # ----- prefill --------------------------------------------------------------------------------
     def _prefill_pass(self, groups) -> None:
         Hq, Hkv, D = self.heads
-        U, P, lengths, group_of, slots, caps, rope, h = self._prefill_inputs(groups)  # rope: [U * P, R] each
+        U, P, lengths, group_of, slots, caps, rope, h, _ = self._prefill_inputs(groups)  # rope: [U * P, R] each
         R = self.recurrent
         for module, kind, j, w, post, spec in self._layers():
             if kind == "linear":

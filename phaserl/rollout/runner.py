@@ -79,9 +79,10 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     # (o and down then get one too); the actor's base weights are never written.
     w = engine_weight
     v = m.k if m.v is None else m.v  # Gemma 4's k_eq_v layers: the value rows repeat the key rows
+    qkv = [m.q] if m.k is None else [m.q, m.k, v]  # Gemma 4's KV-sharing layers: queries only
     qkv_bias = None
     if m.q.bias is not None:
-        qkv_bias = cat([m.q.bias, m.k.bias, v.bias], previous and previous.qkv_bias)
+        qkv_bias = cat([p.bias for p in qkv], previous and previous.qkv_bias)
     # A MoE layer's router and stacked experts are read in place (m.moe): no copy of the expert weights.
     if m.moe is not None:
         mlp = dict(moe=m.moe if m.moe.shared is None else m.moe._replace(
@@ -89,7 +90,10 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     else:
         mlp = dict(gate=None, up=None, down=w(m.down, previous and previous.down),
                    gate_up=cat([w(m.gate), w(m.up)], previous and previous.gate_up))
-    return m._replace(q=None, k=None, v=None, qkv=cat([w(m.q), w(m.k), w(v)], previous and previous.qkv),
+    if m.ple_gate is not None:  # Gemma 4's per-layer input projections, as tensors
+        mlp.update(ple_gate=w(m.ple_gate, previous and previous.ple_gate),
+                   ple_proj=w(m.ple_proj, previous and previous.ple_proj))
+    return m._replace(q=None, k=None, v=None, qkv=cat([w(p) for p in qkv], previous and previous.qkv),
                       qkv_bias=qkv_bias, o=w(m.o, previous and previous.o), o_bias=m.o.bias, **mlp)
 
 
@@ -145,6 +149,11 @@ def layer_fns(device: torch.device, compile: bool) -> LayerFns:
     return fns
 
 
+def column(per_layer: Optional[Tensor], layer: int) -> Optional[Tensor]:
+    """Layer `layer`'s own input [N, P] from a pass's per-layer inputs [N, L, P] (Gemma 4), or None."""
+    return None if per_layer is None else per_layer[:, layer]
+
+
 def prefill_mask(P: int, window: Optional[int], device: torch.device) -> Optional[Tensor]:
     """[P, P] causal mask within `window` for a sliding layer's prefill (right padding stays harmless);
     None for full layers (SDPA's is_causal)."""
@@ -185,6 +194,9 @@ class ModelRunner:
         self.heads = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim)  # every layer's
         # but Gemma 4's global ones (they read spec.heads); Qwen3.5's HybridRunner reads these
         self.final_norm = (self.cfg.rms_norm_eps, self.cfg.norm_style)
+        # Gemma 4 E2B/E4B: the layer whose keys/values each layer attends over, and the layers later ones read
+        self.kv_source = [self.cfg.kv_source(i) for i in range(self.cfg.num_hidden_layers)]
+        self.kv_store = {j for i, j in enumerate(self.kv_source) if i != j}
         self.layout: Optional[tuple[int, int, int]] = None  # (num_slots, slot_len, max_new)
         self.graphs: dict = {}
         self.graph_pool = None
@@ -262,10 +274,12 @@ class ModelRunner:
         """Decode rows for slots [0, span): the smallest captured bucket, or exactly span without graphs."""
         return next(b for b in decode_buckets(self.layout[0]) if b >= span) if self.use_graphs else span
 
-    def _post(self, h: Tensor, attn: Tensor, w: LayerWeights, spec) -> tuple[Tensor, Optional[Tensor]]:
-        """layers.post_attention; with routes recorded, also the experts a MoE layer chose ([N, k], else None)."""
+    def _post(self, h: Tensor, attn: Tensor, w: LayerWeights, spec,
+              per_layer_input: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """layers.post_attention; with routes recorded, also the experts a MoE layer chose ([N, k], else None).
+        per_layer_input: the layer's own input [N, P] (Gemma 4 E2B/E4B), else None."""
         if self.routes is None or spec.moe is None:
-            return self.fns.post(h, attn, w, spec), None
+            return self.fns.post(h, attn, w, spec, None, per_layer_input), None
         route = Route()
         return self.fns.post(h, attn, w, spec, route), route.experts.to(torch.int16)
 
@@ -286,8 +300,8 @@ class ModelRunner:
     def _prefill_inputs(self, groups):
         """A prefill pass's inputs on the device: U prompts right-padded to P (causal attention keeps real tokens
         clean), their lengths [U], the prompt row of each sequence [n], its slot [n] and cap [n], the RoPE tables
-        [U * P, D] per table, the embedded tokens h [U * P, H]. The sequences' noise keys go into their slots'
-        SlotState.key here."""
+        [U * P, D] per table, the embedded tokens h [U * P, H] and their per-layer inputs (_embed). The sequences'
+        noise keys go into their slots' SlotState.key here."""
         U = len(groups)
         lengths = [len(prompt) for prompt, _, _, _ in groups]
         P = max(lengths)
@@ -301,22 +315,40 @@ class ModelRunner:
         ids, lengths, group_of, slots, caps, keys = (t.to(self.device, non_blocking=True) for t in host)
         self.state.key[slots] = keys
         rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, D] each
-        h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [U * P, H]
-        return U, P, lengths, group_of, slots, caps, rope, h
+        h, per_layer = self._embed(ids.view(-1))  # [U * P, H], [U * P, L, P'] or None
+        return U, P, lengths, group_of, slots, caps, rope, h, per_layer
+
+    def _embed(self, ids: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """ids [N] -> (h [N, H], Gemma 4's per-layer inputs [N, L, P] or None)."""
+        h = embed(ids, self.model.model.embed_tokens.weight, self.cfg.embed_scale)
+        return h, self.model.model.per_layer_inputs(ids, h)
+
+    def _shared_kv(self, layer: int, k: Tensor, v: Tensor, fresh: dict) -> tuple[Tensor, Tensor]:
+        """The (k, v) of this pass that `layer` attends with: its own (kept in `fresh` when a later layer reads them),
+        or for a KV-sharing layer (Gemma 4) its source layer's. The caches a KV-sharing layer gets are its source's
+        (KVPool.layout), so the attention cores' write of these k, v puts the same values where they already are."""
+        if self.specs[layer].kv_shared:
+            return fresh[self.kv_source[layer]]
+        if layer in self.kv_store:
+            fresh[layer] = k, v
+        return k, v
 
     def _prefill_pass(self, groups) -> None:
-        U, P, lengths, group_of, slots, caps, rope, h = self._prefill_inputs(groups)
+        U, P, lengths, group_of, slots, caps, rope, h, per_layer = self._prefill_inputs(groups)
         masks = {spec.window: prefill_mask(P, spec.window, self.device) for spec in self.specs}
+        fresh: dict = {}  # layer -> its (k, v) [U, Hkv, P, D], for the layers that share them (_shared_kv)
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
             Hq, Hkv, D = spec.heads  # per layer: Gemma 4's global layers have their own
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
-            k, v = k.view(U, P, Hkv, D).transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # [U, Hkv, P, D]
-            keys[slots, :, :P], values[slots, :, :P] = k[group_of], v[group_of]  # shared prompt KV -> every slot
+            if not spec.kv_shared:
+                k, v = k.view(U, P, Hkv, D).transpose(1, 2), v.view(U, P, Hkv, D).transpose(1, 2)  # [U, Hkv, P, D]
+                keys[slots, :, :P], values[slots, :, :P] = k[group_of], v[group_of]  # shared prompt KV -> every slot
+            k, v = self._shared_kv(layer, k, v, fresh)
             mask = masks[spec.window]
             attn = F.scaled_dot_product_attention(q.view(U, P, Hq, D).transpose(1, 2), k, v, attn_mask=mask,
                                                   is_causal=mask is None, scale=spec.scale,
                                                   enable_gqa=True)  # [U, Hq, P, D]
-            h, experts = self._post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec)
+            h, experts = self._post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec, column(per_layer, layer))
             if experts is not None:  # the prompt's routing, into every slot that shares it (right padding too)
                 self.routes[slots, :P, self.moe_index[layer]] = experts.view(U, P, -1)[group_of]
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
@@ -364,8 +396,9 @@ class ModelRunner:
         fused = [f and EXTEND_KERNEL and extend_kernel.supports(spec.heads[2]) for f, spec in zip(self.fused, self.specs)]
         flat = pos.view(-1)
         rope = None if all(fused) else [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
-        h = embed(ids.view(-1), self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [C * M, H]
+        h, per_layer = self._embed(ids.view(-1))  # [C * M, H], [C * M, L, P] or None
         carry = None  # a fused layer's MLP output not yet added to h (as in _decode_step)
+        fresh: dict = {}  # layer -> its (k, v) [C * M, Hkv, D], for the layers that share them (_shared_kv)
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
             if fused[layer]:
                 h, carry = fused_extend_layer(h, carry, w, spec, keys, values, slots, pos, lengths, context,
@@ -373,9 +406,10 @@ class ModelRunner:
                 continue
             h, carry = h if carry is None else h + carry, None
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
+            k, v = self._shared_kv(layer, k, v, fresh)
             attn = self._extend_attention(q, k, v, keys, values, slots, pos, lengths, context, spec.heads,
                                           spec.scale, spec.window, masks)  # [C * M, Hq * D]
-            h, experts = self._post(h, attn, w, spec)
+            h, experts = self._post(h, attn, w, spec, column(per_layer, layer))
             if experts is not None:
                 self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
         at = (torch.arange(C, device=self.device), lengths - 1)
@@ -425,7 +459,8 @@ class ModelRunner:
         st = self.state
         tokens, pos = st.tokens[:b], st.pos[:b]
         rope = None if all(self.fused) else [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
-        h = embed(tokens, self.model.model.embed_tokens.weight, self.cfg.embed_scale)  # [b, H]
+        h, per_layer = self._embed(tokens)  # [b, H], [b, L, P] or None
+        fresh: dict = {}  # layer -> its (k, v) [b, Hkv, D], for the layers that share them (_shared_kv)
         carry = None  # a fused layer's MLP output not yet added to h (fused.RESIDUAL_IN_GEMM)
         rows = torch.arange(b, device=self.device)
         for layer, (keys, values, w, spec, fused) in enumerate(zip(self.keys, self.values, self.weights, self.specs,
@@ -435,7 +470,9 @@ class ModelRunner:
                 continue
             h, carry = h if carry is None else h + carry, None
             q, k, v = self.fns.pre(h, w, spec, *rope[spec.local_rope])
-            h, experts = self._post(h, self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window), w, spec)
+            k, v = self._shared_kv(layer, k, v, fresh)
+            attn = self.fns.attend(q, k, v, keys, values, pos, spec.scale, spec.window)  # [b, Hq * D]
+            h, experts = self._post(h, attn, w, spec, column(per_layer, layer))
             if experts is not None:  # at the fed token's position (idle rows: their own frozen one)
                 self.routes[rows, pos, self.moe_index[layer]] = experts
         weight = self.model.model.norm.weight
