@@ -16,10 +16,9 @@ and Hugging Face directory I/O.
 """
 from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM, KVCache
-from phaserl.models.value import ValueModel
 from phaserl.models.hf_fallback import value_model_of
-from phaserl.models.hf_io import (load_pretrained, load_tokenizer, load_value_model, save_pretrained,
-                                  save_value_model)
+from phaserl.models.hf_io import load_pretrained, load_tokenizer, load_value_model, save_pretrained, save_value_model
+from phaserl.models.value import ValueModel
 
 __all__ = ["DecoderConfig", "CausalLM", "KVCache", "ValueModel", "load_pretrained", "save_pretrained",
            "load_tokenizer", "save_value_model", "load_value_model", "value_model_of"]

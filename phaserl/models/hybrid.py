@@ -23,9 +23,9 @@ from torch import nn
 
 from phaserl.models import attention
 from phaserl.models.config import DecoderConfig
-from phaserl.models.modules import MLP, RMSNorm
 from phaserl.models.layers import LayerSpec, LayerWeights, layer_spec, linear, post_attention, rms_norm, rotate
 from phaserl.models.linear_attention import GatedDeltaNet, Segments
+from phaserl.models.modules import MLP, RMSNorm
 
 Tensor = torch.Tensor
 

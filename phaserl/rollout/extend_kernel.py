@@ -34,10 +34,10 @@ import torch
 from phaserl.rollout import kernels
 
 MAX_HEAD_DIM = 256
-# Launch settings, not swept (H200, 2026-12-03: 56 us a layer for 256 rows x 33 tokens at 0.5B): chosen so that ptxas (Triton 3.6, sm_90,
-# compiled here ahead of time) spills no register. A program's q tile is EXTEND_ROWS x 64 elements (rows halved per
-# doubling of head_dim past 64, and for float32), keys in blocks of EXTEND_BLOCK_N (32 past head_dim 64 and for
-# float32). bf16: 128 rows x 64 keys at D = 64 use 239 registers a thread with 8 warps (4 warps spill), 64 x 32
+# Launch settings, not swept (H200, 2026-12-03: 56 us a layer for 256 rows x 33 tokens at 0.5B): chosen so that ptxas
+# (Triton 3.6, sm_90, compiled here ahead of time) spills no register. A program's q tile is EXTEND_ROWS x 64 elements
+# (rows halved per doubling of head_dim past 64, and for float32), keys in blocks of EXTEND_BLOCK_N (32 past head_dim 64
+# and for float32). bf16: 128 rows x 64 keys at D = 64 use 239 registers a thread with 8 warps (4 warps spill), 64 x 32
 # at D = 128 192, 32 x 32 at D = 256 222; float32 (IEEE dots) 64 x 32 at D = 64 144.
 EXTEND_ROWS, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES = 128, 64, 8, 2
 

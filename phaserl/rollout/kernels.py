@@ -516,7 +516,8 @@ def _rms_norm(x, residual, weight, eps, style):
 
 
 def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
-    """[gate | up] [N, 2 I] -> layers.activation(gate, act) * up [N, I] in one kernel (act: silu | gelu_pytorch_tanh)."""
+    """[gate | up] [N, 2 I] -> layers.activation(gate, act) * up [N, I] in one kernel
+    (act: silu | gelu_pytorch_tanh)."""
     N, width = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(-1) == 1 and act in ("silu", "gelu_pytorch_tanh")
     out = torch.empty(N, width, dtype=gate_up.dtype, device=gate_up.device)

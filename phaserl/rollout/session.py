@@ -30,7 +30,6 @@ import torch
 from phaserl.errors import DataError
 from phaserl.rollout.runner import ModelRunner
 
-
 FIRST_GATHER_S = 0.01  # before the first step: resets answering within this of the first one prefill together
 
 
@@ -237,7 +236,8 @@ class DecodeSession:
         if self.decoding:
             # Slots past the last decoding one are parked or free: not stepped at all (a parked slot's KV and
             # state wait unchanged; its continuation re-writes its last token's KV, see extend()).
-            span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None and lv.decoding)
+            span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot))
+                                         if lv is not None and lv.decoding)
             self.runner.decode(self.runner.bucket_for(span))
             now = time.perf_counter()
             if self._last_decode is not None:
@@ -351,7 +351,7 @@ def session_slots(requested: Optional[int], max_slots: int, fit: Optional[int], 
     slots = min(requested or max_slots, max_slots)
     if fit is not None:
         if fit < 1:
-            raise ConfigError(f"the rollout KV cache holds {capacity} tokens, less than one episode slot of {slot_len}; "
-                              "raise token_budget / memory_fraction or lower agent.max_episode_tokens")
+            raise ConfigError(f"the rollout KV cache holds {capacity} tokens, less than one episode slot of "
+                              f"{slot_len}; raise token_budget / memory_fraction or lower agent.max_episode_tokens")
         slots = min(slots, fit)
     return slots
