@@ -180,17 +180,29 @@ class VisionLM(CausalLM):
         return self.model(input_ids, positions, attention_mask, embeds=embeds)
 
     @torch.no_grad()
-    def prefill_inputs(self, prompt: Sequence[int], image) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """For the rollout engine: one prompt's embeddings [L, H] (image features in place), its M-RoPE positions
-        [3, L] and delta (decode positions are slot position + delta)."""
-        ids = torch.tensor([list(prompt)], device=self.output_weight.device)
-        embeds = self.embed_with_images(ids, [image])[0]
-        positions, delta = mrope_positions(prompt, list(image.grids), image_token_id=self.image_token_id,
-                                           merge=self.vision_config.spatial_merge_size)
-        return embeds, positions.to(ids.device), delta
+    def prefill_inputs(self, prompts: Sequence[Sequence[int]], images: Sequence) -> list:
+        """For the rollout engine: per prompt with an image, (embeddings [L, H] with the image features in place,
+        M-RoPE positions [3, L], delta: decode positions are slot position + delta); None for a text prompt. The
+        distinct images of the call go through the tower together, once each."""
+        features = {id(im): f for im, f in zip(images, self.image_features(images))}  # shared by identity
+        out = []
+        for prompt, image in zip(prompts, images):
+            if image is None:
+                out.append(None)
+                continue
+            ids = torch.tensor(list(prompt), device=self.output_weight.device)
+            embeds = embed(ids, self.model.embed_tokens.weight, self.config.embed_scale)  # [L, H]
+            is_image = ids == self.image_token_id
+            if int(is_image.sum()) != self.image_tokens_of(image):
+                raise ValueError(f"a prompt holds {int(is_image.sum())} image placeholder tokens, its images give "
+                                 f"{self.image_tokens_of(image)}: the ids and the pixels did not come from one "
+                                 "processor call")
+            embeds = embeds.masked_scatter(is_image[:, None], features[id(image)].to(embeds.dtype))
+            positions, delta = mrope_positions(prompt, list(image.grids), image_token_id=self.image_token_id,
+                                               merge=self.vision_config.spatial_merge_size)
+            out.append((embeds, positions.to(ids.device), delta))
+        return out
 
-
-# ---------------------------------------------------------------------------------------------- files
 
 def is_vl_config(hf_config: dict) -> bool:
     return hf_config.get("model_type") in VL_MODEL_TYPES

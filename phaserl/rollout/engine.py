@@ -28,6 +28,7 @@ from phaserl.errors import ConfigError, DataError
 from phaserl.models.decoder import CausalLM
 from phaserl.rollout.fused import decodes_fused
 from phaserl.rollout.generate import GenerationResult, check_prompts
+from phaserl.rollout.images import vision_prefills
 from phaserl.rollout.kv_pool import KVPool
 from phaserl.rollout.runner import ModelRunner
 from phaserl.rollout.sampling import SamplingParams
@@ -165,13 +166,15 @@ class RolloutEngine:
     # ----- generate -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, eos_token_ids: list[int],
                  pad_token_id: int, batch_size: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 ignore_eos: bool = False, max_new_tokens: Optional[list[int]] = None) -> GenerationResult:
+                 ignore_eos: bool = False, max_new_tokens: Optional[list[int]] = None,
+                 images: Optional[list] = None) -> GenerationResult:
         """Sample one response per prompt (repeat a prompt for n samples; repeats share their prefill).
 
         batch_size: most sequences decoded together (None: config.max_slots). ignore_eos: EOS does not
         stop a response (benchmarks; stop_token_ids still do). max_new_tokens: a per-prompt cap
         <= params.max_new_tokens (benchmarks use it for long-tail lengths). pad_token_id is unused:
-        responses are returned unpadded.
+        responses are returned unpadded. images: per prompt None or its data.images.ImageInputs (a vision-language
+        model: its features replace the prompt's placeholder tokens; rollout/images.py).
         """
         weight = self._follow_model()
         check_prompts(prompts, weight.shape[0])
@@ -184,10 +187,12 @@ class RolloutEngine:
                               f"sequence of {slot_len}; raise token_budget / memory_fraction")
         num_slots = num_slots if fit is None else min(num_slots, fit)
         stop_ids = sorted({*([] if ignore_eos else eos_token_ids), *params.stop_token_ids})
-        sequences = [Sequence(i, tuple(p), cap) for i, (p, cap) in enumerate(zip(prompts, caps))]
+        media = images or [None] * len(prompts)
+        sequences = [Sequence(i, tuple(p), cap, media=m) for i, (p, cap, m) in enumerate(zip(prompts, caps, media))]
         scheduler = Scheduler(sequences, num_slots, refill=self.config.refill, admit_threshold=num_slots // 16)
         start, steps, finished = time.perf_counter(), 0, []
         with torch.inference_mode(), _seeded(generator, self.device):
+            self.runner.vision = vision_prefills(self.model, prompts, images)  # the tower, once per distinct image
             self.runner.begin(num_slots, slot_len, max(caps), params, stop_ids)
             begin_seconds = time.perf_counter() - start  # layout, fused weights, graph capture (host clock)
             known = None  # the snapshot of the previous step, read after the next step is launched
@@ -228,6 +233,7 @@ class RolloutEngine:
         stop_ids = sorted({*eos_token_ids, *params.stop_token_ids})
         start = time.perf_counter()
         with torch.inference_mode(), _seeded(generator, self.device):
+            self.runner.vision = {}  # a session's prompts are text (images in observations: not yet)
             self.runner.begin(slots, slot_len, params.max_new_tokens, params, stop_ids)
             session = DecodeSession(self.runner, num_slots=slots, slot_len=slot_len,
                                     max_turn_tokens=params.max_new_tokens, stop_ids=stop_ids,

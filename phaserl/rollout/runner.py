@@ -44,6 +44,7 @@ from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import extend_kernel, kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer, fused_extend_layer
+from phaserl.rollout.images import place_images
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, keyed_noise
 from phaserl.rollout.torch_path import cached_attention, extend_attention, extend_mask, sample_tokens
@@ -212,6 +213,10 @@ class ModelRunner:
         self.moe_index = {layer: j for j, layer in enumerate(moe)}  # layer -> its column in `routes`
         self.record_routes = record_routes and bool(moe)
         self.routes: Optional[Tensor] = None  # [slots, S, L, k] int16 expert ids, -1 = not forwarded
+        # Vision-language models (rollout/images.py): the call's image prompts by sequence index (the engine sets
+        # them), and per slot the shift decoding adds to its RoPE position (M-RoPE); None for text models.
+        self.vision: dict = {}
+        self.rope_shift: Optional[Tensor] = None  # [slots]
         prepare_device(self.device)
 
     def release(self) -> None:
@@ -244,11 +249,14 @@ class ModelRunner:
             self.positions = torch.arange(grown[1], device=self.device)  # [S]
             tables = self.model.model.rope(self.positions[None], self.model.output_weight.dtype)
             self.rope = [(cos[0], sin[0]) for cos, sin in tables]  # [global, local] layers.rope_tables [S, D]
+            if getattr(self.model, "takes_images", False):
+                self.rope_shift = torch.zeros(grown[0], dtype=torch.long, device=self.device)
         # Refilled every call: training updates the parameters in place, at the same addresses.
         previous = self.weights or [None] * len(layers)
         self.weights = [self.engine_weights(layer, old) for layer, old in zip(layers, previous)]
         use = FUSED_DECODE and kernels.available(self.device)
-        self.fused = [use and fusable(w, spec) for w, spec in zip(self.weights, self.specs)]
+        # The fused kernels index RoPE by slot position: M-RoPE's shifted positions take the table-reading path.
+        self.fused = [use and fusable(w, spec) and self.rope_shift is None for w, spec in zip(self.weights, self.specs)]
         self.fused_record = use
         self.sampling = (params.greedy, 1.0 if params.greedy else params.temperature, params.top_k, params.top_p)
         self.seed.copy_(torch.randint(2**62, (1,), device=self.device))  # from the (seeded) default generator
@@ -316,6 +324,7 @@ class ModelRunner:
         self.state.key[slots] = keys
         rope = [(cos[:P].repeat(U, 1), sin[:P].repeat(U, 1)) for cos, sin in self.rope]  # [U * P, D] each
         h, per_layer = self._embed(ids.view(-1))  # [U * P, H], [U * P, L, P'] or None
+        place_images(self, groups, P, h, rope)  # vision prompts: image features and M-RoPE tables (images.py)
         return U, P, lengths, group_of, slots, caps, rope, h, per_layer
 
     def _embed(self, ids: Tensor) -> tuple[Tensor, Optional[Tensor]]:
@@ -394,7 +403,7 @@ class ModelRunner:
         masks: dict = {}  # window -> extend_mask [C, M, ctx], for the layers on the torch path only
         # fused.fused_extend_layer where the decode step fuses the layer (its kernels index RoPE themselves)
         fused = [f and EXTEND_KERNEL and extend_kernel.supports(spec.heads[2]) for f, spec in zip(self.fused, self.specs)]
-        flat = pos.view(-1)
+        flat = (pos if self.rope_shift is None else pos + self.rope_shift[slots][:, None]).view(-1)  # RoPE positions
         rope = None if all(fused) else [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h, per_layer = self._embed(ids.view(-1))  # [C * M, H], [C * M, L, P] or None
         carry = None  # a fused layer's MLP output not yet added to h (as in _decode_step)
@@ -458,7 +467,8 @@ class ModelRunner:
     def _decode_step(self, b: int) -> None:
         st = self.state
         tokens, pos = st.tokens[:b], st.pos[:b]
-        rope = None if all(self.fused) else [(cos[pos], sin[pos]) for cos, sin in self.rope]  # [b, D] each
+        at = pos if self.rope_shift is None else pos + self.rope_shift[:b]  # RoPE positions (M-RoPE: shifted)
+        rope = None if all(self.fused) else [(cos[at], sin[at]) for cos, sin in self.rope]  # [b, D] each
         h, per_layer = self._embed(tokens)  # [b, H], [b, L, P] or None
         fresh: dict = {}  # layer -> its (k, v) [b, Hkv, D], for the layers that share them (_shared_kv)
         carry = None  # a fused layer's MLP output not yet added to h (fused.RESIDUAL_IN_GEMM)
@@ -535,6 +545,8 @@ class ModelRunner:
         for rows in self.pool.slot_rows(self.layout[0], self.layout[1]):  # per width group [Lg, 2, slots, S * width]
             rows[:, :, dst] = rows[:, :, src]
         self.state.move(src, dst)  # the noise key too: a sequence draws the same noise in its new slot
+        if self.rope_shift is not None:
+            self.rope_shift[dst] = self.rope_shift[src]
         if self.routes is not None:
             self.routes[dst] = self.routes[src]
 
@@ -551,6 +563,8 @@ class ModelRunner:
             for rows in groups:
                 rows[:, :, dst] = rows[:, :, src]  # the right side is gathered first: a true exchange
             self.state.exchange(src, dst)
+            if self.rope_shift is not None:
+                self.rope_shift[dst] = self.rope_shift[src]
             if self.routes is not None:  # MoE: the experts recorded at each position travel with the KV
                 self.routes[dst] = self.routes[src]
 

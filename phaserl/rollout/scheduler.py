@@ -23,6 +23,7 @@ class Sequence:
     max_new_tokens: int
     slot: int = -1
     done: bool = False
+    media: object = None          # the prompt's images (vision prompts): part of what a shared prefill shares
 
 
 class Scheduler:
@@ -47,13 +48,13 @@ class Scheduler:
             return []
         if self.running and (not self.refill or len(self.free) < min(self.admit_threshold, len(self.waiting))):
             return []
-        groups: dict[tuple[int, ...], list[Sequence]] = {}
+        groups: dict[tuple, list[Sequence]] = {}  # (prompt, id(media)) -> its sequences
         while self.waiting and self.free:
             seq = self.waiting.popleft()
             seq.slot = heapq.heappop(self.free)
             self.running[seq.slot] = seq
-            groups.setdefault(seq.prompt, []).append(seq)
-        return list(groups.items())
+            groups.setdefault((seq.prompt, id(seq.media)), []).append(seq)
+        return [(prompt, seqs) for (prompt, _), seqs in groups.items()]
 
     def finish(self, seq: Sequence) -> None:
         del self.running[seq.slot]

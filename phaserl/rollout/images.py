@@ -1,0 +1,63 @@
+"""Vision prompts in the rollout engine: the image features over the placeholder rows of a prefill, its M-RoPE
+tables, and the shift decoding adds to its positions.
+
+A vision-language model (models/qwen_vl.VisionLM) prefills an image prompt from embeddings in which the tower's
+output replaces the placeholder tokens, at M-RoPE positions (models/mrope.py); the KV of each token still goes to
+its slot position. Every token after the prompt is text, whose M-RoPE position is plain RoPE at `slot position +
+delta` (delta <= 0: an image of n tokens spans fewer positions). The runner keeps that delta per slot
+(`ModelRunner.rope_shift`), moves it with the slot, and decodes through the layer functions that take RoPE tables
+(the fused decode kernels index RoPE by slot position themselves, so a vision model's decode does not use them).
+The features come from the same `VisionLM.prefill_inputs` (embed, tower, scatter, positions) as the training
+forward, so sampled and trained log-probs see the same inputs.
+Not here: the tower and the positions (models/), the slot loop (engine.py, runner.py).
+
+Legend: L a prompt's tokens, H hidden, D head_dim, U prompts of a prefill pass, P their padded width.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from phaserl.errors import ConfigError, DataError
+
+
+def vision_prefills(model, prompts: Sequence[Sequence[int]], images: Optional[Sequence]) -> dict:
+    """Sequence index -> (embeds [L, H], positions [3, L], delta) for the prompts that have images; each distinct
+    (prompt, image object) pair is computed once (the n samples of a prompt share it)."""
+    if images is None:
+        return {}
+    if len(images) != len(prompts):
+        raise DataError(f"images has {len(images)} entries for {len(prompts)} prompts")
+    if not any(im is not None for im in images):
+        return {}
+    if not getattr(model, "takes_images", False):
+        raise ConfigError(f"prompts with images, but the policy ({type(model).__name__}) is not a vision-language "
+                          "model (docs/vision.md)")
+    first: dict = {}  # (prompt, id(image)) -> the first sequence index that has it
+    for i, (prompt, image) in enumerate(zip(prompts, images)):
+        if image is not None:
+            first.setdefault((tuple(prompt), id(image)), i)
+    distinct = list(first.values())
+    made = model.prefill_inputs([prompts[i] for i in distinct], [images[i] for i in distinct])
+    by_key = {key: inputs for key, inputs in zip(first, made)}
+    return {i: by_key[(tuple(p), id(im))] for i, (p, im) in enumerate(zip(prompts, images)) if im is not None}
+
+
+def place_images(runner, groups: list, P: int, h: torch.Tensor, rope: list) -> None:
+    """In place, for a prefill pass of `groups` (prompt, slots, caps, noise keys = sequence indices): each vision
+    prompt's embeddings over its rows of h [U * P, H] and its M-RoPE tables over its rows of rope's [U * P, D]; every
+    admitted slot's rope_shift set (0 for text prompts)."""
+    if runner.rope_shift is None:
+        return
+    for u, (_, slots, _, keys) in enumerate(groups):
+        prefill = runner.vision.get(keys[0])
+        delta = 0
+        if prefill is not None:
+            embeds, positions, delta = prefill
+            L = embeds.shape[0]
+            h[u * P:u * P + L] = embeds.to(h.dtype)
+            tables = runner.model.model.rope(positions[:, None, :], h.dtype)  # [(cos, sin) [1, L, D]] per table
+            for (cos, sin), (c, s) in zip(rope, tables):
+                cos[u * P:u * P + L], sin[u * P:u * P + L] = c[0], s[0]
+        runner.rope_shift[torch.tensor(slots, device=runner.rope_shift.device)] = delta
