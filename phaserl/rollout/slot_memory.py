@@ -34,7 +34,7 @@ class SlotMemory:
     kv_per_token: int        # KVPool.token_bytes
     state_per_slot: int      # RecurrentState.bytes_per_slot (0 without linear-attention layers)
     routes_per_token: int    # the routing-replay record (0 without MoE layers)
-    kv_layers: int = 0       # layers with KV
+    kv_layers: int = 0       # layers with KV of their own (Gemma 4's KV-sharing layers read another's)
     # for the doctor's words: (layers, their kv heads × head_dim) per row width, kv_per_token = 2 × Σ layers × width × b
     kv_rows: tuple[tuple[int, int], ...] = ()
     linear_layers: int = 0   # layers with a recurrent state instead
@@ -53,4 +53,4 @@ def slot_memory(cfg: DecoderConfig, dtype: torch.dtype) -> SlotMemory:
                       routes_per_token=moe_layers * k * ROUTE_DTYPE.itemsize,
                       kv_layers=len(heads),
                       kv_rows=tuple((len(layers), width) for width, layers in KVPool.width_groups(heads)),
-                      linear_layers=cfg.num_hidden_layers - len(heads))
+                      linear_layers=sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers)))
