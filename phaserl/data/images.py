@@ -170,3 +170,39 @@ def process_vision_row(row, tokenizer, processor, *, merge_size: int, apply_chat
     inputs = process_images(pictures, processor, merge_size=merge_size)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     return expand_placeholders(ids, image_token_id, inputs.tokens, source=row.source), text, inputs
+
+
+def data_file_dir(source: str) -> str:
+    """The directory of the data file a row came from (its source is "path:row N ...")."""
+    return os.path.dirname(source.rsplit(":row ", 1)[0])
+
+
+def build_vision_dataset(rows: Sequence, tokenizer, processor, *, merge_size: int, max_prompt_length: int,
+                         overlong: str, apply_chat_template: bool, image_key: str = "images"):
+    """data.prompts.build_prompt_dataset for rows that may hold images: one process_vision_row call per row; each
+    PromptItem carries its ImageInputs. A prompt with images is never cut (the cut could split an image's tokens):
+    overlong rows are an error or dropped."""
+    from phaserl.data.prompts import PromptDataset, PromptItem
+
+    if overlong not in ("error", "drop"):
+        raise ConfigError(f"data.overlong_prompts={overlong!r}: prompts with images are never cut; use 'error' or "
+                          "'drop'")
+    if not rows:
+        raise DataError("there are no prompt rows to tokenize; check data.train_files / data.val_files.")
+    items, dropped = [], 0
+    for row in rows:
+        ids, text, inputs = process_vision_row(row, tokenizer, processor, merge_size=merge_size,
+                                               apply_chat_template=apply_chat_template,
+                                               base_dir=data_file_dir(row.source), image_key=image_key)
+        if len(ids) > max_prompt_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            raise DataError(f"{row.source}: the prompt is {len(ids)} tokens with its image tokens, over "
+                            f"data.max_prompt_length={max_prompt_length}. Raise data.max_prompt_length, lower "
+                            "data.max_pixels (fewer tokens per image) or set data.overlong_prompts=drop.")
+        items.append(PromptItem(row=row, prompt_ids=tuple(ids), prompt_text=text, images=inputs))
+    if not items:
+        raise DataError(f"all {len(rows)} prompts (first: {rows[0].source}) are longer than data.max_prompt_length="
+                        f"{max_prompt_length} with their image tokens and were dropped.")
+    return PromptDataset(items=items, dropped=dropped, truncated=0)

@@ -26,6 +26,7 @@ class PromptItem:
     row: PromptRow
     prompt_ids: tuple[int, ...]  # [P], P <= max_prompt_length
     prompt_text: str  # the text tokenized (after the chat template); after a cut, the text the kept ids spell
+    images: object = None  # the row's data.images.ImageInputs (its ids hold their expanded placeholders), else None
 
 
 @dataclass
