@@ -39,6 +39,10 @@ Shapes (sequences x (prompt + new tokens), EOS ignored, temperature 1):
               26 layers, hidden 1152, 4 q / 1 kv heads of 256 on sliding layers (512 on 5 of 6), global layers
               with 1 kv head of 512 (v = k), proportional RoPE 0.25, soft-capping 30, vocab 262144;
               64 x 8 x (128 + 256)
+  gemma4-e2b  Gemma 4 E2B-like text (random weights; sizes as we read the released config): 35 layers, hidden 1536,
+              8 q / 1 kv heads of 256 (global layers, every 5th: 512), the last 20 layers sharing layer 13's /
+              14's keys and values with double-wide MLPs, per-layer inputs of 256, soft-capping 30, vocab 262144;
+              64 x 8 x (128 + 256)
   mistral-7b  Mistral 7B: 32 layers, hidden 4096, 32 q / 8 kv heads of 128, sliding window 4096 on every
               layer, vocab 32768; 16 x 8 x (256 + 512)
   qwen3-moe-a3b  Qwen3-30B-A3B's layers (128 experts, top-8, expert width 768, hidden 2048, 32 q / 4 kv heads of
@@ -105,11 +109,19 @@ SHAPES = {
         num_key_value_heads=1, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
         attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=512, final_logit_softcapping=30.0,
         max_position_embeddings=32768, tie_word_embeddings=True)),
+    "gemma4-e2b": dict(cls="Gemma4TextConfig", run=(64, 8, 128, 256), config=dict(
+        vocab_size=262144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, global_head_dim=512, hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144, num_kv_shared_layers=20, use_double_wide_mlp=True, sliding_window=512,
+        final_logit_softcapping=30.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)])),
+    # the 1B shape's global-layer features and E2B's per-layer inputs and key/value sharing (layers 2, 3 read 0, 1)
     "gemma4-tiny": dict(cls="Gemma4TextConfig", run=(2, 2, 8, 6), config=dict(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
-        hidden_size_per_layer_input=0, sliding_window=4, final_logit_softcapping=30.0, max_position_embeddings=64,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=512, num_kv_shared_layers=2,
+        use_double_wide_mlp=True, sliding_window=4, final_logit_softcapping=30.0, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
     "qwen35-0.8b": dict(cls="Qwen3_5TextConfig", run=(64, 8, 128, 256), config=dict(
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,

@@ -46,9 +46,11 @@ def tiny_config(model_type: str, vocab: int, eos: int, pad: int):
         "gemma3_text": ("Gemma3TextConfig", dict(T, head_dim=8, sliding_window=8, layer_types=TWO)),
         "olmo2": ("Olmo2Config", T),
         "gemma2": ("Gemma2Config", dict(T, head_dim=8, sliding_window=8, final_logit_softcapping=30.0)),
+        # with E2B/E4B's per-layer inputs and key/value sharing (layers 2 and 3 read layers 0 and 1)
         "gemma4_text": ("Gemma4TextConfig", dict(T, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
                                                  attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
-                                                 hidden_size_per_layer_input=0, layer_types=TWO)),
+                                                 num_hidden_layers=4, layer_types=TWO * 2, num_kv_shared_layers=2,
+                                                 hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab)),
         "phi3": ("Phi3Config", dict(T, sliding_window=8)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(T, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                              num_experts_per_tok=2)),
