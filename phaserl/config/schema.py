@@ -77,6 +77,10 @@ class RolloutConfig:
                                                 "Triton where some layer has no fused decode kernels; the first "
                                                 "rollout on a machine then pays the compile, cached for later runs: "
                                                 "docs/performance.md)")
+    bitwise: bool = spec(False, "exact numerics: the engine and the trainer compute every token with batch-invariant "
+                                "kernels, so the trainer's log-prob of each sampled token equals the sampler's bit for "
+                                "bit (mismatch/abs_diff_max = 0; corrections become no-ops). Native dense families on "
+                                "the builtin engine; slower (docs/numerics.md)")
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "

@@ -191,7 +191,26 @@ def _rule_errors(cfg: Config) -> list[str]:
     if not word or word in _RESUME_LOOKALIKES or (word in ("auto", "never") and resume != word):
         errs.append(f"trainer.resume = {resume!r}: expected auto (newest complete checkpoint), never, or a "
                     "checkpoint path (write ./name for a directory whose name looks like a keyword)")
-    return errs + _algorithm_errors(cfg)
+    return errs + _algorithm_errors(cfg) + _bitwise_errors(cfg)
+
+
+def _bitwise_errors(cfg: Config) -> list[str]:
+    """rollout.bitwise against the settings that would run other kernels on one side (models/invariant.py): the
+    transformers classes or generate(), compiled code (it may fuse a product and a sum into one rounding), the
+    training graphs (padded shapes), adapters (the engine merges them, the trainer does not)."""
+    if not cfg.rollout.bitwise:
+        return []
+    why = "rollout.bitwise = true computes with phaserl's batch-invariant kernels on both sides"
+    refused = [(cfg.model.implementation == "transformers", "model.implementation = transformers",
+                "model.implementation = auto or native"),
+               (cfg.rollout.engine == "hf", "rollout.engine = hf", "rollout.engine = auto or builtin"),
+               (cfg.actor.compile is True, "actor.compile = true", "actor.compile = null (auto) or false"),
+               (cfg.critic.compile is True, "critic.compile = true", "critic.compile = null (auto) or false"),
+               (cfg.rollout.engine_compile is True, "rollout.engine_compile = true",
+                "rollout.engine_compile = null (auto) or false"),
+               (cfg.ppo.train_graphs is True, "ppo.train_graphs = true", "ppo.train_graphs = null (auto) or false"),
+               (cfg.actor.lora.rank > 0, f"actor.lora.rank = {cfg.actor.lora.rank}", "actor.lora.rank = 0")]
+    return [f"{what} does not run with {why}; set {fix}, or rollout.bitwise = false" for on, what, fix in refused if on]
 
 
 def _algorithm_errors(cfg: Config) -> list[str]:

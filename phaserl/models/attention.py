@@ -22,6 +22,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from phaserl.models.invariant import Aligned
+
 log = logging.getLogger("phaserl")
 
 
@@ -129,7 +131,9 @@ def varlen_takes_windows() -> bool:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
            scale: Optional[float] = None) -> torch.Tensor:
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; `attn` is a boolean mask [B, 1, T, S] or PackedSeqs.
-    scale: of the scores (None: D ** -0.5)."""
+    scale: of the scores (None: D ** -0.5). An invariant.Aligned layout (the bitwise mode) attends through it."""
+    if isinstance(attn, Aligned):
+        return attn.attend(q, k, v, scale)
     B, T, Hq, D = q.shape
     groups = Hq // k.shape[2]
     if isinstance(attn, PackedSeqs) and D > VARLEN_MAX_HEAD_DIM:

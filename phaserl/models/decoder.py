@@ -31,7 +31,7 @@ from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_
                                       packed_boundaries, use_varlen, varlen_takes_windows)
 from phaserl.models.config import DecoderConfig
 from phaserl.models.heads import chunked_token_logprobs, softcap
-from phaserl.models import hybrid
+from phaserl.models import hybrid, invariant
 from phaserl.models.hybrid import HybridLayer
 from phaserl.models.layers import (LayerWeights, embed, layer_spec, per_layer_inputs, post_attention,
                                    pre_attention, rope_tables)
@@ -351,7 +351,12 @@ class DecoderModel(nn.Module):
             embeds = embed(input_ids, self.embed_tokens.weight, self.config.embed_scale)
         h = embeds  # [B, T, H]
         windows = {layer.spec.window for layer in self.layers}
-        if (seq_ids is not None and no_padding and use_varlen(h.device, h.dtype)
+        if invariant.enabled():  # bitwise numerics: tokens laid out by (sequence, position), no mask (invariant.py)
+            if kv_cache is not None:
+                raise ValueError("the bitwise numerics mode runs cache-free forwards and the rollout engine only")
+            base = invariant.Aligned.of(attention_mask, position_ids, seq_ids)
+            attn = {w: base.with_window(w) for w in windows}
+        elif (seq_ids is not None and no_padding and use_varlen(h.device, h.dtype)
                 and (windows == {None} or varlen_takes_windows())):
             base = boundaries if boundaries is not None else packed_boundaries(seq_ids)  # varlen: no mask at all
             attn = {w: dataclasses.replace(base, window=w) for w in windows}

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phaserl.models import invariant
 from phaserl.models.config import DecoderConfig
 from phaserl.models.moe import MoESpec, MoEWeights, Route, moe_mlp
 
@@ -85,6 +86,8 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str = "llam
     llama  weight * norm(x).to(dtype)        olmo2  (weight * norm(x)).to(dtype) (also Gemma 4)
     gemma  (norm(x) * (1 + weight)).to(dtype), the weight stored as an offset from 1.
     weight None: norm(x).to(dtype), no weight (Gemma 4's value norm)."""
+    if invariant.enabled():  # the bitwise numerics mode: batch-invariant kernels (invariant.py)
+        return invariant.rms_norm(x, weight, eps, style)
     x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     if weight is None:
         return x32.to(x.dtype)
@@ -120,6 +123,8 @@ def add_per_layer_input(h: Tensor, p: Tensor, w: LayerWeights, spec: LayerSpec) 
 
 def linear(x: Tensor, w: Linear, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
     """x @ w.T (+ bias) (+ residual); a 2-d residual add rides in the matmul (addmm)."""
+    if invariant.enabled():
+        return invariant.linear(x, w, bias, residual)
     if isinstance(w, nn.Module):
         y = w(x)
         return y if residual is None else residual + y
@@ -138,6 +143,8 @@ def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """RoPE on x [..., heads, D] with tables [..., D]: rotate_half(x) * sin == roll(x, D/2) * signed_sin, exactly."""
+    if invariant.enabled():
+        return invariant.rotate(x, cos, signed_sin)
     return torch.addcmul(x * cos[..., None, :], x.roll(x.shape[-1] // 2, dims=-1), signed_sin[..., None, :])
 
 
@@ -175,6 +182,8 @@ def query_only(x: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin: Te
 
 
 def activation(gate: Tensor, act: str) -> Tensor:
+    if invariant.enabled():
+        return invariant.activation(gate, act)
     return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
 
 

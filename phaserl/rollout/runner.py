@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from phaserl.compile_cache import specialize_floats
 from phaserl.models.decoder import CausalLM
 from phaserl.models.heads import softcap
-from phaserl.models.layers import LayerWeights, embed, post_attention, pre_attention, rms_norm
+from phaserl.models import invariant
+from phaserl.models.layers import LayerWeights, embed, linear, post_attention, pre_attention, rms_norm
 from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import extend_kernel, kernels
@@ -70,7 +71,10 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     adapters on o / down, engine copies of them too, the adapters merged: models/lora.engine_weight). The copies
     cost (q + k + v + gate + up) parameters once more: 0.47 GB for Qwen2-0.5B, 8.5 GB for Qwen2-7B in bf16;
     ModelRunner.release() (engine.sleep()) frees them. With `previous`, the fused buffers are refilled in
-    place (captured graphs keep pointing at them) instead of allocated again."""
+    place (captured graphs keep pointing at them) instead of allocated again. In the bitwise numerics mode the
+    engine computes with the module's own projections, as the trainer does (models/invariant.py)."""
+    if invariant.enabled():
+        return layer.weights()
     m = layer.weights()  # projections as modules
 
     def cat(parts: list[Tensor], into: Optional[Tensor]) -> Tensor:
@@ -113,6 +117,7 @@ class LayerFns(NamedTuple):
     sample: callable    # sample_tokens (every setting; needs noise)
     fast_sample: Optional[callable]  # kernels.sample (no top-k/top-p): one pass, in-kernel keyed noise
     noise: callable = keyed_noise  # (seed, keys, at, V) -> Exp(1) [b, V] for `sample`; kernels.keyed_noise on CUDA
+    prefill: callable = F.scaled_dot_product_attention  # the prefill pass's attention (SDPA's signature)
 
 
 EAGER = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None)
@@ -143,7 +148,12 @@ def compiled_fns() -> LayerFns:
 
 
 def layer_fns(device: torch.device, compile: bool) -> LayerFns:
-    """The functions a runner uses: compiled or eager, with the Triton kernels wherever they run."""
+    """The functions a runner uses: compiled or eager, with the Triton kernels wherever they run; in the bitwise
+    numerics mode the batch-invariant ones (rollout/bitwise.py), whatever `compile` says."""
+    if invariant.enabled():
+        from phaserl.rollout.bitwise import FNS
+
+        return FNS
     fns = compiled_fns() if compile else EAGER
     if kernels.available(device):
         fns = fns._replace(attend=kernels.decode_attention, fast_sample=kernels.sample, noise=kernels.keyed_noise)
@@ -354,9 +364,8 @@ class ModelRunner:
                 keys[slots, :, :P], values[slots, :, :P] = k[group_of], v[group_of]  # shared prompt KV -> every slot
             k, v = self._shared_kv(layer, k, v, fresh)
             mask = masks[spec.window]
-            attn = F.scaled_dot_product_attention(q.view(U, P, Hq, D).transpose(1, 2), k, v, attn_mask=mask,
-                                                  is_causal=mask is None, scale=spec.scale,
-                                                  enable_gqa=True)  # [U, Hq, P, D]
+            attn = self.fns.prefill(q.view(U, P, Hq, D).transpose(1, 2), k, v, attn_mask=mask,
+                                    is_causal=mask is None, scale=spec.scale, enable_gqa=True)  # [U, Hq, P, D]
             h, experts = self._post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec, column(per_layer, layer))
             if experts is not None:  # the prompt's routing, into every slot that shares it (right padding too)
                 self.routes[slots, :P, self.moe_index[layer]] = experts.view(U, P, -1)[group_of]
@@ -441,6 +450,10 @@ class ModelRunner:
         writes and extend_attention over a gathered copy of the slots, with extend_mask's mask (built once per
         window into `masks`)."""
         (C, M), (Hq, Hkv, D) = pos.shape, heads
+        if invariant.enabled():  # the bitwise numerics mode (rollout/bitwise.py)
+            from phaserl.rollout import bitwise
+
+            return bitwise.extend_attention(q, k, v, keys, values, slots, pos, context, heads, scale, window)
         if EXTEND_KERNEL and kernels.available(self.device) and extend_kernel.supports(D):
             extend_kernel.write_kv(k, v, keys, values, slots, pos)
             return extend_kernel.extend_attention(q, keys, values, slots, pos, lengths, context, scale, window)
@@ -456,7 +469,7 @@ class ModelRunner:
         """Draw each row's next token from hidden [b, H]: the row is slot slots[i] (None: slot i, the decode step's
         rows [0, b)) and draws the token after position at[i] [b] of its sequence; its noise is keyed by
         (self.seed, that slot's SlotState.key, at[i]) alone (sampling.keyed_noise, kernels.sample)."""
-        logits = softcap(F.linear(hidden, self.model.output_weight), self.cfg.final_logit_softcapping)  # [b, V]
+        logits = softcap(linear(hidden, self.model.output_weight), self.cfg.final_logit_softcapping)  # [b, V]
         keys = self.state.key[:hidden.shape[0]] if slots is None else self.state.key[slots]  # [b]
         greedy, temperature, top_k, top_p = self.sampling
         if self.fns.fast_sample is not None and top_k == 0 and top_p >= 1.0:

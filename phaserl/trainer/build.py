@@ -38,7 +38,7 @@ from ..cuda_allocator import configure_cuda_allocator
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
-from ..models import load_pretrained, load_tokenizer
+from ..models import CausalLM, invariant, load_pretrained, load_tokenizer
 from ..parallel import is_distributed, launch_rank_and_world, rank_and_world
 from ..parallel.launch import collective_timeout_s
 from ..parallel.rank_split import rank_groups, start_rank_split
@@ -183,6 +183,7 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
     speed settings are chosen here for this machine (trainer/speed.py) and returned."""
     actor, critic, ref = roles.actor, roles.critic, roles.ref_policy
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
+    set_numerics(r.bitwise, actor.model)  # before the engine is made: it picks its functions by the mode
     if alg.adv_estimator == "gae" and critic is None:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic: pass critic=Critic(...) or set "
                           "critic.enable=true")
@@ -373,6 +374,22 @@ def _eos_ids(tokenizer, model: torch.nn.Module) -> list[int]:
     if not ids:
         raise ConfigError("neither the tokenizer nor the model config defines an EOS token; responses would never stop")
     return ids
+
+
+def set_numerics(bitwise: bool, model: torch.nn.Module) -> None:
+    """rollout.bitwise: the kernels of this process (models/invariant.py), chosen once per run; an actor whose model
+    the batch-invariant kernels do not cover is a ConfigError that names the key."""
+    if bitwise:
+        cfg = getattr(model, "config", None)
+        why = ("is not phaserl's decoder" if not isinstance(model, CausalLM) else
+               "has mixture-of-experts layers" if cfg.num_experts else
+               "has Qwen3.5's linear-attention layers" if cfg.linear_attention is not None else
+               "has M-RoPE (vision-language) positions" if getattr(cfg, "mrope_section", None) is not None else "")
+        if why:
+            raise ConfigError(f"rollout.bitwise = true covers the dense native families (docs/numerics.md); this "
+                              f"actor ({getattr(cfg, 'model_type', type(model).__name__)}) {why}: set "
+                              "rollout.bitwise = false")
+    invariant.enable(bitwise)
 
 
 def set_packing(roles: list, setting: Optional[bool]) -> None:

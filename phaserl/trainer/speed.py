@@ -69,10 +69,14 @@ def _params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _compile_choice(key: str, asked, model: torch.nn.Module, device: torch.device, world_size: int) -> Choice:
-    return choose(key, asked, compile_rule(native=supports_packing(model), device_type=device.type,
-                                           triton=triton_available(), num_params=_params(model),
-                                           world_size=world_size, model_name=type(model).__name__))
+BITWISE_EAGER = (False, "rollout.bitwise: the batch-invariant kernels run eager")
+
+
+def _compile_choice(key: str, asked, model: torch.nn.Module, device: torch.device, world_size: int,
+                    bitwise: bool = False) -> Choice:
+    return choose(key, asked, BITWISE_EAGER if bitwise else compile_rule(
+        native=supports_packing(model), device_type=device.type, triton=triton_available(),
+        num_params=_params(model), world_size=world_size, model_name=type(model).__name__))
 
 
 def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int) -> SpeedChoices:
@@ -80,10 +84,11 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     actor, critic, r = roles.actor, roles.critic, cfg.rollout
     device = actor.device
     engine_runs = r.engine != "hf" and RolloutEngine.supports(actor.model)
-    engine_compile = choose("rollout.engine_compile", r.engine_compile, engine_compile_rule(
-        engine_runs=engine_runs, device_type=device.type, triton=triton_available(),
-        fused=engine_runs and decodes_fused(actor.model)))
-    actor_compile = _compile_choice("actor.compile", cfg.actor.compile, actor.model, device, world_size)
+    engine_compile = choose("rollout.engine_compile", r.engine_compile, BITWISE_EAGER if r.bitwise else
+                            engine_compile_rule(engine_runs=engine_runs, device_type=device.type,
+                                                triton=triton_available(),
+                                                fused=engine_runs and decodes_fused(actor.model)))
+    actor_compile = _compile_choice("actor.compile", cfg.actor.compile, actor.model, device, world_size, r.bitwise)
     free, held = free_memory_bytes(device), 0  # off CUDA the host's available memory (nothing is planned there)
     if device.type == "cuda":
         held = torch.cuda.memory_reserved(device)
@@ -128,7 +133,7 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
     return SpeedChoices(
         actor_compile=actor_compile,
         critic_compile=None if critic is None else _compile_choice("critic.compile", cfg.critic.compile, critic.model,
-                                                                   device, world_size),
+                                                                   device, world_size, r.bitwise),
         engine_compile=engine_compile,
         engine_keep_awake=keep_awake,
         micro_batch_tokens=micro, keep_head_logits=keep_logits, stream_reference=plan.stream_reference,

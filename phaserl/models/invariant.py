@@ -1,0 +1,349 @@
+"""Batch-invariant kernels: the bitwise numerics mode (rollout.bitwise), in which the trainer's log-prob of every
+sampled token equals the rollout engine's bit for bit.
+
+A token's values go through the same sequence of correctly rounded operations whatever else shares the call: how
+many rows, where the token sits in a packed row, and whether it runs in the engine's prefill, its decode step over
+the KV slots or the trainer's whole-sequence forward. The rules that make it so, on any device:
+  - only elementwise torch ops (mul, add, div, sqrt, exp, log, tanh: each element exactly rounded, whatever the
+    shape of the call), gathers and copies, and `amax` (exact in any order);
+  - every sum is `tree_sum`: a pairwise tree over a length the model fixes (matmul depth K, hidden size, head dim,
+    vocabulary), never a library reduction whose blocking may depend on the shape;
+  - attention sums over KEY_BLOCK key positions at a time, blocks aligned at position 0 of the sequence: a tree
+    inside a block, a left fold over blocks. Keys past a query's position weigh exactly 0, so a decode step over a
+    slot of S positions adds the same numbers in the same order as the training forward over the sequence;
+  - activations that torch computes differently in its vectorized and scalar CPU loops (silu, sigmoid, gelu) are
+    written from ones that do not (exp, tanh, division), checked in tests/test_invariant_kernels.py.
+Gradients need no bitwise equality: each kernel is an autograd Function whose backward is the default kernel's,
+recomputed at the same inputs (`_exact`). Matmul inputs of 16-bit floats multiply exactly in float32; every kernel
+accumulates in float32 and rounds to the input dtype where the default kernel does.
+Cost: a matmul holds its [rows, N, K] products (in chunks of CHUNK_ELEMENTS), a memory-bound pass instead of a
+GEMM: fine for the tiny CPU models, far slower than cuBLAS at 0.5B on a GPU (benchmarks/numerics.py measures it).
+Not here: which mode runs (`enable`/`enabled` hold it; the builder sets it from rollout.bitwise), where the decoder
+and the engine call these (models/layers.py, attention.py, decoder.py; rollout/bitwise.py).
+
+Legend: N rows (tokens), K matmul depth, H hidden, V vocab, n sequences (or slots), T queries, L key positions,
+Hq/Hkv heads, D head_dim.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+KEY_BLOCK = 32                # attention: key positions per block (the engine's 64-token slots hold whole blocks)
+CHUNK_ELEMENTS = 1 << 22      # products held at once by matmul / attention (16 MiB of float32)
+_ENABLED = False
+
+
+# ----- the mode -----------------------------------------------------------------------------------
+def enabled() -> bool:
+    """True while the bitwise kernels replace the default ones (decoder, engine, log-prob heads)."""
+    return _ENABLED
+
+
+def enable(on: bool) -> None:
+    """Choose the kernels of this process: the builder calls it once per run from rollout.bitwise."""
+    global _ENABLED
+    _ENABLED = bool(on)
+
+
+@contextmanager
+def bitwise(on: bool = True):
+    """The bitwise kernels (or not) inside the block; the previous choice after it (tests, benchmarks)."""
+    before = _ENABLED
+    enable(on)
+    try:
+        yield
+    finally:
+        enable(before)
+
+
+# ----- the fixed-order reductions -----------------------------------------------------------------
+def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
+    """Sum over `dim` as a pairwise tree whose shape depends only on that length: element i + element i + n/2
+    first (an odd last element waits for the next level). Each add is elementwise, so exactly rounded."""
+    x = x.movedim(dim, -1)
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        pairs = x[..., :half] + x[..., half:2 * half]
+        x = pairs if n % 2 == 0 else torch.cat([pairs, x[..., 2 * half:]], dim=-1)
+    return x[..., 0]
+
+
+def _fold(blocks: Tensor) -> Tensor:
+    """Left fold over dim -1 (blocks in order): ((b0 + b1) + b2) + ...; trailing zero blocks change nothing."""
+    acc = blocks[..., 0]
+    for i in range(1, blocks.shape[-1]):
+        acc = acc + blocks[..., i]
+    return acc
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x [N, K] @ w[N', K].T -> [N, N'] accumulated in float32 (float64 for float64), every output element the tree
+    sum of its K products, whatever N. Chunked over rows and columns (each output element is computed alone)."""
+    acc = _acc_dtype(x.dtype)
+    x, w = x.to(acc), w.to(acc)
+    N, K = x.shape
+    cols = max(1, min(w.shape[0], CHUNK_ELEMENTS // K))
+    rows = max(1, CHUNK_ELEMENTS // (cols * K))
+    out = torch.empty(N, w.shape[0], dtype=acc, device=x.device)
+    for c in range(0, w.shape[0], cols):
+        wc = w[None, c:c + cols]  # [1, cols, K]
+        for r in range(0, N, rows):
+            out[r:r + rows, c:c + cols] = tree_sum(x[r:r + rows, None, :] * wc)
+    return out
+
+
+# ----- autograd: exact forward, the default kernel's backward --------------------------------------
+class _Exact(torch.autograd.Function):
+    """forward = exact(*tensors); backward = the gradient of default(*tensors) at the same inputs (recomputed)."""
+
+    @staticmethod
+    def forward(ctx, exact: Callable, default: Callable, *tensors):
+        ctx.default = default
+        ctx.save_for_backward(*tensors)
+        return exact(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        wanted = [t for t in inputs if t is not None and t.requires_grad]
+        with torch.enable_grad():
+            out = ctx.default(*inputs)
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True)) if wanted else iter(())
+        return (None, None, *[next(grads) if t is not None and t.requires_grad else None for t in inputs])
+
+
+def _exact(exact: Callable, default: Callable, *tensors) -> Tensor:
+    """exact(*tensors), differentiable with default's gradient; the plain call when nothing needs a gradient."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _Exact.apply(exact, default, *tensors)
+    return exact(*tensors)
+
+
+# ----- the layer kernels (layers.py calls these in bitwise mode) ------------------------------------
+def _weights_of(w) -> tuple[Tensor, Optional[Tensor]]:
+    if isinstance(w, nn.Linear):
+        return w.weight, w.bias
+    if isinstance(w, Tensor):
+        return w, None
+    raise TypeError(f"the bitwise kernels take plain projections (nn.Linear or a tensor), not {type(w).__name__}: "
+                    "adapters (LoRA) are not supported with rollout.bitwise")
+
+
+def linear(x: Tensor, w, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """layers.linear's contract, x [..., K] -> [..., N]: the matmul rounded to x's dtype, then + bias, then
+    + residual (each add rounded on its own)."""
+    weight, own_bias = _weights_of(w)
+    bias = own_bias if bias is None else bias
+
+    def exact(x, weight, bias):
+        y = matmul(x.reshape(-1, x.shape[-1]), weight).to(x.dtype).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+    y = _exact(exact, F.linear, x, weight, bias)
+    return y if residual is None else residual + y
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str = "llama") -> Tensor:
+    """layers.rms_norm with the mean square as a tree sum: x32 / sqrt(mean(x32^2) + eps), rounded where the style
+    rounds (see layers.rms_norm)."""
+    from phaserl.models.layers import rms_norm as default
+
+    def exact(x, weight):
+        x32 = x.to(_acc_dtype(x.dtype))
+        mean_square = tree_sum(x32 * x32) / x.shape[-1]
+        n = x32 / torch.sqrt(mean_square + eps)[..., None]
+        if weight is None:
+            return n.to(x.dtype)
+        if style == "llama":
+            return weight * n.to(x.dtype)
+        if style == "gemma":
+            return (n * (1.0 + weight.to(n.dtype))).to(x.dtype)
+        return (weight * n).to(x.dtype)
+
+    def default_fn(x, weight):
+        with bitwise(False):
+            return default(x, weight, eps, style)
+
+    return _exact(exact, default_fn, x, weight)
+
+
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """RoPE as layers.rotate: x * cos + roll(x) * signed_sin, two products and a sum, each rounded alone
+    (addcmul's fused multiply-add may round differently in its vectorized and scalar loops)."""
+    return x * cos[..., None, :] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[..., None, :]
+
+
+GELU_C = (2.0 / torch.pi) ** 0.5
+
+
+def activation(gate: Tensor, act: str) -> Tensor:
+    """silu or gelu-tanh in float32 from exp / tanh / division, rounded to gate's dtype (layers.activation)."""
+    def exact(g):
+        g32 = g.to(_acc_dtype(g.dtype))
+        if act == "silu":
+            return (g32 / (1.0 + torch.exp(-g32))).to(g.dtype)
+        inner = (g32 + 0.044715 * (g32 * g32 * g32)) * GELU_C
+        return (0.5 * g32 * (1.0 + torch.tanh(inner))).to(g.dtype)
+
+    def default(g):
+        return F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
+
+    return _exact(exact, default, gate)
+
+
+# ----- the vocabulary head -------------------------------------------------------------------------
+def logsumexp(z: Tensor) -> Tensor:
+    """log sum exp over the last dim [..., V] -> [...]: max, then a tree sum of exp(z - max)."""
+    top = z.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return torch.log(tree_sum(torch.exp(z - top))) + top[..., 0]
+
+
+def scaled(logits: Tensor, temperature: float) -> Tensor:
+    """z = logits in float32 / T: the engine's sampler and the trainer's head start from this."""
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+def logprobs_of(z: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(z)[target]: z [N, V] float32 (`scaled`), targets [N] -> [N]."""
+    return z.gather(-1, targets[:, None].long()).squeeze(-1) - logsumexp(z)
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                   cap: Optional[float] = None, with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """The trainer's head in bitwise mode: log softmax(softcap(hidden @ weight.T) / T)[target], hidden [N, H],
+    targets [N] -> ([N] float32, entropy [N] float32 or None), the engine's sampler's numbers exactly. The entropy
+    (a loss term, not compared) takes the default kernels."""
+    from phaserl.models.heads import softcap
+
+    def logits(h, w):
+        return softcap(linear(h, w), cap)  # [N, V] in the weight's dtype, as the engine's
+
+    z = scaled(logits(hidden, weight), temperature)  # [N, V]
+    logp = z.gather(-1, targets[:, None].long()).squeeze(-1) - logsumexp(z.detach()) - (
+        torch.logsumexp(z, -1) - torch.logsumexp(z, -1).detach())  # value exact, gradient of the default lse
+    entropy = None
+    if with_entropy:
+        entropy = torch.logsumexp(z, -1) - (z.softmax(-1) * z).sum(-1)
+    return logp, entropy
+
+
+# ----- attention -----------------------------------------------------------------------------------
+def _attention_exact(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int]) -> Tensor:
+    """q [n, T, Hq, D] at positions qpos [n, T]; k/v [n, L, Hkv, D] at positions 0..L-1 -> [n, T, Hq, D]: a query
+    sees keys at positions <= its own (and > its own - window); blocked sums as the module docstring says."""
+    n, T, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    pad = -L % KEY_BLOCK
+    if pad:
+        k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
+    heads = torch.arange(Hq, device=q.device) // (Hq // Hkv)
+    k, v = k[:, :, heads].to(acc), v[:, :, heads].to(acc)  # [n, Lp, Hq, D] each key/value head per query head
+    qs = q.to(acc) * scale
+    key_pos = torch.arange(L + pad, device=q.device)  # [Lp]
+    out = torch.empty(n, T, Hq, D, dtype=acc, device=q.device)
+    per_query = (L + pad) * Hq * D  # products of one query
+    if per_query * T <= CHUNK_ELEMENTS:  # whole rows of queries at a time
+        rows, step = CHUNK_ELEMENTS // (per_query * T), T
+    else:
+        rows, step = 1, max(1, CHUNK_ELEMENTS // per_query)
+    for a in range(0, n, rows):
+        for t in range(0, T, step):
+            qc, pc = qs[a:a + rows, t:t + step], qpos[a:a + rows, t:t + step]  # [r, s, Hq, D], [r, s]
+            kc, vc = k[a:a + rows], v[a:a + rows]
+            scores = tree_sum(qc[:, :, None] * kc[:, None])  # [r, s, Lp, Hq]
+            seen = key_pos[None, None, :] <= pc[:, :, None]  # [r, s, Lp]
+            if window is not None:
+                seen = seen & (key_pos[None, None, :] > pc[:, :, None] - window)
+            scores = scores.masked_fill(~seen[..., None], float("-inf"))
+            top = scores.amax(dim=2, keepdim=True)  # [r, s, 1, Hq]
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+            p = torch.where(seen[..., None], torch.exp(scores - top), torch.zeros_like(scores))  # [r, s, Lp, Hq]
+            blocks = p.unflatten(2, (-1, KEY_BLOCK))  # [r, s, nb, KB, Hq]
+            total = _fold(tree_sum(blocks, dim=3).movedim(2, -1))  # [r, s, Hq]
+            weighted = p[..., None] * vc[:, None]  # [r, s, Lp, Hq, D]
+            mixed = tree_sum(weighted.unflatten(2, (-1, KEY_BLOCK)), dim=3)  # [r, s, nb, Hq, D]
+            out[a:a + rows, t:t + step] = _fold(mixed.movedim(2, -1)) / total[..., None]
+    return out.to(q.dtype)
+
+
+def _attention_default(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int]) -> Tensor:
+    """The same attention with torch's kernels (the backward of the exact one)."""
+    L, groups = k.shape[1], q.shape[2] // k.shape[2]
+    key_pos = torch.arange(L, device=q.device)
+    seen = key_pos[None, None, :] <= qpos[:, :, None]  # [n, T, L]
+    if window is not None:
+        seen = seen & (key_pos[None, None, :] > qpos[:, :, None] - window)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [n, heads, T|L, D]
+    kt, vt = kt.repeat_interleave(groups, dim=1), vt.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seen[:, None], scale=scale).transpose(1, 2)
+
+
+def attention(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+              window: Optional[int] = None) -> Tensor:
+    """Queries q [n, T, Hq, D] at positions qpos [n, T] over their sequence's keys k/v [n, L, Hkv, D], key j at
+    position j -> [n, T, Hq, D]. scale None: D ** -0.5. The engine's decode, prefill and extend passes and the
+    trainer's forward (`Aligned`) all call this."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _exact(lambda q, k, v: _attention_exact(q, qpos, k, v, scale, window),
+                  lambda q, k, v: _attention_default(q, qpos, k, v, scale, window), q, k, v)
+
+
+@dataclass(frozen=True)
+class Aligned:
+    """The training forward's tokens laid out by (sequence, position) for `attention`: token (b, t) is sequence
+    seq[b, t] at position pos[b, t] (real tokens only). The decoder builds one in bitwise mode instead of a mask
+    or varlen boundaries; padded rows and packed rows alike."""
+    seq: Tensor          # [B, T] long: the sequence of each token (0..n-1; padding: 0)
+    pos: Tensor          # [B, T] long: its position in that sequence (padding: 0)
+    real: Tensor         # [B, T] bool
+    num_seqs: int
+    length: int          # L: longest sequence
+    window: Optional[int] = None
+
+    @classmethod
+    def of(cls, attention_mask: Tensor, position_ids: Tensor, seq_ids: Optional[Tensor],
+           window: Optional[int] = None) -> "Aligned":
+        """attention_mask [B, T] (1 = real), position_ids [B, T] (each sequence's real tokens at 0, 1, ...), seq_ids
+        [B, T] or None (packed rows: runs of equal ids are sequences; None: one sequence per row)."""
+        B, T = attention_mask.shape
+        real = attention_mask.bool()
+        if seq_ids is None:
+            seq = torch.arange(B, device=real.device)[:, None].expand(B, T)
+        else:
+            starts = torch.ones_like(seq_ids, dtype=torch.bool)
+            starts[:, 1:] = seq_ids[:, 1:] != seq_ids[:, :-1]
+            seq = starts.reshape(-1).long().cumsum(0).view(B, T) - 1  # a new row or id starts a sequence
+        pos = torch.where(real, position_ids.long(), torch.zeros_like(position_ids, dtype=torch.long))
+        seq = torch.where(real, seq, torch.zeros_like(seq))
+        return cls(seq, pos, real, int(seq.max()) + 1, int(pos.max()) + 1, window)
+
+    def with_window(self, window: Optional[int]) -> "Aligned":
+        return Aligned(self.seq, self.pos, self.real, self.num_seqs, self.length, window)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float]) -> Tensor:
+        """q [B, T, Hq, D], k/v [B, T, Hkv, D] (the decoder's layout) -> [B, T, Hq, D] (padding tokens: 0)."""
+        s, p, r = self.seq[self.real], self.pos[self.real], self.real  # [R] each
+        shape = (self.num_seqs, self.length)
+
+        def lay(x: Tensor) -> Tensor:  # [B, T, h, D] -> [n, L, h, D], real tokens at (seq, pos)
+            return x.new_zeros(*shape, *x.shape[2:]).index_put((s, p), x[r])
+
+        qpos = torch.arange(self.length, device=q.device).expand(shape)  # [n, L]
+        out = attention(lay(q), qpos, lay(k), lay(v), scale, self.window)  # [n, L, Hq, D]
+        return q.new_zeros(q.shape).index_put((r.nonzero(as_tuple=True)), out[s, p])

@@ -1,0 +1,78 @@
+"""The rollout engine's functions in the bitwise numerics mode (rollout.bitwise): every attention pass (prefill,
+decode, multi-turn extend) and the sampler's log-prob through models/invariant.py, so that a sampled token's
+log-prob equals the one the trainer's forward computes, bit for bit.
+
+  cached_attention    the decode step's: write each row's new k/v at its position, attend over its slot
+  prefill_attention   torch's scaled_dot_product_attention's signature, for the prefill pass's call
+  extend_attention    an extend pass's: write the new tokens' k/v, attend over each row's slot
+  sample_tokens       torch_path.sample_tokens' draw, its log-prob from invariant.logprobs_of
+A slot's position p holds the key of the sequence's token at position p, which is exactly the layout
+invariant.attention reads (keys past a query's own weigh 0), so no copy into another layout is needed.
+Not here: the kernels (models/invariant.py), choosing these functions (runner.layer_fns).
+
+Legend: b decode rows, U prompts of P tokens, C rows x M tokens of an extend pass, Hq/Hkv heads, D head_dim,
+S slot_len, ctx context.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from phaserl.models import invariant
+from phaserl.rollout import torch_path
+from phaserl.rollout.runner import LayerFns
+from phaserl.models.layers import post_attention, pre_attention, rms_norm
+
+Tensor = torch.Tensor
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, pos: Tensor,
+                     scale: Optional[float] = None, window: Optional[int] = None) -> Tensor:
+    """q [b, Hq, D], k/v [b, Hkv, D] at positions pos [b]; keys/values [slots, Hkv, S, D] -> [b, Hq * D]."""
+    b = q.shape[0]
+    rows = torch.arange(b, device=q.device)
+    keys[rows, :, pos] = k
+    values[rows, :, pos] = v
+    out = invariant.attention(q[:, None], pos[:, None], keys[:b].transpose(1, 2), values[:b].transpose(1, 2),
+                              scale, window)  # [b, 1, Hq, D]
+    return out.reshape(b, -1)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = True,
+                      scale: Optional[float] = None, enable_gqa: bool = True) -> Tensor:
+    """q [U, Hq, P, D], k/v [U, Hkv, P, D] (prompts at positions 0..P-1) -> [U, Hq, P, D]. attn_mask: the runner's
+    prefill_mask [P, P] of a sliding layer (None: causal); its last row holds min(P, window) keys, and a window of
+    P or more sees what causal attention sees, so that count is the window."""
+    U, _, P, _ = q.shape
+    window = None if attn_mask is None else int(attn_mask[-1].sum())
+    qpos = torch.arange(P, device=q.device).expand(U, P)
+    out = invariant.attention(q.transpose(1, 2), qpos, k.transpose(1, 2), v.transpose(1, 2), scale, window)
+    return out.transpose(1, 2)
+
+
+def extend_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slots: Tensor, pos: Tensor,
+                     context: int, heads: tuple[int, int, int], scale: Optional[float],
+                     window: Optional[int]) -> Tensor:
+    """The new k/v [C * M, Hkv, D] into the cache at (slots[r], :, pos[r, j]), then q [C * M, Hq, D] over each row's
+    slot below `context` -> [C * M, Hq * D] (padding tokens: garbage, finite, as the default path's)."""
+    (C, M), (Hq, Hkv, D) = pos.shape, heads
+    keys[slots[:, None], :, pos] = k.view(C, M, Hkv, D)
+    values[slots[:, None], :, pos] = v.view(C, M, Hkv, D)
+    out = invariant.attention(q.view(C, M, Hq, D), pos, keys[slots, :, :context].transpose(1, 2),
+                              values[slots, :, :context].transpose(1, 2), scale, window)  # [C, M, Hq, D]
+    return out.reshape(C * M, Hq * D)
+
+
+def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, temperature: float, top_k: int,
+                  top_p: float) -> tuple[Tensor, Tensor]:
+    """logits [b, V] -> (tokens [b], log-probs [b]): torch_path.sample_tokens' draw; the log-prob under
+    log_softmax(logits / T) as the trainer's bitwise head computes it."""
+    tokens, _ = torch_path.sample_tokens(logits, noise, greedy, temperature, top_k, top_p)
+    return tokens, invariant.logprobs_of(invariant.scaled(logits, temperature), tokens)
+
+
+# The runner's functions in bitwise mode: the layer math dispatches to the invariant kernels itself (layers.py);
+# no fused sampler (its log-prob is the Triton kernel's), no compile (it may fuse a product into an FMA).
+FNS = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None,
+               prefill=prefill_attention)

@@ -1,0 +1,232 @@
+"""The bitwise numerics mode (rollout.bitwise): each batch-invariant kernel gives a row the same bits whatever shares
+the call, and the trainer's log-prob of every sampled token equals the rollout engine's exactly (0.0, not small):
+every native dense family, padded and packed micro-batches, with grad, after refill and compaction, and in a GRPO run.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from _tiny_run import make_run_dir
+from phaserl.batch import RolloutBatch, layout_ids, right_padded
+from phaserl.config import load_config
+from phaserl.errors import ConfigError
+from phaserl.models import CausalLM, DecoderConfig, invariant
+from phaserl.roles.forward import rows_logprobs
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def default_numerics_after():
+    """A run that turned the mode on (the builder does) must not leave it on for the next test."""
+    yield
+    invariant.enable(False)
+
+
+def _rows_alike(f, x: torch.Tensor) -> None:
+    """f's rows of x computed with the whole batch equal f's rows computed alone, in pairs and in other orders."""
+    whole = f(x)
+    for idx in ([0], [3], [1, 2], [4, 0, 2], list(range(x.shape[0]))[::-1]):
+        assert torch.equal(f(x[idx]), whole[idx]), idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_kernel_gives_a_row_the_same_bits_whatever_shares_the_call(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=g).to(dtype)
+    w, b = torch.randn(80, 96, generator=g).to(dtype), torch.randn(80, generator=g).to(dtype)
+    norm = torch.randn(96, generator=g).to(dtype)
+    table = torch.randn(37, 96, generator=g).to(dtype)
+    _rows_alike(lambda t: invariant.linear(t, w, b), x)
+    for style in ("llama", "gemma", "olmo2"):
+        _rows_alike(lambda t: invariant.rms_norm(t, norm, 1e-6, style), x)
+    for act in ("silu", "gelu_pytorch_tanh"):
+        _rows_alike(lambda t: invariant.activation(t, act), x * 4)
+    _rows_alike(lambda t: invariant.logsumexp(t.float()), x)
+    heads = x.view(37, 6, 16)
+    whole = invariant.rotate(heads, table[:, :16], table[:, 16:32])
+    assert torch.equal(invariant.rotate(heads[5:9], table[5:9, :16], table[5:9, 16:32]), whole[5:9])
+
+
+def test_attention_of_a_query_equals_in_decode_prefill_and_a_packed_training_row():
+    """One sequence's queries: alone (training, L = its length), in a slot of 96 positions whose later keys are
+    stale (decode), and packed after another sequence (training, packed): the same bits."""
+    g = torch.Generator().manual_seed(1)
+    L, Hq, Hkv, D = 40, 4, 2, 8
+    q, k, v = torch.randn(1, L, Hq, D, generator=g), torch.randn(1, L, Hkv, D, generator=g), torch.randn(
+        1, L, Hkv, D, generator=g)
+    pos = torch.arange(L)[None]
+    for window in (None, 7):
+        alone = invariant.attention(q, pos, k, v, 0.3, window)  # [1, L, Hq, D]
+        slot_k, slot_v = torch.randn(1, 96, Hkv, D, generator=g), torch.randn(1, 96, Hkv, D, generator=g)
+        slot_k[:, :L], slot_v[:, :L] = k, v
+        for t in (0, 17, L - 1):  # one decode query at position t
+            step = invariant.attention(q[:, t:t + 1], torch.tensor([[t]]), slot_k, slot_v, 0.3, window)
+            assert torch.equal(step[0, 0], alone[0, t]), (window, t)
+        other = 13  # packed: another sequence of 13 tokens first, then ours
+        qq = torch.cat([torch.randn(1, other, Hq, D, generator=g), q], 1)
+        kk = torch.cat([torch.randn(1, other, Hkv, D, generator=g), k], 1)
+        vv = torch.cat([torch.randn(1, other, Hkv, D, generator=g), v], 1)
+        seq_ids = torch.tensor([[0] * other + [1] * L])
+        positions = torch.cat([torch.arange(other), torch.arange(L)])[None]
+        packed = invariant.Aligned.of(torch.ones(1, other + L), positions, seq_ids, window).attend(qq, kk, vv, 0.3)
+        assert torch.equal(packed[0, other:], alone[0])
+
+
+def test_gradients_are_the_default_kernels_gradients():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 16, generator=g, requires_grad=True), torch.randn(8, 16, generator=g, requires_grad=True)
+    invariant.linear(x, w).square().sum().backward()
+    gx, gw = x.grad, w.grad
+    x.grad = w.grad = None
+    torch.nn.functional.linear(x, w).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+# ----- the engine against the trainer's forward -----------------------------------------------------------
+def _families():
+    base = dict(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    return {
+        "qwen2": DecoderConfig(model_type="qwen2", attention_bias=True, **base),
+        "llama": DecoderConfig(model_type="llama", **base),
+        "qwen3": DecoderConfig(model_type="qwen3", qk_norm=True, **base),
+        "mistral-sliding": DecoderConfig(model_type="mistral", sliding_window=5, **base),
+        "gemma3-local-global": DecoderConfig(
+            model_type="gemma3_text", head_dim=16, qk_norm=True, layer_norms="sandwich", norm_style="gemma",
+            hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=5, local_rope_theta=100.0,
+            layer_types=["sliding_attention", "full_attention"], embed_scale=32 ** 0.5, tie_word_embeddings=True,
+            final_logit_softcapping=5.0, **base),
+        "olmo2": DecoderConfig(model_type="olmo2", qk_norm=True, qk_norm_scope="projection", layer_norms="post",
+                               norm_style="olmo2", **base),
+    }
+
+
+def _model(cfg: DecoderConfig, dtype=torch.float32, device="cpu") -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((0.0 if cfg.norm_style == "gemma" or not name.endswith("norm.weight") else 1.0)
+                    + 0.3 * torch.randn(p.shape))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 8, 9, 10, 11, 12], [11], [12, 13, 14, 15], [3, 3], [20, 21, 22, 23, 24, 25, 26]]
+
+
+def _sample(model, n_per_prompt=2, max_slots=3, new_tokens=12):
+    """Sampled responses through the engine: more sequences than slots (refill) and varied caps (compaction)."""
+    prompts = [p for p in PROMPTS for _ in range(n_per_prompt)]
+    caps = [new_tokens - (i % 5) for i in range(len(prompts))]
+    engine = RolloutEngine(model, EngineConfig(max_slots=max_slots))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.8, top_k=20)
+    result = engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, max_new_tokens=caps,
+                             generator=torch.Generator(device=model.output_weight.device).manual_seed(3))
+    return prompts, result
+
+
+def _batch(prompts, result, device) -> RolloutBatch:
+    input_ids, attention_mask, P = layout_ids(prompts, result.response_ids, 0)
+    R = input_ids.shape[1] - P
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    return RolloutBatch(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
+                        response_mask=attention_mask[:, P:].contiguous(), prompt_width=P,
+                        group_ids=torch.arange(len(prompts), device=device),
+                        rollout_logprobs=right_padded(result.logprobs, R, torch.float32).to(device),
+                        prompts=[None] * len(prompts), response_texts=[""] * len(prompts), rows=[None] * len(prompts),
+                        finish_reasons=list(result.finish_reasons))
+
+
+def _trainer_vs_engine(model, device="cpu") -> list:
+    """max |trainer - engine| over every sampled token, for padded and packed micro-batches of 1, 3 and all rows,
+    without and with autograd."""
+    with invariant.bitwise():
+        prompts, result = _sample(model)
+        batch = _batch(prompts, result, device)
+        diffs = []
+        for packing in (False, True):
+            for size in (1, 3, len(prompts)):
+                for grad in (False, True):
+                    with torch.set_grad_enabled(grad):
+                        for start in range(0, len(prompts), size):
+                            idx = torch.arange(start, min(start + size, len(prompts)))
+                            logp, _, mask = rows_logprobs(model, batch, idx, packing=packing, temperature=0.8,
+                                                          with_entropy=grad)
+                            R = mask.shape[1]
+                            diff = (logp - batch.rollout_logprobs[idx, :R]).abs() * mask
+                            diffs.append(float(diff.detach().max()))
+    return diffs
+
+
+@pytest.mark.parametrize("family", list(_families()))
+def test_trainer_logprobs_equal_the_engines_bit_for_bit(family):
+    diffs = _trainer_vs_engine(_model(_families()[family]))
+    assert max(diffs) == 0.0, diffs
+
+
+def test_without_the_mode_the_same_comparison_is_only_close():
+    """The test above can fail: with the default kernels the packed forward's bits differ from the engine's."""
+    model = _model(_families()["qwen2"])
+    prompts, result = _sample(model)
+    batch = _batch(prompts, result, "cpu")
+    logp, _, mask = rows_logprobs(model, batch, torch.arange(len(prompts)), packing=True, temperature=0.8,
+                                  with_entropy=False)
+    diff = ((logp - batch.rollout_logprobs[:, :mask.shape[1]]).abs() * mask).max()
+    assert 0.0 < diff < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3-local-global"])
+def test_gpu_trainer_logprobs_equal_the_engines_bit_for_bit(family, dtype):
+    model = _model(_families()[family], dtype=dtype, device="cuda")
+    diffs = _trainer_vs_engine(model, device="cuda")
+    assert max(diffs) == 0.0, diffs
+
+
+# ----- the run ---------------------------------------------------------------------------------------------
+def _grpo(tmp_path, *extra):
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(None, make_run_dir(str(tmp_path)) + [
+        "trainer.loggers=[jsonl]", "data.val_files=[]", "rollout.bitwise=true", "rollout.max_new_tokens=8",
+        "rollout.engine_max_slots=3", "ppo.packing=true", "ppo.micro_batch_tokens=40", *extra])
+    RLTrainer.from_config(cfg).fit()
+    return [json.loads(raw) for raw in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_a_grpo_run_in_bitwise_mode_logs_zero_mismatch_every_step(tmp_path, mini_batches):
+    """8 responses a step through 3 engine slots (refill, compaction), packed micro-batches of 40 tokens; one
+    mini-batch measures the mismatch in the update's forward (with grad), two in the old log-prob pass."""
+    lines = _grpo(tmp_path, f"ppo.num_mini_batches={mini_batches}", "trainer.total_steps=3",
+                  "algorithm.rollout_correction=tis")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        assert line["mismatch/abs_diff_max"] == 0.0 and line["mismatch/k3"] == 0.0, line
+        assert line["mismatch/correction_weight_mean"] == 1.0 and line["mismatch/correction_rejected_frac"] == 0.0
+
+
+@pytest.mark.parametrize("setting, key", [
+    ("model.implementation=transformers", "model.implementation"), ("rollout.engine=hf", "rollout.engine"),
+    ("actor.compile=true", "actor.compile"), ("rollout.engine_compile=true", "rollout.engine_compile"),
+    ("ppo.train_graphs=true", "ppo.train_graphs"), ("actor.lora.rank=4", "actor.lora.rank")])
+def test_settings_that_would_run_other_kernels_are_config_errors_naming_the_key(setting, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, ["rollout.bitwise=true", setting])
+
+
+def test_a_family_the_kernels_do_not_cover_is_a_config_error(tmp_path):
+    from phaserl.trainer.build import set_numerics
+
+    moe = DecoderConfig(model_type="qwen3_moe", vocab_size=48, hidden_size=32, intermediate_size=48,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=16, qk_norm=True)
+    with pytest.raises(ConfigError, match="rollout.bitwise"):
+        set_numerics(True, CausalLM(moe))
+    assert not invariant.enabled()
