@@ -19,7 +19,8 @@ dtype, 4 for float32 tensors; n a normed width, r the rows it is normed over):
                     float32 a k_eq_v layer's input is the key projection the k norm already saves.
   attention core    q and k after RoPE, v, the output (o_proj's input): b (2 Hq D + 2 Hkv D), what the varlen flash
                     kernel saves (its float32 log-sum-exp, 4 Hq, is left out, as in budget.py).
-  MLP               gate, act(gate), up and their product: 4 b I (SwiGLU and GeGLU alike).
+  MLP               gate, act(gate), up and their product: 4 b I (SwiGLU and GeGLU alike; I the layer's own width:
+                    Gemma 4's double-wide MLPs twice intermediate_size).
 Measured: tests/test_doctor_activations.py runs tiny random models of each family forward (and backward) on the
 CPU in float32 and bfloat16 under saved_tensors_hooks (benchmarks/saved_activations.py's helpers, attention as the
 flash-like stand-in) and finds these counts exact per layer kind and for the whole stack, but for the per-layer
@@ -27,7 +28,9 @@ constants below; `saved_activations.py --family` the same at the Gemma-3/4-1B an
 Derived, not measured here: bf16 on CUDA (the same ops; F.rms_norm's fused CUDA kernel saves the same input and
 statistic: benchmarks/saved_activations.py --family on the H200 is its check).
 Left out: per-layer constants (the gemma norms' 1 + w, Gemma 4's layer scalar), the embedding (its ids and sqrt(h)
-scale are saved once per forward, not per layer), Gemma 4's global layers on CUDA (head_dim 512 > the flash
+scale are saved once per forward, not per layer), Gemma 4 E2B/E4B's per-layer input step (a gate of P values,
+its activation and product, a projection back to h and its norm) and their KV-sharing layers (counted as if they
+computed and saved keys and values of their own; they save their source's), Gemma 4's global layers on CUDA (head_dim 512 > the flash
 kernel's 256: attention.attend_each_sequence runs SDPA per sequence, which also keeps k and v repeated to Hq
 heads and each sequence's output), the MoE and Qwen3.5 layers (budget.py counts those), and torch.compile'd
 layers (budget.layer_bytes keeps its own count for those: the partitioner recomputes the norms' copies).
@@ -55,7 +58,7 @@ class LayerLayout:
 
     @classmethod
     def of(cls, cfg: DecoderConfig, layer: int) -> "LayerLayout":
-        return cls(cfg.hidden_size, cfg.intermediate_size, cfg.heads(layer), cfg.layer_norms, cfg.norm_style,
+        return cls(cfg.hidden_size, cfg.mlp_width(layer), cfg.heads(layer), cfg.layer_norms, cfg.norm_style,
                    cfg.qk_norm_scope if cfg.qk_norm else "", cfg.v_norm, cfg.v_from_k(layer))
 
 
