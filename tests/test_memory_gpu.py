@@ -53,5 +53,11 @@ def test_an_offloaded_optimizer_keeps_no_moments_on_the_device_and_matches_the_o
             model.logits(model(ids)).float().logsumexp(-1).mean().backward()
             opt.step()
     assert all(v.device.type == "cpu" for st in b.opt.state.values() for v in st.values() if torch.is_tensor(v))
-    for p, q in zip(a_model.parameters(), b_model.parameters()):  # CPU and CUDA AdamW kernels round alike in bf16
-        torch.testing.assert_close(q, p, rtol=0.02, atol=1e-3)
+    # The fused CPU and CUDA AdamW kernels both do float32 math, but not in the same order: a weight may round to
+    # the neighbouring bf16 value (measured on an H200: 101 of 524,288 weights, all one bf16 step apart).
+    differ = 0
+    for p, q in zip(a_model.parameters(), b_model.parameters()):
+        step = torch.finfo(torch.bfloat16).eps * p.float().abs().clamp_min(2**-100)  # one bf16 step at |p|, or more
+        assert bool(((q.float() - p.float()).abs() <= step).all())
+        differ += int((q != p).sum())
+    assert differ <= 1e-3 * sum(p.numel() for p in a_model.parameters())

@@ -22,8 +22,8 @@ GRPO = {"0.5b": (384, 512), "7b": (768, 128), "14b": (768, 128)}  # the benchmar
 
 
 def facts(model: str, card_gb: float, *, seq=None, mini=None, device="cuda", **over) -> PlanFacts:
-    n, L, h, I, kv, hd, V = QWEN[model]
-    shape = ModelShape(n, L, h, I, kv, hd, V, 2)
+    n, L, h, inter, kv, hd, V = QWEN[model]
+    shape = ModelShape(n, L, h, inter, kv, hd, V, 2)
     weights = 2 * n
     T, S = GRPO[model]
     f = PlanFacts(shape=shape, device_type=device, budget_bytes=int((card_gb - 1.5) * GIB), actor_params=weights,
@@ -75,8 +75,8 @@ def test_a_card_too_small_says_so_with_every_measure_taken():
 
 def test_long_responses_plan_checkpointing_instead_of_failing():
     """1.5B-like shape at 32k responses: one sequence's activations are more than the card; checkpointing fits it."""
-    n, L, h, I, kv, hd, V = 1_543_714_304, 28, 1536, 8960, 2, 128, 151936
-    shape = ModelShape(n, L, h, I, kv, hd, V, 2)
+    n, L, h, inter, kv, hd, V = 1_543_714_304, 28, 1536, 8960, 2, 128, 151936
+    shape = ModelShape(n, L, h, inter, kv, hd, V, 2)
     f = PlanFacts(shape=shape, device_type="cuda", budget_bytes=int(78.5 * GIB), actor_params=2 * n,
                   actor_trainable=2 * n, ref_bytes=2 * n, ref_layer_bytes=2 * n - 4 * V * h, sequence_tokens=33024,
                   mini_batch_sequences=64, compiled=True)
@@ -178,11 +178,25 @@ def test_the_keys_are_checked_with_the_fix_named():
     assert cfg.actor.checkpoint_layers is None and cfg.ref.stream_weights is None and cfg.actor.optimizer_offload
 
 
+def test_32k_responses_need_no_forward_budget_by_hand():
+    """Regression: the forward-only budget was a fixed 32768 tokens, so a 32,768-token response (plus its prompt)
+    stopped a run with nothing set at the config check."""
+    from phaserl.config.validate import derive
+    long = load_config(None, ["data.max_prompt_length=256", "rollout.max_new_tokens=32768"])
+    assert long.ppo.forward_micro_batch_tokens is None
+    assert derive(long, world_size=1).forward_micro_batch_tokens == 256 + 32768
+    assert derive(load_config(None, []), world_size=1).forward_micro_batch_tokens == 32768
+    asked = load_config(None, ["ppo.forward_micro_batch_tokens=4096", "rollout.max_new_tokens=1024"])
+    assert derive(asked, world_size=1).forward_micro_batch_tokens == 4096
+    with pytest.raises(ConfigError, match="forward_micro_batch_tokens >= 33024"):
+        load_config(None, ["data.max_prompt_length=256", "rollout.max_new_tokens=32768",
+                           "ppo.forward_micro_batch_tokens=32768"])
+
+
 # ----- the run and the doctor show the plan ---------------------------------------------------------------------
 def test_the_run_applies_the_plan_set_by_hand_and_prints_it(tmp_path):
     """Set by hand on the CPU (where nothing is planned): the builder applies each measure and a step trains."""
     from _tiny_run import make_run_dir
-
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.summary import run_summary
 

@@ -34,6 +34,8 @@ class ModelConfig:
                                choices=["auto", "native", "transformers"])
     allow_random_init: bool = spec(False, "start tensors missing from the model directory from random init "
                                    "(otherwise an error that lists them)")
+    vision_trainable: bool = spec(False, "vision-language models: train the vision tower and its merger too (frozen "
+                                  "by default; LoRA never adapts them: docs/vision.md)")
 
 
 @dataclass
@@ -49,6 +51,10 @@ class DataConfig:
     apply_chat_template: bool = spec(True, "format prompts with the tokenizer's chat template (with generation prompt)")
     shuffle: bool = spec(True, "reshuffle the training prompts every epoch (seeded by trainer.seed)")
     val_max_prompts: Optional[int] = spec(None, "use at most this many held-out prompts; null = all", min=1)
+    image_key: str = spec("images", "vision-language models: the column holding each row's images (docs/vision.md)")
+    min_pixels: int = spec(3136, "vision-language models: images are resized to at least this many pixels", min=1)
+    max_pixels: int = spec(1003520, "vision-language models: images are resized to at most this many pixels (the "
+                                    "image tokens of a prompt scale with it)", min=1)
 
 
 @dataclass
@@ -322,8 +328,9 @@ class PPOConfig:
                                                    "tokens (whole sequences, dealt evenly) that the doctor's memory "
                                                    "count gives room for; 16384 elsewhere",
                                              min=1, auto=True)
-    forward_micro_batch_tokens: int = spec(32768, "tokens per forward-only micro-batch, per rank (ref, old "
-                                                  "log-probs, values)", min=1)
+    forward_micro_batch_tokens: Optional[int] = spec(None, "tokens per forward-only micro-batch, per rank (ref, "
+                                                           "old log-probs, values). null = auto: 32768, or one whole "
+                                                           "sequence when a sequence is longer", min=1, auto=True)
     keep_head_logits: Optional[bool] = spec(None, "keep a training micro-batch's LM-head logits (its response tokens "
                                                   "x vocabulary, bf16) from forward to backward instead of "
                                                   "recomputing them: one of the head's four matmuls saved (Triton "

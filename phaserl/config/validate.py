@@ -21,6 +21,7 @@ from phaserl.errors import ConfigError
 
 # Estimators whose baseline is built from the other responses to the same prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg")
+FORWARD_TOKENS = 32768  # ppo.forward_micro_batch_tokens = null: tokens per forward-only micro-batch, per rank
 _RESUME_LOOKALIKES = ("none", "no", "false", "off", "true", "yes", "on", "latest", "last", "always")
 
 
@@ -46,6 +47,7 @@ class Derived:
     max_sequence_tokens: int  # prompt + response, at most
     sequence_tokens: int  # a micro-batch's or an engine slot's longest sequence (a whole episode in multi-turn runs)
     sequences_per_micro_batch: int  # full-length sequences that fit ppo.micro_batch_tokens
+    forward_micro_batch_tokens: int  # ppo.forward_micro_batch_tokens, resolved (auto: FORWARD_TOKENS or one sequence)
     max_grad_accum_steps: int  # micro-batches per optimizer step per rank when every sequence is full length
 
 
@@ -401,6 +403,13 @@ def sequence_tokens(cfg: Config) -> int:
     return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
 
 
+def forward_micro_batch_tokens(cfg: Config) -> int:
+    """ppo.forward_micro_batch_tokens, or when null FORWARD_TOKENS, raised to one whole sequence when a sequence is
+    longer (long responses: a forward-only pass keeps no activations, one sequence per micro-batch is the floor)."""
+    asked = cfg.ppo.forward_micro_batch_tokens
+    return asked if asked is not None else max(FORWARD_TOKENS, sequence_tokens(cfg))
+
+
 def critic_enabled(cfg: Config) -> bool:
     """critic.enable, or when null whether the advantage estimator needs values (gae)."""
     return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
@@ -475,6 +484,7 @@ def derive(cfg: Config, world_size: int = 1, *, reward_model_engine: str | None 
         max_sequence_tokens=max_sequence_tokens,
         sequence_tokens=sequence_tokens(cfg),
         sequences_per_micro_batch=sequences_per_micro_batch,
+        forward_micro_batch_tokens=forward_micro_batch_tokens(cfg),
         max_grad_accum_steps=math.ceil(mini_batch_per_rank / sequences_per_micro_batch),
     )
 

@@ -14,8 +14,10 @@ difference between the paths, worth finding whatever its size.
 """
 from __future__ import annotations
 
+from ..config.validate import forward_micro_batch_tokens
 from ..data import build_prompt_dataset
 from ..memory.budget import free_memory_bytes
+from ..models import invariant
 from ..roles import HybridActor
 from ..roles.mismatch_probe import measure_mismatch
 from .checks import Context, check
@@ -38,12 +40,15 @@ def check_mismatch(ctx: Context) -> CheckResult:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     actor = HybridActor(ctx.policy, tok, hybrid_engine_config=cfg.actor.hybrid_engine)
-    probe = measure_mismatch(
-        actor, [list(item.prompt_ids) for item in items], n=r.n, engine=r.engine, max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_token_ids=eos, pad_token_id=pad,
-        token_budget=cfg.ppo.forward_micro_batch_tokens, seed=cfg.trainer.seed, replay=cfg.actor.routing_replay,
-        free_bytes=free_memory_bytes(actor.device))
+    with invariant.bitwise(r.bitwise):  # the kernels the run will compute with (rollout.bitwise)
+        probe = measure_mismatch(
+            actor, [list(item.prompt_ids) for item in items], n=r.n, engine=r.engine, max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_token_ids=eos, pad_token_id=pad,
+            token_budget=forward_micro_batch_tokens(cfg), seed=cfg.trainer.seed, replay=cfg.actor.routing_replay,
+            free_bytes=free_memory_bytes(actor.device))
     m, temperature = probe.metrics, r.temperature if r.temperature > 0 else 1.0
+    if r.bitwise:
+        return _bitwise_result(cfg, m, probe.tokens)
     replay = ", routing replay" if cfg.actor.routing_replay else ""
     diff = m["mismatch/abs_diff_mean"]
     message = (f"{probe.tokens} sampled tokens ({probe.path}{replay}, T = {temperature:g}): k3 {m['mismatch/k3']:.2e}, "
@@ -67,3 +72,19 @@ def check_mismatch(ctx: Context) -> CheckResult:
                                "or compare rollout.engine=hf and model.dtype=float32 to find the side that differs",
                            details=details)
     return CheckResult("rollout/training mismatch", OK, message, details=details)
+
+
+def _bitwise_result(cfg, m: dict, tokens: int) -> CheckResult:
+    """rollout.bitwise: the numerics mode says the two sides are equal bit for bit; the probe checks it."""
+    correction = cfg.algorithm.rollout_correction
+    noop = (f"; algorithm.rollout_correction = {correction} is a no-op here (every token's weight is 1)"
+            if correction not in ("none", "auto") else "")
+    if m["mismatch/abs_diff_max"] == 0.0:
+        return CheckResult("rollout/training mismatch", OK, f"numerics: bitwise (rollout.bitwise): the trainer's "
+                           f"log-probs of {tokens} sampled tokens equal the sampler's bit for bit, mismatch 0.0; "
+                           f"rollout corrections are no-ops{noop}")
+    return CheckResult("rollout/training mismatch", WARN, f"numerics: bitwise (rollout.bitwise), yet the trainer's "
+                       f"log-probs differ from the sampler's (max |Δ log p| {m['mismatch/abs_diff_max']:.2e} over "
+                       f"{tokens} tokens): some kernel on one side is not the batch-invariant one",
+                       fix="report it with this config; meanwhile rollout.bitwise = false and a correction "
+                           "(algorithm.rollout_correction) keep training")

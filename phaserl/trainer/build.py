@@ -36,9 +36,11 @@ from ..config.load import with_overrides
 from ..config.validate import GROUP_ESTIMATORS, critic_enabled, policy_loss_range, ref_enabled, rollout_correction_mode
 from ..cuda_allocator import configure_cuda_allocator
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
+from ..data.images import build_vision_dataset, check_no_images, image_processor
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
 from ..models import CausalLM, invariant, load_pretrained, load_tokenizer
+from ..models.qwen_vl import set_vision_trainable
 from ..parallel import is_distributed, launch_rank_and_world, rank_and_world
 from ..parallel.launch import collective_timeout_s
 from ..parallel.rank_split import rank_groups, start_rank_split
@@ -118,6 +120,7 @@ def build_roles(cfg: Config) -> Roles:
                                         implementation=cfg.model.implementation,
                                         allow_random_init=cfg.model.allow_random_init)
     policy = load(model_dir)
+    set_vision_trainable(policy, cfg.model.vision_trainable)  # a vision-language model's tower: frozen by default
     check_context_length(cfg, policy.config.max_position_embeddings, source=os.path.join(model_dir, "config.json"))
     actor = HybridActor(policy, tokenizer, fsdp_config=cfg.actor.fsdp, hybrid_engine_config=cfg.actor.hybrid_engine)
     add_lora(cfg, actor.model, "actor", model_dir)  # actor.lora (lora_setup.py); the reference may then be its base
@@ -239,11 +242,12 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
     alg, r, t, tokenizer = cfg.algorithm, cfg.rollout, cfg.trainer, roles.tokenizer
     device = roles.actor.device
     # 1. prompts, and 2.-3. the rollout phase and what scores it (single turn, or episodes)
-    train_prompts = PromptStream(_prompt_dataset(cfg, cfg.data.train_files, "train", tokenizer), r.prompts_per_step,
+    train_prompts = PromptStream(_prompt_dataset(cfg, cfg.data.train_files, "train", tokenizer, roles.actor.model),
+                                 r.prompts_per_step,
                                  seed=t.seed, shuffle=cfg.data.shuffle, rank=rank, world_size=world_size)
     val_prompts = None
     if cfg.data.val_files:
-        items = _prompt_dataset(cfg, cfg.data.val_files, "val", tokenizer).items
+        items = _prompt_dataset(cfg, cfg.data.val_files, "val", tokenizer, roles.actor.model).items
         if cfg.data.val_max_prompts:
             items = items[: cfg.data.val_max_prompts]
         val_prompts = items[rank::world_size]
@@ -283,7 +287,7 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
         reward=phases.reward,  # 3. score
         shape_scores=(OverlongShaping(r.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
                       if alg.overlong_buffer else no_shaping),
-        forward_tokens=cfg.ppo.forward_micro_batch_tokens, advantage=advantage, kl_controller=kl_controller,
+        forward_tokens=d.forward_micro_batch_tokens, advantage=advantage, kl_controller=kl_controller,
         zero_variance=ZeroVarianceMonitor(alg.adv_estimator, alg.adv_estimator in GROUP_ESTIMATORS),
         # 6. update
         epochs=cfg.ppo.epochs, mini_batch_per_rank=d.mini_batch_per_rank, responses_per_step=d.responses_per_step,
@@ -358,8 +362,21 @@ def _optim(o: "OptimConfig", total_steps: int) -> OptimSettings:
                          warmup_steps=o.warmup_steps, lr_schedule=o.lr_schedule, total_steps=total_steps)
 
 
-def _prompt_dataset(cfg: Config, files: list[str], split: str, tokenizer) -> PromptDataset:
+def _prompt_dataset(cfg: Config, files: list[str], split: str, tokenizer, model=None) -> PromptDataset:
     rows = load_prompt_rows(resolve_data_files(files, split), prompt_key=cfg.data.prompt_key)
+    d = cfg.data
+    if getattr(model, "takes_images", False):  # a vision-language policy: one processor call per row (docs/vision.md)
+        if cfg.rollout.max_staleness:
+            raise ConfigError("rollout.max_staleness >= 1 (the asynchronous stream) does not take prompts with images "
+                              "yet; set rollout.max_staleness=0 for a vision-language model")
+        v = model.vision_config
+        processor = image_processor(patch_size=v.patch_size, merge_size=v.spatial_merge_size,
+                                    temporal_patch_size=v.temporal_patch_size, min_pixels=d.min_pixels,
+                                    max_pixels=d.max_pixels)
+        return build_vision_dataset(rows, tokenizer, processor, merge_size=v.spatial_merge_size,
+                                    max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,
+                                    apply_chat_template=d.apply_chat_template, image_key=d.image_key)
+    check_no_images(rows, d.image_key)
     return build_prompt_dataset(rows, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                 overlong=cfg.data.overlong_prompts, apply_chat_template=cfg.data.apply_chat_template)
 
