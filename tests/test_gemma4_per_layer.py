@@ -219,3 +219,33 @@ def test_a_multi_turn_session_continues_exactly(model):
     for key, obs in observations.items():
         assert first[key].token_ids == greedy_reference(model, PROMPTS[key], 6)
         assert second[key].token_ids == greedy_reference(model, PROMPTS[key] + first[key].token_ids + obs, 6)
+
+
+def test_fsdp_wrapped_layers_with_checkpointing_give_the_same_gradients(model, tmp_path):
+    # FSDP2's hooks rebuild a layer's inputs (tensors that need gradients are swapped for hooked ones): the keys and
+    # values a sharing layer reads travel as explicit inputs and outputs, never in a container the layers mutate.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ids = torch.tensor([[3, 7, 1, 12, 5, 9, 40, 2]])
+    plain = CausalLM(model.config)
+    plain.load_state_dict(model.state_dict())
+    plain.train()
+    ref_loss, ref_grads = _loss_and_grads(plain, ids)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        sharded = CausalLM(model.config)
+        sharded.load_state_dict(model.state_dict())
+        mesh, mp = init_device_mesh("cpu", (1,)), MixedPrecisionPolicy(cast_forward_inputs=False)
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(sharded, mesh=mesh, mp_policy=mp)
+        sharded.gradient_checkpointing = True
+        sharded.train()
+        loss, grads = _loss_and_grads(sharded, ids)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(loss, ref_loss)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n].full_tensor(), ref_grads[n], atol=1e-6, rtol=1e-5)

@@ -198,31 +198,31 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
                 kv_cache: Optional[KVCache] = None, route: Optional[Route] = None,
-                per_layer_input: Optional[torch.Tensor] = None, shared: Optional[dict] = None) -> torch.Tensor:
+                per_layer_input: Optional[torch.Tensor] = None, shared_kv: Optional[tuple] = None):
         # The module call (and any FSDP hook on it) stays outside torch.compile; only the math is compiled.
         if self.compiled and kv_cache is None and route is None:
-            return _COMPILED_BLOCKS[self.compiled](self, h, cos, sin, attn, None, None, per_layer_input, shared)
-        return layer_block(self, h, cos, sin, attn, kv_cache, route, per_layer_input, shared)
+            return _COMPILED_BLOCKS[self.compiled](self, h, cos, sin, attn, None, None, per_layer_input, shared_kv)
+        return layer_block(self, h, cos, sin, attn, kv_cache, route, per_layer_input, shared_kv)
 
 
 def layer_block(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Union[torch.Tensor, PackedSeqs], kv_cache: Optional[KVCache] = None,
                 route: Optional[Route] = None, per_layer_input: Optional[torch.Tensor] = None,
-                shared: Optional[dict] = None) -> torch.Tensor:
+                shared_kv: Optional[tuple] = None):
     """One decoder layer: h [B, T, H] -> [B, T, H]; cos/sin are layers.rope_tables [B, T, D];
-    route: a MoE layer's routing in/out (moe.Route); per_layer_input [B, T, P] (Gemma 4); shared: layer -> its
-    (k, v) [B, S, Hkv, D], written by the layers later ones share keys/values with (kv_store), read by those."""
+    route: a MoE layer's routing in/out (moe.Route); per_layer_input [B, T, P] (Gemma 4). Gemma 4's key/value
+    sharing, explicit in and out (module hooks may copy containers, never the tensors): a KV-sharing layer attends
+    with `shared_kv`, its source's (k, v) [B, S, Hkv, D]; a source (kv_store) returns (h, (k, v))."""
     spec, w = layer.spec, layer.weights()
     q, k, v = pre_attention(h, w, spec, cos, sin)  # [B, T, Hq|Hkv, D]
     if spec.kv_shared:
-        k, v = shared[layer.kv_source]
+        k, v = shared_kv
     elif kv_cache is not None:
         k, v = kv_cache.update(layer.self_attn.layer_idx, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D]
-    if layer.kv_store:
-        shared[layer.self_attn.layer_idx] = k, v
     out = _attend(q, k, v, attn, spec.scale)  # [B, T, Hq, D]
-    return post_attention(h, out.flatten(-2), w, spec, route, per_layer_input)
+    h = post_attention(h, out.flatten(-2), w, spec, route, per_layer_input)
+    return (h, (k, v)) if layer.kv_store else h
 
 
 _COMPILED_BLOCKS: dict = {}  # backend -> torch.compile(layer_block), made once per process by enable_compile
@@ -370,7 +370,7 @@ class DecoderModel(nn.Module):
             attn["linear"] = Segments.of(attention_mask, seq_ids)
         rope = self.rope(position_ids, h.dtype)
         ple = self.per_layer_inputs(input_ids, h)  # [B, T, L, P] or None
-        shared = {} if self.config.kv_shared_layers else None  # KV-sharing layers' sources' (k, v)
+        kv_of: dict = {}  # Gemma 4: a source layer -> its (k, v) [B, S, Hkv, D], for the layers sharing them
         moe_layers = 0
         if self.config.num_experts:
             prepare_device(h.device)
@@ -381,12 +381,14 @@ class DecoderModel(nn.Module):
             route = None
             if routing is not None and layer.spec.moe is not None:
                 route, moe_layers = routing.route(moe_layers), moe_layers + 1
-            gemma4 = {} if ple is None and shared is None else dict(  # Gemma 4 E2B/E4B's extra inputs
-                per_layer_input=None if ple is None else ple[:, :, i], shared=shared)  # [B, T, P], layer -> (k, v)
+            gemma4 = {} if ple is None and not self.config.kv_shared_layers else dict(  # E2B/E4B's extra inputs
+                per_layer_input=None if ple is None else ple[:, :, i], shared_kv=kv_of.get(layer.kv_source))
             if i < recompute:
                 h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False, **gemma4)
             else:
                 h = layer(h, cos, sin, a, kv_cache, route, **gemma4)
+            if getattr(layer, "kv_store", False):  # Gemma 4: later layers attend with this layer's keys/values
+                h, kv_of[i] = h
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h)
