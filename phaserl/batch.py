@@ -43,6 +43,9 @@ class RolloutBatch:
     # The policy version (optimizer steps taken before it) that sampled each response token; -1 where nothing was
     # sampled. None = every token by the weights being trained (the synchronous step, rollout.max_staleness 0).
     token_versions: Optional[torch.Tensor] = None  # [B, R] int64
+    # Vision-language rows: each row's data.images.ImageInputs (its prompt's pixels from the one processor call; the
+    # n responses of a prompt share the object), None for a text row. None = a text batch.
+    images: Optional[list] = None  # [B]
     # CPU copies of fields (on_host), made once per batch; a new batch (select, replace) starts empty.
     _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -87,6 +90,7 @@ class RolloutBatch:
             episodes=None if self.episodes is None else [self.episodes[i] for i in idx],
             routed_experts=None if self.routed_experts is None else take(self.routed_experts),
             token_versions=None if self.token_versions is None else take(self.token_versions),
+            images=None if self.images is None else [self.images[i] for i in idx],
         )
 
 

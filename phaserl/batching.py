@@ -90,6 +90,7 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
         response_texts=batch.response_texts, rows=batch.rows, finish_reasons=batch.finish_reasons,
         loss_mask=batch.loss_mask[:, :keep_resp], episodes=batch.episodes,
         routed_experts=None if batch.routed_experts is None else batch.routed_experts[:, cols],
+        images=batch.images,
     )
 
 

@@ -72,3 +72,10 @@ def test_images_for_a_text_model_are_an_error(model):
     with pytest.raises(ConfigError, match="not a vision-language model"):
         RolloutEngine(text).generate([[1, 2]], SamplingParams(max_new_tokens=2), eos_token_ids=[], pad_token_id=0,
                                      images=[a])
+
+
+def test_placeholders_without_pixels_are_an_error(model):
+    (a,) = images((24, 32))
+    prompt = [5, START, *[IMAGE] * a.num_tokens, END]
+    with pytest.raises(ValueError, match="no images were given"):
+        RolloutEngine(model).generate([prompt], SamplingParams(max_new_tokens=2), eos_token_ids=[], pad_token_id=0)

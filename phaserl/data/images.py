@@ -206,3 +206,12 @@ def build_vision_dataset(rows: Sequence, tokenizer, processor, *, merge_size: in
         raise DataError(f"all {len(rows)} prompts (first: {rows[0].source}) are longer than data.max_prompt_length="
                         f"{max_prompt_length} with their image tokens and were dropped.")
     return PromptDataset(items=items, dropped=dropped, truncated=0)
+
+
+def check_no_images(rows: Sequence, image_key: str = "images") -> None:
+    """A DataError naming the first row that has images, for a policy that cannot see them (a text model)."""
+    row = next((r for r in rows if r.raw.get(image_key) is not None and len(r.raw[image_key]) > 0), None)
+    if row is not None:
+        raise DataError(f"{row.source}: the row has images (column '{image_key}') but the policy is a text model, "
+                        "which would read the '<image>' placeholder as text. Use a vision-language model "
+                        "(docs/vision.md) or drop the column.")

@@ -17,6 +17,7 @@ Legend: B rows, S tokens per row, H hidden, M image tokens of a call, L a prompt
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -31,6 +32,7 @@ from phaserl.models.layers import embed
 from phaserl.models.mrope import batch_mrope_positions, mrope_positions
 from phaserl.models.vision import VisionConfig, VisionTower, set_trainable
 
+log = logging.getLogger("phaserl")
 VL_MODEL_TYPES = ("qwen2_5_vl",)
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
@@ -121,8 +123,14 @@ class VisionLM(CausalLM):
         return self.image_tokens.image_token_id
 
     def image_tokens_of(self, image) -> int:
-        """Placeholder tokens the processor put in the prompt for one row's images."""
-        return sum(self.vision_config.tokens(g) for g in image.grids)
+        """Placeholder tokens the processor put in the prompt for one row's images (its count checked against the
+        tower's: a processor of another merge size is an error)."""
+        count = sum(self.vision_config.tokens(g) for g in image.grids)
+        made = sum(getattr(image, "tokens", ()) or ())
+        if made and made != count:
+            raise ValueError(f"the processor counted {made} image tokens for grids {list(image.grids)}, this model's "
+                             f"tower merges them into {count}: the processor's merge size differs from the model's")
+        return count
 
     def image_features(self, images: Sequence) -> list[Optional[torch.Tensor]]:
         """The tower's output per row ([M_row, H], None for a text row); rows holding the same object share one
@@ -170,6 +178,9 @@ class VisionLM(CausalLM):
         positions as given). With images, the positions are the rows' M-RoPE positions (position_ids is ignored);
         packed rows (seq_ids) and a KV cache take no images."""
         if images is None or all(im is None for im in images):
+            if bool((input_ids == self.image_token_id).any()):  # pixels lost on the way: never a silent text pass
+                raise ValueError("image placeholder tokens in the ids, but no images were given (its images give 0): "
+                                 "the batch lost the pixels of its vision rows")
             return super().forward(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids,
                                    boundaries=boundaries, routing=routing)
         if seq_ids is not None or kv_cache is not None:
@@ -202,6 +213,15 @@ class VisionLM(CausalLM):
                                                merge=self.vision_config.spatial_merge_size)
             out.append((embeds, positions.to(ids.device), delta))
         return out
+
+
+def set_vision_trainable(model, trainable: bool) -> None:
+    """model.vision_trainable: train the tower and its merger too (a vision-language model; they start frozen); a
+    warning for a text model, where the setting means nothing."""
+    if getattr(model, "takes_images", False):
+        set_trainable(model.visual, trainable)
+    elif trainable:
+        log.warning("model.vision_trainable=true is ignored: %s is a text model", type(model).__name__)
 
 
 def is_vl_config(hf_config: dict) -> bool:

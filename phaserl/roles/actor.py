@@ -149,13 +149,16 @@ class HybridActor(CheckpointedRole):
 
     # ----- rollout ----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams, *, eos_token_ids: list, pad_token_id: int,
-                 batch_size: int, generator: Optional[torch.Generator] = None) -> GenerationResult:
+                 batch_size: int, generator: Optional[torch.Generator] = None,
+                 images: Optional[list] = None) -> GenerationResult:
         if self.mode != "rollout" and self.hybrid.enable_rollout_optimization_switch:
             raise RuntimeError("HybridActor.generate called in training mode: wrap it in `with actor.rollout_mode():`")
         self._ensure_engine()
         if self.engine is not None:  # our CausalLM: the fast engine; batch_size = sequences decoded together
             return self.engine.generate(prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                                        batch_size=batch_size, generator=generator)
+                                        batch_size=batch_size, generator=generator, images=images)
+        if images is not None:
+            raise ConfigError("prompts with images run on the builtin rollout engine only: set rollout.engine=auto")
         return generate(self.model, prompts, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                         batch_size=batch_size, generator=generator)
 

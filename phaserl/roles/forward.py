@@ -40,7 +40,8 @@ def _routing_kwargs(routing: Optional[Routing], replay: Optional[torch.Tensor], 
 
 def response_hidden(model, mb: RolloutBatch, routing: Optional[Routing] = None) -> torch.Tensor:
     """Hidden states that predict each response token.  [b, R, H]"""
-    hidden = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+    vision = {} if mb.images is None else {"images": mb.images}  # a vision-language batch: its pixels, every pass
+    hidden = model(mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, **vision,
                    **_routing_kwargs(routing, mb.routed_experts, mb.attention_mask))  # [b, S, H]
     P = mb.prompt_width
     return hidden[:, P - 1: -1]  # position t predicts token t + 1
@@ -180,7 +181,7 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
     """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
     batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs."""
-    if packing:
+    if packing and batch.images is None:  # rows with images: padded (M-RoPE positions are per row)
         packed = pack_rows(batch, idx)
         logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy,
                                           routing=routing, keep_logits=keep_logits, graphs=graphs)

@@ -25,6 +25,12 @@ from phaserl.errors import ConfigError, DataError
 def vision_prefills(model, prompts: Sequence[Sequence[int]], images: Optional[Sequence]) -> dict:
     """Sequence index -> (embeds [L, H], positions [3, L], delta) for the prompts that have images; each distinct
     (prompt, image object) pair is computed once (the n samples of a prompt share it)."""
+    if getattr(model, "takes_images", False):  # placeholders without pixels: never decoded as text
+        bare = next((i for i, p in enumerate(prompts) if (images is None or images[i] is None)
+                     and model.image_token_id in p), None)
+        if bare is not None:
+            raise ValueError(f"prompt {bare} holds image placeholder tokens but no images were given: the pixels of "
+                             "its row were lost on the way")
     if images is None:
         return {}
     if len(images) != len(prompts):

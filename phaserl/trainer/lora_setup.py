@@ -32,7 +32,9 @@ def add_lora(cfg: Config, model, role: str, base_path: str) -> None:
     c = getattr(cfg, role).lora
     if not c.rank:
         return
-    apply_lora(model, lora_settings(c, f"{role}.lora"), trainable=("score",) if role == "critic" else (),
+    keep = ("score",) if role == "critic" else ("visual",) if cfg.model.vision_trainable and hasattr(model, "visual") \
+        else ()  # the critic's value head; a vision-language actor's tower when model.vision_trainable
+    apply_lora(model, lora_settings(c, f"{role}.lora"), trainable=keep,
                base_path=base_path, key=f"{role}.lora")
     if rank_and_world()[0] == 0:
         s = model.lora_settings

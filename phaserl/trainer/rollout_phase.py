@@ -5,7 +5,7 @@ RLOO) are exact and stay on one rank. Multi-turn episodes are trainer/agent_phas
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -30,10 +30,11 @@ def single_turn_rollout(ctx: "RolloutContext", items: list, params, n: int) -> R
     for start in range(0, len(items), run.generate_batch_size):
         chunk = repeat_prompts(items[start:start + run.generate_batch_size], n)
         run.sampling_generator.manual_seed(ctx.seeds.generate_call(first + start, n))
+        vision = {} if row_images(chunk) is None else {"images": row_images(chunk)}  # the prompts' pixels
         parts.append(ctx.actor.generate(
             [list(item.prompt_ids) for item in chunk], params,
             eos_token_ids=[] if run.ignore_eos else run.eos_token_ids,
-            pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator))
+            pad_token_id=run.pad_token_id, batch_size=len(chunk), generator=run.sampling_generator, **vision))
     result = GenerationResult(*([x for part in parts for x in getattr(part, name)]
                                 for name in ("response_ids", "logprobs", "finish_reasons")),
                               routes=None if parts[0].routes is None else [r for part in parts for r in part.routes])
@@ -45,6 +46,12 @@ def group_offset(ctx) -> int:
     """The first group id of this rank's prompts at this step (ids unique across ranks and steps); `ctx` is a
     RolloutContext or anything else with its `rank` and `step_num` (the trainer, in the streams)."""
     return (ctx.rank * 1_000_000) + ctx.step_num * 10_000
+
+
+def row_images(items: list) -> Optional[list]:
+    """Each prompt item's ImageInputs (data.images: one processor call per row), or None when none has any."""
+    images = [getattr(item, "images", None) for item in items]
+    return images if any(im is not None for im in images) else None
 
 
 def repeat_prompts(items: list, n: int) -> list:
@@ -72,5 +79,6 @@ def build_rollout_batch(items: list, n: int, result: GenerationResult, *, tokeni
         prompt_width=P, group_ids=group_ids.to(device), rollout_logprobs=logprobs.to(device),
         prompts=[item.row.prompt for item in rows], response_texts=texts,
         rows=[item.row for item in rows], finish_reasons=list(result.finish_reasons), routed_experts=routes,
+        images=row_images(rows),
     )
 

@@ -79,7 +79,7 @@ class RolloutWorker:
         roles.actor.configure_rollout(r.engine, EngineConfig(
             max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction, cuda_graphs=r.engine_cuda_graphs,
             max_seq_tokens=sequence_tokens(cfg)))
-        dataset = build._prompt_dataset(cfg, cfg.data.train_files, "train", roles.tokenizer)
+        dataset = build._prompt_dataset(cfg, cfg.data.train_files, "train", roles.tokenizer, roles.actor.model)
         return cls(actor=roles.actor, groups=rank_groups(), dataset=dataset, prompts_per_step=r.prompts_per_step,
                    n=r.n, max_staleness=r.max_staleness,
                    sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,

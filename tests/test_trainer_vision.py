@@ -1,0 +1,76 @@
+"""A vision-language batch through the trainer's passes: the batch carries each row's pixels from the rollout to the
+old-policy/reference pass and the update, whose log-probs equal the sampled ones; the update's loss has a gradient
+at the tower's output (the pixels reached it), and a batch that lost its pixels is an error, never silent drift."""
+import pytest
+import torch
+
+from phaserl.data.prompts import PromptItem
+from phaserl.data.rows import PromptRow
+from phaserl.roles.forward import batch_logprobs, rows_logprobs
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from phaserl.trainer.rollout_phase import build_rollout_batch
+from test_rollout_vision import END, IMAGE, START, images, model  # noqa: F401  (the tiny VLM fixture)
+
+torch.set_num_threads(1)
+
+
+class _Tokenizer:  # what build_rollout_batch needs of a tokenizer: decode
+    def batch_decode(self, responses, skip_special_tokens=True):
+        return [" ".join(map(str, r)) for r in responses]
+
+
+@pytest.fixture(scope="module")
+def batch(model):  # noqa: F811
+    a, c = images((24, 32), (40, 16))
+    row = PromptRow(prompt="p", data_source="", ground_truth=None, extra_info={}, source="t:row 0", index=0, raw={})
+    items = [PromptItem(row, (5, START, *[IMAGE] * a.num_tokens, END, 6), "", images=a),
+             PromptItem(row, (8, START, *[IMAGE] * c.num_tokens, END), "", images=c),
+             PromptItem(row, (10, 11, 12), "")]
+    n = 2
+    prompts = [list(item.prompt_ids) for item in items for _ in range(n)]
+    result = RolloutEngine(model, EngineConfig()).generate(
+        prompts, SamplingParams(max_new_tokens=4, temperature=1.0), eos_token_ids=[], pad_token_id=0,
+        generator=torch.Generator().manual_seed(1), images=[item.images for item in items for _ in range(n)])
+    return build_rollout_batch(items, n, result, tokenizer=_Tokenizer(), pad_token_id=0, group_offset=0,
+                               device="cpu")
+
+
+def test_the_batch_carries_each_rows_pixels(batch):
+    assert len(batch.images) == 6 and batch.images[0] is batch.images[1] and batch.images[4] is None
+    picked = batch.select(torch.tensor([3, 0]))
+    assert picked.images == [batch.images[3], batch.images[0]]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_old_policy_and_reference_logprobs_equal_the_sampled_ones(model, batch, packing):  # noqa: F811
+    logp = batch_logprobs(model, batch, temperature=1.0, token_budget=64, packing=packing)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=1e-5, rtol=4e-6)
+
+
+def test_the_update_loss_reaches_the_vision_features(model, batch):  # noqa: F811
+    seen = []
+
+    def leaf(module, args, out):  # the frozen tower's output as a leaf that collects the loss's gradient
+        seen.append(out.detach().requires_grad_())
+        return seen[-1]
+
+    hook = model.visual.register_forward_hook(leaf)
+    try:
+        with torch.enable_grad():
+            logp, _, mask = rows_logprobs(model, batch, torch.arange(6), packing=True, temperature=1.0,
+                                          with_entropy=False)
+            (-logp[mask].sum()).backward()
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    assert len(seen) == 1, "the training forward never ran the vision tower"
+    assert seen[0].shape[0] == 12 + 10  # one pass over the batch's two distinct images (shared by their samples)
+    assert seen[0].grad is not None and seen[0].grad.abs().sum() > 0
+
+
+def test_a_batch_that_lost_its_pixels_is_an_error(model, batch):  # noqa: F811
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="no images were given"):
+        batch_logprobs(model, replace(batch, images=[None] * 6), temperature=1.0, token_budget=64)
