@@ -32,7 +32,8 @@ class TinySum(ta.Env):
         elif game["tries"] >= self.tries:
             self.state.set_outcome(reward=0.0, reason="out of tries")
         else:
-            self.state.add_observation(message=f"no {game['question']}", observation_type=ta.ObservationType.GAME_MESSAGE)
+            self.state.add_observation(message=f"no {game['question']}",
+                                       observation_type=ta.ObservationType.GAME_MESSAGE)
         return self.state.step()
 
 

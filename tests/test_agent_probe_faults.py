@@ -63,7 +63,7 @@ def test_under_end_the_run_trains_and_counts_the_faulty_episodes(tmp_path):
     done = _train(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:]
     assert "WARN agent episode" in done.stdout
-    line = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")][-1]
+    line = [json.loads(raw) for raw in open(tmp_path / "metrics.jsonl")][-1]
     assert line["agent/ended/env_error"] > 0 and line["train/skipped_step"] == 0
 
 
@@ -71,6 +71,6 @@ def test_under_end_the_run_trains_and_counts_the_faulty_episodes(tmp_path):
 def test_under_stop_the_run_stops_with_the_fault_as_its_last_line(tmp_path):
     done = _train(tmp_path, "agent.on_env_error=stop", "--skip-doctor")
     assert done.returncode == 1
-    lines = [l.strip() for l in done.stdout.replace("\r", "\n").splitlines() if l.strip()]
+    lines = [raw.strip() for raw in done.stdout.replace("\r", "\n").splitlines() if raw.strip()]
     assert lines[-1].startswith("phaserl train: error: environment FaultyEvenSeeds ("), lines[-3:]
     assert "step() raised ValueError: the simulator lost its state; set agent.on_env_error=end" in lines[-1]

@@ -1,5 +1,4 @@
 """Adapters against the real packages (optional extras; each test skips when its package is missing)."""
-import json
 import re
 
 import pytest
@@ -109,7 +108,8 @@ def test_gym_adapter_passes_seed_and_row_options_and_rejects_non_text():
 # ----- OpenEnv ------------------------------------------------------------------------------------
 def _word_env():
     """A small OpenEnv environment built on the real base classes: guess a word, get letter feedback."""
-    from openenv.core.env_server import Action, Environment as OEnv, Observation, State
+    from openenv.core.env_server import Action, Observation, State
+    from openenv.core.env_server import Environment as OEnv
     from pydantic import Field
 
     class GuessAction(Action):
@@ -150,7 +150,8 @@ def test_openenv_environment_in_process():
     env = OpenEnvEnvironment(make=WordEnv, make_kwargs={"secret": "dog"})
     assert env.reset({}, seed=1) == [{"role": "user", "content": "guess a 3-letter word"}]
     miss = env.step("dig")
-    assert (miss.observation, miss.reward, miss.done) == ([{"role": "user", "content": "2 letters in place"}], 0.0, False)
+    assert (miss.observation, miss.reward, miss.done) == ([{"role": "user", "content": "2 letters in place"}], 0.0,
+                                                          False)
     hit = env.step(" dog\n")
     assert hit.done and hit.reward == 1.0 and hit.observation is None
     assert hit.info["openenv_metadata"] == {"step": 2}

@@ -56,7 +56,8 @@ def test_the_doctor_fails_on_an_environment_that_raises():
     line = _agent_line([f"agent.env={ENVS}:RaisesOnSecondStep", "agent.kwargs={turns: 4}"])
     assert line.status == FAIL
     assert "environment RaisesOnSecondStep: 4 of 4 probe episodes hit a fault" in line.message
-    assert "step() raised RuntimeError" in line.message and "on_env_error=end" not in line.fix  # no advice to end them all
+    # no advice to end them all
+    assert "step() raised RuntimeError" in line.message and "on_env_error=end" not in line.fix
 
 
 def test_episode_budgets_are_checked_against_the_other_sizes():

@@ -244,10 +244,12 @@ def test_a_pool_kept_across_rollouts_starts_its_threads_once(model):
     from phaserl.agents.workers import Workers
 
     pool = Workers(4, name="t-kept")
-    runner = EpisodeRunner(EnvironmentFactory(envs.Feedback, dict(turns=2, observation="ab")), TOK, limits(), workers=pool)
+    runner = EpisodeRunner(EnvironmentFactory(envs.Feedback, dict(turns=2, observation="ab")), TOK, limits(),
+                           workers=pool)
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
     for seed in range(2):
-        with engine.session(SAMPLE, slot_len=64, eos_token_ids=[EOS], generator=torch.Generator().manual_seed(seed)) as s:
+        with engine.session(SAMPLE, slot_len=64, eos_token_ids=[EOS],
+                            generator=torch.Generator().manual_seed(seed)) as s:
             episodes = runner.run_session(s, starts())
         assert [e.num_turns for e in episodes] == [2] * 6
         if seed == 0:

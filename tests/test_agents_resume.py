@@ -102,7 +102,8 @@ def test_a_multi_turn_run_killed_mid_episode_resumes_exactly(tmp_path):
     assert [m["step"] for m in expected] == [0, 1, 2, 3, 4]
     assert any(m.get("agent/turns_mean", 0) > 1 for m in expected)
     assert _metrics(tmp_path / "killed" / "logs") == expected
-    a, b = torch.load(tmp_path / "reference.pt", weights_only=True), torch.load(tmp_path / "killed.pt", weights_only=True)
+    a = torch.load(tmp_path / "reference.pt", weights_only=True)
+    b = torch.load(tmp_path / "killed.pt", weights_only=True)
     assert all(torch.equal(a["actor"][k], b["actor"][k]) for k in a["actor"])
     state_a, state_b = a["optim"]["optimizer"]["state"], b["optim"]["optimizer"]["state"]
     assert all(torch.equal(state_a[p][k], state_b[p][k]) for p in state_a for k in state_a[p])

@@ -22,11 +22,14 @@ needs_openai = pytest.mark.skipif(openai is None, reason="needs the openai clien
 
 # Hermes/Qwen2.5-style: tools in the system turn, calls as <tool_call> JSON, results as <tool_response>.
 HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}"
     "{% for m in messages %}"
     "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% for c in m.tool_calls or [] %}"
+    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+    "{% endfor %}"
     "<|im_end|>\n"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -94,10 +97,12 @@ def test_models_and_a_tool_calling_conversation_with_the_openai_client(tok):
     kinds = [s.kind for s in episode.segments]
     assert kinds == ["prompt", "model", "observation", "model"]
     assert [s.token_ids for s in episode.segments if s.kind == "model"] == sampled
-    assert tok.decode(episode.segments[2].token_ids) == "\n<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(episode.segments[2].token_ids) == ("\n<|im_start|>user\n<tool_response>5</tool_response>"
+                                                         "<|im_end|>\n<|im_start|>assistant\n")
     assert episode.prompt_ids == list(backend.requests[0].prompt_ids)
     assert episode.prompt_ids + episode.response_ids()[:-len(sampled[1])] == list(backend.requests[1].prompt_ids)
-    assert episode.loss_mask() == [1] * len(sampled[0]) + [0] * len(episode.segments[2].token_ids) + [1] * len(sampled[1])
+    assert episode.loss_mask() == ([1] * len(sampled[0]) + [0] * len(episode.segments[2].token_ids)
+                                   + [1] * len(sampled[1]))
     assert episode.metrics["prefix_mismatches"] == 0 and episode.reward == 1.0 and episode.num_turns == 2
 
 
@@ -246,10 +251,11 @@ def test_tiny_model_through_the_openai_client_records_its_own_logprobs(device):
     """The real path: phaserl's tiny model behind GenerateBackend; the recorded episode's log-probs are
     what the model computes for those exact ids (teacher-forced), so training sees the sampled tokens.
     On CUDA the engine decodes with CUDA graphs, in float32."""
+    from transformers import AutoTokenizer
+
     from phaserl.models.hf_io import load_pretrained
     from phaserl.rollout.engine import RolloutEngine
     from phaserl.world import prepare_tiny_world
-    from transformers import AutoTokenizer
 
     world = prepare_tiny_world()
     model = load_pretrained(world.model_dir, device=device).eval()

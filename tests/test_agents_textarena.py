@@ -131,7 +131,8 @@ def _config(tmp_path, kwargs: dict, *extra):
     write_records(str(tmp_path / "train.jsonl"), records("TinySum-v0", size=16, seed=0, system_prompt="play"))
     write_records(str(tmp_path / "val.jsonl"), records("TinySum-v0", size=4, seed=1, system_prompt="play"))
     return load_config(None, [
-        "model.path=tiny", f"data.train_files=[{tmp_path / 'train.jsonl'}]", f"data.val_files=[{tmp_path / 'val.jsonl'}]",
+        "model.path=tiny", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+        f"data.val_files=[{tmp_path / 'val.jsonl'}]",
         "data.max_prompt_length=16", "rollout.prompts_per_step=4", "rollout.batch_size=4", "rollout.n=2",
         "rollout.max_new_tokens=4", "rollout.val_temperature=0.0", f"agent.env={ADAPTER}",
         f"agent.kwargs={json.dumps(kwargs)}", "agent.max_turns=4", "agent.max_episode_tokens=64",

@@ -8,7 +8,7 @@ import pytest
 
 from phaserl.agents import env as env_contract
 from phaserl.agents.tool_env import ToolEnvironment
-from phaserl.agents.tool_parsers import TOOL_PARSERS, get_tool_parser, register_tool_parser, ParsedTurn
+from phaserl.agents.tool_parsers import TOOL_PARSERS, ParsedTurn, get_tool_parser, register_tool_parser
 from phaserl.agents.tools import Tool, ToolCall, run_tool_calls, tool, validate_arguments
 
 
@@ -60,13 +60,15 @@ def test_hermes_parser_reads_calls_and_reports_broken_ones():
     assert turn.calls[0].id.startswith("call_")
     assert len(turn.errors) == 2 and "not valid JSON" in turn.errors[0] and "no 'name'" in turn.errors[1]
     # A turn cut off at EOS inside an open block still yields the call; plain prose yields none.
-    assert get_tool_parser("hermes")('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}').calls[0].arguments == {"a": 1, "b": 1}
+    cut = get_tool_parser("hermes")('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}')
+    assert cut.calls[0].arguments == {"a": 1, "b": 1}
     assert get_tool_parser("hermes")("The answer is 5.") == ParsedTurn("The answer is 5.")
 
 
 def test_llama3_and_mistral_parsers():
     llama = get_tool_parser("llama3_json")
-    turn = llama('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "lookup", "parameters": {"word": "a;b"}}')
+    turn = llama('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+                 '{"name": "lookup", "parameters": {"word": "a;b"}}')
     assert [(c.name, c.arguments) for c in turn.calls] == [("add", {"a": 1, "b": 2}), ("lookup", {"word": "a;b"})]
     assert llama("{not json, just braces in prose}").calls == []
     mistral = get_tool_parser("mistral")
@@ -145,8 +147,8 @@ def test_tool_environment_turns_and_metrics():
     assert isinstance(env, env_contract.Environment)
     assert env.tool_schemas == [add.schema]
     assert env.reset({"prompt": [{"role": "user", "content": "2+3="}], "ground_truth": 5}, seed=0) == ""
-    result = env_contract.as_step_result(env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'),
-                                         where="test")
+    result = env_contract.as_step_result(
+        env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'), where="test")
     assert not result.done and result.reward == 0.0
     (message,) = result.observation
     assert (message["role"], message["content"], message["name"]) == ("tool", "5", "add")
@@ -192,13 +194,14 @@ def test_tool_environment_final_reward_callable_and_bad_settings(tmp_path):
     spec.write_text("def mul(a: int, b: int) -> int:\n    '''Multiply.'''\n    return a * b\n")
     env = ToolEnvironment([f"{spec}:mul"])
     assert env.tool_schemas[0]["function"]["name"] == "mul"
-    assert env.step('<tool_call>{"name": "mul", "arguments": {"a": 3, "b": 4}}</tool_call>').observation[0]["content"] == "12"
+    step = env.step('<tool_call>{"name": "mul", "arguments": {"a": 3, "b": 4}}</tool_call>')
+    assert step.observation[0]["content"] == "12"
 
 
 def test_schemas_reach_a_real_chat_template():
     """The schema is what transformers' apply_chat_template(tools=...) takes: the tool shows up in the prompt."""
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")), unk_token="x")
     tok.chat_template = ("{% for t in tools %}<tools>{{ t | tojson }}</tools>{% endfor %}"
@@ -260,8 +263,8 @@ def test_tool_environment_inside_the_episode_runner():
         starts.append(item)
     model = tiny_model(vocab_size=len(tok), max_position_embeddings=128)
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
-    with engine.session(SamplingParams(max_new_tokens=4, temperature=1.0), slot_len=96, eos_token_ids=[tok.eos_token_id],
-                        generator=torch.Generator().manual_seed(0)) as session:
+    with engine.session(SamplingParams(max_new_tokens=4, temperature=1.0), slot_len=96,
+                        eos_token_ids=[tok.eos_token_id], generator=torch.Generator().manual_seed(0)) as session:
         episodes = runner.run_session(session, starts)
     assert sum(ep.metrics.get("tool_calls", 0) for ep in episodes) > 0
     for ep in episodes:
@@ -271,4 +274,5 @@ def test_tool_environment_inside_the_episode_runner():
         if ep.finish_reason == "done":  # ended by an answer starting with a digit
             assert ep.reward == 1.0 and calls == len(observations)  # one tool message per call turn
         else:  # a limit ended it, possibly right after a call turn whose result was not appended
-            assert ep.finish_reason in ("max_turns", "max_tokens") and len(observations) <= calls <= len(observations) + 1
+            assert ep.finish_reason in ("max_turns", "max_tokens")
+            assert len(observations) <= calls <= len(observations) + 1

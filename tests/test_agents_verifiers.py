@@ -84,10 +84,12 @@ def test_episodes_run_the_environments_own_loop_and_keep_the_endpoints_ids():
         text = tok.apply_chat_template(row.prompt, add_generation_prompt=True, tokenize=False)
         assert episode.row is row and episode.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
         assert episode.response_ids() == reply(episode.prompt_ids)  # what the backend sampled, as sampled
-        assert episode.response_logprobs() == pytest.approx([-0.1 * (k + 1) for k in range(len(episode.response_ids()))])
+        expected = [-0.1 * (k + 1) for k in range(len(episode.response_ids()))]
+        assert episode.response_logprobs() == pytest.approx(expected)
         right = answers[question] == 0
         assert episode.reward == float(right) and episode.metrics["vf_reward/correct"] == float(right)
-        assert episode.metrics["vf_metric/reply_chars"] == len(tok.decode(episode.response_ids(), skip_special_tokens=True))
+        reply_text = tok.decode(episode.response_ids(), skip_special_tokens=True)
+        assert episode.metrics["vf_metric/reply_chars"] == len(reply_text)
         assert episode.metrics["vf_errors"] == 0.0 and episode.finish_reason == "done"
 
 
@@ -99,7 +101,8 @@ def test_episodes_also_run_from_a_thread_that_runs_an_event_loop():
     from phaserl.agents.server import ChatServer
 
     tok = _tiny()
-    backend = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id], eos_token_ids=(tok.eos_token_id,))
+    backend = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id],
+                        eos_token_ids=(tok.eos_token_id,))
     source = VerifiersSource("arith", load_environment(ARITH, {**LOCAL, "taskset": {"num_tasks": 1}}))
 
     async def in_a_notebook():
@@ -140,7 +143,8 @@ def test_errors_name_the_environment_and_the_row(tmp_path):
                                                  "            raise RuntimeError('the sandbox fell over')\n"))
     source = VerifiersSource(str(broken), load_environment(str(broken), {**LOCAL, "taskset": {"num_tasks": 2}}))
     tok = _tiny()
-    backend = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id], eos_token_ids=(tok.eos_token_id,))
+    backend = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id],
+                        eos_token_ids=(tok.eos_token_id,))
     rows = _rows(source)
     with ChatServer(backend, tok) as server:
         per_sample = run_samples(source, source.tasks, rows, server, samples_per_row=1, max_workers=2)
@@ -160,7 +164,8 @@ def test_max_turns_stops_the_seat_and_scores_it_and_a_slow_episode_times_out(tmp
 
     tok = _tiny()
     tok.chat_template = TOOLS_TEMPLATE
-    wrong = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id], eos_token_ids=(tok.eos_token_id,))
+    wrong = FakeBackend(lambda ids: [tok.convert_tokens_to_ids("7"), tok.eos_token_id],
+                      eos_token_ids=(tok.eos_token_id,))
     source = VerifiersSource("tools", load_environment(TOOLS, {"num_tasks": 2}, max_turns=2))
     with ChatServer(wrong, tok, parser="tiny_check") as server:
         per_sample = run_samples(source, source.tasks, _rows(source), server, samples_per_row=1, max_workers=2)
@@ -218,7 +223,8 @@ def _config(tmp_path, env: str, kwargs: dict, eval_kwargs: dict, *extra):
         "rollout.max_new_tokens=4", "rollout.val_temperature=0.0", "agent.max_turns=3", "agent.max_episode_tokens=64",
         "agent.harness_workers=8", "agent.harness_timeout_s=60", "algorithm.adv_estimator=grpo",
         "algorithm.kl_placement=none", "ppo.micro_batch_tokens=8192", "ppo.forward_micro_batch_tokens=8192",
-        "trainer.total_steps=2", "trainer.device=cpu", "trainer.loggers=[jsonl]", f"trainer.log_dir={tmp_path / 'logs'}",
+        "trainer.total_steps=2", "trainer.device=cpu", "trainer.loggers=[jsonl]",
+        f"trainer.log_dir={tmp_path / 'logs'}",
         f"trainer.checkpoint_path={tmp_path / 'ckpt'}", *extra])
 
 
@@ -272,7 +278,8 @@ def train_and_check(cfg, monkeypatch) -> list:
 
 @pytest.mark.slow  # two trainer steps with validation (about 15 s on 2 cores)
 def test_a_one_turn_environment_with_a_rubric_trains_on_the_endpoints_ids(tmp_path, monkeypatch):
-    cfg = _config(tmp_path, ARITH, {**LOCAL, "taskset": {"num_tasks": 8}}, {"taskset": {"split": "val", "num_tasks": 4}})
+    cfg = _config(tmp_path, ARITH, {**LOCAL, "taskset": {"num_tasks": 8}},
+                  {"taskset": {"split": "val", "num_tasks": 4}})
     batches = train_and_check(cfg, monkeypatch)
     for batch in batches:  # the environment's tasks are the prompts, each group its task's n episodes
         assert [r.source for r in batch.rows][::2] == [r.source for r in batch.rows][1::2]
@@ -315,7 +322,8 @@ def test_a_multi_turn_tool_environment_trains_with_its_tool_results_masked(tmp_p
 def test_training_on_the_verifiers_environment_raises_its_held_out_score(tmp_path):
     from phaserl.trainer import RLTrainer
 
-    cfg = _config(tmp_path, ARITH, {**LOCAL, "taskset": {"num_tasks": 2000}}, {"taskset": {"split": "val", "num_tasks": 64}},
+    cfg = _config(tmp_path, ARITH, {**LOCAL, "taskset": {"num_tasks": 2000}},
+                  {"taskset": {"split": "val", "num_tasks": 64}},
                   "rollout.prompts_per_step=16", "rollout.batch_size=16", "rollout.n=8", "actor.optim.lr=1e-3",
                   "algorithm.kl_placement=loss", "algorithm.kl_estimator=k3", "algorithm.kl_coef=0.001",
                   "trainer.total_steps=6", "trainer.val_interval=6", "agent.harness_workers=16")

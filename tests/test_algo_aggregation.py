@@ -2,8 +2,15 @@
 import pytest
 import torch
 
-from phaserl.algo import (LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS, aggregate, bind_policy_loss,
-                          rollout_correction, token_logprobs_from_logits)
+from phaserl.algo import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    aggregate,
+    bind_policy_loss,
+    rollout_correction,
+    token_logprobs_from_logits,
+)
 from phaserl.algo.masked import masked_mean
 from phaserl.errors import ConfigError
 

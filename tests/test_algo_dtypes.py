@@ -7,9 +7,22 @@ type` (the mask was made float32 while the scores stayed float64).
 import pytest
 import torch
 
-from phaserl.algo import (ADVANTAGE_ESTIMATORS, KL_ESTIMATOR_NAMES, LOSS_AGG_MODES, POLICY_LOSSES,
-                          ROLLOUT_CORRECTIONS, AdvantageInputs, aggregate, apply_kl_to_rewards, bind_policy_loss,
-                          clipped_value_loss, kl_penalty, masked_whiten, mismatch_metrics, rollout_correction)
+from phaserl.algo import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATOR_NAMES,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    AdvantageInputs,
+    aggregate,
+    apply_kl_to_rewards,
+    bind_policy_loss,
+    clipped_value_loss,
+    kl_penalty,
+    masked_whiten,
+    mismatch_metrics,
+    rollout_correction,
+)
 
 DTYPES = [torch.float32, torch.float64]
 HYPER = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, tau_pos=1.0, tau_neg=1.05, beta=0.1, delta_low=0.15,

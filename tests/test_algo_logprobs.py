@@ -123,7 +123,8 @@ def test_save_logits_needs_the_triton_kernels_and_an_unused_entropy_costs_no_gra
     # entropy returned but left out of the loss: the gradient is that of the log-probs alone
     lp, ent = token_logprobs_from_hidden(h, w, t, with_entropy=True, chunk_size=4)
     (lp * torch.arange(6.0, dtype=torch.float64)).sum().backward()
-    expected = torch.autograd.grad((token_logprobs_from_logits(h @ w.t(), t) * torch.arange(6.0, dtype=torch.float64)).sum(), (h, w))
+    weighted = token_logprobs_from_logits(h @ w.t(), t) * torch.arange(6.0, dtype=torch.float64)
+    expected = torch.autograd.grad(weighted.sum(), (h, w))
     torch.testing.assert_close(h.grad, expected[0])
     torch.testing.assert_close(w.grad, expected[1])
 
@@ -155,7 +156,8 @@ def test_triton_kernels_in_the_interpreter_match_torch():
     """In a fresh process: Triton reads TRITON_INTERPRET once, so in a session that has already imported
     Triton (phaserl.rollout.kernels does) setting it later has no effect and the kernels cannot run."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNELS], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -80,13 +80,16 @@ def test_dro_quadratic_penalty_by_hand():
 def test_dppo_masks_only_moves_beyond_the_trust_region_in_the_advantage_direction(name, delta):
     # p = 0.5 from p_old = 0.25: TV 0.25 > 0.15; binary KL = 0.25 log(0.5) + 0.75 log(1.5) = 0.1308 > 0.05
     fn = POLICY_LOSSES[name]
-    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, 1.0), delta_low=delta, delta_high=delta, ratio_cap=20.0)
+    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, 1.0), delta_low=delta, delta_high=delta,
+                                      ratio_cap=20.0)
     assert loss == 0.0 and grad == 0.0 and stats["clipfrac"].item() == 1.0  # A > 0 and p rose too far
     # A < 0: the same move goes against the advantage's direction -> kept, weight sg[min(r, 20)] = 2
-    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, -1.0), delta_low=delta, delta_high=delta, ratio_cap=20.0)
+    loss, grad, stats = loss_and_grad(fn, *one_token(LOG_HALF, LOG_QUARTER, -1.0), delta_low=delta, delta_high=delta,
+                                      ratio_cap=20.0)
     assert loss == pytest.approx(2 * LOG_HALF) and grad == pytest.approx(2.0) and stats["clipfrac"].item() == 0.0
     # the ratio cap: r = 40 capped at 20
-    _, grad, _ = loss_and_grad(fn, *one_token(math.log(0.4), math.log(0.01), -1.0), delta_low=delta, delta_high=delta, ratio_cap=20.0)
+    _, grad, _ = loss_and_grad(fn, *one_token(math.log(0.4), math.log(0.01), -1.0), delta_low=delta, delta_high=delta,
+                               ratio_cap=20.0)
     assert grad == pytest.approx(20.0)
 
 

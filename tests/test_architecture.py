@@ -109,8 +109,9 @@ def test_imports_follow_the_table():
         for imported in _imported_units(path.read_text(), module, is_package=path.name == "__init__.py",
                                         units=units) - {here}:
             if imported not in ALLOWED.get(here, set()):
+                allowed = ", ".join(sorted(ALLOWED.get(here, ()))) or "nothing"
                 violations.append(f"{path.relative_to(PKG.parent)} imports phaserl.{imported}, which "
-                                  f"{here} may not (its row allows: {', '.join(sorted(ALLOWED.get(here, ()))) or 'nothing'})")
+                                  f"{here} may not (its row allows: {allowed})")
     assert not violations, "imports against the architecture:\n" + "\n".join(violations)
 
 
@@ -140,8 +141,8 @@ def test_the_library_never_imports_its_tools():
         users = {u for u, deps in ALLOWED.items() if tool in deps}
         assert users <= {"cli"}, f"{sorted(users - {'cli'})} may import phaserl.{tool}: move what they need below both"
     importers = [f"{p.relative_to(PKG.parent)} imports phaserl.{tool}" for p in _py_files()
-                 for tool in TOOLS & _imported_units(p.read_text(), _module_parts(p), is_package=p.name == "__init__.py",
-                                                     units=_units())
+                 for tool in TOOLS & _imported_units(p.read_text(), _module_parts(p),
+                                                     is_package=p.name == "__init__.py", units=_units())
                  if _unit_of(_module_parts(p), _units()) not in TOOLS | {"cli"}]
     assert not importers, "the library imports a tool:\n" + "\n".join(importers)
 

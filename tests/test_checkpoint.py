@@ -32,7 +32,8 @@ def _weights(trainer) -> dict:
 
 def _metrics(log_dir: str) -> list:
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s/", "perf/", "hybrid/to_"))} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("timing_s/", "perf/", "hybrid/to_"))}
+                for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,8 @@ def test_an_auto_micro_batch_resumes_with_the_checkpoints_own(first_run, caplog)
     with caplog.at_level(logging.INFO, logger="phaserl"):
         trainer.fit()  # resumes step_3: nothing left to train
     assert trainer.run.train_tokens == 64
-    assert "ppo.micro_batch_tokens=auto keeps the checkpoint's 64 tokens (this machine's count chose 16384)" in caplog.text
+    assert ("ppo.micro_batch_tokens=auto keeps the checkpoint's 64 tokens (this machine's count chose 16384)"
+            in caplog.text)
     explicit = _trainer(first_run["overrides"] + ["ppo.micro_batch_tokens=96"])
     explicit.fit()
     assert explicit.run.train_tokens == 96  # a value the user sets wins

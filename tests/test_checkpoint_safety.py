@@ -84,7 +84,8 @@ def test_every_checkpoint_file_is_read_without_pickle(run, tmp_path):
     """A code-running pickle planted in each file (with the manifest rewritten to match, so that the loaders
     themselves are what stands in the way): resume and export refuse, with the file named, and nothing runs."""
     files = manifest.files_of(str(run["root"] / "ckpt" / "step_3"))
-    assert {"dcp/.metadata", "dcp/__0_0.distcp", "rng/rank_0.safetensors", "roles.json", "trainer_state.json"} <= set(files)
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "rng/rank_0.safetensors", "roles.json",
+            "trainer_state.json"} <= set(files)
     for i, rel in enumerate(files + [manifest.MANIFEST]):
         ckpt = str(tmp_path / f"c{i}")
         shutil.copytree(run["root"] / "ckpt", ckpt)
@@ -261,7 +262,8 @@ def test_a_stale_lock_is_taken_over_with_a_warning_and_released_at_the_end(run, 
     checkpointer = _checkpointer(run, ckpt)
     with caplog.at_level(logging.WARNING, logger="phaserl"):
         assert checkpointer.resume(run["trainer"].checkpoint_state()).step == 3
-    assert f"taking over the stale lock {os.path.join(ckpt, LOCK_FILE)} of a run that is gone (pid {gone.pid}" in caplog.text
+    assert (f"taking over the stale lock {os.path.join(ckpt, LOCK_FILE)} of a run that is gone (pid {gone.pid}"
+            in caplog.text)
     with open(os.path.join(ckpt, LOCK_FILE)) as f:
         assert json.load(f)["pid"] == os.getpid()
     checkpointer.close()
@@ -290,8 +292,8 @@ def test_a_save_that_runs_out_of_space_says_so_and_keeps_the_previous_checkpoint
     monkeypatch.setattr(module, "save_rng", full_disk)
     state.step = 4
     with pytest.raises(CheckpointError, match=rf"saving step 4 to {ckpt} failed: no space left on the device "
-                                              rf"\(.* GiB free\); the previous checkpoint {os.path.join(ckpt, 'step_3')} "
-                                              r"is intact"):
+                                              r"\(.* GiB free\); the previous checkpoint "
+                                              rf"{os.path.join(ckpt, 'step_3')} is intact"):
         checkpointer.save(state)
     checkpointer.close()
     assert sorted(n for n in os.listdir(ckpt)) == ["latest", "step_1", "step_2", "step_3"]   # no leftovers

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from _multiproc import free_port, start_method
 from phaserl.checkpoint import Checkpointer, TrainingState, export_checkpoint
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.roles.optim import Optimizer, OptimSettings
-from _multiproc import free_port, start_method
 
 pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 
@@ -107,7 +107,8 @@ def test_one_process_to_two_sharded_ranks_and_back(tmp_path):
     mp.start_processes(_sharded_ranks, args=(2, free_port(), root), nprocs=2, join=True, start_method=start_method())
     meta = os.path.join(root, "ckpt", "step_2", "metadata.json")
     assert '"world_size": 2' in open(meta).read()
-    assert sorted(os.listdir(os.path.join(root, "ckpt", "step_2", "rng"))) == ["rank_0.safetensors", "rank_1.safetensors"]
+    rng_files = sorted(os.listdir(os.path.join(root, "ckpt", "step_2", "rng")))
+    assert rng_files == ["rank_0.safetensors", "rank_1.safetensors"]
 
     # 1 process again: resume step 2, equal to what the sharded ranks held, rank 0's RNG included
     role, generator = _role(), torch.Generator().manual_seed(7)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 import tqdm
-from _tiny_run import make_run_dir
 
+from _tiny_run import make_run_dir
 from phaserl.config import load_config
 from phaserl.trainer import RLTrainer
 

@@ -5,8 +5,8 @@ The tokenizer is char-level (tests/_tiny_tokenizer.py), so token counts are char
 import logging
 
 import pytest
-from _tiny_tokenizer import build_tiny_tokenizer
 
+from _tiny_tokenizer import build_tiny_tokenizer
 from phaserl.data import PromptRow, build_prompt_dataset
 from phaserl.errors import ConfigError, DataError
 

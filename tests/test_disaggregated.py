@@ -13,8 +13,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from _multiproc import free_port, start_method
 
+from _multiproc import free_port, start_method
 from phaserl.models.lora import LoRASettings, apply_lora
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from tests.test_rollout_engine import PROMPTS, tiny_model
@@ -53,7 +53,8 @@ def test_a_refreshed_engine_samples_what_a_freshly_built_one_does(lora):
     old, new = tiny_model(seed=0), tiny_model(seed=1)
     if lora:
         for m, seed in ((old, 2), (new, 3)):
-            apply_lora(m, LoRASettings(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")))
+            apply_lora(m, LoRASettings(rank=4, alpha=8,
+                                       target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")))
             with torch.no_grad():
                 g = torch.Generator().manual_seed(seed)
                 for name, p in m.named_parameters():
@@ -121,7 +122,8 @@ def _rank_main(rank: int, world: int, port: int, root: str, extra: list, die_aft
         if isinstance(runner, RolloutWorker):
             runner.on_weights.append(lambda w: out["weights"].append((w.version, _fingerprint(w.actor.model))))
         else:
-            runner.add_hook("on_train_start", lambda t: out["weights"].append((t.step_num, _fingerprint(t.actor.model))))
+            runner.add_hook("on_train_start",
+                            lambda t: out["weights"].append((t.step_num, _fingerprint(t.actor.model))))
             runner.add_hook("on_step_end", lambda t: out["weights"].append((t.step_num, _fingerprint(t.actor.model))))
         runner.fit()
     except Exception as exc:  # the test reads it

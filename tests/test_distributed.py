@@ -11,7 +11,8 @@ import traceback
 
 import pytest
 import torch
-from _multiproc import free_port, start_method
+
+from _multiproc import free_port
 
 pytestmark = pytest.mark.slow  # an end-to-end run (see README, "Tests")
 
@@ -27,7 +28,8 @@ FAMILIES = ["algorithm.adv_estimator=gpg", "actor.policy_loss=cispo", "actor.cli
 DAPO = ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=2", "algorithm.overlong_buffer=2",
         "actor.clip_ratio_high=0.28"]
 # LoRA: the base sharded with its layer, the adapters too (FULL_SHARD); the reference is the actor's model, adapters off
-LORA = GRPO[:3] + ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=3e-2", "actor.gradient_checkpointing=true"]
+LORA = GRPO[:3] + ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=3e-2",
+                   "actor.gradient_checkpointing=true"]
 # Qwen3-MoE, its stacked experts sharded by FSDP2, the rollout's experts replayed in training ({root}: the fixture's)
 MOE = GRPO[:3] + ["model.path={root}/moe", "actor.routing_replay=true"]
 # a native non-Qwen family: Mistral, every layer a 4-key sliding window (shorter than the prompts), FSDP2-sharded

@@ -28,11 +28,13 @@ def run_blocks(doc: str, cwd) -> list:
         if first.startswith("# file: "):
             (cwd / first.removeprefix("# file: ").strip()).write_text(text)
             continue
-        command = {"bash": ["bash", "-euo", "pipefail", "-c", text], "python": [sys.executable, "-c", text]}.get(language)
+        command = {"bash": ["bash", "-euo", "pipefail", "-c", text],
+                   "python": [sys.executable, "-c", text]}.get(language)
         if command is None:
             continue  # yaml/text shown for reading only
         done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"{doc}: this {language} block failed:\n{text}\n--- output ---\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0, (f"{doc}: this {language} block failed:\n{text}\n--- output ---\n"
+                                      f"{done.stdout}\n{done.stderr}")
         outputs.append(done.stdout + done.stderr)
     return outputs
 

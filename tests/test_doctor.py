@@ -12,13 +12,21 @@ import torch
 from _tiny_rm import make_reward_model_dir
 from _tiny_run import make_run_dir
 from _tiny_tokenizer import build_tiny_tokenizer
-from phaserl.doctor import (FAIL, OK, WARN, CheckResult, any_failed, format_report, load_doctor_config,
-                            run_doctor)
-from phaserl.memory import budget
-from phaserl.doctor import memory
-from phaserl.memory.budget import ModelShape
+from phaserl.doctor import (
+    FAIL,
+    OK,
+    WARN,
+    CheckResult,
+    any_failed,
+    format_report,
+    load_doctor_config,
+    memory,
+    run_doctor,
+)
 from phaserl.doctor.memory import PhaseSizes, Suggestion
 from phaserl.errors import ConfigError
+from phaserl.memory import budget
+from phaserl.memory.budget import ModelShape
 
 torch.set_num_threads(1)
 
@@ -198,7 +206,8 @@ def test_a_good_tiny_config_passes_every_check(run):
 def test_a_size_that_fits_is_not_lowered(run):
     """the quickstart's ppo.micro_batch_tokens = 8192 fits, and one step fills 5120 of it; the doctor
     suggested 5120 without saying why. A size that fits is left alone; one that does not is lowered, with why."""
-    details = "\n".join(doctor(run, "ppo.micro_batch_tokens=8192", "ppo.forward_micro_batch_tokens=8192")["memory"].details)
+    details = "\n".join(doctor(run, "ppo.micro_batch_tokens=8192",
+                              "ppo.forward_micro_batch_tokens=8192")["memory"].details)
     assert "suggested for this machine: the configured sizes (each fits this machine)" in details
     low = "\n".join(doctor(run, "trainer.device=cpu")["memory"].details)
     assert "ppo.micro_batch_tokens: up to 288 fit" in low
@@ -259,7 +268,8 @@ def test_a_single_cut_prompt_is_reported(run, tmp_path):
     from phaserl.data import write_records
 
     rows = [{"prompt": "1+1", "reward_model": {"ground_truth": "2"}}] * 20
-    write_records(tmp_path / "long.jsonl", rows + [{"prompt": "1+1 and then some", "reward_model": {"ground_truth": "2"}}])
+    write_records(tmp_path / "long.jsonl",
+                  rows + [{"prompt": "1+1 and then some", "reward_model": {"ground_truth": "2"}}])
     result = doctor(run, f"data.train_files=[{tmp_path / 'long.jsonl'}]", "data.val_files=[]",
                     "data.max_prompt_length=24", "data.overlong_prompts=truncate_right")["data"]
     assert result.status == WARN and result.message.startswith("1 prompt(s) are cut or dropped")
@@ -315,7 +325,8 @@ def test_the_reward_model_probe_names_the_cause(run, tmp_path, broken, expected)
     if "chat_template" not in broken:  # the RM loaded: its scoring phase is in the memory estimate
         # the tiny RM is a llama classifier: auto scores it on phaserl's decoder, sized in tokens (8 × 128 at most)
         # the default 16384 fits and holds all 1024 a step can use: it fits, so the doctor suggests no change
-        assert "reward_model.micro_batch_tokens = 16384: uses at most 1024 tokens" in "\n".join(result["memory"].details)
+        assert ("reward_model.micro_batch_tokens = 16384: uses at most 1024 tokens"
+                in "\n".join(result["memory"].details))
         assert "reward_model.micro_batch_tokens=" not in result["memory"].details[-1]
 
 

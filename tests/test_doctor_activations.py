@@ -21,12 +21,11 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from saved_activations import doctor_kind, flash_like, saved_bytes, stack_saved_bytes  # noqa: E402
-
 from phaserl.memory import budget  # noqa: E402
 from phaserl.memory.budget import ModelShape  # noqa: E402
 from phaserl.models import CausalLM, decoder  # noqa: E402
 from phaserl.models.families import config_from_hf  # noqa: E402
+from saved_activations import doctor_kind, flash_like, saved_bytes, stack_saved_bytes  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -69,7 +68,8 @@ def model_of(name: str, dtype: torch.dtype) -> CausalLM:
 def per_layer_constants(model: CausalLM) -> float:
     """Bytes per layer the count leaves out (see the module doc): the gemma norms' float32 (1 + w) and layer scalars."""
     cfg = model.config
-    gemma = 4 * (4 * cfg.hidden_size + 2 * max(cfg.head_dim, cfg.global_head_dim or 0)) if cfg.norm_style == "gemma" else 0
+    gemma = (4 * (4 * cfg.hidden_size + 2 * max(cfg.head_dim, cfg.global_head_dim or 0))
+             if cfg.norm_style == "gemma" else 0)
     return gemma + 4 * cfg.layer_scalar
 
 
@@ -111,8 +111,9 @@ def test_regression_the_dense_rule_counted_gemma_layers_a_third_low_in_bf16():
     bf16 (benchmarks/saved_activations.py --family gemma3-1b / gemma4-1b) and sized micro-batches that do not fit."""
     model = model_of("gemma4-k-eq-v", torch.bfloat16)
     shape = ModelShape.of(model)
-    h, I, kv = shape.hidden_size, shape.intermediate_size, 2 * shape.num_kv_heads * shape.head_dim
-    rough = shape.num_layers * (8 * h + 4 * I + kv) * 2
+    h, inter = shape.hidden_size, shape.intermediate_size
+    kv = 2 * shape.num_kv_heads * shape.head_dim
+    rough = shape.num_layers * (8 * h + 4 * inter + kv) * 2
     measured = stack_saved_bytes(model, TOKENS, torch.device("cpu"), SEQ_LEN) / TOKENS
     assert rough < 0.75 * measured  # what the old count missed
     assert budget.train_bytes_per_token(shape, False) == pytest.approx(measured, rel=0.005)
@@ -121,15 +122,15 @@ def test_regression_the_dense_rule_counted_gemma_layers_a_third_low_in_bf16():
 def test_compiled_layers_keep_their_own_count():
     # torch.compile's partitioner saves another set (recomputed norm copies): layer_bytes leaves that count as it was.
     shape = ModelShape.of(model_of("gemma3", torch.bfloat16))
-    h, I, kv = shape.hidden_size, shape.intermediate_size, 2 * shape.num_kv_heads * shape.head_dim
-    assert budget.layer_bytes(shape, compiled=True) == {"dense": (2, float((6 * h + 3 * I + kv) * 2))}
+    h, inter = shape.hidden_size, shape.intermediate_size
+    kv = 2 * shape.num_kv_heads * shape.head_dim
+    assert budget.layer_bytes(shape, compiled=True) == {"dense": (2, float((6 * h + 3 * inter + kv) * 2))}
     assert budget.layer_bytes(shape)["dense"][1] > budget.layer_bytes(shape, compiled=True)["dense"][1]
 
 
 def test_the_doctor_sizes_a_gemma4_update_by_its_per_layer_count(tmp_path):
     from _tiny_run import make_run_dir
     from _tiny_tokenizer import build_tiny_tokenizer
-
     from phaserl.doctor import load_doctor_config, run_doctor
     from phaserl.models import save_pretrained
 
@@ -160,7 +161,6 @@ def test_gpu_layers_the_varlen_kernel_runs_save_what_the_doctor_counts(family, m
     SDPA instead, which keeps more (module doc of memory/activations.py): not asserted here, measured by
     `benchmarks/saved_activations.py --family gemma4-1b --attention varlen`."""
     from families import SHAPES
-
     from phaserl.models import attention
 
     monkeypatch.setattr(decoder, "_attend", attention.attend)

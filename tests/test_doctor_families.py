@@ -148,13 +148,13 @@ def test_the_update_counts_top_k_expert_widths_in_moe_layers():
 def test_the_moe_count_is_what_the_expert_mixtures_save_for_backward():
     from phaserl.models import moe
 
-    N, H, I, E, k = 64, 32, 16, 8, 3
+    N, H, inter, E, k = 64, 32, 16, 8, 3
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, H, generator=g, requires_grad=True)
-    w = moe.MoEWeights(*(torch.randn(*s, generator=g, requires_grad=True) for s in ((E, H), (E, 2 * I, H), (E, H, I))),
-                       None)
+    shapes = ((E, H), (E, 2 * inter, H), (E, H, inter))
+    w = moe.MoEWeights(*(torch.randn(*s, generator=g, requires_grad=True) for s in shapes), None)
     shape = ModelShape(num_params=1, num_layers=1, hidden_size=H, intermediate_size=0, num_kv_heads=1, head_dim=2,
-                       vocab_size=1, param_bytes=4, moe=ExpertShape(1, k, I, E, 0, H))
+                       vocab_size=1, param_bytes=4, moe=ExpertShape(1, k, inter, E, 0, H))
     predicted = budget.train_bytes_per_token(shape, False) // 4 - 8 * H - 2  # the MoE part, in values
     skip = {t.untyped_storage().data_ptr() for t in (x, *w[:3])}
     mixtures = [moe.experts_loop] + ([moe.experts_grouped] if moe.grouped_mm_available() else [])
@@ -217,11 +217,10 @@ def test_the_doctors_kv_line_shows_the_arithmetic_of_each_layout():
 
 def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
     from _tiny_run import make_run_dir
-
     from phaserl.config import load_config
+    from phaserl.config.validate import sequence_tokens
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
-    from phaserl.config.validate import sequence_tokens
     from phaserl.trainer.speed import UpdateCount
 
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
@@ -237,7 +236,6 @@ def test_the_builders_keep_awake_count_counts_compiled_activations(tmp_path):
 
 def test_the_doctor_sizes_the_update_of_a_compiled_actor_by_the_compiled_count(tmp_path):
     from _tiny_run import make_run_dir
-
     from phaserl.doctor import load_doctor_config, run_doctor
 
     overrides = make_run_dir(str(tmp_path))
@@ -254,7 +252,6 @@ def test_the_doctor_sizes_the_update_of_a_compiled_actor_by_the_compiled_count(t
 
 def test_the_doctor_says_what_an_auto_micro_batch_becomes_and_sizes_the_update_with_it(tmp_path):
     from _tiny_run import make_run_dir
-
     from phaserl.doctor import load_doctor_config, run_doctor
 
     cfg = load_doctor_config(None, make_run_dir(str(tmp_path)) + ["ppo.micro_batch_tokens=auto"])

@@ -23,12 +23,11 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from saved_activations import flash_like, saved_bytes, stack_saved_bytes  # noqa: E402
-
 from phaserl.memory import budget  # noqa: E402
 from phaserl.memory.budget import ModelShape  # noqa: E402
 from phaserl.models import CausalLM, attention, linear_attention  # noqa: E402
 from phaserl.models.families import config_from_hf  # noqa: E402
+from saved_activations import flash_like, saved_bytes, stack_saved_bytes  # noqa: E402
 
 torch.set_num_threads(1)
 Qwen3_5TextConfig = getattr(transformers, "Qwen3_5TextConfig", None)
@@ -221,7 +220,6 @@ def test_the_doctors_details_count_each_kind_and_warn_only_where_the_count_is_un
 def test_the_doctor_sizes_a_qwen35_update_by_the_per_kind_count(tmp_path):
     from _tiny_run import make_run_dir
     from _tiny_tokenizer import build_tiny_tokenizer
-
     from phaserl.doctor import load_doctor_config, run_doctor
     from phaserl.models import save_pretrained
 

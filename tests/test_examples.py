@@ -18,7 +18,7 @@ def test_example_runs_in_smoke_mode(example, tmp_path):
                "data.val_max_prompts=4", "trainer.device=cpu", "trainer.loggers=[jsonl]",
                f"trainer.log_dir={tmp_path}", f"trainer.checkpoint_path={tmp_path / 'ckpt'}"])
     assert rc == 0
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    lines = [json.loads(raw) for raw in open(tmp_path / "metrics.jsonl")]
     assert lines[-1]["step"] == 1 and "train/reward_mean" in lines[-1] and "val/score_mean" in lines[-1]
     assert (tmp_path / "config.yaml").exists()
 

@@ -4,6 +4,7 @@ tokenizer as Qwen2Tokenizer, rebuilt with Qwen's own pre-tokenizer (digits split
 BPE tokenizer of another kind (GPT-2 style: " 84" is one token) tokenizes differently; under a llama config
 the same files load as they are."""
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from phaserl.checkpoint import Checkpointer, TrainingState, export_checkpoint
 from phaserl.checkpoint.tokenizer_check import probe_texts
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.roles.optim import Optimizer, OptimSettings
-from types import SimpleNamespace
 
 
 def byte_level_bpe() -> PreTrainedTokenizerFast:

@@ -11,7 +11,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 @pytest.mark.slow
 def test_the_delta_rule_and_train_layers_cases_smoke_run(capsys):
     import families
-
     from phaserl.models import hybrid
 
     families.main(["--smoke", "--case", "delta_rule,train_layers"])

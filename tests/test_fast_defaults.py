@@ -12,11 +12,21 @@ import pytest
 from _tiny_run import make_run_dir
 from phaserl import compile_cache
 from phaserl.config import explain, load_config
-from phaserl.config.auto import (AUTO_RULES, COMPILE_MIN_PARAMS, KEEP_AWAKE_SHARE, LORA_KEEP_SHARE,
-                                 MICRO_ACTIVATION_SHARE, MICRO_BATCH_CAP, choose, compile_rule, keep_awake_rule,
-                                 keep_logits_rule, micro_batch_rule)
-from phaserl.memory.budget import ModelShape, kept_engine_bytes, update_peak_bytes
+from phaserl.config.auto import (
+    AUTO_RULES,
+    COMPILE_MIN_PARAMS,
+    KEEP_AWAKE_SHARE,
+    LORA_KEEP_SHARE,
+    MICRO_ACTIVATION_SHARE,
+    MICRO_BATCH_CAP,
+    choose,
+    compile_rule,
+    keep_awake_rule,
+    keep_logits_rule,
+    micro_batch_rule,
+)
 from phaserl.errors import ConfigError
+from phaserl.memory.budget import ModelShape, kept_engine_bytes, update_peak_bytes
 
 GIB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +43,8 @@ def test_compile_is_on_only_for_our_decoder_on_one_cuda_gpu_with_triton_and_a_re
     assert _compile() == (True, "CUDA, phaserl's decoder, Triton")
     assert _compile(device_type="cpu")[0] is False and "CPU" in _compile(device_type="cpu")[1]
     assert _compile(triton=False) == (False, "Triton is not installed")
-    assert _compile(native=False, model_name="Qwen2ForCausalLM")[1] == "the model (Qwen2ForCausalLM) is not phaserl's decoder"
+    assert (_compile(native=False, model_name="Qwen2ForCausalLM")[1]
+            == "the model (Qwen2ForCausalLM) is not phaserl's decoder")
     small = _compile(num_params=COMPILE_MIN_PARAMS - 1)
     assert small[0] is False and "small model" in small[1]
     assert _compile(world_size=2)[0] is False and "2 ranks" in _compile(world_size=2)[1]
@@ -263,10 +274,10 @@ def test_on_the_cpu_the_defaults_stay_eager_and_the_summary_says_why(tmp_path):
 
 
 def test_the_builders_keep_awake_count_of_a_loaded_run(tmp_path):
+    from phaserl.config.validate import sequence_tokens
     from phaserl.memory.budget import logprob_chunk_bytes, train_bytes_per_token
     from phaserl.trainer import RLTrainer
     from phaserl.trainer.settings import Roles
-    from phaserl.config.validate import sequence_tokens
     from phaserl.trainer.speed import UpdateCount
 
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[]"])
@@ -336,7 +347,8 @@ def test_on_one_gpu_a_compiled_actor_keeps_its_head_logits_in_the_update_and_onl
     assert choice.value and trainer.actor.keep_head_logits and "GiB of kept logits" in choice.why
     saved, original = [], forward.token_logprobs_from_hidden
     monkeypatch.setattr(forward, "token_logprobs_from_hidden",
-                        lambda *a, **kw: saved.append((torch.is_grad_enabled(), kw["save_logits"])) or original(*a, **kw))
+                        lambda *a, **kw: (saved.append((torch.is_grad_enabled(), kw["save_logits"]))
+                                          or original(*a, **kw)))
     metrics = trainer.train_step()
     assert saved and all(keep == grad for grad, keep in saved)  # the update keeps them; the reference's pass cannot
     assert any(keep for _, keep in saved) and torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
@@ -392,7 +404,8 @@ def test_the_doctors_kept_logits_follow_the_rule_and_a_set_value_where_the_kerne
     assert added == logits and line.startswith("ppo.keep_head_logits=auto -> on: 6.2 GiB of kept logits")
     added, line = probes._keep_logits(ctx(None, free_gib=50), shape, sizes, resident=8 * GIB, grads=GIB, kept=0)
     assert added == 0 and line.endswith("more than the room the micro-batch leaves (recomputed in backward)")
-    assert probes._keep_logits(ctx(True, free_gib=50), shape, sizes, resident=8 * GIB, grads=GIB, kept=0) == (logits, "")
+    assert (probes._keep_logits(ctx(True, free_gib=50), shape, sizes, resident=8 * GIB, grads=GIB, kept=0)
+            == (logits, ""))
     assert probes._keep_logits(ctx(False), shape, sizes, resident=8 * GIB, grads=GIB, kept=0) == (0, "")
 
 

@@ -65,7 +65,7 @@ def test_with_the_kl_in_the_loss_the_loss_uses_the_logged_coefficient(tmp_path, 
         "trainer.loggers=[jsonl]", "trainer.total_steps=4", "data.val_files=[]", "algorithm.kl_placement=loss",
         "algorithm.kl_coef=0.05", "algorithm.kl_target=1e-6", "algorithm.kl_horizon=4"])
     RLTrainer.from_config(cfg).fit()
-    lines = [json.loads(l) for l in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
-    logged = [l["train/kl_coef"] for l in lines if "train/kl_coef" in l]
+    lines = [json.loads(raw) for raw in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
+    logged = [line["train/kl_coef"] for line in lines if "train/kl_coef" in line]
     assert used == pytest.approx(logged)  # one optimizer step per RL step: the coefficient in force, as logged
     assert logged[0] == pytest.approx(0.05) and len(set(logged)) > 1  # the controller moved it

@@ -33,7 +33,8 @@ def gemma4_tiny() -> CausalLM:
 
 
 def gemma4_1b_config() -> DecoderConfig:
-    """benchmarks/families.py's gemma4-1b shape: 26 layers, sliding 1 kv head x 256, global (5, 11, 17, 23, 25) 1 x 512."""
+    """benchmarks/families.py's gemma4-1b shape: 26 layers, sliding 1 kv head x 256, global (5, 11, 17, 23, 25)
+    1 x 512."""
     types = ["full_attention" if i in (5, 11, 17, 23, 25) else "sliding_attention" for i in range(26)]
     return DecoderConfig(model_type="gemma4_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
                          num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,

@@ -49,8 +49,9 @@ def _batch(P: int = 8) -> RolloutBatch:
         attn[i, : P + r] = 1
         resp[i, :r] = 1
     return RolloutBatch(input_ids=ids * attn, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                        response_mask=resp, prompt_width=P, group_ids=torch.arange(B), rollout_logprobs=torch.zeros(B, R),
-                        prompts=[""] * B, response_texts=[""] * B, rows=[None] * B, finish_reasons=["stop"] * B)
+                        response_mask=resp, prompt_width=P, group_ids=torch.arange(B),
+                        rollout_logprobs=torch.zeros(B, R), prompts=[""] * B, response_texts=[""] * B,
+                        rows=[None] * B, finish_reasons=["stop"] * B)
 
 
 @pytest.mark.parametrize("packing", [False, True])

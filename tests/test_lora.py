@@ -15,8 +15,16 @@ from phaserl.config.schema import LORA_TARGETS
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig, ValueModel, load_pretrained
 from phaserl.models.decoder import enable_compile
-from phaserl.models.lora import (ALIASES, PROJECTIONS, LoRALinear, LoRASettings, adapters_disabled, apply_lora,
-                                 engine_weight, resolve_targets)
+from phaserl.models.lora import (
+    ALIASES,
+    PROJECTIONS,
+    LoRALinear,
+    LoRASettings,
+    adapters_disabled,
+    apply_lora,
+    engine_weight,
+    resolve_targets,
+)
 from phaserl.roles import ReferencePolicy
 from phaserl.rollout import RolloutEngine, SamplingParams
 
@@ -379,7 +387,6 @@ def test_a_transformers_fallback_model_gets_peft_adapters(tmp_path):
 
 def test_the_doctor_counts_adapter_state_and_no_reference_copy():
     from phaserl.doctor import run_doctor
-
     from phaserl.memory.budget import fmt_bytes
     from phaserl.models.lora import adapter_parameter_count
     from phaserl.world import prepare_tiny_world
@@ -402,7 +409,8 @@ def test_the_quickstart_with_lora_raises_the_held_out_score_by_20_points(tmp_pat
     out = tmp_path / "qs"
     assert main(["quickstart", "--out", str(out), "actor.lora.rank=16", "actor.lora.alpha=32",
                  "actor.optim.lr=1e-2", "trainer.loggers=[jsonl]"]) == 0
-    vals = [l["val/score_mean"] for l in map(json.loads, open(out / "metrics.jsonl")) if "val/score_mean" in l]
+    vals = [record["val/score_mean"] for record in map(json.loads, open(out / "metrics.jsonl"))
+            if "val/score_mean" in record]
     assert vals[-1] - vals[0] >= 0.20, vals
 
 
@@ -448,7 +456,8 @@ def test_gpu_bf16_rollout_with_merged_adapters_matches_the_unmerged_trainer(comp
     model.eval()
     base = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" not in n}
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (16,), generator=g)]
+    prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist()
+               for n in torch.randint(8, 64, (16,), generator=g)]
     prompts = [p for p in prompts for _ in range(4)]
     engine = RolloutEngine(model, EngineConfig(compile=compile, token_budget=16384))
     result = engine.generate(prompts, SamplingParams(max_new_tokens=48, temperature=0.8), eos_token_ids=[],

@@ -1,13 +1,14 @@
 """docs/metrics.md is checked against the metric names the code emits: every name a GRPO run
 (KL in the loss, a custom reward function), a PPO run (critic, KL in the reward, 2 epochs × 2 mini-batches),
-a DAPO run (dynamic sampling, overlong shaping, IcePop), a multi-turn agent run and a harness run (agent.harness) write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
+a DAPO run (dynamic sampling, overlong shaping, IcePop), a multi-turn agent run and a harness run (agent.harness)
+write to metrics.jsonl has a row, and every row's name is written by one of them (or is GPU-only)."""
 import json
 import os
 import re
 
 import pytest
-from _tiny_run import make_run_dir
 
+from _tiny_run import make_run_dir
 from phaserl.config import load_config
 from phaserl.trainer import RLTrainer
 

@@ -6,8 +6,16 @@ import pytest
 import torch
 import transformers
 
-from _hf_pairs import (PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_graph_greedy_matches_on_gpu,
-                       assert_logits_match, assert_packing_matches, greedy_reference, left_padded_batch, randomize)
+from _hf_pairs import (
+    PROMPTS,
+    assert_engine_greedy_matches,
+    assert_export_matches,
+    assert_graph_greedy_matches_on_gpu,
+    assert_logits_match,
+    assert_packing_matches,
+    left_padded_batch,
+    randomize,
+)
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
@@ -210,7 +218,6 @@ def test_gemma3_with_final_logit_soft_capping_is_native_and_exact(tmp_path):
 
 def test_config_round_trips_through_config_json(pair):
     # Checkpoints store config_to_hf() and rebuild the model from it (resume, export): nothing may drift.
-    from phaserl.models import DecoderConfig
 
     _, ours, _ = pair
     assert config_from_hf(config_to_hf(ours.config)) == ours.config

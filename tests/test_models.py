@@ -10,10 +10,19 @@ from safetensors.torch import load_file, save_file
 
 from _hf_pairs import randomize
 from phaserl.errors import ConfigError
-from phaserl.models import (CausalLM, DecoderConfig, KVCache, ValueModel, load_pretrained, load_tokenizer,
-                            load_value_model, save_pretrained, save_value_model)
-from phaserl.models.rope import ROPE_FUNCTIONS
+from phaserl.models import (
+    CausalLM,
+    DecoderConfig,
+    KVCache,
+    ValueModel,
+    load_pretrained,
+    load_tokenizer,
+    load_value_model,
+    save_pretrained,
+    save_value_model,
+)
 from phaserl.models.families import config_from_hf, config_to_hf
+from phaserl.models.rope import ROPE_FUNCTIONS
 
 torch.set_num_threads(1)
 

@@ -7,11 +7,19 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from _hf_pairs import (PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_graph_greedy_matches_on_gpu,
-                       assert_logits_match, assert_packing_matches, greedy_reference, left_padded_batch, randomize)
+from _hf_pairs import (
+    PROMPTS,
+    assert_engine_greedy_matches,
+    assert_export_matches,
+    assert_graph_greedy_matches_on_gpu,
+    assert_logits_match,
+    assert_packing_matches,
+    greedy_reference,
+    left_padded_batch,
+    randomize,
+)
 from phaserl.errors import ConfigError
-from phaserl.models import CausalLM, load_pretrained, save_pretrained
-from phaserl.models import moe
+from phaserl.models import CausalLM, load_pretrained, moe
 from phaserl.models.families import config_from_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
@@ -80,10 +88,10 @@ def test_packed_rows_equal_padded_rows(pair):
     assert_packing_matches(ours, left_padded_batch(TINY["vocab_size"]))
 
 
-def expert_case(seed=0, N=37, H=16, I=8, E=6, k=2):
+def expert_case(seed=0, N=37, H=16, inter=8, E=6, k=2):
     g = torch.Generator().manual_seed(seed)
-    w = moe.MoEWeights(torch.randn(E, H, generator=g), torch.randn(E, 2 * I, H, generator=g) * 0.3,
-                       torch.randn(E, H, I, generator=g) * 0.3)
+    w = moe.MoEWeights(torch.randn(E, H, generator=g), torch.randn(E, 2 * inter, H, generator=g) * 0.3,
+                       torch.randn(E, H, inter, generator=g) * 0.3)
     x = torch.randn(N, H, generator=g)
     ids, weights, _ = moe.route_tokens(x, w.router, moe.MoESpec(E, k, True))
     return x, ids, weights, w
@@ -158,7 +166,6 @@ def test_a_forwards_aux_loss_equals_the_one_transformers_reports(pair):
 
 
 def test_config_reads_transformers_keys_and_refuses_what_it_lacks(pair):
-    from phaserl.models.config import DecoderConfig
 
     _, ours, _ = pair
     cfg = ours.config
@@ -181,7 +188,8 @@ def test_experts_spread_over_shard_files_stack_like_one_file(pair, tmp_path):
     _, ours, directory = pair
     with safe_open(directory / "model.safetensors", "pt") as f:
         names = sorted(f.keys())
-        shards = {f"model-0000{i + 1}-of-00002.safetensors": {n: f.get_tensor(n) for n in names[i::2]} for i in range(2)}
+        shards = {f"model-0000{i + 1}-of-00002.safetensors": {n: f.get_tensor(n) for n in names[i::2]}
+                  for i in range(2)}
     for file, tensors in shards.items():
         save_file(tensors, tmp_path / file)
     weight_map = {n: file for file, tensors in shards.items() for n in tensors}
@@ -224,7 +232,7 @@ def test_engine_keeps_the_expert_weights_in_place(pair):
 
 @pytest.mark.gpu
 def test_gpu_grouped_gemm_equals_the_cpu_loop():
-    x, ids, weights, w = expert_case(N=64, H=64, I=32, E=8, k=2)
+    x, ids, weights, w = expert_case(N=64, H=64, inter=32, E=8, k=2)
     ids[:9] = 3  # a crowded expert
     ids = torch.where(ids == 7, 6, ids)  # an empty one
     on = lambda t: t.cuda().bfloat16()  # noqa: E731
@@ -296,10 +304,10 @@ def test_model_flops_count_the_active_experts_only(pair):
 
     _, ours, _ = pair
     cfg = ours.config
-    H, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    H, inter, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
     dense = FlopModel.of(ours).body_params
     total = sum(p.numel() for p in ours.parameters()) - 2 * cfg.vocab_size * H  # untied head
-    expert_params = 2 * E * 3 * I * H  # two MoE layers
+    expert_params = 2 * E * 3 * inter * H  # two MoE layers
     assert dense == total - expert_params + expert_params * k // E
 
 

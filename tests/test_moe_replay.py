@@ -279,7 +279,8 @@ def test_multi_turn_episodes_record_the_experts_of_every_fed_position():
         seq = ep.prompt_ids + ep.response_ids()
         start = P - len(ep.prompt_ids)
         routes = batch.routed_experts[i, start:start + len(seq)]
-        assert (batch.routed_experts[i, :start] == -1).all() and (batch.routed_experts[i, start + len(seq):] == -1).all()
+        assert (batch.routed_experts[i, :start] == -1).all()
+        assert (batch.routed_experts[i, start + len(seq):] == -1).all()
         assert (routes[-1] == -1).all() and (routes[:-1] >= 0).all()  # all fed but the last sampled id
         expected = forward_experts(model, seq)[:-1]
         assert torch.equal(routes[:-1].long().sort(-1).values, expected.sort(-1).values)
@@ -300,10 +301,10 @@ def test_routing_replay_with_an_agent_harness_is_a_config_error():
 def test_a_multi_turn_train_step_replays_the_episodes_routes(tmp_path, monkeypatch):
     import os
 
+    import phaserl.roles.actor as actor_module
     from _tiny_run import make_model_dir, make_prompt_files
     from phaserl.config import load_config
     from phaserl.trainer import RLTrainer
-    import phaserl.roles.actor as actor_module
 
     model = make_model_dir(str(tmp_path), model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                            moe_intermediate_size=16, head_dim=8, qk_norm=True)

@@ -37,7 +37,8 @@ def _offload_roundtrip(model):
 
 def test_plain_moments_leave_the_gpu_and_come_back_equal():
     torch.manual_seed(0)
-    freed, state_bytes = _offload_roundtrip(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 1)).cuda())
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 1)).cuda()
+    freed, state_bytes = _offload_roundtrip(model)
     assert freed >= state_bytes  # both moments of every parameter, released to the allocator
 
 

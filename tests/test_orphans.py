@@ -46,7 +46,6 @@ def _steps(ckpt: str) -> list:
 @pytest.mark.slow
 def test_killing_the_launcher_stops_every_rank_and_nothing_is_written_after(tmp_path):
     from _tiny_run import make_run_dir
-
     from phaserl.config import dump_yaml, load_config
 
     overrides = make_run_dir(str(tmp_path)) + ["trainer.total_steps=500", "trainer.save_interval=1",
@@ -65,10 +64,12 @@ def test_killing_the_launcher_stops_every_rank_and_nothing_is_written_after(tmp_
         deadline = time.monotonic() + 240
         while not _steps(ckpt) and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _steps(ckpt), f"no checkpoint appeared:\n{launcher.stdout.read()[-3000:] if launcher.poll() is not None else ''}"
+        assert _steps(ckpt), ("no checkpoint appeared:\n"
+                              f"{launcher.stdout.read()[-3000:] if launcher.poll() is not None else ''}")
         workers = _children(launcher.pid)
         assert len(workers) == 2, workers
-        os.killpg(launcher.pid, signal.SIGKILL)          # the launcher and its group; the ranks have sessions of their own
+        # the launcher and its group; the ranks have sessions of their own
+        os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
         deadline = time.monotonic() + 20
         while any(_running(w) for w in workers) and time.monotonic() < deadline:

@@ -17,8 +17,8 @@ def test_quickstart_raises_the_held_out_score_by_20_points(tmp_path, caplog):
     out = tmp_path / "qs"
     with caplog.at_level(logging.INFO, logger="phaserl"):
         assert main(["quickstart", "--out", str(out)]) == 0
-    vals = [(l["step"], l["val/score_mean"]) for l in map(json.loads, open(out / "metrics.jsonl"))
-            if "val/score_mean" in l]
+    vals = [(record["step"], record["val/score_mean"]) for record in map(json.loads, open(out / "metrics.jsonl"))
+            if "val/score_mean" in record]
     assert vals[0][0] == 0 and vals[-1][0] == 40
     assert vals[-1][1] - vals[0][1] >= 0.20, vals
     cfg = load_config(str(out / "config.yaml"))  # `phaserl train DIR/config.yaml` reads the same run

@@ -5,13 +5,18 @@ import pytest
 import torch
 import transformers
 
-from _hf_pairs import (PROMPTS, assert_engine_greedy_matches, assert_export_matches, assert_packing_matches,
-                       greedy_reference)
+from _hf_pairs import (
+    PROMPTS,
+    assert_engine_greedy_matches,
+    assert_export_matches,
+    assert_packing_matches,
+    greedy_reference,
+)
+from _qwen35_pair import TINY, Qwen3_5TextConfig, make_pair, randomize
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, load_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.models.linear_attention import chunk_gated_delta_rule, recurrent_step_
-from _qwen35_pair import TINY, Qwen3_5TextConfig, make_pair, randomize
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(Qwen3_5TextConfig is None, reason="this transformers has no Qwen3.5")
@@ -308,8 +313,7 @@ def test_all_linear_lora_adapts_the_deltanet_projections_and_exports_for_peft(pa
     adapters, the record names only what the model has, and the PEFT adapter dir gives the adapted logits."""
     peft = pytest.importorskip("peft")
     from phaserl.checkpoint.lora_export import write_peft_adapter
-    from phaserl.models.lora import (LINEAR_ATTENTION_PROJECTIONS, LoRASettings, apply_lora, merge_lora,
-                                     resolve_targets)
+    from phaserl.models.lora import LINEAR_ATTENTION_PROJECTIONS, LoRASettings, apply_lora, merge_lora, resolve_targets
 
     _, ours, directory = pair
     model = CausalLM(ours.config)

@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from _qwen35_pair import TINY, Qwen3_5TextConfig, fake_fla as _fake_fla, make_pair, randomize
+from _qwen35_pair import TINY, Qwen3_5TextConfig, make_pair, randomize
+from _qwen35_pair import fake_fla as _fake_fla
 from phaserl.models import CausalLM
 
 torch.set_num_threads(1)

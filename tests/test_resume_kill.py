@@ -113,7 +113,6 @@ def child(cfg_path: str, spec: str, final_path: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     from phaserl.config import load_config
     from phaserl.trainer import RLTrainer
-
     from phaserl.trainer.stop import RunStopped
 
     trainer = RLTrainer.from_config(load_config(cfg_path))

@@ -5,8 +5,12 @@ import logging
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification, \
-    PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 from _tiny_tokenizer import CHARS, SPECIAL_TOKENS, build_tiny_tokenizer
 from phaserl.errors import RewardError

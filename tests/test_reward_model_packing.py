@@ -12,18 +12,23 @@ import os
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification,
-                          Qwen3Config, Qwen3ForSequenceClassification)
+from transformers import (
+    LlamaConfig,
+    LlamaForSequenceClassification,
+    Qwen2Config,
+    Qwen2ForSequenceClassification,
+    Qwen3Config,
+    Qwen3ForSequenceClassification,
+)
 
 from _tiny_rm import make_reward_model_dir
 from _tiny_tokenizer import build_tiny_tokenizer
 from phaserl.config import load_config
 from phaserl.errors import ConfigError, RewardError
-from phaserl.models import ValueModel
-from phaserl.models import attention, decoder
+from phaserl.models import ValueModel, decoder
+from phaserl.resolve import build_reward_sources
 from phaserl.roles import RewardModelWrapper
 from phaserl.roles.reward_scoring import native_support, token_groups
-from phaserl.resolve import build_reward_sources
 
 torch.set_num_threads(1)
 # Lengths from 2 to ~110 characters (the tokenizer is char-level): rows of very different sizes.

@@ -236,7 +236,8 @@ def test_reward_sources_collect_scores_groups_in_order_with_one_reward_model_cal
         assert CountingRM.calls == [6]
         whole = sources.score_texts(["q"] * 6, responses, rows, device="cpu")
         assert isinstance(merged, Scores) and torch.equal(merged.total, whole.total)
-        assert torch.equal(merged.by_source["slow_first"], torch.tensor([10.0 * i + len(r) for i, r in enumerate(responses)]))
+        assert torch.equal(merged.by_source["slow_first"],
+                           torch.tensor([10.0 * i + len(r) for i, r in enumerate(responses)]))
         assert torch.equal(merged.by_source["reward_model"], torch.tensor([1.0, 2, 3, 4, 1, 2]))
     finally:
         sources.close()

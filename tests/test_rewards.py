@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from phaserl.errors import ConfigError, RewardError
-from phaserl.rewards import (BUILTIN_REWARDS, RuleRewards, boxed_math, format_reward, gsm8k, last_boxed,
-                             resolve_reward_fn, tiny_exact)
+from phaserl.rewards import (
+    BUILTIN_REWARDS,
+    RuleRewards,
+    boxed_math,
+    format_reward,
+    gsm8k,
+    last_boxed,
+    resolve_reward_fn,
+    tiny_exact,
+)
 
 
 @pytest.mark.parametrize("response,truth,expected", [

@@ -17,11 +17,11 @@ from _tiny_rm import make_reward_model_dir
 from _tiny_tokenizer import build_tiny_tokenizer
 from phaserl.data import build_prompt_dataset, load_preference_rows, parse_prompt_row, read_records, write_records
 from phaserl.errors import RewardError
+from phaserl.rewards import RewardSources
 from phaserl.rm import evaluate_pairs, make_tiny_preference_records
 from phaserl.roles import RewardModelWrapper
 from phaserl.rollout import GenerationResult
 from phaserl.trainer.rollout_phase import build_rollout_batch
-from phaserl.rewards import RewardSources
 from phaserl.world.task import Problem, to_record
 from phaserl.world.tokenizer import build_tokenizer
 
@@ -37,7 +37,8 @@ def policy_tok():
 
 @pytest.fixture(scope="module")
 def rm_model(tmp_path_factory):
-    model = AutoModelForSequenceClassification.from_pretrained(make_reward_model_dir(str(tmp_path_factory.mktemp("rm"))))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        make_reward_model_dir(str(tmp_path_factory.mktemp("rm"))))
     model.seen = []
     model.register_forward_pre_hook(lambda module, args, kwargs: module.seen.append(kwargs["input_ids"].clone()),
                                     with_kwargs=True)

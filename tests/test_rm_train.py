@@ -15,8 +15,14 @@ from phaserl.data import PreferenceRow, load_preference_rows, write_records
 from phaserl.errors import ConfigError
 from phaserl.models import load_pretrained, load_tokenizer, load_value_model
 from phaserl.rewards import tiny_exact
-from phaserl.rm import (SequenceScorer, evaluate_pairs, init_critic, load_rm_config,
-                        make_tiny_preference_records, train_reward_model)
+from phaserl.rm import (
+    SequenceScorer,
+    evaluate_pairs,
+    init_critic,
+    load_rm_config,
+    make_tiny_preference_records,
+    train_reward_model,
+)
 from phaserl.rm.tiny_prefs import near_misses
 from phaserl.rm.train import last_non_pad_index
 from phaserl.roles import RewardModelWrapper

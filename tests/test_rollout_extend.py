@@ -38,7 +38,8 @@ def test_a_padding_token_past_the_context_of_a_sliding_layer_writes_no_nan(monke
                        max_position_embeddings=128)
     runner = RolloutEngine(model, EngineConfig(max_slots=4)).runner
     runner.begin(4, 128, 8, SamplingParams(max_new_tokens=8, temperature=0.0), [])
-    runner.prefill([((1, 2), [0], [8], [0]), (tuple(i % 39 + 1 for i in range(40)), [1], [8], [1]), ((3,), [2], [8], [2])])
+    runner.prefill([((1, 2), [0], [8], [0]), (tuple(i % 39 + 1 for i in range(40)), [1], [8], [1]),
+                    ((3,), [2], [8], [2])])
     # row 1's padding tokens: positions 41..69
     items = [(0, [i % 39 + 1 for i in range(30)], 2, 4), (1, [5], 40, 4), (2, [6, 7], 1, 4)]
     attend, blind = runner_module.extend_attention, []

@@ -1,17 +1,18 @@
 """The extend pass's Triton kernels (rollout/extend_kernel.py) against the torch path they replace.
 
 extend_attention must compute what torch_path.extend_attention computes over a gathered copy of the slots with
-torch_path.extend_mask's mask: rows with different starts and lengths, padding tokens, grouped-query heads (G = 1, 2, 7), head_dim 64 and 128, a sliding window, slots out of order and
-some unused, several query blocks and key blocks per row; in float32 to ~1e-6, in bfloat16 within a tolerance that a
-one-key mask error exceeds. Keys no query may see are poisoned with NaN: outputs stay as they were. write_kv writes
-what the index_put writes do. Then the engine's extend passes (dense, sliding and Qwen3.5) with the kernels give the torch path's turns. On the CPU these need Triton and TRITON_INTERPRET=1 (skipped otherwise);
-@pytest.mark.gpu runs the Qwen2-0.5B shapes in bf16 on CUDA, and inside a CUDA graph.
+torch_path.extend_mask's mask: rows with different starts and lengths, padding tokens, grouped-query heads
+(G = 1, 2, 7), head_dim 64 and 128, a sliding window, slots out of order and some unused, several query blocks and
+key blocks per row; in float32 to ~1e-6, in bfloat16 within a tolerance that a one-key mask error exceeds. Keys no query
+may see are poisoned with NaN: outputs stay as they were. write_kv writes what the index_put writes do. Then the
+engine's extend passes (dense, sliding and Qwen3.5) with the kernels give the torch path's turns. On the CPU these
+need Triton and TRITON_INTERPRET=1 (skipped otherwise); @pytest.mark.gpu runs the Qwen2-0.5B shapes in bf16 on CUDA,
+and inside a CUDA graph.
 """
 import pytest
 import torch
 
-from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, extend_kernel, kernels
-from phaserl.rollout import recurrent_state
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, extend_kernel, kernels, recurrent_state
 from phaserl.rollout import runner as runner_module
 from phaserl.rollout.runner import extend_attention, extend_mask
 from tests.test_rollout_engine import PROMPTS, tiny_model
@@ -152,7 +153,8 @@ def test_the_fused_extend_layer_equals_pre_attention_torch_attention_post_attent
 
     monkeypatch.setattr(fused, "RESIDUAL_IN_GEMM", residual_in_gemm)
     device = kernel_device()
-    extra = dict(sliding_window=4, layer_types=("sliding_attention", "full_attention")) if "sliding" in model_type else {}
+    extra = (dict(sliding_window=4, layer_types=("sliding_attention", "full_attention")) if "sliding" in model_type
+             else {})
     model = tiny_model(model_type.split("-")[0], seed=3, **extra).to(device)
     layer = model.model.layers[0]
     w, spec = fused_weights(layer), layer.spec
@@ -256,8 +258,8 @@ def test_sessions_with_the_extend_kernel_give_the_torch_paths_turns(model_type, 
 
 
 def test_padding_tokens_past_the_context_of_a_sliding_layer_write_no_nan_through_the_kernel(monkeypatch):
-    """tests/test_rollout_extend.py's regression (padding tokens past the eager pass's context, in a sliding layer) with the extend pass through the kernel: finite KV, finite
-    log-probs in the decode steps after it."""
+    """tests/test_rollout_extend.py's regression (padding tokens past the eager pass's context, in a sliding layer)
+    with the extend pass through the kernel: finite KV, finite log-probs in the decode steps after it."""
     kernel_device()
     decode_in_torch(monkeypatch)
     model = tiny_model("qwen2", sliding_window=4, layer_types=("sliding_attention", "full_attention"),

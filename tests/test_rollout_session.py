@@ -153,10 +153,9 @@ def test_stop_tokens_end_a_turn_and_the_slot_limits_are_checked():
 def test_gpu_continued_turns_match_the_trainer_in_bf16_with_graphs(compile):
     """CUDA graphs, Triton decode attention and (optionally) compiled layers; the appended ids go through
     the prefill-at-offset pass. The tolerance is the single-turn engine's (test_rollout_engine)."""
-    from tests.test_rollout_engine import BF16_MAX_TOL, BF16_MEAN_TOL
-
     from phaserl.algo import token_logprobs_from_hidden
     from phaserl.models import CausalLM, DecoderConfig
+    from tests.test_rollout_engine import BF16_MAX_TOL, BF16_MEAN_TOL
 
     torch.manual_seed(0)
     cfg = DecoderConfig(model_type="qwen2", vocab_size=4096, hidden_size=256, intermediate_size=768,
@@ -169,7 +168,8 @@ def test_gpu_continued_turns_match_the_trainer_in_bf16_with_graphs(compile):
     g = torch.Generator().manual_seed(0)
     prompts = {k: torch.randint(0, 4096, (int(n),), generator=g).tolist()
                for k, n in enumerate(torch.randint(8, 64, (24,), generator=g))}
-    plan = {k: [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(0, 40, (2,), generator=g)]
+    plan = {k: [torch.randint(0, 4096, (int(n),), generator=g).tolist()
+                for n in torch.randint(0, 40, (2,), generator=g)]
             for k in prompts}
     engine = RolloutEngine(model, EngineConfig(compile=compile, token_budget=32768, max_slots=16))
     params = SamplingParams(max_new_tokens=32, temperature=0.8)

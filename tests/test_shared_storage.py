@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from _multiproc import free_port, start_method
 from _tiny_run import make_run_dir
 from phaserl.errors import PreflightError
-from _multiproc import free_port, start_method
 
 
 def _ranks(rank: int, world: int, port: int, root: str) -> None:

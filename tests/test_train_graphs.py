@@ -7,12 +7,12 @@ shapes; forward-only passes are never graphed; moved parameters drop the graphs;
 import pytest
 import torch
 
-from test_packing import _batch
-from test_train_perf import _assert_grads_close, _gpu_model, _model, _to_cuda
 from phaserl.packing import pack_rows
 from phaserl.roles import train_graphs
 from phaserl.roles.forward import rows_logprobs, split_rows
 from phaserl.roles.train_graphs import PaddedShape, TrainGraphs, padded_inputs, padded_shape, unsupported
+from test_packing import _batch
+from test_train_perf import _assert_grads_close, _gpu_model, _model, _to_cuda
 
 
 def test_a_micro_batch_is_padded_to_rounded_tokens_slots_and_sequence_length():

@@ -17,7 +17,7 @@ def _run(tmp_path, *extra):
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[jsonl]", *extra])
     trainer = RLTrainer.from_config(cfg)
     trainer.fit()
-    lines = [json.loads(l) for l in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
+    lines = [json.loads(raw) for raw in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
     return trainer, lines
 
 
@@ -27,7 +27,7 @@ def _run(tmp_path, *extra):
 def test_every_estimator_runs_a_step_and_logs_brief_metrics(tmp_path, estimator):
     torch.manual_seed(0)
     trainer, lines = _run(tmp_path, f"algorithm.adv_estimator={estimator}", "ppo.num_mini_batches=2")
-    assert [l["step"] for l in lines] == [0, 1, 2]
+    assert [line["step"] for line in lines] == [0, 1, 2]
     assert "val/score_mean" in lines[0] and "val/score_mean" in lines[-1]
     for key in ("train/reward_mean", "timing_s/step", "perf/tokens_per_s", "actor/grad_norm", "actor/entropy",
                 "timing_s/rollout", "timing_s/update", "train/advantage_mean", "actor/pg_clipfrac"):
@@ -45,8 +45,8 @@ def test_the_actor_learns_something_it_is_rewarded_for(tmp_path):
     trainer, lines = _run(tmp_path, f"reward.functions=[{{name: '{reward_file}:digits'}}]", "trainer.total_steps=14",
                           "rollout.max_new_tokens=6", "actor.optim.lr=1e-2", "algorithm.kl_placement=none",
                           "rollout.n=4", "data.val_files=[]")
-    first = sum(l["train/reward_mean"] for l in lines[:3]) / 3
-    last = sum(l["train/reward_mean"] for l in lines[-3:]) / 3
+    first = sum(line["train/reward_mean"] for line in lines[:3]) / 3
+    last = sum(line["train/reward_mean"] for line in lines[-3:]) / 3
     assert last > first + 0.5, (first, last)
 
 

@@ -19,7 +19,7 @@ def _run(tmp_path, *extra):
     cfg = load_config(None, make_run_dir(str(tmp_path)) + ["trainer.loggers=[jsonl]", "data.val_files=[]", *extra])
     trainer = RLTrainer.from_config(cfg)
     trainer.fit()
-    lines = [json.loads(l) for l in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
+    lines = [json.loads(raw) for raw in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
     return trainer, lines
 
 
@@ -35,7 +35,8 @@ def _reward_file(tmp_path, body: str) -> str:
     ["actor.policy_loss=cispo", "actor.clip_ratio_low=1.0", "actor.clip_ratio_high=1.0"],
     ["actor.policy_loss=sapo", "actor.loss_agg_mode=seq-mean-token-mean"],
     ["actor.policy_loss=geo_mean", "actor.clip_ratio_low=0.4", "actor.clip_ratio_high=0.4"],
-    ["actor.policy_loss=dro"], ["actor.policy_loss=dppo_tv"], ["actor.policy_loss=dppo_kl", "algorithm.kl_estimator=k3+"],
+    ["actor.policy_loss=dro"], ["actor.policy_loss=dppo_tv"],
+    ["actor.policy_loss=dppo_kl", "algorithm.kl_estimator=k3+"],
     ["actor.loss_agg_mode=token-sum", "algorithm.kl_estimator=low_var_kl", "actor.entropy_coef=0.01"],
     ["algorithm.rollout_correction=tis"], ["algorithm.rollout_correction=icepop"],
     ["algorithm.rollout_correction=masked_is", "ppo.num_mini_batches=2"],
@@ -45,7 +46,7 @@ def _reward_file(tmp_path, body: str) -> str:
 def test_each_new_setting_runs_steps_and_logs_the_mismatch(tmp_path, extra):
     torch.manual_seed(0)
     trainer, lines = _run(tmp_path, *extra)
-    assert [l["step"] for l in lines] == [1, 2]
+    assert [line["step"] for line in lines] == [1, 2]
     for key in ("train/reward_mean", "actor/grad_norm", "actor/pg_clipfrac", "train/zero_variance_group_frac",
                 *MISMATCH):
         assert key in lines[-1], key
@@ -86,7 +87,7 @@ def test_a_temperature_mismatch_would_show(tmp_path):
 def test_all_equal_rewards_are_named_on_the_first_step_and_logged_every_step(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="phaserl"):
         _, lines = _run(tmp_path, _reward_file(tmp_path, "return 1.0"), "trainer.total_steps=3")
-    assert [l["train/zero_variance_group_frac"] for l in lines] == [1.0, 1.0, 1.0]
+    assert [line["train/zero_variance_group_frac"] for line in lines] == [1.0, 1.0, 1.0]
     warnings = [r.getMessage() for r in caplog.records if "add nothing to the update" in r.getMessage()]
     assert len(warnings) == 1 and "step 0: every group" in warnings[0] and "dynamic_sampling" in warnings[0]
 

@@ -9,8 +9,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from phaserl.memory.budget import ModelShape, UnknownShape
 from phaserl.errors import ConfigError
+from phaserl.memory.budget import ModelShape, UnknownShape
 from phaserl.models import load_pretrained
 from phaserl.models.hf_fallback import HFCausalLM
 from phaserl.roles.forward import head_logprobs

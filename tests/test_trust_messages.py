@@ -57,7 +57,8 @@ def test_the_doctor_fails_a_disk_without_room_for_two_checkpoints(run, monkeypat
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     result = _write_check(run)
-    assert result.status == FAIL and "1000 B free under trainer.checkpoint_path, less than two checkpoints" in result.message
+    assert result.status == FAIL
+    assert "1000 B free under trainer.checkpoint_path, less than two checkpoints" in result.message
 
 
 def test_checkpoint_size_counts_weights_and_both_adam_moments_per_role():

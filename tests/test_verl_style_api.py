@@ -38,7 +38,7 @@ def run_verl_style_snippet(setup, policy_model, tmp_path, capsys, caplog):
     shared = tmp_path  # the snippet writes to /shared/ckpt/run1 and /shared/tb/run1
 
     # ---- the snippet, verbatim from here ----
-    from phaserl import HybridActor, Critic, ReferencePolicy, RewardModelWrapper, RLTrainer
+    from phaserl import Critic, HybridActor, ReferencePolicy, RewardModelWrapper, RLTrainer
     actor = HybridActor(model=policy_model, fsdp_config=actor_fsdp_config,
                         hybrid_engine_config=dict(enable_rollout_optimization_switch=True))
     critic = Critic(model=value_model, fsdp_config=dict(sharding_strategy="FULL_SHARD"))
@@ -49,7 +49,8 @@ def run_verl_style_snippet(setup, policy_model, tmp_path, capsys, caplog):
     trainer = RLTrainer(actor=actor, critic=critic, ref_policy=ref_policy, reward=rm, config=cfg,
                         checkpoint_path=f"{shared}/ckpt/run1", log_dir=f"{shared}/tb/run1",
                         save_interval=1000, keep_checkpoint_num=3)
-    trainer.add_hook("on_save_checkpoint", lambda trainer: print(f"[Rank {trainer.rank}] Saved checkpoint to {trainer.checkpoint_path}"))
+    trainer.add_hook("on_save_checkpoint",
+                     lambda trainer: print(f"[Rank {trainer.rank}] Saved checkpoint to {trainer.checkpoint_path}"))
     with caplog.at_level(logging.INFO, logger="phaserl"):
         trainer.fit()
     # ---- end of the snippet ----

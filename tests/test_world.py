@@ -11,7 +11,6 @@ from phaserl.world import build, task
 from phaserl.world.sft import encode_example, evaluate, sft_train
 from phaserl.world.tokenizer import ASSISTANT, EOS, USER, build_tokenizer, save_tokenizer
 
-
 # ------------------------------------------------------------------------------------------ task
 
 def test_splits_partition_the_problem_space():

@@ -4,13 +4,13 @@ does not, and a resume without a rank's RNG state says (truthfully) that phaserl
 import logging
 
 import pytest
-from _tiny_run import make_run_dir
 
+from _tiny_run import make_run_dir
 from phaserl.checkpoint.rng import load_rng
 from phaserl.config import load_config
-from phaserl.doctor import WARN, OK, load_doctor_config, run_doctor
-from phaserl.trainer import RLTrainer
 from phaserl.config.invariance import same_samples_world_sizes
+from phaserl.doctor import OK, WARN, load_doctor_config, run_doctor
+from phaserl.trainer import RLTrainer
 
 
 def test_same_samples_world_sizes():
