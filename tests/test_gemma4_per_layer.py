@@ -204,6 +204,18 @@ def test_the_kv_cache_generate_path_equals_the_uncached_loop(model):
 
 def test_a_multi_turn_session_continues_exactly(model):
     # The extend pass: the observation's tokens go after the slot's KV; the sharing layers read their sources' rows.
+    assert_session_continues_exactly(model)
+
+
+@pytest.mark.gpu
+def test_gpu_session_with_graphs_and_the_triton_kernels_continues_exactly(model):
+    # On CUDA: the decode steps replay CUDA graphs over the Triton attention, the extend passes run extend_kernel.py.
+    cuda = CausalLM(model.config).cuda()
+    cuda.load_state_dict(model.state_dict())
+    assert_session_continues_exactly(cuda.eval())
+
+
+def assert_session_continues_exactly(model):
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
     observations = {0: [20, 21], 1: [22], 2: [23, 24, 25], 3: [26]}
     with engine.session(SamplingParams(max_new_tokens=6, temperature=0.0), slot_len=64, eos_token_ids=[]) as s:
