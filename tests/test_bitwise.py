@@ -230,3 +230,17 @@ def test_a_family_the_kernels_do_not_cover_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="rollout.bitwise"):
         set_numerics(True, CausalLM(moe))
     assert not invariant.enabled()
+
+
+def test_the_doctor_says_which_numerics_run_and_that_corrections_are_no_ops(tmp_path):
+    from phaserl.doctor import OK, load_doctor_config, run_doctor
+
+    overrides = make_run_dir(str(tmp_path)) + ["rollout.temperature=0.7"]
+    checks = {r.name: r for r in run_doctor(load_doctor_config(None, overrides + [
+        "rollout.bitwise=true", "algorithm.rollout_correction=icepop"]))}
+    result = checks["rollout/training mismatch"]
+    assert result.status == OK and result.message.startswith("numerics: bitwise (rollout.bitwise)"), result
+    assert "mismatch 0.0" in result.message and "rollout_correction = icepop is a no-op" in result.message
+    assert not invariant.enabled()  # the probe's mode ends with it
+    default = {r.name: r for r in run_doctor(load_doctor_config(None, overrides))}["rollout/training mismatch"]
+    assert "numerics: default kernels" in default.message

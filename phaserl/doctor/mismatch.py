@@ -42,8 +42,9 @@ def check_mismatch(ctx: Context) -> CheckResult:
     actor = HybridActor(ctx.policy, tok, hybrid_engine_config=cfg.actor.hybrid_engine)
     with invariant.bitwise(r.bitwise):  # the kernels the run will compute with (rollout.bitwise)
         probe = measure_mismatch(
-            actor, [list(item.prompt_ids) for item in items], n=r.n, engine=r.engine, max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_token_ids=eos, pad_token_id=pad,
+            actor, [list(item.prompt_ids) for item in items], n=r.n, engine=r.engine,
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            eos_token_ids=eos, pad_token_id=pad,
             token_budget=forward_micro_batch_tokens(cfg), seed=cfg.trainer.seed, replay=cfg.actor.routing_replay,
             free_bytes=free_memory_bytes(actor.device))
     m, temperature = probe.metrics, r.temperature if r.temperature > 0 else 1.0
@@ -53,7 +54,8 @@ def check_mismatch(ctx: Context) -> CheckResult:
     diff = m["mismatch/abs_diff_mean"]
     message = (f"{probe.tokens} sampled tokens ({probe.path}{replay}, T = {temperature:g}): k3 {m['mismatch/k3']:.2e}, "
                f"|Δ log p| mean {diff:.2e} max {m['mismatch/abs_diff_max']:.2e}, "
-               f"ratio outside [0.5, 2] {100 * m['mismatch/ratio_out_frac']:.2f}%")
+               f"ratio outside [0.5, 2] {100 * m['mismatch/ratio_out_frac']:.2f}%; numerics: default kernels "
+               "(rollout.bitwise = true makes the two sides equal bit for bit)")
     details = ((f"precision noise: the trainer is {probe.noise:.2e} (mean |Δ log p|) from the same weights in "
                 f"float32; the mismatch is {diff / max(probe.noise, 1e-12):.1f}× that",) if probe.noise is not None
                else (f"precision noise not measured: {probe.noise_note}",) if probe.noise_note else ())
