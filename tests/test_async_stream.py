@@ -115,7 +115,8 @@ def _tiny_cfg(tmp_path, *extra):
     return load_config(QUICKSTART_CONFIG, [f"trainer.log_dir={tmp_path / 'logs'}", "trainer.total_steps=4",
                                            "trainer.val_interval=0", "trainer.val_before_train=false",
                                            f"trainer.checkpoint_path={tmp_path / 'ckpt'}", "trainer.loggers=[jsonl]",
-                                           "rollout.prompts_per_step=8", "rollout.batch_size=4", *extra])
+                                           "rollout.prompts_per_step=8", "rollout.batch_size=4",
+                                           "rollout.engine_max_slots=32", *extra])  # fewer slots than samples in flight
 
 
 @pytest.mark.slow
@@ -172,7 +173,7 @@ def test_async_agent_episodes_carry_over_phases_and_their_observations_have_no_v
     cfg = load_config(QUICKSTART_CONFIGS["agent"], [
         f"trainer.log_dir={tmp_path / 'logs'}", f"trainer.checkpoint_path={tmp_path / 'ckpt'}", "trainer.total_steps=4",
         "trainer.val_interval=0", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
-        "rollout.prompts_per_step=8", "rollout.batch_size=3", "rollout.max_staleness=1"])  # 24 slots: some wait
+        "rollout.prompts_per_step=8", "rollout.engine_max_slots=24", "rollout.max_staleness=1"])  # 24 slots: some wait
     trainer = RLTrainer.from_config(cfg)
     seen = []
     update = trainer.update

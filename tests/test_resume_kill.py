@@ -218,7 +218,7 @@ def _assert_same_state(a_path: str, b_path: str) -> None:
 
 
 # the asynchronous stream: the responses in flight at a checkpoint are saved with it and continue on resume
-ASYNC = ["rollout.max_staleness=1", "rollout.batch_size=3"]  # 6 slots for 8 groups: some carried over
+ASYNC = ["rollout.max_staleness=1", "rollout.engine_max_slots=6"]  # 6 slots for 8 groups: some carried over
 
 
 @pytest.mark.parametrize("extra", [(), tuple(LORA), tuple(ASYNC)], ids=["full", "lora", "async"])
