@@ -226,11 +226,13 @@ class HybridActor(CheckpointedRole):
             names.append("actor/router_aux_loss")
         stats = StepStats(names, self.device)
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
-            self.micro_batch_loss(mb, idx, stats, on_policy=on_policy, global_tokens=global_tokens,
-                                  global_seqs=global_seqs).backward()
+            loss = self.micro_batch_loss(mb, idx, stats, on_policy=on_policy, global_tokens=global_tokens,
+                                         global_seqs=global_seqs)
+            self.optimizer.scaled(loss).backward()  # float16 weights: times the loss scale (roles/loss_scale.py)
         stats = stats.read()
         stats["actor/grad_norm"] = self.optimizer.step()
         stats["actor/lr"] = self.optimizer.lr
+        stats.update(self.optimizer.scale_stats("actor"))
         return stats
 
     def micro_batch_loss(self, mb: TrainBatch, idx, stats: "StepStats", *, on_policy: bool, global_tokens: float,

@@ -61,7 +61,7 @@ class Critic(CheckpointedRole):
                                                   clip_range=self.cliprange_value)
             vf_loss = aggregate(vf_mat, mask, self.agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
                                 max_len=self.norm_len)
-            (self.loss_coef * vf_loss).backward()
+            self.optimizer.scaled(self.loss_coef * vf_loss).backward()  # float16: times the loss scale
             stats["critic/vf_loss"] += float(vf_loss.detach())
             stats["critic/vf_clipfrac"] += float(vf_stats["clipfrac"]) * float(mask.sum()) / global_tokens
         stats["critic/grad_norm"] = self.optimizer.step()

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from .loss_scale import Float16Step
+
 BUCKET_BYTES = 256 * 2**20  # weights per copy-and-step bucket of the offloaded step
 
 
@@ -45,14 +47,18 @@ class Optimizer:
     def __init__(self, params, settings: OptimSettings):
         self.params = [p for p in params if p.requires_grad]
         self.settings = settings
+        # float16 weights: loss scaling, AdamW on float32 masters (loss_scale.py)
+        half = bool(self.params) and all(p.dtype == torch.float16 for p in self.params)
+        self.half: Optional[Float16Step] = Float16Step(self.params) if half else None
+        trained = self.half.weights if half else self.params
         # One fused kernel per step on plain CUDA tensors (foreach launches several per parameter group);
         # FSDP's DTensors and CPU runs keep the default implementation.
-        fused = bool(self.params) and all(p.is_cuda and not hasattr(p, "placements") for p in self.params)
-        self.opt = torch.optim.AdamW(self.params, lr=settings.lr, betas=tuple(settings.betas),
+        fused = bool(self.params) and all(p.is_cuda and not hasattr(p, "placements") for p in trained)
+        self.opt = torch.optim.AdamW(trained, lr=settings.lr, betas=tuple(settings.betas),
                                      weight_decay=settings.weight_decay, fused=fused or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: _lr_factor(i, settings))
         self._pinned: dict[tuple, torch.Tensor] = {}  # offload_state: (id(param), state key) -> pinned CPU copy
-        self.host: Optional[_HostStep] = None  # offload_step: AdamW on the CPU
+        self.host = self.half  # AdamW's own weights beside the model's (offload_step: on the CPU; float16: masters)
 
     @property
     def lr(self) -> float:
@@ -60,13 +66,31 @@ class Optimizer:
 
     @property
     def offloaded(self) -> bool:
+        """AdamW steps its own copies of the weights (on the CPU, or float32 masters of float16 ones)."""
         return self.host is not None
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: times the loss scale for float16 weights, else itself."""
+        return loss if self.half is None else self.half.scaler.scaled(loss)
+
+    def scale_stats(self, prefix: str) -> dict:
+        """float16 weights: {prefix/loss_scale, prefix/overflow_skipped (steps skipped over the run)}; else {}."""
+        if self.half is None:
+            return {}
+        s = self.half.scaler
+        return {f"{prefix}/loss_scale": s.scale, f"{prefix}/overflow_skipped": float(s.skipped)}
 
     def offload_step(self) -> None:
         """From now on AdamW's state and step live on the CPU (see the module docstring). Called before the first
         step (the builder does); the schedule and its settings carry over."""
         if self.opt.state:
             raise RuntimeError("Optimizer.offload_step() must come before the first step")
+        if self.half is not None:
+            from ..errors import ConfigError
+
+            raise ConfigError("actor.optimizer_offload = true with model.dtype = float16 is not supported: the "
+                              "float16 step keeps float32 master weights on the device; use bfloat16, or "
+                              "actor.optimizer_offload = false")
         if self.host is None and self.params:
             self.host = _HostStep(self.params)
             s = self.settings
@@ -79,6 +103,13 @@ class Optimizer:
 
     def step(self) -> float:
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        if self.half is not None:  # float16: unscale, skip an overflowed step (loss_scale.py)
+            norm, skipped = self.half.step(self.opt, clip)
+            if not skipped:
+                self.sched.step()
+            for p in self.params:
+                p.grad = None
+            return norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         if torch.isfinite(grad_norm):  # a skipped update does not advance the schedule either
             if self.host is not None:
