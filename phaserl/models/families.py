@@ -104,6 +104,8 @@ def config_from_hf(d: dict, *, source: str = "config.json") -> DecoderConfig:
                           "Save that once with transformers: "
                           "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out) (same logits, no vision "
                           "tower), or keep model.implementation=auto/transformers")
+    if model_type == "gemma4":
+        raise gemma4.composite_error(source)
     if model_type not in FAMILIES:
         raise ConfigError(f"{source}: model_type={model_type!r} is not implemented natively "
                           f"(supported: {', '.join(FAMILIES)})")

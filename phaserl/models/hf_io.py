@@ -174,7 +174,7 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
         raise ConfigError(f"model.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
     directory, hf_config = _read_config(path)
     model_type = hf_config.get("model_type")
-    if implementation == "native" and model_type == "qwen3_5":  # the composite Qwen3.5: the error says what to do
+    if implementation == "native" and model_type in ("qwen3_5", "gemma4"):  # composites: the error says what to do
         config_from_hf(hf_config, source=str(directory / "config.json"))
     if is_vl_config(hf_config) and implementation != "transformers":  # Qwen2.5-VL: the decoder + a vision tower
         return _load_vl(directory, hf_config, dtype, device, allow_random_init)
