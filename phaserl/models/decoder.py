@@ -10,6 +10,9 @@ engine runs, so training and rollout compute one thing. Sliding layers get their
 the kernel; Gemma 3/4's sliding layers get their own RoPE table (Gemma 4's global layers their own head_dim).
 Soft-capped logits (Gemma 4's final_logit_softcapping) make `plain_head` False: `logits()` applies the cap
 and the roles score tokens through `token_logprobs` (heads.py), never the plain projection.
+Gemma 4 E2B/E4B: the per-layer inputs are computed once per forward from the ids and embeddings
+(layers.per_layer_inputs), each layer reading its own; a KV-sharing layer takes its source layer's (k, v) as an
+input, which the source returned beside its hidden states (explicit, so that module hooks never lose it).
 `enable_compile(model)` runs each decoder layer through `torch.compile` (attention stays eager).
 Not here: loading weights (hf_io.py), sampling (phaserl/rollout), paged caches.
 

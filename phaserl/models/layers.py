@@ -10,7 +10,8 @@ called: the decoder passes its nn.Linear modules so that anything wrapping them,
 honoured; the engine passes its fused [q; k; v] and [gate; up] copies).
 Not here: attention cores and masks (attention.py), RoPE tables (rope.py), modules and names (decoder.py).
 
-Legend: N any leading token dims ([B, T] or [N]), H hidden, Hq/Hkv heads, D head_dim, I MLP width.
+Legend: N any leading token dims ([B, T] or [N]), H hidden, Hq/Hkv heads, D head_dim, I MLP width,
+L layers, P Gemma 4's per-layer input width.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ Sliding layers attend within their window in prefill (an explicit mask), in the 
 the Triton kernel (which then reads only the window); their slots still hold the whole sequence.
 MoE layers (models/moe.py) read their router and experts in place; with `record_routes` every pass also
 writes the experts each MoE layer chose at each position into `routes` [slots, S, L, k] (routing replay).
+Gemma 4 E2B/E4B: every pass computes its tokens' per-layer inputs from their ids (the model's own table, read in
+place); a KV-sharing layer computes queries only and attends with its source layer's k/v of the same pass over the
+source's slots (the pool gives it those views; its attention core's write puts the same values there again).
   prefill  the prompts of newly admitted sequences, each distinct prompt once: its KV is written into
            every slot of the sequences that share it, and each sequence draws its own first token.
   decode   one token for every slot in [0, b); b is a bucket size, and on CUDA each (bucket, sampling
