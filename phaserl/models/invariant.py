@@ -36,7 +36,9 @@ from torch import nn
 
 Tensor = torch.Tensor
 KEY_BLOCK = 32                # attention: key positions per block (the engine's 64-token slots hold whole blocks)
-CHUNK_ELEMENTS = 1 << 22      # products held at once by matmul / attention (16 MiB of float32)
+CHUNK_ELEMENTS = 1 << 22      # products held at once by matmul / attention (16 MiB of float32) on the CPU
+CUDA_CHUNK_ELEMENTS = 1 << 27  # on a GPU (512 MiB): fewer, larger launches. No chunk size changes any result:
+                               # each output element is computed whole inside one chunk
 _ENABLED = False
 
 
@@ -88,14 +90,19 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _chunk(device: torch.device) -> int:
+    return CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+
+
 def matmul(x: Tensor, w: Tensor) -> Tensor:
     """x [N, K] @ w[N', K].T -> [N, N'] accumulated in float32 (float64 for float64), every output element the tree
     sum of its K products, whatever N. Chunked over rows and columns (each output element is computed alone)."""
     acc = _acc_dtype(x.dtype)
     x, w = x.to(acc), w.to(acc)
     N, K = x.shape
-    cols = max(1, min(w.shape[0], CHUNK_ELEMENTS // K))
-    rows = max(1, CHUNK_ELEMENTS // (cols * K))
+    chunk = _chunk(x.device)
+    cols = max(1, min(w.shape[0], chunk // K))
+    rows = max(1, chunk // (cols * K))
     out = torch.empty(N, w.shape[0], dtype=acc, device=x.device)
     for c in range(0, w.shape[0], cols):
         wc = w[None, c:c + cols]  # [1, cols, K]
@@ -257,11 +264,11 @@ def _attention_exact(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: float
     qs = q.to(acc) * scale
     key_pos = torch.arange(L + pad, device=q.device)  # [Lp]
     out = torch.empty(n, T, Hq, D, dtype=acc, device=q.device)
-    per_query = (L + pad) * Hq * D  # products of one query
-    if per_query * T <= CHUNK_ELEMENTS:  # whole rows of queries at a time
-        rows, step = CHUNK_ELEMENTS // (per_query * T), T
+    per_query, chunk = (L + pad) * Hq * D, _chunk(q.device)  # products of one query
+    if per_query * T <= chunk:  # whole rows of queries at a time
+        rows, step = chunk // (per_query * T), T
     else:
-        rows, step = 1, max(1, CHUNK_ELEMENTS // per_query)
+        rows, step = 1, max(1, chunk // per_query)
     for a in range(0, n, rows):
         for t in range(0, T, step):
             qc, pc = qs[a:a + rows, t:t + step], qpos[a:a + rows, t:t + step]  # [r, s, Hq, D], [r, s]

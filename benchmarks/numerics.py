@@ -1,0 +1,141 @@
+"""The numerics modes in one run: what the bitwise mode (rollout.bitwise) costs, and the float16 vs bfloat16 mismatch.
+
+On a Qwen2-shaped model with random weights, for each shape, the same process measures
+  decode      the engine's seconds per decode step (`--prompts` sequences, `--new-tokens` each, EOS ignored), default
+              kernels vs bitwise ones
+  step        a GRPO step's model work on those sequences: the rollout, the old log-prob pass and one update
+              forward + backward over the batch (packed micro-batches of `--micro-tokens`), default vs bitwise
+  mismatch    the trainer's log-probs against the sampler's for the same tokens (`mismatch/*`, as logged every
+              step) in bfloat16, float16 and bfloat16 bitwise
+One JSON line per measurement; `ratio` = bitwise / default time.
+
+    python benchmarks/numerics.py                       # 0.5b and 1.5b on the GPU
+    python benchmarks/numerics.py --smoke               # CPU, tiny shape: checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from phaserl.algo import mismatch_metrics  # noqa: E402
+from phaserl.batch import RolloutBatch, layout_ids, right_padded  # noqa: E402
+from phaserl.models import CausalLM, invariant  # noqa: E402
+from phaserl.roles.forward import batch_logprobs, rows_logprobs, split_rows  # noqa: E402
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from qwen2_shapes import decoder_config  # noqa: E402
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def sample(model, prompts, new_tokens: int, seed: int = 0):
+    engine = RolloutEngine(model, EngineConfig(max_slots=len(prompts), cuda_graphs=False))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+    device = model.output_weight.device
+    sync(device)
+    start = time.perf_counter()
+    result = engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True,
+                             generator=torch.Generator(device=device).manual_seed(seed))
+    sync(device)
+    seconds = time.perf_counter() - start
+    engine.release()
+    return result, seconds, engine.last_stats["steps"]
+
+
+def rollout_batch(prompts, result, device) -> RolloutBatch:
+    input_ids, mask, P = layout_ids(prompts, result.response_ids, 0)
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    n = len(prompts)
+    return RolloutBatch(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                        response_mask=mask[:, P:].contiguous(), prompt_width=P, group_ids=torch.arange(n, device=device),
+                        rollout_logprobs=right_padded(result.logprobs, input_ids.shape[1] - P,
+                                                      torch.float32).to(device),
+                        prompts=[None] * n, response_texts=[""] * n, rows=[None] * n,
+                        finish_reasons=list(result.finish_reasons))
+
+
+def step_parts(model, batch, micro_tokens: int) -> tuple[float, float]:
+    """(old log-prob pass seconds, update forward + backward seconds) over the whole batch, packed."""
+    device = model.output_weight.device
+    sync(device)
+    start = time.perf_counter()
+    model.eval()
+    old = batch_logprobs(model, batch, temperature=1.0, token_budget=micro_tokens, packing=True)
+    sync(device)
+    old_s = time.perf_counter() - start
+    model.train()
+    start = time.perf_counter()
+    for idx in split_rows(batch, micro_tokens, packing=True):
+        logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False)
+        (logp * mask).sum().backward()
+    sync(device)
+    model.zero_grad(set_to_none=True)
+    del old
+    return old_s, time.perf_counter() - start
+
+
+def mismatch(model, prompts, result, device) -> dict:
+    batch = rollout_batch(prompts, result, device)
+    model.eval()
+    trainer = batch_logprobs(model, batch, temperature=1.0, token_budget=1 << 15, packing=device.type == "cuda")
+    return mismatch_metrics(trainer, batch.rollout_logprobs, batch.response_mask)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--micro-tokens", type=int, default=8192)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, few tokens")
+    a = parser.parse_args()
+    if a.smoke:
+        a.shapes, a.prompts, a.prompt_tokens, a.new_tokens, a.micro_tokens = ["tiny"], 4, 8, 4, 256
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    for shape in a.shapes:
+        torch.manual_seed(0)
+        with torch.device(device):
+            base = CausalLM(decoder_config(shape)).eval()
+        vocab = base.config.vocab_size
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(10, vocab, (a.prompts, a.prompt_tokens), generator=g).tolist()
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        model = base.to(dtype)
+        common = {"bench": "numerics", "shape": shape, "device": card, "dtype": str(dtype).split(".")[-1],
+                  "prompts": a.prompts, "new_tokens": a.new_tokens}
+        times = {}
+        for mode in ("default", "bitwise"):
+            with invariant.bitwise(mode == "bitwise"):
+                result, seconds, steps = sample(model, prompts, a.new_tokens)
+                batch = rollout_batch(prompts, result, device)
+                old_s, update_s = step_parts(model, batch, a.micro_tokens)
+                times[mode] = {"decode_step_s": seconds / max(steps, 1), "rollout_s": seconds, "old_logprob_s": old_s,
+                               "update_s": update_s, "step_s": seconds + old_s + update_s}
+                print(json.dumps({**common, "measure": "time", "mode": mode, **times[mode]}), flush=True)
+                if mode == "bitwise":
+                    print(json.dumps({**common, "measure": "mismatch", "mode": "bitwise",
+                                      **mismatch(model, prompts, result, device)}), flush=True)
+        print(json.dumps({**common, "measure": "ratio", **{k: times["bitwise"][k] / times["default"][k]
+                                                           for k in ("decode_step_s", "step_s")}}), flush=True)
+        for half in ([torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32]):
+            model = base.to(half)
+            result, _, _ = sample(model, prompts, a.new_tokens)
+            print(json.dumps({**common, "dtype": str(half).split(".")[-1], "measure": "mismatch", "mode": "default",
+                              **mismatch(model, prompts, result, device)}), flush=True)
+        del base, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
