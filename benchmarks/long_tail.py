@@ -135,14 +135,19 @@ def run_case(trainer, name: str, k: int, a) -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        before = trainer.actor.engine.last_stats
         metrics = trainer.train_step()
         trainer.step_num += 1
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         trained = metrics["train/response_length_mean"] * a.prompts * a.n
+        # async: the tokens this step's rollout phase decoded (a step whose batch was ready decodes none); sync: all
+        # sampled tokens are the trained ones
+        after = trainer.actor.engine.last_stats
+        sampled = trained if not k else (after.get("new_tokens", 0) if after is not before else 0)
         step = dict(measure="step", case=name, step=i, warmup=not timed, seconds=round(seconds, 3),
-                    trained_tokens=round(trained), timing_s={k2.split("/", 1)[1]: round(v, 3) for k2, v in
+                    trained_tokens=round(trained), sampled_tokens=round(sampled), timing_s={k2.split("/", 1)[1]: round(v, 3) for k2, v in
                                                              metrics.items() if k2.startswith("timing_s/")},
                     **{key: metrics[key] for key in metrics if key.startswith("async/")})
         steps.append(step)
@@ -153,6 +158,7 @@ def run_case(trainer, name: str, k: int, a) -> dict:
     tokens = sum(s["trained_tokens"] for s in timed)
     summary = dict(measure="case", case=name, max_staleness=k, steps_timed=len(timed),
                    trained_tokens_per_s=round(tokens / wall), s_per_step=round(wall / len(timed), 3),
+                   sampled_tokens_per_s=round(sum(s["sampled_tokens"] for s in timed) / wall),
                    gpu_busy=busy.mean,
                    timing_s={p: round(statistics.mean(s["timing_s"].get(p, 0.0) for s in timed), 3)
                              for p in timed[0]["timing_s"]},
@@ -169,6 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=4, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per case (the async stream fills up)")
     p.add_argument("--longest", type=int, default=None, help="the tail's length (4096; --tiny 64)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (every case)")
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     a.longest = a.longest or (64 if a.tiny else 4096)
@@ -192,19 +199,21 @@ def main(argv=None) -> None:
     path = os.path.join(log_dir, "long_tail.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg_dict, f, sort_keys=False)
-    a.cfg = load_config(path)
+    a.cfg = load_config(path, a.set)
     trainer = RLTrainer.from_config(a.cfg)
     with trainer.actor.rollout_mode():
         trainer.actor._ensure_engine()
     trainer.actor.engine_generate_original = trainer.actor.engine.generate
     LengthTail(trainer, a.longest)
     emit(measure="setup", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
-         prompts=a.prompts, n=a.n, longest=a.longest, ks=a.ks)
+         prompts=a.prompts, n=a.n, longest=a.longest, ks=a.ks, overrides=a.set)
     cases = [("sync", 0)] + [(f"async_k{k}", k) for k in a.ks] + [("sync_again", 0)]
     results = [run_case(trainer, name, k, a) for name, k in cases]
     sync = statistics.mean(r["trained_tokens_per_s"] for r in results if r["max_staleness"] == 0)
     emit(measure="summary", sync_trained_tokens_per_s=round(sync),
-         speedup={r["case"]: round(r["trained_tokens_per_s"] / sync, 3) for r in results if r["max_staleness"]})
+         speedup={r["case"]: round(r["trained_tokens_per_s"] / sync, 3) for r in results if r["max_staleness"]},
+         sampled_speedup={r["case"]: round(r["sampled_tokens_per_s"] / sync, 3) for r in results
+                          if r["max_staleness"]})
 
 
 if __name__ == "__main__":
