@@ -1,6 +1,7 @@
 """Exact resume for the newer families: a run of three steps equals one step, a checkpoint, and a fresh
 process-like trainer that resumes it for two more, bit for bit, for Qwen3.5 (recurrent layers), Qwen3-MoE (with
-routing replay and multi-turn episodes) and Gemma 4 (per-layer head widths), with LoRA on one of them. The
+routing replay and multi-turn episodes) and Gemma 4 (per-layer head widths, E2B/E4B's per-layer inputs and shared
+keys/values), with LoRA on one of them. The
 kill -9 tests (test_resume_kill.py, test_agents_resume.py) run the dense decoder; this pins the same floor for
 the families added since, in-process."""
 import os
