@@ -1,6 +1,6 @@
 """Gemma 4 text (`gemma4_text`) in DecoderConfig's terms: what its config.json means, and back.
 
-The native layout is Gemma 4's dense text decoder as transformers (5.17 .. 5.24) computes it:
+The native layout is Gemma 4's dense text decoder as transformers (5.17 .. 5.25) computes it:
   - sandwich norms with plain `(w * x)` rounding (norm_style "olmo2"), per-head q/k norms, and values
     RMS-normed per head without a weight (v_norm);
   - attention scale 1 (the q/k norms set the scale), GeGLU (gelu-tanh), embeddings times sqrt(H), tied head;
@@ -19,9 +19,9 @@ The native layout is Gemma 4's dense text decoder as transformers (5.17 .. 5.24)
     twice as wide. Key/value tensors that a checkpoint still holds for those layers are skipped on load, as
     transformers skips them.
 Refused with a ConfigError that names the key and the exact fallback (model.implementation=transformers):
-the mixture-of-experts block (enable_moe_block: 26B-A4B), every layer sharing keys/values (an assistant model
-that reads another model's), bidirectional attention, and per_layer_config overrides other than the global
-layers' head_dim / key-value heads.
+the mixture-of-experts block (enable_moe_block: 26B-A4B), bidirectional attention, and per_layer_config overrides
+other than the global layers' head_dim / key-value heads. A config whose every layer shares keys/values (an
+assistant model that reads another model's) is refused as no causal LM.
 The multimodal `gemma4` directory (Gemma4ForConditionalGeneration: the text weights under model.language_model.*,
 vision and audio towers beside them) is not read natively: `composite_error` says how to save its text model once.
 Not here: the layer math (layers.py), weights (hf_io.py).
@@ -60,10 +60,11 @@ def composite_error(source: str) -> ConfigError:
 def reject_unsupported(d: dict, source: str, value) -> None:
     """The parts of Gemma 4 the native decoder does not implement: an error naming all of them, never
     different logits."""
-    parts = []
     if value("num_kv_shared_layers") >= d["num_hidden_layers"]:
-        parts.append(f"num_kv_shared_layers={d['num_kv_shared_layers']} of {d['num_hidden_layers']} layers (every "
-                     "layer reads another model's keys and values: an assistant model, not a causal LM)")
+        raise ConfigError(f"{source}: num_kv_shared_layers={d['num_kv_shared_layers']} of {d['num_hidden_layers']} "
+                          "layers: every layer reads another model's keys and values (an assistant model for "
+                          "speculative decoding), not a causal LM that runs on its own")
+    parts = []
     if d.get("enable_moe_block"):
         parts.append("enable_moe_block=true (the mixture-of-experts block, Gemma 4 26B-A4B)")
     if parts:
