@@ -11,13 +11,13 @@ In this fixed-length shape every episode ends its turn at the same step, so noth
 decode while the tools run: the 3 x latency is idle device time by construction, and the best
 possible ratio at 50 ms is single / (single + 0.15 s).
 
-Both cases are timed the same way: after a warm-up of each (slot layout, fused weights, graph capture,
-compile, worker threads: none of it in a timed region; each multi-turn case once more untimed), `--repeats` runs each, the median reported. Instead of
-torch.profiler (whose tracing of graph replays slowed the single-turn case 10x on the H200), every runner
-call is bracketed by CUDA events: device_s is the device time of each kind of call (decode steps, prefills,
-extends of observation ids, output gathers) and device_busy their sum over the wall; host_s is where the
-host's time went (multi-turn: inside session.step, handling ended turns, applying environment answers,
-waiting for them); gc the garbage collector's pauses.
+Both cases are timed the same way: after a warm-up of each (slot layout, fused weights, graph capture, compile, worker
+threads: none of it in a timed region; each multi-turn case once more untimed), `--repeats` runs each, the median
+reported. Instead of torch.profiler (whose tracing of graph replays slowed the single-turn case 10x on the H200),
+every runner call is bracketed by CUDA events: device_s is the device time of each kind of call (decode steps,
+prefills, extends of observation ids, output gathers) and device_busy their sum over the wall; host_s is where the
+host's time went (multi-turn: inside session.step, handling ended turns, applying environment answers, waiting for
+them); gc the garbage collector's pauses.
 
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
@@ -41,8 +41,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import os
+import random
 import sys
 import time
 
@@ -197,7 +197,8 @@ def median_run(cases: list) -> dict:
 def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
-                         context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=len(ids), overlap=True)
+                         context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=len(ids),
+                         overlap=True)
     env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter)
     runner = EpisodeRunner(EnvironmentFactory(SimulatedTool, env_kwargs), IdsTokenizer(), limits, workers=pool)
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
@@ -225,8 +226,8 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
 
 def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
     """The asynchronous stream's rollout (rollout.max_staleness 1): 2 x episodes in flight, phases back to back, each
-    ending when the oldest `episodes` episodes are complete (a step's batch); unfinished ones carry on into the next phase
-    (EpisodeRunner.run_phase, as trainer/agent_stream.py drives it; no training between phases here, so a tool's
+    ending when the oldest `episodes` episodes are complete (a step's batch); unfinished ones carry on into the next
+    phase (EpisodeRunner.run_phase, as trainer/agent_stream.py drives it; no training between phases here, so a tool's
     call overlaps only decoding). tokens_per_s: the model tokens of the completed batches over the timed phases' wall
     (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens

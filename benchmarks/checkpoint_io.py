@@ -20,13 +20,12 @@ import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qwen2_shapes import decoder_config  # noqa: E402
-
 import torch  # noqa: E402
 
 from phaserl.checkpoint import Checkpointer, TrainingState, manifest  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.roles.optim import Optimizer, OptimSettings  # noqa: E402
+from qwen2_shapes import decoder_config  # noqa: E402
 
 
 def _actor(shape: str, device: str, dtype: torch.dtype):

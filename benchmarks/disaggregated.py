@@ -63,7 +63,8 @@ def main() -> None:
     for m in steps:
         tokens = m["train/response_length_mean"] * g.prompts * g.n
         row = {"step": m["step"], "trained_tokens_per_s": round(tokens / m["timing_s/step"], 1),
-               "s_per_step": round(m["timing_s/step"], 3), "weight_sync_s": round(m.get("timing_s/weight_sync", 0.0), 4),
+               "s_per_step": round(m["timing_s/step"], 3),
+               "weight_sync_s": round(m.get("timing_s/weight_sync", 0.0), 4),
                "sample_wait_s": round(m.get("timing_s/rollout", 0.0), 3),
                "staleness": {k.rsplit("/", 1)[1]: round(v, 4) for k, v in m.items() if "token_share/behind" in k},
                "dropped_groups": m.get("async/dropped_groups"), "reward_mean": m["train/reward_mean"]}

@@ -82,9 +82,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import grpo_setup  # noqa: E402
 from phaserl.models import load_pretrained  # noqa: E402
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from profiling import profile_call  # noqa: E402
 from step_probes import json_or_none  # noqa: E402
-from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 
 BENCH = "families"
 SHAPES = {
@@ -259,10 +259,10 @@ def mismatch(shape: str, root: str, device: str, dtype: torch.dtype, smoke: bool
 
 def mismatch_replay(shape: str, root: str, device: str, dtype: torch.dtype) -> None:
     from phaserl.algo import mismatch_metrics
+    from phaserl.batch import layout_routes
     from phaserl.models import moe
     from phaserl.roles.forward import batch_logprobs, rows_logprobs, split_rows
     from phaserl.roles.mismatch_probe import _batch
-    from phaserl.batch import layout_routes
 
     model = load_pretrained(os.path.join(root, "model"), dtype=dtype, device=device, implementation="native").eval()
     prompts = prompt_ids(shape)

@@ -1,7 +1,7 @@
 """One whole GRPO step (rollout + reference log-probs + update, KL on): phaserl's RLTrainer vs TRL's GRPOTrainer.
 
-Shape (the reference shape of BENCHMARKS.md): Qwen2-0.5B architecture with random weights, bf16, 64 prompts x 8 samples = 512
-responses, prompts of exactly 128 tokens, 256 new tokens, one GPU. Each side runs in its own process
+Shape (the reference shape of BENCHMARKS.md): Qwen2-0.5B architecture with random weights, bf16, 64 prompts x 8
+samples = 512 responses, prompts of exactly 128 tokens, 256 new tokens, one GPU. Each side runs in its own process
 (`--only both` starts both, one after the other, on one synthetic world made by `grpo_setup.py`) and
 prints one JSON line per step and a summary line: seconds per step (median of the steps after
 warm-up), tokens/s (prompt + response tokens of the step's 512 sequences / step seconds), peak GPU
@@ -11,7 +11,7 @@ timed step, and the warm-up steps apart). `--only both` ends with a comparison l
     python benchmarks/grpo_step.py --warmup 2 --steps 3 --steps-trl 2   # phaserl's defaults (auto: compile, keep_awake)
     python benchmarks/grpo_step.py --only ours --ours-set actor.compile=false --ours-set rollout.engine_keep_awake=false
     python benchmarks/grpo_step.py --tiny                   # a CPU smoke run of both sides (seconds)
-    python benchmarks/grpo_step.py --shape 7b --lora-rank 16  # LoRA on both sides (benchmarks/lora_step.py runs the set)
+    python benchmarks/grpo_step.py --shape 7b --lora-rank 16  # LoRA on both sides (lora_step.py runs the set)
     python benchmarks/grpo_step.py --only ours --sweep-micro-batch 8064,12288,32640  # the host's cost per micro-batch
     python benchmarks/grpo_step.py --only ours --ours-micro-batch auto --ab keep_head_logits,pinned_copies  # on vs off
 
@@ -73,9 +73,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo_setup  # noqa: E402
-from step_probes import (ab_counts_problem, dynamo_counters, engine_stats, json_or_none, memory_gib,  # noqa: E402
-                         metric_group, micro_batch_sweep, profile_one_step, reset_peak, rollout_probe, settings_ab,
-                         sync, timed_step)
+from step_probes import (  # noqa: E402
+    ab_counts_problem,
+    dynamo_counters,
+    engine_stats,
+    json_or_none,
+    memory_gib,
+    metric_group,
+    micro_batch_sweep,
+    profile_one_step,
+    reset_peak,
+    rollout_probe,
+    settings_ab,
+    sync,
+    timed_step,
+)
 
 BENCH = "grpo_step"
 
@@ -303,7 +315,8 @@ def run_ours(a, root: str, log_dir: str) -> dict:
     watch = trainer.run.compile_watch
     return summarize("ours", a, steps, {"kv_fraction": a.kv_fraction, "timing_s_median": phases,
                                         "overrides": a.ours_set, "micro_batch": a.micro_batch,
-                                        "lora_rank": a.lora_rank, "forward_micro_batch_tokens": trainer.run.forward_tokens,
+                                        "lora_rank": a.lora_rank,
+                                        "forward_micro_batch_tokens": trainer.run.forward_tokens,
                                         "compile": watch.report if watch is not None else None})
 
 

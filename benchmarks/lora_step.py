@@ -14,7 +14,7 @@ targets) and a final `measure=lora_table` line.
     python benchmarks/lora_step.py --shape 7b --variants r16 --ours-set actor.compile=true --world /tmp/lora_world_7b
     python benchmarks/lora_step.py --shape 7b --variants r64 --ours-set actor.compile=true --world /tmp/lora_world_7b
     python benchmarks/lora_step.py --smoke        # CPU: the tiny shape, every variant, both sides (minutes)
-    python benchmarks/lora_step.py --floor --shape 7b   # no GPU: each phase's lower bound (FLOPs / rate, bytes / bandwidth)
+    python benchmarks/lora_step.py --floor --shape 7b   # no GPU: each phase's lower bound (FLOPs / rate, bytes / bw)
 
 Needs trl, datasets and peft for the TRL side. Each grpo_step.py side process is bounded by --side-timeout;
 at 7B one variant per command keeps a command within 10 minutes, and --world reuses the model written once.
@@ -77,13 +77,13 @@ def step_floor(shape: str, rank: int, matmul_tflops: float, hbm_tbs: float) -> d
     from qwen2_shapes import SHAPES
 
     c = SHAPES[shape]
-    H, L, I, V = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    H, L, inter, V = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     Hq, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
     D = H // Hq
     prompts, n, P, R = SEQUENCES[shape]
     B, S = prompts * n, P + R
-    linear = L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H + 3 * H * I)  # decoder linear weights
-    adapters = L * rank * ((H + Hq * D) + 2 * (H + Hkv * D) + (Hq * D + H) + 2 * (H + I) + (I + H))
+    linear = L * (H * Hq * D + 2 * H * Hkv * D + Hq * D * H + 3 * H * inter)  # decoder linear weights
+    adapters = L * rank * ((H + Hq * D) + 2 * (H + Hkv * D) + (Hq * D + H) + 2 * (H + inter) + (inter + H))
     tokens = B * S
     forward = 2 * linear * tokens + 2 * H * V * B * R + L * B * 2 * Hq * D * S * S  # FLOPs
     lora_fwd = 2 * adapters * tokens

@@ -129,7 +129,8 @@ def build(a, root: str, extra: list):
     trainer = RLTrainer.from_config(load_config(path, a.set + extra))
     speed = trainer.run.speed
     facts, plan = speed.memory if speed.memory is not None else (None, None)
-    emit(measure="plan", shape=a.shape, long=a.long, overrides=a.set + extra, build_s=round(time.perf_counter() - t0, 1),
+    emit(measure="plan", shape=a.shape, long=a.long, overrides=a.set + extra,
+         build_s=round(time.perf_counter() - t0, 1),
          plan=speed.memory_plan, choices=[c.line() for c in speed.all()],
          predicted_update_peak_gib=round(plan.peak_bytes / GIB, 2) if plan else None,
          budget_gib=round(plan.budget_bytes / GIB, 2) if plan else None, **memory_gib())
@@ -211,7 +212,8 @@ def run(a, root: str, extra: list) -> dict:
                       s["peak_allocated_gib"] or 0 for s in timed) or None,
                   predicted_over_measured=round(predicted / measured, 3) if predicted and measured else None,
                   within_10pct=abs(predicted / measured - 1) <= 0.10 if predicted and measured else None,
-                  plan=trainer.run.speed.memory_plan, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+                  plan=trainer.run.speed.memory_plan,
+                  device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
     emit(**record)
     return record
 

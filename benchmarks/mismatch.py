@@ -50,7 +50,8 @@ def measure(model, path: str, prompts: list, n: int, params: SamplingParams, dev
         result = generate(model, ids, params, **common)
     else:
         engine = RolloutEngine(model, EngineConfig(max_slots=len(ids), cuda_graphs=path == "engine_graphs",
-                                                   compile=False, max_seq_tokens=len(prompts[0]) + params.max_new_tokens))
+                                                   compile=False,
+                                                   max_seq_tokens=len(prompts[0]) + params.max_new_tokens))
         engine.wake()
         result = engine.generate(ids, params, **common)
         engine.sleep()

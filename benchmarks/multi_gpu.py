@@ -12,8 +12,9 @@ every raw line of every launch goes to OUT/raw.jsonl and each launch's stderr to
 
   world        the synthetic worlds (multi_gpu_ranks.py world)
   correctness  per scenario (grpo, ppo_rm: PPO + critic + FULL_SHARD reward model, grpo_lora, grpo_mistral,
-               grpo_gemma3, grpo_moe_replay: Qwen3-MoE with routing replay): one RL step on N ranks against 1 rank: the same responses, loss and grad norm
-               within TOLERANCE, and the weight update pointing the same way (cosine of the two updates)
+               grpo_gemma3, grpo_moe_replay: Qwen3-MoE with routing replay): one RL step on N ranks against 1
+               rank: the same responses, loss and grad norm within TOLERANCE, and the weight update pointing the
+               same way (cosine of the two updates)
   checkpoint   save on N ranks -> resume on 1 -> resume on N: each resume restores exactly the weights saved,
                and the end equals the uninterrupted N-rank run's within TOLERANCE
   scaling      grpo_step.py's GRPO step at --shape 1.5b (32 prompts x 8 per GPU, prompt 256, 1024 new tokens) on
@@ -109,7 +110,8 @@ class Driver:
                 env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
             env.pop("WORLD_SIZE", None)
         else:
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *program]
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                    *program]
         log_path = os.path.join(a.out, "logs", f"{part}-{label}.log")
         t0 = time.monotonic()
         with open(log_path, "w") as log:
@@ -224,7 +226,8 @@ def scaling_line(records: list, world: int, label: str) -> dict | None:
     tokens = s["tokens_per_s"]
     return dict(world=world, label=label, s_per_step=s["s_per_step_median"], s_per_step_all=s["s_per_step_all"],
                 tokens_per_s=tokens, tokens_per_s_per_gpu=tokens / world if tokens else None,
-                peak_allocated_gib_per_gpu=[summaries[r]["timed_peak"]["peak_allocated_gib"] for r in sorted(summaries)],
+                peak_allocated_gib_per_gpu=[summaries[r]["timed_peak"]["peak_allocated_gib"]
+                                            for r in sorted(summaries)],
                 peak_reserved_gib_per_gpu=[summaries[r]["timed_peak"]["peak_reserved_gib"] for r in sorted(summaries)],
                 timing_s=s["timing_s_median"], warmup_seconds=s["warmup_seconds"], speed=build.get("speed"),
                 overrides=build.get("overrides"))

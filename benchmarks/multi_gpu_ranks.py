@@ -42,7 +42,8 @@ from memory_timeline import world_overrides  # noqa: E402
 from phaserl.parallel.fsdp import full_state_dict  # noqa: E402
 from phaserl.parallel.launch import destroy, init_distributed  # noqa: E402
 
-PROMPT_LEN = {"qwen2": 16, "mistral": 8, "gemma3": 8, "qwen3-moe": 8}  # families.py's tiny shapes have prompts of 8 tokens
+# families.py's tiny shapes have prompts of 8 tokens
+PROMPT_LEN = {"qwen2": 16, "mistral": 8, "gemma3": 8, "qwen3-moe": 8}
 GRPO = ["algorithm.adv_estimator=grpo", "algorithm.kl_placement=loss", "algorithm.kl_coef=0.1",
         "ref.fsdp.sharding_strategy=NO_SHARD", "actor.gradient_checkpointing=true"]
 PPO = ["algorithm.adv_estimator=gae", "algorithm.kl_placement=reward", "actor.fsdp.sharding_strategy=SHARD_GRAD_OP",
@@ -71,8 +72,9 @@ def sync() -> None:
 # ----- world ------------------------------------------------------------------------------------
 def build_worlds(args) -> None:
     """Every directory the other subcommands read, made once in one process (no rank races)."""
-    import families
     from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    import families
 
     device = "cuda" if args.device == "cuda" else "cpu"
     t0 = time.perf_counter()
@@ -268,7 +270,8 @@ def switch(args, rank: int, world: int) -> None:
         shared = os.path.join(args.root, "runs", f"switch-w{world}-{variant}")
         a = _grpo_args(args, "switch", prompts=args.prompts * world, extra=tuple(SWITCH_VARIANTS[variant]))
         a.ours_set = [f"rollout.batch_size={args.prompts}", f"rollout.engine_max_slots={args.prompts * a.n}",
-                      f"trainer.log_dir={shared}", f"trainer.checkpoint_path={shared}/ckpt", "trainer.loggers=[]"] + a.ours_set
+                      f"trainer.log_dir={shared}", f"trainer.checkpoint_path={shared}/ckpt",
+                      "trainer.loggers=[]"] + a.ours_set
         mine = os.path.join(shared, f"rank{rank}")
         os.makedirs(mine, exist_ok=True)
         with open(os.path.join(mine, "ours.yaml"), "w") as f:
@@ -326,8 +329,9 @@ def switch(args, rank: int, world: int) -> None:
 # ----- entry ------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("jobs", nargs="+", metavar="JOB", help="world | steps | ckpt:LEG:CHAIN:TOTAL_STEPS | scale | switch, "
-                   "run in this order in one launch (world alone)")
+    p.add_argument("jobs", nargs="+", metavar="JOB",
+                   help="world | steps | ckpt:LEG:CHAIN:TOTAL_STEPS | scale | switch, "
+                        "run in this order in one launch (world alone)")
     p.add_argument("--root", required=True, help="the directory `world` fills and every other command reads")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")

@@ -43,10 +43,12 @@ def make_responses(count: int, seed: int = 0) -> tuple[list, list, list]:
         kind = i % 4
         truth = [f"\\frac{{{a}}}{{{b}}}", f"{a}x^2+{b}", str(a * b), f"\\sqrt{{{a}}}+{b}"][kind]
         right = rng.random() < 0.5
-        answer = truth if right else [f"\\frac{{{b}}}{{{a}}}", f"{b}x^2+{a}", str(a * b + 1), f"\\sqrt{{{b}}}+{a}"][kind]
+        wrong = [f"\\frac{{{b}}}{{{a}}}", f"{b}x^2+{a}", str(a * b + 1), f"\\sqrt{{{b}}}+{a}"][kind]
+        answer = truth if right else wrong
         if right and kind == 1:
             answer = f"{b}+{a}x^2"  # equal by algebra, not by text
-        steps = " ".join(f"Step {k}: we simplify the expression and carry the terms." for k in range(rng.randint(3, 12)))
+        steps = " ".join(f"Step {k}: we simplify the expression and carry the terms."
+                         for k in range(rng.randint(3, 12)))
         responses.append(f"{steps} Therefore the answer is \\boxed{{{answer}}}.")
         truths.append(truth)
         rows.append({"__source__": f"bench row {i}", "data_source": "math"})

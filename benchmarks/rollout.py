@@ -31,8 +31,8 @@ from phaserl.algo import token_logprobs_from_hidden  # noqa: E402
 from phaserl.models import CausalLM, DecoderConfig  # noqa: E402
 from phaserl.models.families import config_to_hf  # noqa: E402
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
 from phaserl.rollout import fused as rollout_fused  # noqa: E402
+from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
 from phaserl.rollout import runner as rollout_runner  # noqa: E402
 from phaserl.rollout.torch_path import decode_attention  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402

@@ -52,11 +52,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from qwen2_shapes import decoder_config  # noqa: E402
 from phaserl.memory.activations import dense_kind  # noqa: E402
 from phaserl.memory.budget import ModelShape, layer_bytes, train_bytes_per_token  # noqa: E402
-from phaserl.models import CausalLM  # noqa: E402
-from phaserl.models import attention, decoder  # noqa: E402
+from phaserl.models import (  # noqa: E402
+    CausalLM,  # noqa: E402
+    attention,
+    decoder,
+)
+from qwen2_shapes import decoder_config  # noqa: E402
 
 
 class FlashLike(torch.autograd.Function):
@@ -218,7 +221,8 @@ def main() -> None:
         predicted = train_bytes_per_token(shape, False, compiled=variant == "compiled")
         print(json.dumps({"bench": "saved_activations", "shape": a.shape, "device": device.type, "dtype": str(dtype),
                           "variant": variant, "tokens": a.tokens, "saved_bytes_per_token_layer": measured,
-                          "doctor_bytes_per_token_layer": predicted, "doctor_over_saved": round(predicted / measured, 3),
+                          "doctor_bytes_per_token_layer": predicted,
+                          "doctor_over_saved": round(predicted / measured, 3),
                           "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
 
 

@@ -61,8 +61,9 @@ def profile_one_step(trainer, emit, phases: str = "all") -> None:
     """One more step under torch.profiler: device time per kernel group, host waits, how busy the GPU was, and
     the top kernels per phase. `phases` other than "all" (e.g. "forward,update"): only those phases' calls are
     profiled (the actor's generate, the reference's log-probs, the trainer's update), one profiler each."""
-    import profiling
     from torch.profiler import ProfilerActivity, profile
+
+    import profiling
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     if phases == "all":
@@ -289,5 +290,6 @@ def settings_ab(trainer, names: list, rounds: int, steps: int, emit) -> None:
                      timing_s=metric_group(metrics, "timing_s", 3), **memory_gib())
         write(trainer, before)
         on_s, off_s = statistics.median(seconds[True]), statistics.median(seconds[False])
-        emit(measure="ab", setting=name, on_s=round(on_s, 4), off_s=round(off_s, 4), on_minus_off_s=round(on_s - off_s, 4),
+        emit(measure="ab", setting=name, on_s=round(on_s, 4), off_s=round(off_s, 4),
+             on_minus_off_s=round(on_s - off_s, 4),
              steps_per_side=len(seconds[True]))

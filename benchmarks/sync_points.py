@@ -84,11 +84,11 @@ def actor_step() -> None:
 
 
 def grpo_steps() -> None:
+    import yaml
+
     import grpo_step
     from phaserl.config import load_config
     from phaserl.trainer import RLTrainer
-
-    import yaml
 
     a = grpo_step.parse_args(["--tiny", "--only", "ours"])
     root = grpo_step.make_world(a)

@@ -29,12 +29,11 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from qwen2_shapes import decoder_config  # noqa: E402
-
 from phaserl.models import CausalLM  # noqa: E402
 from phaserl.models.lora import LoRASettings, apply_lora  # noqa: E402
 from phaserl.parallel.rank_split import RankSplit, build_groups  # noqa: E402
 from phaserl.parallel.weight_sync import WeightReceiver, WeightSender  # noqa: E402
+from qwen2_shapes import decoder_config  # noqa: E402
 
 
 def start(device_type: str) -> torch.device:

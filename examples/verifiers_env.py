@@ -30,7 +30,6 @@ from openai import AsyncOpenAI
 
 from phaserl.world import prepare_tiny_world
 
-
 TLS = ssl.create_default_context()  # made once: loading the CA bundle for every episode's client is slow
 
 class ArithData(vf.TaskData):
