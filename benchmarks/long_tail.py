@@ -147,8 +147,9 @@ def run_case(trainer, name: str, k: int, a) -> dict:
         after = trainer.actor.engine.last_stats
         sampled = trained if not k else (after.get("new_tokens", 0) if after is not before else 0)
         step = dict(measure="step", case=name, step=i, warmup=not timed, seconds=round(seconds, 3),
-                    trained_tokens=round(trained), sampled_tokens=round(sampled), timing_s={k2.split("/", 1)[1]: round(v, 3) for k2, v in
-                                                             metrics.items() if k2.startswith("timing_s/")},
+                    trained_tokens=round(trained), sampled_tokens=round(sampled),
+                    timing_s={k2.split("/", 1)[1]: round(v, 3) for k2, v in metrics.items()
+                              if k2.startswith("timing_s/")},
                     **{key: metrics[key] for key in metrics if key.startswith("async/")})
         steps.append(step)
         emit(**step)

@@ -55,7 +55,8 @@ def rollout_batch(prompts, result, device) -> RolloutBatch:
     input_ids, mask = input_ids.to(device), mask.to(device)
     n = len(prompts)
     return RolloutBatch(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                        response_mask=mask[:, P:].contiguous(), prompt_width=P, group_ids=torch.arange(n, device=device),
+                        response_mask=mask[:, P:].contiguous(), prompt_width=P,
+                        group_ids=torch.arange(n, device=device),
                         rollout_logprobs=right_padded(result.logprobs, input_ids.shape[1] - P,
                                                       torch.float32).to(device),
                         prompts=[None] * n, response_texts=[""] * n, rows=[None] * n,

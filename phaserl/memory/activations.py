@@ -28,12 +28,13 @@ constants below; `saved_activations.py --family` the same at the Gemma-3/4-1B an
 Derived, not measured here: bf16 on CUDA (the same ops; F.rms_norm's fused CUDA kernel saves the same input and
 statistic: benchmarks/saved_activations.py --family on the H200 is its check).
 Left out: per-layer constants (the gemma norms' 1 + w, Gemma 4's layer scalar), the embedding (its ids and sqrt(h)
-scale are saved once per forward, not per layer), Gemma 4 E2B/E4B's per-layer input step (a gate of P values,
-its activation and product, a projection back to h and its norm) and their KV-sharing layers (counted as if they
-computed and saved keys and values of their own; they save their source's), Gemma 4's global layers on CUDA (head_dim 512 > the flash
-kernel's 256: attention.attend_each_sequence runs SDPA per sequence, which also keeps k and v repeated to Hq
-heads and each sequence's output), the MoE and Qwen3.5 layers (budget.py counts those), and torch.compile'd
-layers (budget.layer_bytes keeps its own count for those: the partitioner recomputes the norms' copies).
+scale are saved once per forward, not per layer), Gemma 4 E2B/E4B's per-layer input step (a gate of P values, its
+activation and product, a projection back to h and its norm) and their KV-sharing layers (counted as if they
+computed and saved keys and values of their own; they save their source's), Gemma 4's global layers on CUDA
+(head_dim 512 > the flash kernel's 256: attention.attend_each_sequence runs SDPA per sequence, which also keeps k
+and v repeated to Hq heads and each sequence's output), the MoE and Qwen3.5 layers (budget.py counts those), and
+torch.compile'd layers (budget.layer_bytes keeps its own count for those: the partitioner recomputes the norms'
+copies).
 """
 from __future__ import annotations
 

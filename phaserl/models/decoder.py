@@ -30,14 +30,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from phaserl.models.attention import (PackedSeqs, attend, block_diagonal, build_attention_mask,  # noqa: F401
-                                      packed_boundaries, use_varlen, varlen_takes_windows)
+from phaserl.models import hybrid, invariant
+from phaserl.models.attention import (  # noqa: F401
+    PackedSeqs,
+    attend,
+    block_diagonal,
+    build_attention_mask,
+    packed_boundaries,
+    use_varlen,
+    varlen_takes_windows,
+)
 from phaserl.models.config import DecoderConfig
 from phaserl.models.heads import chunked_token_logprobs, softcap
-from phaserl.models import hybrid, invariant
 from phaserl.models.hybrid import HybridLayer
-from phaserl.models.layers import (LayerWeights, embed, layer_spec, per_layer_inputs, post_attention,
-                                   pre_attention, rope_tables)
+from phaserl.models.layers import (
+    LayerWeights,
+    embed,
+    layer_spec,
+    per_layer_inputs,
+    post_attention,
+    pre_attention,
+    rope_tables,
+)
 from phaserl.models.modules import MLP, RMSNorm  # noqa: F401  (their home; imported from here too)
 from phaserl.models.moe import MoEWeights, Route, Routing, SharedExpert, prepare_device
 from phaserl.models.mrope import MRotaryEmbedding
@@ -120,9 +134,9 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # [gate; up] of each expert
-        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))  # [gate; up] of each expert
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
 
 
 class SparseMoE(nn.Module):
@@ -139,7 +153,8 @@ class SparseMoE(nn.Module):
 
     def weights(self) -> MoEWeights:
         s = getattr(self, "shared_expert", None)
-        shared = None if s is None else SharedExpert(s.gate_proj, s.up_proj, s.down_proj, self.shared_expert_gate.weight)
+        shared = (None if s is None
+                  else SharedExpert(s.gate_proj, s.up_proj, s.down_proj, self.shared_expert_gate.weight))
         return MoEWeights(self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, shared)
 
 

@@ -344,7 +344,8 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "float32") -> dict[str, Any]:
 
 
 # Checkpoint tensors that hold several of ours, concatenated along dim 0 (Phi-3): suffix -> our suffixes.
-_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                        "self_attn.v_proj.weight"),
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
 

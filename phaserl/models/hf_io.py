@@ -24,8 +24,15 @@ from torch import nn
 from phaserl.errors import ConfigError
 from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM
-from phaserl.models.families import (FAMILIES, NATIVE_MODEL_TYPES, config_from_hf, config_to_hf, hf_state,
-                                     native_names, native_state)
+from phaserl.models.families import (
+    FAMILIES,
+    NATIVE_MODEL_TYPES,
+    config_from_hf,
+    config_to_hf,
+    hf_state,
+    native_names,
+    native_state,
+)
 from phaserl.models.hf_fallback import HFCausalLM, HFValueModel
 from phaserl.models.moe import file_expert, stack_experts
 from phaserl.models.qwen_vl import build_vl, is_vl_config, vl_config_to_hf

@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 
 from phaserl.models import invariant
+from phaserl.models.layers import post_attention, pre_attention, rms_norm
 from phaserl.rollout import torch_path
 from phaserl.rollout.runner import LayerFns
-from phaserl.models.layers import post_attention, pre_attention, rms_norm
 
 Tensor = torch.Tensor
 

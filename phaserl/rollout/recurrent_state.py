@@ -32,8 +32,14 @@ import torch.nn.functional as F
 
 from phaserl.models.hybrid import gated_output, gated_pre_attention
 from phaserl.models.layers import LayerWeights, embed, rms_norm
-from phaserl.models.linear_attention import (continue_sequences, decode_inputs, decode_output, decode_step_,
-                                             decode_weights, recurrent_step_)
+from phaserl.models.linear_attention import (
+    continue_sequences,
+    decode_inputs,
+    decode_output,
+    decode_step_,
+    decode_weights,
+    recurrent_step_,
+)
 from phaserl.models.lora import engine_weight
 from phaserl.rollout import kernels
 from phaserl.rollout.runner import ModelRunner, compile_layer_fn, prefill_mask

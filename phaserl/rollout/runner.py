@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from phaserl.compile_cache import specialize_floats
+from phaserl.models import invariant
 from phaserl.models.decoder import CausalLM
 from phaserl.models.heads import softcap
-from phaserl.models import invariant
 from phaserl.models.layers import LayerWeights, embed, linear, post_attention, pre_attention, rms_norm
 from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
@@ -414,7 +414,8 @@ class ModelRunner:
         pos = (starts[:, None] + torch.arange(M, device=self.device)).clamp(max=S - 1)  # [C, M]
         masks: dict = {}  # window -> extend_mask [C, M, ctx], for the layers on the torch path only
         # fused.fused_extend_layer where the decode step fuses the layer (its kernels index RoPE themselves)
-        fused = [f and EXTEND_KERNEL and extend_kernel.supports(spec.heads[2]) for f, spec in zip(self.fused, self.specs)]
+        fused = [f and EXTEND_KERNEL and extend_kernel.supports(spec.heads[2])
+                 for f, spec in zip(self.fused, self.specs)]
         flat = (pos if self.rope_shift is None else pos + self.rope_shift[slots][:, None]).view(-1)  # RoPE positions
         rope = None if all(fused) else [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h, per_layer = self._embed(ids.view(-1))  # [C * M, H], [C * M, L, P] or None
