@@ -4,6 +4,7 @@ One home for every resolver, shared by the trainer's builder (`trainer/build.py`
 (`phaserl doctor` builds what `train` would build) and `phaserl train-rm` (through `resolve_rm_config`):
 
     'tiny'    as a model or tokenizer path: the tiny world's warm-started model (phaserl.world)
+    'tiny_vision'  as a model path or data file: the vision world's tiny VLM and counting scenes (world/vision_build.py)
               as a data file: the tiny world's train / val prompt file
               as a reward-model path: the tiny world's reward model, trained on first use (phaserl.rm)
               as a train-rm preference file: tiny-world pairs written under the run's out_dir
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .rm import RMTrainConfig
 
 TINY = "tiny"
+TINY_VISION = "tiny_vision"  # the vision world (world/vision_build.py): its tiny VLM and its counting scenes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,11 +60,16 @@ def resolve_compile_cache_dir() -> str:
 
 
 def resolve_model_path(path: str) -> str:
-    """'tiny' names the built-in tiny world's warm-started model; any other path is returned as it is."""
+    """'tiny' names the built-in tiny world's warm-started model, 'tiny_vision' the vision world's tiny VLM; any
+    other path is returned as it is."""
     if path == TINY:
         from .world import prepare_tiny_world
 
         return prepare_tiny_world().model_dir
+    if path == TINY_VISION:
+        from .world.vision_build import prepare_vision_world
+
+        return prepare_vision_world().model_dir
     return path
 
 
@@ -75,7 +82,13 @@ def reference_is_lora_base(cfg: "Config") -> bool:
 
 
 def resolve_data_files(files: list[str], split: str) -> list[str]:
-    """data.train_files / data.val_files: 'tiny' is the tiny world's file of that split ('train' | 'val')."""
+    """data.train_files / data.val_files: 'tiny' is the tiny world's file of that split ('train' | 'val'),
+    'tiny_vision' the vision world's."""
+    if TINY_VISION in files:
+        from .world.vision_build import prepare_vision_world
+
+        world = prepare_vision_world()
+        files = [(world.train_file if split == "train" else world.val_file) if f == TINY_VISION else f for f in files]
     if TINY not in files:
         return list(files)
     from .world import prepare_tiny_world

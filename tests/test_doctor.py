@@ -32,7 +32,8 @@ torch.set_num_threads(1)
 
 CHECK_NAMES = ["config rules", "parallel settings", "batch sizes", "rollout mode", "shared paths", "device", "model",
                "write paths",
-               "tokenizer/model", "context length", "data", "chat template", "reward functions", "agent episode",
+               "tokenizer/model", "context length", "data", "chat template", "vision rows",
+               "reward functions", "agent episode",
                "reward model", "reference frozen", "memory", "rollout/training mismatch"]
 
 

@@ -215,3 +215,10 @@ def check_no_images(rows: Sequence, image_key: str = "images") -> None:
         raise DataError(f"{row.source}: the row has images (column '{image_key}') but the policy is a text model, "
                         "which would read the '<image>' placeholder as text. Use a vision-language model "
                         "(docs/vision.md) or drop the column.")
+
+
+def processor_for(vision_config, *, min_pixels: int, max_pixels: int):
+    """The image processor that matches a vision tower's config (models/vision.VisionConfig: patch, merge, frames)."""
+    return image_processor(patch_size=vision_config.patch_size, merge_size=vision_config.spatial_merge_size,
+                           temporal_patch_size=vision_config.temporal_patch_size, min_pixels=min_pixels,
+                           max_pixels=max_pixels)

@@ -42,12 +42,13 @@ from .probes import (
 from .report import FAIL, OK, WARN, CheckResult, any_failed, format_failures, format_report
 from .rollout_mode import check_rollout_mode
 from .storage import check_write_paths
+from .vision import check_vision_rows
 
 # In order: config-only checks first, then what needs the device, the policy and the data.
 CHECKS = (check_config_rules, check_parallel_settings, check_batch_sizes, check_rollout_mode, check_shared_paths,
           check_device, check_model, check_write_paths, check_tokenizer_model, check_context, check_data,
-          check_chat_template, check_reward_functions, check_agent, check_reward_model, check_reference, check_memory,
-          check_mismatch)
+          check_chat_template, check_vision_rows, check_reward_functions, check_agent, check_reward_model,
+          check_reference, check_memory, check_mismatch)
 
 
 def run_doctor(cfg: Config, *, world_size: int = 1) -> list[CheckResult]:

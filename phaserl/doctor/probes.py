@@ -16,6 +16,7 @@ from .. import cuda_allocator
 from ..config.auto import choose, compile_rule, head_kernels_missing, keep_awake_rule, keep_logits_rule
 from ..config.validate import sequence_tokens, train_micro_batch_tokens
 from ..data import build_prompt_dataset, format_prompt, load_prompt_rows
+from ..data.images import build_vision_dataset, processor_for
 from ..errors import PreflightError, RewardError
 from ..memory.budget import (
     ModelShape,
@@ -63,8 +64,14 @@ def check_data(ctx: Context) -> CheckResult:
         if d.apply_chat_template and not tok.chat_template:
             parts.append(f"{split}: {len(rows)} rows")
             continue
-        ds = build_prompt_dataset(rows, tok, max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,
-                                  apply_chat_template=d.apply_chat_template)
+        if getattr(ctx.policy, "takes_images", False):  # a vision-language policy: its rows' image tokens count
+            processor = processor_for(ctx.policy.vision_config, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+            ds = build_vision_dataset(rows, tok, processor, merge_size=ctx.policy.vision_config.spatial_merge_size,
+                                      max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,
+                                      apply_chat_template=d.apply_chat_template, image_key=d.image_key)
+        else:
+            ds = build_prompt_dataset(rows, tok, max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,
+                                      apply_chat_template=d.apply_chat_template)
         longest = max(len(item.prompt_ids) for item in ds.items)
         cut += ds.dropped + ds.truncated
         parts.append(f"{split}: {len(rows)} rows, longest prompt {longest} tokens, {ds.dropped} dropped, "

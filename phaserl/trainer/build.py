@@ -36,7 +36,7 @@ from ..config.load import with_overrides
 from ..config.validate import GROUP_ESTIMATORS, critic_enabled, policy_loss_range, ref_enabled, rollout_correction_mode
 from ..cuda_allocator import configure_cuda_allocator
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
-from ..data.images import build_vision_dataset, check_no_images, image_processor
+from ..data.images import build_vision_dataset, check_no_images, processor_for
 from ..errors import ConfigError
 from ..metrics import MetricsLogger
 from ..models import CausalLM, invariant, load_pretrained, load_tokenizer
@@ -373,11 +373,8 @@ def _prompt_dataset(cfg: Config, files: list[str], split: str, tokenizer, model=
         if cfg.rollout.max_staleness:
             raise ConfigError("rollout.max_staleness >= 1 (the asynchronous stream) does not take prompts with images "
                               "yet; set rollout.max_staleness=0 for a vision-language model")
-        v = model.vision_config
-        processor = image_processor(patch_size=v.patch_size, merge_size=v.spatial_merge_size,
-                                    temporal_patch_size=v.temporal_patch_size, min_pixels=d.min_pixels,
-                                    max_pixels=d.max_pixels)
-        return build_vision_dataset(rows, tokenizer, processor, merge_size=v.spatial_merge_size,
+        processor = processor_for(model.vision_config, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+        return build_vision_dataset(rows, tokenizer, processor, merge_size=model.vision_config.spatial_merge_size,
                                     max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,
                                     apply_chat_template=d.apply_chat_template, image_key=d.image_key)
     check_no_images(rows, d.image_key)

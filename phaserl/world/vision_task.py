@@ -5,10 +5,11 @@ VLM: 2 x 2 patches of 4 pixels, merged), with 1 to MAX_SQUARES red squares in di
 distractor squares in others, on a noisy dark background. The question is `<image>how many red squares?`, the
 answer the count in decimal. Scenes are made locally from a seed (numpy), so every split is reproducible; the sft,
 train and val splits draw from disjoint seed ranges.
-The warm-start answers come from a teacher that never looks at the right column of cells (it counts the red
-squares of the left two columns): a model that imitates it is right only when no red square sits in the right
-column (about a third of the scenes), and samples the right count now and then otherwise. RL with the exact-match
-reward (`tiny_exact`: the first integer of the response) then teaches it to count the whole picture.
+The warm-start answers come from a sloppy teacher that, on most scenes (SLOPPY_RATE), skips the right column of
+cells (it counts the red squares of the left two columns): a model that imitates it answers greedily right only
+when no red square sits in the right column (about a third of the scenes), and samples the right count about one
+time in five otherwise. RL with the exact-match reward (`tiny_exact`: the first integer of the response) then
+teaches it to count the whole picture.
 The tokenizer is the tiny world's characters plus the Qwen2-VL family's vision tokens.
 Not here: the model and its warm start (vision_build.py), the reward rule (rewards/rules.py).
 """
@@ -25,6 +26,7 @@ DATA_SOURCE = "tiny_count"
 REWARD_RULE = "tiny_exact"
 SIDE, CELL, GRID = 24, 8, 3            # pixels per side, per cell side; cells per side
 MAX_SQUARES, MAX_DISTRACTORS = 4, 2
+SLOPPY_RATE = 0.8  # chance that the teacher skips the right column of a scene
 QUESTION = "<image>how many red squares?"
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 _SEED_BASE = {"sft": 0, "train": 1_000_000, "val": 2_000_000}  # disjoint seed ranges per split
@@ -35,6 +37,7 @@ class Scene:
     pixels: np.ndarray   # [SIDE, SIDE, 3] uint8
     red_cells: tuple     # (row, column) of each red square
     blue_cells: tuple
+    sloppy: bool         # the teacher skips the right column of this scene
 
     @property
     def count(self) -> int:
@@ -42,8 +45,8 @@ class Scene:
 
     @property
     def teacher_count(self) -> int:
-        """What the teacher answers: it never looks at the right column."""
-        return sum(1 for _, col in self.red_cells if col < GRID - 1)
+        """What the teacher answers: the whole count, or (sloppy) the count of the left two columns."""
+        return sum(1 for _, col in self.red_cells if col < GRID - 1 or not self.sloppy)
 
 
 def make_scene(seed: int) -> Scene:
@@ -56,9 +59,8 @@ def make_scene(seed: int) -> Scene:
     blue = tuple(sorted(cells[i] for i in order[k:k + d]))
     pixels = rng.integers(0, 40, size=(SIDE, SIDE, 3)).astype(np.uint8)  # noisy dark background
     for (r, c), colour in [(cell, (220, 30, 30)) for cell in red] + [(cell, (30, 60, 220)) for cell in blue]:
-        y, x = r * CELL + 1, c * CELL + 1
-        pixels[y:y + CELL - 2, x:x + CELL - 2] = colour
-    return Scene(pixels, red, blue)
+        pixels[r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = colour  # a whole cell: its 4 patches
+    return Scene(pixels, red, blue, sloppy=bool(rng.random() < SLOPPY_RATE))
 
 
 def png_bytes(pixels: np.ndarray) -> bytes:
