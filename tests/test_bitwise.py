@@ -180,6 +180,35 @@ def test_without_the_mode_the_same_comparison_is_only_close():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_triton_kernels_are_batch_invariant_and_close_to_torch(dtype):
+    """On a GPU the matmul and the attention are invariant_triton's fixed-tile kernels: a row's bits do not depend
+    on the row count, a decode query equals its training row, and both are torch's numbers within rounding."""
+    from phaserl.models import invariant_triton
+
+    if not invariant_triton.available(torch.device("cuda")):
+        pytest.skip("needs Triton")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w = torch.randn(300, 896, generator=g, device="cuda").to(dtype), torch.randn(
+        4864, 896, generator=g, device="cuda").to(dtype)
+    whole = invariant.matmul(x, w)
+    for idx in ([0], [3], [1, 2], [4, 0, 2], list(range(64)), list(range(65))):
+        assert torch.equal(invariant.matmul(x[idx], w), whole[idx]), idx
+    torch.testing.assert_close(whole, (x.float() @ w.float().T), atol=0.05 if dtype != torch.float32 else 1e-3,
+                               rtol=1e-2)
+    L, Hq, Hkv, D = 300, 14, 2, 64
+    q = torch.randn(1, L, Hq, D, generator=g, device="cuda").to(dtype)
+    k, v = (torch.randn(1, L, Hkv, D, generator=g, device="cuda").to(dtype) for _ in range(2))
+    pos = torch.arange(L, device="cuda")[None]
+    alone = invariant.attention(q, pos, k, v, 0.125, None)
+    for t in (0, 31, 32, 200, L - 1):
+        step = invariant.attention(q[:, t:t + 1], torch.tensor([[t]], device="cuda"), k, v, 0.125, None)
+        assert torch.equal(step[0, 0], alone[0, t]), t
+    torch.testing.assert_close(alone.float(), invariant._attention_default(q, pos, k, v, 0.125, None).float(),
+                               atol=0.02, rtol=0.02)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3-local-global"])
 def test_gpu_trainer_logprobs_equal_the_engines_bit_for_bit(family, dtype):

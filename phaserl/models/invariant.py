@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phaserl.models import invariant_triton
+
 Tensor = torch.Tensor
 KEY_BLOCK = 32                # attention: key positions per block (the engine's 64-token slots hold whole blocks)
 CHUNK_ELEMENTS = 1 << 22      # products held at once by matmul / attention (16 MiB of float32) on the CPU
@@ -97,6 +99,8 @@ def _chunk(device: torch.device) -> int:
 def matmul(x: Tensor, w: Tensor) -> Tensor:
     """x [N, K] @ w[N', K].T -> [N, N'] accumulated in float32 (float64 for float64), every output element the tree
     sum of its K products, whatever N. Chunked over rows and columns (each output element is computed alone)."""
+    if invariant_triton.available(x.device) and x.dtype != torch.float64:  # the GPU's fixed-tile kernel
+        return invariant_triton.matmul(x, w.to(x.dtype))
     acc = _acc_dtype(x.dtype)
     x, w = x.to(acc), w.to(acc)
     N, K = x.shape
@@ -252,7 +256,10 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperatu
 # ----- attention -----------------------------------------------------------------------------------
 def _attention_exact(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int]) -> Tensor:
     """q [n, T, Hq, D] at positions qpos [n, T]; k/v [n, L, Hkv, D] at positions 0..L-1 -> [n, T, Hq, D]: a query
-    sees keys at positions <= its own (and > its own - window); blocked sums as the module docstring says."""
+    sees keys at positions <= its own (and > its own - window); blocked sums as the module docstring says (on a
+    GPU: invariant_triton's kernel, its own fixed order)."""
+    if invariant_triton.available(q.device) and q.dtype != torch.float64:
+        return invariant_triton.attention(q, qpos, k, v, scale, window)
     n, T, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
