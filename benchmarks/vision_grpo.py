@@ -1,0 +1,292 @@
+"""A vision-language GRPO step and rollout throughput: phaserl against transformers' generate (and TRL's GRPOTrainer
+when trl is importable), on a Qwen2.5-VL-3B-shaped model with random weights, one image per prompt.
+
+Shape: Qwen2.5-VL-3B's architecture (language model 2048 wide, 36 layers, 16 query / 2 key-value heads, MLP 11008,
+vocabulary 151,936, tied embeddings, M-RoPE sections (16, 24, 24); vision tower 32 blocks of 1280, windows of 112
+pixels with full attention at blocks 7/15/23/31, patch 14, 2 x 2 merge), bf16, random weights. Each prompt is
+--prompt-len text tokens around one --image-side x --image-side noise picture (448: 32 x 32 patches, 256 image
+tokens); --prompts prompts x --n samples, --new-tokens new tokens, temperature 1.
+Everything is made locally (no hub): a word-level tokenizer with the vision tokens, the random model directory,
+parquet rows in verl's multimodal schema (PNG bytes), and a cheap rule reward. One JSON line per measurement:
+  measure=rollout   side=ours|transformers: new tokens/s of one batch of --prompts x --n sampled responses (ours: the
+                    builtin engine with images; transformers: Qwen2_5_VLForConditionalGeneration.generate, the same
+                    prompts, pixels and sampling), seconds, peak memory
+  measure=step      side=ours: one whole GRPO step (rollout + old-policy and reference log-probs + update, KL in the
+                    loss) through RLTrainer.from_config, as `phaserl train` builds it; warm-up steps flagged
+  measure=summary   per side: median seconds of the timed steps; ours/transformers rollout speed-up
+  side=trl          TRL's GRPOTrainer on the same directory and rows when trl imports, else a line saying it is
+                    not installed (the lent GPU machine has no trl)
+
+    python benchmarks/vision_grpo.py                       # the 3B shape on one GPU
+    python benchmarks/vision_grpo.py --tiny                # a CPU smoke run (seconds)
+    python benchmarks/vision_grpo.py --skip-transformers   # ours only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_probes import engine_stats, memory_gib, reset_peak, sync, timed_step  # noqa: E402
+
+BENCH = "vision_grpo"
+PAD, EOS = "<pad>", "<eos>"
+VISION = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]  # ids 2, 3, 4
+SHAPES = {
+    "3b": dict(text=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                         intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                         max_position_embeddings=32768, mrope_section=(16, 24, 24)),
+               vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=14, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))),
+    "tiny": dict(text=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, rope_theta=1e4,
+                           max_position_embeddings=2048, mrope_section=(2, 3, 3)),
+                 vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                             patch_size=14, window_size=56, fullatt_block_indexes=(1,))),
+}
+
+
+def emit(**record) -> None:
+    print(json.dumps({"bench": BENCH, **record}), flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU-sized model and batch (smoke run)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (32; --tiny 2)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (8; --tiny 2)")
+    p.add_argument("--prompt-len", type=int, default=64, help="text tokens per prompt beside the image")
+    p.add_argument("--image-side", type=int, default=None, help="pixels per image side (448; --tiny 56)")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per response (256; --tiny 4)")
+    p.add_argument("--steps", type=int, default=3, help="timed GRPO steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384, help="ours: ppo.micro_batch_tokens")
+    p.add_argument("--kv-fraction", type=float, default=0.25, help="ours: rollout.engine_memory_fraction")
+    p.add_argument("--skip-transformers", action="store_true", help="no transformers generate baseline")
+    p.add_argument("--skip-ours-step", action="store_true", help="rollout measurements only")
+    p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE", help="phaserl config override")
+    a = p.parse_args(argv)
+    a.shape = "tiny" if a.tiny else "3b"
+    a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    a.prompts = a.prompts or (2 if a.tiny else 32)
+    a.n = a.n or (2 if a.tiny else 8)
+    a.image_side = a.image_side or (56 if a.tiny else 448)
+    a.new_tokens = a.new_tokens or (4 if a.tiny else 256)
+    return a
+
+
+# ----- the synthetic world ------------------------------------------------------------------------------------------
+def build_tokenizer(vocab_size: int):
+    """Word-level: ids 0/1 pad/eos, 2-4 the vision tokens, id i >= 5 the word `t{i}`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1, **{t: 2 + i for i, t in enumerate(VISION)}, **{f"t{i}": i for i in range(5, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    backend.add_special_tokens([PAD, EOS, *VISION])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=PAD)
+
+
+def write_world(a, root: str) -> dict:
+    """The random model directory, its tokenizer and the prompt rows; returns their paths."""
+    from phaserl.data import write_records
+    from phaserl.models import save_pretrained
+    from phaserl.models.config import DecoderConfig
+    from phaserl.models.qwen_vl import ImageTokenIds, VisionLM
+    from phaserl.models.vision import VisionConfig
+    from phaserl.world.vision_task import png_bytes
+
+    shape = SHAPES[a.shape]
+    tokenizer = build_tokenizer(shape["text"]["vocab_size"])
+    cfg = DecoderConfig(model_type="qwen2", attention_bias=True, rms_norm_eps=1e-6, eos_token_id=1, pad_token_id=0,
+                        **shape["text"])
+    torch.manual_seed(0)
+    with torch.device(a.device):
+        model = VisionLM(cfg, VisionConfig(**shape["vision"]), ImageTokenIds(3, 3, 2, 4))
+    paths = {"model": os.path.join(root, "model"), "tokenizer": os.path.join(root, "tokenizer"),
+             "data": os.path.join(root, "train.parquet")}
+    save_pretrained(model, paths["model"], dtype=torch.bfloat16 if a.device == "cuda" else torch.float32)
+    tokenizer.save_pretrained(paths["tokenizer"])
+    del model
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(a.prompts):
+        words = " ".join(f"t{w}" for w in rng.integers(5, shape["text"]["vocab_size"], a.prompt_len))
+        image = rng.integers(0, 256, (a.image_side, a.image_side, 3), dtype=np.uint8)
+        rows.append({"prompt": f"<image> {words}", "images": [{"bytes": png_bytes(image)}],
+                     "data_source": "synthetic", "reward_model": {"style": "rule", "ground_truth": ""},
+                     "extra_info": {"index": i}})
+    write_records(paths["data"], rows)
+    return paths
+
+
+def sevens(prompt, response, ground_truth, **row) -> float:
+    """Rule reward: the share of the response's characters that are the digit 7 (as grpo_setup.sevens)."""
+    return response.count("7") / max(len(response), 1)
+
+
+# ----- phaserl --------------------------------------------------------------------------------------------------------
+def ours_config(a, paths: dict, log_dir: str) -> dict:
+    pixels = a.image_side * a.image_side
+    image_tokens = pixels // (SHAPES[a.shape]["vision"]["patch_size"] * 2) ** 2
+    return {
+        "model": {"path": paths["model"], "tokenizer_path": paths["tokenizer"],
+                  "dtype": "bfloat16" if a.device == "cuda" else "float32"},
+        "data": {"train_files": [paths["data"]], "val_files": [], "max_prompt_length": a.prompt_len + image_tokens + 8,
+                 "apply_chat_template": False, "shuffle": False, "min_pixels": pixels, "max_pixels": pixels},
+        "rollout": {"prompts_per_step": a.prompts, "n": a.n, "batch_size": a.prompts, "max_new_tokens": a.new_tokens,
+                    "temperature": 1.0, "engine_max_slots": a.prompts * a.n, "engine_memory_fraction": a.kv_fraction},
+        "reward": {"functions": [{"name": f"{os.path.abspath(__file__)}:sevens", "weight": 1.0}]},
+        "algorithm": {"adv_estimator": "grpo", "kl_placement": "loss", "kl_estimator": "k3", "kl_coef": 0.001},
+        "actor": {"optim": {"lr": 1e-6, "weight_decay": 0.0, "grad_clip": 1.0}},
+        "ppo": {"num_mini_batches": 1, "epochs": 1, "micro_batch_tokens": a.micro_batch_tokens},
+        "trainer": {"total_steps": a.warmup + a.steps, "seed": 0, "device": a.device, "log_dir": log_dir,
+                    "checkpoint_path": os.path.join(log_dir, "checkpoints"), "val_before_train": False,
+                    "loggers": ["jsonl"], "resume": "never"},
+    }
+
+
+def run_ours(a, paths: dict, log_dir: str) -> dict:
+    import yaml
+
+    from phaserl.config import load_config
+    from phaserl.rollout import SamplingParams
+    from phaserl.trainer import RLTrainer
+
+    os.makedirs(log_dir, exist_ok=True)
+    cfg_path = os.path.join(log_dir, "ours.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(ours_config(a, paths, log_dir), f, sort_keys=False)
+    t0 = time.perf_counter()
+    trainer = RLTrainer.from_config(load_config(cfg_path, a.ours_set))
+    emit(measure="build", side="ours", seconds=round(time.perf_counter() - t0, 2), config=cfg_path, **memory_gib())
+    items = trainer.run.train_prompts.dataset.items[:a.prompts]
+    prompts = [list(item.prompt_ids) for item in items for _ in range(a.n)]
+    images = [item.images for item in items for _ in range(a.n)]
+    params = SamplingParams(max_new_tokens=a.new_tokens, temperature=1.0)
+    actor = trainer.actor
+    for attempt in ("warmup", "timed"):
+        reset_peak()
+        with actor.rollout_mode():
+            sync()
+            t0 = time.perf_counter()
+            result = actor.generate(prompts, params, eos_token_ids=[1], pad_token_id=0, batch_size=len(prompts),
+                                    generator=torch.Generator(actor.device).manual_seed(0), images=images)
+            sync()
+            seconds = time.perf_counter() - t0
+        new = sum(map(len, result.response_ids))
+        emit(measure="rollout", side="ours", warmup=attempt == "warmup", seconds=round(seconds, 3), new_tokens=new,
+             tokens_per_s=round(new / seconds, 1), image_tokens_per_prompt=items[0].images.num_tokens,
+             engine=engine_stats(actor), **memory_gib())
+    out = {"rollout_tokens_per_s": round(new / seconds, 1)}
+    if a.skip_ours_step:
+        return out
+    steps = []
+    for i in range(a.warmup + a.steps):
+        reset_peak()
+        metrics, seconds = timed_step(trainer)
+        if i >= a.warmup:
+            steps.append(seconds)
+        emit(measure="step", side="ours", step=i, warmup=i < a.warmup, seconds=round(seconds, 3),
+             response_length_mean=metrics.get("train/response_length_mean"),
+             reward_mean=metrics.get("train/reward_mean"), kl=metrics.get("train/kl"),
+             timing_s={k.split("/", 1)[1]: round(v, 3) for k, v in metrics.items() if k.startswith("timing_s/")},
+             **memory_gib())
+    out["step_seconds_median"] = round(statistics.median(steps), 3) if steps else None
+    return out
+
+
+# ----- transformers generate --------------------------------------------------------------------------------------
+def run_transformers(a, paths: dict) -> dict:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from phaserl.data import load_prompt_rows
+    from phaserl.data.images import build_vision_dataset, image_processor
+    from phaserl.models import load_tokenizer
+
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(paths["model"], dtype=dtype).to(a.device).eval()
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    vision = model.config.vision_config
+    pixels = a.image_side * a.image_side
+    processor = image_processor(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                min_pixels=pixels, max_pixels=pixels)
+    items = build_vision_dataset(load_prompt_rows([paths["data"]])[:a.prompts], tokenizer, processor,
+                                 merge_size=vision.spatial_merge_size, max_prompt_length=10**6, overlong="error",
+                                 apply_chat_template=False).items
+    ids = torch.tensor([list(item.prompt_ids) for item in items for _ in range(a.n)], device=a.device)  # equal lengths
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  pixel_values=torch.cat([item.images.pixel_values for item in items for _ in range(a.n)]).to(
+                      a.device, dtype),
+                  image_grid_thw=torch.tensor([g for item in items for _ in range(a.n) for g in item.images.grids],
+                                              device=a.device),
+                  mm_token_type_ids=(ids == 3).int())
+    out = {}
+    for attempt in ("warmup", "timed"):
+        reset_peak()
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            try:
+                generated = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                           max_new_tokens=a.new_tokens, pad_token_id=0, eos_token_id=1)
+            except (TypeError, ValueError):  # a transformers without mm_token_type_ids: positions from the grids
+                inputs.pop("mm_token_type_ids")
+                generated = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                           max_new_tokens=a.new_tokens, pad_token_id=0, eos_token_id=1)
+        sync()
+        seconds = time.perf_counter() - t0
+        responses = generated[:, ids.shape[1]:].tolist()  # up to and with the first EOS: the sampled tokens
+        new = sum(r.index(1) + 1 if 1 in r else len(r) for r in responses)
+        emit(measure="rollout", side="transformers", warmup=attempt == "warmup", seconds=round(seconds, 3),
+             new_tokens=new, tokens_per_s=round(new / seconds, 1), **memory_gib())
+        out = {"rollout_tokens_per_s": round(new / seconds, 1)}
+    del model
+    return out
+
+
+def run_trl(a, paths: dict) -> None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        emit(measure="step", side="trl", skipped="trl is not installed on this machine: no TRL GRPOTrainer step")
+        return
+    emit(measure="step", side="trl", skipped="TRL's vision GRPOTrainer needs a Qwen2.5-VL AutoProcessor directory; "
+                                             "this synthetic world has a word-level tokenizer: not compared")
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as root:
+        t0 = time.perf_counter()
+        paths = write_world(a, root)
+        emit(measure="setup", shape=a.shape, device=a.device, prompts=a.prompts, n=a.n, prompt_len=a.prompt_len,
+             image_side=a.image_side, new_tokens=a.new_tokens, seconds=round(time.perf_counter() - t0, 1))
+        summary = {}
+        if not a.skip_transformers:
+            summary["transformers"] = run_transformers(a, paths)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        summary["ours"] = run_ours(a, paths, os.path.join(root, "ours"))
+        run_trl(a, paths)
+        if "transformers" in summary:
+            summary["rollout_speedup"] = round(summary["ours"]["rollout_tokens_per_s"]
+                                               / summary["transformers"]["rollout_tokens_per_s"], 2)
+        emit(measure="summary", **summary)
+
+
+if __name__ == "__main__":
+    main()
