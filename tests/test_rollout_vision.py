@@ -79,3 +79,30 @@ def test_placeholders_without_pixels_are_an_error(model):
     prompt = [5, START, *[IMAGE] * a.num_tokens, END]
     with pytest.raises(ValueError, match="no images were given"):
         RolloutEngine(model).generate([prompt], SamplingParams(max_new_tokens=2), eos_token_ids=[], pad_token_id=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpu_cuda_graph_decode_keeps_the_image_shift(model, compile):
+    # On CUDA the decode steps replay CUDA graphs (per bucket) that read each slot's M-RoPE shift; refill and
+    # compaction move it with the slot. float32: the sampled log-probs equal the training forward's.
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gpu = copy.deepcopy(model).cuda()
+    a, c = images((24, 32), (40, 16))
+    prompt_a = [5, START, *[IMAGE] * a.num_tokens, END, 6, 7]
+    prompt_c = [8, START, *[IMAGE] * c.num_tokens, END, 9]
+    prompts = [prompt_a, prompt_c, [10, 11, 12]] * 3
+    pictures = [a, c, None] * 3
+    engine = RolloutEngine(gpu, EngineConfig(max_slots=4, token_budget=4096, compile=compile))
+    result = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0), eos_token_ids=[3],
+                             pad_token_id=0, generator=torch.Generator("cuda").manual_seed(0), images=pictures)
+    assert engine.last_stats["graphs"] >= 1
+    for prompt, tokens, logprobs, image in zip(prompts, result.response_ids, result.logprobs, pictures):
+        with torch.no_grad():
+            hidden = gpu(torch.tensor([prompt + tokens], device="cuda"), images=None if image is None else [image])
+            expected, _ = head_logprobs(gpu, hidden[0, len(prompt) - 1:-1], torch.tensor(tokens, device="cuda"),
+                                        temperature=1.0, chunk_size=4, with_entropy=False)
+        torch.testing.assert_close(torch.tensor(logprobs), expected.cpu(), atol=2e-4, rtol=1e-4)
