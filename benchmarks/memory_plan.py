@@ -14,15 +14,18 @@ the median step time, the update's measured peak, predicted / measured and wheth
                                                          # and checkpoints layers; on 141 GB nothing
     python benchmarks/memory_plan.py --shape 1.5b --long --synthetic-rollout   # 8 x 8, 256 + 32768
     python benchmarks/memory_plan.py --shape 7b --long --synthetic-rollout     # 4 x 8, 256 + 16384
+    python benchmarks/memory_plan.py --shape 7b --long --synthetic-rollout --set actor.offload_activations=true
+                                  # the same with the checkpointed layers' inputs in host memory: its cost in step
+                                  # time and what it frees of the update's peak, against the line above
     python benchmarks/memory_plan.py --tiny              # a CPU smoke run (seconds)
 
 --long sets the long-response shapes (responses of exactly --new-tokens tokens: rollout.ignore_eos). Sampling 16k-32k
 tokens one decode step at a time takes minutes per step; --synthetic-rollout puts random responses of the full
 length in the place of the rollout phase, so that the phases the plan shapes (the reference's forward-only pass, the
 old log-probs when there are, and the update) run as in a real step in a few minutes. --ab-plan off runs the same
-step with the memory keys off (ref.stream_weights=false actor.checkpoint_layers=0 actor.optimizer_offload=false) in
-a second process, for each measure's cost: where the plan was needed that side is expected to run out of memory
-(its summary line then holds the error). Speed is never asserted: this prints.
+step with the memory keys off (ref.stream_weights=false actor.checkpoint_layers=0 actor.optimizer_offload=false
+actor.offload_activations=false) in a second process, for each measure's cost: where the plan was needed that side
+is expected to run out of memory (its summary line then holds the error). Speed is never asserted: this prints.
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ GIB = 2**30
 # shape -> (prompts, n, prompt tokens, new tokens); --long: the long-response shapes
 STEP_SHAPES = {"0.5b": (64, 8, 128, 256), "1.5b": (32, 8, 256, 1024), "7b": (16, 8, 256, 512), "tiny": (4, 4, 16, 8)}
 LONG_SHAPES = {"1.5b": (8, 8, 256, 32768), "7b": (4, 8, 256, 16384), "tiny": (2, 2, 16, 96)}
-OFF = ["ref.stream_weights=false", "actor.checkpoint_layers=0", "actor.optimizer_offload=false"]
+OFF = ["ref.stream_weights=false", "actor.checkpoint_layers=0", "actor.optimizer_offload=false",
+       "actor.offload_activations=false"]
 
 
 def emit(**record) -> None:

@@ -94,7 +94,8 @@ def test_settings_made_by_hand_are_kept_and_the_plan_works_around_them():
     plan = choose_plan(f, Asked(checkpoint_layers=0, stream_reference=True, micro_batch_tokens=768))
     assert plan.checkpoint_layers.value == 0 and plan.micro_batch_tokens.value == 768
     assert plan.overrides() == ["ref.stream_weights=true", "actor.checkpoint_layers=0",  # no layers: AdamW goes
-                                "actor.optimizer_offload=true", "ppo.micro_batch_tokens=768"]
+                                "actor.offload_activations=false", "actor.optimizer_offload=true",
+                                "ppo.micro_batch_tokens=768"]
 
 
 def test_nothing_is_planned_off_cuda_or_where_a_measure_cannot_run():
@@ -202,18 +203,23 @@ def test_the_run_applies_the_plan_set_by_hand_and_prints_it(tmp_path):
 
     cfg = load_config(None, make_run_dir(str(tmp_path)) + [
         "trainer.loggers=[]", "trainer.total_steps=1", "actor.checkpoint_layers=1", "actor.optimizer_offload=true",
-        "ref.stream_weights=true", "trainer.val_before_train=false", "actor.entropy_coef=0.01"])  # a gradient
+        "ref.stream_weights=true", "trainer.val_before_train=false", "actor.entropy_coef=0.01",  # a gradient
+        "actor.offload_activations=true"])
     trainer = RLTrainer.from_config(cfg)
     assert trainer.actor.model.model.checkpoint_layers == 1 and trainer.actor.optimizer.offloaded
+    offload = trainer.actor.model.model.activation_offload
+    assert offload is not None and offload.in_flight == budget.OFFLOAD_IN_FLIGHT
     assert trainer.ref_policy.streamed is not None
     summary = run_summary(trainer)
     for line in ("actor.checkpoint_layers=1 -> 1: set in the config", "actor.optimizer_offload=true -> on: set in the "
-                 "config", "ref.stream_weights=true -> on: set in the config", "memory     memory plan: reference "
-                 "streamed, 1 layer(s) checkpointed, optimizer state on the CPU; micro-batch 64 tokens"):
+                 "config", "ref.stream_weights=true -> on: set in the config", "actor.offload_activations=true -> on: "
+                 "set in the config", "memory     memory plan: reference streamed, 1 layer(s) checkpointed, their "
+                 "inputs in host memory, optimizer state on the CPU; micro-batch 64 tokens"):
         assert line in summary, line
     before = [p.detach().clone() for p in trainer.actor.model.parameters()]
     trainer.fit()
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.actor.model.parameters()))  # AdamW on the host
+    assert offload.offloaded == 1  # the checkpointed layer's input went through the hooks in the update
 
 
 def test_the_doctor_shows_the_plan_the_run_will_choose():

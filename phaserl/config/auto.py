@@ -54,6 +54,10 @@ AUTO_RULES = {
                                "for a transformers model, which checkpoints all or none); 0 on the CPU",
     "actor.optimizer_offload": "the memory plan, after checkpointing: on one CUDA GPU only when the step does not fit "
                                "even with every layer checkpointed; off otherwise, on the CPU and on several ranks",
+    "actor.offload_activations": "the memory plan, after checkpointing: on one CUDA GPU only when the step does not "
+                                 "fit even with the layers checkpointed, before the optimizer's CPU step (its copies "
+                                 "overlap the layers' compute; the CPU step is waited for); off otherwise, on the CPU "
+                                 "and for a transformers model",
     "ppo.keep_head_logits": "on where the Triton log-prob kernels run (CUDA, Triton, the actor compiled, phaserl's "
                             "decoder) and a micro-batch's kept logits (its response tokens x vocabulary, bf16) fit "
                             "beside the update's peak in the room ppo.micro_batch_tokens's rule gives activations; "
@@ -278,12 +282,13 @@ class SpeedChoices:
     stream_reference: Optional[Choice] = None      # ref.stream_weights     (the memory plan: memory/plan.py)
     checkpoint_layers: Optional[Choice] = None     # actor.checkpoint_layers
     optimizer_offload: Optional[Choice] = None     # actor.optimizer_offload
+    offload_activations: Optional[Choice] = None   # actor.offload_activations
     memory_plan: str = ""                          # the plan in one line, with its predicted peak ('' uncounted)
     memory: object = None                          # (memory.plan.PlanFacts, MemoryPlan): for the out-of-memory screen
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.packing, self.stream_reference, self.checkpoint_layers,
+                            self.packing, self.stream_reference, self.checkpoint_layers, self.offload_activations,
                             self.optimizer_offload, self.micro_batch_tokens, self.keep_head_logits, self.train_graphs)
                 if c is not None]
 

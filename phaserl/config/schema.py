@@ -273,6 +273,11 @@ class ActorConfig:
                                                    "(gradients go down, updated weights come back, bucket by bucket "
                                                    "overlapped; one process only). null = auto: the memory plan: on "
                                                    "only when the step does not fit the device otherwise")
+    offload_activations: Optional[bool] = spec(None, "keep the checkpointed layers' saved inputs in pinned host "
+                                                     "memory between forward and backward (copied on a side stream, "
+                                                     "at most 2 on the device at once; phaserl's decoder only). "
+                                                     "null = auto: the memory plan: on only when checkpointing the "
+                                                     "layers does not fit the step")
     compile: Optional[bool] = spec(None, "torch.compile the decoder layers and the log-prob kernels of the actor and "
                                          "the reference (phaserl's decoder only). null = auto: on for phaserl's "
                                          "decoder on one CUDA GPU with Triton and >= 100M parameters, off on the "

@@ -292,6 +292,10 @@ def _memory_errors(cfg: Config, world_size: int) -> list[str]:
         errs.append(f"actor.gradient_checkpointing = true and actor.checkpoint_layers = {a.checkpoint_layers} both say "
                     "how many layers recompute their activations: keep actor.checkpoint_layers (true means all of "
                     "them) and delete actor.gradient_checkpointing")
+    if a.offload_activations and a.checkpoint_layers == 0:
+        errs.append("actor.offload_activations = true and actor.checkpoint_layers = 0: offloading moves the "
+                    "checkpointed layers' inputs to host memory, and no layer is checkpointed; set "
+                    "actor.checkpoint_layers (or leave it at auto), or actor.offload_activations = false")
     if world_size > 1 and a.optimizer_offload:
         errs.append(f"actor.optimizer_offload = true on {world_size} ranks: the CPU step is for one process; with "
                     "several, actor.fsdp.sharding_strategy = FULL_SHARD spreads AdamW's moments over the ranks")

@@ -53,6 +53,7 @@ class PhaseSizes:
     routing_replay: bool = False  # actor.routing_replay: the engine also records each position's experts
     compiled: bool = False        # the actor's decoder layers run through torch.compile (actor.compile as chosen)
     checkpoint_layers: Optional[int] = None  # layers recomputed in backward as the memory plan chose (None: the switch)
+    offload_activations: bool = False        # their inputs in host memory (actor.offload_activations, as planned)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def suggest_sizes(policy: ModelShape, rm: ModelShape | None, sizes: PhaseSizes, 
                               _largest(usable - resident, per_seq, sizes.responses_per_rank),
                               sizes.responses_per_rank, per_seq))
     per_token = train_bytes_per_token(policy, sizes.gradient_checkpointing, sizes.compiled, sizes.sequence_tokens,
-                                      checkpoint_layers=sizes.checkpoint_layers)
+                                      checkpoint_layers=sizes.checkpoint_layers,
+                                      offload_activations=sizes.offload_activations)
     seqs = _largest_micro_batch(usable - resident - update_extra, policy, per_token, sizes)
     out.append(Suggestion("ppo.micro_batch_tokens", sizes.micro_batch_tokens, seqs * sizes.sequence_tokens,
                           sizes.mini_batch_per_rank * sizes.sequence_tokens, per_token, whole=sizes.sequence_tokens))

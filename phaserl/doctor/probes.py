@@ -321,6 +321,7 @@ def check_memory(ctx: Context) -> CheckResult:
     facts, plan, ctx = _memory_plan(ctx, shape, sizes, roles)  # what the run's builder will choose (memory/plan.py)
     resident -= saved_bytes(facts, plan.measures)
     sizes = dataclasses.replace(sizes, checkpoint_layers=plan.measures.layers,
+                                offload_activations=plan.measures.activations,
                                 micro_batch_tokens=plan.micro_batch_tokens.value)
     micro_line = plan.micro_batch_tokens.line() if cfg.ppo.micro_batch_tokens is None else ""
     keep, auto_line = _keep_awake(ctx, shape, sizes, resident=resident, grads=roles["actor"].grads)
@@ -331,7 +332,8 @@ def check_memory(ctx: Context) -> CheckResult:
     details = [f"{name:<12} params {fmt_bytes(m.params)}" + (f" + grads {fmt_bytes(m.grads)} + AdamW "
                                                              f"{fmt_bytes(m.optimizer)}" if m.grads else "")
                + " per rank" for name, m in roles.items()]
-    details += lora_lines + [plan.summary()] + [c.line() for c in plan.all()[:3] if c.asked is None]
+    details += lora_lines + [plan.summary()] + [c.line() for c in plan.all()
+                                                     if c.asked is None and c.key != "ppo.micro_batch_tokens"]
     details += [line for line in (micro_line, auto_line, logits_line) if line]
     if shared_ref:
         details.append(f"{'ref':<12} 0 B: the actor's base with adapters off (no copy)")
@@ -435,6 +437,7 @@ def _keep_awake(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident:
     peak = update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                              gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
                              checkpoint_layers=sizes.checkpoint_layers,
+                             offload_activations=sizes.offload_activations,
                              sequence_tokens=sizes.sequence_tokens)
     kept = keep_candidate(cfg, shape, sizes, ctx.free_bytes)
     choice = choose("rollout.engine_keep_awake", None, keep_awake_rule(
@@ -459,6 +462,7 @@ def _keep_logits(ctx: Context, shape: ModelShape, sizes: PhaseSizes, *, resident
     peak = kept + update_peak_bytes(shape, resident=resident, grads=grads, micro_batch_tokens=micro,
                                     gradient_checkpointing=sizes.gradient_checkpointing, compiled=sizes.compiled,
                                     checkpoint_layers=sizes.checkpoint_layers,
+                                    offload_activations=sizes.offload_activations,
                                     sequence_tokens=sizes.sequence_tokens)
     choice = choose("ppo.keep_head_logits", None, keep_logits_rule(
         **head, peak_bytes=peak, logits_bytes=logits, fixed_bytes=resident + grads + kept, budget_bytes=ctx.free_bytes))

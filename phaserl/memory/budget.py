@@ -35,8 +35,9 @@ idle", not allocator details. Formulas, per rank (b = bytes per parameter elemen
                   its own dtype (delta_layer_bytes, gated_attention_layer_bytes: the float32 chunked rule on the
                   CPU, flash-linear-attention's kernels on CUDA where they run), on the transformers path too
                   (activation checkpointing of the first k layers: those keep k × h × b, and the larger of the other
-                  layers and one recomputed layer is held at a time; selective: k < layers), plus float32 logits × 3
-                  for the log-prob projection of up to 1024 tokens at a time.
+                  layers and one recomputed layer is held at a time; selective: k < layers; with their inputs offloaded
+                  to host memory, actor.offload_activations, min(k, OFFLOAD_IN_FLIGHT) × h × b), plus float32
+                  logits × 3 for the log-prob projection of up to 1024 tokens at a time.
   kept engine     rollout.engine_keep_awake: its KV pool (engine_max_slots slots of the longest sequence rounded
                   up to 64 tokens, at most engine_memory_fraction of the free memory), the recurrent state and
                   route record of the slots that pool holds (outside the pool's budget) + the weights once more
@@ -66,6 +67,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HEADROOM = 0.85          # use at most this fraction of the free memory (allocator slack, CUDA context)
 LOGPROB_CHUNK = 1024     # tokens per vocabulary-projection chunk (roles/forward.py)
 GB = 2**30
+OFFLOAD_IN_FLIGHT = 2    # checkpointed layers' inputs on the device at once under actor.offload_activations
+                         # (roles/activation_offload.py: copies outstanding each way; the builder passes it there)
 
 
 @dataclass(frozen=True)
@@ -267,14 +270,16 @@ def scoring_bytes_per_token(rm: ModelShape, max_length: int, packed: bool) -> in
 
 
 def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compiled: bool = False,
-                          sequence_tokens: Optional[int] = None, *, checkpoint_layers: Optional[int] = None) -> int:
+                          sequence_tokens: Optional[int] = None, *, checkpoint_layers: Optional[int] = None,
+                          offload_activations: bool = False) -> int:
     """Activations saved for backward, per token of a micro-batch (of whole sequences of `sequence_tokens`; None:
     long ones, see delta_layer_bytes): the sum over layer_bytes' kinds; a layer recomputed in backward (activation
     checkpointing) keeps only its input (h × b). `checkpoint_layers`: how many layers are recomputed (selective
     checkpointing; None: all of them with gradient_checkpointing, none without). The decoder recomputes its first k
     layers, which the backward reaches last: by then the other layers' activations are freed, so the peak is the k
     inputs plus the larger of the L - k kept layers and one recomputed layer (the largest). Where layers differ,
-    the kept ones are counted as the largest (the count errs on the safe side). Qwen3.5's linear layers also keep,
+    the kept ones are counted as the largest (the count errs on the safe side). `offload_activations`: the k inputs
+    live in host memory, at most OFFLOAD_IN_FLIGHT of them on the device at once. Qwen3.5's linear layers also keep,
     once per forward, where each sequence's tokens sit (linear_attention.Segments: an int64 index and a bool
     mask)."""
     kinds = layer_bytes(shape, compiled, sequence_tokens)
@@ -285,7 +290,8 @@ def train_bytes_per_token(shape: ModelShape, gradient_checkpointing: bool, compi
         return math.ceil(sum(count * each for count, each in kinds.values()) + shared)
     per_layer = sorted((each for count, each in kinds.values() for _ in range(count)), reverse=True)  # [L]
     kept = sum(per_layer[:L - k])
-    return math.ceil(k * shape.hidden_size * shape.param_bytes + max(kept, per_layer[0]) + shared)
+    inputs = min(k, OFFLOAD_IN_FLIGHT) if offload_activations else k
+    return math.ceil(inputs * shape.hidden_size * shape.param_bytes + max(kept, per_layer[0]) + shared)
 
 
 def checkpointed_layers(num_layers: int, gradient_checkpointing: bool, checkpoint_layers: Optional[int]) -> int:
@@ -441,12 +447,12 @@ def kept_engine_bytes(shape: ModelShape, slots: int, slot_tokens: int, *, kv_lim
 
 def update_peak_bytes(shape: ModelShape, *, resident: int, grads: int, micro_batch_tokens: int,
                       gradient_checkpointing: bool, compiled: bool = False, sequence_tokens: Optional[int] = None,
-                      checkpoint_layers: Optional[int] = None) -> int:
+                      checkpoint_layers: Optional[int] = None, offload_activations: bool = False) -> int:
     """The update's peak on one rank: the resident roles, the actor's gradients, one micro-batch's saved
     activations (whole sequences of `sequence_tokens`, see train_bytes_per_token) and its log-prob chunk."""
     tokens = micro_batch_tokens
     per_token = train_bytes_per_token(shape, gradient_checkpointing, compiled, sequence_tokens,
-                                      checkpoint_layers=checkpoint_layers)
+                                      checkpoint_layers=checkpoint_layers, offload_activations=offload_activations)
     return resident + grads + tokens * per_token + logprob_chunk_bytes(shape, tokens)
 
 

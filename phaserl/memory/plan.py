@@ -11,12 +11,18 @@ value sets by hand (the plan then works around it):
   2. actor.checkpoint_layers activation checkpointing, selective: the fewest of the actor's layers whose activations
                              are recomputed in backward (each keeps only its input). Saves most of those layers'
                              activations; costs their forward once more in backward (k / layers of the forward).
-  3. actor.optimizer_offload AdamW's moments and step on the CPU (roles/optim.py): saves twice the trainable weights;
+  3. actor.offload_activations  taken only when checkpointing the layers is not enough: the checkpointed layers'
+                             inputs go to pinned host memory during forward and come back ahead of backward, at most
+                             budget.OFFLOAD_IN_FLIGHT on the device at once (roles/activation_offload.py). Saves
+                             (k - OFFLOAD_IN_FLIGHT) x h x b per token; costs each input's copy both ways, overlapped
+                             with the layers' compute, so it comes before the optimizer's CPU step, which the GPU
+                             waits for.
+  4. actor.optimizer_offload AdamW's moments and step on the CPU (roles/optim.py): saves twice the trainable weights;
                              costs the gradients' copy down, the CPU step and the weights' copy up, per optimizer step,
                              bucket by bucket overlapped.
-  4. ppo.micro_batch_tokens  smaller micro-batches (config/auto.micro_batch_rule on the plan's count), down to one
+  5. ppo.micro_batch_tokens  smaller micro-batches (config/auto.micro_batch_rule on the plan's count), down to one
                              sequence: costs the host's fixed work per micro-batch.
-  5. the KV budget           rollout.engine_memory_fraction of what rollout mode leaves free holds the KV cache; the
+  6. the KV budget           rollout.engine_memory_fraction of what rollout mode leaves free holds the KV cache; the
                              engine decodes as many sequences at once as it holds and the rest wait for a slot
                              (reported here as the sequences it holds; fewer than one is the only failure).
 "Fits" is the micro-batch rule's test: the update's peak with a micro-batch of PLAN_TARGET_TOKENS (or the whole
@@ -32,7 +38,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config.auto import Choice, choose, micro_batch_rule, update_room
-from .budget import GB, ModelShape, fmt_bytes, kv_cache_bytes_per_sequence, update_peak_bytes
+from .budget import (
+    GB,
+    OFFLOAD_IN_FLIGHT,
+    ModelShape,
+    fmt_bytes,
+    kv_cache_bytes_per_sequence,
+    update_peak_bytes,
+)
 
 PLAN_TARGET_TOKENS = 4096  # a micro-batch at least this long keeps the host's per-micro-batch work small beside its
                            # compute; below it the plan checkpoints layers rather than shrinking the micro-batch
@@ -69,15 +82,18 @@ class Asked:
     checkpoint_layers: Optional[int] = None    # actor.checkpoint_layers (actor.gradient_checkpointing: all)
     optimizer_offload: Optional[bool] = None   # actor.optimizer_offload
     micro_batch_tokens: Optional[int] = None   # ppo.micro_batch_tokens
+    offload_activations: Optional[bool] = None  # actor.offload_activations
 
 
 @dataclass(frozen=True)
 class Measures:
-    """What the plan takes: the reference streamed, k layers checkpointed, AdamW on the CPU."""
+    """What the plan takes: the reference streamed, k layers checkpointed, AdamW on the CPU, the checkpointed
+    layers' inputs in host memory."""
 
     stream: bool = False
     layers: int = 0
     offload: bool = False
+    activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,9 +109,11 @@ class MemoryPlan:
     budget_bytes: int
     kv_sequences: int          # sequences the rollout KV budget holds at once (-1: not counted, off CUDA)
     problem: str = ""          # '' when the plan fits; else what does not, even with every measure
+    offload_activations: Optional[Choice] = None  # None only where nothing is planned (an unknown shape)
 
     def all(self) -> list[Choice]:
-        return [self.stream_reference, self.checkpoint_layers, self.optimizer_offload, self.micro_batch_tokens]
+        return [c for c in (self.stream_reference, self.checkpoint_layers, self.offload_activations,
+                            self.optimizer_offload, self.micro_batch_tokens) if c is not None]
 
     @property
     def fits(self) -> bool:
@@ -109,6 +127,7 @@ class MemoryPlan:
         measures = [words for words, on in (("reference streamed", self.stream_reference.value),
                                             (f"{self.checkpoint_layers.value} layer(s) checkpointed",
                                              self.checkpoint_layers.value),
+                                            ("their inputs in host memory", self.measures.activations),
                                             ("optimizer state on the CPU", self.optimizer_offload.value)) if on]
         where = "everything on the device" if self.kv_sequences >= 0 else "nothing planned off CUDA"
         kv = "" if self.kv_sequences < 0 else f"; rollout holds {self.kv_sequences} sequence(s) at once"
@@ -121,7 +140,8 @@ def asked_from_config(cfg, num_layers: int) -> Asked:
     a = cfg.actor
     layers = num_layers if a.gradient_checkpointing else a.checkpoint_layers
     return Asked(stream_reference=cfg.ref.stream_weights, checkpoint_layers=layers,
-                 optimizer_offload=a.optimizer_offload, micro_batch_tokens=cfg.ppo.micro_batch_tokens)
+                 optimizer_offload=a.optimizer_offload, micro_batch_tokens=cfg.ppo.micro_batch_tokens,
+                 offload_activations=a.offload_activations)
 
 
 def fixed_bytes(f: PlanFacts, s: Measures) -> int:
@@ -145,7 +165,7 @@ def peak_bytes(f: PlanFacts, s: Measures, tokens: int) -> int:
     grads = f.actor_trainable
     return update_peak_bytes(f.shape, resident=fixed_bytes(f, s) - grads, grads=grads, micro_batch_tokens=tokens,
                              gradient_checkpointing=False, compiled=f.compiled, sequence_tokens=f.sequence_tokens,
-                             checkpoint_layers=s.layers)
+                             checkpoint_layers=s.layers, offload_activations=s.activations)
 
 
 def target_tokens(f: PlanFacts) -> int:
@@ -185,11 +205,12 @@ def choose_plan(f: PlanFacts, asked: Asked = Asked()) -> MemoryPlan:
     target micro-batch fits; then the micro-batch rule picks the largest micro-batch the chosen state leaves room
     for."""
     L = f.shape.num_layers
-    s = Measures(stream=bool(asked.stream_reference), layers=asked.checkpoint_layers or 0,
-               offload=bool(asked.optimizer_offload))
-    s = dataclasses.replace(s, layers=min(s.layers, L))
-    why = {"stream": "", "layers": "", "offload": ""}
     blocked = _blocked(f)
+    s = Measures(stream=bool(asked.stream_reference), layers=asked.checkpoint_layers or 0,
+                 offload=bool(asked.optimizer_offload),
+                 activations=bool(asked.offload_activations) and not blocked["activations"])
+    s = dataclasses.replace(s, layers=min(s.layers, L))
+    why = {"stream": "", "layers": "", "offload": "", "activations": ""}
     if f.device_type == "cuda" and not _fits(f, s):
         if asked.stream_reference is None and not blocked["stream"]:
             s = dataclasses.replace(s, stream=True)
@@ -197,11 +218,16 @@ def choose_plan(f: PlanFacts, asked: Asked = Asked()) -> MemoryPlan:
                              "its forward")
         if asked.checkpoint_layers is None and not _fits(f, s):
             s = dataclasses.replace(s, layers=_fewest_layers(f, s))
+        if asked.offload_activations is None and not blocked["activations"] and s.layers and not _fits(f, s):
+            s = dataclasses.replace(s, activations=True)
+            if asked.checkpoint_layers is None:  # the last layer kept costs what one recomputed layer holds anyway
+                s = dataclasses.replace(s, layers=_fewest_layers(f, dataclasses.replace(s, layers=0)))
         if asked.optimizer_offload is None and not blocked["offload"] and not _fits(f, s):
             s = dataclasses.replace(s, offload=True)
             why["offload"] = f"frees {2 * f.actor_trainable / GB:.1f} GiB of AdamW moments (the step runs on the CPU)"
-            if asked.checkpoint_layers is None:  # with the moments gone, fewer layers may do
-                s = dataclasses.replace(s, layers=_fewest_layers(f, dataclasses.replace(s, layers=0)))
+            s = _after_optimizer_offload(f, s, asked)
+        if s.activations and asked.offload_activations is None:
+            why["activations"] = _offload_words(f, s)
         if s.layers:
             why["layers"] = (f"{s.layers} of {L} layers recompute their activations in backward: " + (
                 f"the smallest number that leaves room for a {target_tokens(f)}-token micro-batch" if _fits(f, s)
@@ -220,7 +246,44 @@ def choose_plan(f: PlanFacts, asked: Asked = Asked()) -> MemoryPlan:
         optimizer_offload=choose("actor.optimizer_offload", asked.optimizer_offload,
                                  (s.offload, why["offload"] or _keep_words(f, blocked["offload"], "AdamW's moments"))),
         micro_batch_tokens=micro, measures=s, peak_bytes=peak, budget_bytes=f.budget_bytes, kv_sequences=kv,
-        problem=_problem(f, peak, kv))
+        problem=_problem(f, peak, kv),
+        offload_activations=_activations_choice(f, s, asked, why["activations"] or _keep_words(
+            f, blocked["activations"], "the checkpointed layers' inputs")))
+
+
+def _after_optimizer_offload(f: PlanFacts, s: Measures, asked: Asked) -> Measures:
+    """With AdamW's moments gone, fewer checkpointed layers may do, and perhaps without their inputs offloaded:
+    the cheapest state that fits (auto keys only)."""
+    if asked.checkpoint_layers is None:
+        s = dataclasses.replace(s, layers=_fewest_layers(f, dataclasses.replace(s, layers=0)))
+    if asked.offload_activations is None and s.activations:
+        plain = dataclasses.replace(s, activations=False)
+        if asked.checkpoint_layers is None:
+            plain = dataclasses.replace(plain, layers=_fewest_layers(f, dataclasses.replace(plain, layers=0)))
+        if _fits(f, plain):
+            return plain
+    return s
+
+
+def _offload_words(f: PlanFacts, s: Measures) -> str:
+    """Why the plan moved the checkpointed layers' inputs to host memory, with what it frees."""
+    tokens = target_tokens(f)
+    freed = peak_bytes(f, dataclasses.replace(s, activations=False), tokens) - peak_bytes(f, s, tokens)
+    return (f"checkpointing alone does not fit the step: the {s.layers} checkpointed layers' inputs go to host memory, "
+            f"{OFFLOAD_IN_FLIGHT} on the device at once (frees {freed / GB:.1f} GiB at a {tokens}-token micro-batch); "
+            "its copies overlap the layers' compute, so it comes before the optimizer's CPU step")
+
+
+def _activations_choice(f: PlanFacts, s: Measures, asked: Asked, why: str) -> Choice:
+    """actor.offload_activations as chosen; set by hand where it cannot run (or with no layer checkpointed), off
+    with the reason."""
+    blocked = _blocked(f)["activations"]
+    if asked.offload_activations and blocked:
+        return Choice("actor.offload_activations", True, False, f"ignored: {blocked}")
+    if asked.offload_activations and not s.layers:
+        return Choice("actor.offload_activations", True, True, "set in the config, but no layer is checkpointed: "
+                                                               "nothing to move")
+    return choose("actor.offload_activations", asked.offload_activations, (s.activations, why))
 
 
 def _blocked(f: PlanFacts) -> dict:
@@ -229,7 +292,8 @@ def _blocked(f: PlanFacts) -> dict:
     return {"stream": "no separate reference policy on the device" if not f.ref_bytes else
             ranks if f.world_size > 1 else "",
             "offload": "nothing trains on the device" if not f.actor_trainable else
-            f"{f.world_size} ranks: FULL_SHARD spreads AdamW over them" if f.world_size > 1 else ""}
+            f"{f.world_size} ranks: FULL_SHARD spreads AdamW over them" if f.world_size > 1 else "",
+            "activations": "" if f.selective else "the transformers path checkpoints through its own code"}
 
 
 def _keep_words(f: PlanFacts, blocked: str, what: str) -> str:

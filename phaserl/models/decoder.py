@@ -21,6 +21,7 @@ Hq query heads, Hkv key/value heads, V vocab.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -300,6 +301,7 @@ class DecoderModel(nn.Module):
             self.per_layer_projection_norm = RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps, cfg.norm_style)
         self.build_rotary()
         self.checkpoint_layers = 0  # the first k layers recompute their activations in backward (selective when < all)
+        self.activation_offload = None  # roles/activation_offload.py: the checkpointed layers' inputs in host memory
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -402,7 +404,9 @@ class DecoderModel(nn.Module):
             gemma4 = {} if ple is None and not self.config.kv_shared_layers else dict(  # E2B/E4B's extra inputs
                 per_layer_input=None if ple is None else ple[:, :, i], shared_kv=kv_of.get(layer.kv_source))
             if i < recompute:
-                h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False, **gemma4)
+                offload = self.activation_offload.layer(i) if self.activation_offload else contextlib.nullcontext()
+                with offload:
+                    h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False, **gemma4)
             else:
                 h = layer(h, cos, sin, a, kv_cache, route, **gemma4)
             if getattr(layer, "kv_store", False):  # Gemma 4: later layers attend with this layer's keys/values

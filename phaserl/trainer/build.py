@@ -453,8 +453,8 @@ def model_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
 
 def apply_memory_plan(speed: SpeedChoices, actor, ref) -> None:
     """The memory plan's measures (memory/plan.py, as trainer/speed.py chose them): the actor's first k layers
-    recompute their activations (all or none on the transformers path), its AdamW steps on the CPU, the reference's
-    layers stay in CPU memory between passes."""
+    recompute their activations (all or none on the transformers path) and, offloaded, keep their inputs in host
+    memory, its AdamW steps on the CPU, the reference's layers stay in CPU memory between passes."""
     layers = speed.checkpoint_layers.value
     decoder = getattr(actor.model, "model", None)
     if hasattr(decoder, "checkpoint_layers"):
@@ -463,5 +463,13 @@ def apply_memory_plan(speed: SpeedChoices, actor, ref) -> None:
         model_gradient_checkpointing(actor.model, layers > 0)
     if speed.optimizer_offload.value:
         actor.optimizer.offload_step()
+    offload = speed.offload_activations
+    if offload is not None and offload.value and layers and hasattr(decoder, "activation_offload"):
+        from ..memory.budget import OFFLOAD_IN_FLIGHT
+        from ..roles.activation_offload import ActivationOffload
+
+        decoder.activation_offload = ActivationOffload(actor.device, in_flight=OFFLOAD_IN_FLIGHT)
+    elif offload is not None and offload.asked:
+        log.warning(f"actor.offload_activations=true moves nothing: {offload.why}")
     if speed.stream_reference.value and ref is not None:
         ref.stream_weights(actor.device)

@@ -138,6 +138,7 @@ def choose_speed(cfg: "Config", roles: "Roles", d: "Derived", *, world_size: int
         engine_keep_awake=keep_awake,
         micro_batch_tokens=micro, keep_head_logits=keep_logits, stream_reference=plan.stream_reference,
         checkpoint_layers=plan.checkpoint_layers, optimizer_offload=plan.optimizer_offload,
+        offload_activations=plan.offload_activations,
         memory_plan=plan.summary() if count.shape is not None else "",
         memory=(count.facts(kept=kept), plan) if count.shape is not None else None)
 
@@ -161,8 +162,10 @@ def _unplanned(cfg: "Config", count: "UpdateCount") -> MemoryPlan:
                     (0, why))
     return MemoryPlan(choose("ref.stream_weights", cfg.ref.stream_weights, (False, why)), layers,
                       choose("actor.optimizer_offload", a.optimizer_offload, (False, why)), micro,
-                      measures=Measures(bool(cfg.ref.stream_weights), layers.value, bool(a.optimizer_offload)),
-                      peak_bytes=0, budget_bytes=count.budget_bytes, kv_sequences=-1)
+                      measures=Measures(bool(cfg.ref.stream_weights), layers.value, bool(a.optimizer_offload),
+                                        bool(a.offload_activations)),
+                      peak_bytes=0, budget_bytes=count.budget_bytes, kv_sequences=-1,
+                      offload_activations=choose("actor.offload_activations", a.offload_activations, (False, why)))
 
 
 def _keep_logits_rule(cfg: "Config", count: "UpdateCount", head: dict, *, micro_tokens: int, mini_batch_tokens: int,
