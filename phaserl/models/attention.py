@@ -131,8 +131,9 @@ def varlen_takes_windows() -> bool:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: Union[torch.Tensor, PackedSeqs],
            scale: Optional[float] = None) -> torch.Tensor:
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D]; `attn` is a boolean mask [B, 1, T, S] or PackedSeqs.
-    scale: of the scores (None: D ** -0.5). An invariant.Aligned layout (the bitwise mode) attends through it."""
-    if isinstance(attn, Aligned):
+    scale: of the scores (None: D ** -0.5). Any other layout attends through its own `attend`: invariant.Aligned
+    (the bitwise mode), parallel.ulysses.SplitAttention (sequence-parallel ranks)."""
+    if isinstance(attn, Aligned) or not (torch.is_tensor(attn) or isinstance(attn, PackedSeqs)):
         return attn.attend(q, k, v, scale)
     B, T, Hq, D = q.shape
     groups = Hq // k.shape[2]

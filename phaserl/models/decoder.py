@@ -302,6 +302,7 @@ class DecoderModel(nn.Module):
         self.build_rotary()
         self.checkpoint_layers = 0  # the first k layers recompute their activations in backward (selective when < all)
         self.activation_offload = None  # roles/activation_offload.py: the checkpointed layers' inputs in host memory
+        self.sequence_parallel = None  # parallel/ulysses.py: this rank's share of the tokens, attention over all
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -390,6 +391,10 @@ class DecoderModel(nn.Module):
             attn["linear"] = Segments.of(attention_mask, seq_ids)
         rope = self.rope(position_ids, h.dtype)
         ple = self.per_layer_inputs(input_ids, h)  # [B, T, L, P] or None
+        sp = self.sequence_parallel if kv_cache is None else None
+        if sp is not None:  # Ulysses: this rank's c tokens through the layers (global positions), attention over all
+            h, rope = sp.split(h), [(sp.split(cos), sp.split(sin)) for cos, sin in rope]  # [B, c, H], [B, c, D]
+            attn = {w: sp.around(a, attend) for w, a in attn.items()}
         kv_of: dict = {}  # Gemma 4: a source layer -> its (k, v) [B, S, Hkv, D], for the layers sharing them
         moe_layers = 0
         if self.config.num_experts:
@@ -413,7 +418,7 @@ class DecoderModel(nn.Module):
                 h, kv_of[i] = h
         if kv_cache is not None:
             kv_cache.advance(T)
-        return self.norm(h)
+        return self.norm(h) if sp is None else sp.place(self.norm(h), T)  # [B, T, H] (zeros off this rank's tokens)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -71,6 +71,23 @@ def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, tempera
                                 chunk_size=chunk_size)
 
 
+def sequence_parallel(model):
+    """The decoder's sequence-parallel group (parallel/ulysses.py, actor.sequence_parallel), or None."""
+    return getattr(getattr(model, "model", None), "sequence_parallel", None)
+
+
+def own_head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, own: Optional[torch.Tensor],
+                      **head) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """head_logprobs of hidden [N, H]; on sequence-parallel ranks (`own` [N]: this rank's tokens) the head runs on
+    this rank's tokens only and the group's results are summed, so every rank holds all N."""
+    if own is None:
+        return head_logprobs(model, hidden, targets, **head)
+    logp, ent = head_logprobs(model, hidden[own], targets[own], **head)  # [n], [n]
+    sp = sequence_parallel(model)
+    whole = [None if x is None else sp.combine(x.new_zeros(own.shape).masked_scatter(own, x)) for x in (logp, ent)]
+    return whole[0], whole[1]
+
+
 def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy: bool, chunk_size: int = 1024,
                    routing: Optional[Routing] = None, keep_logits: bool = False
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -78,8 +95,11 @@ def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy:
     h = response_hidden(model, mb, routing)             # [b, R, H]
     mask = mb.response_mask.bool()                       # [b, R]
     targets = mb.response_ids[mask]                      # [N]
-    logp, ent = head_logprobs(model, h[mask], targets, temperature=temperature, chunk_size=chunk_size,
-                              with_entropy=with_entropy, keep_logits=keep_logits)  # [N], [N]
+    sp = sequence_parallel(model)
+    own = None if sp is None else sp.owned(mb.input_ids.shape[1], h.device)[mb.prompt_width - 1:-1].expand_as(
+        mask)[mask]                                      # [N] this rank's tokens
+    logp, ent = own_head_logprobs(model, h[mask], targets, own, temperature=temperature, chunk_size=chunk_size,
+                                  with_entropy=with_entropy, keep_logits=keep_logits)  # [N], [N]
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=h.device)
     logprobs = logprobs.masked_scatter(mask, logp.float())  # [b, R]
     entropy = None
@@ -162,8 +182,11 @@ def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_ent
     if hidden is None:
         hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,  # [1, N, H]
                        boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))
-    logp, ent = head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, temperature=temperature,
-                              chunk_size=chunk_size, with_entropy=with_entropy, keep_logits=keep_logits)  # [M], [M]
+    sp = sequence_parallel(model)
+    own = None if sp is None else sp.owned(hidden.shape[1], hidden.device)[packed.predict_index]  # [M]
+    logp, ent = own_head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, own,
+                                  temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                                  keep_logits=keep_logits)  # [M], [M]
     entropy = packed.unpack(ent.float()) if with_entropy else None
     return packed.unpack(logp.float()), entropy
 
