@@ -1,6 +1,7 @@
-"""Qwen2.5-VL on the native decoder against transformers' own class, on a tiny random config: float32 logits equal
-with images of two sizes (window and full attention in the tower, M-RoPE in the decoder) and a text-only row, both
-ways through Hugging Face directories; a placeholder count that does not match the images is an error; the tower is
+"""Qwen2.5-VL and Qwen3-VL on the native decoder against transformers' own classes, on tiny random configs: float32
+logits equal with images of two sizes (Qwen2.5-VL: window and full attention in the tower, block M-RoPE; Qwen3-VL:
+the learned position table resized per image, deepstack features, interleaved M-RoPE) and a text-only row, both ways
+through Hugging Face directories; a placeholder count that does not match the images is an error; the tower is
 frozen unless asked and LoRA adapts only the language model."""
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ IMAGE, START, END = 290, 292, 293
 PATCH, MERGE = 4, 2
 
 
-def hf_config():
+def qwen2_5_vl_config():
     return transformers.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -34,15 +35,32 @@ def hf_config():
         image_token_id=IMAGE, video_token_id=291, vision_start_token_id=START, vision_end_token_id=END)
 
 
+def qwen3_vl_config():
+    return transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                          "rope_theta": 10000.0}, bos_token_id=1, eos_token_id=2),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH,
+                           spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+        image_token_id=IMAGE, video_token_id=291, vision_start_token_id=START, vision_end_token_id=END)
+
+
+FAMILIES = {"qwen2_5_vl": (qwen2_5_vl_config, transformers.Qwen2_5_VLForConditionalGeneration),
+            "qwen3_vl": (qwen3_vl_config, transformers.Qwen3VLForConditionalGeneration)}
+
+
 def picture(h: int, w: int, seed: int):
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    hf = randomize(transformers.Qwen2_5_VLForConditionalGeneration(hf_config()))
-    directory = tmp_path_factory.mktemp("qwen2_5_vl")
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, tmp_path_factory):
+    config, cls = FAMILIES[request.param]
+    hf = randomize(cls(config()))
+    directory = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(directory)
     return hf, load_pretrained(directory), directory
 
@@ -71,9 +89,11 @@ def hf_logits(hf, ids, mask, images):
 
 
 def test_loads_natively_with_a_frozen_tower(pair):
-    _, ours, _ = pair
+    hf, ours, _ = pair
     assert isinstance(ours, VisionLM) and ours.config.mrope_section == (2, 3, 3)
-    assert ours.vision_config.fullatt_block_indexes == (1,)
+    qwen3 = hf.config.model_type == "qwen3_vl"
+    assert ours.config.mrope_interleaved == qwen3 and ours.config.qk_norm == qwen3
+    assert ours.vision_config.deepstack_visual_indexes == ((0, 1) if qwen3 else ())
     assert not any(p.requires_grad for p in ours.visual.parameters())
     assert all(p.requires_grad for p in ours.model.parameters())
 
@@ -96,7 +116,7 @@ def test_the_images_and_their_positions_change_the_logits(pair):
         right = ours.logits(ours(ids, attention_mask=mask, images=images))
         other = [None if im is None else type(im)(im.pixel_values.flip(0), im.grids, im.tokens) for im in images]
         moved = ours.logits(ours(ids, attention_mask=mask, images=other))
-        embeds = ours.embed_with_images(ids, images)
+        embeds, _ = ours.embed_with_images(ids, images)
         plain = ours.logits(ours.model(ids, (mask.cumsum(-1) - 1).clamp(min=0), mask, embeds=embeds))
     real = mask.bool()
     assert (right[real] - moved[real]).abs().max() > 1e-3
@@ -106,7 +126,7 @@ def test_the_images_and_their_positions_change_the_logits(pair):
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
     _, ours, _ = pair
     save_pretrained(ours, tmp_path / "out")
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    hf = type(pair[0]).from_pretrained(tmp_path / "out").eval()
     again = load_pretrained(tmp_path / "out")
     ids, mask, images = batch()
     with torch.no_grad():

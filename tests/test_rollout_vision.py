@@ -1,6 +1,6 @@
-"""The rollout engine with image prompts (a tiny random Qwen2.5-VL): every sampled token's log-prob equals the
-training forward's log-softmax with the same pixels, prompts whose ids are equal but whose images differ are kept
-apart, and text prompts in the same call are plain decoding."""
+"""The rollout engine with image prompts (tiny random Qwen2.5-VL and Qwen3-VL, deepstack included): every sampled
+token's log-prob equals the training forward's log-softmax with the same pixels, prompts whose ids are equal but
+whose images differ are kept apart, and text prompts in the same call are plain decoding."""
 import numpy as np
 import pytest
 import torch
@@ -20,14 +20,18 @@ torch.set_num_threads(1)
 IMAGE, START, END = 290, 292, 293
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def model(request):
+    """A tiny random VLM of each family (Qwen3-VL: interleaved M-RoPE, qk-norm, deepstack after layers 0 and 1)."""
     torch.manual_seed(0)
-    cfg = DecoderConfig(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, attention_bias=True, rope_theta=10000.0,
-                        mrope_section=(2, 3, 3))
-    vision = VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                          patch_size=4, window_size=16, fullatt_block_indexes=(1,))
+    qwen3 = request.param == "qwen3_vl"
+    cfg = DecoderConfig(model_type="qwen3" if qwen3 else "qwen2", vocab_size=300, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, attention_bias=not qwen3,
+                        qk_norm=qwen3, rope_theta=10000.0, mrope_section=(2, 3, 3), mrope_interleaved=qwen3)
+    shape = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4)
+    vision = VisionConfig(**shape, family="qwen3_vl", hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+                          deepstack_visual_indexes=(0, 1)) if qwen3 else \
+        VisionConfig(**shape, window_size=16, fullatt_block_indexes=(1,))
     return randomize(VisionLM(cfg, vision, ImageTokenIds(IMAGE, 291, START, END)))
 
 

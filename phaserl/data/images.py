@@ -218,7 +218,11 @@ def check_no_images(rows: Sequence, image_key: str = "images") -> None:
 
 
 def processor_for(vision_config, *, min_pixels: int, max_pixels: int):
-    """The image processor that matches a vision tower's config (models/vision.VisionConfig: patch, merge, frames)."""
-    return image_processor(patch_size=vision_config.patch_size, merge_size=vision_config.spatial_merge_size,
-                           temporal_patch_size=vision_config.temporal_patch_size, min_pixels=min_pixels,
-                           max_pixels=max_pixels)
+    """The image processor that matches a vision tower's config (models/vision.VisionConfig: patch, merge, frames;
+    Qwen3-VL normalizes with mean = std = 0.5, Qwen2.5-VL with CLIP's)."""
+    processor = image_processor(patch_size=vision_config.patch_size, merge_size=vision_config.spatial_merge_size,
+                                temporal_patch_size=vision_config.temporal_patch_size, min_pixels=min_pixels,
+                                max_pixels=max_pixels)
+    if getattr(vision_config, "family", "") == "qwen3_vl":
+        processor.image_mean, processor.image_std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+    return processor

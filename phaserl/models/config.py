@@ -75,6 +75,7 @@ class DecoderConfig:
     attn_output_gate: bool = False           # Qwen3.5: q_proj also yields a gate, attention output * sigmoid(gate)
     linear_attention: Optional["LinearAttentionShape"] = None  # Gated DeltaNet layers' shape (layer_types says which)
     mrope_section: Optional[tuple] = None    # Qwen2.5-VL: rotary frequencies per position axis (t, h, w), mrope.py
+    mrope_interleaved: bool = False          # Qwen3-VL: the axes take turns over the frequencies instead of blocks
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list, None] = None
     pad_token_id: Optional[int] = None

@@ -342,7 +342,7 @@ class DecoderModel(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None, *, seq_ids: Optional[torch.Tensor] = None,
                 boundaries: Optional[PackedSeqs] = None, routing: Optional[Routing] = None,
-                embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+                embeds: Optional[torch.Tensor] = None, after_layer=None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden states [B, T, H].
 
         attention_mask [B, T]: 1 = real token, 0 = padding (either side). position_ids [B, T]: when None,
@@ -354,7 +354,8 @@ class DecoderModel(nn.Module):
         sync of working them out from seq_ids. routing (MoE models, moe.Routing): experts to replay
         ([B, T, L, k], -1 = route by the router) and, filled here, the experts and router logits every MoE layer used.
         embeds [B, T, H]: the input embeddings instead of input_ids' (vision-language models: image features in
-        place of the placeholders, qwen_vl.py); position_ids may then be M-RoPE's [3, B, T].
+        place of the placeholders, qwen_vl.py); position_ids may then be M-RoPE's [3, B, T]. after_layer(i, h) -> h:
+        runs on each layer's output (Qwen3-VL adds its deepstack features at the image tokens after the first layers).
         """
         if seq_ids is not None and (kv_cache is not None or position_ids is None):
             raise ValueError("DecoderModel.forward(seq_ids=...) packs sequences for a cache-free forward: "
@@ -416,6 +417,8 @@ class DecoderModel(nn.Module):
                 h = layer(h, cos, sin, a, kv_cache, route, **gemma4)
             if getattr(layer, "kv_store", False):  # Gemma 4: later layers attend with this layer's keys/values
                 h, kv_of[i] = h
+            if after_layer is not None:
+                h = after_layer(i, h)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h) if sp is None else sp.place(self.norm(h), T)  # [B, T, H] (zeros off this rank's tokens)

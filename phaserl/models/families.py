@@ -370,6 +370,28 @@ def _fused_suffix(name: str) -> Optional[str]:
     return next((s for s in _FUSED if name.endswith("." + s)), None)
 
 
+# Vision-language checkpoints in transformers 5's composite layout (Qwen3-VL; read for Qwen2.5-VL too): the language
+# model under model.language_model., the tower under model.visual.; ours are model. and visual. (qwen_vl.py).
+_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def vl_name(cfg: DecoderConfig, name: str) -> str:
+    """Our name of a vision-language checkpoint tensor (itself for every other family)."""
+    if cfg.mrope_section is not None:
+        for theirs, ours in _VL_PREFIXES:
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+    return name
+
+
+def vl_file_name(name: str) -> str:
+    """The composite-layout name of one of our tensors (Qwen3-VL's files)."""
+    for theirs, ours in _VL_PREFIXES:
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    return name
+
+
 def native_names(cfg: DecoderConfig, name: str) -> list[str]:
     """The names of our tensors that checkpoint tensor `name` holds (itself, unless the family fuses it)."""
     expert = file_expert(name) if cfg.num_experts else None
@@ -379,7 +401,7 @@ def native_names(cfg: DecoderConfig, name: str) -> list[str]:
         return []
     suffix = _fused_suffix(name) if cfg.model_type == "phi3" else None
     if suffix is None:
-        return [name]
+        return [vl_name(cfg, name)]
     return [name[: -len(suffix)] + part for part in _FUSED[suffix]]
 
 
@@ -387,7 +409,7 @@ def native_state(cfg: DecoderConfig, name: str, tensor) -> dict:
     """Checkpoint tensor -> {our name: tensor}, split along dim 0 where the family fuses."""
     names = native_names(cfg, name)
     if len(names) == 1:
-        return {name: tensor}
+        return {names[0]: tensor}
     sizes = _fused_sizes(cfg, _fused_suffix(name))
     if tensor.shape[0] != sum(sizes):
         raise ConfigError(f"tensor {name!r} has {tensor.shape[0]} rows, config.json implies {sum(sizes)}")
@@ -396,6 +418,8 @@ def native_state(cfg: DecoderConfig, name: str, tensor) -> dict:
 
 def hf_state(cfg: DecoderConfig, state: dict) -> dict:
     """Our state dict -> the checkpoint layout of the family (fused tensors for Phi-3, one per expert for MoE)."""
+    if cfg.mrope_interleaved:  # Qwen3-VL's files: transformers 5's composite names
+        return {vl_file_name(name): tensor for name, tensor in state.items()}
     if cfg.num_experts:
         return unstack_experts(state)
     if cfg.model_type != "phi3":

@@ -1,11 +1,12 @@
-"""Multimodal rotary positions (M-RoPE, Qwen2.5-VL): three position axes (time, row, column) per token.
+"""Multimodal rotary positions (M-RoPE, Qwen2.5-VL and Qwen3-VL): three position axes (time, row, column) per token.
 
 Text tokens sit at one position on all three axes, counting up as in plain RoPE; an image's placeholder tokens take
 (the image's start, start + row, start + column) of their merged patch, and the text after the image continues from
-the largest position so far + 1. The rotary frequencies of each head are split in three sections
-(`mrope_section`, summing to head_dim / 2): the first turns with the time position, the second with the row, the
-third with the column. With all three axes equal (text only) that is exactly plain RoPE, so decoding after the
-prompt is plain RoPE at the shifted position `slot position + delta` (delta = max position + 1 - prompt length).
+the largest position so far + 1. The rotary frequencies of each head are shared out over the three axes by
+`mrope_section` (counts summing to head_dim / 2): in blocks (Qwen2.5-VL: time, then row, then column) or interleaved
+(Qwen3-VL: time, row, column, time, ...; `mrope_interleaved`). With all three axes equal (text only) that is
+exactly plain RoPE, so decoding after the prompt is plain RoPE at the shifted position `slot position + delta`
+(delta = max position + 1 - prompt length).
   mrope_positions        one row's real tokens -> [3, L] positions and its delta
   batch_mrope_positions  a padded batch [B, S] (left-padded prompts, responses after) -> [3, B, S]
   MRotaryEmbedding       cos/sin tables from [3, B, T] positions ([B, T] ones: plain RoPE)
@@ -73,12 +74,26 @@ def batch_mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return out.to(input_ids.device)
 
 
+def axis_of_frequency(sections: tuple, interleaved: bool) -> torch.Tensor:
+    """The position axis (0 time, 1 row, 2 column) each of the D/2 rotary frequencies turns with.  [D/2]
+    Blocks (Qwen2.5-VL): the first sections[0] frequencies time, the next sections[1] row, the rest column.
+    Interleaved (Qwen3-VL): frequency j is row when j % 3 == 1 and j < 3 * sections[1], column when j % 3 == 2 and
+    j < 3 * sections[2], else time."""
+    if not interleaved:
+        axes = [axis for axis, n in enumerate(sections) for _ in range(n)]
+    else:
+        axes = [1 if j % 3 == 1 and j < 3 * sections[1] else 2 if j % 3 == 2 and j < 3 * sections[2] else 0
+                for j in range(sum(sections))]
+    # On the CPU even inside a meta-device context (a model built on meta to be loaded): it is derived, not loaded.
+    return torch.tensor(axes, dtype=torch.long, device="cpu")
+
+
 class MRotaryEmbedding(RotaryEmbedding):
-    """RotaryEmbedding whose frequencies are split in sections by position axis (cfg.mrope_section)."""
+    """RotaryEmbedding whose frequencies each turn with one position axis (cfg.mrope_section, cfg.mrope_interleaved)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.sections = tuple(cfg.mrope_section)
+        self.axis = axis_of_frequency(tuple(cfg.mrope_section), cfg.mrope_interleaved)  # [D/2], on the CPU
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +103,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         if self.inv_freq.device != position_ids.device:
             self.inv_freq = self.inv_freq.to(position_ids.device)
         angles = position_ids[..., None].float() * self.inv_freq.float()  # [3, B, T, D/2]
-        parts = angles.split(self.sections, dim=-1)
-        angles = torch.cat([part[axis % 3] for axis, part in enumerate(parts)], dim=-1)  # [B, T, D/2]
+        axis = self.axis.to(position_ids.device).expand(1, *angles.shape[1:])  # [1, B, T, D/2]
+        angles = angles.gather(0, axis)[0]  # [B, T, D/2]: each frequency at its axis's position
         angles = torch.cat((angles, angles), dim=-1)  # [B, T, D]
         return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)

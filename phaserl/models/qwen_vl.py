@@ -1,15 +1,19 @@
-"""Qwen2.5-VL on the native decoder: the vision tower's embeddings in place of the image placeholder tokens, M-RoPE
-positions, and the Hugging Face directory (config.json + safetensors) in and out.
+"""Qwen2.5-VL and Qwen3-VL on the native decoder: the vision tower's embeddings in place of the image placeholder
+tokens, M-RoPE positions, Qwen3-VL's deepstack features, and the Hugging Face directory (config.json + safetensors)
+in and out.
 
-`VisionLM` is a CausalLM (the Qwen2 decoder with `mrope_section` set, so the roles, LoRA, the rollout engine and
-checkpoints treat it as one) plus `visual`, the tower of vision.py. Its forward takes `images`: per row, None (a text
-row) or an object with `pixel_values` [N, F] and `grids` [(t, h, w), ...] (data.images.ImageInputs, one processor
-call per row). It checks each row's placeholder count against its images' token count (a ValueError naming both,
-never a silent shift), embeds the tokens, writes the tower's output over the placeholder rows, and runs the decoder
-at the rows' M-RoPE positions. A row object shared by several rows (the n samples of a prompt) goes through the
-tower once. Without images the model is the Qwen2 decoder at plain RoPE positions (identical: mrope.py).
-Files: transformers (4.x and 5.x) stores `model.*` (the language model), `visual.*` and `lm_head.*`, our parameter
-names; config.json is written in transformers 5's form (text_config, vision_config).
+`VisionLM` is a CausalLM (the Qwen2 / Qwen3 decoder with `mrope_section` set, so the roles, LoRA, the rollout engine
+and checkpoints treat it as one) plus `visual`, the tower of vision.py. Its forward takes `images`: per row, None (a
+text row) or an object with `pixel_values` [N, F] and `grids` [(t, h, w), ...] (data.images.ImageInputs, one
+processor call per row). It checks each row's placeholder count against its images' token count (a ValueError
+naming both, never a silent shift), embeds the tokens, writes the tower's output over the placeholder rows, and runs
+the decoder at the rows' M-RoPE positions. A row object shared by several rows (the n samples of a prompt) goes
+through the tower once. Without images the model is its text decoder at plain RoPE positions (identical: mrope.py).
+Files: Qwen2.5-VL's (transformers 4.x and 5.x) store `model.*` (the language model), `visual.*` and `lm_head.*`, our
+parameter names; Qwen3-VL's store `model.language_model.*` and `model.visual.*` (families.py maps the names both
+ways). config.json is written in transformers 5's form (text_config, vision_config). Qwen3-VL adds its deepstack
+features (the tower's intermediate blocks, merged) to the hidden states of the image tokens after the decoder's
+first k layers: `after_layer` in the training forward, `rollout/images.py` in the engine's prefill.
 Not here: the tower (vision.py), M-RoPE math (mrope.py), the image processor (data/images.py).
 
 Legend: B rows, S tokens per row, H hidden, M image tokens of a call, L a prompt's tokens.
@@ -33,10 +37,6 @@ from phaserl.models.mrope import batch_mrope_positions, mrope_positions
 from phaserl.models.vision import VisionConfig, VisionTower, set_trainable
 
 log = logging.getLogger("phaserl")
-VL_MODEL_TYPES = ("qwen2_5_vl",)
-ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
-
-
 @dataclass(frozen=True)
 class ImageTokenIds:
     """The special tokens of the family's prompt format (`<|vision_start|><|image_pad|>*n<|vision_end|>`)."""
@@ -46,25 +46,42 @@ class ImageTokenIds:
     vision_end_token_id: int
 
 
-_VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "in_channels",
-                "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes",
-                "hidden_act")
-_VISION_DEFAULTS = dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                        in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
-                        fullatt_block_indexes=(7, 15, 23, 31), hidden_act="silu")
+@dataclass(frozen=True)
+class VLFamily:
+    text_model_type: str    # the native decoder family of the language model
+    architecture: str       # transformers' *ForConditionalGeneration class
+    vision_defaults: dict   # transformers' values for absent vision_config keys (which keys the family has)
+    interleaved: bool       # M-RoPE sections interleaved over the frequencies (Qwen3-VL) or in blocks
+
+
+_COMMON = dict(in_channels=3, temporal_patch_size=2, spatial_merge_size=2)
+VL_FAMILIES = {
+    "qwen2_5_vl": VLFamily("qwen2", "Qwen2_5_VLForConditionalGeneration", dict(
+        _COMMON, depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+        patch_size=14, window_size=112, fullatt_block_indexes=(7, 15, 23, 31), hidden_act="silu"), False),
+    "qwen3_vl": VLFamily("qwen3", "Qwen3VLForConditionalGeneration", dict(
+        _COMMON, depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=3584,
+        patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24),
+        hidden_act="gelu_pytorch_tanh"), True),
+}
+VL_MODEL_TYPES = tuple(VL_FAMILIES)
 _TOKEN_DEFAULTS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                        vision_end_token_id=151653)
 
 
 def vl_config_from_hf(d: dict, *, source: str = "config.json") -> tuple[DecoderConfig, VisionConfig, ImageTokenIds]:
-    """The language model's DecoderConfig (a qwen2 decoder with mrope_section), the tower's VisionConfig and the
-    image token ids of a qwen2_5_vl config.json (text keys nested in text_config, or top-level in 4.x files)."""
-    if d.get("model_type") not in VL_MODEL_TYPES:
-        raise ConfigError(f"{source}: model_type={d.get('model_type')!r} is not a native vision-language model "
+    """The language model's DecoderConfig (the family's decoder with mrope_section), the tower's VisionConfig and
+    the image token ids of a qwen2_5_vl / qwen3_vl config.json (text keys nested in text_config, or top-level in
+    Qwen2.5-VL's 4.x files)."""
+    model_type = d.get("model_type")
+    if model_type not in VL_FAMILIES:
+        raise ConfigError(f"{source}: model_type={model_type!r} is not a native vision-language model "
                           f"({', '.join(VL_MODEL_TYPES)})")
+    family = VL_FAMILIES[model_type]
     text = dict(d.get("text_config") or d)
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     section = rope.pop("mrope_section", None)
+    interleaved = bool(rope.pop("mrope_interleaved", family.interleaved))
     if section is None:
         raise ConfigError(f"{source}: the text config's rope_parameters (or rope_scaling) has no mrope_section")
     if rope.get("rope_type", rope.get("type")) in (None, "mrope", "default"):
@@ -72,15 +89,17 @@ def vl_config_from_hf(d: dict, *, source: str = "config.json") -> tuple[DecoderC
         rope["rope_type"] = "default"
     rope.setdefault("rope_theta", text.get("rope_theta", d.get("rope_theta", 1000000.0)))
     tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    text = {**text, "model_type": "qwen2", "rope_parameters": rope, "rope_scaling": None, "tie_word_embeddings": tie}
+    text = {**text, "model_type": family.text_model_type, "rope_parameters": rope, "rope_scaling": None,
+            "tie_word_embeddings": tie}
     cfg = config_from_hf(text, source=f"{source} (text_config)")
     try:
-        cfg = cfg.replace(mrope_section=tuple(section))
+        cfg = cfg.replace(mrope_section=tuple(section), mrope_interleaved=interleaved)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     v = d.get("vision_config") or {}
     theta = (v.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    vision = VisionConfig(**{k: v.get(k, _VISION_DEFAULTS[k]) for k in _VISION_KEYS}, rope_theta=float(theta))
+    vision = VisionConfig(**{k: v.get(k, default) for k, default in family.vision_defaults.items()},
+                          rope_theta=float(theta), family=model_type)
     if vision.out_hidden_size != cfg.hidden_size:
         raise ConfigError(f"{source}: vision_config.out_hidden_size={vision.out_hidden_size} differs from the "
                           f"language model's hidden_size={cfg.hidden_size}")
@@ -89,21 +108,26 @@ def vl_config_from_hf(d: dict, *, source: str = "config.json") -> tuple[DecoderC
 
 
 def vl_config_to_hf(cfg: DecoderConfig, vision: VisionConfig, tokens: ImageTokenIds, dtype: str = "float32") -> dict:
-    """A qwen2_5_vl config.json dict from which transformers builds the same network."""
-    text = config_to_hf(cfg.replace(mrope_section=None), dtype)
-    for key in ("architectures", "torch_dtype", "rope_theta", "rope_scaling"):
+    """A qwen2_5_vl / qwen3_vl config.json dict from which transformers builds the same network."""
+    family = VL_FAMILIES[vision.family]
+    text = config_to_hf(cfg.replace(mrope_section=None, mrope_interleaved=False), dtype)
+    for key in ("architectures", "torch_dtype", "rope_theta", "rope_scaling", "layer_types", "use_sliding_window",
+                "max_window_layers", "sliding_window"):
         text.pop(key, None)
-    text.update(model_type="qwen2_5_vl_text", rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                                               "mrope_section": list(cfg.mrope_section)})
-    v = {k: getattr(vision, k) for k in _VISION_KEYS}
-    v.update(model_type="qwen2_5_vl_vision", fullatt_block_indexes=list(vision.fullatt_block_indexes),
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "mrope_section": list(cfg.mrope_section)}
+    if cfg.mrope_interleaved:
+        rope["mrope_interleaved"] = True
+    text.update(model_type=f"{vision.family}_text", rope_parameters=rope)
+    v = {k: getattr(vision, k) for k in family.vision_defaults}
+    v = {k: list(x) if isinstance(x, tuple) else x for k, x in v.items()}
+    v.update(model_type=f"{vision.family}_vision",
              rope_parameters={"rope_type": "axial", "rope_theta": vision.rope_theta})
-    return {"architectures": [ARCHITECTURE], "model_type": "qwen2_5_vl", "text_config": text, "vision_config": v,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": dtype, **asdict(tokens)}
+    return {"architectures": [family.architecture], "model_type": vision.family, "text_config": text,
+            "vision_config": v, "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": dtype, **asdict(tokens)}
 
 
 class VisionLM(CausalLM):
-    """Qwen2.5-VL: the Qwen2 decoder (M-RoPE), a vision tower, and the image placeholders between them."""
+    """Qwen2.5-VL / Qwen3-VL: the text decoder (M-RoPE), a vision tower, and the image placeholders between them."""
 
     takes_images = True
     lora_skip = ("visual",)  # LoRA adapts the language model; the tower is frozen or fully trained (vision_trainable)
@@ -133,21 +157,24 @@ class VisionLM(CausalLM):
         return count
 
     def image_features(self, images: Sequence) -> list[Optional[torch.Tensor]]:
-        """The tower's output per row ([M_row, H], None for a text row); rows holding the same object share one
-        tower pass (the n samples of a prompt), and every distinct image of the call goes through it together."""
+        """The tower's output per row ([M_row, 1 + k, H]: the placeholder embeddings and k deepstack features; None
+        for a text row); rows holding the same object share one tower pass (the n samples of a prompt), and every
+        distinct image of the call goes through it together."""
         distinct = list({id(im): im for im in images if im is not None}.values())
         if not distinct:
             return [None] * len(images)
         weight = self.visual.patch_embed.proj.weight
         pixels = torch.cat([im.pixel_values for im in distinct]).to(weight.device)  # [N, F]
-        features = self.visual(pixels, [g for im in distinct for g in im.grids])    # [M, H]
+        features = self.visual(pixels, [g for im in distinct for g in im.grids])    # [M, 1 + k, H]
         parts = features.split([self.image_tokens_of(im) for im in distinct])
         by_id = {id(im): part for im, part in zip(distinct, parts)}
         return [None if im is None else by_id[id(im)] for im in images]
 
-    def embed_with_images(self, input_ids: torch.Tensor, images: Sequence) -> torch.Tensor:
-        """input_ids [B, S] -> embeddings [B, S, H], each row's placeholder tokens replaced by its image features
-        (checked: the row's placeholder count equals its images' token count)."""
+    def embed_with_images(self, input_ids: torch.Tensor,
+                          images: Sequence) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """input_ids [B, S] -> (embeddings [B, S, H] with each row's placeholder tokens replaced by its image
+        features, the deepstack features of the placeholder tokens in order [n, k, H] or None); checked: each row's
+        placeholder count equals its images' token count."""
         h = embed(input_ids, self.model.embed_tokens.weight, self.config.embed_scale)  # [B, S, H]
         if len(images) != input_ids.shape[0]:
             raise ValueError(f"images has {len(images)} entries for {input_ids.shape[0]} rows")
@@ -160,8 +187,10 @@ class VisionLM(CausalLM):
                                  "(image_grid_thw): the ids and the pixels did not come from one processor call")
         features = [f for f in self.image_features(images) if f is not None]
         if not features:
-            return h
-        return h.masked_scatter(is_image[..., None], torch.cat(features).to(h.dtype))
+            return h, None
+        features = torch.cat(features).to(h.dtype)  # [n, 1 + k, H]
+        deepstack = features[:, 1:] if features.shape[1] > 1 else None
+        return h.masked_scatter(is_image[..., None], features[:, 0]), deepstack
 
     def mrope_positions(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                         images: Sequence) -> torch.Tensor:
@@ -186,15 +215,17 @@ class VisionLM(CausalLM):
         if seq_ids is not None or kv_cache is not None:
             raise ValueError("VisionLM.forward(images=...) runs padded rows without a KV cache; the rollout engine "
                              "prefills images itself (prefill_inputs)")
-        embeds = self.embed_with_images(input_ids, images)
+        embeds, deepstack = self.embed_with_images(input_ids, images)
         positions = self.mrope_positions(input_ids, attention_mask, images)
-        return self.model(input_ids, positions, attention_mask, embeds=embeds)
+        after = None if deepstack is None else deepstack_adder(input_ids == self.image_token_id, deepstack)
+        return self.model(input_ids, positions, attention_mask, embeds=embeds, after_layer=after)
 
     @torch.no_grad()
     def prefill_inputs(self, prompts: Sequence[Sequence[int]], images: Sequence) -> list:
         """For the rollout engine: per prompt with an image, (embeddings [L, H] with the image features in place,
-        M-RoPE positions [3, L], delta: decode positions are slot position + delta); None for a text prompt. The
-        distinct images of the call go through the tower together, once each."""
+        M-RoPE positions [3, L], delta: decode positions are slot position + delta, the deepstack additions [k, L, H]
+        or None); None for a text prompt. The distinct images of the call go through the tower together, once
+        each."""
         features = {id(im): f for im, f in zip(images, self.image_features(images))}  # shared by identity
         out = []
         for prompt, image in zip(prompts, images):
@@ -208,11 +239,28 @@ class VisionLM(CausalLM):
                 raise ValueError(f"a prompt holds {int(is_image.sum())} image placeholder tokens, its images give "
                                  f"{self.image_tokens_of(image)}: the ids and the pixels did not come from one "
                                  "processor call")
-            embeds = embeds.masked_scatter(is_image[:, None], features[id(image)].to(embeds.dtype))
+            feats = features[id(image)].to(embeds.dtype)  # [n, 1 + k, H]
+            embeds = embeds.masked_scatter(is_image[:, None], feats[:, 0])
+            deepstack = None
+            if feats.shape[1] > 1:  # [k, L, H]: the features at the image tokens, zero elsewhere
+                deepstack = torch.zeros(feats.shape[1] - 1, *embeds.shape, dtype=embeds.dtype, device=embeds.device)
+                deepstack[:, is_image] = feats[:, 1:].transpose(0, 1)
             positions, delta = mrope_positions(prompt, list(image.grids), image_token_id=self.image_token_id,
                                                merge=self.vision_config.spatial_merge_size)
-            out.append((embeds, positions.to(ids.device), delta))
+            out.append((embeds, positions.to(ids.device), delta, deepstack))
         return out
+
+
+def deepstack_adder(is_image: torch.Tensor, deepstack: torch.Tensor):
+    """Qwen3-VL's after_layer for DecoderModel.forward: after layer i < k, the i-th deepstack features are added to
+    the hidden states of the image tokens. is_image [B, S] bool, deepstack [n, k, H] (the image tokens in order)."""
+    where = is_image.nonzero(as_tuple=True)  # ([n], [n])
+
+    def add(i: int, h: torch.Tensor) -> torch.Tensor:
+        if i >= deepstack.shape[1]:
+            return h
+        return h.index_put(where, deepstack[:, i].to(h.dtype), accumulate=True)
+    return add
 
 
 def set_vision_trainable(model, trainable: bool) -> None:

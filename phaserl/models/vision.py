@@ -1,10 +1,16 @@
-"""The Qwen2.5-VL vision tower: image patches -> transformer blocks -> 2x2 patch merger -> the language model's width.
+"""The Qwen2.5-VL and Qwen3-VL vision towers: image patches -> transformer blocks -> 2x2 patch merger -> the language
+model's width.
 
 `VisionTower(cfg)(pixels, grids)` takes the image processor's output as it is (`pixel_values` [N, F], one row per
-patch in the processor's order, and `image_grid_thw` [I, 3]) and returns one embedding per merged token [M, O], the
-images one after the other: what replaces the image placeholder tokens of the prompt. Parameter names equal
-transformers' (`visual.blocks.0.attn.qkv.weight`, `visual.merger.mlp.0.weight`, ...), so checkpoints load by name.
-The math follows transformers' Qwen2.5-VL tower; where it is written differently the result is the same:
+patch in the processor's order, and `image_grid_thw` [I, 3]) and returns per merged token [M, 1 + k, O]: column 0 the
+embedding that replaces the image placeholder token of the prompt, columns 1..k Qwen3-VL's deepstack features (added
+to the decoder's hidden states at the image tokens after its first k layers; k = 0 for Qwen2.5-VL). Parameter names
+equal transformers' (`visual.blocks.0.attn.qkv.weight`, `visual.merger.mlp.0.weight`, ...). The family is a field
+of the config, not a second tower:
+  qwen2_5_vl  RMSNorm, gated SiLU MLP, window attention but in `fullatt_block_indexes`, RMSNorm + MLP merger
+  qwen3_vl    LayerNorm, plain GELU(tanh) MLP, full attention everywhere, a learned position table bilinearly
+              resized to each image (`pos_embed`), LayerNorm + MLP merger, deepstack mergers after chosen blocks
+The math follows transformers' towers; where it is written differently the result is the same:
   - window attention: transformers reorders the patches so that each window is contiguous, attends per window and
     orders them back. Attention does not care about order (no causal mask; RoPE carries the positions), so here the
     patches keep the processor's order and each attends to the patches of its own window (full-attention blocks:
@@ -29,7 +35,8 @@ from phaserl.errors import ConfigError
 from phaserl.models.layers import activation, rope_tables, rotate
 from phaserl.models.modules import RMSNorm
 
-VISION_EPS = 1e-6  # the tower's and the merger's RMSNorm epsilon (fixed in the architecture, not in config.json)
+VISION_EPS = 1e-6  # the tower's and the merger's norm epsilon (fixed in the architecture, not in config.json)
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -48,9 +55,22 @@ class VisionConfig:
     fullatt_block_indexes: tuple = ()    # blocks that attend over the whole image frame
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
+    family: str = "qwen2_5_vl"           # VISION_FAMILIES
+    num_position_embeddings: int = 0     # qwen3_vl: entries of the learned square position table
+    deepstack_visual_indexes: tuple = ()  # qwen3_vl: blocks whose output also feeds the decoder's first layers
 
     def __post_init__(self):
         object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
+        object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
+        if self.family not in VISION_FAMILIES:
+            raise ConfigError(f"vision_config: family {self.family!r} is not one of {VISION_FAMILIES}")
+        side = int(round(self.num_position_embeddings ** 0.5))
+        if self.family == "qwen3_vl" and (side < 2 or side * side != self.num_position_embeddings):
+            raise ConfigError(f"vision_config: num_position_embeddings={self.num_position_embeddings} must be a "
+                              "square (a side x side table) of side >= 2")
+        if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
+            raise ConfigError(f"vision_config: deepstack_visual_indexes {list(self.deepstack_visual_indexes)} are "
+                              f"not blocks of a depth-{self.depth} tower")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ConfigError(f"vision_config: hidden_size={self.hidden_size} / num_heads={self.num_heads} must be a "
                               "head dim divisible by 4 (2D rotary embeddings: half the frequencies per axis)")
@@ -78,6 +98,14 @@ class VisionConfig:
     def patch_features(self) -> int:
         """F: the processor's values per patch."""
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def qwen3(self) -> bool:
+        return self.family == "qwen3_vl"
+
+    def windowed(self, block: int) -> bool:
+        """True when block `block` attends within windows (Qwen2.5-VL's blocks outside fullatt_block_indexes)."""
+        return not self.qwen3 and block not in self.fullatt_block_indexes
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Merged tokens (placeholder tokens in the prompt) of one image of processor grid (t, h, w)."""
@@ -152,12 +180,12 @@ class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=cfg.qwen3)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, F] -> [N, E]: the Conv3d over one patch (kernel = stride) is a matmul of the flat patch."""
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.flatten(1))
+        return F.linear(pixels.to(w.dtype), w.flatten(1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -186,13 +214,29 @@ class VisionMLP(nn.Module):
         return self.down_proj(activation(self.gate_proj(x), self.act) * self.up_proj(x))
 
 
+class PlainMLP(nn.Module):
+    """Qwen3-VL's block MLP: fc2(act(fc1(x)))."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.act = cfg.hidden_act
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(activation(self.linear_fc1(x), self.act))
+
+
+def _norm(cfg: VisionConfig, width: int) -> nn.Module:
+    return nn.LayerNorm(width, eps=VISION_EPS) if cfg.qwen3 else RMSNorm(width, VISION_EPS)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, VISION_EPS)
-        self.norm2 = RMSNorm(cfg.hidden_size, VISION_EPS)
+        self.norm1, self.norm2 = _norm(cfg, cfg.hidden_size), _norm(cfg, cfg.hidden_size)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = PlainMLP(cfg) if cfg.qwen3 else VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: Groups) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, groups)
@@ -213,13 +257,51 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).reshape(-1, self.mlp[0].in_features))
 
 
+class LayerNormMerger(nn.Module):
+    """Qwen3-VL's merger: LayerNorm per patch (or, `postshuffle`, over the merged block), then fc2(GELU(fc1(.)))."""
+
+    def __init__(self, cfg: VisionConfig, postshuffle: bool = False):
+        super().__init__()
+        width = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(width if postshuffle else cfg.hidden_size, eps=VISION_EPS)
+        self.linear_fc1 = nn.Linear(width, width)
+        self.linear_fc2 = nn.Linear(width, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, E] -> [M, O]"""
+        width = self.linear_fc1.in_features
+        x = self.norm(x.reshape(-1, width) if self.postshuffle else x).reshape(-1, width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
 class VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.config = cfg
         self.patch_embed = PatchEmbed(cfg)
+        if cfg.qwen3:
+            self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
+        self.merger = LayerNormMerger(cfg) if cfg.qwen3 else PatchMerger(cfg)
+        if cfg.deepstack_visual_indexes:
+            self.deepstack_merger_list = nn.ModuleList(LayerNormMerger(cfg, postshuffle=True)
+                                                       for _ in cfg.deepstack_visual_indexes)
+
+    def learned_positions(self, grids: list[tuple[int, int, int]], layout: PatchLayout) -> torch.Tensor:
+        """Qwen3-VL: the square position table bilinearly resized (corners aligned) to each image's grid, read at
+        each patch's (row, column).  [N, E]"""
+        table = self.pos_embed.weight
+        side = int(round(table.shape[0] ** 0.5))
+        grid = table.t().reshape(1, -1, side, side)  # [1, E, side, side]
+        out, start = [], 0
+        for t, h, w in grids:
+            resized = F.interpolate(grid.float(), size=(h, w), mode="bilinear", align_corners=True)[0]  # [E, h, w]
+            n = t * h * w
+            rows, cols = layout.rows[start:start + n].to(table.device), layout.cols[start:start + n].to(table.device)
+            out.append(resized[:, rows, cols].t())  # [n, E]
+            start += n
+        return torch.cat(out).to(table.dtype)
 
     def rope(self, layout: PatchLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [N, Dv] in float32: row angles on the first half of the frequencies, columns on the
@@ -231,19 +313,26 @@ class VisionTower(nn.Module):
         return rope_tables(angles.cos(), angles.sin())
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """pixels [N, F] (the processor's pixel_values), grids: each image's (t, h, w) in patches -> [M, O]."""
+        """pixels [N, F] (the processor's pixel_values), grids: each image's (t, h, w) in patches -> [M, 1 + k, O]:
+        the merged embeddings and the k deepstack features of each merged token."""
         cfg = self.config
         expected = sum(t * h * w for t, h, w in grids)
         if pixels.shape != (expected, cfg.patch_features):
             raise ValueError(f"pixel_values has shape {tuple(pixels.shape)}, the image grids {list(grids)} imply "
                              f"({expected}, {cfg.patch_features}): the images were processed for another tower")
         layout = patch_layout(grids, cfg)
-        full, windowed = groups_of(layout.frames), groups_of(layout.windows)
+        full = groups_of(layout.frames)
+        windowed = None if cfg.qwen3 else groups_of(layout.windows)
         cos, sin = self.rope(layout, pixels.device)
         x = self.patch_embed(pixels)  # [N, E]
+        if cfg.qwen3:
+            x = x + self.learned_positions(grids, layout)
+        deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full if i in cfg.fullatt_block_indexes else windowed)
-        return self.merger(x)
+            x = block(x, cos, sin, windowed if cfg.windowed(i) else full)
+            if i in cfg.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))  # [M, O]
+        return torch.stack([self.merger(x), *deepstack], dim=1)  # [M, 1 + k, O]
 
 
 def set_trainable(tower: nn.Module, trainable: bool) -> None:

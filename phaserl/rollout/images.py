@@ -1,5 +1,5 @@
 """Vision prompts in the rollout engine: the image features over the placeholder rows of a prefill, its M-RoPE
-tables, and the shift decoding adds to its positions.
+tables, Qwen3-VL's deepstack additions after the first layers, and the shift decoding adds to its positions.
 
 A vision-language model (models/qwen_vl.VisionLM) prefills an image prompt from embeddings in which the tower's
 output replaces the placeholder tokens, at M-RoPE positions (models/mrope.py); the KV of each token still goes to
@@ -56,14 +56,26 @@ def place_images(runner, groups: list, P: int, h: torch.Tensor, rope: list) -> N
     admitted slot's rope_shift set (0 for text prompts)."""
     if runner.rope_shift is None:
         return
+    runner.deepstack = []  # this pass's (rows of h, [k, L, H] additions) of Qwen3-VL prompts
     for u, (_, slots, _, keys) in enumerate(groups):
         prefill = runner.vision.get(keys[0])
         delta = 0
         if prefill is not None:
-            embeds, positions, delta = prefill
+            embeds, positions, delta, deepstack = prefill
             L = embeds.shape[0]
             h[u * P:u * P + L] = embeds.to(h.dtype)
+            if deepstack is not None:
+                runner.deepstack.append((slice(u * P, u * P + L), deepstack))
             tables = runner.model.model.rope(positions[:, None, :], h.dtype)  # [(cos, sin) [1, L, D]] per table
             for (cos, sin), (c, s) in zip(rope, tables):
                 cos[u * P:u * P + L], sin[u * P:u * P + L] = c[0], s[0]
         runner.rope_shift[torch.tensor(slots, device=runner.rope_shift.device)] = delta
+
+
+def add_deepstack(runner, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """After prefill layer `layer`: Qwen3-VL's deepstack features of this pass's image prompts added to their rows of
+    h [U * P, H] (place_images recorded them), as the training forward adds them after its first k layers."""
+    for rows, additions in getattr(runner, "deepstack", ()):
+        if layer < additions.shape[0]:
+            h[rows] += additions[layer].to(h.dtype)
+    return h

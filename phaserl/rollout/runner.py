@@ -48,7 +48,7 @@ from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import extend_kernel, kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer, fused_extend_layer
-from phaserl.rollout.images import place_images
+from phaserl.rollout.images import add_deepstack, place_images
 from phaserl.rollout.kv_pool import KVPool, SlotState
 from phaserl.rollout.sampling import SamplingParams, keyed_noise
 from phaserl.rollout.torch_path import cached_attention, extend_attention, extend_mask, sample_tokens
@@ -372,6 +372,8 @@ class ModelRunner:
             h, experts = self._post(h, attn.transpose(1, 2).reshape(U * P, Hq * D), w, spec, column(per_layer, layer))
             if experts is not None:  # the prompt's routing, into every slot that shares it (right padding too)
                 self.routes[slots, :P, self.moe_index[layer]] = experts.view(U, P, -1)[group_of]
+            if self.rope_shift is not None:  # Qwen3-VL: deepstack features after the first layers (images.py)
+                h = add_deepstack(self, layer, h)
         last = h.view(U, P, -1)[torch.arange(U, device=self.device), lengths - 1]  # [U, H]
         tokens, logprobs = self._sample(self.fns.norm(last, self.model.model.norm.weight, *self.final_norm)
                                         [group_of], slots, lengths[group_of] - 1)  # one draw per sequence
