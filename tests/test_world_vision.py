@@ -57,3 +57,13 @@ def test_the_doctor_probes_a_vision_row_end_to_end():
     result = check_vision_rows(ctx)
     assert result.status == "OK", result.message
     assert "image tokens per row 9-9" in result.message and "log-prob of the first sampled token" in result.message
+
+
+def test_a_critic_for_a_vision_policy_is_refused_at_build():
+    from phaserl.config.load import load_config
+    from phaserl.errors import ConfigError
+    from phaserl.trainer.build import build_roles
+
+    cfg = load_config(EXAMPLE, ["algorithm.adv_estimator=gae", "trainer.device=cpu"])
+    with pytest.raises(ConfigError, match="critic .* does not take images"):
+        build_roles(cfg)

@@ -121,6 +121,9 @@ def build_roles(cfg: Config) -> Roles:
                                         allow_random_init=cfg.model.allow_random_init)
     policy = load(model_dir)
     set_vision_trainable(policy, cfg.model.vision_trainable)  # a vision-language model's tower: frozen by default
+    if getattr(policy, "takes_images", False) and critic_enabled(cfg):
+        raise ConfigError("a critic (algorithm.adv_estimator=gae) does not take images yet: its values would not see "
+                          "the pictures of a vision-language policy's rows; use a group estimator (grpo, rloo, ...)")
     check_context_length(cfg, policy.config.max_position_embeddings, source=os.path.join(model_dir, "config.json"))
     actor = HybridActor(policy, tokenizer, fsdp_config=cfg.actor.fsdp, hybrid_engine_config=cfg.actor.hybrid_engine)
     add_lora(cfg, actor.model, "actor", model_dir)  # actor.lora (lora_setup.py); the reference may then be its base
