@@ -1,5 +1,6 @@
 """A vision-language GRPO step and rollout throughput: phaserl against transformers' generate (and TRL's GRPOTrainer
-when trl is importable), on a Qwen2.5-VL-3B-shaped model with random weights, one image per prompt.
+when trl is importable), on a Qwen2.5-VL-3B-shaped model (or --shape qwen3-vl-4b) with random weights, one image per
+prompt.
 
 Shape: Qwen2.5-VL-3B's architecture (language model 2048 wide, 36 layers, 16 query / 2 key-value heads, MLP 11008,
 vocabulary 151,936, tied embeddings, M-RoPE sections (16, 24, 24); vision tower 32 blocks of 1280, windows of 112
@@ -20,6 +21,7 @@ parquet rows in verl's multimodal schema (PNG bytes), and a cheap rule reward. O
     python benchmarks/vision_grpo.py                       # the 3B shape on one GPU
     python benchmarks/vision_grpo.py --tiny                # a CPU smoke run (seconds)
     python benchmarks/vision_grpo.py --skip-transformers   # ours only
+    python benchmarks/vision_grpo.py --shape qwen3-vl-4b   # Qwen3-VL-4B's architecture
 """
 from __future__ import annotations
 
@@ -48,11 +50,26 @@ SHAPES = {
                          max_position_embeddings=32768, mrope_section=(16, 24, 24)),
                vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
                            patch_size=14, window_size=112, fullatt_block_indexes=(7, 15, 23, 31))),
+    "qwen3-vl-4b": dict(text=dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                  head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
+                                  rope_theta=5e6, max_position_embeddings=32768, mrope_section=(24, 20, 20),
+                                  mrope_interleaved=True, model_type="qwen3", qk_norm=True, attention_bias=False),
+                        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                                    out_hidden_size=2560, patch_size=16, family="qwen3_vl",
+                                    hidden_act="gelu_pytorch_tanh", num_position_embeddings=2304,
+                                    deepstack_visual_indexes=(5, 11, 17))),
     "tiny": dict(text=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, rope_theta=1e4,
                            max_position_embeddings=2048, mrope_section=(2, 3, 3)),
                  vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                              patch_size=14, window_size=56, fullatt_block_indexes=(1,))),
+    "tiny-qwen3": dict(text=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, intermediate_size=128, vocab_size=4096, tie_word_embeddings=True,
+                                 rope_theta=1e4, max_position_embeddings=2048, mrope_section=(2, 3, 3),
+                                 mrope_interleaved=True, model_type="qwen3", qk_norm=True, attention_bias=False),
+                       vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                   patch_size=14, family="qwen3_vl", hidden_act="gelu_pytorch_tanh",
+                                   num_position_embeddings=16, deepstack_visual_indexes=(0,))),
 }
 
 
@@ -63,6 +80,8 @@ def emit(**record) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU-sized model and batch (smoke run)")
+    p.add_argument("--shape", choices=["3b", "qwen3-vl-4b"], default="3b",
+                   help="3b: Qwen2.5-VL-3B's architecture; qwen3-vl-4b: Qwen3-VL-4B's (deepstack, interleaved M-RoPE)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (32; --tiny 2)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (8; --tiny 2)")
     p.add_argument("--prompt-len", type=int, default=64, help="text tokens per prompt beside the image")
@@ -76,7 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-ours-step", action="store_true", help="rollout measurements only")
     p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE", help="phaserl config override")
     a = p.parse_args(argv)
-    a.shape = "tiny" if a.tiny else "3b"
+    if a.tiny:
+        a.shape = "tiny-qwen3" if a.shape == "qwen3-vl-4b" else "tiny"
     a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     a.prompts = a.prompts or (2 if a.tiny else 32)
     a.n = a.n or (2 if a.tiny else 8)
@@ -110,8 +130,8 @@ def write_world(a, root: str) -> dict:
 
     shape = SHAPES[a.shape]
     tokenizer = build_tokenizer(shape["text"]["vocab_size"])
-    cfg = DecoderConfig(model_type="qwen2", attention_bias=True, rms_norm_eps=1e-6, eos_token_id=1, pad_token_id=0,
-                        **shape["text"])
+    text = {"model_type": "qwen2", "attention_bias": True, **shape["text"]}
+    cfg = DecoderConfig(rms_norm_eps=1e-6, eos_token_id=1, pad_token_id=0, **text)
     torch.manual_seed(0)
     with torch.device(a.device):
         model = VisionLM(cfg, VisionConfig(**shape["vision"]), ImageTokenIds(3, 3, 2, 4))
@@ -210,19 +230,22 @@ def run_ours(a, paths: dict, log_dir: str) -> dict:
 
 # ----- transformers generate --------------------------------------------------------------------------------------
 def run_transformers(a, paths: dict) -> dict:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
     from phaserl.data import load_prompt_rows
     from phaserl.data.images import build_vision_dataset, image_processor
     from phaserl.models import load_tokenizer
 
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(paths["model"], dtype=dtype).to(a.device).eval()
+    family = SHAPES[a.shape]["vision"].get("family", "qwen2_5_vl")
+    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[family]
+    model = cls.from_pretrained(paths["model"], dtype=dtype).to(a.device).eval()
     tokenizer = load_tokenizer(paths["tokenizer"])
     vision = model.config.vision_config
     pixels = a.image_side * a.image_side
     processor = image_processor(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                                min_pixels=pixels, max_pixels=pixels)
+                                min_pixels=pixels, max_pixels=pixels)  # the same pixels as ours: mean/std aside
     items = build_vision_dataset(load_prompt_rows([paths["data"]])[:a.prompts], tokenizer, processor,
                                  merge_size=vision.spatial_merge_size, max_prompt_length=10**6, overlong="error",
                                  apply_chat_template=False).items
