@@ -83,6 +83,19 @@ def test_gradients_are_the_default_kernels_gradients():
     torch.nn.functional.linear(x, w).square().sum().backward()
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
+    # the head: log-probs and entropies, their gradients the default head's (algo.token_logprobs_from_hidden)
+    from phaserl.algo import token_logprobs_from_hidden
+
+    h, w.grad = torch.randn(7, 16, generator=g, requires_grad=True), None
+    targets = torch.randint(0, 8, (7,), generator=g)
+    grads = []
+    for head in (invariant.token_logprobs, token_logprobs_from_hidden):
+        logp, ent = head(h, w, targets, temperature=0.7, with_entropy=True)
+        (logp.square().sum() + ent.sum()).backward()
+        grads.append((logp.detach(), ent.detach(), h.grad, w.grad))
+        h.grad = w.grad = None
+    for mine, default in zip(*grads):
+        torch.testing.assert_close(mine, default)
 
 
 # ----- the engine against the trainer's forward -----------------------------------------------------------

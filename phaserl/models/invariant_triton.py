@@ -1,7 +1,7 @@
-"""The bitwise mode's matmul and attention as Triton kernels with one fixed configuration (the GPU's fast path).
+"""The bitwise mode's matmul, attention, RMSNorm and log-sum-exp as Triton kernels with one fixed configuration (the GPU's fast path).
 
-invariant.py's torch versions are exact by construction but memory-bound; on a GPU these two kernels replace them
-(invariant.matmul and invariant.attention call them when `available`). What keeps them batch-invariant:
+invariant.py's torch versions are exact by construction but memory-bound; on a GPU these kernels replace them
+(invariant.matmul, .attention, .rms_norm and .logsumexp call them when `available`). What keeps them batch-invariant:
   matmul     one tile shape (BLOCK_M x BLOCK_N, K in BLOCK_K steps from 0, no split-K, no autotuning): an output
              element is its row's and column's dot product accumulated in the same order whatever the row count or
              the row's place in its tile (a tensor-core MMA computes each element alone);
@@ -12,7 +12,9 @@ invariant.py's torch versions are exact by construction but memory-bound; on a G
              the same bits. The engine's slots are read in place through strides.
 Both sides of a run compute on the same device, so both take these kernels; the CPU keeps invariant.py's torch
 versions (their bits differ from these, which no run compares). float32 inputs multiply in IEEE float32 (no TF32).
-Not here: norms, activations, the log-softmax (invariant.py's elementwise ones are exact on any device).
+  rms_norm, logsumexp  one program per row, a fixed reduction over the row (fewer launches than invariant.py's
+             elementwise trees, which are exact on any device too).
+Not here: activations and RoPE (elementwise: invariant.py's run on any device).
 
 Legend: N rows, M columns, K depth; n sequences (slots), T queries, L key positions, Hq/Hkv heads, D head_dim.
 """
@@ -38,6 +40,49 @@ def available(device: torch.device) -> bool:
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_sn, o_sn, eps, H: tl.constexpr, BLOCK: tl.constexpr,
+                         STYLE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        """One row: x32 / sqrt(mean(x32^2) + eps), rounded where invariant.rms_norm's style rounds
+        (0 llama: w * round(norm); 1 gemma: round(norm * (1 + w)); 2 olmo2: round(w * norm))."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < H
+        x = tl.load(x_ptr + row * x_sn + cols, mask=ok, other=0.0)
+        dtype = x.dtype
+        x32 = x.to(tl.float32)
+        norm = x32 / tl.sqrt_rn(tl.sum(x32 * x32, axis=0) / H + eps)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+            if STYLE == 0:  # the product in float32, rounded once (torch's half-precision multiply)
+                out = (w.to(tl.float32) * norm.to(dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
+            elif STYLE == 1:
+                out = (norm * (1.0 + w.to(tl.float32))).to(dtype)
+            else:
+                out = (w.to(tl.float32) * norm).to(dtype)
+        else:
+            out = norm.to(dtype)
+        tl.store(out_ptr + row * o_sn + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _logsumexp_kernel(z_ptr, out_ptr, z_sn, V, BLOCK: tl.constexpr):
+        """One row of z [N, V] float32: its max, then exp(z - max) summed lane-wise over BLOCK-wide chunks in order
+        and the lanes summed once: log of that + max."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        top = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, V, BLOCK):
+            top = tl.maximum(top, tl.load(z_ptr + row * z_sn + start + cols, mask=start + cols < V,
+                                          other=float("-inf")))
+        m = tl.max(top, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, V, BLOCK):
+            z = tl.load(z_ptr + row * z_sn + start + cols, mask=start + cols < V, other=float("-inf"))
+            acc += tl.exp(z - m)
+        tl.store(out_ptr + row, tl.log(tl.sum(acc, axis=0)) + m)
+
 
     @triton.jit
     def _matmul_kernel(x_ptr, w_ptr, out_ptr, N, M, K, x_sn, w_sm, o_sn, IEEE: tl.constexpr,
@@ -105,6 +150,36 @@ if HAVE_TRITON:
         out = acc / total[:, None]
         tl.store(out_ptr + seq * o_sn + t[:, None] * o_st + head * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & d_ok[None, :])
+
+
+STYLES = {"llama": 0, "gemma": 1, "olmo2": 2}
+LSE_BLOCK = 2048
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, style: str) -> torch.Tensor:
+    """invariant.rms_norm's numbers' contract on any rows x [..., H] (a program per row: invariant)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out_dtype = x.dtype if weight is None or style != "llama" else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        H = shape[-1]
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2 if weight is None else weight, out, x2.stride(0), out.stride(0),
+                                         float(eps), H=H, BLOCK=triton.next_power_of_2(H), STYLE=STYLES.get(style, 2),
+                                         HAS_WEIGHT=weight is not None)
+    return out.view(shape)
+
+
+def logsumexp(z: torch.Tensor) -> torch.Tensor:
+    """z [..., V] float32 -> [...]: a program per row, a fixed order over the vocabulary."""
+    shape = z.shape
+    z2 = z.reshape(-1, shape[-1]).float()
+    z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
+    out = torch.empty(z2.shape[0], dtype=torch.float32, device=z.device)
+    if z2.shape[0]:
+        _logsumexp_kernel[(z2.shape[0],)](z2, out, z2.stride(0), shape[-1], BLOCK=LSE_BLOCK)
+    return out.view(shape[:-1])
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
