@@ -67,3 +67,26 @@ def test_a_critic_for_a_vision_policy_is_refused_at_build():
     cfg = load_config(EXAMPLE, ["algorithm.adv_estimator=gae", "trainer.device=cpu"])
     with pytest.raises(ConfigError, match="critic .* does not take images"):
         build_roles(cfg)
+
+
+def test_the_doctor_mismatch_probe_samples_with_the_pixels(monkeypatch):
+    import re
+
+    import torch
+
+    from phaserl.config.load import load_config
+    from phaserl.doctor.checks import Context
+    from phaserl.doctor.mismatch import check_mismatch
+
+    world = prepare_vision_world()
+    ctx = Context(cfg=load_config(EXAMPLE), world_size=1)
+    ctx.device, ctx.tokenizer = torch.device("cpu"), build_vision_tokenizer()
+    ctx.policy, ctx.train_rows = load_pretrained(world.model_dir), load_prompt_rows([world.train_file])[:4]
+    seen = []  # the images of every tower pass: the engine's and the trainer's side
+    tower = ctx.policy.image_features
+    monkeypatch.setattr(ctx.policy, "image_features", lambda images: (seen.append(images), tower(images))[1])
+    result = check_mismatch(ctx)
+    assert result.status == "OK", result.message
+    assert len(seen) >= 2 and all(im is not None for im in seen[0])
+    mean = float(re.search(r"\|Δ log p\| mean (\S+)", result.message).group(1))
+    assert mean < 1e-5, result.message

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ..config.validate import forward_micro_batch_tokens
 from ..data import build_prompt_dataset
+from ..data.images import build_vision_dataset, processor_for
 from ..memory.budget import free_memory_bytes
 from ..models import invariant
 from ..roles import HybridActor
@@ -35,8 +36,16 @@ NOISE_FLOOR = 1e-3      # ... once the mean |Δ log p| is at least this (below i
 def check_mismatch(ctx: Context) -> CheckResult:
     cfg, tok = ctx.cfg, ctx.tokenizer
     r, d = cfg.rollout, cfg.data
-    items = build_prompt_dataset(ctx.train_rows[:PROBE_PROMPTS], tok, max_prompt_length=d.max_prompt_length,
-                                 overlong="truncate_left", apply_chat_template=d.apply_chat_template).items
+    rows = ctx.train_rows[:PROBE_PROMPTS]
+    if getattr(ctx.policy, "takes_images", False):  # a vision-language policy: the rows with their pixels
+        processor = processor_for(ctx.policy.vision_config, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+        items = build_vision_dataset(rows, tok, processor, merge_size=ctx.policy.vision_config.spatial_merge_size,
+                                     max_prompt_length=10**9, overlong="error",
+                                     apply_chat_template=d.apply_chat_template, image_key=d.image_key).items
+    else:
+        items = build_prompt_dataset(rows, tok, max_prompt_length=d.max_prompt_length, overlong="truncate_left",
+                                     apply_chat_template=d.apply_chat_template).items
+    images = [item.images for item in items]
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     actor = HybridActor(ctx.policy, tok, hybrid_engine_config=cfg.actor.hybrid_engine)
@@ -46,7 +55,8 @@ def check_mismatch(ctx: Context) -> CheckResult:
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             eos_token_ids=eos, pad_token_id=pad,
             token_budget=forward_micro_batch_tokens(cfg), seed=cfg.trainer.seed, replay=cfg.actor.routing_replay,
-            free_bytes=free_memory_bytes(actor.device))
+            free_bytes=free_memory_bytes(actor.device),
+            images=images if any(im is not None for im in images) else None)
     m, temperature = probe.metrics, r.temperature if r.temperature > 0 else 1.0
     if r.bitwise:
         return _bitwise_result(cfg, m, probe.tokens)

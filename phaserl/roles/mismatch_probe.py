@@ -39,19 +39,24 @@ class Probe(NamedTuple):
 
 def measure_mismatch(actor: HybridActor, prompts: list, *, n: int, engine: str, max_new_tokens: int,
                      temperature: float, top_p: float, top_k: int, eos_token_ids: list, pad_token_id: int,
-                     token_budget: int, seed: int, replay: bool = False, free_bytes: Optional[int] = None) -> Probe:
+                     token_budget: int, seed: int, replay: bool = False, free_bytes: Optional[int] = None,
+                     images: Optional[list] = None) -> Probe:
     """The probe of `n` responses to each prompt (token ids) sampled the way the run samples (rollout.engine =
     `engine`; replay: MoE routing replay, actor.routing_replay). free_bytes: the device's free memory, for the
-    float32 copy of a low-precision model (None: no copy, no noise measured)."""
+    float32 copy of a low-precision model (None: no copy, no noise measured). images: per prompt its
+    data.images.ImageInputs or None (a vision-language model: both sides see the same pixels)."""
     actor.configure_rollout(engine, EngineConfig(cuda_graphs=False, compile=False, record_routes=replay,
                                                  max_seq_tokens=max(map(len, prompts)) + max_new_tokens))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     ids = [p for p in prompts for _ in range(n)]
+    pixels = None if images is None else [im for im in images for _ in range(n)]
     generator = torch.Generator(device=actor.device).manual_seed(seed)
     with actor.rollout_mode():
+        vision = {} if pixels is None else {"images": pixels}
         result = actor.generate(ids, params, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                                batch_size=len(ids), generator=generator)
+                                batch_size=len(ids), generator=generator, **vision)
     batch = _batch(ids, result.response_ids, result.logprobs, pad_token_id, actor.device)
+    batch.images = pixels
     if result.routes is not None:
         batch.routed_experts = layout_routes(list(map(len, ids)), result.routes, batch.prompt_width,
                                              batch.response_mask.shape[1])
