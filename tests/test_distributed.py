@@ -37,8 +37,12 @@ MISTRAL = GRPO[:3] + ["model.path={root}/mistral"]
 # multi-turn episodes (agent.env) on FSDP2 ranks: each rank runs its prompts' episodes in its own decode session
 AGENT = GRPO[:3] + [f"agent.env={os.path.join(os.path.dirname(os.path.abspath(__file__)), '_varied.py')}:Varied",
                     "agent.max_turns=2", "agent.max_episode_tokens=64"]
+# Ulysses: the two ranks form one sequence-parallel group (each holds half of every micro-batch's tokens, its own
+# rows run by both in turn), with every layer checkpointed (the recompute runs the all-to-alls again)
+ULYSSES = GRPO + ["actor.sequence_parallel=2"]
 SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA, "moe_replay": MOE,
-             "mistral": MISTRAL, "agent": AGENT}
+             "mistral": MISTRAL, "agent": AGENT, "ulysses": ULYSSES}
+ONE_RANK_ONLY = ("actor.sequence_parallel",)  # settings the 1-rank reference run leaves out
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
 # actor/grad_norm also proves gradients are summed over ranks: averaged, it would be halved (Adam would hide that
@@ -55,7 +59,8 @@ EXACT_METRICS = {
     "moe_replay": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/k3"),
     "mistral": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
     "agent": ("train/reward_mean", "train/response_length_mean", "agent/turns_mean", "actor/pg_loss",
-              "actor/grad_norm")}  # noise keyed by the global episode index: the 1-rank episodes
+              "actor/grad_norm"),  # noise keyed by the global episode index: the 1-rank episodes
+    "ulysses": ("train/reward_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/kl_loss")}
 TIMEOUT_S = 300
 
 
@@ -74,7 +79,8 @@ def _one_step(overrides: list) -> dict:
     metrics = trainer.train_step()
     ref_root = trainer.ref_policy.model.model.embed_tokens.weight  # the root unit: FSDP2 keeps it after forward
     roles = {"actor": trainer.actor, "critic": trainer.critic, "ref": trainer.ref_policy}
-    return {"responses": responses, "metrics": metrics,
+    split = getattr(trainer.actor.model.model, "sequence_parallel", None)  # actor.sequence_parallel's group
+    return {"responses": responses, "metrics": metrics, "sequence_parallel": split.k if split else 1,
             "weights": {name: full_state_dict(role.model) for name, role in roles.items() if role is not None},
             "ref_root_after_step": str(getattr(ref_root, "placements", "plain")),
             "placements": {name: str(getattr(role.model.model.norm.weight, "placements", "plain"))
@@ -230,7 +236,8 @@ def runs(tmp_path_factory):
     t0 = time.monotonic()
     ctx = mp.start_processes(_worker, args=(2, free_port(), root), nprocs=2, join=False, start_method="spawn")
     try:
-        single = {name: _one_step(_overrides(root, name, "ranks1") + [e.format(root=root) for e in extra])
+        single = {name: _one_step(_overrides(root, name, "ranks1") + [e.format(root=root) for e in extra
+                                                                      if not e.startswith(ONE_RANK_ONLY)])
                   for name, extra in SCENARIOS.items()}
         while not ctx.join(timeout=5):
             if time.monotonic() - t0 > TIMEOUT_S:
@@ -263,6 +270,19 @@ def test_grpo_step_on_two_ranks_equals_one_rank(runs):
     assert _max_weight_diff(two[0]["weights"]["actor"], single["grpo"]["weights"]["actor"]) < 1e-5
     # the reference holds the initial weights: the step really moved the actor (both optimizer steps)
     assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
+
+
+def test_sequence_parallel_ranks_train_as_one_rank(runs):
+    """actor.sequence_parallel=2: the reference's and the update's forwards spread every micro-batch over both
+    ranks (all-to-alls around attention, recomputed in backward); the step is the 1-rank step."""
+    single, ranks = runs
+    two = _two(ranks, "ulysses")
+    assert two[0]["sequence_parallel"] == two[1]["sequence_parallel"] == 2
+    assert two[0]["responses"] + two[1]["responses"] == single["ulysses"]["responses"]
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
+    assert _max_weight_diff(two[0]["weights"]["actor"], single["ulysses"]["weights"]["actor"]) < 1e-5
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
+    assert two[0]["metrics"]["actor/kl_loss"] > 0  # the reference's log-probs (sequence-parallel too) differ
 
 
 def test_moe_with_routing_replay_on_two_ranks_equals_one_rank(runs):

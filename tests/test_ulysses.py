@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _multiproc import free_port, start_method
 
+from _multiproc import free_port, start_method
 from phaserl.errors import ConfigError
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.parallel.ulysses import SequenceParallel, check_heads, check_model, check_world, kv_repeat
@@ -88,6 +88,20 @@ def test_the_split_of_tokens_and_heads_on_one_rank():
     assert sp.owned(7).tolist() == [False] * 6 + [True]
     assert sp.place(sp.split(x), 7)[0, :, 0].tolist() == [0.0] * 6 + [6.0]
     assert [kv_repeat(kv, 4) for kv in (1, 2, 4, 8, 6)] == [4, 2, 1, 1, 2]
+
+
+def test_the_key_is_checked_against_the_launch():
+    from phaserl.config import load_config
+
+    base = ["rollout.prompts_per_step=4", "rollout.batch_size=1"]
+    assert load_config(None, []).actor.sequence_parallel == 1
+    assert load_config(None, base + ["actor.sequence_parallel=2"], world_size=4).actor.sequence_parallel == 2
+    with pytest.raises(ConfigError, match="must divide the world size"):
+        load_config(None, base + ["actor.sequence_parallel=3"], world_size=4)
+    with pytest.raises(ConfigError, match="must divide the world size"):
+        load_config(None, ["actor.sequence_parallel=2"])  # one process
+    with pytest.raises(ConfigError, match="actor.sequence_parallel"):
+        load_config(None, ["actor.sequence_parallel=0"])
 
 
 def test_bad_settings_are_config_errors():

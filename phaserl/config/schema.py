@@ -278,6 +278,11 @@ class ActorConfig:
                                                      "at most 2 on the device at once; phaserl's decoder only). "
                                                      "null = auto: the memory plan: on only when checkpointing the "
                                                      "layers does not fit the step")
+    sequence_parallel: int = spec(1, "Ulysses sequence parallelism (docs/memory.md): groups of this many ranks "
+                                     "spread each micro-batch's tokens over their GPUs for the actor's and the "
+                                     "reference's training forwards, all-to-alls around attention (phaserl's dense "
+                                     "decoders; must divide the world size and every layer's query heads). 1 = off",
+                                  min=1)
     compile: Optional[bool] = spec(None, "torch.compile the decoder layers and the log-prob kernels of the actor and "
                                          "the reference (phaserl's decoder only). null = auto: on for phaserl's "
                                          "decoder on one CUDA GPU with Triton and >= 100M parameters, off on the "

@@ -296,6 +296,13 @@ def _memory_errors(cfg: Config, world_size: int) -> list[str]:
         errs.append("actor.offload_activations = true and actor.checkpoint_layers = 0: offloading moves the "
                     "checkpointed layers' inputs to host memory, and no layer is checkpointed; set "
                     "actor.checkpoint_layers (or leave it at auto), or actor.offload_activations = false")
+    k = a.sequence_parallel
+    if k > 1 and isinstance(world_size, int) and (world_size % k or cfg.rollout.ranks):
+        errs.append(f"actor.sequence_parallel = {k} on {world_size} rank(s)"
+                    + (f" with rollout.ranks = {cfg.rollout.ranks}: sequence-parallel groups are for colocated "
+                       "runs; set rollout.ranks = 0" if cfg.rollout.ranks else
+                       f": the ranks form groups of {k}, so it must divide the world size; use 1 (off) or a divisor "
+                       f"of {world_size}"))
     if world_size > 1 and a.optimizer_offload:
         errs.append(f"actor.optimizer_offload = true on {world_size} ranks: the CPU step is for one process; with "
                     "several, actor.fsdp.sharding_strategy = FULL_SHARD spreads AdamW's moments over the ranks")

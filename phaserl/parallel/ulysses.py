@@ -23,16 +23,18 @@ the log-prob head then runs on this rank's tokens only (`owned`), and `combine` 
 group (forward: an all-reduce; backward: the identity, since every rank then computes the same loss from the same
 summed values), so every rank holds the single-process log-probs. Each rank's parameter gradients are its tokens'
 share: summed over the group (as the data-parallel reduction sums over ranks) they are the single-process
-gradients.
+gradients. `members` hands every rank each member's micro-batch, which roles/forward.group_rows runs in turn: each
+rank keeps its own rows and the group still runs one micro-batch at a time.
 
 Cost: per layer, four all-to-alls forward (q, k, v, out) and four backward, each moving (k - 1)/k of the tensor
 (q and out: c x Hq x D values per token row, k and v: c x Hkv r x D), against attention's O(T^2) work on 1/k of
-the heads. Not here: which ranks form a group and what rows they train on (the builder), the rollout engine (it
-decodes per rank, unchanged), layers other than attention and a gated MLP (linear attention, mixture-of-experts
-routing, Gemma 4's per-layer inputs and shared keys/values: `check_model` refuses them), the bitwise numerics mode.
+the heads. Not here: which ranks form a group (trainer/build.py), the rollout engine (it decodes per rank,
+unchanged), layers other than attention and a gated MLP (linear attention, mixture-of-experts routing, Gemma 4's
+per-layer inputs and shared keys/values, vision inputs: `check_model` refuses them), the bitwise numerics mode.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Optional
 
@@ -73,7 +75,8 @@ def check_model(config, k: int, key: str = "actor.sequence_parallel") -> None:
         ("linear-attention layers (Qwen3.5)", getattr(config, "linear_attention", None) is not None),
         ("mixture-of-experts layers", bool(getattr(config, "num_experts", 0))),
         ("Gemma 4's per-layer inputs", bool(getattr(config, "per_layer_input_size", 0))),
-        ("Gemma 4's shared keys/values", bool(getattr(config, "kv_shared_layers", 0)))) if present]
+        ("Gemma 4's shared keys/values", bool(getattr(config, "kv_shared_layers", 0))),
+        ("image inputs (a vision-language model)", getattr(config, "mrope_section", None) is not None)) if present]
     if unsupported:
         raise ConfigError(f"{key} > 1 splits attention and dense layers over ranks; this model has "
                           f"{' and '.join(unsupported)}: set {key} = 1")
@@ -122,6 +125,17 @@ class SequenceParallel:
         """Per-token values of which each rank filled its own (zeros elsewhere) -> the whole, on every rank."""
         return _SumOverGroup.apply(x, self.group) if self.k > 1 else x
 
+    def members(self, own) -> list:
+        """Every group member's `own` (a dataclass of tensors, lists and nested dataclasses: a micro-batch's rows),
+        in rank order, on this rank's device; `own` itself at this rank's place. The group then runs each member's
+        rows in turn, in the same order on every rank."""
+        if self.k == 1:
+            return [own]
+        device = next((t.device for t in _tensors(own)), torch.device("cpu"))
+        gathered = [None] * self.k
+        dist.all_gather_object(gathered, _map_tensors(own, lambda t: t.detach().cpu()), group=self.group)
+        return [own if j == self.rank else _map_tensors(m, lambda t: t.to(device)) for j, m in enumerate(gathered)]
+
     def around(self, attn, attend: Callable) -> "SplitAttention":
         """The attention input the decoder built for all T tokens, attended through the group's all-to-alls."""
         return SplitAttention(self, attn, attend)
@@ -146,6 +160,24 @@ class SplitAttention:
         if out.shape[1] < c * sp.k:
             out = torch.cat([out, out.new_zeros((out.shape[0], c * sp.k - T) + tuple(out.shape[2:]))], dim=1)
         return _HeadsToSeq.apply(out, sp.group, sp.k)  # [B, c, Hq, D]
+
+
+def _map_tensors(obj, fn):
+    """`obj` with fn applied to every tensor field (dataclasses, recursively; other values as they are)."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = {f.name: _map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changed)
+    return obj
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 def _full_length(inner, padded: int) -> int:

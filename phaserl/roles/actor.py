@@ -26,7 +26,7 @@ from ..models.moe import Routing
 from ..parallel import gather_full_params, mark_memory, rank_and_world, reshard_params
 from ..rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
 from .checkpointed import CheckpointedRole
-from .forward import batch_logprobs, rows_logprobs, split_rows
+from .forward import batch_logprobs, group_rows, rows_logprobs, split_rows
 from .models import as_causal_lm
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
@@ -226,9 +226,10 @@ class HybridActor(CheckpointedRole):
             names.append("actor/router_aux_loss")
         stats = StepStats(names, self.device)
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
-            loss = self.micro_batch_loss(mb, idx, stats, on_policy=on_policy, global_tokens=global_tokens,
-                                         global_seqs=global_seqs)
-            self.optimizer.scaled(loss).backward()  # float16 weights: times the loss scale (roles/loss_scale.py)
+            for rows, index, own in group_rows(self.model, mb, idx):  # sequence-parallel: each member's in turn
+                loss = self.micro_batch_loss(rows, index, stats if own else StepStats(names, self.device),
+                                             on_policy=on_policy, global_tokens=global_tokens, global_seqs=global_seqs)
+                self.optimizer.scaled(loss).backward()  # float16 weights: times the loss scale (roles/loss_scale.py)
         stats = stats.read()
         stats["actor/grad_norm"] = self.optimizer.step()
         stats["actor/lr"] = self.optimizer.lr

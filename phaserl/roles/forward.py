@@ -14,6 +14,7 @@ Legend: b rows of a micro-batch, R its longest response, M its real response tok
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -88,6 +89,26 @@ def own_head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, own: O
     return whole[0], whole[1]
 
 
+def group_rows(model, batch, idx: torch.Tensor) -> list[tuple[object, torch.Tensor, bool]]:
+    """The micro-batches to run for rows `idx` of `batch` (a RolloutBatch or TrainBatch): (rows, index into them,
+    this rank's own?). One process, or a model without a sequence-parallel group: [(batch, idx, True)]. With one
+    (actor.sequence_parallel = k): every member's rows `idx` of its own batch, in rank order, each as a batch of
+    its own (texts left out), since each micro-batch's tokens are spread over the group's k ranks: every rank runs
+    all k, keeps its own results, and its loss of another member's rows adds that member's gradient through this
+    rank's tokens. A collective over the group: every member calls it for each micro-batch."""
+    sp = sequence_parallel(model)
+    if sp is None or sp.k == 1:
+        return [(batch, idx, True)]
+    rows = batch.select(idx)
+    rollout = getattr(rows, "rollout", rows)
+    B = rollout.num_responses
+    bare = dataclasses.replace(rollout, prompts=[None] * B, response_texts=[None] * B, rows=[None] * B,
+                               episodes=None, rollout_metrics={})
+    rows = dataclasses.replace(rows, rollout=bare) if rows is not rollout else bare
+    members = sp.members(rows)
+    return [(m, torch.arange(getattr(m, "rollout", m).num_responses), j == sp.rank) for j, m in enumerate(members)]
+
+
 def micro_logprobs(model, mb: RolloutBatch, *, temperature: float, with_entropy: bool, chunk_size: int = 1024,
                    routing: Optional[Routing] = None, keep_logits: bool = False
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -116,10 +137,12 @@ def batch_logprobs(model, batch: RolloutBatch, *, temperature: float, token_budg
     R = batch.response_mask.shape[1]
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.input_ids.device)
     for idx in split_rows(batch, token_budget, packing=packing):
-        routing = Routing() if replay and batch.routed_experts is not None else None
-        logp, _, _ = rows_logprobs(model, batch, idx, packing=packing, temperature=temperature, with_entropy=False,
-                                   routing=routing)
-        out[send(idx, out.device)] = pad_response_tensor(logp, R)  # a CPU index would sync
+        for rows, index, own in group_rows(model, batch, idx):  # this rank's rows, or each group member's in turn
+            routing = Routing() if replay and batch.routed_experts is not None else None
+            logp, _, _ = rows_logprobs(model, rows, index, packing=packing, temperature=temperature,
+                                       with_entropy=False, routing=routing)
+            if own:
+                out[send(idx, out.device)] = pad_response_tensor(logp, R)  # a CPU index would sync
     return out
 
 

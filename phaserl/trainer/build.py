@@ -199,6 +199,8 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
         shard_roles({"actor": actor, "critic": critic, "ref": ref}, actor.device)
     if ref is not None:
         ref.check_separate_from(actor.model)
+    if a.sequence_parallel > 1:  # after FSDP: the groups' all-to-alls run inside the sharded layers
+        sequence_groups(a.sequence_parallel, actor, ref, r.bitwise)
     speed = choose_speed(cfg, roles, d, world_size=world_size)  # auto compile / keep_awake, before optimizer state
     if speed.compiles:  # before the first compile: torch's caches persist in phaserl's cache directory
         enable_compile_cache(resolve_compile_cache_dir())
@@ -452,6 +454,30 @@ def set_compile(roles: list, enabled: bool) -> None:
 def model_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
     if hasattr(model, "gradient_checkpointing"):
         model.gradient_checkpointing = enabled
+
+
+def sequence_groups(k: int, actor, ref, bitwise: bool) -> None:
+    """actor.sequence_parallel: ranks 0..k-1, k..2k-1, ... form groups; the actor's and the reference's decoders
+    spread each micro-batch's tokens over the group (parallel/ulysses.py). Every rank makes every group (a
+    collective)."""
+    import torch.distributed as dist
+
+    from ..parallel.ulysses import SequenceParallel, check_model
+
+    decoder = getattr(actor.model, "model", None)
+    if not hasattr(decoder, "sequence_parallel"):
+        raise ConfigError(f"actor.sequence_parallel = {k} runs on phaserl's decoder only; this actor's model is "
+                          f"{type(actor.model).__name__}: set actor.sequence_parallel = 1")
+    if bitwise:
+        raise ConfigError(f"actor.sequence_parallel = {k} and rollout.bitwise = true: the bitwise mode's kernels "
+                          "see whole sequences on one rank; set actor.sequence_parallel = 1")
+    check_model(decoder.config, k)
+    rank, world = rank_and_world()
+    groups = [dist.new_group(list(range(g, g + k))) for g in range(0, world, k)]
+    sp = SequenceParallel(groups[rank // k], k, rank % k)
+    for model in (actor.model, getattr(ref, "model", None)):
+        if hasattr(getattr(model, "model", None), "sequence_parallel"):
+            model.model.sequence_parallel = sp
 
 
 def apply_memory_plan(speed: SpeedChoices, actor, ref) -> None:
