@@ -38,6 +38,7 @@ class Packed:
     max_len: int = 0             # longest packed row (the varlen kernel's max_seqlen)
     response_index: Optional[torch.Tensor] = None  # [M] flat positions of the real tokens of response_mask
     routed_experts: Optional[torch.Tensor] = None  # [1, N, L, k] the rollout's experts (routing replay), or None
+    images: Optional[list] = None  # [b] each packed row's data.images.ImageInputs (vision-language rows), or None
 
     @property
     def boundaries(self) -> PackedSeqs:
@@ -101,6 +102,7 @@ def pack_rows(batch: RolloutBatch, idx: torch.Tensor) -> Packed:
         response_mask=to_device(resp_mask), max_len=int(lengths.max()) if len(idx) else 0,
         response_index=to_device(resp_mask.reshape(-1).nonzero().squeeze(1)),
         routed_experts=None if batch.routed_experts is None else batch.routed_experts.flatten(0, 1)[source][None],
+        images=None if batch.images is None else [batch.images[i] for i in idx.tolist()],
     )
 
 

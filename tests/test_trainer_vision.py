@@ -1,6 +1,7 @@
-"""A vision-language batch through the trainer's passes: the batch carries each row's pixels from the rollout to the
-old-policy/reference pass and the update, whose log-probs equal the sampled ones; the update's loss has a gradient
-at the tower's output (the pixels reached it), and a batch that lost its pixels is an error, never silent drift."""
+"""A vision-language batch through the trainer's passes: the batch carries each row's pixels from the rollout to
+the old-policy/reference pass and the update (padded or packed rows), whose log-probs equal the sampled ones; the
+update's loss has a gradient at the tower's output (the pixels reached it), and a batch that lost its pixels is an
+error, never silent drift."""
 import pytest
 import torch
 
@@ -43,9 +44,17 @@ def test_the_batch_carries_each_rows_pixels(batch):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_old_policy_and_reference_logprobs_equal_the_sampled_ones(model, batch, packing):  # noqa: F811
-    logp = batch_logprobs(model, batch, temperature=1.0, token_budget=64, packing=packing)
+    # packed: the rows' real tokens in one sequence, each row's M-RoPE positions from 0 and its pixels in row order
+    seen = []
+    tower = model.image_features
+    model.image_features = lambda images: (seen.append(len(images)), tower(images))[1]
+    try:
+        logp = batch_logprobs(model, batch, temperature=1.0, token_budget=64, packing=packing)
+    finally:
+        del model.image_features
     mask = batch.response_mask.bool()
     torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=1e-5, rtol=4e-6)
+    assert seen and sum(seen) == 6  # every row went through a micro-batch with its images
 
 
 def test_the_update_loss_reaches_the_vision_features(model, batch):  # noqa: F811

@@ -170,16 +170,18 @@ class VisionLM(CausalLM):
         by_id = {id(im): part for im, part in zip(distinct, parts)}
         return [None if im is None else by_id[id(im)] for im in images]
 
-    def embed_with_images(self, input_ids: torch.Tensor,
-                          images: Sequence) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def embed_with_images(self, input_ids: torch.Tensor, images: Sequence,
+                          seq_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """input_ids [B, S] -> (embeddings [B, S, H] with each row's placeholder tokens replaced by its image
         features, the deepstack features of the placeholder tokens in order [n, k, H] or None); checked: each row's
-        placeholder count equals its images' token count."""
+        placeholder count equals its images' token count. seq_ids [1, N]: packed rows (images[k] is the k-th
+        packed row's)."""
         h = embed(input_ids, self.model.embed_tokens.weight, self.config.embed_scale)  # [B, S, H]
-        if len(images) != input_ids.shape[0]:
-            raise ValueError(f"images has {len(images)} entries for {input_ids.shape[0]} rows")
         is_image = input_ids == self.image_token_id  # [B, S]
-        counts = is_image.sum(-1).tolist()
+        rows = input_ids.shape[0] if seq_ids is None else int(seq_ids.max()) + 1
+        if len(images) != rows:
+            raise ValueError(f"images has {len(images)} entries for {rows} rows")
+        counts = (is_image.sum(-1) if seq_ids is None else torch.bincount(seq_ids[is_image], minlength=rows)).tolist()
         for row, (image, count) in enumerate(zip(images, counts)):
             want = 0 if image is None else self.image_tokens_of(image)
             if count != want:
@@ -200,25 +202,40 @@ class VisionLM(CausalLM):
                                      image_token_id=self.image_token_id,
                                      merge=self.vision_config.spatial_merge_size)
 
+    def packed_mrope_positions(self, input_ids: torch.Tensor, seq_ids: torch.Tensor, images: Sequence) -> torch.Tensor:
+        """[3, 1, N] M-RoPE positions of packed rows (input_ids, seq_ids [1, N]; images[k]: row k's), each row's
+        from 0."""
+        lengths = torch.bincount(seq_ids[0], minlength=len(images)).tolist()
+        ids, parts, start = input_ids[0].tolist(), [], 0
+        for image, n in zip(images, lengths):
+            pos, _ = mrope_positions(ids[start:start + n], [] if image is None else list(image.grids),
+                                     image_token_id=self.image_token_id, merge=self.vision_config.spatial_merge_size)
+            parts.append(pos)
+            start += n
+        return torch.cat(parts, dim=1)[:, None].to(input_ids.device)
+
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache=None, *, images: Optional[Sequence] = None,
                 seq_ids=None, boundaries=None, routing=None) -> torch.Tensor:
         """input_ids [B, S] -> hidden [B, S, H]. images: per row None or its ImageInputs (None: a text batch, plain
         positions as given). With images, the positions are the rows' M-RoPE positions (position_ids is ignored);
-        packed rows (seq_ids) and a KV cache take no images."""
+        packed rows (seq_ids [1, N], images[k] the k-th row's) too. A KV cache takes no images (the engine prefills
+        them itself: prefill_inputs)."""
         if images is None or all(im is None for im in images):
             if bool((input_ids == self.image_token_id).any()):  # pixels lost on the way: never a silent text pass
                 raise ValueError("image placeholder tokens in the ids, but no images were given (its images give 0): "
                                  "the batch lost the pixels of its vision rows")
             return super().forward(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids,
                                    boundaries=boundaries, routing=routing)
-        if seq_ids is not None or kv_cache is not None:
-            raise ValueError("VisionLM.forward(images=...) runs padded rows without a KV cache; the rollout engine "
-                             "prefills images itself (prefill_inputs)")
-        embeds, deepstack = self.embed_with_images(input_ids, images)
-        positions = self.mrope_positions(input_ids, attention_mask, images)
+        if kv_cache is not None:
+            raise ValueError("VisionLM.forward(images=...) takes no KV cache; the rollout engine prefills images "
+                             "itself (prefill_inputs)")
+        embeds, deepstack = self.embed_with_images(input_ids, images, seq_ids)
+        positions = (self.mrope_positions(input_ids, attention_mask, images) if seq_ids is None
+                     else self.packed_mrope_positions(input_ids, seq_ids, images))
         after = None if deepstack is None else deepstack_adder(input_ids == self.image_token_id, deepstack)
-        return self.model(input_ids, positions, attention_mask, embeds=embeds, after_layer=after)
+        return self.model(input_ids, positions, attention_mask, seq_ids=seq_ids, boundaries=boundaries, embeds=embeds,
+                          after_layer=after)
 
     @torch.no_grad()
     def prefill_inputs(self, prompts: Sequence[Sequence[int]], images: Sequence) -> list:

@@ -201,10 +201,12 @@ def packed_micro_logprobs(model, packed: Packed, *, temperature: float, with_ent
                           graphs: Optional[TrainGraphs] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens of one packed micro-batch.  [b, R] each.
     graphs (ppo.train_graphs): the body's forward and backward as CUDA graph replays, where they can run."""
-    hidden = graphs.hidden(packed) if graphs is not None and routing is None else None  # [1, T >= N, H]
+    # The graphs replay the text decoder: rows with images take the model's own forward (their pixels, in row order).
+    vision = {} if packed.images is None else {"images": packed.images}
+    hidden = graphs.hidden(packed) if graphs is not None and routing is None and not vision else None  # [1, T >= N, H]
     if hidden is None:
         hidden = model(packed.input_ids, position_ids=packed.position_ids, seq_ids=packed.seq_ids,  # [1, N, H]
-                       boundaries=packed.boundaries, **_routing_kwargs(routing, packed.routed_experts, None))
+                       boundaries=packed.boundaries, **vision, **_routing_kwargs(routing, packed.routed_experts, None))
     sp = sequence_parallel(model)
     own = None if sp is None else sp.owned(hidden.shape[1], hidden.device)[packed.predict_index]  # [M]
     logp, ent = own_head_logprobs(model, hidden[0, packed.predict_index], packed.target_ids, own,
@@ -227,7 +229,7 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
     """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
     batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs."""
-    if packing and batch.images is None:  # rows with images: padded (M-RoPE positions are per row)
+    if packing:
         packed = pack_rows(batch, idx)
         logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy,
                                           routing=routing, keep_logits=keep_logits, graphs=graphs)
