@@ -47,6 +47,55 @@ def test_offloaded_inputs_give_exactly_the_resident_gradients(checkpointed):
     assert all(torch.equal(a, b) for a, b in zip(moved, resident))  # float32, exactly
 
 
+class _Recorder:
+    """Stand-ins for CUDA streams and events on the CPU, so that the CUDA branch's bookkeeping runs here."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        self.waits += 1
+
+    def record(self, stream=None):
+        pass
+
+
+def test_the_cuda_bookkeeping_keeps_two_in_flight_and_prefetches_in_backward_order(monkeypatch):
+    """The CUDA branch with the streams and events stood in for: after the forward only the last two inputs are
+    still held on the device (the others released once their copies were waited for), the backward takes those as
+    they are and fetches the rest one layer ahead, last to first; the gradients are the resident ones."""
+    import contextlib
+
+    compute = _Recorder()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Recorder)
+    model = _model(layers=5)
+    model.model.checkpoint_layers = 5
+    ids = torch.randint(0, 64, (2, 16))
+    resident = _grads(model, ids)
+    offload = ActivationOffload(torch.device("cpu"), in_flight=2)
+    offload.cuda, offload.pin, offload.stream = True, False, _Recorder()
+    fetched = []
+    fetch = offload._fetch
+    monkeypatch.setattr(offload, "_fetch", lambda s: (fetched.append(s.index), fetch(s)))
+    model.model.activation_offload = offload
+    model.zero_grad()
+    hidden = model(ids)
+    saved = offload.saved
+    assert [s.index for s in offload.pending] == [3, 4] and all(s.device is not None for s in offload.pending)
+    assert all(s.device is None and s.host is not None for s in saved[:3])  # copied, let go of
+    assert compute.waits == 3  # the compute stream waited for each released copy before reusing its memory
+    hidden.float().square().mean().backward()
+    assert fetched == [2, 1, 0]  # each fetched while the layer after it recomputed, none twice
+    assert all(s.device is None and s.fetched is None for s in saved) and not offload.pending
+    moved = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(moved, resident))
+
+
 def test_a_forward_without_grad_or_outside_training_moves_nothing():
     model = _model()
     model.model.checkpoint_layers = 4

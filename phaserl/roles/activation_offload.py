@@ -58,6 +58,7 @@ class ActivationOffload:
         self.device = torch.device(device)
         self.in_flight = in_flight
         self.cuda = self.device.type == "cuda"
+        self.pin = self.cuda  # host buffers in pinned memory (what makes the copies asynchronous)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.saved: list[_Saved] = []      # this forward's inputs, in forward order
         self.pending: list[_Saved] = []    # copies to host not yet waited for (at most in_flight)
@@ -86,7 +87,7 @@ class ActivationOffload:
             return s
         while len(self.pending) >= self.in_flight:
             self._release(self.pending.pop(0))
-        s.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        s.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
         s.device = t
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # t is computed before the copy reads it
