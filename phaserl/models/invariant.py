@@ -360,9 +360,15 @@ def _attention_exact(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: float
     return out.to(q.dtype)
 
 
-def _attention_default(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int]) -> Tensor:
-    """The same attention with torch's kernels (the backward of the exact one)."""
+def _attention_default(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: float, window: Optional[int],
+                       causal: bool = False) -> Tensor:
+    """The same attention with torch's kernels (the backward of the exact one). causal: qpos is 0..T-1 in every
+    row (the training layout), so without a window SDPA's causal kernel serves (no [T, L] mask)."""
     L, groups = k.shape[1], q.shape[2] // k.shape[2]
+    if causal and window is None:
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [n, heads, T|L, D]
+        kt, vt = kt.repeat_interleave(groups, dim=1), vt.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale).transpose(1, 2)
     key_pos = torch.arange(L, device=q.device)
     seen = key_pos[None, None, :] <= qpos[:, :, None]  # [n, T, L]
     if window is not None:
@@ -373,13 +379,14 @@ def _attention_default(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: flo
 
 
 def attention(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
-              window: Optional[int] = None) -> Tensor:
+              window: Optional[int] = None, causal: bool = False) -> Tensor:
     """Queries q [n, T, Hq, D] at positions qpos [n, T] over their sequence's keys k/v [n, L, Hkv, D], key j at
     position j -> [n, T, Hq, D]. scale None: D ** -0.5. The engine's decode, prefill and extend passes and the
-    trainer's forward (`Aligned`) all call this."""
+    trainer's forward (`Aligned`) all call this. causal: qpos is 0..T-1 in every row, T = L (the backward's
+    shortcut)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _exact(lambda q, k, v: _attention_exact(q, qpos, k, v, scale, window),
-                  lambda q, k, v: _attention_default(q, qpos, k, v, scale, window), q, k, v)
+                  lambda q, k, v: _attention_default(q, qpos, k, v, scale, window, causal), q, k, v)
 
 
 @dataclass(frozen=True)
@@ -423,5 +430,5 @@ class Aligned:
             return x.new_zeros(*shape, *x.shape[2:]).index_put((s, p), x[r])
 
         qpos = torch.arange(self.length, device=q.device).expand(shape)  # [n, L]
-        out = attention(lay(q), qpos, lay(k), lay(v), scale, self.window)  # [n, L, Hq, D]
+        out = attention(lay(q), qpos, lay(k), lay(v), scale, self.window, causal=True)  # [n, L, Hq, D]
         return q.new_zeros(q.shape).index_put((r.nonzero(as_tuple=True)), out[s, p])
