@@ -83,3 +83,21 @@ def test_a_batch_that_lost_its_pixels_is_an_error(model, batch):  # noqa: F811
 
     with pytest.raises(ValueError, match="no images were given"):
         batch_logprobs(model, replace(batch, images=[None] * 6), temperature=1.0, token_budget=64)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_rows_with_images_equal_the_padded_ones_in_bf16(model, batch):  # noqa: F811
+    # On CUDA in bf16 the packed micro-batch runs the varlen kernel (no mask): the rows' M-RoPE positions and pixels
+    # must give what the padded rows give.
+    import copy
+    from dataclasses import replace
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gpu = copy.deepcopy(model).cuda().to(torch.bfloat16)
+    on_gpu = replace(batch, **{k: getattr(batch, k).cuda() for k in ("input_ids", "attention_mask", "position_ids",
+                                                                    "response_mask", "rollout_logprobs", "loss_mask")})
+    padded = batch_logprobs(gpu, on_gpu, temperature=1.0, token_budget=64, packing=False)
+    packed = batch_logprobs(gpu, on_gpu, temperature=1.0, token_budget=64, packing=True)
+    mask = on_gpu.response_mask.bool()
+    torch.testing.assert_close(packed[mask], padded[mask], atol=5e-2, rtol=5e-2)
