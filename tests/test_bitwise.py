@@ -99,6 +99,15 @@ def test_gradients_are_the_default_kernels_gradients():
 
 
 # ----- the engine against the trainer's forward -----------------------------------------------------------
+# Gemma 4's text layout (tests/test_rollout_session.py's): global layers with 1 kv head of 16 whose values are the
+# keys, proportional RoPE, value norm, layer scalar, soft-capped logits.
+GEMMA4 = dict(head_dim=8, global_head_dim=16, global_kv_heads=1, attention_k_eq_v=True, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention"], local_rope_theta=100.0,
+              rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5}, layer_norms="sandwich",
+              norm_style="olmo2", v_norm=True, layer_scalar=True, hidden_act="gelu_pytorch_tanh", embed_scale=5.0,
+              query_pre_attn_scalar=1.0, final_logit_softcapping=5.0)
+
+
 def _families():
     base = dict(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128)
@@ -114,6 +123,8 @@ def _families():
             final_logit_softcapping=5.0, **base),
         "olmo2": DecoderConfig(model_type="olmo2", qk_norm=True, qk_norm_scope="projection", layer_norms="post",
                                norm_style="olmo2", **base),
+        "phi3": DecoderConfig(model_type="phi3", sliding_window=6, **base),
+        "gemma4-global-layers": DecoderConfig(model_type="gemma4_text", **{**base, **GEMMA4}),
     }
 
 
@@ -190,6 +201,35 @@ def test_without_the_mode_the_same_comparison_is_only_close():
                                   with_entropy=False)
     diff = ((logp - batch.rollout_logprobs[:, :mask.shape[1]]).abs() * mask).max()
     assert 0.0 < diff < 1e-4
+
+
+def test_multi_turn_sessions_extend_with_the_trainers_numbers():
+    """A conversation continued in its slot (the engine's extend pass over appended observations): every turn's
+    log-probs equal the trainer's forward over the whole conversation so far, bit for bit."""
+    from test_rollout_session import drive
+
+    from phaserl.roles.forward import head_logprobs
+
+    model = _model(_families()["qwen3"])
+    observations = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [None]}
+    with invariant.bitwise():
+        engine = RolloutEngine(model, EngineConfig(max_slots=3))
+        params = SamplingParams(max_new_tokens=5, temperature=0.9)
+        with engine.session(params, slot_len=48, eos_token_ids=[], generator=torch.Generator().manual_seed(0)) as s:
+            for key in (0, 1, 2):
+                s.start(key, PROMPTS[key], cap=5)
+            turns = drive(s, observations, {k: 5 for k in observations}, waiting=[3], prompt=PROMPTS)
+        worst = []
+        for key, obs in observations.items():
+            seq = list(PROMPTS[key])
+            for k, turn in enumerate(turns[key]):
+                with torch.no_grad():
+                    hidden = model(torch.tensor([seq + turn.token_ids]))[0, len(seq) - 1:-1]  # [R, H]
+                    logp, _ = head_logprobs(model, hidden, torch.tensor(turn.token_ids), temperature=0.9,
+                                            chunk_size=1024, with_entropy=False)
+                worst.append(float((logp - torch.tensor(turn.logprobs)).abs().max()))
+                seq += turn.token_ids + (obs[k] or [] if k < len(obs) else [])
+    assert len(worst) > 6 and max(worst) == 0.0, worst
 
 
 @pytest.mark.gpu
