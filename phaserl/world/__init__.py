@@ -6,6 +6,8 @@
     sft.py        supervised warm-start (loss on answer tokens only), greedy exact-match evaluation,
                   run_sft: the whole warm-start recipe from a random init
     build.py      prepare_tiny_world(): prompt files in a cache dir + the committed model's path
+    vision_task.py, vision_build.py   the vision world (`tiny_vision`): counting red squares in small pictures,
+                  a sloppy teacher, a warm-started tiny Qwen2.5-VL-shaped model (assets/vision-sft/; docs/vision.md)
 
 The committed model (phaserl/world/assets/tiny-sft/: a 2-layer Qwen2, 0.13 M parameters, 0.5 MB)
 imitates a teacher that forgets to carry, so its greedy held-out accuracy starts near 0.35, and a few
