@@ -147,9 +147,14 @@ def patch_layout(grids: list[tuple[int, int, int]], cfg: VisionConfig) -> PatchL
 
 
 class Groups(NamedTuple):
-    """Patches gathered per attention group, padded to the longest: index [G, L] (-1 = padding)."""
-    index: torch.Tensor     # [G, L]
-    valid: torch.Tensor     # [G, L] bool
+    """Patches gathered per attention group, padded to the longest group (L), planned once per forward on the host and
+    sent to the device once: every block reads them without a host sync."""
+    gather: torch.Tensor    # [G, L] the patch at each place of each group (padding: patch 0, masked out)
+    valid: torch.Tensor     # [G, L] bool: the place holds a patch of the group
+    cells: torch.Tensor     # [N] where each patch sits in the flattened [G * L] table
+
+    def to(self, device) -> "Groups":
+        return Groups(*(t.to(device) for t in self))
 
 
 def groups_of(ids: torch.Tensor) -> Groups:
@@ -159,21 +164,19 @@ def groups_of(ids: torch.Tensor) -> Groups:
     G, L = counts.numel(), int(counts.max())
     starts = torch.cumsum(counts, 0) - counts                         # [G]
     slot = torch.arange(ids.numel()) - starts[ids[order]]              # [N] place within its group
-    index = torch.full((G, L), -1, dtype=torch.long)
-    index[ids[order], slot] = order
-    return Groups(index, index >= 0)
+    gather = torch.zeros((G, L), dtype=torch.long)
+    valid = torch.zeros((G, L), dtype=torch.bool)
+    gather[ids[order], slot], valid[ids[order], slot] = order, True
+    cells = torch.empty_like(ids)
+    cells[order] = ids[order] * L + slot
+    return Groups(gather, valid, cells)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Bidirectional attention of each patch over the patches of its group. q, k, v [N, Hv, Dv] -> [N, Hv * Dv]."""
-    index, valid = groups.index.to(q.device), groups.valid.to(q.device)
-    gather = index.clamp(min=0)                                                    # [G, L]
-    qg, kg, vg = (x[gather].transpose(1, 2) for x in (q, k, v))                    # [G, Hv, L, Dv]
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid[:, None, None, :])  # [G, Hv, L, Dv]
-    out = out.transpose(1, 2).flatten(-2)                                          # [G, L, Hv * Dv]
-    flat = torch.empty(q.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)
-    flat[index[valid]] = out[valid]
-    return flat
+    qg, kg, vg = (x[groups.gather].transpose(1, 2) for x in (q, k, v))             # [G, Hv, L, Dv]
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=groups.valid[:, None, None, :])  # [G, Hv, L, Dv]
+    return out.transpose(1, 2).flatten(-2).flatten(0, 1)[groups.cells]            # [N, Hv * Dv]
 
 
 class PatchEmbed(nn.Module):
@@ -321,8 +324,8 @@ class VisionTower(nn.Module):
             raise ValueError(f"pixel_values has shape {tuple(pixels.shape)}, the image grids {list(grids)} imply "
                              f"({expected}, {cfg.patch_features}): the images were processed for another tower")
         layout = patch_layout(grids, cfg)
-        full = groups_of(layout.frames)
-        windowed = None if cfg.qwen3 else groups_of(layout.windows)
+        full = groups_of(layout.frames).to(pixels.device)
+        windowed = None if cfg.qwen3 else groups_of(layout.windows).to(pixels.device)
         cos, sin = self.rope(layout, pixels.device)
         x = self.patch_embed(pixels)  # [N, E]
         if cfg.qwen3:
