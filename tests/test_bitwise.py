@@ -192,6 +192,22 @@ def test_trainer_logprobs_equal_the_engines_bit_for_bit(family):
     assert max(diffs) == 0.0, diffs
 
 
+@pytest.mark.slow
+def test_every_native_family_loaded_from_a_transformers_checkpoint_is_exact(tmp_path):
+    """The model-coverage configs (tests/test_model_families.py: sliding windows, Gemma 3/4 local and global layers,
+    Gemma 4's per-layer inputs and shared keys/values, OLMo 2, Phi-3's fused projections), each saved by
+    transformers and loaded natively: engine and trainer agree exactly."""
+    import transformers
+    from _hf_pairs import randomize
+    from test_model_families import family_configs
+
+    from phaserl.models import load_pretrained
+
+    for name, hf_config in family_configs():
+        randomize(transformers.AutoModelForCausalLM.from_config(hf_config)).save_pretrained(tmp_path / name)
+        assert max(_trainer_vs_engine(load_pretrained(tmp_path / name).eval())) == 0.0, name
+
+
 def test_without_the_mode_the_same_comparison_is_only_close():
     """The test above can fail: with the default kernels the packed forward's bits differ from the engine's."""
     model = _model(_families()["qwen2"])
