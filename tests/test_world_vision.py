@@ -90,3 +90,19 @@ def test_the_doctor_mismatch_probe_samples_with_the_pixels(monkeypatch):
     assert len(seen) >= 2 and all(im is not None for im in seen[0])
     mean = float(re.search(r"\|Δ log p\| mean (\S+)", result.message).group(1))
     assert mean < 1e-5, result.message
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_model_vision_trainable_trains_the_tower_beside_lora(lora):
+    from phaserl.config.load import load_config
+    from phaserl.trainer.build import build_roles
+
+    def tower_trainable(overrides):
+        cfg = load_config(EXAMPLE, ["trainer.device=cpu", f"actor.lora.rank={lora}", *overrides])
+        model = build_roles(cfg).actor.model
+        adapted = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
+        assert all(n.startswith("model.") for n in adapted) and bool(adapted) == bool(lora)
+        return {p.requires_grad for p in model.visual.parameters()}
+
+    assert tower_trainable([]) == {False}
+    assert tower_trainable(["model.vision_trainable=true"]) == {True}
