@@ -250,7 +250,8 @@ def test_multi_turn_sessions_extend_with_the_trainers_numbers():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_triton_kernels_are_batch_invariant_and_close_to_torch(dtype):
+@pytest.mark.parametrize("D", [64, 512])
+def test_gpu_triton_kernels_are_batch_invariant_and_close_to_torch(dtype, D):
     """On a GPU the matmul and the attention are invariant_triton's fixed-tile kernels: a row's bits do not depend
     on the row count, a decode query equals its training row, and both are torch's numbers within rounding."""
     from phaserl.models import invariant_triton
@@ -265,16 +266,17 @@ def test_gpu_triton_kernels_are_batch_invariant_and_close_to_torch(dtype):
         assert torch.equal(invariant.matmul(x[idx], w), whole[idx]), idx
     torch.testing.assert_close(whole, (x.float() @ w.float().T), atol=0.05 if dtype != torch.float32 else 1e-3,
                                rtol=1e-2)
-    L, Hq, Hkv, D = 300, 14, 2, 64
+    L, Hq, Hkv = 300, 14, 2
     q = torch.randn(1, L, Hq, D, generator=g, device="cuda").to(dtype)
     k, v = (torch.randn(1, L, Hkv, D, generator=g, device="cuda").to(dtype) for _ in range(2))
     pos = torch.arange(L, device="cuda")[None]
-    alone = invariant.attention(q, pos, k, v, 0.125, None)
-    for t in (0, 31, 32, 200, L - 1):
-        step = invariant.attention(q[:, t:t + 1], torch.tensor([[t]], device="cuda"), k, v, 0.125, None)
-        assert torch.equal(step[0, 0], alone[0, t]), t
-    torch.testing.assert_close(alone.float(), invariant._attention_default(q, pos, k, v, 0.125, None).float(),
-                               atol=0.02, rtol=0.02)
+    for window in (None, 100):
+        alone = invariant.attention(q, pos, k, v, 0.125, window)
+        for t in (0, 31, 32, 200, L - 1):
+            step = invariant.attention(q[:, t:t + 1], torch.tensor([[t]], device="cuda"), k, v, 0.125, window)
+            assert torch.equal(step[0, 0], alone[0, t]), (window, t)
+        torch.testing.assert_close(alone.float(), invariant._attention_default(q, pos, k, v, 0.125, window).float(),
+                                   atol=0.02, rtol=0.02)
 
 
 @pytest.mark.gpu

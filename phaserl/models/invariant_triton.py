@@ -30,6 +30,13 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: how the kernels are tested here
 BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
 BLOCK_Q, BLOCK_KEYS, ATTENTION_WARPS = 32, 32, 4
+WIDE_HEAD, WIDE_BLOCK = 256, 16  # heads wider than this (Gemma 4's 512) take 16 x 16 blocks: the tiles fit on chip
+
+
+def attention_blocks(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_KEYS) for a head width: a function of the layer alone, so every pass over it (decode,
+    prefill, extend, training) takes the same blocks."""
+    return (BLOCK_Q, BLOCK_KEYS) if head_dim <= WIDE_HEAD else (WIDE_BLOCK, WIDE_BLOCK)
 
 
 def available(device: torch.device) -> bool:
@@ -212,11 +219,12 @@ def attention(q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if n == 0 or T == 0:
         return out
     BD = max(16, triton.next_power_of_2(D))
-    grid = (n, triton.cdiv(T, BLOCK_Q), Hq)
+    block_q, block_keys = attention_blocks(D)
+    grid = (n, triton.cdiv(T, block_q), Hq)
     _attention_kernel[grid](q, qpos, k, v, out, T, L, float(scale), int(window or 0),
                             q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), qpos.stride(1),
                             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                             out.stride(0), out.stride(1), out.stride(2),
-                            GROUP=Hq // Hkv, D=D, BD=BD, BQ=BLOCK_Q, BKEYS=BLOCK_KEYS, WINDOW=window is not None,
+                            GROUP=Hq // Hkv, D=D, BD=BD, BQ=block_q, BKEYS=block_keys, WINDOW=window is not None,
                             IEEE=q.dtype == torch.float32, num_warps=ATTENTION_WARPS)
     return out
