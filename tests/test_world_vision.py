@@ -8,6 +8,7 @@ import pytest
 from phaserl.data import load_prompt_rows
 from phaserl.models import load_pretrained
 from phaserl.models.qwen_vl import VisionLM
+from phaserl.world import prepare_tiny_world
 from phaserl.world.vision_build import NUM_VAL, greedy_counts, prepare_vision_world, prompt_ids, scenes, world_processor
 from phaserl.world.vision_task import build_vision_tokenizer, make_scene
 
@@ -106,3 +107,21 @@ def test_model_vision_trainable_trains_the_tower_beside_lora(lora):
 
     assert tower_trainable([]) == {False}
     assert tower_trainable(["model.vision_trainable=true"]) == {True}
+
+
+def test_image_rows_in_settings_that_cannot_carry_them_are_refused():
+    from phaserl.config.load import load_config
+    from phaserl.errors import ConfigError
+    from phaserl.trainer.build import _prompt_dataset
+
+    world = prepare_vision_world()
+    model, tokenizer = load_pretrained(world.model_dir), build_vision_tokenizer()
+    for key, value, message in (("rollout", ("max_staleness", 1), "asynchronous stream"),
+                                ("agent", ("env", "env.py:Env"), "multi-turn episodes")):
+        cfg = load_config(EXAMPLE)
+        setattr(getattr(cfg, key), *value)
+        with pytest.raises(ConfigError, match=message):
+            _prompt_dataset(cfg, [world.val_file], "val", tokenizer, model)
+    text_model = load_pretrained(prepare_tiny_world().model_dir)  # a text policy given image rows
+    with pytest.raises(Exception, match="the policy is a text model"):
+        _prompt_dataset(load_config(EXAMPLE), [world.val_file], "val", tokenizer, text_model)

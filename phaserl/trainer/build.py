@@ -378,6 +378,9 @@ def _prompt_dataset(cfg: Config, files: list[str], split: str, tokenizer, model=
         if cfg.rollout.max_staleness:
             raise ConfigError("rollout.max_staleness >= 1 (the asynchronous stream) does not take prompts with images "
                               "yet; set rollout.max_staleness=0 for a vision-language model")
+        if cfg.agent.env or cfg.agent.harness:
+            raise ConfigError("multi-turn episodes (agent.env / agent.harness) do not take images yet: a "
+                              "vision-language policy trains on single-turn rows (docs/vision.md)")
         processor = processor_for(model.vision_config, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
         return build_vision_dataset(rows, tokenizer, processor, merge_size=model.vision_config.spatial_merge_size,
                                     max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,
