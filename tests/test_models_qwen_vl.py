@@ -144,8 +144,10 @@ def test_a_placeholder_count_that_differs_from_the_processors_is_an_error(pair):
     short[1, short[1].tolist().index(IMAGE)] = 7  # one placeholder fewer in row 1
     with pytest.raises(ValueError, match="row 1 holds 11 image placeholder tokens, its images give 12"):
         ours(short, attention_mask=mask, images=images)
-    with pytest.raises(ValueError, match="needs 6 placeholder tokens"):
+    with pytest.raises(ValueError, match="needs 6 placeholder tokens, the ids hold a run of 2"):
         mrope_positions([START, IMAGE, IMAGE, END], [(1, 4, 6)], image_token_id=IMAGE, merge=MERGE)
+    with pytest.raises(ValueError, match="hold 3 image placeholder tokens, the 1 image"):
+        mrope_positions([IMAGE, IMAGE, 5, IMAGE], [(1, 2, 4)], image_token_id=IMAGE, merge=MERGE)
 
 
 def test_text_positions_after_an_image_continue_from_its_largest_position():

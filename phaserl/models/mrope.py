@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from phaserl.models.rope import RotaryEmbedding
@@ -27,36 +28,38 @@ def mrope_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *
                     merge: int) -> tuple[torch.Tensor, int]:
     """(positions [3, L] int64, delta) of one row's real tokens `ids` whose images have processor grids `grids`
     (in order). Each image's placeholder run must hold exactly t * h * w / merge^2 tokens: a mismatch between the
-    ids and the images is a ValueError, never shifted positions."""
-    ids = torch.as_tensor(list(ids), dtype=torch.long)
-    is_image = (ids == image_token_id).tolist()
-    out = torch.empty(3, len(is_image), dtype=torch.long)
-    cur, i, image = 0, 0, 0
-    while i < len(is_image):
-        if not is_image[i]:
-            j = i
-            while j < len(is_image) and not is_image[j]:
-                j += 1
-            out[:, i:j] = torch.arange(cur, cur + j - i)
-            cur, i = cur + j - i, j
-            continue
-        if image >= len(grids):
-            raise ValueError(f"the ids hold more image placeholder runs than the {len(grids)} image(s) given")
-        t, h, w = grids[image]
+    ids and the images is a ValueError, never shifted positions. Vectorized over tokens (numpy), a loop over images:
+    the trainer computes it for every row of every micro-batch."""
+    ids = np.asarray(list(ids), dtype=np.int64)
+    L = len(ids)
+    where = np.flatnonzero(ids == image_token_id)  # [n_all] the placeholder tokens
+    images, used = [], 0  # (first token, tokens, t, rows, columns) per image
+    for k, (t, h, w) in enumerate(grids):
         hm, wm = h // merge, w // merge
         n = t * hm * wm
-        if i + n > len(is_image) or not all(is_image[i:i + n]):
-            run = next((k for k in range(i, len(is_image)) if not is_image[k]), len(is_image)) - i
-            raise ValueError(f"image {image} (grid {t}x{h}x{w}) needs {n} placeholder tokens, the ids hold a run of "
+        if used + n > len(where) or where[used + n - 1] - where[used] != n - 1:
+            rest = where[used:]
+            breaks = np.flatnonzero(np.diff(rest) != 1)  # the placeholder run at `used` ends at its first break
+            run = int(breaks[0]) + 1 if len(breaks) else len(rest)
+            raise ValueError(f"image {k} (grid {t}x{h}x{w}) needs {n} placeholder tokens, the ids hold a run of "
                              f"{run}: the ids and the images did not come from one processor call")
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(hm), torch.arange(wm), indexing="ij"))
-        out[:, i:i + n] = cur + grid.reshape(3, -1)  # [3, n]: (t, row, column) from the image's start
-        cur += max(hm, wm)  # transformers' rule for still images: the text resumes after the longer side
-        i, image = i + n, image + 1
-    if image != len(grids):
-        raise ValueError(f"{len(grids)} image(s) given but the ids hold placeholders for {image}")
-    last = int(out.max()) + 1 if out.numel() else 0
-    return out, last - len(is_image)
+        images.append((int(where[used]), n, t, hm, wm))
+        used += n
+    if used != len(where):
+        raise ValueError(f"the ids hold {len(where)} image placeholder tokens, the {len(grids)} image(s) given need "
+                         f"{used}: the ids and the images did not come from one processor call")
+    # Text positions count up; an image of n tokens spans max(rows, columns) positions (transformers' rule for still
+    # images), so the text after it is shifted by that minus n.
+    shift = np.zeros(L + 1, dtype=np.int64)
+    for first, n, _, hm, wm in images:
+        shift[first + n] += max(hm, wm) - n
+    text = np.arange(L) + np.cumsum(shift[:L])  # [L]
+    out = np.repeat(text[None], 3, axis=0)  # [3, L]
+    for first, n, t, hm, wm in images:
+        grid = np.stack(np.meshgrid(np.arange(t), np.arange(hm), np.arange(wm), indexing="ij")).reshape(3, -1)
+        out[:, first:first + n] = text[first] + grid  # [3, n]: (t, row, column) from the image's start
+    last = int(out.max()) + 1 if L else 0
+    return torch.from_numpy(out), last - L
 
 
 def batch_mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, grids: list[Optional[list]], *,
