@@ -198,10 +198,10 @@ def test_every_native_family_loaded_from_a_transformers_checkpoint_is_exact(tmp_
     Gemma 4's per-layer inputs and shared keys/values, OLMo 2, Phi-3's fused projections), each saved by
     transformers and loaded natively: engine and trainer agree exactly."""
     import transformers
-    from _hf_pairs import randomize
-    from test_model_families import family_configs
 
+    from _hf_pairs import randomize
     from phaserl.models import load_pretrained
+    from test_model_families import family_configs
 
     for name, hf_config in family_configs():
         randomize(transformers.AutoModelForCausalLM.from_config(hf_config)).save_pretrained(tmp_path / name)
@@ -222,9 +222,8 @@ def test_without_the_mode_the_same_comparison_is_only_close():
 def test_multi_turn_sessions_extend_with_the_trainers_numbers():
     """A conversation continued in its slot (the engine's extend pass over appended observations): every turn's
     log-probs equal the trainer's forward over the whole conversation so far, bit for bit."""
-    from test_rollout_session import drive
-
     from phaserl.roles.forward import head_logprobs
+    from test_rollout_session import drive
 
     model = _model(_families()["qwen3"])
     observations = {0: [[30, 31], [32]], 1: [[33, 34, 35], None], 2: [[], [36, 37]], 3: [None]}

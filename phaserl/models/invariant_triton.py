@@ -1,4 +1,4 @@
-"""The bitwise mode's matmul, attention, RMSNorm and log-sum-exp as Triton kernels with one fixed configuration (the GPU's fast path).
+"""The bitwise mode's matmul, attention, RMSNorm and log-sum-exp as Triton kernels of one fixed configuration.
 
 invariant.py's torch versions are exact by construction but memory-bound; on a GPU these kernels replace them
 (invariant.matmul, .attention, .rms_norm and .logsumexp call them when `available`). What keeps them batch-invariant:
