@@ -97,3 +97,24 @@ def test_gpu_float16_learns_the_tiny_task_like_bfloat16(tmp_path):
         scores[dtype] = (vals[0][key], vals[-1][key])
     (_, b1), (f0, f1) = scores["bfloat16"], scores["float16"]
     assert f1 > f0 + 0.2 and f1 > b1 - 0.15, scores
+
+
+@pytest.mark.slow
+def test_a_float16_run_saves_and_resumes(tmp_path):
+    """The float32 masters' AdamW moments go into the checkpoint as the optimizer's state (the offloaded AdamW's
+    layout); a resumed run continues from it, its masters remade from the loaded float16 weights."""
+    from phaserl.trainer import RLTrainer
+
+    base = make_run_dir(str(tmp_path)) + ["trainer.loggers=[jsonl]", "data.val_files=[]", "model.dtype=float16",
+                                          "trainer.save_interval=1"]
+    first = RLTrainer.from_config(load_config(None, base + ["trainer.total_steps=1"]))
+    first.fit()
+    saved = first.actor.optimizer.opt.state[first.actor.optimizer.half.weights[0]]
+    again = RLTrainer.from_config(load_config(None, base + ["trainer.total_steps=2"]))
+    again.fit()
+    lines = [json.loads(raw) for raw in open(os.path.join(tmp_path, "logs", "metrics.jsonl"))]
+    assert [line["step"] for line in lines][-1] == 2
+    opt = again.actor.optimizer
+    assert opt.half is not None and saved["exp_avg_sq"].dtype == torch.float32
+    for p, w in zip(opt.params, opt.half.weights):
+        assert torch.equal(p.detach(), w.detach().half())
