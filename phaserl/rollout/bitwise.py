@@ -5,7 +5,8 @@ log-prob equals the one the trainer's forward computes, bit for bit.
   cached_attention    the decode step's: write each row's new k/v at its position, attend over its slot
   prefill_attention   torch's scaled_dot_product_attention's signature, for the prefill pass's call
   extend_attention    an extend pass's: write the new tokens' k/v, attend over each row's slot
-  sample_tokens       torch_path.sample_tokens' draw, its log-prob from invariant.logprobs_of
+  sample_tokens       torch_path.sample_tokens' draw, its log-prob from invariant.logprobs_of (fast_sample: the
+                      Triton sampler's draw where it runs)
 A slot's position p holds the key of the sequence's token at position p, which is exactly the layout
 invariant.attention reads (keys past a query's own weigh 0), so no copy into another layout is needed.
 Not here: the kernels (models/invariant.py), choosing these functions (runner.layer_fns).
@@ -21,7 +22,7 @@ import torch
 
 from phaserl.models import invariant
 from phaserl.models.layers import post_attention, pre_attention, rms_norm
-from phaserl.rollout import torch_path
+from phaserl.rollout import kernels, torch_path
 from phaserl.rollout.runner import LayerFns
 
 Tensor = torch.Tensor
@@ -72,7 +73,22 @@ def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, tempera
     return tokens, invariant.logprobs_of(invariant.scaled(logits, temperature), tokens)
 
 
+def fast_sample(logits: Tensor, seed: Tensor, keys: Tensor, at: Tensor, greedy: bool,
+                temperature: float) -> tuple[Tensor, Tensor]:
+    """kernels.sample's draw (no top-k/top-p; where Triton runs), the log-prob as sample_tokens gives it."""
+    tokens, _ = kernels.sample(logits, seed, keys, at, greedy, temperature)
+    return tokens, invariant.logprobs_of(invariant.scaled(logits, temperature), tokens)
+
+
 # The runner's functions in bitwise mode: the layer math dispatches to the invariant kernels itself (layers.py);
-# no fused sampler (its log-prob is the Triton kernel's), no compile (it may fuse a product into an FMA).
+# no compile (it may fuse a product into an FMA). Where Triton runs, the draws and their noise are the Triton
+# sampler's (`on_device`), the log-probs always invariant.logprobs_of's.
 FNS = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None,
                prefill=prefill_attention)
+
+
+def on_device(device) -> LayerFns:
+    """FNS for a runner on `device`."""
+    if kernels.available(device):
+        return FNS._replace(fast_sample=fast_sample, noise=kernels.keyed_noise)
+    return FNS

@@ -154,9 +154,9 @@ def layer_fns(device: torch.device, compile: bool) -> LayerFns:
     """The functions a runner uses: compiled or eager, with the Triton kernels wherever they run; in the bitwise
     numerics mode the batch-invariant ones (rollout/bitwise.py), whatever `compile` says."""
     if invariant.enabled():
-        from phaserl.rollout.bitwise import FNS
+        from phaserl.rollout.bitwise import on_device
 
-        return FNS
+        return on_device(device)
     fns = compiled_fns() if compile else EAGER
     if kernels.available(device):
         fns = fns._replace(attend=kernels.decode_attention, fast_sample=kernels.sample, noise=kernels.keyed_noise)
