@@ -202,7 +202,7 @@ def _bitwise_errors(cfg: Config) -> list[str]:
     training graphs (padded shapes), adapters (the engine merges them, the trainer does not)."""
     if not cfg.rollout.bitwise:
         return []
-    why = "rollout.bitwise = true computes with phaserl's batch-invariant kernels on both sides"
+    why = "rollout.bitwise = true (phaserl's batch-invariant kernels on both sides)"
     refused = [(cfg.model.implementation == "transformers", "model.implementation = transformers",
                 "model.implementation = auto or native"),
                (cfg.rollout.engine == "hf", "rollout.engine = hf", "rollout.engine = auto or builtin"),
