@@ -132,7 +132,7 @@ def test_an_async_run_trains_on_tokens_at_most_k_versions_behind_and_records_the
         return update(train)
     trainer.update = spy
     trainer.fit()
-    assert trainer.actor.loss.correction.keywords["mode"] == "decoupled"   # auto with max_staleness >= 1
+    assert trainer.actor.loss.correction.keywords["mode"] == "tis"   # auto with max_staleness >= 1
     lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     behind = []
@@ -195,7 +195,7 @@ def test_async_agent_episodes_carry_over_phases_and_their_observations_have_no_v
 
 @pytest.mark.parametrize("overrides, status, words", [
     ([], "OK", "synchronous"),
-    (["rollout.max_staleness=1"], "OK", "correction: decoupled"),
+    (["rollout.max_staleness=1"], "OK", "correction: tis"),
     (["rollout.max_staleness=1", "algorithm.rollout_correction=none"], "WARN", "rollout_correction=none"),
     (["rollout.max_staleness=4", "actor.optim.lr=1e-5"], "WARN", "lower k or the learning rate"),
 ])

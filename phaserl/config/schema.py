@@ -188,7 +188,7 @@ class AlgorithmConfig:
                                            "loss: tis (truncated IS), icepop, masked_is, seq_mask (geometric mean), "
                                            "decoupled (decoupled PPO: the proximal policy is the weights before the "
                                            "update, tokens whose behaviour weight passes the cap masked); auto = "
-                                           "decoupled with rollout.max_staleness >= 1, else none",
+                                           "tis with rollout.max_staleness >= 1, else none",
                                    choices=["auto", "none", "tis", "icepop", "masked_is", "seq_mask", "decoupled"])
     rollout_correction_cap: float = spec(2.0, "C of the correction: TIS's cap, the masks' band [1/C, C]", min=1.0)
     dynamic_sampling: bool = spec(False, "DAPO: drop groups whose rewards are all equal and sample more prompts "

@@ -514,9 +514,11 @@ def check_context_length(cfg: Config, max_position_embeddings: int, source: str)
 
 
 def rollout_correction_mode(cfg) -> str:
-    """algorithm.rollout_correction as it runs: auto is `decoupled` when the rollout is asynchronous (its tokens were
-    sampled by older weights: decoupled PPO weighs each by proximal / behaviour), else none."""
+    """algorithm.rollout_correction as it runs: auto is `tis` when the rollout is asynchronous (its tokens were
+    sampled by older weights: each weighed by proximal / behaviour, truncated at the cap), else none. TIS, not
+    decoupled PPO's masking: on the tiny worlds (6 seeds, docs/async.md) masking the tokens past the cap lost up to
+    0.17 of held-out score at k = 2, truncating them lost at most 0.01."""
     mode = cfg.algorithm.rollout_correction
     if mode == "auto":
-        return "decoupled" if cfg.rollout.max_staleness > 0 else "none"
+        return "tis" if cfg.rollout.max_staleness > 0 else "none"
     return mode

@@ -34,7 +34,7 @@ def check_rollout_mode(ctx: Context) -> CheckResult:
     warnings = []
     if mode == "none":
         warnings.append("algorithm.rollout_correction=none: the update treats tokens of older policies as its own "
-                        "(set auto or decoupled)")
+                        "(set auto, tis or decoupled)")
     if k >= 2 and k * lr > DRIFT_WARN:
         warnings.append(f"rollout.max_staleness={k} at actor.optim.lr={lr:g}: tokens up to {k} updates old at this "
                         f"learning rate (k x lr = {k * lr:.2g} > {DRIFT_WARN:g}); learning parity with the synchronous "
