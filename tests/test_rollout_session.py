@@ -110,6 +110,35 @@ def test_resumed_sequences_move_down_into_parked_slots_and_continue_exactly():
         torch.testing.assert_close(torch.tensor(second[key].logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_a_resumed_sequence_stays_in_its_slot_when_moving_would_not_shrink_the_steps():
+    """No KV moves that do not pay: with a sequence decoding in the top slot the steps span every slot wherever the
+    resumed one sits, so it continues in its own slot (no swap) and its turn is still the whole conversation's.
+    Alone above a parked slot, moving down halves the steps: then it moves."""
+    model = tiny_model()
+    engine = RolloutEngine(model, EngineConfig(max_slots=4))
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    with engine.session(params, slot_len=64, eos_token_ids=[]) as s:
+        for key in range(3):
+            s.start(key, PROMPTS[key], cap=2)  # slots 0-2
+        s.start("busy", PROMPTS[3], cap=16)   # slot 3: decodes on
+        first = {}
+        while len(first) < 3:
+            first.update({t.key: t for t in s.step()})
+        s.extend(2, [20], cap=3)
+        second = {}
+        while 2 not in second:
+            second.update({t.key: t for t in s.step()})
+        assert s.live[2].slot == 2 and s.stats.swaps == 0
+        while "busy" not in second:
+            second.update({t.key: t for t in s.step()})
+        s.extend(1, [21], cap=3)  # now alone above a parked slot: the steps halve (2 rows -> 1), so it moves down
+        while 1 not in second:
+            second.update({t.key: t for t in s.step()})
+        assert s.stats.swaps == 1 and s.live[1].slot == 0 and s.live[0].slot == 1
+    for key, obs in ((2, 20), (1, 21)):
+        assert second[key].token_ids == greedy_reference(model, list(PROMPTS[key]) + first[key].token_ids + [obs], 3)
+
+
 def test_sampled_continuations_report_the_full_forward_logprobs():
     model = tiny_model()
     engine = RolloutEngine(model)
@@ -209,7 +238,7 @@ def test_a_parked_sequence_moved_up_by_a_resumed_one_keeps_its_kv(make):
     one's slot and the two exchange KV; the parked one's new slot kept the resumed one's old decode state
     (finished, at the resumed one's shorter position), and every decode step that spans it wrote that token's KV
     into the parked sequence's context; Qwen3.5's recurrent state did not move at all. Its next turn must still be
-    what the whole conversation gives."""
+    what the whole conversation gives. (The move halves the steps' rows, so the session makes it: _pack's rule.)"""
     model = make()
     engine = RolloutEngine(model, EngineConfig(max_slots=3))
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -217,13 +246,13 @@ def test_a_parked_sequence_moved_up_by_a_resumed_one_keeps_its_kv(make):
     with engine.session(params, slot_len=64, eos_token_ids=[]) as s:
         s.start("long", long, cap=2)   # slot 0
         s.start("short", short, cap=2)  # slot 1
-        s.start("busy", PROMPTS[0], cap=12)  # slot 2: decodes on, so the steps span slots 0-2
         first = {}
         while len(first) < 2:
             first.update({t.key: t for t in s.step()})
         s.extend("short", [20], cap=2)  # moves down into slot 0 at the next step; "long" goes up to slot 1
         ended = {t.key: t for t in s.step()}
         assert s.live["short"].slot == 0 and s.live["long"].slot == 1
+        s.start("busy", PROMPTS[0], cap=12)  # slot 2: decodes on, so the steps span slots 0-2
         while "busy" not in ended:  # steps over slot 1 while "long" waits there
             ended.update({t.key: t for t in s.step()})
         s.extend("long", [21], cap=4)

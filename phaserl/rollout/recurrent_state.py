@@ -230,6 +230,4 @@ class HybridRunner(ModelRunner):
         """ModelRunner.swap_slots, and the pairs' recurrent states exchanged with their KV (a parked sequence resumes
         from its own state in its new slot)."""
         super().swap_slots(pairs, chunk)
-        a, b = zip(*pairs)
-        src, dst = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
-        self.recurrent.move(src, dst)  # the right side is gathered first: a true exchange
+        self.recurrent.move(*self._exchange_index(pairs, chunk))  # the right side is gathered first: an exchange

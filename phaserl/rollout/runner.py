@@ -574,18 +574,30 @@ class ModelRunner:
         sequence takes everything of its slot along, its noise key (SlotState.key) too. The state must go with the
         KV: a finished slot's decode steps write its last token's KV at its own position, which must be the
         position of the sequence whose KV sits there (a parked sequence's context was overwritten otherwise; fixed
-        2026-12-02). In chunks, so the gathered copy stays small."""
+        2026-12-02). One index copy to the device for all pairs, the decode state exchanged in one go; the KV and
+        routes in chunks of `chunk` pairs, so the gathered copy stays small."""
+        src, dst = self._exchange_index(pairs, chunk)  # [2k] each: chunk by chunk, its a's then its b's
         groups = self.pool.slot_rows(self.layout[0], self.layout[1])  # per width group [Lg, 2, slots, S * width]
+        for i in range(0, len(src), 2 * chunk):
+            into, take = dst[i:i + 2 * chunk], src[i:i + 2 * chunk]
+            for rows in groups:
+                rows[:, :, into] = rows[:, :, take]  # the right side is gathered first: a true exchange
+            if self.routes is not None:  # MoE: the experts recorded at each position travel with the KV
+                self.routes[into] = self.routes[take]
+        self.state.exchange(src, dst)
+        if self.rope_shift is not None:
+            self.rope_shift[dst] = self.rope_shift[src]
+
+    def _exchange_index(self, pairs: list[tuple[int, int]], chunk: int) -> tuple[Tensor, Tensor]:
+        """(src, dst) [2k] on the device for exchanging slot pairs (a, b), laid out chunk by chunk (a chunk's a's
+        then its b's: every slice of 2 * chunk is an exchange of its own), in one host-to-device copy."""
+        src, dst = [], []
         for i in range(0, len(pairs), chunk):
             a, b = zip(*pairs[i:i + chunk])
-            src, dst = torch.tensor(a + b, device=self.device), torch.tensor(b + a, device=self.device)
-            for rows in groups:
-                rows[:, :, dst] = rows[:, :, src]  # the right side is gathered first: a true exchange
-            self.state.exchange(src, dst)
-            if self.rope_shift is not None:
-                self.rope_shift[dst] = self.rope_shift[src]
-            if self.routes is not None:  # MoE: the experts recorded at each position travel with the KV
-                self.routes[dst] = self.routes[src]
+            src += a + b
+            dst += b + a
+        index = torch.tensor([src, dst], dtype=torch.long)  # [2, 2k]
+        return tuple(index.to(self.device, non_blocking=True))
 
     def collect(self, slots: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [k, N+1], logprobs [k, N+1], lengths [k]) of finished slots, gathered on the device."""
