@@ -160,7 +160,10 @@ def linear(x: Tensor, w, bias: Optional[Tensor] = None, residual: Optional[Tenso
     bias = own_bias if bias is None else bias
 
     def exact(x, weight, bias):
-        y = matmul(x.reshape(-1, x.shape[-1]), weight).to(x.dtype).view(*x.shape[:-1], -1)
+        rows = x.reshape(-1, x.shape[-1])  # [N, K]
+        if invariant_triton.available(x.device) and x.dtype != torch.float64:  # one launch, the same rounding
+            return invariant_triton.matmul(rows, weight.to(x.dtype), bias, x.dtype).view(*x.shape[:-1], -1)
+        y = matmul(rows, weight).to(x.dtype).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
     y = _exact(exact, F.linear, x, weight, bias)

@@ -92,9 +92,10 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, out_ptr, N, M, K, x_sn, w_sm, o_sn, IEEE: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """out [N, M] float32 = x [N, K] @ w [M, K].T, one (BM, BN) tile per program, K from 0 in BK steps."""
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, M, K, x_sn, w_sm, o_sn, IEEE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """out [N, M] = x [N, K] @ w [M, K].T, one (BM, BN) tile per program, K from 0 in BK steps, accumulated in
+        float32 and rounded to out's dtype; with a bias, + b [M] after that rounding (rounded again)."""
         rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
         r_ok, c_ok = rows < N, cols < M
@@ -108,7 +109,11 @@ if HAVE_TRITON:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        tl.store(out_ptr + rows[:, None] * o_sn + cols[None, :], acc, mask=r_ok[:, None] & c_ok[None, :])
+        out = acc.to(out_ptr.dtype.element_ty)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + cols, mask=c_ok, other=0.0)
+            out = (out.to(tl.float32) + b.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * o_sn + cols[None, :], out, mask=r_ok[:, None] & c_ok[None, :])
 
     @triton.jit
     def _attention_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, out_ptr, T, L, scale, window,
@@ -189,18 +194,20 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
     return out.view(shape[:-1])
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, K] @ w [M, K].T -> [N, M] float32, batch-invariant (see the module docstring)."""
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [N, K] @ w [M, K].T -> [N, M] in out_dtype (+ bias [M] after that rounding), batch-invariant (see the module
+    docstring): invariant.linear's `matmul(x, w).to(dtype) + bias` in one launch."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     N, K = x.shape
     M = w.shape[0]
-    out = torch.empty(N, M, dtype=torch.float32, device=x.device)
+    out = torch.empty(N, M, dtype=out_dtype, device=x.device)
     if N == 0 or M == 0:
         return out
     grid = (triton.cdiv(N, BLOCK_M), triton.cdiv(M, BLOCK_N))
-    _matmul_kernel[grid](x, w, out, N, M, K, x.stride(0), w.stride(0), out.stride(0),
-                         IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+    _matmul_kernel[grid](x, w, x if bias is None else bias, out, N, M, K, x.stride(0), w.stride(0), out.stride(0),
+                         IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
                          num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
     return out
 
