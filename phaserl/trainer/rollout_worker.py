@@ -76,6 +76,7 @@ class RolloutWorker:
         from . import build
 
         r = cfg.rollout
+        build.set_numerics(r.bitwise, roles.actor.model)  # the trainer ranks' kernels (rollout.bitwise)
         roles.actor.configure_rollout(r.engine, EngineConfig(
             max_slots=r.engine_max_slots, memory_fraction=r.engine_memory_fraction, cuda_graphs=r.engine_cuda_graphs,
             max_seq_tokens=sequence_tokens(cfg)))
