@@ -12,12 +12,14 @@ the KV slots or the trainer's whole-sequence forward. The rules that make it so,
     inside a block, a left fold over blocks. Keys past a query's position weigh exactly 0, so a decode step over a
     slot of S positions adds the same numbers in the same order as the training forward over the sequence;
   - activations that torch computes differently in its vectorized and scalar CPU loops (silu, sigmoid, gelu) are
-    written from ones that do not (exp, tanh, division), checked in tests/test_invariant_kernels.py.
+    written from ones that do not (exp, tanh, division), checked in tests/test_bitwise.py.
 Gradients need no bitwise equality: each kernel is an autograd Function whose backward is the default kernel's,
 recomputed at the same inputs (`_exact`). Matmul inputs of 16-bit floats multiply exactly in float32; every kernel
 accumulates in float32 and rounds to the input dtype where the default kernel does.
 Cost: a matmul holds its [rows, N, K] products (in chunks of CHUNK_ELEMENTS), a memory-bound pass instead of a
-GEMM: fine for the tiny CPU models, far slower than cuBLAS at 0.5B on a GPU (benchmarks/numerics.py measures it).
+GEMM: fine for the tiny CPU models. Where Triton runs (a GPU) the matmul, attention, RMSNorm and log-sum-exp are
+invariant_triton's fixed-configuration kernels instead (their own fixed orders: both sides of a run take them);
+benchmarks/numerics.py measures the cost against the default kernels.
 Not here: which mode runs (`enable`/`enabled` hold it; the builder sets it from rollout.bitwise), where the decoder
 and the engine call these (models/layers.py, attention.py, decoder.py; rollout/bitwise.py).
 
