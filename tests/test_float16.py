@@ -118,3 +118,24 @@ def test_a_float16_run_saves_and_resumes(tmp_path):
     assert opt.half is not None and saved["exp_avg_sq"].dtype == torch.float32
     for p, w in zip(opt.params, opt.half.weights):
         assert torch.equal(p.detach(), w.detach().half())
+
+
+def test_the_memory_count_holds_float32_masters_and_moments_for_float16_weights(tmp_path):
+    """The update's memory count (trainer/speed.UpdateCount): AdamW's state of float16 weights is 12 B a parameter
+    (master + two moments in float32), six times the weight's 2 B; other dtypes keep two moments of their own."""
+    from phaserl.config.validate import sequence_tokens
+    from phaserl.trainer import RLTrainer
+    from phaserl.trainer.settings import Roles
+    from phaserl.trainer.speed import UpdateCount
+
+    counts = {}
+    for dtype in ("float16", "bfloat16"):
+        cfg = load_config(None, make_run_dir(str(tmp_path / dtype)) + [
+            "trainer.loggers=[]", f"model.dtype={dtype}", "algorithm.kl_placement=none"])
+        t = RLTrainer.from_config(cfg)
+        roles = Roles(actor=t.actor, critic=None, ref_policy=None, reward=t.run.reward, tokenizer=t.run.tokenizer)
+        counts[dtype] = UpdateCount.of(cfg, roles, free_bytes=10**6, held_bytes=0, compiled=False,
+                                       sequence_tokens=sequence_tokens(cfg))
+    weights = sum(p.numel() for p in t.actor.model.parameters()) * 2
+    assert counts["bfloat16"].actor_bytes == counts["float16"].actor_bytes == weights
+    assert counts["bfloat16"].resident == 3 * weights and counts["float16"].resident == 7 * weights

@@ -225,7 +225,7 @@ class UpdateCount:
         ref = roles.ref_policy.model if roles.ref_policy else None
         models = [(roles.actor.model, True), (roles.critic.model if roles.critic else None, True), (ref, False),
                   (getattr(roles.reward.reward_model, "model", None), False)]
-        seen, held, grads = set(), [0, 0, 0, 0], 0  # per model: weights (+ AdamW for what trains)
+        seen, held, grads, adam = set(), [0, 0, 0, 0], 0, 0  # per model: weights (+ AdamW for what trains)
         for i, (model, trains) in enumerate(models):  # the doctor's role_memory, per tensor: a LoRA reference
             for p in model.parameters() if model is not None else ():  # shares the actor's base
                 if id(p) in seen:
@@ -233,8 +233,12 @@ class UpdateCount:
                 seen.add(id(p))
                 size = p.numel() * p.element_size()
                 trainable = size if trains and p.requires_grad else 0
-                held[i] += size + 2 * trainable
+                # AdamW's two moments in the weight's dtype; float16 weights: float32 masters and moments (3 x 4 B
+                # for 2 B, roles/loss_scale.py)
+                state = (6 if p.dtype == torch.float16 else 2) * trainable
+                held[i] += size + state
                 grads += trainable if i == 0 else 0
+                adam += state if i == 0 else 0
         ref_layers = 0
         if ref is not None and held[2]:
             ref_layers = sum(p.numel() * p.element_size() for layer in decoder_layers(ref) for p in layer.parameters())
@@ -243,7 +247,7 @@ class UpdateCount:
                                                          kv_limit=int(r.engine_memory_fraction * free_bytes),
                                                          routes=cfg.actor.routing_replay)
         return cls(shape, sum(held), grads, kept, free_bytes + held_bytes, seq, cfg.actor.gradient_checkpointing,
-                   compiled, actor_bytes=held[0] - 2 * grads, ref_bytes=held[2], ref_layer_bytes=ref_layers,
+                   compiled, actor_bytes=held[0] - adam, ref_bytes=held[2], ref_layer_bytes=ref_layers,
                    mini_batch_sequences=mini_batch_sequences, world_size=world_size, device_type=device_type,
                    kv_fraction=r.engine_memory_fraction, sequences_per_call=r.batch_size * r.n,
                    routes=cfg.actor.routing_replay, selective=supports_packing(roles.actor.model),
