@@ -52,7 +52,8 @@ class _Live:
     slot: int
     length: int = 0          # ids held by the slot's sequence (the last sampled one not yet fed)
     last_token: int = -1
-    turn: int = 0            # turns started so far; tells a stale finished flag from a fresh one
+    turn: int = 0            # turns started so far
+    since: int = 0           # the decode step its turn began at: finished flags of earlier steps are not this turn's
     decoding: bool = False
     cap: int = 0
     noise_key: int = 0       # its draws' noise is keyed by (the session's seed, this, the position)
@@ -84,6 +85,7 @@ class DecodeSession:
         self._extends: list = []                 # queued (live, ids, start, cap)
         self._known = None                       # the previous step's snapshot
         self._pinned: list = []                  # CUDA: two host buffers for the finished flags, alternating
+        self._side = None                        # CUDA: the stream that gathers ended turns beside the next step
         self._decoding = 0                       # sequences decoding a turn (kept as they change: read every step)
         self._last_decode = None                 # host clock at the last decode launch
         self._gaps: deque = deque(maxlen=16)     # wall between the recent decode launches
@@ -207,11 +209,7 @@ class DecodeSession:
         running = [live for live in self.by_slot if live is not None and live.decoding and id(live) not in queued]
         ended, cut = [], []
         if running:
-            slots = [live.slot for live in running]
-            flags = self.runner.state.finished[torch.tensor(slots, device=self.runner.device)].tolist()
-            tokens, logprobs, lengths = (t.tolist() for t in self.runner.collect(slots))
-            for live, done, toks, lps, n in zip(running, flags, tokens, logprobs, lengths):
-                toks, lps = toks[:n], lps[:n]
+            for live, (toks, lps, done) in zip(running, self._outputs([live.slot for live in running], flags=True)):
                 stopped = bool(toks) and toks[-1] in self.stop_ids
                 turn = Turn(live.key, toks, lps, stopped=stopped, partial=not done)
                 (ended if done else cut).append(turn)
@@ -257,7 +255,7 @@ class DecodeSession:
             groups: dict = {}
             for live in self._starts:
                 groups.setdefault(self._prompts.pop(live.key), []).append(live)
-                live.turn, live.decoding = 1, True
+                live.turn, live.decoding, live.since = 1, True, self.stats.steps + 1
             self._decoding += len(self._starts)
             t0 = time.perf_counter()
             self.runner.prefill([(prompt, [lv.slot for lv in lives], [lv.cap for lv in lives],
@@ -266,6 +264,8 @@ class DecodeSession:
             self.stats.prefill_tokens += sum(map(len, groups))
             self._starts = []
         if self._extends:
+            for live, *_ in self._extends:
+                live.since = self.stats.steps + 1  # its first decode step is the next one
             self._pack([item[0] for item in self._extends])
             t0 = time.perf_counter()
             self.runner.extend([(live.slot, ids, start, cap) for live, ids, start, cap in self._extends])
@@ -320,13 +320,11 @@ class DecodeSession:
             self.stats.swaps += len(pairs)
 
     def _snapshot(self, span: int):
-        """Finished flags after the step just launched (copied without waiting) and who was decoding which turn.
-
-        Two lists per step (the slots' sequences and the turn each was decoding, 0 = none), not an object
-        per slot: every step allocates them, and the garbage collector's pauses grow with what is allocated."""
+        """Finished flags after the step just launched (copied without waiting), the slots' sequences then and the
+        step's number: one list slice per step, no object per slot (the garbage collector's pauses grow with what
+        every step allocates)."""
         flags = self.runner.state.finished
-        lives = self.by_slot[:span]
-        ran = (lives, [lv.turn if lv is not None and lv.decoding else 0 for lv in lives])
+        ran = (self.by_slot[:span], self.stats.steps)
         if flags.device.type != "cuda":
             return flags.clone(), ran, None
         if not self._pinned:
@@ -339,27 +337,59 @@ class DecodeSession:
         return host, ran, event
 
     def _retire(self, snapshot) -> list[Turn]:
-        flags, ran, event = snapshot
+        flags, (lives, at), event = snapshot
         if event is not None:
             event.synchronize()
-        flags = flags.tolist()
-        lives, turns = ran
-        # A flag is this turn's when the slot still holds the same sequence, decoding the turn it was then.
-        stopped = [live for slot, (live, turn) in enumerate(zip(lives, turns))
-                   if turn and flags[slot] and live.decoding and live.turn == turn and self.by_slot[slot] is live]
+        # A flag is this turn's when the slot still holds the sequence it held then, decoding a turn begun by then.
+        # Only flagged slots are looked at (the rest decode on); parked and free slots are flagged too, and skipped.
+        stopped = []
+        for slot in flags[:len(lives)].nonzero().view(-1).tolist():
+            live = lives[slot]
+            if live is not None and live.decoding and live.since <= at and live.slot == slot:
+                stopped.append(live)
         if not stopped:
             return []
-        tokens, logprobs, lengths = (t.tolist() for t in self.runner.collect([live.slot for live in stopped]))
         ended = []
-        for live, toks, lps, n in zip(stopped, tokens, logprobs, lengths):
-            toks, lps = toks[:n], lps[:n]
+        for live, (toks, lps) in zip(stopped, self._outputs([live.slot for live in stopped], after=event)):
             live.decoding, live.last_token = False, toks[-1]
             self._decoding -= 1
-            live.length += n
+            live.length += len(toks)
             ended.append(Turn(live.key, toks, lps, stopped=toks[-1] in self.stop_ids))
         self.stats.turns += len(ended)
         self.stats.new_tokens += sum(len(t.token_ids) for t in ended)
         return ended
+
+    def _outputs(self, slots: list[int], after=None, flags: bool = False) -> list:
+        """Each slot's sampled ids and log-probs, as lists of its length (with flags: and its finished flag), in one
+        wait for the device rather than a round trip per tensor: gathered there, copied into pinned host memory,
+        then one synchronize; only each row's own length is converted to Python numbers.
+
+        after: the CUDA event of the step whose flags ended these turns. Then the gather runs on a side stream
+        behind that event, beside the decode step launched since, so the host does not wait for that step to end
+        before it hands the turns over (the step writes nothing these slots' outputs hold: a finished row's step
+        stores into its trash column and adds 0 to its count)."""
+        runner = self.runner
+        if runner.device.type != "cuda":
+            host = [*runner.collect(slots), *([runner.state.finished[slots]] if flags else [])]
+        else:
+            if after is not None and self._side is None:
+                self._side = torch.cuda.Stream(runner.device)
+            stream = self._side if after is not None else torch.cuda.current_stream(runner.device)
+            with torch.cuda.stream(stream):
+                if after is not None:
+                    stream.wait_event(after)
+                gathered = [*runner.collect(slots)]
+                if flags:
+                    gathered.append(runner.state.finished[gathered[0].new_tensor(slots)])
+                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in gathered]
+                for h, t in zip(host, gathered):
+                    h.copy_(t, non_blocking=True)
+            stream.synchronize()
+        tokens, logprobs, lengths = host[:3]
+        n = lengths.tolist()
+        width = max(n, default=0)
+        rows = [(t[:k], lp[:k]) for t, lp, k in zip(tokens[:, :width].tolist(), logprobs[:, :width].tolist(), n)]
+        return [(*row, done) for row, done in zip(rows, host[3].tolist())] if flags else rows
 
     def _check_ids(self, ids: list[int], key: Hashable) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
