@@ -17,7 +17,10 @@ reported. Instead of torch.profiler (whose tracing of graph replays slowed the s
 every runner call is bracketed by CUDA events: device_s is the device time of each kind of call (decode steps,
 prefills, extends of observation ids, output gathers) and device_busy their sum over the wall; host_s is where the
 host's time went (multi-turn: inside session.step, handling ended turns, applying environment answers, waiting for
-them); gc the garbage collector's pauses.
+them); gc the garbage collector's pauses. Two of those are waits, not host work: session_retire holds session_wait
+(the host waiting for the decode step before, as it runs one step ahead: about the device's decode time) besides
+session_outputs (ended turns' outputs brought to the host, one wait each), and answers holds the waits for the
+tools.
 
     python benchmarks/agent_rollout.py                      # H200: 0.5b, latencies 0 50 500
     python benchmarks/agent_rollout.py --smoke              # CPU: the tiny shape, a few episodes
@@ -33,7 +36,8 @@ tokens/s and the ratio to single turn.
 Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the same engine's single-turn
 tokens/s), extend_passes and extend_pass_ms (device ms per extend pass),
 slot_occupancy (decoding slot-steps / (steps x slots): the rest were parked waiting for a tool or free),
-decode_steps, swaps (resumed episodes moved down into a parked slot), seconds (median) and seconds_all,
+decode_steps, swaps (resumed episodes moved down into a parked slot), extend_calls ([rows, device ms] of each extend
+call of the median run), seconds (median) and seconds_all,
 device_s, device_busy, host_s, calls, gc.
 """
 from __future__ import annotations
@@ -119,6 +123,7 @@ class Clock:
     def __init__(self, device: str):
         self.cuda = device == "cuda"
         self.events, self.host, self.calls, self._wrapped = {}, {}, {}, []
+        self.rows: dict = {}  # kind -> the length of each call's first argument (rows of an extend call)
         self.gc = {"seconds": 0.0, "gen0": 0, "gen1": 0, "gen2": 0}  # the garbage collector's pauses meanwhile
         self._gc_t0 = 0.0
         gc.callbacks.append(self._on_gc)
@@ -145,6 +150,7 @@ class Clock:
                 self.events.setdefault(kind, []).append((begin, end))
             self.host[kind] = self.host.get(kind, 0.0) + time.perf_counter() - t0
             self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.rows.setdefault(kind, []).append(len(args[0]) if args and hasattr(args[0], "__len__") else None)
             return out
         setattr(obj, name, timed)
         self._wrapped.append((obj, name))
@@ -155,6 +161,14 @@ class Clock:
         for obj, name in self._wrapped:
             delattr(obj, name)  # the instance attribute goes: the class's method is back
         self._wrapped = []
+
+    def per_call(self, kind: str) -> list:
+        """[(rows, ms)] of every call of this kind: device ms from its events (CUDA), else the host's."""
+        if not self.cuda:
+            return [(rows, None) for rows in self.rows.get(kind, [])]
+        torch.cuda.synchronize()
+        ms = [round(b.elapsed_time(e), 3) for b, e in self.events.get(kind, [])]
+        return list(zip(self.rows.get(kind, []), ms))
 
     def device_seconds(self, kinds) -> dict:
         if not self.cuda:
@@ -211,17 +225,21 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
         with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=len(ids)) as session:
             clock.wrap(session, "step", "session_step", device=False)
             clock.wrap(session, "_retire", "session_retire", device=False)    # waits for the step before, gathers
+            clock.wrap(session, "_wait", "session_wait", device=False)        # of which: the wait (device time)
+            clock.wrap(session, "_outputs", "session_outputs", device=False)  # and: ended turns' outputs to the host
             clock.wrap(session, "_prefill", "session_prefill", device=False)  # launches prefills and extends
             return runner.run_session(session, starts(ids))
     seconds, episodes, extra = measured(once, clock, a.device)
     passes = extra["calls"].get("extend_pass", 0)
+    per_call = clock.per_call("extend")  # [(rows, device ms)] of each extend call: an outlier shows a slow one
     assert all(e.num_turns == a.turns for e in episodes), [e.finish_reason for e in episodes[:4]]
     sampled = sum(len(s.token_ids) for e in episodes for s in e.segments if s.kind == "model")
     st = engine.last_stats
     return dict(seconds=seconds, sampled_tokens=sampled, tokens_per_s=sampled / seconds, decode_steps=st["steps"],
                 slot_occupancy=st["busy_slot_steps"] / max(1, st["steps"] * st["slots"]),
                 extend_tokens=st["extend_tokens"], swaps=st["swaps"], extend_passes=passes,
-                extend_pass_ms=round(1000 * extra["device_s"]["extend"] / passes, 3) if passes else None, **extra)
+                extend_pass_ms=round(1000 * extra["device_s"]["extend"] / passes, 3) if passes else None,
+                extend_calls=per_call, **extra)
 
 
 def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:

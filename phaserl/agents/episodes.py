@@ -121,6 +121,9 @@ class EpisodeRunner:
         self.factory, self.tokenizer, self.limits, self.workers = factory, tokenizer, limits, workers
         self.renderer = ObservationRenderer(tokenizer)
         self._warned = 0
+        self._landed = 0     # environment calls that have ended (each call's done-callback counts, on its thread)
+        self._submitted = 0  # calls submitted
+        self._scan = None    # the last non-blocking look at the calls: _answers reuses it while nothing changed
 
     # ----- the engine path ------------------------------------------------------------------------
     def run_session(self, session, starts: list[EpisodeStart]) -> list[Episode]:
@@ -321,6 +324,13 @@ class EpisodeRunner:
         run.call, run.future = call, workers.submit(fn, *args)
         run.deadline = time.monotonic() + self.limits.step_timeout_s
         run.workers = workers
+        self._submitted += 1
+        run.future.add_done_callback(self._count_landing)
+
+    def _count_landing(self, future: cf.Future) -> None:
+        # On the worker's thread, after the future is done. An increment lost to a race with another thread's still
+        # changes the count, and the look that sees the change sees both calls done.
+        self._landed += 1
 
     def _reset(self, run: _Run):
         t0 = time.perf_counter()
@@ -355,7 +365,11 @@ class EpisodeRunner:
         """Runs whose environment call is over (answered, failed or timed out), in episode order.
 
         block: wait until every call (first=True: at least one) is over or past its deadline; within: for
-        every call, but at most that many seconds."""
+        every call, but at most that many seconds. A non-blocking look (the decode loop's, every step) reuses the
+        previous one while no call has ended, none was submitted and no deadline has passed: the same runs, less
+        those applied since; not a scan of every run and a lock per future each step."""
+        if not block:
+            return self._look(runs)
         pending = [r for r in runs if r.future is not None]
         if block and pending:
             timeout = max(0.0, min(r.deadline for r in pending) - time.monotonic())
@@ -368,6 +382,16 @@ class EpisodeRunner:
                     cf.wait([run.future], timeout=max(0.0, run.deadline - time.monotonic()))
         now = time.monotonic()
         return [r for r in pending if r.future.done() or now >= r.deadline]
+
+    def _look(self, runs: list) -> list:
+        now, seen = time.monotonic(), (self._landed, self._submitted)  # read before the scan: a call ending during
+        last = self._scan                                                # it changes the count for the next look
+        if last is not None and last[0] is runs and last[1] == seen and now < last[3]:
+            return [r for r in last[2] if r.future is not None]
+        pending = [r for r in runs if r.future is not None]
+        ready = [r for r in pending if r.future.done() or now >= r.deadline]
+        self._scan = (runs, seen, ready, min((r.deadline for r in pending), default=math.inf))
+        return ready
 
     def _outcome(self, run: _Run, call: str, future: cf.Future):
         """The call's value, or None after recording why the episode must end (stop: AgentError)."""

@@ -338,8 +338,7 @@ class DecodeSession:
 
     def _retire(self, snapshot) -> list[Turn]:
         flags, (lives, at), event = snapshot
-        if event is not None:
-            event.synchronize()
+        self._wait(event)
         # A flag is this turn's when the slot still holds the sequence it held then, decoding a turn begun by then.
         # Only flagged slots are looked at (the rest decode on); parked and free slots are flagged too, and skipped.
         stopped = []
@@ -358,6 +357,13 @@ class DecodeSession:
         self.stats.turns += len(ended)
         self.stats.new_tokens += sum(len(t.token_ids) for t in ended)
         return ended
+
+    @staticmethod
+    def _wait(event) -> None:
+        """The host waits for the snapshot's step to end (CUDA; one step behind the launches: the device's time,
+        not the host's work)."""
+        if event is not None:
+            event.synchronize()
 
     def _outputs(self, slots: list[int], after=None, flags: bool = False) -> list:
         """Each slot's sampled ids and log-probs, as lists of its length (with flags: and its finished flag), in one
