@@ -54,3 +54,18 @@ def test_the_agent_host_benchmark_runs_the_real_runner_over_a_sleeping_session(c
         assert r["wall_s"] >= r["ideal_s"] > 0 and r["decode_steps"] >= 3 * 4
     assert len(lock["boundary_ms"]) == 2 and all(ms >= 2.0 for ms in lock["boundary_ms"])  # each holds the latency
     assert lock["turns_ms"][0] == 0.0 and lock["applies_ms"][1] >= lock["answers_ms"][1] >= lock["answers_ms"][0]
+
+
+def test_the_turn_boundary_benchmark_splits_the_wall_of_the_real_session(capsys):
+    import turn_boundary
+
+    turn_boundary.main(["--episodes", "8", "--turns", "2", "--prompt", "8", "--turn-tokens", "4", "--obs-tokens", "2",
+                        "--latency-ms", "0", "--jitter-ms", "2", "--repeats", "1"])
+    lock, jitter = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert (lock["jitter"], jitter["jitter"]) == (False, True)
+    for r in (lock, jitter):  # the parts add up to the wall; the host's share is what is left of it
+        parts = r["compute_s"] + r["kv_move_s"] + r["tool_wait_s"] + r["host_s"]
+        assert abs(parts - r["wall_s"]) < 1e-3 and r["compute_s"] > 0 and r["host_s"] > 0
+        host = r["step_host_s"] + r["ended_s"] + r["answers_s"] + r["apply_s"] + r["loop_s"]
+        assert abs(host - r["host_s"]) < 1e-3 and abs(r["boundary_host_ms"] - 1000 * r["host_s"] / 2) < 0.1
+        assert r["decode_steps"] >= 2 * 4 and r["extend_passes"] >= 1
