@@ -5,10 +5,16 @@
 directory the run started from, which architecture/{role}.json names. A full-parameter role saves every
 weight, as before. An optimizer offloaded to the CPU (actor.optimizer_offload) saves the same state under the
 same names (its host weights stand for the model's parameters), so a checkpoint resumes with it on or off.
+A role with float16 weights also saves its loss scale (`loss_scale`: the scale, the clean steps since its last
+change and the steps skipped over the run, roles/loss_scale.py) beside the optimizer state, so a resumed run
+scales its next loss as the uninterrupted one would; a checkpoint without it (an older one) starts from the
+initial scale and says so in the log.
 phaserl.checkpoint calls these two methods on every role that has them (duck-typed roles without them get the
 same full-parameter state). Not here: where and when checkpoints are written.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -20,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..models.lora import state_dict_options
 
+log = logging.getLogger("phaserl")
+
 
 class CheckpointedRole:
     """Mixin of HybridActor and Critic: `.model` and `.optimizer` (roles.optim.Optimizer) are the role's."""
@@ -28,8 +36,9 @@ class CheckpointedRole:
         options = state_dict_options(self.model)
         optim = (_host_optimizer_state(self.model, self.optimizer) if self.optimizer.offloaded
                  else get_optimizer_state_dict(self.model, self.optimizer.opt))
+        scale = {} if self.optimizer.half is None else {"loss_scale": self.optimizer.half.scaler.state_dict()}
         return {"model": get_model_state_dict(self.model, options=options), "optim": optim,
-                "scheduler": self.optimizer.sched.state_dict()}
+                "scheduler": self.optimizer.sched.state_dict(), **scale}
 
     def load_checkpoint_state_dicts(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"], options=state_dict_options(self.model))
@@ -39,9 +48,24 @@ class CheckpointedRole:
         else:
             set_optimizer_state_dict(self.model, self.optimizer.opt, state["optim"])
         self.optimizer.sched.load_state_dict(state["scheduler"])
+        _load_loss_scale(self.optimizer, state, self.role)
 
 
 _KERNEL_KEYS = ("foreach", "fused", "capturable")
+
+
+def _load_loss_scale(optimizer, state: dict, role: str) -> None:
+    """The saved loss scale into a float16 role's scaler; none saved (an older checkpoint): the initial scale,
+    logged. A saved scale for weights that are no longer float16 has nothing to scale."""
+    if optimizer.half is None:
+        if "loss_scale" in state:
+            log.info(f"{role}: the checkpoint's float16 loss scale is not used (this run's weights are not float16)")
+        return
+    if "loss_scale" not in state:
+        log.info(f"{role}: the checkpoint has no float16 loss scale; the loss scale starts again from its initial "
+                 f"{optimizer.half.scaler.scale:g}")
+        return
+    optimizer.half.scaler.load_state_dict(state["loss_scale"])
 
 
 def _trained_names(model, optimizer) -> list[str]:
