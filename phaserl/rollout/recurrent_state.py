@@ -223,7 +223,7 @@ class HybridRunner(ModelRunner):
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         super().move(moves)
-        src, dst = torch.tensor(moves, device=self.device).T
+        src, dst = self.index(moves).T
         self.recurrent.move(src, dst)
 
     def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:

@@ -560,7 +560,7 @@ class ModelRunner:
     # ----- slot bookkeeping -----------------------------------------------------------------------
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Move running sequences between slots (KV and state): compaction lets a smaller bucket run."""
-        src, dst = torch.tensor(moves, device=self.device).T  # [k] each
+        src, dst = self.index(moves).T  # [k] each
         for rows in self.pool.slot_rows(self.layout[0], self.layout[1]):  # per width group [Lg, 2, slots, S * width]
             rows[:, :, dst] = rows[:, :, src]
         self.state.move(src, dst)  # the noise key too: a sequence draws the same noise in its new slot
@@ -596,14 +596,19 @@ class ModelRunner:
             a, b = zip(*pairs[i:i + chunk])
             src += a + b
             dst += b + a
-        index = torch.tensor([src, dst], dtype=torch.long)  # [2, 2k]
-        return tuple(index.to(self.device, non_blocking=True))
+        return tuple(self.index([src, dst]))  # [2, 2k]
+
+    def index(self, values: list) -> Tensor:
+        """Slot numbers (a list, or nested lists) as an int64 tensor on the device, copied without making the host
+        wait: torch.tensor(values, device=cuda) synchronizes the stream (a blocking copy from pageable memory), which
+        drains the decode step in flight; a non-blocking copy from pageable memory only stages the values."""
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def collect(self, slots: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [k, N+1], logprobs [k, N+1], lengths [k]) of finished slots, gathered on the device."""
-        idx, st = torch.tensor(slots, device=self.device), self.state
+        idx, st = self.index(slots), self.state
         return st.out_tokens[idx], st.out_logprobs[idx], st.n_gen[idx]
 
     def collect_routes(self, slots: list[int]) -> Tensor:
         """[k, S, L, top_k] the experts recorded at every position of finished slots (record_routes)."""
-        return self.routes[torch.tensor(slots, device=self.device)]
+        return self.routes[self.index(slots)]

@@ -386,7 +386,7 @@ class DecodeSession:
                     stream.wait_event(after)
                 gathered = [*runner.collect(slots)]
                 if flags:
-                    gathered.append(runner.state.finished[gathered[0].new_tensor(slots)])
+                    gathered.append(runner.state.finished[runner.index(slots)])
                 host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in gathered]
                 for h, t in zip(host, gathered):
                     h.copy_(t, non_blocking=True)
