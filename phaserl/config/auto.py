@@ -53,7 +53,8 @@ AUTO_RULES = {
                                "whose recomputation leaves room for a micro-batch of about 4096 tokens (all of them "
                                "for a transformers model, which checkpoints all or none); 0 on the CPU",
     "actor.optimizer_offload": "the memory plan, after checkpointing: on one CUDA GPU only when the step does not fit "
-                               "even with every layer checkpointed; off otherwise, on the CPU and on several ranks",
+                               "even with every layer checkpointed; off otherwise, on the CPU, on several ranks and "
+                               "for float16 weights (their AdamW steps float32 masters on the device)",
     "actor.offload_activations": "the memory plan, after checkpointing: on one CUDA GPU only when the step does not "
                                  "fit even with the layers checkpointed, before the optimizer's CPU step (its copies "
                                  "overlap the layers' compute; the CPU step is waited for); off otherwise, on the CPU "

@@ -306,6 +306,10 @@ def _memory_errors(cfg: Config, world_size: int) -> list[str]:
     if world_size > 1 and a.optimizer_offload:
         errs.append(f"actor.optimizer_offload = true on {world_size} ranks: the CPU step is for one process; with "
                     "several, actor.fsdp.sharding_strategy = FULL_SHARD spreads AdamW's moments over the ranks")
+    if a.optimizer_offload and cfg.model.dtype == "float16" and not a.lora.rank:
+        errs.append("actor.optimizer_offload = true with model.dtype = float16: AdamW steps float32 master copies of "
+                    "float16 weights on the device, and the CPU step does not run on them; set "
+                    "actor.optimizer_offload = false (or leave it at auto), or use model.dtype = bfloat16")
     if world_size > 1 and cfg.ref.stream_weights:
         errs.append(f"ref.stream_weights = true on {world_size} ranks: streaming is for one process; with several, "
                     "set ref.fsdp.cpu_offload = true (each rank keeps its shard on the CPU)")

@@ -67,11 +67,11 @@ class Suggestion:
 
 def plan_for(shape: ModelShape, sizes: PhaseSizes, roles: dict, asked: Asked, *, free_bytes: int, device_type: str,
              world_size: int, kept: int, layer_share: float, selective: bool,
-             kv_fraction: float) -> tuple[PlanFacts, MemoryPlan]:
+             kv_fraction: float, trained_dtype: str = "") -> tuple[PlanFacts, MemoryPlan]:
     """The memory plan a run of these sizes would choose (memory/plan.py, the builder's rule) from the doctor's
     per-role count (`roles`: name -> budget.RoleMemory); `layer_share` is the share of a model's weights in its
-    decoder layers (what streaming the reference moves), `kept` what a kept engine would hold. Returns the facts
-    and the plan."""
+    decoder layers (what streaming the reference moves), `kept` what a kept engine would hold, `trained_dtype` the
+    dtype of the actor's trained weights (PlanFacts.trained_dtype). Returns the facts and the plan."""
     actor, ref = roles["actor"], roles.get("ref")
     other = sum(m.params + m.optimizer for name, m in roles.items() if name not in ("actor", "ref"))
     facts = PlanFacts(
@@ -80,7 +80,8 @@ def plan_for(shape: ModelShape, sizes: PhaseSizes, roles: dict, asked: Asked, *,
         ref_layer_bytes=int(ref.params * layer_share) if ref else 0, other_bytes=other, kept_bytes=kept,
         sequence_tokens=sizes.sequence_tokens, mini_batch_sequences=sizes.mini_batch_per_rank,
         compiled=sizes.compiled, world_size=world_size, selective=selective, kv_fraction=kv_fraction,
-        sequences_per_call=sizes.rollout_batch_size * sizes.n, routes=sizes.routing_replay)
+        sequences_per_call=sizes.rollout_batch_size * sizes.n, routes=sizes.routing_replay,
+        trained_dtype=trained_dtype)
     return facts, choose_plan(facts, asked)
 
 

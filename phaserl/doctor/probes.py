@@ -293,7 +293,7 @@ def check_memory(ctx: Context) -> CheckResult:
 
     def state(fsdp, trainable: bool) -> RoleMemory:
         return role_memory(shape.num_params, shape.param_bytes, trainable=trainable, strategy=fsdp.sharding_strategy,
-                           world_size=ctx.world_size, cpu_offload=fsdp.cpu_offload)
+                           world_size=ctx.world_size, cpu_offload=fsdp.cpu_offload, dtype=cfg.model.dtype)
 
     def lora_state(lora, fsdp) -> RoleMemory:  # a frozen base (params only) + float32 adapters that train
         adapters = adapter_parameter_count(ctx.policy, LoRASettings(lora.rank, lora.alpha, lora.dropout,
@@ -376,7 +376,8 @@ def _memory_plan(ctx: Context, shape: ModelShape, sizes: PhaseSizes, roles: dict
     def plan(kept: int):
         return plan_for(shape, sizes, roles, asked, free_bytes=ctx.free_bytes, device_type=ctx.device.type,
                         world_size=ctx.world_size, kept=kept, layer_share=in_layers / max(1, shape.num_params),
-                        selective=supports_packing(ctx.policy), kv_fraction=cfg.rollout.engine_memory_fraction)
+                        selective=supports_packing(ctx.policy), kv_fraction=cfg.rollout.engine_memory_fraction,
+                        trained_dtype="float32" if cfg.actor.lora.rank else cfg.model.dtype)  # adapters: float32
     candidate = keep_candidate(cfg, shape, sizes, ctx.free_bytes) if engine and keep is not False else 0
     facts, chosen = plan(candidate if keep is True else 0)
     if keep is None and candidate and chosen.measures == Measures():

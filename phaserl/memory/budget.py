@@ -6,7 +6,9 @@ the same numbers.
 
 The estimates are deliberately rough (within ~2×): they decide "fits / does not fit / leaves the GPU
 idle", not allocator details. Formulas, per rank (b = bytes per parameter element, T = tokens):
-  resident state  actor: params + grads + AdamW (two moments in the param dtype) = 4 × b per param;
+  resident state  actor: params + grads + AdamW (two moments in the param dtype) = 4 × b per param; float16
+                  params step through float32 masters (master + two moments, 12 bytes: 2 + 2 + 12 = 16 per param;
+                  adamw_state_bytes);
                   critic the same; reference and reward model: params only. FULL_SHARD divides all of
                   it by world_size, SHARD_GRAD_OP divides grads and AdamW only, cpu_offload keeps it off
                   the device.
@@ -226,13 +228,22 @@ class RoleMemory:
         return self.params + self.grads + self.optimizer
 
 
+def adamw_state_bytes(weight_bytes: int, dtype=None) -> int:
+    """AdamW's state for `weight_bytes` of trained weights of `dtype` (a torch.dtype or its name): two moments in
+    the weights' own dtype, 2 x weight_bytes; float16 weights step through float32 masters (roles/loss_scale.py),
+    a master and two moments of 4 bytes for each 2-byte weight, 6 x weight_bytes. The run's count
+    (trainer/speed.py) and the doctor's (role_memory) both come here."""
+    return (6 if str(dtype).removeprefix("torch.") == "float16" else 2) * weight_bytes
+
+
 def role_memory(num_params: int, param_bytes: int, *, trainable: bool, strategy: str, world_size: int,
-                cpu_offload: bool) -> RoleMemory:
-    """Device bytes per rank for one role's parameters, gradients and AdamW state."""
+                cpu_offload: bool, dtype=None) -> RoleMemory:
+    """Device bytes per rank for one role's parameters, gradients and AdamW state (`dtype`: the trained
+    weights', for adamw_state_bytes)."""
     if cpu_offload:
         return RoleMemory(0, 0, 0)
     params = num_params * param_bytes
-    grads, optimizer = (params, 2 * params) if trainable else (0, 0)
+    grads, optimizer = (params, adamw_state_bytes(params, dtype)) if trainable else (0, 0)
     if strategy == "FULL_SHARD":
         return RoleMemory(params // world_size, grads // world_size, optimizer // world_size)
     if strategy == "SHARD_GRAD_OP":

@@ -19,7 +19,8 @@ value sets by hand (the plan then works around it):
                              waits for.
   4. actor.optimizer_offload AdamW's moments and step on the CPU (roles/optim.py): saves twice the trainable weights;
                              costs the gradients' copy down, the CPU step and the weights' copy up, per optimizer step,
-                             bucket by bucket overlapped.
+                             bucket by bucket overlapped. Not taken for float16 weights: their AdamW steps float32
+                             masters on the device (roles/loss_scale.py), which the offloaded step does not hold.
   5. ppo.micro_batch_tokens  smaller micro-batches (config/auto.micro_batch_rule on the plan's count), down to one
                              sequence: costs the host's fixed work per micro-batch.
   6. the KV budget           rollout.engine_memory_fraction of what rollout mode leaves free holds the KV cache; the
@@ -42,6 +43,7 @@ from .budget import (
     GB,
     OFFLOAD_IN_FLIGHT,
     ModelShape,
+    adamw_state_bytes,
     fmt_bytes,
     kv_cache_bytes_per_sequence,
     update_peak_bytes,
@@ -59,7 +61,7 @@ class PlanFacts:
     device_type: str
     budget_bytes: int          # the device memory this process can have (free + what it holds already)
     actor_params: int          # the actor's weights on the device
-    actor_trainable: int       # of which train: gradients of the same size, AdamW's two moments twice it
+    actor_trainable: int       # of which train: gradients of the same size, AdamW's state budget.adamw_state_bytes
     ref_bytes: int = 0         # a separate reference policy's weights on the device (0: none, or the LoRA base)
     ref_layer_bytes: int = 0   # of which in its decoder layers: what streaming takes off the device
     other_bytes: int = 0       # the critic (weights, gradients, AdamW) and the reward model: resident, not planned
@@ -72,6 +74,8 @@ class PlanFacts:
     kv_fraction: float = 0.4   # rollout.engine_memory_fraction
     sequences_per_call: int = 1  # what one generate call would decode at once (rollout.batch_size x rollout.n)
     routes: bool = False       # actor.routing_replay: the engine records experts per token
+    trained_dtype: str = ""    # the actor's trained weights' dtype: float16 keeps float32 masters (6 x actor_trainable
+                               # of AdamW state) on the device; any other, two moments in it (2 x)
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ def fixed_bytes(f: PlanFacts, s: Measures) -> int:
     if s.stream and f.ref_bytes:
         layers = max(1, f.shape.num_layers)
         ref = f.ref_bytes - f.ref_layer_bytes + 2 * f.ref_layer_bytes // layers
-    optimizer = 0 if s.offload else 2 * f.actor_trainable
+    optimizer = 0 if s.offload else adamw_state_bytes(f.actor_trainable, f.trained_dtype)
     return f.actor_params + f.actor_trainable + optimizer + ref + f.other_bytes + f.kept_bytes
 
 
@@ -224,7 +228,8 @@ def choose_plan(f: PlanFacts, asked: Asked = Asked()) -> MemoryPlan:
                 s = dataclasses.replace(s, layers=_fewest_layers(f, dataclasses.replace(s, layers=0)))
         if asked.optimizer_offload is None and not blocked["offload"] and not _fits(f, s):
             s = dataclasses.replace(s, offload=True)
-            why["offload"] = f"frees {2 * f.actor_trainable / GB:.1f} GiB of AdamW moments (the step runs on the CPU)"
+            freed = adamw_state_bytes(f.actor_trainable, f.trained_dtype)
+            why["offload"] = f"frees {freed / GB:.1f} GiB of AdamW moments (the step runs on the CPU)"
             s = _after_optimizer_offload(f, s, asked)
         if s.activations and asked.offload_activations is None:
             why["activations"] = _offload_words(f, s)
@@ -292,6 +297,8 @@ def _blocked(f: PlanFacts) -> dict:
     return {"stream": "no separate reference policy on the device" if not f.ref_bytes else
             ranks if f.world_size > 1 else "",
             "offload": "nothing trains on the device" if not f.actor_trainable else
+            "float16 weights: AdamW steps their float32 masters on the device (the CPU step does not run on them)"
+            if f.trained_dtype == "float16" else
             f"{f.world_size} ranks: FULL_SHARD spreads AdamW over them" if f.world_size > 1 else "",
             "activations": "" if f.selective else "the transformers path checkpoints through its own code"}
 

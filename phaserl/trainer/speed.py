@@ -40,6 +40,7 @@ from ..config.auto import (
 from ..memory.budget import (
     ModelShape,
     UnknownShape,
+    adamw_state_bytes,
     free_memory_bytes,
     kept_engine_bytes,
     kept_logits_bytes,
@@ -198,6 +199,8 @@ class UpdateCount:
     gradient_checkpointing: bool
     compiled: bool
     actor_bytes: int = 0        # the actor's weights (of `resident`)
+    actor_adamw: int = 0        # the actor's AdamW state (of `resident`)
+    trained_dtype: str = ""     # the actor's trained weights' dtype (float16: AdamW on float32 masters)
     ref_bytes: int = 0          # a separate reference's weights (of `resident`)
     ref_layer_bytes: int = 0    # of which in its decoder layers
     mini_batch_sequences: int = 1
@@ -233,9 +236,7 @@ class UpdateCount:
                 seen.add(id(p))
                 size = p.numel() * p.element_size()
                 trainable = size if trains and p.requires_grad else 0
-                # AdamW's two moments in the weight's dtype; float16 weights: float32 masters and moments (3 x 4 B
-                # for 2 B, roles/loss_scale.py)
-                state = (6 if p.dtype == torch.float16 else 2) * trainable
+                state = adamw_state_bytes(trainable, p.dtype)  # float16: float32 masters and moments (x6)
                 held[i] += size + state
                 grads += trainable if i == 0 else 0
                 adam += state if i == 0 else 0
@@ -247,7 +248,8 @@ class UpdateCount:
                                                          kv_limit=int(r.engine_memory_fraction * free_bytes),
                                                          routes=cfg.actor.routing_replay)
         return cls(shape, sum(held), grads, kept, free_bytes + held_bytes, seq, cfg.actor.gradient_checkpointing,
-                   compiled, actor_bytes=held[0] - adam, ref_bytes=held[2], ref_layer_bytes=ref_layers,
+                   compiled, actor_bytes=held[0] - adam, actor_adamw=adam,
+                   trained_dtype=_trained_dtype(roles.actor.model), ref_bytes=held[2], ref_layer_bytes=ref_layers,
                    mini_batch_sequences=mini_batch_sequences, world_size=world_size, device_type=device_type,
                    kv_fraction=r.engine_memory_fraction, sequences_per_call=r.batch_size * r.n,
                    routes=cfg.actor.routing_replay, selective=supports_packing(roles.actor.model),
@@ -259,11 +261,12 @@ class UpdateCount:
         return PlanFacts(shape=self.shape, device_type=self.device_type, budget_bytes=self.budget_bytes,
                          actor_params=self.actor_bytes, actor_trainable=self.grads, ref_bytes=self.ref_bytes,
                          ref_layer_bytes=self.ref_layer_bytes,
-                         other_bytes=self.resident - self.actor_bytes - 2 * self.grads - self.ref_bytes,
+                         other_bytes=self.resident - self.actor_bytes - self.actor_adamw - self.ref_bytes,
                          kept_bytes=self.kept_bytes if kept else 0, sequence_tokens=self.sequence_tokens,
                          mini_batch_sequences=self.mini_batch_sequences, compiled=self.compiled,
                          world_size=self.world_size, selective=self.selective, kv_fraction=self.kv_fraction,
-                         sequences_per_call=self.sequences_per_call, routes=self.routes)
+                         sequences_per_call=self.sequences_per_call, routes=self.routes,
+                         trained_dtype=self.trained_dtype)
 
     def fixed_bytes(self, *, kept: bool) -> int:
         return fixed_bytes(self.facts(kept=kept), self.measures)
@@ -273,6 +276,12 @@ class UpdateCount:
         if self.shape is None:
             return 2**62
         return peak_bytes(self.facts(kept=kept), self.measures, tokens)
+
+
+def _trained_dtype(model) -> str:
+    """The dtype of the weights AdamW steps (a LoRA model's float32 adapters, not its base); '' when none train."""
+    trained = next((p for p in model.parameters() if p.requires_grad), None)
+    return "" if trained is None else str(trained.dtype).removeprefix("torch.")
 
 
 def train_graphs_choice(asked: Optional[bool], actor, *, world_size: int) -> Choice:
