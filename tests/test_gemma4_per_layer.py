@@ -138,25 +138,6 @@ def test_every_layer_sharing_is_refused_with_the_key(tmp_path):
         config_from_hf(d)
 
 
-def test_the_multimodal_directory_names_the_recipe_and_the_recipe_loads_natively_with_its_logits(tmp_path):
-    # Gemma 4 E2B/E4B are published as the multimodal Gemma4ForConditionalGeneration (text under
-    # model.language_model.*): native loading names the one-line save of its text model, which then loads natively.
-    config = transformers.Gemma4Config(text_config=tiny_config().to_dict(), vision_config=None, audio_config=None)
-    composite = randomize(transformers.Gemma4ForConditionalGeneration(config))
-    composite.save_pretrained(tmp_path / "composite")
-    with pytest.raises(ConfigError, match=r"model_type='gemma4' is the multimodal .*text.save_pretrained\(out\)"):
-        load_pretrained(tmp_path / "composite", implementation="native")
-    full = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "composite")  # the recipe, as the
-    text = transformers.Gemma4ForCausalLM(full.config.text_config).to(full.dtype)  # error words it
-    text.model.load_state_dict(full.model.language_model.state_dict())
-    text.save_pretrained(tmp_path / "text")
-    ours = load_pretrained(tmp_path / "text")
-    ids = torch.tensor([[3, 7, 1, 12, 5, 9, 40, 2]])
-    with torch.no_grad():
-        expected = composite(input_ids=ids).logits
-        torch.testing.assert_close(ours.logits(ours(ids)), expected, atol=1e-5, rtol=1e-5)
-
-
 def _loss_and_grads(m, ids, **kwargs):
     m.zero_grad()
     hidden = m(ids, **kwargs)

@@ -4,9 +4,10 @@ The actor becomes a causal-LM directory (model.safetensors, config.json, generat
 tokenizer files) that `transformers.AutoModelForCausalLM.from_pretrained` loads with the logits the
 trainer had; the critic (`critic=True`) a `*ForSequenceClassification` directory with num_labels=1.
 Everything comes from the checkpoint itself (architecture/, tokenizer/, dcp/): the base model the run
-started from is not needed. Runs in one process, whatever world size wrote the checkpoint (DCP
-gathers the shards). LoRA checkpoints (adapters only) go through lora_export.py: merged into the base, or
-a PEFT adapter directory (`--adapter`). Not here: pushing to the hub.
+started from is not needed, except for a run on a multimodal Gemma 4 directory, whose export copies the vision
+and audio towers from it (models/gemma4_composite.py). Runs in one process, whatever world size wrote the
+checkpoint (DCP gathers the shards). LoRA checkpoints (adapters only) go through lora_export.py: merged into the
+base, or a PEFT adapter directory (`--adapter`). Not here: pushing to the hub.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..models import CausalLM, ValueModel, load_tokenizer, save_pretrained, save_value_model, value_model_of
 from ..models.families import config_from_hf
+from ..models.gemma4_composite import Composite
 from . import manifest, store
 from .lora_export import export_lora_role
 from .state import ARCH_DIR, TOKENIZER_DIR, load_module, read_architecture
@@ -114,6 +116,8 @@ def _empty_model(arch: dict, role: str) -> torch.nn.Module:
     with torch.device("meta"):
         if arch["kind"] == "native":
             lm = CausalLM(config_from_hf(arch["hf_config"], source=f"architecture/{role}.json"))
+            if "gemma4_composite" in arch:  # the multimodal Gemma 4 directory the text was read from
+                lm.hf_composite = Composite.from_record(arch["gemma4_composite"])
             model = ValueModel(lm) if role == "critic" else lm
         else:
             model = _transformers_model(arch["hf_config"])

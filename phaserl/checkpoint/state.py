@@ -184,7 +184,10 @@ def architecture(model: torch.nn.Module) -> dict:
     config = model.config
     lora = {"lora": lora_record(model)} if has_lora(model) else {}  # adapters only in dcp/: the base's directory
     if isinstance(config, DecoderConfig):              # ours (CausalLM, ValueModel)
-        return {"kind": "native", "dtype": dtype, "hf_config": config_to_hf(config, dtype), **lora}
+        # Read from a multimodal Gemma 4 directory: export writes the composite again, its towers from there.
+        composite = getattr(model, "hf_composite", None)
+        source = {"gemma4_composite": composite.record()} if composite is not None else {}
+        return {"kind": "native", "dtype": dtype, "hf_config": config_to_hf(config, dtype), **lora, **source}
     return {"kind": "transformers", "dtype": dtype, "hf_config": config.to_dict(), **lora}
 
 

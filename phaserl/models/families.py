@@ -12,7 +12,8 @@ same network. The layer math those fields select lives in `layers.py`, once for 
                         query_pre_attn_scalar, local (sliding, own RoPE theta) / global layers
   gemma4_text           Gemma 3's layout with plain norms, value norm, global layers' own head_dim / kv heads /
                         proportional RoPE / k_eq_v, a layer scalar and soft-capped logits; E2B/E4B's per-layer
-                        inputs and key/value sharing between layers (gemma4.py)
+                        inputs and key/value sharing between layers (gemma4.py); the multimodal `gemma4`
+                        config.json is read as its text_config (gemma4_composite.py)
   olmo2                 norms after attention and MLP only, (w * x) rounding, qk-norm over the projection
   qwen3_moe             Qwen3 with a mixture of experts in place of the MLP (moe.py: top-k softmax routing,
                         stacked experts in memory, one tensor per expert in the files, the router's aux loss
@@ -38,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from phaserl.errors import ConfigError
-from phaserl.models import gemma4
+from phaserl.models import gemma4, gemma4_composite
 from phaserl.models.config import MODEL_TYPES, DecoderConfig, read_rope
 from phaserl.models.moe import file_expert, unstack_experts
 
@@ -104,8 +105,8 @@ def config_from_hf(d: dict, *, source: str = "config.json") -> DecoderConfig:
                           "Save that once with transformers: "
                           "Qwen3_5ForCausalLM.from_pretrained(path).save_pretrained(out) (same logits, no vision "
                           "tower), or keep model.implementation=auto/transformers")
-    if model_type == "gemma4":
-        raise gemma4.composite_error(source)
+    if model_type == "gemma4":  # hf_io reads its text_config (gemma4_composite.py)
+        return config_from_hf(gemma4_composite.text_config(d, source), source=f"{source} (text_config)")
     if model_type not in FAMILIES:
         raise ConfigError(f"{source}: model_type={model_type!r} is not implemented natively "
                           f"(supported: {', '.join(FAMILIES)})")
@@ -397,6 +398,10 @@ def native_names(cfg: DecoderConfig, name: str) -> list[str]:
     expert = file_expert(name) if cfg.num_experts else None
     if expert is not None:  # one file tensor per expert: it fills a slice of our stacked parameter
         return [expert[0]]
+    if cfg.model_type == "gemma4_text":  # the multimodal directory's text under model.language_model.; no towers
+        name = gemma4_composite.text_name(name)
+        if name is None:
+            return []
     if gemma4.unused_tensor(cfg, name):  # a KV-sharing layer's key/value weights: none of ours
         return []
     suffix = _fused_suffix(name) if cfg.model_type == "phi3" else None

@@ -22,9 +22,8 @@ Refused with a ConfigError that names the key and the exact fallback (model.impl
 the mixture-of-experts block (enable_moe_block: 26B-A4B), bidirectional attention, and per_layer_config overrides
 other than the global layers' head_dim / key-value heads. A config whose every layer shares keys/values (an
 assistant model that reads another model's) is refused as no causal LM.
-The multimodal `gemma4` directory (Gemma4ForConditionalGeneration: the text weights under model.language_model.*,
-vision and audio towers beside them) is not read natively: `composite_error` says how to save its text model once.
-Not here: the layer math (layers.py), weights (hf_io.py).
+Not here: the layer math (layers.py), weights (hf_io.py), the multimodal `gemma4` directory read as its text model
+(gemma4_composite.py).
 """
 from __future__ import annotations
 
@@ -44,17 +43,6 @@ DEFAULTS = {"max_position_embeddings": 131072, "head_dim": 256, "tie_word_embedd
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
 LAYOUT = {"qk_norm": True, "layer_norms": "sandwich", "norm_style": "olmo2", "v_norm": True, "layer_scalar": True}
-
-
-def composite_error(source: str) -> ConfigError:
-    """The error for a multimodal `gemma4` config.json: how to get the text model the native decoder reads."""
-    return ConfigError(
-        f"{source}: model_type='gemma4' is the multimodal Gemma 4 (text weights under model.language_model.*, vision "
-        "and audio towers beside them); the native decoder reads its text model, model_type gemma4_text. Save that "
-        "once with transformers (the same logits for text, no towers): full = "
-        "Gemma4ForConditionalGeneration.from_pretrained(path); text = Gemma4ForCausalLM(full.config.text_config)"
-        ".to(full.dtype); text.model.load_state_dict(full.model.language_model.state_dict()); "
-        "text.save_pretrained(out). Or keep model.implementation=auto/transformers")
 
 
 def reject_unsupported(d: dict, source: str, value) -> None:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from phaserl.errors import ConfigError
+from phaserl.models import gemma4_composite
 from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM
 from phaserl.models.families import (
@@ -181,8 +182,12 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
         raise ConfigError(f"model.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
     directory, hf_config = _read_config(path)
     model_type = hf_config.get("model_type")
-    if implementation == "native" and model_type in ("qwen3_5", "gemma4"):  # composites: the error says what to do
+    if implementation == "native" and model_type == "qwen3_5":  # the composite: the error says what to do
         config_from_hf(hf_config, source=str(directory / "config.json"))
+    if gemma4_composite.is_composite(hf_config) and implementation != "transformers":
+        model = _load_gemma4_composite(directory, hf_config, dtype, device, implementation, allow_random_init)
+        if model is not None:
+            return model
     if is_vl_config(hf_config) and implementation != "transformers":  # Qwen2.5-VL: the decoder + a vision tower
         return _load_vl(directory, hf_config, dtype, device, allow_random_init)
     if implementation == "native" and model_type not in NATIVE_MODEL_TYPES:
@@ -190,7 +195,11 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
                           f"(native: {', '.join(NATIVE_MODEL_TYPES)}); use model.implementation=auto")
     if model_type not in NATIVE_MODEL_TYPES or implementation == "transformers":
         return _load_fallback(directory, model_type, dtype, device, trust_remote_code, allow_random_init)
-    cfg = config_from_hf(hf_config, source=str(directory / "config.json"))
+    return _load_native(directory, config_from_hf(hf_config, source=str(directory / "config.json")), dtype, device,
+                        allow_random_init)
+
+
+def _load_native(directory: Path, cfg: DecoderConfig, dtype, device, allow_random_init: bool) -> CausalLM:
     if allow_random_init:  # materialized and initialized: what the directory lacks keeps its init
         model = CausalLM(cfg).to(device=device, dtype=dtype)
     else:
@@ -200,6 +209,38 @@ def load_pretrained(path: PathLike, *, dtype: torch.dtype = torch.float32, devic
                   allow_missing=allow_random_init)
     _restore_rotary(model, cfg, device)
     return model
+
+
+def _load_gemma4_composite(directory: Path, hf_config: dict, dtype, device, implementation: str,
+                           allow_random_init: bool) -> Optional[CausalLM]:
+    """The multimodal Gemma 4 directory's text model on the native decoder (gemma4_composite.py); None under
+    implementation=auto when its text model is not native (the MoE block): transformers runs the composite."""
+    try:
+        cfg = config_from_hf(hf_config, source=str(directory / "config.json"))
+    except ConfigError as e:
+        if implementation == "native":
+            raise
+        log.info("%s; using transformers", e)
+        return None
+    if gemma4_composite.has_towers(hf_config):
+        log.info("%s: multimodal Gemma 4 read as its text model; %s", directory, gemma4_composite.TOWERS_NOT_LOADED)
+    model = _load_native(directory, cfg, dtype, device, allow_random_init)
+    model.hf_composite = gemma4_composite.Composite(source=str(directory.resolve()), config=hf_config)
+    return model
+
+
+def _composite_towers(composite: "gemma4_composite.Composite") -> dict[str, torch.Tensor]:
+    """The tower tensors of the composite directory a model was read from, unchanged (export copies them)."""
+    directory = Path(composite.source)
+    if not directory.is_dir():
+        raise ConfigError(f"{directory}: the multimodal Gemma 4 directory this model's text was read from is gone; "
+                          "the export copies its vision/audio towers from there: put it back at that path")
+    locations = {name: file for name, file in _weight_locations(directory).items() if gemma4_composite.is_tower(name)}
+    towers = {}
+    for file in sorted(set(locations.values())):
+        with _open_weights(file) as f:
+            towers.update((name, f.get_tensor(name)) for name, where in locations.items() if where == file)
+    return towers
 
 
 def _load_vl(directory: Path, hf_config: dict, dtype, device, allow_random_init: bool):
@@ -348,8 +389,12 @@ def save_pretrained(model: Union[CausalLM, HFCausalLM], out_dir: PathLike, *, to
     # Tied models have no lm_head.weight (the HF layout for tied weights); Phi-3 stores fused tensors.
     state = hf_state(model.config, _cpu_state(model, dtype))
     dtype_name = _dtype_name(dtype or model.output_weight.dtype)
+    composite = getattr(model, "hf_composite", None)
     if getattr(model, "takes_images", False):  # Qwen2.5-VL: the composite config (text_config, vision_config)
         config = vl_config_to_hf(model.config, model.vision_config, model.image_tokens, dtype_name)
+    elif composite is not None:  # multimodal Gemma 4: the composite again, its towers copied from the source
+        config, state = gemma4_composite.to_hf(composite, config_to_hf(model.config, dtype_name), state,
+                                               _composite_towers(composite), dtype_name)
     else:
         config = config_to_hf(model.config, dtype_name)
     return _write_atomically(out_dir, lambda tmp: _write_common(tmp, config, state, model.config, tokenizer))
