@@ -145,3 +145,26 @@ def test_a_grpo_run_on_the_composite_exports_the_composite_with_the_trained_text
         assert all(torch.equal(written[n], t) for n, t in source.items() if not n.startswith("model.language_"))
         assert not torch.equal(written["model.language_model.embed_tokens.weight"],
                                source["model.language_model.embed_tokens.weight"])  # trained
+
+
+def test_a_peft_adapter_of_the_text_model_loads_onto_the_composite_with_our_logits(tmp_path):
+    peft = pytest.importorskip("peft")
+    from phaserl.checkpoint.lora_export import write_peft_adapter
+    from phaserl.models.lora import LoRASettings, apply_lora, resolve_targets
+
+    composite = save_composite(tmp_path / "composite")
+    ours = load_pretrained(tmp_path / "composite")
+    apply_lora(ours, LoRASettings(rank=2, alpha=4.0, target_modules=resolve_targets(["q", "v", "o", "up"])))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0.0, 0.3)
+    ours.eval()
+    out = write_peft_adapter(ours, str(tmp_path / "adapter"), str(tmp_path / "composite"))
+    base = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "composite")
+    adapted = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    assert not any("tower" in n and "lora_" in n for n, _ in adapted.named_parameters())  # text model only
+    batch = left_padded_batch(96)
+    want = our_logits(ours, batch)
+    assert (want - hf_logits(composite, batch)).abs().max() > 1e-2  # the adapters matter
+    torch.testing.assert_close(hf_logits(adapted, batch), want, atol=1e-5, rtol=1e-5)

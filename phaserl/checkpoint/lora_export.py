@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from ..errors import ConfigError
 from ..models import load_pretrained, load_value_model, save_pretrained, save_value_model, value_model_of
 from ..models.families import fused_projections
+from ..models.gemma4_composite import peft_composite_adapter
 from ..models.lora import apply_lora, merge_lora, peft_adapter_files, settings_from_record
 from .state import load_module
 
@@ -72,6 +73,8 @@ def write_peft_adapter(model: torch.nn.Module, out_dir: str, base_path: str) -> 
                           "peft's own; export merged weights (drop --adapter)")
     config, tensors = peft_adapter_files(model, base_name=os.path.abspath(base_path),
                                          fused=fused_projections(model.config))
+    if getattr(model, "hf_composite", None) is not None:  # a multimodal Gemma 4 base: its text model's names
+        config, tensors = peft_composite_adapter(config, tensors)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})

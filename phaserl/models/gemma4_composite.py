@@ -13,7 +13,8 @@ do: images and audio (their placeholder tokens are plain tokens here; transforme
 embedding and the tower's features).
 Writing (`to_hf`): the composite again, so that the written directory replaces the one read: config.json is the
 source's with our text config and dtype, the text weights under their composite names, and the towers' tensors
-copied unchanged from the source directory (`Composite.source`; it must still exist when exporting).
+copied unchanged from the source directory (`Composite.source`; it must still exist when exporting). A LoRA run's
+PEFT adapter (`peft_composite_adapter`) names the composite's text modules, so that peft loads it onto the composite.
 Not here: the text model's math (gemma4.py, layers.py), reading and writing files (hf_io.py).
 """
 from __future__ import annotations
@@ -79,6 +80,15 @@ def is_tower(name: str) -> bool:
 def file_name(name: str) -> str:
     """The composite's name of one of our tensors (lm_head.weight, untied, keeps its name)."""
     return TEXT_PREFIX + name[len("model."):] if name.startswith("model.") else name
+
+
+def peft_composite_adapter(config: dict, tensors: dict) -> tuple[dict, dict]:
+    """A PEFT adapter of our text model (lora.peft_adapter_files) for the composite: the text model's module names,
+    and target_modules a pattern that matches them only (the towers have q_proj ... of their own)."""
+    prefix = "base_model.model."
+    renamed = {prefix + file_name(k[len(prefix):]): v for k, v in tensors.items()}
+    targets = "|".join(config["target_modules"])
+    return {**config, "target_modules": rf"{TEXT_PREFIX.replace('.', '[.]')}.*[.]({targets})"}, renamed
 
 
 def to_hf(composite: Composite, text: dict[str, Any], state: dict, towers: dict, dtype: str) -> tuple[dict, dict]:
