@@ -68,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long", action="store_true", help="the long-response shape (1.5b: 32k, 7b: 16k new tokens)")
     p.add_argument("--synthetic-rollout", action="store_true",
                    help="random responses of the full length instead of sampling them (the phases after rollout run)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (1; --long 0)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (1): the first step's update has no AdamW moments yet, so its peak is low")
     p.add_argument("--steps", type=int, default=None, help="timed steps (2; --long 1)")
     p.add_argument("--kv-fraction", type=float, default=None, help="rollout.engine_memory_fraction (default: 0.25, "
                    "0.4 with --long)")
@@ -80,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.shape = "tiny" if a.tiny else a.shape
     a.prompts, a.n, a.prompt_len, a.new_tokens = (LONG_SHAPES if a.long else STEP_SHAPES)[a.shape]
-    a.warmup = (0 if a.long else 1) if a.warmup is None else a.warmup
+    a.warmup = 1 if a.warmup is None else a.warmup
     a.steps = (1 if a.long else 2) if a.steps is None else a.steps
     a.kv_fraction = a.kv_fraction or (0.4 if a.long else 0.25)
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
