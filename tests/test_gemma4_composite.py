@@ -1,7 +1,8 @@
 """The multimodal Gemma 4 directory (`gemma4`, Gemma4ForConditionalGeneration) on the native decoder as its text
-model: the logits equal transformers' composite on text, the towers are skipped with one log line, export writes
-the composite again (the trained text, the source's towers unchanged) that transformers loads with our logits, and
-the mixture-of-experts text model stays refused natively (transformers runs it under implementation=auto)."""
+model: the logits equal transformers' composite on text, the towers are skipped with one log line, the engine samples
+it, export writes the composite again (the trained text, the source's towers unchanged) that transformers loads with
+our logits (from a model, from a GRPO run's checkpoint, and a LoRA run's PEFT adapter), and the mixture-of-experts
+text model stays refused natively (transformers runs it under implementation=auto)."""
 import json
 import logging
 
@@ -168,3 +169,19 @@ def test_a_peft_adapter_of_the_text_model_loads_onto_the_composite_with_our_logi
     want = our_logits(ours, batch)
     assert (want - hf_logits(composite, batch)).abs().max() > 1e-2  # the adapters matter
     torch.testing.assert_close(hf_logits(adapted, batch), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_engine_samples_the_composite_as_its_text_model(tmp_path, device):
+    # On CUDA the engine decodes with CUDA graphs and the Triton kernels: greedy tokens equal a full forward's.
+    from _hf_pairs import PROMPTS, greedy_reference
+    from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    composite = save_composite(tmp_path / "composite").to(device)
+    ours = load_pretrained(tmp_path / "composite", device=device).eval()
+    batch = tuple(t.to(device) for t in left_padded_batch(96))
+    torch.testing.assert_close(our_logits(ours, batch), hf_logits(composite, batch), atol=1e-4, rtol=1e-4)
+    engine = RolloutEngine(ours, EngineConfig(max_slots=4))
+    result = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0), eos_token_ids=[],
+                             pad_token_id=0)
+    assert result.response_ids == [greedy_reference(ours, p, 6) for p in PROMPTS]
