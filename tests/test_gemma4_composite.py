@@ -67,8 +67,10 @@ def test_the_composite_loads_natively_with_its_logits_on_text(tmp_path, caplog, 
     torch.testing.assert_close(our_logits(again, batch), our_logits(ours, batch), atol=0, rtol=0)
 
 
-def test_export_writes_the_composite_with_the_trained_text_and_the_source_towers(tmp_path):
-    save_composite(tmp_path / "composite", text={"use_bidirectional_attention": "vision"})  # images: both ways
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_writes_the_composite_with_the_trained_text_and_the_source_towers(tmp_path, tie):
+    save_composite(tmp_path / "composite", text={"use_bidirectional_attention": "vision"},  # images: both ways
+                   tie_word_embeddings=tie)
     ours = load_pretrained(tmp_path / "composite")
     with torch.no_grad():  # "training": every text weight moves
         for p in ours.parameters():
@@ -78,7 +80,8 @@ def test_export_writes_the_composite_with_the_trained_text_and_the_source_towers
     assert config["model_type"] == "gemma4" and config["vision_config"] and config["audio_config"]
     assert config["text_config"]["use_bidirectional_attention"] == "vision"  # the multimodal model's, kept
     source, written = load_file(tmp_path / "composite" / "model.safetensors"), load_file(out / "model.safetensors")
-    towers = [n for n in source if not n.startswith("model.language_model.")]
+    assert ("lm_head.weight" in written) is (not tie) and config["tie_word_embeddings"] is tie
+    towers = [n for n in source if not n.startswith("model.language_model.") and n != "lm_head.weight"]
     assert towers and all(torch.equal(written[n], source[n]) for n in towers)
     reloaded, info = transformers.Gemma4ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
