@@ -8,7 +8,8 @@ copied when the layout changes; only the views do.
 Layers are grouped by the width of their KV row (Hkv × D: Gemma 4's global layers are wider than its
 sliding ones), and each width group has its own region of the buffer, [Lg, 2, capacity × width], so every
 layer's row is exactly as wide as its own keys and values. Slot s sits at the same slot index in every group:
-moving whole slots is one index copy per group (`slot_rows`), a handful at most, not one per layer.
+moving whole slots is one index copy per group (`slot_rows`), a handful at most, not one per layer; the slot
+numbers reach the device without a stream sync (`slot_index`, `exchange_index`).
 
 Gemma 4's KV-sharing layers (E2B/E4B) keep no rows of their own: `layout` hands each of them the views of the
 layer whose keys and values it reads (DecoderConfig.kv_source), so the pool holds only the layers that write.
@@ -170,6 +171,19 @@ class KVPool:
         index copy per group."""
         return [region[:, :, :num_slots * slot_len * width].view(len(layers), 2, num_slots, -1)
                 for region, (width, layers) in zip(self.regions, self.groups)]
+
+
+def slot_index(device: torch.device, values: list) -> torch.Tensor:
+    """Slot numbers as int64 on the device, without a stream sync (torch.tensor(values, device=cuda) copies from
+    pageable memory blocking, which drains the decode step in flight; a non-blocking copy only stages them)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def exchange_index(pairs: list[tuple[int, int]], chunk: int, device: torch.device) -> torch.Tensor:
+    """[2, 2k] (src; dst) on the device for exchanging slot pairs (a, b): chunk by chunk its a's, then its b's (every
+    slice of 2 * chunk is an exchange of its own)."""
+    parts = [list(zip(*pairs[i:i + chunk])) for i in range(0, len(pairs), chunk)]  # [(a's, b's)] per chunk
+    return slot_index(device, [[s for a, b in parts for s in a + b], [s for a, b in parts for s in b + a]])
 
 
 STOP_WIDTH = 32  # stop-token ids one call may use; fixed so that captured graphs keep their shapes

@@ -42,6 +42,7 @@ from phaserl.models.linear_attention import (
 )
 from phaserl.models.lora import engine_weight
 from phaserl.rollout import kernels
+from phaserl.rollout.kv_pool import exchange_index, slot_index
 from phaserl.rollout.runner import ModelRunner, compile_layer_fn, prefill_mask
 
 Tensor = torch.Tensor
@@ -223,11 +224,11 @@ class HybridRunner(ModelRunner):
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         super().move(moves)
-        src, dst = self.index(moves).T
+        src, dst = slot_index(self.device, moves).T
         self.recurrent.move(src, dst)
 
     def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:
         """ModelRunner.swap_slots, and the pairs' recurrent states exchanged with their KV (a parked sequence resumes
         from its own state in its new slot)."""
         super().swap_slots(pairs, chunk)
-        self.recurrent.move(*self._exchange_index(pairs, chunk))  # the right side is gathered first: an exchange
+        self.recurrent.move(*exchange_index(pairs, chunk, self.device))  # the right side is gathered first: an exchange

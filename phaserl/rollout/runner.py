@@ -49,7 +49,7 @@ from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import extend_kernel, kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer, fused_extend_layer
 from phaserl.rollout.images import add_deepstack, place_images
-from phaserl.rollout.kv_pool import KVPool, SlotState
+from phaserl.rollout.kv_pool import KVPool, SlotState, exchange_index, slot_index
 from phaserl.rollout.sampling import SamplingParams, keyed_noise
 from phaserl.rollout.torch_path import cached_attention, extend_attention, extend_mask, sample_tokens
 
@@ -560,55 +560,37 @@ class ModelRunner:
     # ----- slot bookkeeping -----------------------------------------------------------------------
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Move running sequences between slots (KV and state): compaction lets a smaller bucket run."""
-        src, dst = self.index(moves).T  # [k] each
-        for rows in self.pool.slot_rows(self.layout[0], self.layout[1]):  # per width group [Lg, 2, slots, S * width]
-            rows[:, :, dst] = rows[:, :, src]
+        src, dst = slot_index(self.device, moves).T  # [k] each
+        self._copy_slots(src, dst, max(1, len(moves)))
         self.state.move(src, dst)  # the noise key too: a sequence draws the same noise in its new slot
-        if self.rope_shift is not None:
-            self.rope_shift[dst] = self.rope_shift[src]
-        if self.routes is not None:
-            self.routes[dst] = self.routes[src]
 
     def swap_slots(self, pairs: list[tuple[int, int]], chunk: int = 16) -> None:
         """Exchange the KV (and MoE route records) and the decode state of slot pairs (a, b), disjoint: each
         sequence takes everything of its slot along, its noise key (SlotState.key) too. The state must go with the
         KV: a finished slot's decode steps write its last token's KV at its own position, which must be the
-        position of the sequence whose KV sits there (a parked sequence's context was overwritten otherwise; fixed
-        2026-12-02). One index copy to the device for all pairs, the decode state exchanged in one go; the KV and
-        routes in chunks of `chunk` pairs, so the gathered copy stays small."""
-        src, dst = self._exchange_index(pairs, chunk)  # [2k] each: chunk by chunk, its a's then its b's
+        position of the sequence whose KV sits there (else a parked sequence's context is overwritten)."""
+        src, dst = exchange_index(pairs, chunk, self.device)  # [2k] each
+        self._copy_slots(src, dst, 2 * chunk)
+        self.state.exchange(src, dst)
+
+    def _copy_slots(self, src: Tensor, dst: Tensor, chunk: int) -> None:
+        """Slots dst [k] take the KV, MoE routes and RoPE shift of slots src [k] (the right side is gathered first:
+        a permutation exchanges them), `chunk` slots at a time so that the gathered copy stays small."""
         groups = self.pool.slot_rows(self.layout[0], self.layout[1])  # per width group [Lg, 2, slots, S * width]
-        for i in range(0, len(src), 2 * chunk):
-            into, take = dst[i:i + 2 * chunk], src[i:i + 2 * chunk]
+        for i in range(0, len(src), chunk):
+            into, take = dst[i:i + chunk], src[i:i + chunk]
             for rows in groups:
-                rows[:, :, into] = rows[:, :, take]  # the right side is gathered first: a true exchange
+                rows[:, :, into] = rows[:, :, take]
             if self.routes is not None:  # MoE: the experts recorded at each position travel with the KV
                 self.routes[into] = self.routes[take]
-        self.state.exchange(src, dst)
         if self.rope_shift is not None:
             self.rope_shift[dst] = self.rope_shift[src]
 
-    def _exchange_index(self, pairs: list[tuple[int, int]], chunk: int) -> tuple[Tensor, Tensor]:
-        """(src, dst) [2k] on the device for exchanging slot pairs (a, b), laid out chunk by chunk (a chunk's a's
-        then its b's: every slice of 2 * chunk is an exchange of its own), in one host-to-device copy."""
-        src, dst = [], []
-        for i in range(0, len(pairs), chunk):
-            a, b = zip(*pairs[i:i + chunk])
-            src += a + b
-            dst += b + a
-        return tuple(self.index([src, dst]))  # [2, 2k]
-
-    def index(self, values: list) -> Tensor:
-        """Slot numbers (a list, or nested lists) as an int64 tensor on the device, copied without making the host
-        wait: torch.tensor(values, device=cuda) synchronizes the stream (a blocking copy from pageable memory), which
-        drains the decode step in flight; a non-blocking copy from pageable memory only stages the values."""
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
     def collect(self, slots: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """(tokens [k, N+1], logprobs [k, N+1], lengths [k]) of finished slots, gathered on the device."""
-        idx, st = self.index(slots), self.state
+        idx, st = slot_index(self.device, slots), self.state
         return st.out_tokens[idx], st.out_logprobs[idx], st.n_gen[idx]
 
     def collect_routes(self, slots: list[int]) -> Tensor:
         """[k, S, L, top_k] the experts recorded at every position of finished slots (record_routes)."""
-        return self.routes[self.index(slots)]
+        return self.routes[slot_index(self.device, slots)]

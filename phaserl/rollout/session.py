@@ -29,6 +29,7 @@ from typing import Hashable, Optional
 import torch
 
 from phaserl.errors import DataError
+from phaserl.rollout.kv_pool import slot_index
 from phaserl.rollout.runner import ModelRunner
 
 FIRST_GATHER_S = 0.01  # before the first step: resets answering within this of the first one prefill together
@@ -386,7 +387,7 @@ class DecodeSession:
                     stream.wait_event(after)
                 gathered = [*runner.collect(slots)]
                 if flags:
-                    gathered.append(runner.state.finished[runner.index(slots)])
+                    gathered.append(runner.state.finished[slot_index(runner.device, slots)])
                 host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in gathered]
                 for h, t in zip(host, gathered):
                     h.copy_(t, non_blocking=True)
