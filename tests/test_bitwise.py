@@ -12,7 +12,7 @@ from _tiny_run import make_run_dir
 from phaserl.batch import RolloutBatch, layout_ids, right_padded
 from phaserl.config import load_config
 from phaserl.errors import ConfigError
-from phaserl.models import CausalLM, DecoderConfig, invariant
+from phaserl.models import CausalLM, DecoderConfig, invariant, layers
 from phaserl.roles.forward import rows_logprobs
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
@@ -40,7 +40,7 @@ def test_each_kernel_gives_a_row_the_same_bits_whatever_shares_the_call(dtype):
     table = torch.randn(37, 96, generator=g).to(dtype)
     _rows_alike(lambda t: invariant.linear(t, w, b), x)
     for style in ("llama", "gemma", "olmo2"):
-        _rows_alike(lambda t: invariant.rms_norm(t, norm, 1e-6, style), x)
+        _rows_alike(lambda t: invariant.rms_norm(t, norm, 1e-6, style, default=layers.rms_norm), x)
     for act in ("silu", "gelu_pytorch_tanh"):
         _rows_alike(lambda t: invariant.activation(t, act), x * 4)
     _rows_alike(lambda t: invariant.logsumexp(t.float()), x)

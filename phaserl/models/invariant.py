@@ -172,10 +172,10 @@ def linear(x: Tensor, w, bias: Optional[Tensor] = None, residual: Optional[Tenso
     return y if residual is None else residual + y
 
 
-def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str = "llama") -> Tensor:
+def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str, default: Callable) -> Tensor:
     """layers.rms_norm with the mean square as a tree sum: x32 / sqrt(mean(x32^2) + eps), rounded where the style
-    rounds (see layers.rms_norm)."""
-    from phaserl.models.layers import rms_norm as default
+    rounds (see layers.rms_norm). `default`: layers.rms_norm itself, whose gradient the backward takes (passed in,
+    so that this module does not import the one that dispatches to it)."""
 
     def exact(x, weight):
         if invariant_triton.available(x.device) and x.dtype != torch.float64:

@@ -88,7 +88,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str = "llam
     gemma  (norm(x) * (1 + weight)).to(dtype), the weight stored as an offset from 1.
     weight None: norm(x).to(dtype), no weight (Gemma 4's value norm)."""
     if invariant.enabled():  # the bitwise numerics mode: batch-invariant kernels (invariant.py)
-        return invariant.rms_norm(x, weight, eps, style)
+        return invariant.rms_norm(x, weight, eps, style, default=rms_norm)
     x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     if weight is None:
         return x32.to(x.dtype)
