@@ -70,10 +70,11 @@ def test_models_with_other_eps_share_the_compiled_block_and_stay_exact(fresh_dyn
 
 @pytest.mark.slow
 def test_the_compiled_engine_layers_compile_once_and_decode_as_the_eager_ones(fresh_dynamo):
-    """The engine's compiled layer pieces (runner.compiled_fns, inductor's C++ on the CPU) restarted the same way,
+    """The engine's compiled layer pieces (layer_fns.compiled_fns, inductor's C++ on the CPU) restarted the same way,
     also on their recompiles (prefill and decode shapes); with floats constant each compile runs once and greedy
     decoding is unchanged."""
-    from phaserl.rollout import RolloutEngine, runner
+    from phaserl.rollout import RolloutEngine
+    from phaserl.rollout import layer_fns as runner
     from phaserl.rollout.engine import EngineConfig
     from phaserl.rollout.sampling import SamplingParams
 

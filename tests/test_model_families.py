@@ -19,7 +19,7 @@ from _hf_pairs import (
 from phaserl.models import CausalLM, load_pretrained, save_pretrained
 from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
-from phaserl.rollout.runner import cached_attention
+from phaserl.rollout.torch_path import cached_attention
 
 torch.set_num_threads(1)
 

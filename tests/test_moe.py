@@ -334,7 +334,7 @@ def test_a_continued_turn_extends_the_slot_like_the_full_forward(pair):
 def test_the_engines_layer_functions_compile_whole_graphs_through_moe_layers(pair):
     # fullgraph=True, as the engine compiles them on CUDA: routing, the expert mixture and the recorded experts
     # trace without a graph break (the eager backend: tracing only, no code generation on the CPU).
-    import phaserl.rollout.runner as runner
+    import phaserl.rollout.layer_fns as runner  # the runner's layer functions
     from phaserl.models.layers import post_attention, pre_attention, rms_norm
 
     _, ours, _ = pair

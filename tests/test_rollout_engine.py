@@ -13,8 +13,9 @@ from phaserl.errors import ConfigError, DataError
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.roles import HybridActor
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
-from phaserl.rollout.runner import cached_attention, fused_weights
+from phaserl.rollout.runner import fused_weights
 from phaserl.rollout.scheduler import Scheduler, Sequence
+from phaserl.rollout.torch_path import cached_attention
 
 torch.set_num_threads(1)
 VOCAB = 40
@@ -395,7 +396,7 @@ def test_engine_compile_raises_dynamo_recompile_limit_for_many_layer_specs():
     "recompile limit exceeded" (12 GPU tests in one pytest process). compile_layer_fn raises the limit.
     config.patch, not monkeypatch.setattr: monkeypatch's undo left the config entry hidden ("recompile_limit does
     not exist"), and every later torch.compile in the process failed (test_train_perf in the full suite)."""
-    from phaserl.rollout import runner
+    from phaserl.rollout import layer_fns as runner
 
     with torch._dynamo.config.patch(recompile_limit=8):
         compiled = runner.compile_layer_fn(lambda x, kind: x + len(kind))

@@ -14,6 +14,7 @@ import torch
 
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, extend_kernel, kernels, recurrent_state
 from phaserl.rollout import runner as runner_module
+from phaserl.rollout.layer_fns import EAGER
 from phaserl.rollout.runner import extend_attention, extend_mask
 from tests.test_rollout_engine import PROMPTS, tiny_model
 from tests.test_rollout_extend import tiny_qwen35
@@ -211,7 +212,7 @@ def decode_in_torch(monkeypatch) -> None:
     """Engines built after this decode (and step the DeltaNet state) on the torch path, so that only the extend
     pass runs Triton: the interpreter's decode kernels take ~20 s a session."""
     monkeypatch.setattr(runner_module, "FUSED_DECODE", False)
-    monkeypatch.setattr(runner_module, "layer_fns", lambda device, compile: runner_module.EAGER)
+    monkeypatch.setattr(runner_module, "layer_fns", lambda device, compile: EAGER)
     monkeypatch.setattr(recurrent_state, "USE_DELTA_KERNEL", False)
 
 

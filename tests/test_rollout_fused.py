@@ -12,7 +12,8 @@ import torch
 from phaserl.models.layers import activation, post_attention, pre_attention, rms_norm, rope_tables, rotate
 from phaserl.rollout import EngineConfig, fused, kernels
 from phaserl.rollout.fused import decodes_fused, fusable, fused_decode_layer
-from phaserl.rollout.runner import cached_attention, fused_weights
+from phaserl.rollout.runner import fused_weights
+from phaserl.rollout.torch_path import cached_attention
 from test_rollout_engine import PROMPTS, greedy_reference, run, tiny_model
 
 torch.set_num_threads(1)

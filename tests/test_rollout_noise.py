@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
-from phaserl.rollout.runner import sample_tokens
 from phaserl.rollout.sampling import GAMMA, keyed_noise, mix64
+from phaserl.rollout.torch_path import sample_tokens
 from tests.test_rollout_engine import PROMPTS, tiny_model
 
 torch.set_num_threads(1)

@@ -23,7 +23,7 @@ import torch
 from phaserl.models import invariant
 from phaserl.models.layers import post_attention, pre_attention, rms_norm
 from phaserl.rollout import kernels, torch_path
-from phaserl.rollout.runner import LayerFns
+from phaserl.rollout.layer_fns import LayerFns
 
 Tensor = torch.Tensor
 

@@ -43,7 +43,8 @@ from phaserl.models.linear_attention import (
 from phaserl.models.lora import engine_weight
 from phaserl.rollout import kernels
 from phaserl.rollout.kv_pool import exchange_index, slot_index
-from phaserl.rollout.runner import ModelRunner, compile_layer_fn, prefill_mask
+from phaserl.rollout.layer_fns import compile_layer_fn
+from phaserl.rollout.runner import ModelRunner, prefill_mask
 
 Tensor = torch.Tensor
 USE_DELTA_KERNEL = True  # False: the torch DeltaNet step on CUDA too (benchmarks compare the two)

@@ -32,26 +32,24 @@ P longest prompt, S slot_len, H hidden, Hq/Hkv heads, D head_dim, V vocab.
 """
 from __future__ import annotations
 
-import functools
 import gc
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from phaserl.compile_cache import specialize_floats
 from phaserl.models import invariant
 from phaserl.models.decoder import CausalLM
 from phaserl.models.heads import softcap
-from phaserl.models.layers import LayerWeights, embed, linear, post_attention, pre_attention, rms_norm
+from phaserl.models.layers import LayerWeights, embed, linear
 from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import extend_kernel, kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer, fused_extend_layer
 from phaserl.rollout.images import add_deepstack, place_images
 from phaserl.rollout.kv_pool import KVPool, SlotState, exchange_index, slot_index
-from phaserl.rollout.sampling import SamplingParams, keyed_noise
-from phaserl.rollout.torch_path import cached_attention, extend_attention, extend_mask, sample_tokens
+from phaserl.rollout.layer_fns import LayerFns, default_fns
+from phaserl.rollout.sampling import SamplingParams
+from phaserl.rollout.torch_path import extend_attention, extend_mask
 
 Tensor = torch.Tensor
 FUSED_DECODE = True  # decode layers through fused.py's kernels where Triton runs (benchmarks flip it to compare)
@@ -112,55 +110,14 @@ def shared_expert_weights(s: SharedExpert, previous: Optional[SharedExpert]) -> 
                       down=engine_weight(s.down, previous and previous.down))
 
 
-class LayerFns(NamedTuple):
-    pre: callable       # layers.pre_attention
-    post: callable      # layers.post_attention
-    norm: callable      # layers.rms_norm
-    attend: callable    # (q, k, v, keys, values, pos, scale, window) -> [b, Hq * D], writes k/v into the cache
-    sample: callable    # sample_tokens (every setting; needs noise)
-    fast_sample: Optional[callable]  # kernels.sample (no top-k/top-p): one pass, in-kernel keyed noise
-    noise: callable = keyed_noise  # (seed, keys, at, V) -> Exp(1) [b, V] for `sample`; kernels.keyed_noise on CUDA
-    prefill: callable = F.scaled_dot_product_attention  # the prefill pass's attention (SDPA's signature)
-
-
-EAGER = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None)
-
-
-ENGINE_RECOMPILE_LIMIT = 64
-
-
-def compile_layer_fn(fn):
-    """torch.compile for an engine layer function: dynamic shapes (one compile serves every bucket and the
-    prefill), fullgraph. Dynamo still compiles once per distinct layer spec, dtype and set of present weights
-    (a bias or none, a qk-norm kind, Gemma's local and global layers), and counts those entries per code
-    object for the whole process: 8 by default, then fullgraph=True turns the ninth into an error. A process
-    that builds engines for several models (tests, a run with several families) passes 8 quickly (seen on the
-    H200 on 2026-12-01: 12 GPU tests failed with "recompile limit exceeded"), so the limit is raised once."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, ENGINE_RECOMPILE_LIMIT)
-    specialize_floats()  # the norms' eps constants: no restarted compiles (compile_cache.py)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
-@functools.cache
-def compiled_fns() -> LayerFns:
-    """torch.compile'd twins of the layer functions (compile_layer_fn). cached_attention writes into the
-    cache, so it stays eager (layer_fns swaps in the Triton kernel where it runs)."""
-    c = compile_layer_fn
-    return LayerFns(c(pre_attention), c(post_attention), c(rms_norm), cached_attention, c(sample_tokens), None)
-
-
 def layer_fns(device: torch.device, compile: bool) -> LayerFns:
-    """The functions a runner uses: compiled or eager, with the Triton kernels wherever they run; in the bitwise
-    numerics mode the batch-invariant ones (rollout/bitwise.py), whatever `compile` says."""
+    """The functions a runner uses: compiled or eager, with the Triton kernels wherever they run (layer_fns.py); in
+    the bitwise numerics mode the batch-invariant ones (rollout/bitwise.py), whatever `compile` says."""
     if invariant.enabled():
         from phaserl.rollout.bitwise import on_device
 
         return on_device(device)
-    fns = compiled_fns() if compile else EAGER
-    if kernels.available(device):
-        fns = fns._replace(attend=kernels.decode_attention, fast_sample=kernels.sample, noise=kernels.keyed_noise)
-    return fns
+    return default_fns(device, compile)
 
 
 def column(per_layer: Optional[Tensor], layer: int) -> Optional[Tensor]:
