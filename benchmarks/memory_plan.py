@@ -18,6 +18,7 @@ the median step time, the update's measured peak, predicted / measured and wheth
                                   # the same with the checkpointed layers' inputs in host memory: its cost in step
                                   # time and what it frees of the update's peak, against the line above
     python benchmarks/memory_plan.py --tiny              # a CPU smoke run (seconds)
+    python benchmarks/memory_plan.py --shape 7b --card-gib 79.6   # on an H200: an H100 80 GB's memory
 
 --long sets the long-response shapes (responses of exactly --new-tokens tokens: rollout.ignore_eos). Sampling 16k-32k
 tokens one decode step at a time takes minutes per step; --synthetic-rollout puts random responses of the full
@@ -78,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="off: then the same step with the plan's keys off, in a second process")
     p.add_argument("--world", default=None, help="reuse this synthetic world directory")
     p.add_argument("--side-timeout", type=float, default=290.0, help="--ab-plan: seconds for the second process")
+    p.add_argument("--card-gib", type=float, default=None,
+                   help="make the card look this big (a second process holds the rest: card_size.py); e.g. 79.6 "
+                        "for an H100 80 GB on an H200. Memory is then the smaller card's, speed is not")
     a = p.parse_args(argv)
     a.shape = "tiny" if a.tiny else a.shape
     a.prompts, a.n, a.prompt_len, a.new_tokens = (LONG_SHAPES if a.long else STEP_SHAPES)[a.shape]
@@ -235,6 +239,30 @@ def _phase_peaks(samples: list) -> dict:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if a.card_gib:
+        from card_size import SmallerCard
+
+        with SmallerCard(a.card_gib):
+            _main(a, _without_card(argv or sys.argv[1:]))  # the --ab-plan side sees the held card already
+        return
+    _main(a, argv)
+
+
+def _without_card(args: list) -> list:
+    """The command line less --card-gib and its value."""
+    out, skip = [], False
+    for x in args:
+        if skip or x.startswith("--card-gib="):
+            skip = False
+            continue
+        if x == "--card-gib":
+            skip = True
+            continue
+        out.append(x)
+    return out
+
+
+def _main(a, argv) -> None:
     root = make_world(a)
     if a.ab_plan:
         run(a, root, [])
