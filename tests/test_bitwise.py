@@ -314,7 +314,7 @@ def test_a_grpo_run_in_bitwise_mode_logs_zero_mismatch_every_step(tmp_path, mini
 @pytest.mark.parametrize("setting, key", [
     ("model.implementation=transformers", "model.implementation"), ("rollout.engine=hf", "rollout.engine"),
     ("actor.compile=true", "actor.compile"), ("rollout.engine_compile=true", "rollout.engine_compile"),
-    ("ppo.train_graphs=true", "ppo.train_graphs"), ("actor.lora.rank=4", "actor.lora.rank")])
+    ("ppo.train_graphs=true", "ppo.train_graphs")])  # LoRA runs (its dropout is refused): test_bitwise_lora.py
 def test_settings_that_would_run_other_kernels_are_config_errors_naming_the_key(setting, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, ["rollout.bitwise=true", setting])

@@ -199,7 +199,7 @@ def _rule_errors(cfg: Config) -> list[str]:
 def _bitwise_errors(cfg: Config) -> list[str]:
     """rollout.bitwise against the settings that would run other kernels on one side (models/invariant.py): the
     transformers classes or generate(), compiled code (it may fuse a product and a sum into one rounding), the
-    training graphs (padded shapes), adapters (the engine merges them, the trainer does not)."""
+    training graphs (padded shapes), LoRA dropout (the merged weight both sides multiply has none)."""
     if not cfg.rollout.bitwise:
         return []
     why = "rollout.bitwise = true (phaserl's batch-invariant kernels on both sides)"
@@ -211,7 +211,9 @@ def _bitwise_errors(cfg: Config) -> list[str]:
                (cfg.rollout.engine_compile is True, "rollout.engine_compile = true",
                 "rollout.engine_compile = null (auto) or false"),
                (cfg.ppo.train_graphs is True, "ppo.train_graphs = true", "ppo.train_graphs = null (auto) or false"),
-               (cfg.actor.lora.rank > 0, f"actor.lora.rank = {cfg.actor.lora.rank}", "actor.lora.rank = 0")]
+               *[(getattr(cfg, role).lora.rank > 0 and getattr(cfg, role).lora.dropout > 0,
+                  f"{role}.lora.dropout = {getattr(cfg, role).lora.dropout} (no merged weight drops inputs)",
+                  f"{role}.lora.dropout = 0") for role in ("actor", "critic")]]
     return [f"{what} does not run with {why}; set {fix}, or rollout.bitwise = false" for on, what, fix in refused if on]
 
 

@@ -20,6 +20,8 @@ Cost: a matmul holds its [rows, N, K] products (in chunks of CHUNK_ELEMENTS), a 
 GEMM: fine for the tiny CPU models. Where Triton runs (a GPU) the matmul, attention, RMSNorm and log-sum-exp are
 invariant_triton's fixed-configuration kernels instead (their own fixed orders: both sides of a run take them);
 benchmarks/numerics.py measures the cost against the default kernels.
+LoRA projections multiply their merged weight W + s·BA (`merged_weight`, one fixed order): the engine computes it
+once per call, the trainer's forward again from the same parameters, the backward is the default LoRA forward's.
 Not here: which mode runs (`enable`/`enabled` hold it; the builder sets it from rollout.bitwise), where the decoder
 and the engine call these (models/layers.py, attention.py, decoder.py; rollout/bitwise.py).
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -146,30 +148,75 @@ def _exact(exact: Callable, default: Callable, *tensors) -> Tensor:
 
 
 # ----- the layer kernels (layers.py calls these in bitwise mode) ------------------------------------
+class Projection(NamedTuple):
+    """A frozen projection the engine multiplies: a LoRA projection's merged weight (`merged_weight`) and its bias."""
+    weight: Tensor             # [out, in]
+    bias: Optional[Tensor]     # [out]
+
+
+def is_adapter(w) -> bool:
+    """A LoRA projection (models/lora.LoRALinear, duck-typed: this module imports no model code)."""
+    return isinstance(w, nn.Module) and isinstance(getattr(w, "lora_A", None), Tensor)
+
+
 def _weights_of(w) -> tuple[Tensor, Optional[Tensor]]:
-    if isinstance(w, nn.Linear):
+    if isinstance(w, (nn.Linear, Projection)):
         return w.weight, w.bias
     if isinstance(w, Tensor):
         return w, None
-    raise TypeError(f"the bitwise kernels take plain projections (nn.Linear or a tensor), not {type(w).__name__}: "
-                    "adapters (LoRA) are not supported with rollout.bitwise")
+    raise TypeError(f"the bitwise kernels take plain projections (nn.Linear, a tensor) or phaserl's LoRA projections, "
+                    f"not {type(w).__name__}: set rollout.bitwise = false")
+
+
+def _linear_exact(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """x [..., K] @ weight [N, K].T rounded to x's dtype, then + bias [N]: the same bits for a row whatever N is."""
+    rows = x.reshape(-1, x.shape[-1])  # [N, K]
+    if invariant_triton.available(x.device) and x.dtype != torch.float64:  # one launch, the same rounding
+        return invariant_triton.matmul(rows, weight.to(x.dtype), bias, x.dtype).view(*x.shape[:-1], -1)
+    y = matmul(rows, weight).to(x.dtype).view(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
 
 
 def linear(x: Tensor, w, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
     """layers.linear's contract, x [..., K] -> [..., N]: the matmul rounded to x's dtype, then + bias, then
-    + residual (each add rounded on its own)."""
-    weight, own_bias = _weights_of(w)
-    bias = own_bias if bias is None else bias
-
-    def exact(x, weight, bias):
-        rows = x.reshape(-1, x.shape[-1])  # [N, K]
-        if invariant_triton.available(x.device) and x.dtype != torch.float64:  # one launch, the same rounding
-            return invariant_triton.matmul(rows, weight.to(x.dtype), bias, x.dtype).view(*x.shape[:-1], -1)
-        y = matmul(rows, weight).to(x.dtype).view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
-
-    y = _exact(exact, F.linear, x, weight, bias)
+    + residual (each add rounded on its own). A LoRA projection multiplies its merged weight (`lora_linear`)."""
+    if is_adapter(w):
+        y = lora_linear(x, w, bias)
+    else:
+        weight, own_bias = _weights_of(w)
+        y = _exact(_linear_exact, F.linear, x, weight, own_bias if bias is None else bias)
     return y if residual is None else residual + y
+
+
+def merged_weight(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
+    """W + scaling · B A [out, in] in W's dtype: (scaling · B) [out, r] and A [r, in] in float32 (float64 for a
+    float64 W), every element of their product a tree sum over r (`matmul`), plus W, rounded once. The engine
+    multiplies this tensor (rollout/bitwise.engine_weights) and the trainer's forward computes it again from the
+    same parameters: the same function of the same tensors, so the same bits."""
+    acc = _acc_dtype(weight.dtype)
+    delta = matmul(lora_B.to(acc) * scaling, lora_A.to(acc).T)  # [out, in]
+    return (weight.to(acc) + delta).to(weight.dtype)
+
+
+def lora_linear(x: Tensor, lora: nn.Module, bias: Optional[Tensor] = None) -> Tensor:
+    """A LoRALinear's output x [..., in] -> [..., out] in bitwise mode: forward x @ merged_weight(...).T (+ bias),
+    the engine's numbers; backward the default LoRA forward's gradient (x Wᵀ + b + (x Aᵀ) (s B)ᵀ), so A and B get
+    the gradients the default kernels give them. An adapter switched off is its base projection."""
+    bias = lora.bias if bias is None else bias
+    if not lora.adapter_enabled:
+        return _exact(_linear_exact, F.linear, x, lora.weight, bias)
+    if lora.training and isinstance(lora.dropout, nn.Dropout):
+        raise ValueError("LoRA dropout has no merged weight: set actor.lora.dropout = 0 (and critic.lora.dropout) "
+                         "with rollout.bitwise = true")
+    s = lora.scaling
+
+    def exact(x, weight, bias, A, B):
+        return _linear_exact(x, merged_weight(weight, A, B, s), bias)
+
+    def default(x, weight, bias, A, B):
+        return F.linear(x, weight, bias) + F.linear(F.linear(x, A.to(x.dtype)), (B * s).to(x.dtype))
+
+    return _exact(exact, default, x, lora.weight, bias, lora.lora_A, lora.lora_B)
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str, default: Callable) -> Tensor:

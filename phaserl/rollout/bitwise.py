@@ -7,6 +7,9 @@ log-prob equals the one the trainer's forward computes, bit for bit.
   extend_attention    an extend pass's: write the new tokens' k/v, attend over each row's slot
   sample_tokens       torch_path.sample_tokens' draw, its log-prob from invariant.logprobs_of (fast_sample: the
                       Triton sampler's draw where it runs)
+  engine_weights      a layer's weights: its projections as the trainer's modules, a LoRA projection as its merged
+                      weight (invariant.merged_weight, computed once per call where the trainer computes it per
+                      forward: the same bits)
 A slot's position p holds the key of the sequence's token at position p, which is exactly the layout
 invariant.attention reads (keys past a query's own weigh 0), so no copy into another layout is needed.
 Not here: the kernels (models/invariant.py), choosing these functions (runner.layer_fns).
@@ -21,7 +24,7 @@ from typing import Optional
 import torch
 
 from phaserl.models import invariant
-from phaserl.models.layers import post_attention, pre_attention, rms_norm
+from phaserl.models.layers import LayerWeights, post_attention, pre_attention, rms_norm
 from phaserl.rollout import kernels, torch_path
 from phaserl.rollout.layer_fns import LayerFns
 
@@ -78,6 +81,24 @@ def fast_sample(logits: Tensor, seed: Tensor, keys: Tensor, at: Tensor, greedy: 
     """kernels.sample's draw (no top-k/top-p; where Triton runs), the log-prob as sample_tokens gives it."""
     tokens, _ = kernels.sample(logits, seed, keys, at, greedy, temperature)
     return tokens, invariant.logprobs_of(invariant.scaled(logits, temperature), tokens)
+
+
+def engine_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeights:
+    """The decoder layer's LayerWeights for the engine: its projections as modules, except that each LoRA projection
+    with its adapter on becomes an invariant.Projection of W + s·BA (invariant.merged_weight), refilled in place into
+    `previous`'s tensor where it has one (captured graphs keep their pointers). The base weight is never written."""
+    m = layer.weights()
+    merged = {}
+    for name, module in m._asdict().items():
+        if not invariant.is_adapter(module) or not module.adapter_enabled:
+            continue
+        with torch.no_grad():
+            w = invariant.merged_weight(module.weight, module.lora_A, module.lora_B, module.scaling)  # [out, in]
+        old = getattr(previous, name, None)
+        if isinstance(old, invariant.Projection) and (old.weight.shape, old.weight.dtype) == (w.shape, w.dtype):
+            w = old.weight.copy_(w)
+        merged[name] = invariant.Projection(w, module.bias)
+    return m._replace(**merged)
 
 
 # The runner's functions in bitwise mode: the layer math dispatches to the invariant kernels itself (layers.py);

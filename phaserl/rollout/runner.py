@@ -45,7 +45,7 @@ from phaserl.models.lora import engine_weight
 from phaserl.models.moe import Route, SharedExpert, prepare_device
 from phaserl.rollout import extend_kernel, kernels
 from phaserl.rollout.fused import fusable, fused_decode_layer, fused_extend_layer
-from phaserl.rollout.images import add_deepstack, place_images
+from phaserl.rollout.images import add_deepstack, extend_images, place_extend_images, place_images
 from phaserl.rollout.kv_pool import KVPool, SlotState, exchange_index, slot_index
 from phaserl.rollout.layer_fns import LayerFns, default_fns
 from phaserl.rollout.sampling import SamplingParams
@@ -73,9 +73,12 @@ def fused_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeight
     cost (q + k + v + gate + up) parameters once more: 0.47 GB for Qwen2-0.5B, 8.5 GB for Qwen2-7B in bf16;
     ModelRunner.release() (engine.sleep()) frees them. With `previous`, the fused buffers are refilled in
     place (captured graphs keep pointing at them) instead of allocated again. In the bitwise numerics mode the
-    engine computes with the module's own projections, as the trainer does (models/invariant.py)."""
+    engine computes with the module's own projections, as the trainer does (models/invariant.py; LoRA adapters
+    merged as the trainer's forward merges them: rollout/bitwise.engine_weights)."""
     if invariant.enabled():
-        return layer.weights()
+        from phaserl.rollout.bitwise import engine_weights
+
+        return engine_weights(layer, previous)
     m = layer.weights()  # projections as modules
 
     def cat(parts: list[Tensor], into: Optional[Tensor]) -> Tensor:
@@ -187,6 +190,7 @@ class ModelRunner:
         # them), and per slot the shift decoding adds to its RoPE position (M-RoPE); None for text models.
         self.vision: dict = {}
         self.rope_shift: Optional[Tensor] = None  # [slots]
+        self.extending: list = []  # an extend pass's appended images (images.extend_images)
         prepare_device(self.device)
 
     def release(self) -> None:
@@ -337,8 +341,9 @@ class ModelRunner:
         self.state.start(slots, tokens, logprobs, lengths[group_of], caps)
 
     # ----- prefill at an offset (multi-turn continuation) -----------------------------------------
-    def extend(self, items: list[tuple[int, list[int], int, int]]) -> None:
-        """Append tokens to parked slots and start their next turn: items are (slot, tokens, start, cap).
+    def extend(self, items: list[tuple]) -> None:
+        """Append tokens to parked slots and start their next turn: items are (slot, tokens, start, cap[, images]),
+        images the ImageInputs of the image tokens among `tokens` (a vision-language model; images.extend_images).
 
         `tokens` go at positions start, start + 1, ... of the slot; the KV before `start` is kept and
         attended (no re-prefill of the conversation so far). The last token's distribution draws the
@@ -355,13 +360,15 @@ class ModelRunner:
             self._extend_pass(chunk)
 
     def _extend_pass(self, items) -> None:
-        lengths = [len(tokens) for _, tokens, _, _ in items]
+        items = [(*item, None)[:5] for item in items]  # (slot, tokens, start, cap, images or None)
+        lengths = [len(tokens) for _, tokens, _, _, _ in items]
         M = max(lengths)
+        self.extending = extend_images(self, items, M)  # vision: the appended images, placed by _extend_forward
         # right-padded (pad rows write KV past their end, hidden); one tensor from padded lists
-        ids = torch.tensor([list(tokens) + [0] * (M - len(tokens)) for _, tokens, _, _ in items], dtype=torch.long)
-        host = [ids, torch.tensor([start for _, _, start, _ in items]), torch.tensor(lengths),
-                torch.tensor([slot for slot, _, _, _ in items]), torch.tensor([cap for _, _, _, cap in items])]
-        context = max(start + len(tokens) for _, tokens, start, _ in items)  # key positions any row sees
+        ids = torch.tensor([list(tokens) + [0] * (M - len(tokens)) for _, tokens, _, _, _ in items], dtype=torch.long)
+        host = [ids, torch.tensor([start for _, _, start, _, _ in items]), torch.tensor(lengths),
+                torch.tensor([slot for slot, *_ in items]), torch.tensor([cap for _, _, _, cap, _ in items])]
+        context = max(start + len(tokens) for _, tokens, start, _, _ in items)  # key positions any row sees
         self._extend_forward(*(t.to(self.device, non_blocking=True) for t in host), context)
 
     def _extend_forward(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, caps: Tensor,
@@ -378,6 +385,8 @@ class ModelRunner:
         flat = (pos if self.rope_shift is None else pos + self.rope_shift[slots][:, None]).view(-1)  # RoPE positions
         rope = None if all(fused) else [(cos[flat], sin[flat]) for cos, sin in self.rope]  # [C * M, D] each
         h, per_layer = self._embed(ids.view(-1))  # [C * M, H], [C * M, L, P] or None
+        if self.rope_shift is not None:  # vision: appended images' features, M-RoPE tables, new shifts (images.py)
+            place_extend_images(self, self.extending, h, rope)
         carry = None  # a fused layer's MLP output not yet added to h (as in _decode_step)
         fresh: dict = {}  # layer -> its (k, v) [C * M, Hkv, D], for the layers that share them (_shared_kv)
         for layer, (keys, values, w, spec) in enumerate(zip(self.keys, self.values, self.weights, self.specs)):
@@ -393,6 +402,8 @@ class ModelRunner:
             h, experts = self._post(h, attn, w, spec, column(per_layer, layer))
             if experts is not None:
                 self.routes[slots[:, None], pos, self.moe_index[layer]] = experts.view(C, M, -1)
+            if self.rope_shift is not None:  # Qwen3-VL: deepstack features of appended images (images.py)
+                h = add_deepstack(self, layer, h)
         at = (torch.arange(C, device=self.device), lengths - 1)
         last = h.view(C, M, -1)[at]  # [C, H]
         weight = self.model.model.norm.weight
