@@ -10,7 +10,11 @@ An episode starts from a data row and alternates model turns and environment tur
 
 An `Observation` is text (tokenized and appended as it is) or chat messages (rendered by the chat
 template as the continuation of the conversation, e.g. a `tool` or `user` message and the next
-generation prompt). The `Episode` keeps the ids the model sampled and the ids appended for
+generation prompt), or, for a vision-language policy, an `ImageObservation`: such text or messages with one
+`<image>` placeholder per image plus the images (PIL images, encoded bytes or file paths), e.g. a screenshot.
+Its images go through the image processor in one call that decides their token counts; the placeholders are
+expanded to that many image tokens and the pixels travel with the episode to every training pass.
+The `Episode` keeps the ids the model sampled and the ids appended for
 observations, in order: training uses exactly these ids, never a re-tokenization of decoded text.
 
 Not here: running episodes (the runner), tools and tool-call parsing, adapters for other packages.
@@ -21,7 +25,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-Observation = Union[str, list]  # text, or chat messages [{"role": ..., "content": ...}, ...]
+from phaserl.data.images import join_images
+
+
+@dataclass
+class ImageObservation:
+    """An observation with pictures (a vision-language policy only): `content` is text or chat messages holding one
+    `<image>` placeholder per entry of `images`, in order; an image is a PIL image, its encoded bytes (PNG, JPEG)
+    or a file path."""
+
+    content: Union[str, list]
+    images: list
+
+
+Observation = Union[str, list, ImageObservation]  # text, chat messages [{"role": ..., "content": ...}, ...], or those
+                                                  # with images
 
 
 @dataclass
@@ -72,9 +90,9 @@ def as_step_result(value, *, where: str) -> StepResult:
         raise ValueError(f"{where}: step() returned reward {result.reward!r}, not a number") from None
     if not math.isfinite(reward):
         raise ValueError(f"{where}: step() returned a non-finite reward ({reward})")
-    if result.observation is not None and not isinstance(result.observation, (str, list)):
+    if result.observation is not None and not isinstance(result.observation, (str, list, ImageObservation)):
         raise ValueError(f"{where}: step() returned an observation of type {type(result.observation).__name__}; "
-                         "return text or a list of chat messages")
+                         "return text, a list of chat messages or an ImageObservation")
     return StepResult(result.observation, reward, bool(result.done), dict(result.info or {}))
 
 
@@ -87,6 +105,8 @@ class Segment:
     logprobs: Optional[list] = None      # model segments: the sampler's log-prob of each id
     versions: Optional[list] = None      # model segments of an asynchronous rollout: the policy version that sampled
                                          # each id (None: the weights being trained)
+    images: object = None                # prompt and observation segments of a vision policy: the
+                                         # data.images.ImageInputs of their image tokens, else None
 
 
 @dataclass
@@ -119,6 +139,11 @@ class Episode:
     def loss_mask(self) -> list:
         """1 per sampled token, 0 per observation token, aligned with response_ids()."""
         return [int(s.kind == "model") for s in self.segments[1:] for _ in s.token_ids]
+
+    def images(self):
+        """The ImageInputs of every image in the episode's ids, in order (prompt, then observations: one object, as
+        the training forward takes a row's images), or None when it has none."""
+        return join_images([s.images for s in self.segments])
 
     def response_versions(self) -> Optional[list]:
         """The policy version per response token (-1 on observation tokens), or None when no model segment records

@@ -36,10 +36,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from phaserl.agents.env import Episode, Segment, as_step_result
+from phaserl.agents.env import Episode, ImageObservation, Segment, as_step_result
 from phaserl.agents.loader import EnvironmentFactory
-from phaserl.agents.render import ObservationRenderer
+from phaserl.agents.render import ObservationRenderer, ObservationVision
 from phaserl.agents.workers import Workers
+from phaserl.data.images import join_images
 from phaserl.data.prompts import decode_responses
 from phaserl.errors import AgentError
 
@@ -112,14 +113,21 @@ class _Run:
     def length(self) -> int:
         return sum(len(s.token_ids) for s in self.segments)
 
+    @property
+    def images(self):
+        """The ImageInputs of the images in its ids so far, in order (None: none)."""
+        return join_images([s.images for s in self.segments])
+
 
 class EpisodeRunner:
     """workers: a pool kept by the caller across rollouts (its threads start once); None: a pool of
-    limits.workers threads for each run_* call, shut down after it."""
+    limits.workers threads for each run_* call, shut down after it. vision: a vision-language policy's processor
+    (render.observation_vision): prompts and observations may then hold images (the engine path only)."""
 
-    def __init__(self, factory: EnvironmentFactory, tokenizer, limits: AgentLimits, workers: Optional[Workers] = None):
+    def __init__(self, factory: EnvironmentFactory, tokenizer, limits: AgentLimits, workers: Optional[Workers] = None,
+                 vision: Optional[ObservationVision] = None):
         self.factory, self.tokenizer, self.limits, self.workers = factory, tokenizer, limits, workers
-        self.renderer = ObservationRenderer(tokenizer)
+        self.renderer = ObservationRenderer(tokenizer, vision)
         self._warned = 0
         self._landed = 0     # environment calls that have ended (each call's done-callback counts, on its thread)
         self._submitted = 0  # calls submitted
@@ -192,7 +200,8 @@ class EpisodeRunner:
         if cap < 1:
             return self._finish(session, run, self.limits.budget_reason)
         key = run.start.seed if run.start.noise_key is None else run.start.noise_key
-        session.start(run.index, ids, cap, noise_key=key)  # its samples do not depend on timing or slots
+        # its samples do not depend on timing or slots
+        session.start(run.index, ids, cap, noise_key=key, **_pixels(run.images))
         run.in_session = True
 
     def _apply(self, session, run: _Run, waiting: list) -> None:
@@ -205,25 +214,25 @@ class EpisodeRunner:
         if call == "reset":
             waiting.append(run)
             return
-        obs_ids = self._after_step(session, run, outcome)
-        if obs_ids is None:
+        obs = self._after_step(session, run, outcome)
+        if obs is None:
             return
-        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - run.length - len(obs_ids))
+        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - run.length - len(obs.token_ids))
         if cap < 1:
             return self._finish(session, run, self.limits.budget_reason)
-        if obs_ids:
-            run.segments.append(Segment("observation", obs_ids))
+        if obs.token_ids:
+            run.segments.append(obs)
         if not run.in_session:  # asynchronous rollout: its slot went at the end of a phase; prefilled anew
             waiting.append(run)
             return
-        session.extend(run.index, obs_ids, cap)
+        session.extend(run.index, obs.token_ids, cap, **_pixels(obs.images))
 
     # ----- the asynchronous rollout: episodes that outlive a phase -----------------------------------
     def begin_runs(self, starts: list[EpisodeStart], first_index: int) -> list:
         """Episodes for trainer/agent_stream.py: their resets are submitted now, on the caller's pool (kept across
         phases), and they are driven by run_phase() until they end, over as many phases as it takes."""
         assert self.workers is not None, "begin_runs needs the caller's worker pool"
-        runs = [_Run(first_index + i, s, [Segment("prompt", list(s.item.prompt_ids))]) for i, s in enumerate(starts)]
+        runs = [_Run(first_index + i, s, [_prompt_segment(s)]) for i, s in enumerate(starts)]
         for run in runs:
             self._submit(self.workers, run, "reset", self._reset, run)
         return runs
@@ -286,6 +295,9 @@ class EpisodeRunner:
                 active = [r for r in active if r.finish_reason is None]
                 if not active:
                     break
+                if any(r.images is not None for r in active):
+                    raise AgentError("episodes with images run on the built-in engine only (rollout.engine=auto or "
+                                     "builtin): the generate() fallback takes no pixels")
                 result = generate([r.ids for r in active])
                 caps = [min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - r.length) for r in active]
                 ids = [turn_ids[:cap] for turn_ids, cap in zip(result.response_ids, caps)]
@@ -307,15 +319,15 @@ class EpisodeRunner:
             if outcome is None:
                 self._finish(session, run, run.finish_reason or "env_error")
             elif call == "step":
-                obs_ids = self._after_step(session, run, outcome)
-                if obs_ids:
-                    run.segments.append(Segment("observation", obs_ids))
+                obs = self._after_step(session, run, outcome)
+                if obs is not None and obs.token_ids:
+                    run.segments.append(obs)
 
     # ----- shared pieces --------------------------------------------------------------------------
     def _begin(self, starts: list[EpisodeStart]) -> tuple[list, Workers]:
         self._warned = 0
         workers = self.workers or Workers(self.limits.workers)
-        runs = [_Run(i, s, [Segment("prompt", list(s.item.prompt_ids))]) for i, s in enumerate(starts)]
+        runs = [_Run(i, s, [_prompt_segment(s)]) for i, s in enumerate(starts)]
         for run in runs:
             self._submit(workers, run, "reset", self._reset, run)
         return runs, workers
@@ -414,25 +426,31 @@ class EpisodeRunner:
                 self._failure(run, str(exc), full=True)
                 return None
         tools = getattr(run.env, "tool_schemas", None) if call == "reset" else None
+        if tools and run.segments[0].images is not None:
+            self._failure(run, "tool_schemas with a prompt that holds images: the prompt cannot be rendered again "
+                               "with its image tokens; give the tools in the prompt's text instead")
+            return None
         if tools:  # the model must see the tools: the prompt is rendered with them
             try:
                 run.segments[0] = Segment("prompt", self.renderer.prompt_ids(run.start.item.row.prompt, list(tools)))
             except Exception as exc:  # noqa: BLE001 - a template that cannot take tools= is the user's to fix
                 self._failure(run, f"the chat template could not render the prompt with its tool_schemas: {exc}")
                 return None
-        if call == "reset" and value not in (None, "") and not isinstance(value, (str, list)):
-            self._failure(run, f"reset() returned {type(value).__name__}; return text or a list of chat messages")
+        if call == "reset" and value not in (None, "") and not isinstance(value, (str, list, ImageObservation)):
+            self._failure(run, f"reset() returned {type(value).__name__}; return text, a list of chat messages or an "
+                               "ImageObservation")
             return None
         if call == "reset" and value not in (None, ""):
             try:
-                run.segments.append(Segment("observation", self.renderer.ids(value)))
+                ids, images = self.renderer.render(value)
+                run.segments.append(Segment("observation", ids, images=images))
             except (ValueError, TypeError) as exc:
                 self._failure(run, f"reset() returned an observation that cannot be tokenized: {exc}")
                 return None
         return True
 
-    def _after_step(self, session, run: _Run, result) -> Optional[list]:
-        """Record a step's reward and info; end the episode when it is over, else its observation ids."""
+    def _after_step(self, session, run: _Run, result) -> Optional[Segment]:
+        """Record a step's reward and info; end the episode when it is over, else its observation segment."""
         run.turn_rewards.append(result.reward)
         for key, value in dict(result.info.get("metrics", {})).items():
             if isinstance(value, (int, float)) and math.isfinite(value):
@@ -443,13 +461,13 @@ class EpisodeRunner:
         if run.num_turns >= self.limits.max_turns:
             return self._finish(session, run, "max_turns")
         try:
-            obs_ids = self.renderer.ids(result.observation)
+            obs_ids, images = self.renderer.render(result.observation)
         except (ValueError, TypeError) as exc:
             self._failure(run, f"step() returned an observation that cannot be tokenized: {exc}")
             return self._finish(session, run, "env_error")
         if run.length + len(obs_ids) + 1 > self.limits.max_episode_tokens:
             return self._finish(session, run, self.limits.budget_reason)
-        return obs_ids
+        return Segment("observation", obs_ids, images=images)
 
     def _failure(self, run: _Run, what: str, *, full: bool = False) -> None:
         message = what if full else f"environment {self.factory.name} ({self._where(run)}): {what}"
@@ -480,6 +498,15 @@ class EpisodeRunner:
         return Episode(row=run.start.item.row, segments=run.segments, turn_rewards=list(run.turn_rewards),
                        finish_reason=run.finish_reason or "done", num_turns=run.num_turns, metrics=dict(run.metrics),
                        routes=run.routes)
+
+
+def _prompt_segment(start: EpisodeStart) -> Segment:
+    return Segment("prompt", list(start.item.prompt_ids), images=getattr(start.item, "images", None))
+
+
+def _pixels(images) -> dict:
+    """The images keyword of a session call: only when there are some (text sessions keep their signature)."""
+    return {} if images is None else {"images": images}
 
 
 def _add(metrics: dict, key: str, value: float) -> None:

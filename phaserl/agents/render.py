@@ -7,18 +7,53 @@ so a `tool` or `user` message comes out with the role markers and the next gener
 template writes. What the template writes after an assistant turn's end-of-turn token (Qwen's
 "\\n" after <|im_end|>) is put in front, since the model stopped at the token itself.
 An environment with `tool_schemas` (ToolEnvironment) gets its prompt rendered with `tools=` them.
+An ImageObservation (a vision-language policy: `ObservationVision`) goes the way of a data row's images
+(data/images.py): each `<image>` becomes the family's vision markers before rendering, its images go through the
+processor in one call, and each image's one placeholder id is expanded to the processor's token count.
 Not here: parsing tool calls (tool_parsers.py), deciding what the observation is (the environment).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
+from phaserl.data.images import (
+    PLACEHOLDER,
+    count_placeholders,
+    expand_placeholders,
+    load_image,
+    process_images,
+    with_vision_markers,
+)
 from phaserl.errors import ConfigError
 
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 
+@dataclass(frozen=True)
+class ObservationVision:
+    """What turns an ImageObservation's images into model inputs: the policy's image processor (data.images.
+    processor_for), its merge size and its image placeholder id."""
+
+    processor: object
+    merge_size: int
+    image_token_id: int
+
+
+def observation_vision(model, *, min_pixels: int, max_pixels: int) -> Optional[ObservationVision]:
+    """The ObservationVision of a vision-language policy (data.min_pixels / max_pixels as for its rows); None for a
+    text model."""
+    if not getattr(model, "takes_images", False):
+        return None
+    from phaserl.data.images import processor_for
+
+    processor = processor_for(model.vision_config, min_pixels=min_pixels, max_pixels=max_pixels)
+    return ObservationVision(processor, model.vision_config.spatial_merge_size, model.image_token_id)
+
+
 class ObservationRenderer:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, vision: Optional[ObservationVision] = None):
+        self.tokenizer, self.vision = tokenizer, vision
         self._after_eos = None  # the template's text after an assistant turn's EOS, found on first use
         self._base = None       # the template's text for _PROBE: the same for every observation, rendered once
 
@@ -28,6 +63,30 @@ class ObservationRenderer:
             return []
         text = observation if isinstance(observation, str) else self.messages_text(observation)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render(self, observation) -> tuple[list[int], object]:
+        """(ids to append, their data.images.ImageInputs or None) for any observation: text, chat messages, or an
+        ImageObservation (one processor call for its images; placeholders expanded to their token counts)."""
+        from phaserl.agents.env import ImageObservation
+
+        if not isinstance(observation, ImageObservation):
+            return self.ids(observation), None
+        if self.vision is None:
+            raise ValueError("an ImageObservation needs a vision-language policy (docs/vision.md); this policy is a "
+                             "text model, which would read the images' placeholders as text")
+        content, entries = observation.content, list(observation.images)
+        if not isinstance(content, (str, list)):
+            raise ValueError(f"ImageObservation.content is a {type(content).__name__}; give text or chat messages")
+        placeholders = count_placeholders(content)
+        if placeholders != len(entries) or not entries:
+            raise ValueError(f"the ImageObservation holds {placeholders} '{PLACEHOLDER}' placeholder(s) for "
+                             f"{len(entries)} image(s); put one '{PLACEHOLDER}' in its content per image, in order")
+        ids = self.ids(with_vision_markers(content))
+        # a DataError (a ValueError) names a bad image, or content that spells the image token itself
+        pictures = [load_image(v, source="the observation", index=i, base_dir=None) for i, v in enumerate(entries)]
+        v = self.vision
+        inputs = process_images(pictures, v.processor, merge_size=v.merge_size)  # one call: grids, token counts
+        return expand_placeholders(ids, v.image_token_id, inputs.tokens, source="the observation"), inputs
 
     def prompt_ids(self, prompt, tools: list) -> list[int]:
         """The prompt rendered again with `tools=` (the environment's tool schemas) in the chat template,

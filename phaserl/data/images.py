@@ -47,6 +47,16 @@ class ImageInputs:
         return self.pixel_values.numel() * self.pixel_values.element_size()
 
 
+def join_images(parts: Sequence[Optional[ImageInputs]]) -> Optional[ImageInputs]:
+    """The images of several pieces of one sequence as one ImageInputs, in order (a multi-turn episode: its prompt's
+    and its observations'); None when no piece has any, the piece itself when only one has."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return ImageInputs(pixel_values=torch.cat([p.pixel_values for p in parts]),   # [sum N, F]
+                       grids=tuple(g for p in parts for g in p.grids), tokens=tuple(t for p in parts for t in p.tokens))
+
+
 def image_processor(*, patch_size: int, merge_size: int, temporal_patch_size: int = 2, min_pixels: int = 56 * 56,
                     max_pixels: int = 28 * 28 * 1280):
     """transformers' Qwen2-VL image processor built locally (no hub, no torchvision): resize so that each side is a

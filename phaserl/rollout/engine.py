@@ -233,7 +233,7 @@ class RolloutEngine:
         stop_ids = sorted({*eos_token_ids, *params.stop_token_ids})
         start = time.perf_counter()
         with torch.inference_mode(), _seeded(generator, self.device):
-            self.runner.vision = {}  # a session's prompts are text (images in observations: not yet)
+            self.runner.vision = {}  # the session sets its prompts' images at each prefill
             self.runner.begin(slots, slot_len, params.max_new_tokens, params, stop_ids)
             session = DecodeSession(self.runner, num_slots=slots, slot_len=slot_len,
                                     max_turn_tokens=params.max_new_tokens, stop_ids=stop_ids,

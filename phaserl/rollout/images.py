@@ -9,6 +9,10 @@ delta` (delta <= 0: an image of n tokens spans fewer positions). The runner keep
 (the fused decode kernels index RoPE by slot position themselves, so a vision model's decode does not use them).
 The features come from the same `VisionLM.prefill_inputs` (embed, tower, scatter, positions) as the training
 forward, so sampled and trained log-probs see the same inputs.
+Multi-turn sessions append ids to a parked slot (an extend pass): an observation's images are placed the same way,
+their M-RoPE positions are the observation's own (from prefill_inputs) moved to where the slot's text stands
+(`slot position + delta`), and the slot's delta then grows by the observation's: the positions equal those the
+training forward computes over the whole episode with all its images in order.
 Not here: the tower and the positions (models/), the slot loop (engine.py, runner.py).
 
 Legend: L a prompt's tokens, H hidden, D head_dim, U prompts of a prefill pass, P their padded width.
@@ -79,3 +83,45 @@ def add_deepstack(runner, layer: int, h: torch.Tensor) -> torch.Tensor:
         if layer < additions.shape[0]:
             h[rows] += additions[layer].to(h.dtype)
     return h
+
+
+def extend_images(runner, items: list, M: int) -> list:
+    """For an extend pass of `items` (slot, tokens, start, cap, ImageInputs or None), right-padded to M: per row with
+    images, (its rows of the pass's h as a slice, embeds [L, H], M-RoPE positions [3, L] where the slot's text
+    stands, the slot's delta after it, deepstack [k, L, H] or None, its slot). The image-token count is checked
+    against the images (prefill_inputs); appended ids with image tokens but no images are a ValueError too."""
+    model = runner.model
+    if not getattr(model, "takes_images", False):
+        if any(item[4] is not None for item in items):
+            raise ConfigError(f"appended ids with images, but the policy ({type(model).__name__}) is not a "
+                              "vision-language model (docs/vision.md)")
+        return []
+    for slot, tokens, _, _, image in items:
+        if image is None and model.image_token_id in tokens[1:]:  # tokens[0]: the last sampled id, fed again
+            raise ValueError(f"ids appended to slot {slot} hold image placeholder tokens but no images were given: "
+                             "the observation's pixels were lost on the way")
+    rows = [r for r, item in enumerate(items) if item[4] is not None]
+    if not rows:
+        return []
+    made = model.prefill_inputs([items[r][1] for r in rows], [items[r][4] for r in rows])
+    out = []
+    for r, (embeds, positions, delta, deepstack) in zip(rows, made):
+        slot, _, start, _, _ = items[r]
+        shift = int(runner.rope_shift[slot])  # the slot's text so far stands at slot position + shift
+        out.append((slice(r * M, r * M + embeds.shape[0]), embeds, positions + (start + shift), shift + delta,
+                    deepstack, slot))
+    return out
+
+
+def place_extend_images(runner, made: list, h: torch.Tensor, rope: list) -> None:
+    """In place, for an extend pass: each row's image embeddings over its rows of h [C * M, H] and its M-RoPE
+    tables over rope's [C * M, D]; the deepstack additions recorded for add_deepstack; the slots' new delta set."""
+    runner.deepstack = []
+    for rows, embeds, positions, shift, deepstack, slot in made:
+        h[rows] = embeds.to(h.dtype)
+        if deepstack is not None:
+            runner.deepstack.append((rows, deepstack))
+        tables = runner.model.model.rope(positions[:, None, :], h.dtype)  # [(cos, sin) [1, L, D]] per table
+        for (cos, sin), (c, s) in zip(rope, tables):
+            cos[rows], sin[rows] = c[0], s[0]
+        runner.rope_shift[slot] = shift

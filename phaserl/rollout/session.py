@@ -11,6 +11,9 @@ the previous step after launching the next one. A decode step covers the slots u
 one only; when that makes the steps meaningfully smaller, resumed sequences move down into slots that are not
 decoding (exchanging KV with the parked sequence or free slot there: `_pack` states the rule), so that while some
 sequences wait for their environment the others decode in a smaller step; otherwise a sequence resumes in its own slot.
+A vision-language model's sequences may carry images (data.images.ImageInputs): a start's for its prompt ids, an
+extend's for the ids it appends. Their features replace the image tokens there and their M-RoPE positions continue
+the slot's (rollout/images.py); the image-token count is checked against the images', a mismatch a ValueError.
 
 Sampling noise is keyed per sequence (start's noise_key) and position, and moves with the sequence's slot
 (runner.swap_slots): a sequence samples the same tokens whatever slot it takes, whatever decodes beside it and
@@ -29,6 +32,7 @@ from typing import Hashable, Optional
 import torch
 
 from phaserl.errors import DataError
+from phaserl.rollout.images import vision_prefills
 from phaserl.rollout.kv_pool import slot_index
 from phaserl.rollout.runner import ModelRunner
 
@@ -82,8 +86,8 @@ class DecodeSession:
         self.by_slot: list = [None] * num_slots  # slot -> its _Live or None
         self.free = list(range(num_slots))      # a heap: the lowest free slot comes out first
         self._starts: list[_Live] = []           # queued prefills: (live), prompt ids in _prompts
-        self._prompts: dict = {}
-        self._extends: list = []                 # queued (live, ids, start, cap)
+        self._prompts: dict = {}                 # key -> (prompt ids, its ImageInputs or None)
+        self._extends: list = []                 # queued (live, ids, start, cap, ImageInputs or None)
         self._known = None                       # the previous step's snapshot
         self._pinned: list = []                  # CUDA: two host buffers for the finished flags, alternating
         self._side = None                        # CUDA: the stream that gathers ended turns beside the next step
@@ -133,13 +137,15 @@ class DecodeSession:
     def length(self, key: Hashable) -> int:
         return self.live[key].length
 
-    def start(self, key: Hashable, prompt_ids: list[int], cap: int, noise_key: Optional[int] = None) -> None:
+    def start(self, key: Hashable, prompt_ids: list[int], cap: int, noise_key: Optional[int] = None,
+              images=None) -> None:
         """Take a free slot for a new sequence; its prompt is prefilled at the next step().
 
         noise_key: an integer that names the sequence for its sampling noise: every token it samples is a
         function of (the session's seed, noise_key, its position, the logits) alone, whatever slot it sits in,
         which sequences decode beside it and when it resumes. None: `key` when it is an int, else the count of
-        sequences started before it in this session (then reproducible only for the same order of starts)."""
+        sequences started before it in this session (then reproducible only for the same order of starts).
+        images: the ImageInputs of the prompt's image tokens (a vision-language model), else None."""
         if key in self.live:
             raise KeyError(f"sequence {key!r} is already in the session")
         if not self.free:
@@ -158,10 +164,11 @@ class DecodeSession:
         self.live[key] = live
         self.by_slot[live.slot] = live
         self._starts.append(live)
-        self._prompts[key] = tuple(prompt_ids)
+        self._prompts[key] = (tuple(prompt_ids), images)  # equal ids with other images are another prompt
 
-    def extend(self, key: Hashable, ids: list[int], cap: int) -> None:
-        """Append `ids` to a parked sequence (its KV kept) and start its next turn of at most `cap` ids."""
+    def extend(self, key: Hashable, ids: list[int], cap: int, images=None) -> None:
+        """Append `ids` to a parked sequence (its KV kept) and start its next turn of at most `cap` ids. images: the
+        ImageInputs of the image tokens among `ids` (a vision-language model), else None."""
         live = self.live[key]
         if live.decoding or live.last_token < 0:
             raise RuntimeError(f"sequence {key!r} is not parked (still decoding, or not yet started)")
@@ -170,7 +177,7 @@ class DecodeSession:
             raise DataError(f"sequence {key!r}: {len(ids)} appended ids + a turn of {cap} exceed the {self.room(key)} "
                             f"positions left in its slot")
         # The last sampled id has no KV yet (a stopped slot is never fed): it is prefilled with the new ids.
-        self._extends.append((live, [live.last_token, *ids], live.length - 1, cap))
+        self._extends.append((live, [live.last_token, *ids], live.length - 1, cap, images))
         live.length += len(ids)
         live.cap, live.turn, live.decoding = cap, live.turn + 1, True
         self._decoding += 1
@@ -259,17 +266,21 @@ class DecodeSession:
                 live.turn, live.decoding, live.since = 1, True, self.stats.steps + 1
             self._decoding += len(self._starts)
             t0 = time.perf_counter()
-            self.runner.prefill([(prompt, [lv.slot for lv in lives], [lv.cap for lv in lives],
-                                  [lv.noise_key for lv in lives]) for prompt, lives in groups.items()])
+            prompts = [(prompt, images) for prompt, images in groups]
+            made = vision_prefills(self.runner.model, [p for p, _ in prompts], [im for _, im in prompts])
+            lives = list(groups.values())
+            self.runner.vision = {lives[i][0].noise_key: inputs for i, inputs in made.items()}  # images.place_images
+            self.runner.prefill([(prompt, [lv.slot for lv in group], [lv.cap for lv in group],
+                                  [lv.noise_key for lv in group]) for (prompt, _), group in zip(prompts, lives)])
             self._pass_seconds = time.perf_counter() - t0
-            self.stats.prefill_tokens += sum(map(len, groups))
+            self.stats.prefill_tokens += sum(len(p) for p, _ in prompts)
             self._starts = []
         if self._extends:
             for live, *_ in self._extends:
                 live.since = self.stats.steps + 1  # its first decode step is the next one
             self._pack([item[0] for item in self._extends])
             t0 = time.perf_counter()
-            self.runner.extend([(live.slot, ids, start, cap) for live, ids, start, cap in self._extends])
+            self.runner.extend([(live.slot, *item) for live, *item in self._extends])
             self._pass_seconds = time.perf_counter() - t0
             self._extends = []
 

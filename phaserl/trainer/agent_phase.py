@@ -35,11 +35,14 @@ class AgentSettings:
     factory: EnvironmentFactory
     limits: AgentLimits
     workers: Workers             # environment threads, kept across rollouts (started once, lazily)
+    vision: object = None        # agents.render.ObservationVision of a vision-language policy, else None
 
 
-def rollout_choice(cfg, *, model_context: int, tokenizer, reward, train_prompts, val_prompts) -> RolloutChoice:
+def rollout_choice(cfg, *, model_context: int, tokenizer, reward, train_prompts, val_prompts,
+                   vision=None) -> RolloutChoice:
     """Phases 1-3 of the run: single-turn generation scored by `reward` (the run's reward sources), or with
-    cfg.agent.env / cfg.agent.harness the multi-turn phase whose episodes bring their own rewards."""
+    cfg.agent.env / cfg.agent.harness the multi-turn phase whose episodes bring their own rewards. vision: a
+    vision-language policy's agents.render.ObservationVision (its episodes' prompts and observations hold images)."""
     a = cfg.agent
     if not (a.env or a.harness):
         return RolloutChoice(single_turn_rollout, reward, train_prompts, val_prompts)
@@ -54,7 +57,8 @@ def rollout_choice(cfg, *, model_context: int, tokenizer, reward, train_prompts,
                              harness=harness_settings(cfg, model_context))
     return RolloutChoice(agent_rollout, EpisodeScores(), train_prompts, val_prompts,
                          agent=AgentSettings(EnvironmentFactory.from_spec(a.env, dict(a.kwargs)),
-                                             AgentLimits.from_config(cfg, model_context), Workers(a.workers)))
+                                             AgentLimits.from_config(cfg, model_context), Workers(a.workers),
+                                             vision))
 
 
 def harness_settings(cfg, model_context: int) -> HarnessSettings:
@@ -86,7 +90,7 @@ def agent_rollout(ctx: "RolloutContext", items: list, params, n: int) -> Rollout
     starts = [EpisodeStart(item, seed=ctx.seeds.episode(first + i), label=f"{item.row.source}, sample {k}",
                            noise_key=first + i)
               for i, (item, k) in enumerate((item, k) for item in items for k in range(n))]
-    runner = EpisodeRunner(agent.factory, run.tokenizer, limits, workers=agent.workers)
+    runner = EpisodeRunner(agent.factory, run.tokenizer, limits, workers=agent.workers, vision=agent.vision)
     # Not the rank's first episode: the session's noise seed is the step's on every rank, and each episode's
     # noise is keyed by its global index (noise_key), so an episode samples alike on 1 and N ranks.
     run.sampling_generator.manual_seed(ctx.seeds.agent_session(n))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
+from ..agents.render import observation_vision
 from ..algo import (
     ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
@@ -257,8 +258,9 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
             items = items[: cfg.data.val_max_prompts]
         val_prompts = items[rank::world_size]
     context = getattr(roles.actor.model.config, "max_position_embeddings", None) or cfg.agent.max_episode_tokens
+    vision = observation_vision(roles.actor.model, min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
     phases = rollout_choice(cfg, model_context=context, tokenizer=tokenizer, reward=roles.reward,
-                            train_prompts=train_prompts, val_prompts=val_prompts)
+                            train_prompts=train_prompts, val_prompts=val_prompts, vision=vision)
     # 2. rollout
     eos = _eos_ids(tokenizer, roles.actor.model)
     sampled = r.val_temperature > 0
@@ -378,9 +380,12 @@ def _prompt_dataset(cfg: Config, files: list[str], split: str, tokenizer, model=
         if cfg.rollout.max_staleness:
             raise ConfigError("rollout.max_staleness >= 1 (the asynchronous stream) does not take prompts with images "
                               "yet; set rollout.max_staleness=0 for a vision-language model")
-        if cfg.agent.env or cfg.agent.harness:
-            raise ConfigError("multi-turn episodes (agent.env / agent.harness) do not take images yet: a "
-                              "vision-language policy trains on single-turn rows (docs/vision.md)")
+        if cfg.agent.harness:
+            raise ConfigError("agent.harness episodes (an OpenAI-compatible endpoint) do not take images yet: a "
+                              "vision-language policy runs agent.env episodes or single-turn rows (docs/vision.md)")
+        if cfg.agent.env and cfg.rollout.engine == "hf":
+            raise ConfigError("agent.env episodes of a vision-language policy run on the built-in engine only (its "
+                              "sessions place observation images); set rollout.engine=auto (docs/vision.md)")
         processor = processor_for(model.vision_config, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
         return build_vision_dataset(rows, tokenizer, processor, merge_size=model.vision_config.spatial_merge_size,
                                     max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts,

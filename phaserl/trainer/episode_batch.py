@@ -1,9 +1,10 @@
 """Episodes (of agent.env or agent.harness runs) → a `RolloutBatch`, their metrics, and their rewards → `Scores`.
 
 A row's response is the episode after the prompt, model turns and observations in order, exactly the
-ids sampled and appended; `loss_mask` is 1 on the sampled ids only. Each turn's reward lies on the
-last token of that turn, so GAE credits turns and GRPO/RLOO compare whole trajectories (the sum)
-within a prompt's group. Used by agent_phase.py and harness_phase.py alike.
+ids sampled and appended; `loss_mask` is 1 on the sampled ids only. A vision-language policy's row carries the
+episode's images (its prompt's and its observations', in order: Episode.images) to every training pass.
+Each turn's reward lies on the last token of that turn, so GAE credits turns and GRPO/RLOO compare whole
+trajectories (the sum) within a prompt's group. Used by agent_phase.py and harness_phase.py alike.
 Not here: running episodes (phaserl.agents), choosing the phase (agent_phase.rollout_choice).
 """
 from __future__ import annotations
@@ -42,7 +43,14 @@ def episodes_batch(episodes: list, n: int, *, tokenizer, pad_token_id: int, grou
         response_texts=decode_responses(tokenizer, responses),
         rows=[ep.row for ep in episodes], finish_reasons=[ep.finish_reason for ep in episodes],
         loss_mask=loss_mask.to(device), episodes=list(episodes), rollout_metrics=episode_metrics(episodes),
-        routed_experts=episode_routes(episodes, prompts, responses, P, R, device), token_versions=token_versions)
+        routed_experts=episode_routes(episodes, prompts, responses, P, R, device), token_versions=token_versions,
+        images=episode_images(episodes))
+
+
+def episode_images(episodes: list):
+    """Each episode's ImageInputs (all its images in order) for the batch's `images`, or None when none has any."""
+    images = [ep.images() for ep in episodes]
+    return images if any(im is not None for im in images) else None
 
 
 def episode_routes(episodes: list, prompts: list, responses: list, P: int, R: int, device):
