@@ -79,7 +79,7 @@ def prompt_items() -> list:
             PromptItem(row, (10, 11, 12), "")]                                            # a text prompt
 
 
-def run_episodes(model):  # noqa: F811
+def run_episodes(model, device="cpu", seed=2):  # noqa: F811
     limits = AgentLimits(max_turns=4, max_turn_tokens=3, max_episode_tokens=192, context_limited=False,
                          step_timeout_s=10.0, on_env_error="stop", workers=2, overlap=False)
     runner = EpisodeRunner(EnvironmentFactory(Screenshot, {}), TOK, limits, vision=VISION)
@@ -88,7 +88,8 @@ def run_episodes(model):  # noqa: F811
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
     # seed 2: no turn of either tiny model samples a vision marker id (a sampled <|image_pad|> is one token more than
     # the images give, an error in the training forward: see the fixture's check)
-    with engine.session(PARAMS, slot_len=192, eos_token_ids=[3], generator=torch.Generator().manual_seed(2)) as s:
+    generator = torch.Generator(device).manual_seed(seed)
+    with engine.session(PARAMS, slot_len=192, eos_token_ids=[3], generator=generator) as s:
         episodes = runner.run_session(s, starts)
     return episodes
 
@@ -193,3 +194,24 @@ def _with_images(batch, images):
     import dataclasses
 
     return dataclasses.replace(batch, images=list(images))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode_after_an_image_observation(model):  # noqa: F811
+    # On CUDA the decode steps replay CUDA graphs that read each slot's M-RoPE shift, which the image observation's
+    # extend pass changes in place. float32: the sampled log-probs equal the training forward's.
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gpu = copy.deepcopy(model).cuda()
+    for seed in range(2, 12):  # the first seed whose turns sample no vision marker id (the noise differs on CUDA)
+        episodes = run_episodes(gpu, "cuda", seed)
+        if not any(t in MARKERS.values() for ep in episodes for s in ep.segments if s.kind == "model"
+                   for t in s.token_ids):
+            break
+    batch = episodes_batch(episodes, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cuda")
+    assert batch.images is not None and all(ep.segments[4].images is not None for ep in episodes)
+    logp = batch_logprobs(gpu, batch, temperature=0.9, token_budget=512, packing=True)
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=2e-4, rtol=1e-4)
