@@ -116,12 +116,17 @@ def test_image_rows_in_settings_that_cannot_carry_them_are_refused():
 
     world = prepare_vision_world()
     model, tokenizer = load_pretrained(world.model_dir), build_vision_tokenizer()
-    for key, value, message in (("rollout", ("max_staleness", 1), "asynchronous stream"),
-                                ("agent", ("env", "env.py:Env"), "multi-turn episodes")):
+    for settings, message in (([("rollout", "max_staleness", 1)], "asynchronous stream"),
+                              ([("agent", "harness", "h.py:run")], "agent.harness episodes"),
+                              ([("agent", "env", "env.py:Env"), ("rollout", "engine", "hf")], "built-in engine only")):
         cfg = load_config(EXAMPLE)
-        setattr(getattr(cfg, key), *value)
+        for key, name, value in settings:
+            setattr(getattr(cfg, key), name, value)
         with pytest.raises(ConfigError, match=message):
             _prompt_dataset(cfg, [world.val_file], "val", tokenizer, model)
+    cfg = load_config(EXAMPLE)
+    cfg.agent.env = "env.py:Env"  # agent.env episodes on the built-in engine take the rows with their images
+    assert _prompt_dataset(cfg, [world.val_file], "val", tokenizer, model).items[0].images is not None
     text_model = load_pretrained(prepare_tiny_world().model_dir)  # a text policy given image rows
     with pytest.raises(Exception, match="the policy is a text model"):
         _prompt_dataset(load_config(EXAMPLE), [world.val_file], "val", tokenizer, text_model)
