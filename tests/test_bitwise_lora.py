@@ -79,6 +79,28 @@ def test_trainer_logprobs_equal_the_engines_bit_for_bit_with_lora(family):
     assert max(diffs) == 0.0, diffs
 
 
+def test_the_engine_refills_its_merged_weights_in_place_and_never_writes_the_base():
+    """A second generate (or an in-flight update) writes the new merge into the same tensors (captured graphs keep
+    their pointers); the reference's adapters-off layers are the modules themselves."""
+    from phaserl.models.lora import adapters_disabled
+
+    model = _adapted("qwen2")
+    layer = model.model.layers[0]
+    q = layer.self_attn.q_proj
+    base = q.weight.detach().clone()
+    with torch.inference_mode():
+        first = bitwise.engine_weights(layer)
+        before = first.q.weight.clone()
+        with torch.no_grad():
+            q.lora_B.mul_(2.0)
+        second = bitwise.engine_weights(layer, first)
+    assert isinstance(second.q, invariant.Projection) and second.q.weight.data_ptr() == first.q.weight.data_ptr()
+    assert torch.equal(second.q.weight, invariant.merged_weight(q.weight, q.lora_A, q.lora_B, q.scaling))
+    assert not torch.equal(second.q.weight, before) and torch.equal(q.weight, base) and second.q.bias is q.bias
+    with adapters_disabled(model):
+        assert bitwise.engine_weights(layer).q is q
+
+
 def _default_merge_engine_weights(layer, previous=None):
     """The engine's weights with the default mode's merge (one GEMM, lora.LoRALinear.merged_weight) instead."""
     m = layer.weights()
