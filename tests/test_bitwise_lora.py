@@ -79,6 +79,12 @@ def test_trainer_logprobs_equal_the_engines_bit_for_bit_with_lora(family):
     assert max(diffs) == 0.0, diffs
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_base_with_float32_adapters_is_exact_too(dtype):
+    """The merge sums in float32 and rounds once to the base's dtype, on both sides alike."""
+    assert max(_trainer_vs_engine(_adapted("qwen2", dtype=dtype))) == 0.0
+
+
 def test_the_engine_refills_its_merged_weights_in_place_and_never_writes_the_base():
     """A second generate (or an in-flight update) writes the new merge into the same tensors (captured graphs keep
     their pointers); the reference's adapters-off layers are the modules themselves."""
