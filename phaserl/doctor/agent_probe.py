@@ -24,8 +24,10 @@ from ..agents.completion import GenerateBackend
 from ..agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart
 from ..agents.harness import harness_row, quiet_client_logs, rules_reward, run_harness_samples
 from ..agents.loader import EnvironmentFactory, load_harness_function
+from ..agents.render import observation_vision
 from ..agents.server import ChatServer
 from ..data import build_prompt_dataset
+from ..data.images import build_vision_dataset
 from ..rollout import EngineConfig, RolloutEngine, SamplingParams, generate
 from .checks import Context, check, short
 from .report import FAIL, OK, WARN, CheckResult
@@ -51,9 +53,16 @@ def check_agent(ctx: Context) -> CheckResult:
                or cfg.agent.max_episode_tokens)
     # on_env_error=end whatever the config: the probe counts the faulty episodes, then judges them by the config
     limits = dataclasses.replace(AgentLimits.from_config(cfg, context), on_env_error="end", workers=PROBE_EPISODES)
-    items = build_prompt_dataset(ctx.train_rows[:PROBE_EPISODES], tok, max_prompt_length=cfg.data.max_prompt_length,
-                                 overlong=cfg.data.overlong_prompts,
-                                 apply_chat_template=cfg.data.apply_chat_template).items
+    d = cfg.data
+    vision = observation_vision(ctx.policy, min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+    if vision is not None:  # a vision-language policy: its rows' images as training makes them (one processor call)
+        items = build_vision_dataset(ctx.train_rows[:PROBE_EPISODES], tok, vision.processor,
+                                     merge_size=vision.merge_size, max_prompt_length=d.max_prompt_length,
+                                     overlong=d.overlong_prompts, apply_chat_template=d.apply_chat_template,
+                                     image_key=d.image_key).items
+    else:
+        items = build_prompt_dataset(ctx.train_rows[:PROBE_EPISODES], tok, max_prompt_length=d.max_prompt_length,
+                                     overlong=d.overlong_prompts, apply_chat_template=d.apply_chat_template).items
     starts = [EpisodeStart(items[i % len(items)], seed=cfg.trainer.seed + i,
                            label=f"{items[i % len(items)].row.source}, sample {i // len(items)}")
               for i in range(PROBE_EPISODES)]
@@ -62,9 +71,15 @@ def check_agent(ctx: Context) -> CheckResult:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or [0])[0]
     decoder = _decoder(ctx, limits.max_episode_tokens + params.max_new_tokens)
     decode = decoder.generate if isinstance(decoder, RolloutEngine) else functools.partial(generate, decoder)
+    runner = EpisodeRunner(factory, tok, limits, vision=vision)
     with _episode_faults() as faults:
-        episodes = EpisodeRunner(factory, tok, limits).run_generate(
-            lambda prompts: decode(prompts, params, eos_token_ids=eos, pad_token_id=pad), starts)
+        if vision is not None and isinstance(decoder, RolloutEngine):  # images need the engine's session
+            with decoder.session(params, slot_len=limits.max_episode_tokens + params.max_new_tokens,
+                                 eos_token_ids=eos, num_slots=1) as session:
+                episodes = runner.run_session(session, starts)
+        else:
+            episodes = runner.run_generate(lambda prompts: decode(prompts, params, eos_token_ids=eos,
+                                                                  pad_token_id=pad), starts)
     hit = [e for e in episodes if e.finish_reason in ("env_error", "env_timeout")]
     if hit:
         return _faults_result(factory.name, hit, faults, cfg)
