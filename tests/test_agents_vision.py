@@ -57,18 +57,21 @@ def picture(h: int, w: int, seed: int) -> bytes:
 
 class Screenshot(Environment):
     """Text feedback after the first turn, a picture after the second (the episode's second observation), then
-    done after the third."""
+    done after the third. at_reset: a picture as the first observation too (prefilled with the prompt)."""
+
+    def __init__(self, at_reset: bool = False, content: str = "4 <image> 7"):
+        self.at_reset, self.content = at_reset, content
 
     def reset(self, row, *, seed):
         self.turn, self.seed = 0, seed
-        return ""
+        return ImageObservation("<image> 2", [picture(16, 16, seed + 100)]) if self.at_reset else ""
 
     def step(self, action):
         self.turn += 1
         if self.turn == 1:
             return StepResult("8 9", 0.0)
         if self.turn == 2:
-            return StepResult(ImageObservation("4 <image> 7", [picture(24, 16, self.seed)]), 0.5)
+            return StepResult(ImageObservation(self.content, [picture(24, 16, self.seed)]), 0.5)
         return StepResult(None, 1.0, done=True)
 
 
@@ -79,10 +82,10 @@ def prompt_items() -> list:
             PromptItem(row, (10, 11, 12), "")]                                            # a text prompt
 
 
-def run_episodes(model, device="cpu", seed=2):  # noqa: F811
+def run_episodes(model, device="cpu", seed=2, on_env_error="stop", **env):  # noqa: F811
     limits = AgentLimits(max_turns=4, max_turn_tokens=3, max_episode_tokens=192, context_limited=False,
-                         step_timeout_s=10.0, on_env_error="stop", workers=2, overlap=False)
-    runner = EpisodeRunner(EnvironmentFactory(Screenshot, {}), TOK, limits, vision=VISION)
+                         step_timeout_s=10.0, on_env_error=on_env_error, workers=2, overlap=False)
+    runner = EpisodeRunner(EnvironmentFactory(Screenshot, env), TOK, limits, vision=VISION)
     starts = [EpisodeStart(item, seed=10 * i + k, label=f"t:row {i}, sample {k}", noise_key=2 * i + k)
               for i, item in enumerate(prompt_items()) for k in range(2)]
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
@@ -147,6 +150,26 @@ def test_the_update_loss_reaches_the_observation_images_features(model, batch): 
         observed = ep.segments[4].images.num_tokens  # the observation's image: the last tokens of the episode's
         assert grad[at - observed:at].abs().sum() > 0
     assert at == seen[0].shape[0]
+
+
+def test_a_picture_in_the_first_observation_is_prefilled_with_the_prompt(model):  # noqa: F811
+    episodes = run_episodes(model, at_reset=True)
+    for ep in episodes:
+        assert [s.kind for s in ep.segments][:3] == ["prompt", "observation", "model"]
+        assert len(ep.images().grids) == len(ep.segments[0].images.grids if ep.segments[0].images else ()) + 2
+    batch = episodes_batch(episodes, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cpu")
+    logp = batch_logprobs(model, batch, temperature=0.9, token_budget=512)
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=1e-5, rtol=4e-6)
+
+
+def test_an_observation_whose_placeholders_and_pictures_disagree_ends_or_stops_the_episode(model):  # noqa: F811
+    from phaserl.errors import AgentError
+
+    episodes = run_episodes(model, on_env_error="end", content="<image> <image>")
+    assert all(ep.finish_reason == "env_error" and ep.num_turns == 2 for ep in episodes)
+    with pytest.raises(AgentError, match="2 '<image>' placeholder"):
+        run_episodes(model, content="<image> <image>")
 
 
 def test_a_batch_without_the_observations_pixels_is_an_error(model, batch):  # noqa: F811
