@@ -76,6 +76,8 @@ def test_only_a_frozen_model_streams():
 
 # ----- AdamW on the host ---------------------------------------------------------------------------------------
 class _Role(CheckpointedRole):
+    role = "actor"
+
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
 

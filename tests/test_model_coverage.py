@@ -65,6 +65,19 @@ def tiny_config(model_type: str, vocab: int, eos: int, pad: int):
     # the multimodal directory, read as its text model
     builders["gemma4"] = ("Gemma4Config", dict(vision_config=None, audio_config=None,
                                                text_config=builders["gemma4_text"][1]))
+    # vision-language: text rows here (images: tests/test_trainer_vision.py); the vision markers sit past the
+    # tokenizer's ids, so prompts never hold them
+    text = dict(T, vocab_size=vocab + 4, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                                            "rope_theta": 10000.0})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32)
+    markers = dict(image_token_id=vocab, video_token_id=vocab + 1, vision_start_token_id=vocab + 2,
+                   vision_end_token_id=vocab + 3)
+    builders["qwen2_5_vl"] = ("Qwen2_5_VLConfig", dict(text_config=text, vision_config=dict(
+        vision, window_size=16, fullatt_block_indexes=[0]), **markers))
+    builders["qwen3_vl"] = ("Qwen3VLConfig", dict(text_config=dict(text, head_dim=8, rope_parameters=dict(
+        text["rope_parameters"], mrope_interleaved=True)), vision_config=dict(
+        vision, num_position_embeddings=16, deepstack_visual_indexes=[0]), **markers))
     assert model_type in builders, f"docs/models.md lists {model_type}, which this test cannot build: add it here"
     class_name, kwargs = builders[model_type]
     cls = getattr(transformers, class_name, None)
@@ -87,7 +100,9 @@ def test_each_architecture_trains_one_step_on_the_path_the_table_names(tmp_path,
     hf_config = tiny_config(row["model_type"], len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(0)
     model_dir = tmp_path / "model"
-    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(model_dir)
+    vision = "vision_config" in hf_config
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+    auto.from_config(hf_config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     train, val = make_prompt_files(str(tmp_path), n_train=8, n_val=2)
     cfg = load_config(None, [

@@ -30,7 +30,8 @@ log = logging.getLogger("phaserl")
 
 
 class CheckpointedRole:
-    """Mixin of HybridActor and Critic: `.model` and `.optimizer` (roles.optim.Optimizer) are the role's."""
+    """Mixin of HybridActor and Critic: `.model` and `.optimizer` (roles.optim.Optimizer) are the role's, `.role`
+    its name in messages ("actor", "critic")."""
 
     def checkpoint_state_dicts(self) -> dict:
         options = state_dict_options(self.model)
