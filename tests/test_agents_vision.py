@@ -15,10 +15,10 @@ from phaserl.agents.render import ObservationRenderer, ObservationVision
 from phaserl.data.images import ImageInputs, image_processor
 from phaserl.data.prompts import PromptItem
 from phaserl.data.rows import PromptRow
-from phaserl.roles.forward import batch_logprobs, rows_logprobs
+from phaserl.roles.forward import batch_logprobs
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from phaserl.trainer.episode_batch import episodes_batch
-from test_rollout_vision import END, IMAGE, START, images, model  # noqa: F401  (the tiny VLM fixture)
+from test_rollout_vision import END, IMAGE, START, images, model, tower_output_grad  # noqa: F401  (fixtures)
 
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
@@ -127,29 +127,14 @@ def test_sampled_logprobs_after_an_image_observation_equal_the_training_forward(
 
 
 def test_the_update_loss_reaches_the_observation_images_features(model, batch):  # noqa: F811
-    seen = []
-
-    def leaf(module, args, out):  # the frozen tower's output as a leaf that collects the loss's gradient
-        seen.append(out.detach().requires_grad_())
-        return seen[-1]
-
-    hook = model.visual.register_forward_hook(leaf)
-    try:
-        with torch.enable_grad():
-            logp, _, mask = rows_logprobs(model, batch, torch.arange(4), packing=True, temperature=0.9,
-                                          with_entropy=False)
-            (-logp[mask].sum()).backward()
-    finally:
-        hook.remove()
-        model.zero_grad(set_to_none=True)
-    assert len(seen) == 1, "the training forward never ran the vision tower"
-    grad, at = seen[0].grad, 0
+    features, grad = tower_output_grad(model, batch, 4, temperature=0.9)
+    at = 0
     assert grad is not None
     for ep, im in zip(batch.episodes, batch.images):  # each episode's images are its own object: one part each
         at += im.num_tokens
         observed = ep.segments[4].images.num_tokens  # the observation's image: the last tokens of the episode's
         assert grad[at - observed:at].abs().sum() > 0
-    assert at == seen[0].shape[0]
+    assert at == features.shape[0]
 
 
 def test_a_picture_in_the_first_observation_is_prefilled_with_the_prompt(model):  # noqa: F811

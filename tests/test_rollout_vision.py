@@ -42,6 +42,30 @@ def images(*sizes):
             for h, w in sizes]
 
 
+def tower_output_grad(model, batch, rows: int, temperature: float):
+    """The gradient of an update-like loss (-sum of the rows' log-probs, packed) at the frozen tower's output, held
+    as a leaf by a forward hook; asserts the training forward ran the tower exactly once."""
+    from phaserl.roles.forward import rows_logprobs
+
+    seen = []
+
+    def leaf(module, args, out):
+        seen.append(out.detach().requires_grad_())
+        return seen[-1]
+
+    hook = model.visual.register_forward_hook(leaf)
+    try:
+        with torch.enable_grad():
+            logp, _, mask = rows_logprobs(model, batch, torch.arange(rows), packing=True, temperature=temperature,
+                                          with_entropy=False)
+            (-logp[mask].sum()).backward()
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    assert len(seen) == 1, "the training forward never ran the vision tower"
+    return seen[0], seen[0].grad
+
+
 def forward_logprobs(model, prompt, tokens, image, temperature):
     with torch.no_grad():
         hidden = model(torch.tensor([prompt + tokens]), images=None if image is None else [image])

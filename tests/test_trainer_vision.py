@@ -7,10 +7,10 @@ import torch
 
 from phaserl.data.prompts import PromptItem
 from phaserl.data.rows import PromptRow
-from phaserl.roles.forward import batch_logprobs, rows_logprobs
+from phaserl.roles.forward import batch_logprobs
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from phaserl.trainer.rollout_phase import build_rollout_batch
-from test_rollout_vision import END, IMAGE, START, images, model  # noqa: F401  (the tiny VLM fixture)
+from test_rollout_vision import END, IMAGE, START, images, model, tower_output_grad  # noqa: F401  (fixtures)
 
 torch.set_num_threads(1)
 
@@ -58,24 +58,9 @@ def test_old_policy_and_reference_logprobs_equal_the_sampled_ones(model, batch, 
 
 
 def test_the_update_loss_reaches_the_vision_features(model, batch):  # noqa: F811
-    seen = []
-
-    def leaf(module, args, out):  # the frozen tower's output as a leaf that collects the loss's gradient
-        seen.append(out.detach().requires_grad_())
-        return seen[-1]
-
-    hook = model.visual.register_forward_hook(leaf)
-    try:
-        with torch.enable_grad():
-            logp, _, mask = rows_logprobs(model, batch, torch.arange(6), packing=True, temperature=1.0,
-                                          with_entropy=False)
-            (-logp[mask].sum()).backward()
-    finally:
-        hook.remove()
-        model.zero_grad(set_to_none=True)
-    assert len(seen) == 1, "the training forward never ran the vision tower"
-    assert seen[0].shape[0] == 12 + 10  # one pass over the batch's two distinct images (shared by their samples)
-    assert seen[0].grad is not None and seen[0].grad.abs().sum() > 0
+    features, grad = tower_output_grad(model, batch, 6, temperature=1.0)
+    assert features.shape[0] == 12 + 10  # one pass over the batch's two distinct images (shared by their samples)
+    assert grad is not None and grad.abs().sum() > 0
 
 
 def test_a_batch_that_lost_its_pixels_is_an_error(model, batch):  # noqa: F811
