@@ -96,6 +96,32 @@ def test_the_cuda_bookkeeping_keeps_two_in_flight_and_prefetches_in_backward_ord
     assert all(torch.equal(a, b) for a, b in zip(moved, resident))
 
 
+def test_an_empty_placeholder_and_a_tensor_saved_twice_are_not_copied_twice():
+    """Some torch versions' non-reentrant checkpoint saves an empty grad-requiring placeholder beside a layer's
+    inputs, and one op may save the same input twice: neither takes a host copy of its own."""
+
+    class SavesTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, empty):
+            ctx.save_for_backward(x, x, empty)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, again, empty = ctx.saved_tensors
+            assert again is x or torch.equal(again, x)
+            return grad * 2, None
+
+    offload = ActivationOffload(torch.device("cpu"), in_flight=2)
+    x = torch.randn(3, 4, requires_grad=True)
+    empty = torch.empty(0, requires_grad=True)
+    with offload.layer(0):
+        y = SavesTwice.apply(x, empty)
+    assert offload.offloaded == 1 and offload.offloaded_bytes == x.numel() * x.element_size()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
 def test_a_forward_without_grad_or_outside_training_moves_nothing():
     model = _model()
     model.model.checkpoint_layers = 4

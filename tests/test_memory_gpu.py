@@ -52,12 +52,21 @@ def test_an_offloaded_optimizer_keeps_no_moments_on_the_device_and_matches_the_o
         for model, opt in ((a_model, a), (b_model, b)):
             model.logits(model(ids)).float().logsumexp(-1).mean().backward()
             opt.step()
+        if step == 0:
+            # The fused CPU and CUDA AdamW kernels both do float32 math, but not in the same order: after one step a
+            # weight may round to the neighbouring bf16 value (measured on an H200: 101 of 524,288 weights), no more.
+            differ = 0
+            for p, q in zip(a_model.parameters(), b_model.parameters()):
+                ulp = torch.finfo(torch.bfloat16).eps * p.float().abs().clamp_min(2**-100)  # one bf16 step at |p|
+                assert bool(((q.float() - p.float()).abs() <= ulp).all())
+                differ += int((q != p).sum())
+            assert differ <= 1e-3 * sum(p.numel() for p in a_model.parameters())
     assert all(v.device.type == "cpu" for st in b.opt.state.values() for v in st.values() if torch.is_tensor(v))
-    # The fused CPU and CUDA AdamW kernels both do float32 math, but not in the same order: a weight may round to
-    # the neighbouring bf16 value (measured on an H200: 101 of 524,288 weights, all one bf16 step apart).
-    differ = 0
+    # Later steps start from those few neighbouring weights, so their gradients differ a little too: each weight
+    # stays within the updates' own size (Adam moves a weight about lr a step) and the moments agree as a whole.
     for p, q in zip(a_model.parameters(), b_model.parameters()):
-        step = torch.finfo(torch.bfloat16).eps * p.float().abs().clamp_min(2**-100)  # one bf16 step at |p|, or more
-        assert bool(((q.float() - p.float()).abs() <= step).all())
-        differ += int((q != p).sum())
-    assert differ <= 1e-3 * sum(p.numel() for p in a_model.parameters())
+        assert float((q.float() - p.float()).abs().max()) <= 4 * settings.lr
+    for p, q in zip(a.opt.param_groups[0]["params"], b.opt.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            want, got = a.opt.state[p][key].float(), b.opt.state[q][key].cuda().float()
+            assert float((got - want).norm()) <= 1e-2 * float(want.norm()), key

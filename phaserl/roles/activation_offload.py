@@ -27,6 +27,7 @@ Not here: deciding to offload (memory/plan.py), the checkpointing itself (models
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Optional
 
@@ -37,10 +38,11 @@ class _Saved:
     """One saved input: its host copy, the device tensor while a copy still reads it (or a prefetched one), and
     the events that order the copies against the compute stream."""
 
-    __slots__ = ("record", "index", "host", "device", "copied", "fetched", "fetch_done")
+    __slots__ = ("record", "index", "source", "host", "device", "copied", "fetched", "fetch_done")
 
     def __init__(self, record: list, index: int):
         self.record, self.index = record, index  # its forward's inputs, in forward order, and its place there
+        self.source: Optional[weakref.ref] = None         # the tensor packed (weakly: the copy must not keep it)
         self.host: Optional[torch.Tensor] = None
         self.device: Optional[torch.Tensor] = None        # the original, until its copy is known to be done
         self.copied: Optional[torch.cuda.Event] = None    # the host copy is complete
@@ -64,6 +66,7 @@ class ActivationOffload:
         self.pending: list[_Saved] = []    # copies to host not yet waited for (at most in_flight)
         self.offloaded = 0                 # inputs moved in the last forward (a check for tests and benchmarks)
         self.offloaded_bytes = 0
+        self.layer_start = 0               # where the current layer's inputs start in `saved`
 
     @contextmanager
     def layer(self, index: int):
@@ -71,14 +74,21 @@ class ActivationOffload:
         new forward's record)."""
         if index == 0:
             self.saved, self.pending, self.offloaded, self.offloaded_bytes = [], [], 0, 0
+        self.layer_start = len(self.saved)  # this layer's inputs start here in the record
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
     # ----- forward -----------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if not (t.requires_grad and t.is_floating_point()):
-            return t  # shared by every layer (RoPE tables, masks) or not an activation: left where it is
+        if not (t.requires_grad and t.is_floating_point()) or t.numel() == 0:
+            # shared by every layer (RoPE tables, masks), not an activation, or empty (the non-reentrant checkpoint
+            # of some torch versions saves an empty grad-requiring placeholder beside the inputs): left where it is
+            return t
+        for s in self.saved[self.layer_start:]:  # the same tensor saved twice by one layer: one copy
+            if s.source is not None and s.source() is t:
+                return s
         s = _Saved(self.saved, len(self.saved))
+        s.source = weakref.ref(t)
         self.saved.append(s)
         self.offloaded += 1
         self.offloaded_bytes += t.numel() * t.element_size()
