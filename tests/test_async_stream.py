@@ -147,6 +147,23 @@ def test_an_async_run_trains_on_tokens_at_most_k_versions_behind_and_records_the
         assert m["async/token_share/behind_0"] + m["async/token_share/behind_1"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
+def test_every_phase_keeps_the_pace_so_groups_do_not_fall_into_lock_step_cohorts(tmp_path):
+    """Slots for every sample in flight and responses of one length (6, ignore_eos): the first phase decodes both
+    batches in flight to the end together. Without a pace the next phase would find its batch ready and decode
+    nothing, and the stream would alternate 6 steps / 0 steps (cohorts of k + 1 steps, as slow as lock-step). With
+    it every later phase decodes ceil(6 / (k + 1)) = 3 steps: each group's tokens are spread over two phases."""
+    from phaserl.trainer import RLTrainer
+
+    trainer = RLTrainer.from_config(_tiny_cfg(tmp_path, "rollout.max_staleness=1", "rollout.max_new_tokens=6",
+                                              "rollout.ignore_eos=true", "rollout.engine_max_slots=512",
+                                              "trainer.total_steps=5"))
+    trainer.fit()
+    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert [m["async/phase_steps"] for m in lines] == [6, 3, 3, 3, 3]
+    assert all(m["async/staleness_max"] <= 1 for m in lines)
+
+
 @pytest.mark.parametrize("override, expected", [
     ("rollout.max_staleness=-1", "rollout.max_staleness"),
     ("rollout.max_staleness=1.5", "rollout.max_staleness"),

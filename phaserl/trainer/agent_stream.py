@@ -58,6 +58,11 @@ class AgentStream(AsyncStream):
         self.runner = None            # made at the first phase (needs the run's tokenizer and sampling cap)
         self._resumed: list = []      # prompt indices in flight at the checkpoint: begun again first
 
+    def pace_steps(self) -> int:
+        """Episodes keep no pace: a phase ends when its batch's episodes are complete (their turns wait on tools, and
+        a decode step count says little about when an episode ends)."""
+        return 0
+
     def _runner(self, trainer) -> EpisodeRunner:
         if self.runner is None:
             run = trainer.run

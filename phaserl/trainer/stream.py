@@ -14,10 +14,18 @@
             versions behind the weights being trained. A sample that would break the bound is started over
             (rollout.on_stale: restart) or its group dropped (drop), counted either way.
 
+            Pace: every rollout phase decodes at least ceil(L / (k + 1)) steps, L the longest response of the last
+            batch, even when the step's groups are already complete. A response started in a phase then gets
+            (k + 1) phases of that pace before its group is due, so a tail of L tokens is spread over k + 1 phases
+            and a phase lasts about L / (k + 1) steps. Without it, whenever the groups in flight completed together
+            (all of them started at once, and the slots hold them all), the next k phases found their batches
+            ready and decoded nothing, the groups added meanwhile started together again, and the stream fell
+            back into lock-step cohorts of k + 1 steps (measured: no faster than the synchronous step).
+
 One GPU runs rollout and training in turns (the HybridActor switch): what the asynchronous stream gains
 there is that no rollout phase waits for the slowest response of its batch (the long tail keeps decoding,
 in full slots, into the next phase) and the versions it records let the update correct for staleness
-(algorithm.rollout_correction, `decoupled` by default with k >= 1). Sampling noise is keyed by the sample
+(algorithm.rollout_correction: `auto` is `tis` with k >= 1). Sampling noise is keyed by the sample
 and its position under one seed for the run, so a continued response draws the noise an uncut one would.
 Not here: the decode loop's slots and KV (rollout/session.py), the correction math (algo/mismatch.py).
 """
@@ -96,7 +104,7 @@ class Group:
 class AsyncStream:
     """rollout.max_staleness = k >= 1 (the module docstring). State: the groups in flight, saved in checkpoints."""
 
-    PHASE_STATS = ("async/restarted_samples", "async/dropped_groups", "async/cut_samples")
+    PHASE_STATS = ("async/restarted_samples", "async/dropped_groups", "async/cut_samples", "async/phase_steps")
 
     def __init__(self, *, max_staleness: int, on_stale: str, n: int, prompts_per_rank: int, slots: int,
                  noise_seed: int, dataset):
@@ -113,6 +121,7 @@ class AsyncStream:
         self.groups: list[Group] = []
         self.next_order = 0
         self.next_key = 0
+        self.longest_response = 0   # tokens: the longest response of the last batch (sets the pace)
         self._saved_by_rank: Optional[list] = None
 
     # ----- the step's phases 1-3 ------------------------------------------------------------------
@@ -124,11 +133,12 @@ class AsyncStream:
             while len(self.groups) < self.capacity:
                 self._add_groups(run.train_prompts.next_indexed(), trainer)
         with clock("rollout"):
-            if not self._batch_ready():
+            if not self._batch_ready() or (self.pace_steps() and self._unfinished()):
                 with trainer.actor.rollout_mode():
                     self._decode(trainer, version, stats)
         with clock("score"):
             batch_groups, self.groups = self.groups[:self.prompts_per_rank], self.groups[self.prompts_per_rank:]
+            self.longest_response = max((len(s.ids) for g in batch_groups for s in g.samples), default=0)
             scored = self._scored(trainer, batch_groups)
         stats.update(self._version_stats(scored.batch, version))
         stats["async/in_flight_groups"] = float(len(self.groups))
@@ -142,6 +152,14 @@ class AsyncStream:
         trained within k steps, so no sample ever passes the bound; the newer groups keep the slots full while
         the oldest ones' tails finish."""
         return all(g.complete for g in self.groups[:self.prompts_per_rank])
+
+    def pace_steps(self) -> int:
+        """Decode steps every rollout phase runs at least (the module docstring's pace): the last batch's longest
+        response over k + 1 phases; 0 before the first batch."""
+        return -(-self.longest_response // (self.max_staleness + 1))
+
+    def _unfinished(self) -> bool:
+        return any(s.finish is None for g in self.groups for s in g.samples)
 
     def after_update(self, trainer) -> None:
         pass
@@ -180,7 +198,8 @@ class AsyncStream:
 
     def _decode(self, trainer, version: int, stats: dict) -> None:
         """Decode the unfinished samples (in group order, slots refilled as they free) until the batch's groups (the
-        oldest prompts_per_rank) are complete; cut the rest (their ids so far are kept for the next phase)."""
+        oldest prompts_per_rank) are complete and the pace's steps are done; cut the rest (their ids so far are
+        kept for the next phase)."""
         run = trainer.run
         params = run.sampling
         pending = deque(s for g in self.groups for s in g.samples if s.finish is None)
@@ -201,8 +220,9 @@ class AsyncStream:
                               "family): set rollout.max_staleness=0")
         due = {id(g) for g in self.groups[:self.prompts_per_rank] if not g.complete}  # the batch's, incomplete
         admit_at = max(1, self.slots // 16)  # prefill several sequences per pass
+        pace, steps = self.pace_steps(), 0
         with session as s:
-            while due:
+            while due or (steps < pace and (pending or s.decoding)):
                 if pending and s.free_slots and (s.free_slots >= min(admit_at, len(pending)) or not s.decoding):
                     while pending and s.free_slots:
                         sample = pending.popleft()
@@ -210,6 +230,7 @@ class AsyncStream:
                         s.start(sample.key, prompt + sample.ids, params.max_new_tokens - len(sample.ids),
                                 noise_key=sample.key)
                 assert not s.idle, "async rollout stalled with groups incomplete"
+                steps += 1
                 for turn in s.step():
                     sample = by_key[turn.key]
                     self._append(sample, turn, version)
@@ -225,6 +246,7 @@ class AsyncStream:
         for turn in cut:
             by_key[turn.key].cuts += 1
         stats["async/cut_samples"] = float(len(cut))
+        stats["async/phase_steps"] = float(steps)
 
     def _append(self, sample: Sample, turn, version: int) -> None:
         sample.ids += turn.token_ids
@@ -287,7 +309,7 @@ class AsyncStream:
         self._saved_by_rank = everyone
 
     def _own_state(self) -> dict:
-        return {"next_order": self.next_order, "next_key": self.next_key,
+        return {"next_order": self.next_order, "next_key": self.next_key, "longest_response": self.longest_response,
                 "groups": [{"order": g.order, "index": g.index,
                             "samples": [{"key": s.key, "ids": s.ids, "logprobs": s.logprobs, "versions": s.versions,
                                          "finish": s.finish, "cuts": s.cuts} for s in g.samples]}
@@ -315,3 +337,4 @@ class AsyncStream:
                                      s["finish"], int(s["cuts"])) for s in g["samples"]]) for g in mine]
         self.next_order = max(int(part["next_order"]) for part in saved)
         self.next_key = max(int(part["next_key"]) for part in saved)
+        self.longest_response = max(int(part.get("longest_response", 0)) for part in saved)
