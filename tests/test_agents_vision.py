@@ -89,8 +89,6 @@ def run_episodes(model, device="cpu", seed=2, on_env_error="stop", **env):  # no
     starts = [EpisodeStart(item, seed=10 * i + k, label=f"t:row {i}, sample {k}", noise_key=2 * i + k)
               for i, item in enumerate(prompt_items()) for k in range(2)]
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
-    # seed 2: no turn of either tiny model samples a vision marker id (a sampled <|image_pad|> is one token more than
-    # the images give, an error in the training forward: see the fixture's check)
     generator = torch.Generator(device).manual_seed(seed)
     with engine.session(PARAMS, slot_len=192, eos_token_ids=[3], generator=generator) as s:
         episodes = runner.run_session(s, starts)
@@ -104,8 +102,6 @@ def batch(model):  # noqa: F811
         assert [s.kind for s in ep.segments] == ["prompt", "model", "observation", "model", "observation", "model"]
         observation = ep.segments[4]
         assert observation.images is not None and observation.token_ids.count(IMAGE) == observation.images.num_tokens
-        sampled = {t for s in ep.segments if s.kind == "model" for t in s.token_ids}
-        assert not sampled & set(MARKERS.values()), "a turn sampled a vision marker id: pick another seed"
     return episodes_batch(episodes, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cpu")
 
 
@@ -159,7 +155,7 @@ def test_an_observation_whose_placeholders_and_pictures_disagree_ends_or_stops_t
 
 def test_a_batch_without_the_observations_pixels_is_an_error(model, batch):  # noqa: F811
     prompts_only = [ep.segments[0].images for ep in batch.episodes]  # the observations' images lost
-    with pytest.raises(ValueError, match="image placeholder tokens"):
+    with pytest.raises(ValueError, match="row 0: its prompt and observations hold 2 image segment"):
         batch_logprobs(model, _with_images(batch, prompts_only), temperature=0.9, token_budget=512)
 
 
@@ -213,11 +209,7 @@ def test_gpu_cuda_graph_decode_after_an_image_observation(model):  # noqa: F811
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     gpu = copy.deepcopy(model).cuda()
-    for seed in range(2, 12):  # the first seed whose turns sample no vision marker id (the noise differs on CUDA)
-        episodes = run_episodes(gpu, "cuda", seed)
-        if not any(t in MARKERS.values() for ep in episodes for s in ep.segments if s.kind == "model"
-                   for t in s.token_ids):
-            break
+    episodes = run_episodes(gpu, "cuda")  # a sampled marker id is text on both sides (tests/test_vision_markers.py)
     batch = episodes_batch(episodes, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cuda")
     assert batch.images is not None and all(ep.segments[4].images is not None for ep in episodes)
     logp = batch_logprobs(gpu, batch, temperature=0.9, token_budget=512, packing=True)

@@ -13,7 +13,7 @@ from phaserl.data.images import image_processor, process_images
 from phaserl.models import load_pretrained, save_pretrained
 from phaserl.models.lora import LoRASettings, apply_lora
 from phaserl.models.mrope import mrope_positions
-from phaserl.models.qwen_vl import VisionLM
+from phaserl.models.qwen_vl import ImageTokenIds, VisionLM
 
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
@@ -21,6 +21,7 @@ from PIL import Image  # noqa: E402
 torch.set_num_threads(1)
 IMAGE, START, END = 290, 292, 293
 PATCH, MERGE = 4, 2
+TOKENS = ImageTokenIds(IMAGE, 291, START, END)
 
 
 def qwen2_5_vl_config():
@@ -145,15 +146,15 @@ def test_a_placeholder_count_that_differs_from_the_processors_is_an_error(pair):
     with pytest.raises(ValueError, match="row 1 holds 11 image placeholder tokens, its images give 12"):
         ours(short, attention_mask=mask, images=images)
     with pytest.raises(ValueError, match="needs 6 placeholder tokens, the ids hold a run of 2"):
-        mrope_positions([START, IMAGE, IMAGE, END], [(1, 4, 6)], image_token_id=IMAGE, merge=MERGE)
-    with pytest.raises(ValueError, match="hold 3 image placeholder tokens, the 1 image"):
-        mrope_positions([IMAGE, IMAGE, 5, IMAGE], [(1, 2, 4)], image_token_id=IMAGE, merge=MERGE)
+        mrope_positions([START, IMAGE, IMAGE, END], [(1, 4, 6)], tokens=TOKENS, merge=MERGE)
+    with pytest.raises(ValueError, match="hold 0 image segment"):  # placeholders without the vision markers
+        mrope_positions([IMAGE, IMAGE, 5, IMAGE], [(1, 2, 4)], tokens=TOKENS, merge=MERGE)
 
 
 def test_text_positions_after_an_image_continue_from_its_largest_position():
     # (t, h, w) = (1, 4, 6) patches -> 2 x 3 merged tokens at rows 0..1, columns 0..2 from the image's start (1)
     ids = [START] + [IMAGE] * 6 + [END, 9]
-    positions, delta = mrope_positions(ids, [(1, 4, 6)], image_token_id=IMAGE, merge=MERGE)
+    positions, delta = mrope_positions(ids, [(1, 4, 6)], tokens=TOKENS, merge=MERGE)
     assert positions[:, 0].tolist() == [0, 0, 0]
     assert positions[:, 1:7].tolist() == [[1] * 6, [1, 1, 1, 2, 2, 2], [1, 2, 3, 1, 2, 3]]
     assert positions[:, 7].tolist() == [4, 4, 4] and positions[:, 8].tolist() == [5, 5, 5]

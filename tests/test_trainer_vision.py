@@ -66,7 +66,7 @@ def test_the_update_loss_reaches_the_vision_features(model, batch):  # noqa: F81
 def test_a_batch_that_lost_its_pixels_is_an_error(model, batch):  # noqa: F811
     from dataclasses import replace
 
-    with pytest.raises(ValueError, match="no images were given"):
+    with pytest.raises(ValueError, match="row 0: its prompt and observations hold 1 image segment"):
         batch_logprobs(model, replace(batch, images=[None] * 6), temperature=1.0, token_budget=64)
 
 

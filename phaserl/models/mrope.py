@@ -1,5 +1,12 @@
 """Multimodal rotary positions (M-RoPE, Qwen2.5-VL and Qwen3-VL): three position axes (time, row, column) per token.
 
+Which tokens are an image's is decided by position, not by id alone (`place_images`): an image segment is what the
+processor writes, `<|vision_start|>`, a run of `<|image_pad|>` ids, `<|vision_end|>`; a row's images fill its
+segments left to right, image k the k-th segment, whose run must hold exactly the image's t * h * w / merge^2
+tokens. Fewer segments than images, or a run of another length, is a ValueError (the ids and the pixels came from
+different processor calls). Every other marker id is text: a placeholder outside a segment, and any segment after
+the last image's (a policy can sample the marker ids; responses come after the images they follow), in a row
+without images too. Whether a row lost its pixels is decided where the ids' origin is known (VisionLM.check_pixels).
 Text tokens sit at one position on all three axes, counting up as in plain RoPE; an image's placeholder tokens take
 (the image's start, start + row, start + column) of their merged patch, and the text after the image continues from
 the largest position so far + 1. The rotary frequencies of each head are shared out over the three axes by
@@ -7,8 +14,10 @@ the largest position so far + 1. The rotary frequencies of each head are shared 
 (Qwen3-VL: time, row, column, time, ...; `mrope_interleaved`). With all three axes equal (text only) that is
 exactly plain RoPE, so decoding after the prompt is plain RoPE at the shifted position `slot position + delta`
 (delta = max position + 1 - prompt length).
-  mrope_positions        one row's real tokens -> [3, L] positions and its delta
-  batch_mrope_positions  a padded batch [B, S] (left-padded prompts, responses after) -> [3, B, S]
+  image_segments         one row's `<|vision_start|> <|image_pad|>* <|vision_end|>` runs, in order
+  place_images           which segment each image fills (checked) -> spans
+  span_positions         [3, L] positions and the delta of a row with those spans
+  mrope_positions        place_images + span_positions for one row's ids
   MRotaryEmbedding       cos/sin tables from [3, B, T] positions ([B, T] ones: plain RoPE)
 Not here: the vision tower (vision.py), the image processor (data/images.py).
 
@@ -16,7 +25,7 @@ Legend: L tokens of a row, B rows, S padded width, T tokens of a call, D head_di
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,57 +33,68 @@ import torch
 from phaserl.models.rope import RotaryEmbedding
 
 
-def mrope_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, image_token_id: int,
-                    merge: int) -> tuple[torch.Tensor, int]:
-    """(positions [3, L] int64, delta) of one row's real tokens `ids` whose images have processor grids `grids`
-    (in order). Each image's placeholder run must hold exactly t * h * w / merge^2 tokens: a mismatch between the
-    ids and the images is a ValueError, never shifted positions. Vectorized over tokens (numpy), a loop over images:
-    the trainer computes it for every row of every micro-batch."""
-    ids = np.asarray(list(ids), dtype=np.int64)
-    L = len(ids)
-    where = np.flatnonzero(ids == image_token_id)  # [n_all] the placeholder tokens
-    images, used = [], 0  # (first token, tokens, t, rows, columns) per image
+def image_segments(ids: np.ndarray, tokens) -> list[tuple[int, int]]:
+    """(first placeholder, placeholders) of each image segment of one row's ids [L], in order: a run of
+    tokens.image_token_id with tokens.vision_start_token_id right before it and tokens.vision_end_token_id right
+    after it (tokens: models.qwen_vl.ImageTokenIds)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    edges = np.diff((ids == tokens.image_token_id).astype(np.int8), prepend=0, append=0)  # [L + 1]
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # [runs] each run's [start, end)
+    inside = (starts > 0) & (ends < len(ids))
+    keep = inside.copy()
+    keep[inside] = ((ids[starts[inside] - 1] == tokens.vision_start_token_id)
+                    & (ids[ends[inside]] == tokens.vision_end_token_id))
+    return [(int(a), int(b - a)) for a, b in zip(starts[keep], ends[keep])]
+
+
+def place_images(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, tokens,
+                 merge: int) -> list[tuple[int, int, int, int, int]]:
+    """(first token, tokens, t, rows, columns) of each image of one row: image k fills the row's k-th image segment
+    (image_segments), which must hold exactly t * h * w / merge^2 placeholders. Segments after the last image's and
+    placeholders outside segments are text. ValueError: fewer segments than images, or a run of another length."""
+    ids = np.asarray(ids, dtype=np.int64)
+    segments = image_segments(ids, tokens) if len(grids) else []
+    out = []
     for k, (t, h, w) in enumerate(grids):
         hm, wm = h // merge, w // merge
         n = t * hm * wm
-        if used + n > len(where) or where[used + n - 1] - where[used] != n - 1:
-            rest = where[used:]
-            breaks = np.flatnonzero(np.diff(rest) != 1)  # the placeholder run at `used` ends at its first break
-            run = int(breaks[0]) + 1 if len(breaks) else len(rest)
+        if k >= len(segments):
+            raise ValueError(f"the ids hold {len(segments)} image segment(s) (<|vision_start|>, placeholders, "
+                             f"<|vision_end|>) for {len(grids)} image(s): the ids and the images did not come from one "
+                             "processor call")
+        first, run = segments[k]
+        if run != n:
             raise ValueError(f"image {k} (grid {t}x{h}x{w}) needs {n} placeholder tokens, the ids hold a run of "
                              f"{run}: the ids and the images did not come from one processor call")
-        images.append((int(where[used]), n, t, hm, wm))
-        used += n
-    if used != len(where):
-        raise ValueError(f"the ids hold {len(where)} image placeholder tokens, the {len(grids)} image(s) given need "
-                         f"{used}: the ids and the images did not come from one processor call")
+        out.append((first, n, t, hm, wm))
+    return out
+
+
+def span_positions(L: int, spans: Sequence[tuple[int, int, int, int, int]]) -> tuple[torch.Tensor, int]:
+    """(positions [3, L] int64, delta) of a row of L tokens whose images sit at `spans` (place_images); every other
+    token is text. Vectorized over tokens (numpy), a loop over images: the trainer computes it for every row of every
+    micro-batch."""
     # Text positions count up; an image of n tokens spans max(rows, columns) positions (transformers' rule for still
     # images), so the text after it is shifted by that minus n.
     shift = np.zeros(L + 1, dtype=np.int64)
-    for first, n, _, hm, wm in images:
+    for first, n, _, hm, wm in spans:
         shift[first + n] += max(hm, wm) - n
     text = np.arange(L) + np.cumsum(shift[:L])  # [L]
     out = np.repeat(text[None], 3, axis=0)  # [3, L]
-    for first, n, t, hm, wm in images:
+    for first, n, t, hm, wm in spans:
         grid = np.stack(np.meshgrid(np.arange(t), np.arange(hm), np.arange(wm), indexing="ij")).reshape(3, -1)
         out[:, first:first + n] = text[first] + grid  # [3, n]: (t, row, column) from the image's start
     last = int(out.max()) + 1 if L else 0
     return torch.from_numpy(out), last - L
 
 
-def batch_mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, grids: list[Optional[list]], *,
-                          image_token_id: int, merge: int) -> torch.Tensor:
-    """[3, B, S] positions of a padded batch: each row's real tokens (attention_mask 1) get mrope_positions over
-    them, in order; padding gets 0. grids[b]: row b's image grids (None or [] for a text row)."""
-    B, S = input_ids.shape
-    out = torch.zeros(3, B, S, dtype=torch.long)
-    ids_host, mask_host = input_ids.cpu(), attention_mask.bool().cpu()
-    for b in range(B):
-        real = mask_host[b]
-        pos, _ = mrope_positions(ids_host[b][real].tolist(), grids[b] or [], image_token_id=image_token_id,
-                                 merge=merge)
-        out[:, b, real] = pos
-    return out.to(input_ids.device)
+def mrope_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, tokens,
+                    merge: int) -> tuple[torch.Tensor, int]:
+    """(positions [3, L] int64, delta) of one row's real tokens `ids` whose images have processor grids `grids`
+    (in order): place_images, then span_positions. A mismatch between the ids and the images is a ValueError, never
+    shifted positions."""
+    ids = list(ids)
+    return span_positions(len(ids), place_images(ids, grids, tokens=tokens, merge=merge))
 
 
 def axis_of_frequency(sections: tuple, interleaved: bool) -> torch.Tensor:

@@ -5,10 +5,20 @@ in and out.
 `VisionLM` is a CausalLM (the Qwen2 / Qwen3 decoder with `mrope_section` set, so the roles, LoRA, the rollout engine
 and checkpoints treat it as one) plus `visual`, the tower of vision.py. Its forward takes `images`: per row, None (a
 text row) or an object with `pixel_values` [N, F] and `grids` [(t, h, w), ...] (data.images.ImageInputs, one
-processor call per row). It checks each row's placeholder count against its images' token count (a ValueError
-naming both, never a silent shift), embeds the tokens, writes the tower's output over the placeholder rows, and runs
-the decoder at the rows' M-RoPE positions. A row object shared by several rows (the n samples of a prompt) goes
-through the tower once. Without images the model is its text decoder at plain RoPE positions (identical: mrope.py).
+processor call per row). It places each row's images on the row's image segments (`<|vision_start|>`, a run of
+placeholders, `<|vision_end|>`) in order, each run checked against its image's token count (a ValueError naming the
+row, never a silent shift), embeds the tokens, writes the tower's output over those placeholder rows, and runs the
+decoder at the rows' M-RoPE positions.
+A sampled marker is text: a placeholder id outside a segment, or a segment after the row's last image, is embedded
+and positioned as an ordinary token, here and in the rollout engine (whose decode embeds every sampled id as text),
+so a policy that samples `<|image_pad|>` or `<|vision_start|>` gets the same log-prob on both sides. The checks keep
+what the ids can decide: fewer segments than images, or a segment whose run differs from its image's count, is the
+ids and pixels of different processor calls (the rule is mrope.place_images'). Whether a row lost its pixels needs
+the ids' origin, which the model does not see: `check_pixels` takes it from the training batch (the tokens the policy
+did not sample: the prompt and the observations), and the engine checks its prompts and appended ids
+(rollout/images.py).
+A row object shared by several rows (the n samples of a prompt) goes through the tower once. Without images the
+model is its text decoder at plain RoPE positions (identical: mrope.py).
 Files: Qwen2.5-VL's (transformers 4.x and 5.x) store `model.*` (the language model), `visual.*` and `lm_head.*`, our
 parameter names; Qwen3-VL's store `model.language_model.*` and `model.visual.*` (families.py maps the names both
 ways). config.json is written in transformers 5's form (text_config, vision_config). Qwen3-VL adds its deepstack
@@ -26,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from phaserl.errors import ConfigError
@@ -33,7 +44,7 @@ from phaserl.models.config import DecoderConfig
 from phaserl.models.decoder import CausalLM, init_weights
 from phaserl.models.families import config_from_hf, config_to_hf
 from phaserl.models.layers import embed
-from phaserl.models.mrope import batch_mrope_positions, mrope_positions
+from phaserl.models.mrope import image_segments, place_images, span_positions
 from phaserl.models.vision import VisionConfig, VisionTower, set_trainable
 
 log = logging.getLogger("phaserl")
@@ -170,23 +181,86 @@ class VisionLM(CausalLM):
         by_id = {id(im): part for im, part in zip(distinct, parts)}
         return [None if im is None else by_id[id(im)] for im in images]
 
-    def embed_with_images(self, input_ids: torch.Tensor, images: Sequence,
-                          seq_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """input_ids [B, S] -> (embeddings [B, S, H] with each row's placeholder tokens replaced by its image
-        features, the deepstack features of the placeholder tokens in order [n, k, H] or None); checked: each row's
-        placeholder count equals its images' token count. seq_ids [1, N]: packed rows (images[k] is the k-th
-        packed row's)."""
+    def image_segments(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(first placeholder, placeholders) of each image segment of one row's ids (mrope.image_segments)."""
+        return image_segments(np.asarray(ids, dtype=np.int64), self.image_tokens)
+
+    def image_spans(self, ids: np.ndarray, image, label: str) -> list[tuple[int, int, int, int, int]]:
+        """The spans (first token, tokens, t, rows, columns) of one row's images among its real ids [L]
+        (mrope.place_images); a mismatch is a ValueError naming `label` (a row, a prompt)."""
+        want = 0 if image is None else self.image_tokens_of(image)
+        try:
+            return place_images(ids, [] if image is None else list(image.grids), tokens=self.image_tokens,
+                                merge=self.vision_config.spatial_merge_size)
+        except ValueError as e:
+            held = int((ids == self.image_token_id).sum())
+            raise ValueError(f"{label} holds {held} image placeholder tokens, its images give {want} "
+                             f"(image_grid_thw): {e}") from None
+
+    def check_pixels(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                     images: Optional[Sequence]) -> None:
+        """A training batch's rows against their pixels, where the ids' origin is known: input_ids, attention_mask
+        [b, S] (prompts left-padded, responses after), loss_mask [b, R] 1 on the tokens the policy sampled (the last
+        R columns; observation tokens 0), images per row or None. The image segments of each row's prompt and
+        observations must be exactly its images (more: the batch lost pixels on the way, a text forward would never
+        see them); a segment the policy sampled before one of them would take that image's place (the training
+        forward places images in order) and is refused, naming the row. Segments sampled after the last image are
+        text."""
+        if not bool((input_ids == self.image_token_id).any()):
+            return
+        ids, real = input_ids.cpu().numpy(), attention_mask.bool().cpu().numpy()  # [b, S]
+        written = real.copy()
+        R = loss_mask.shape[1]
+        written[:, written.shape[1] - R:] &= ~loss_mask.bool().cpu().numpy()  # [b, S] the ids the policy did not sample
+        for row in range(ids.shape[0]):
+            cols = np.flatnonzero(real[row])
+            was = written[row, cols]  # [L]
+            origin = [bool(was[first - 1:first + n + 1].all()) for first, n in self.image_segments(ids[row, cols])]
+            held = sum(origin)
+            want = 0 if images is None or images[row] is None else len(images[row].grids)
+            if held != want:
+                raise ValueError(f"row {row}: its prompt and observations hold {held} image segment(s) of image "
+                                 f"placeholder tokens, its images give {want}: the batch lost the pixels of its "
+                                 "images on the way, or its ids and pixels did not come from one processor call")
+            if held and not all(origin[:held]):
+                raise ValueError(f"row {row}: the policy sampled a whole image segment (<|vision_start|>, "
+                                 "placeholders, <|vision_end|>) before one of the row's images, whose place the "
+                                 "training forward would give it (images fill the segments in order)")
+
+    def image_layout(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], images: Sequence,
+                     seq_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M-RoPE positions [3, B, S], is_image [B, S] bool: the tokens the rows' images fill) of a padded batch
+        (each row's real tokens, attention_mask 1, from position 0; padding at 0), or of packed rows (seq_ids [1, N],
+        images[k] the k-th packed row's; [3, 1, N] and [1, N]). One host pass over the ids."""
+        ids = input_ids.cpu().numpy()  # [B, S]
+        B, S = ids.shape
+        if seq_ids is None:
+            real = np.ones((B, S), bool) if attention_mask is None else attention_mask.bool().cpu().numpy()
+            rows = [(b, np.flatnonzero(real[b])) for b in range(B)]  # (batch row, its real columns)
+        else:
+            ends = np.cumsum(np.bincount(seq_ids[0].cpu().numpy(), minlength=len(images)))
+            rows = [(0, np.arange(end - n, end)) for n, end in zip(np.diff(ends, prepend=0), ends)]
+        if len(images) != len(rows):
+            raise ValueError(f"images has {len(images)} entries for {len(rows)} rows")
+        positions = torch.zeros(3, B, S, dtype=torch.long)
+        is_image = np.zeros((B, S), bool)
+        for row, ((b, cols), image) in enumerate(zip(rows, images)):
+            spans = self.image_spans(ids[b, cols], image, f"row {row}")
+            positions[:, b, torch.from_numpy(cols)] = span_positions(len(cols), spans)[0]
+            for first, n, *_ in spans:
+                is_image[b, cols[first:first + n]] = True
+        device = input_ids.device
+        return positions.to(device), torch.from_numpy(is_image).to(device)
+
+    def embed_with_images(self, input_ids: torch.Tensor, images: Sequence, seq_ids: Optional[torch.Tensor] = None,
+                          is_image: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """input_ids [B, S] -> (embeddings [B, S, H] with the placeholder tokens the rows' images fill replaced by
+        their features, the deepstack features of those tokens in order [n, k, H] or None). is_image [B, S]: those
+        tokens (image_layout, which checks them; computed here when not given, every token real). seq_ids [1, N]:
+        packed rows (images[k] is the k-th packed row's)."""
+        if is_image is None:
+            is_image = self.image_layout(input_ids, None, images, seq_ids)[1]
         h = embed(input_ids, self.model.embed_tokens.weight, self.config.embed_scale)  # [B, S, H]
-        is_image = input_ids == self.image_token_id  # [B, S]
-        rows = input_ids.shape[0] if seq_ids is None else int(seq_ids.max()) + 1
-        if len(images) != rows:
-            raise ValueError(f"images has {len(images)} entries for {rows} rows")
-        counts = (is_image.sum(-1) if seq_ids is None else torch.bincount(seq_ids[is_image], minlength=rows)).tolist()
-        for row, (image, count) in enumerate(zip(images, counts)):
-            want = 0 if image is None else self.image_tokens_of(image)
-            if count != want:
-                raise ValueError(f"row {row} holds {count} image placeholder tokens, its images give {want} "
-                                 "(image_grid_thw): the ids and the pixels did not come from one processor call")
         features = [f for f in self.image_features(images) if f is not None]
         if not features:
             return h, None
@@ -194,52 +268,29 @@ class VisionLM(CausalLM):
         deepstack = features[:, 1:] if features.shape[1] > 1 else None
         return h.masked_scatter(is_image[..., None], features[:, 0]), deepstack
 
-    def mrope_positions(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                        images: Sequence) -> torch.Tensor:
-        """[3, B, S] M-RoPE positions of a padded batch (mrope.batch_mrope_positions)."""
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        return batch_mrope_positions(input_ids, mask, [None if im is None else list(im.grids) for im in images],
-                                     image_token_id=self.image_token_id,
-                                     merge=self.vision_config.spatial_merge_size)
-
-    def packed_mrope_positions(self, input_ids: torch.Tensor, seq_ids: torch.Tensor, images: Sequence) -> torch.Tensor:
-        """[3, 1, N] M-RoPE positions of packed rows (input_ids, seq_ids [1, N]; images[k]: row k's), each row's
-        from 0."""
-        lengths = torch.bincount(seq_ids[0], minlength=len(images)).tolist()
-        ids, parts, start = input_ids[0].tolist(), [], 0
-        for image, n in zip(images, lengths):
-            pos, _ = mrope_positions(ids[start:start + n], [] if image is None else list(image.grids),
-                                     image_token_id=self.image_token_id, merge=self.vision_config.spatial_merge_size)
-            parts.append(pos)
-            start += n
-        return torch.cat(parts, dim=1)[:, None].to(input_ids.device)
-
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache=None, *, images: Optional[Sequence] = None,
                 seq_ids=None, boundaries=None, routing=None) -> torch.Tensor:
         """input_ids [B, S] -> hidden [B, S, H]. images: per row None or its ImageInputs (None: a text batch, plain
-        positions as given). With images, the positions are the rows' M-RoPE positions (position_ids is ignored);
-        packed rows (seq_ids [1, N], images[k] the k-th row's) too. A KV cache takes no images (the engine prefills
-        them itself: prefill_inputs)."""
-        if images is None or all(im is None for im in images):
-            if bool((input_ids == self.image_token_id).any()):  # pixels lost on the way: never a silent text pass
-                raise ValueError("image placeholder tokens in the ids, but no images were given (its images give 0): "
-                                 "the batch lost the pixels of its vision rows")
+        positions as given, every marker id text). With images, the positions are the rows' M-RoPE positions
+        (position_ids is ignored); packed rows (seq_ids [1, N], images[k] the k-th row's) too. A KV cache takes no
+        images (the engine prefills them itself: prefill_inputs)."""
+        if images is None or all(im is None for im in images):  # lost pixels: check_pixels, where origins are known
             return super().forward(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids,
                                    boundaries=boundaries, routing=routing)
         if kv_cache is not None:
             raise ValueError("VisionLM.forward(images=...) takes no KV cache; the rollout engine prefills images "
                              "itself (prefill_inputs)")
-        embeds, deepstack = self.embed_with_images(input_ids, images, seq_ids)
-        positions = (self.mrope_positions(input_ids, attention_mask, images) if seq_ids is None
-                     else self.packed_mrope_positions(input_ids, seq_ids, images))
-        after = None if deepstack is None else deepstack_adder(input_ids == self.image_token_id, deepstack)
+        positions, is_image = self.image_layout(input_ids, attention_mask, images, seq_ids)
+        embeds, deepstack = self.embed_with_images(input_ids, images, seq_ids, is_image)
+        after = None if deepstack is None else deepstack_adder(is_image, deepstack)
         return self.model(input_ids, positions, attention_mask, seq_ids=seq_ids, boundaries=boundaries, embeds=embeds,
                           after_layer=after)
 
     @torch.no_grad()
     def prefill_inputs(self, prompts: Sequence[Sequence[int]], images: Sequence) -> list:
-        """For the rollout engine: per prompt with an image, (embeddings [L, H] with the image features in place,
+        """For the rollout engine: per prompt with an image, (embeddings [L, H] with the image features in place
+        (placed as the training forward places them: a marker outside the images' segments is text),
         M-RoPE positions [3, L], delta: decode positions are slot position + delta, the deepstack additions [k, L, H]
         or None); None for a text prompt. The distinct images of the call go through the tower together, once
         each."""
@@ -249,21 +300,21 @@ class VisionLM(CausalLM):
             if image is None:
                 out.append(None)
                 continue
-            ids = torch.tensor(list(prompt), device=self.output_weight.device)
+            host = np.asarray(prompt, dtype=np.int64)
+            spans = self.image_spans(host, image, "a prompt")  # the same placement as the training forward's
+            ids = torch.from_numpy(host).to(self.output_weight.device)
             embeds = embed(ids, self.model.embed_tokens.weight, self.config.embed_scale)  # [L, H]
-            is_image = ids == self.image_token_id
-            if int(is_image.sum()) != self.image_tokens_of(image):
-                raise ValueError(f"a prompt holds {int(is_image.sum())} image placeholder tokens, its images give "
-                                 f"{self.image_tokens_of(image)}: the ids and the pixels did not come from one "
-                                 "processor call")
+            is_image = torch.zeros(len(host), dtype=torch.bool)
+            for first, n, *_ in spans:
+                is_image[first:first + n] = True
+            is_image = is_image.to(ids.device)
             feats = features[id(image)].to(embeds.dtype)  # [n, 1 + k, H]
             embeds = embeds.masked_scatter(is_image[:, None], feats[:, 0])
             deepstack = None
             if feats.shape[1] > 1:  # [k, L, H]: the features at the image tokens, zero elsewhere
                 deepstack = torch.zeros(feats.shape[1] - 1, *embeds.shape, dtype=embeds.dtype, device=embeds.device)
                 deepstack[:, is_image] = feats[:, 1:].transpose(0, 1)
-            positions, delta = mrope_positions(prompt, list(image.grids), image_token_id=self.image_token_id,
-                                               merge=self.vision_config.spatial_merge_size)
+            positions, delta = span_positions(len(host), spans)
             out.append((embeds, positions.to(ids.device), delta, deepstack))
         return out
 

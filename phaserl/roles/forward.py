@@ -229,6 +229,9 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
     """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
     batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs."""
+    if getattr(model, "takes_images", False):  # sampled markers are text; lost pixels are not (models/qwen_vl.py)
+        rows = batch.select(idx)
+        model.check_pixels(rows.input_ids, rows.attention_mask, rows.loss_mask, rows.images)
     if packing:
         packed = pack_rows(batch, idx)
         logp, ent = packed_micro_logprobs(model, packed, temperature=temperature, with_entropy=with_entropy,

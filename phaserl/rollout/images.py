@@ -13,6 +13,10 @@ Multi-turn sessions append ids to a parked slot (an extend pass): an observation
 their M-RoPE positions are the observation's own (from prefill_inputs) moved to where the slot's text stands
 (`slot position + delta`), and the slot's delta then grows by the observation's: the positions equal those the
 training forward computes over the whole episode with all its images in order.
+Images are placed as the training forward places them (models/mrope.place_images): on the image segments
+(`<|vision_start|>`, placeholders, `<|vision_end|>`) of the ids, in order. A marker id the policy sampled is text on
+both sides: decode embeds every sampled id as text, and the last sampled id, fed again at the head of an extend
+pass, stands outside any segment. Ids without images may hold lone placeholders (text), never a segment.
 Not here: the tower and the positions (models/), the slot loop (engine.py, runner.py).
 
 Legend: L a prompt's tokens, H hidden, D head_dim, U prompts of a prefill pass, P their padded width.
@@ -29,9 +33,9 @@ from phaserl.errors import ConfigError, DataError
 def vision_prefills(model, prompts: Sequence[Sequence[int]], images: Optional[Sequence]) -> dict:
     """Sequence index -> (embeds [L, H], positions [3, L], delta) for the prompts that have images; each distinct
     (prompt, image object) pair is computed once (the n samples of a prompt share it)."""
-    if getattr(model, "takes_images", False):  # placeholders without pixels: never decoded as text
+    if getattr(model, "takes_images", False):  # an image segment without pixels: never decoded as text
         bare = next((i for i, p in enumerate(prompts) if (images is None or images[i] is None)
-                     and model.image_token_id in p), None)
+                     and model.image_token_id in p and model.image_segments(p)), None)
         if bare is not None:
             raise ValueError(f"prompt {bare} holds image placeholder tokens but no images were given: the pixels of "
                              "its row were lost on the way")
@@ -96,8 +100,8 @@ def extend_images(runner, items: list, M: int) -> list:
             raise ConfigError(f"appended ids with images, but the policy ({type(model).__name__}) is not a "
                               "vision-language model (docs/vision.md)")
         return []
-    for slot, tokens, _, _, image in items:
-        if image is None and model.image_token_id in tokens[1:]:  # tokens[0]: the last sampled id, fed again
+    for slot, tokens, _, _, image in items:  # tokens[0]: the last sampled id, fed again (text, whatever its id)
+        if image is None and model.image_token_id in tokens[1:] and model.image_segments(tokens[1:]):
             raise ValueError(f"ids appended to slot {slot} hold image placeholder tokens but no images were given: "
                              "the observation's pixels were lost on the way")
     rows = [r for r, item in enumerate(items) if item[4] is not None]
