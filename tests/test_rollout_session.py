@@ -110,10 +110,11 @@ def test_resumed_sequences_move_down_into_parked_slots_and_continue_exactly():
         torch.testing.assert_close(torch.tensor(second[key].logprobs), expected, atol=1e-5, rtol=0)
 
 
-def test_a_resumed_sequence_stays_in_its_slot_when_moving_would_not_shrink_the_steps():
-    """No KV moves that do not pay: with a sequence decoding in the top slot the steps span every slot wherever the
-    resumed one sits, so it continues in its own slot (no swap) and its turn is still the whole conversation's.
-    Alone above a parked slot, moving down halves the steps: then it moves."""
+def test_sequences_move_down_only_when_that_shrinks_the_steps_and_keep_every_token():
+    """A long turn left decoding alone in the top slot (the others parked) moves down mid-turn, exchanging KV with a
+    parked sequence: the step covers 1 row, not 4, and its tokens are the unmoved greedy ones. Then all four resume
+    together: the steps span every slot wherever they sit, so nothing moves, and each continuation (the parked
+    sequence that was moved up included) is its whole conversation's."""
     model = tiny_model()
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
     params = SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -122,21 +123,19 @@ def test_a_resumed_sequence_stays_in_its_slot_when_moving_would_not_shrink_the_s
             s.start(key, PROMPTS[key], cap=2)  # slots 0-2
         s.start("busy", PROMPTS[3], cap=16)   # slot 3: decodes on
         first = {}
-        while len(first) < 3:
+        while len(first) < 4:
             first.update({t.key: t for t in s.step()})
-        s.extend(2, [20], cap=3)
+        assert s.stats.swaps == 1 and s.live["busy"].slot == 0 and s.live[0].slot == 3
+        assert first["busy"].token_ids == greedy_reference(model, list(PROMPTS[3]), 16)
+        for key, obs in zip(first, (20, 21, 22, 23)):
+            s.extend(key, [obs], cap=3)
         second = {}
-        while 2 not in second:
+        while len(second) < 4:
             second.update({t.key: t for t in s.step()})
-        assert s.live[2].slot == 2 and s.stats.swaps == 0
-        while "busy" not in second:
-            second.update({t.key: t for t in s.step()})
-        s.extend(1, [21], cap=3)  # now alone above a parked slot: the steps halve (2 rows -> 1), so it moves down
-        while 1 not in second:
-            second.update({t.key: t for t in s.step()})
-        assert s.stats.swaps == 1 and s.live[1].slot == 0 and s.live[0].slot == 1
-    for key, obs in ((2, 20), (1, 21)):
-        assert second[key].token_ids == greedy_reference(model, list(PROMPTS[key]) + first[key].token_ids + [obs], 3)
+        assert s.stats.swaps == 1 and [s.live[k].slot for k in (0, 1, 2, "busy")] == [3, 1, 2, 0]
+    for (key, turn), obs in zip(first.items(), (20, 21, 22, 23)):
+        prompt = list(PROMPTS[3 if key == "busy" else key])
+        assert second[key].token_ids == greedy_reference(model, prompt + turn.token_ids + [obs], 3)
 
 
 def test_sampled_continuations_report_the_full_forward_logprobs():

@@ -241,6 +241,7 @@ class DecodeSession:
         self._prefill()
         latest = None
         if self.decoding:
+            self._compact()
             # Slots past the last decoding one are parked or free: not stepped at all (a parked slot's KV and
             # state wait unchanged; its continuation re-writes its last token's KV, see extend()).
             span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot))
@@ -313,7 +314,25 @@ class DecodeSession:
         now, packed = self.runner.bucket_for(span), self.runner.bucket_for(max(top, n))
         if now - packed < PACK_SHRINK * now:
             return
-        movers = sorted((live for live in resumed if live.slot >= packed), key=lambda lv: lv.slot)
+        self._move_down(sorted((live for live in resumed if live.slot >= packed), key=lambda lv: lv.slot), packed)
+
+    def _compact(self) -> None:
+        """Move the highest decoding sequences down when fewer decode than the step covers: when sequences end
+        turns or finish while others (a long response's tail) decode on in high slots, the step would keep running
+        rows up to the highest of them. Same rule as _pack: only when that drops PACK_SHRINK of the rows.
+
+        Moving a sequence that is still decoding is safe with the host one step behind: its state (finished flag,
+        outputs) moves with it, and a turn the last snapshot saw end in its old slot is retired from the new slot
+        one step later (_retire takes a flag only from the slot the sequence holds now)."""
+        span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None and lv.decoding)
+        now, packed = self.runner.bucket_for(span), self.runner.bucket_for(self.decoding)
+        if now - packed < PACK_SHRINK * now:
+            return
+        self._move_down([live for live in self.by_slot[packed:span] if live is not None and live.decoding], packed)
+
+    def _move_down(self, movers: list, packed: int) -> None:
+        """Each mover (in slot order) into the lowest slot below `packed` that is not decoding; a parked sequence there
+        takes the mover's slot (the two exchange KV and decode state), a free slot becomes free in its place."""
         holes = [slot for slot in range(packed) if self.by_slot[slot] is None or not self.by_slot[slot].decoding]
         pairs, free = [], set(self.free)
         for live, target in zip(movers, holes):  # holes >= movers: packed >= n, and packed > top
