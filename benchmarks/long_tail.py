@@ -194,6 +194,10 @@ def main(argv=None) -> None:
     log_dir = os.path.join(root, "long_tail_logs")
     cfg_dict = grpo_step.ours_config(g, root, log_dir)
     cfg_dict["rollout"]["ignore_eos"] = True
+    # the product's KV defaults (engine_memory_fraction 0.4, engine_max_slots 512), not grpo_step's 0.03 sized for its
+    # 256-token responses: that holds 47 slots of 4,224 tokens on an H100 and starves the synchronous case
+    cfg_dict["rollout"].pop("engine_memory_fraction", None)
+    cfg_dict["rollout"].pop("engine_max_slots", None)
     cfg_dict["ppo"]["micro_batch_tokens"] = "auto"
     cfg_dict["trainer"]["total_steps"] = 10_000
     import yaml
