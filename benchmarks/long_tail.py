@@ -151,6 +151,9 @@ def run_case(trainer, name: str, k: int, a) -> dict:
                     timing_s={k2.split("/", 1)[1]: round(v, 3) for k2, v in metrics.items()
                               if k2.startswith("timing_s/")},
                     **{key: metrics[key] for key in metrics if key.startswith("async/")})
+        if after is not before:  # this step's rollout: its decode steps and the rows they ran (what they cost)
+            step.update(decode_steps=after.get("steps"), stepped_rows=after.get("stepped_rows"),
+                        rows_per_step=round(after.get("stepped_rows", 0) / max(after.get("steps", 1), 1), 1))
         steps.append(step)
         emit(**step)
     busy.__exit__()
@@ -179,13 +182,16 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=4, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per case (the async stream fills up)")
     p.add_argument("--longest", type=int, default=None, help="the tail's length (4096; --tiny 64)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (64; --tiny 4)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (8; --tiny 4)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (every case)")
     p.add_argument("--sync-once", action="store_true", help="measure the synchronous case once (default: first and "
                    "last, to show a run-order effect)")
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     a.longest = a.longest or (64 if a.tiny else 4096)
-    args = ["--shape", "0.5b", "--prompts", "4" if a.tiny else "64", "--n", "4" if a.tiny else "8",
+    prompts, n = a.prompts or (4 if a.tiny else 64), a.n or (4 if a.tiny else 8)
+    args = ["--shape", "0.5b", "--prompts", str(prompts), "--n", str(n),
             "--prompt-len", "16" if a.tiny else "128", "--new-tokens", str(a.longest),
             "--steps", str(len(a.ks) * (a.warmup + a.steps) + 2 * (a.warmup + a.steps) + 2)]
     g = grpo_step.parse_args(args + (["--tiny"] if a.tiny else []))

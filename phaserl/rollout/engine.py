@@ -190,7 +190,7 @@ class RolloutEngine:
         media = images or [None] * len(prompts)
         sequences = [Sequence(i, tuple(p), cap, media=m) for i, (p, cap, m) in enumerate(zip(prompts, caps, media))]
         scheduler = Scheduler(sequences, num_slots, refill=self.config.refill, admit_threshold=num_slots // 16)
-        start, steps, finished = time.perf_counter(), 0, []
+        start, steps, rows, finished = time.perf_counter(), 0, 0, []
         with torch.inference_mode(), _seeded(generator, self.device):
             self.runner.vision = vision_prefills(self.model, prompts, images)  # the tower, once per distinct image
             self.runner.begin(num_slots, slot_len, max(caps), params, stop_ids)
@@ -204,15 +204,16 @@ class RolloutEngine:
                     self.runner.prefill([(prompt, [s.slot for s in seqs], [s.max_new_tokens for s in seqs],
                                           [s.index for s in seqs]) for prompt, seqs in groups])
                 self._compact(scheduler)
-                self.runner.decode(self.runner.bucket_for(scheduler.span))
-                steps += 1
+                bucket = self.runner.bucket_for(scheduler.span)
+                self.runner.decode(bucket)
+                steps, rows = steps + 1, rows + bucket
                 latest = self._snapshot(scheduler)
                 if known is not None:
                     self._retire(known, scheduler, finished)
                 known = latest
             result = self._result(len(prompts), finished, set(stop_ids))
         self.last_stats = {"steps": steps, "seconds": time.perf_counter() - start, "begin_seconds": begin_seconds,
-                           "slots": num_slots,
+                           "slots": num_slots, "stepped_rows": rows,
                            "slot_len": self.runner.layout[1], "graphs": len(self.runner.graphs),
                            "new_tokens": sum(map(len, result.response_ids))}
         return result
@@ -244,7 +245,8 @@ class RolloutEngine:
         self.last_stats = {"steps": st.steps, "seconds": time.perf_counter() - start, "slots": slots,
                            "slot_len": slot_len, "graphs": len(self.runner.graphs), "new_tokens": st.new_tokens,
                            "turns": st.turns, "extend_tokens": st.extend_tokens, "prefill_tokens": st.prefill_tokens,
-                           "busy_slot_steps": st.busy_slot_steps, "swaps": st.swaps, **st.extra}
+                           "busy_slot_steps": st.busy_slot_steps, "stepped_rows": st.stepped_rows, "swaps": st.swaps,
+                           **st.extra}
 
     def _follow_model(self) -> torch.Tensor:
         """The model's output weight, after rebuilding the pool and runner if the model moved or changed dtype

@@ -72,7 +72,8 @@ class SessionStats:
     prefill_tokens: int = 0      # prompt ids prefilled (shared prompts counted once)
     extend_tokens: int = 0       # observation ids appended to kept KV
     busy_slot_steps: int = 0     # sum over decode steps of slots decoding (the rest were parked or free)
-    swaps: int = 0               # resumed sequences moved down into a free or parked slot (DecodeSession._pack)
+    stepped_rows: int = 0        # sum over decode steps of the rows the step ran (its bucket): what the steps cost
+    swaps: int = 0               # sequences moved down into a free or parked slot (DecodeSession._pack, _compact)
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -246,7 +247,9 @@ class DecodeSession:
             # state wait unchanged; its continuation re-writes its last token's KV, see extend()).
             span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot))
                                          if lv is not None and lv.decoding)
-            self.runner.decode(self.runner.bucket_for(span))
+            rows = self.runner.bucket_for(span)
+            self.runner.decode(rows)
+            self.stats.stepped_rows += rows
             now = time.perf_counter()
             if self._last_decode is not None:
                 self._gaps.append(now - self._last_decode)
