@@ -148,14 +148,16 @@ def test_an_async_run_trains_on_tokens_at_most_k_versions_behind_and_records_the
 
 
 @pytest.mark.slow
-def test_every_phase_keeps_the_pace_so_groups_do_not_fall_into_lock_step_cohorts(tmp_path):
-    """Slots for every sample in flight and responses of one length (6, ignore_eos): the first phase decodes both
-    batches in flight to the end together. Without a pace the next phase would find its batch ready and decode
-    nothing, and the stream would alternate 6 steps / 0 steps (cohorts of k + 1 steps, as slow as lock-step). With
-    it every later phase decodes ceil(6 / (k + 1)) = 3 steps: each group's tokens are spread over two phases."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_phase_keeps_the_pace_so_groups_do_not_fall_into_lock_step_cohorts(tmp_path, k):
+    """Slots for every sample in flight and responses of one length (6, ignore_eos): the first phase decodes the
+    two batches it may start to the end together. Without a pace the next phase would find its batch ready and
+    decode nothing, and the stream would alternate 6 steps / 0 steps (cohorts, as slow as lock-step). With it
+    every later phase decodes ceil(6 / 2) = 3 steps: each group's tokens are spread over two phases. At k = 2 too:
+    a response starts at most max(1, k - 1) = 1 step before its batch, so no token is more than 1 version old."""
     from phaserl.trainer import RLTrainer
 
-    trainer = RLTrainer.from_config(_tiny_cfg(tmp_path, "rollout.max_staleness=1", "rollout.max_new_tokens=6",
+    trainer = RLTrainer.from_config(_tiny_cfg(tmp_path, f"rollout.max_staleness={k}", "rollout.max_new_tokens=6",
                                               "rollout.ignore_eos=true", "rollout.engine_max_slots=512",
                                               "trainer.total_steps=5"))
     trainer.fit()

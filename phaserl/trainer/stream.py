@@ -14,13 +14,19 @@
             versions behind the weights being trained. A sample that would break the bound is started over
             (rollout.on_stale: restart) or its group dropped (drop), counted either way.
 
-            Pace: every rollout phase decodes at least ceil(L / (k + 1)) steps, L the longest response of the last
+            Lookahead: a phase starts the responses of the groups due within a = max(1, k - 1) steps only (the
+            step's batch and the next a batches). Starting all k + 1 batches at once trained on staler
+            tokens than the work needed: on the tiny arithmetic world at k = 2, 1.8 versions behind on average
+            and 0.04 of held-out score lost, against 0.85 versions and 0.003 lost with a = 1.
+
+            Pace: every rollout phase decodes at least ceil(L / (a + 1)) steps, L the longest response of the last
             batch, even when the step's groups are already complete. A response started in a phase then gets
-            (k + 1) phases of that pace before its group is due, so a tail of L tokens is spread over k + 1 phases
-            and a phase lasts about L / (k + 1) steps. Without it, whenever the groups in flight completed together
-            (all of them started at once, and the slots hold them all), the next k phases found their batches
-            ready and decoded nothing, the groups added meanwhile started together again, and the stream fell
-            back into lock-step cohorts of k + 1 steps (measured: no faster than the synchronous step).
+            a + 1 phases of that pace before its group is due, so a tail of L tokens is spread over a + 1 phases
+            and a phase lasts about L / (a + 1) steps, its first steps decoding the next batch's bulk beside the
+            tails. Without it, whenever the groups in flight completed together (all of them started at once,
+            and the slots hold them all), the next phases found their batches ready and decoded nothing, the
+            groups added meanwhile started together again, and the stream fell back into lock-step cohorts
+            (measured: no faster than the synchronous step).
 
 One GPU runs rollout and training in turns (the HybridActor switch): what the asynchronous stream gains
 there is that no rollout phase waits for the slowest response of its batch (the long tail keeps decoding,
@@ -122,6 +128,7 @@ class AsyncStream:
         self.next_order = 0
         self.next_key = 0
         self.longest_response = 0   # tokens: the longest response of the last batch (sets the pace)
+        self.lookahead = max(1, max_staleness - 1)  # a response starts at most this many steps before its batch
         self._saved_by_rank: Optional[list] = None
 
     # ----- the step's phases 1-3 ------------------------------------------------------------------
@@ -155,8 +162,8 @@ class AsyncStream:
 
     def pace_steps(self) -> int:
         """Decode steps every rollout phase runs at least (the module docstring's pace): the last batch's longest
-        response over k + 1 phases; 0 before the first batch."""
-        return -(-self.longest_response // (self.max_staleness + 1))
+        response over lookahead + 1 phases; 0 before the first batch."""
+        return -(-self.longest_response // (self.lookahead + 1))
 
     def _unfinished(self) -> bool:
         return any(s.finish is None for g in self.groups for s in g.samples)
@@ -202,7 +209,8 @@ class AsyncStream:
         kept for the next phase)."""
         run = trainer.run
         params = run.sampling
-        pending = deque(s for g in self.groups for s in g.samples if s.finish is None)
+        started = self.groups[:(self.lookahead + 1) * self.prompts_per_rank]  # due within `lookahead` steps
+        pending = deque(s for g in started for s in g.samples if s.finish is None)
         owner = {id(s): g for g in self.groups for s in g.samples}
         by_key = {s.key: s for s in pending}
         # the dataset's longest prompt, not this phase's: one slot layout for the run, so decode graphs are kept
