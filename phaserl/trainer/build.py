@@ -328,10 +328,11 @@ def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, m
 
         return remote_stream(cfg, dataset, prompts_per_rank=prompts_per_rank, model=model)
     kind, extra = (AgentStream, {"agent": agent}) if cfg.agent.env else (AsyncStream, {})
-    # a slot for every sample in flight (k + 1 batches), as far as engine_max_slots and the KV cache allow: the
-    # newer groups decode while the oldest ones' tails finish or their episodes wait for tools (with one batch's
-    # slots, measured on an H100: agents 0.59 of the single-turn rate, with two batches' 0.79)
-    in_flight = (r.max_staleness + 1) * prompts_per_rank * r.n
+    # a slot for every sample that may decode at once (the batches due within max(1, k - 1) steps: the stream's
+    # lookahead), as far as engine_max_slots and the KV cache allow: the newer groups decode while the oldest ones'
+    # tails finish or their episodes wait for tools (with one batch's slots, measured on an H100: agents 0.59 of
+    # the single-turn rate, with two batches' 0.79)
+    in_flight = (max(1, r.max_staleness - 1) + 1) * prompts_per_rank * r.n
     return kind(max_staleness=r.max_staleness, on_stale=r.on_stale, n=r.n, prompts_per_rank=prompts_per_rank,
                 slots=min(in_flight, r.engine_max_slots), noise_seed=cfg.trainer.seed * 7919 + 17,
                 dataset=dataset, **extra)
