@@ -27,8 +27,10 @@ def check_rollout_mode(ctx: Context) -> CheckResult:
                                                f"trains (rollout.max_staleness=0){correction}")
     per_rank = r.prompts_per_step // max(ctx.world_size, 1)
     kind = "agent episodes" if cfg.agent.env else "responses"
+    ahead = max(1, k - 1)  # trainer/stream.py's lookahead
     detail = (f"asynchronous: a batch may hold tokens up to {k} policy version(s) old; up to {per_rank * (k + 1)} "
-              f"groups per rank in flight ({kind} cut at a batch continue after the update); a sample past the bound "
+              f"groups per rank in flight, those due within {ahead} step(s) decoding ({kind} cut at a batch "
+              "continue after the update); a sample past the bound "
               f"is {'started over' if r.on_stale == 'restart' else 'dropped with its group'} (rollout.on_stale="
               f"{r.on_stale}); correction: {mode}")
     warnings = []
