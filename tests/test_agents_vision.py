@@ -12,7 +12,7 @@ from phaserl.agents import Environment, ImageObservation, StepResult
 from phaserl.agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart
 from phaserl.agents.loader import EnvironmentFactory
 from phaserl.agents.render import ObservationRenderer, ObservationVision
-from phaserl.data.images import ImageInputs, image_processor
+from phaserl.data.images import ImageInputs, image_processor, with_starts
 from phaserl.data.prompts import PromptItem
 from phaserl.data.rows import PromptRow
 from phaserl.roles.forward import batch_logprobs
@@ -78,19 +78,24 @@ class Screenshot(Environment):
 def prompt_items() -> list:
     (a,) = images((24, 32))
     row = PromptRow(prompt="p", data_source="", ground_truth=None, extra_info={}, source="t:row 0", index=0, raw={})
+    a = with_starts(a, (2,))  # its placeholders begin at index 2 of the prompt's ids, as the data path records
     return [PromptItem(row, (5, START, *[IMAGE] * a.num_tokens, END, 6), "", images=a),  # a prompt with its image
             PromptItem(row, (10, 11, 12), "")]                                            # a text prompt
 
 
-def run_episodes(model, device="cpu", seed=2, on_env_error="stop", **env):  # noqa: F811
-    limits = AgentLimits(max_turns=4, max_turn_tokens=3, max_episode_tokens=192, context_limited=False,
+def run_episodes(model, device="cpu", seed=2, on_env_error="stop", turn_tokens=3, prepare=None, **env):  # noqa: F811
+    """Two episodes of each prompt_items() row (noise keys 0, 1 and 2, 3); prepare(session) before they start."""
+    limits = AgentLimits(max_turns=4, max_turn_tokens=turn_tokens, max_episode_tokens=192, context_limited=False,
                          step_timeout_s=10.0, on_env_error=on_env_error, workers=2, overlap=False)
     runner = EpisodeRunner(EnvironmentFactory(Screenshot, env), TOK, limits, vision=VISION)
     starts = [EpisodeStart(item, seed=10 * i + k, label=f"t:row {i}, sample {k}", noise_key=2 * i + k)
               for i, item in enumerate(prompt_items()) for k in range(2)]
     engine = RolloutEngine(model, EngineConfig(max_slots=4))
     generator = torch.Generator(device).manual_seed(seed)
-    with engine.session(PARAMS, slot_len=192, eos_token_ids=[3], generator=generator) as s:
+    params = SamplingParams(max_new_tokens=turn_tokens, temperature=PARAMS.temperature)
+    with engine.session(params, slot_len=192, eos_token_ids=[3], generator=generator) as s:
+        if prepare is not None:
+            prepare(s)
         episodes = runner.run_session(s, starts)
     return episodes
 
@@ -117,7 +122,7 @@ def test_sampled_logprobs_after_an_image_observation_equal_the_training_forward(
     for im in batch.images:
         pixels = im.pixel_values.clone()
         pixels[-4:] += 1.0  # the last patches: the observation's picture
-        changed.append(ImageInputs(pixels, im.grids, im.tokens))
+        changed.append(ImageInputs(pixels, im.grids, im.tokens, im.starts))
     other = batch_logprobs(model, _with_images(batch, changed), temperature=0.9, token_budget=512, packing=packing)
     assert (other[mask] - logp[mask]).abs().max() > 1e-3
 

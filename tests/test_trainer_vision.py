@@ -5,6 +5,7 @@ error, never silent drift."""
 import pytest
 import torch
 
+from phaserl.data.images import with_starts
 from phaserl.data.prompts import PromptItem
 from phaserl.data.rows import PromptRow
 from phaserl.roles.forward import batch_logprobs
@@ -24,6 +25,7 @@ class _Tokenizer:  # what build_rollout_batch needs of a tokenizer: decode
 def batch(model):  # noqa: F811
     a, c = images((24, 32), (40, 16))
     row = PromptRow(prompt="p", data_source="", ground_truth=None, extra_info={}, source="t:row 0", index=0, raw={})
+    a, c = with_starts(a, (2,)), with_starts(c, (2,))  # as the data path records them; the prompts are left-padded
     items = [PromptItem(row, (5, START, *[IMAGE] * a.num_tokens, END, 6), "", images=a),
              PromptItem(row, (8, START, *[IMAGE] * c.num_tokens, END), "", images=c),
              PromptItem(row, (10, 11, 12), "")]

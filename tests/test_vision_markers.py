@@ -2,15 +2,19 @@
 `<|vision_end|>`): the markers are text on both sides. Tiny random Qwen2.5-VL and Qwen3-VL whose head favours the
 marker ids sample them often; the rollout engine's log-probs of those tokens (decode, and the extend pass of a
 multi-turn episode whose last sampled id is fed again before an image observation) equal the training forward's,
-padded and packed, and nothing raises. The real mistakes still do: fewer placeholders than an image needs (a marker
-sampled later does not make up for it), a segment of the wrong size before an image, a batch that lost pixels, and a
-whole segment sampled before an image of the same episode."""
+padded and packed, and nothing raises; so does a whole image-sized segment sampled in a turn before an image
+observation (the images sit at the starts recorded with their ids). The real mistakes still do: fewer placeholders
+than an image needs (a marker sampled later does not make up for it), a segment of the wrong size before an image, a
+recorded start that is not its image's segment, a batch that lost pixels, and, for images that record no starts
+(placed in order), a whole segment sampled before an image of the same episode."""
 import copy
 
 import pytest
 import torch
 
-from phaserl.data.images import join_images
+from phaserl.agents import ImageObservation
+from phaserl.agents.render import ObservationRenderer
+from phaserl.data.images import join_images, with_starts
 from phaserl.data.prompts import PromptItem
 from phaserl.data.rows import PromptRow
 from phaserl.models.mrope import mrope_positions
@@ -18,7 +22,7 @@ from phaserl.roles.forward import batch_logprobs
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from phaserl.trainer.episode_batch import episodes_batch
 from phaserl.trainer.rollout_phase import build_rollout_batch
-from test_agents_vision import TOK, run_episodes
+from test_agents_vision import PARAMS, TOK, VISION, picture, prompt_items, run_episodes
 from test_rollout_vision import END, IMAGE, START, forward_logprobs, images, model  # noqa: F401  (fixtures)
 
 pytest.importorskip("PIL")
@@ -93,6 +97,81 @@ def test_markers_sampled_before_an_image_observation_are_text(model):  # noqa: F
         torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=1e-5, rtol=4e-6)
 
 
+def forcing(first_turn: list, prompt_lengths: dict):
+    """prepare(session) for run_episodes: each episode's first turn is `first_turn` (the draws after its prompt's last
+    position on, by noise key), each forced token's log-prob the policy's own at the session's temperature; every
+    other draw is the engine's."""
+    def prepare(session):
+        runner = session.runner
+        drawn = runner._sample
+
+        def sample(hidden, slots, at):  # hidden [b, H], at [b]
+            tokens, logprobs = drawn(hidden, slots, at)
+            keys = runner.state.key[:hidden.shape[0]] if slots is None else runner.state.key[slots]  # [b]
+            logp = (torch.nn.functional.linear(hidden, runner.model.output_weight).float()
+                    / PARAMS.temperature).log_softmax(-1)  # [b, V]
+            for row, (key, position) in enumerate(zip(keys.tolist(), at.tolist())):
+                j = position - (prompt_lengths.get(key, -10**9) - 1)
+                if 0 <= j < len(first_turn):
+                    tokens[row], logprobs[row] = first_turn[j], logp[row, first_turn[j]]
+            return tokens, logprobs
+        runner._sample = sample
+    return prepare
+
+
+def test_a_whole_segment_sampled_before_an_image_observation_is_text(model):  # noqa: F811
+    # The first turn is a whole segment of exactly the size of the picture the second observation brings: placed in
+    # order, the picture would land on it. At its recorded start, the sampled segment is text on both sides.
+    _, shot = ObservationRenderer(TOK, VISION).render(ImageObservation("4 <image> 7", [picture(24, 16, 0)]))
+    n = shot.num_tokens
+    segment = [START, *[IMAGE] * n, END]
+    lengths = {2 * i + k: len(item.prompt_ids) for i, item in enumerate(prompt_items()) for k in range(2)}
+    episodes = run_episodes(model, turn_tokens=len(segment), prepare=forcing(segment, lengths))
+    for ep in episodes:
+        assert [s.kind for s in ep.segments] == ["prompt", "model", "observation", "model", "observation", "model"]
+        assert ep.segments[1].token_ids == segment and ep.segments[4].images.num_tokens == n
+    batch = episodes_batch(episodes, 2, tokenizer=TOK, pad_token_id=0, group_offset=0, device="cpu")
+    mask = batch.loss_mask.bool()
+    for packing in (False, True):
+        logp = batch_logprobs(model, batch, temperature=PARAMS.temperature, token_budget=512, packing=packing)
+        torch.testing.assert_close(logp[mask], batch.rollout_logprobs[mask], atol=1e-5, rtol=4e-6)
+    for ep, image in zip(episodes, batch.images):  # the picture's recorded start: its own segment, not the sampled
+        at = sum(len(s.token_ids) for s in ep.segments[:4])
+        assert image.starts[-1] == at + ep.segments[4].token_ids.index(IMAGE)
+
+
+def test_the_processor_calls_record_where_each_image_starts():
+    from phaserl.data.images import image_processor, process_vision_row
+    from phaserl.world.vision_task import build_vision_tokenizer, make_scene, png_bytes
+
+    tokenizer = build_vision_tokenizer()
+    processor = image_processor(patch_size=4, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32)
+    scenes = [png_bytes(make_scene(i).pixels) for i in range(2)]
+    row = PromptRow(prompt="<image> and <image>?", data_source="", ground_truth=None, extra_info={}, source="t:row 0",
+                    index=0, raw={"images": scenes})
+    ids, _, inputs = process_vision_row(row, tokenizer, processor, merge_size=2, apply_chat_template=True)
+    pad, start = tokenizer.convert_tokens_to_ids("<|image_pad|>"), tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    assert len(inputs.starts) == 2 and inputs.starts[1] > inputs.starts[0] + inputs.tokens[0]
+    for first, n in zip(inputs.starts, inputs.tokens):
+        assert ids[first - 1] == start and ids[first:first + n] == [pad] * n
+    ids, shots = ObservationRenderer(TOK, VISION).render(ImageObservation("1 <image> 2 <image>", [picture(8, 8, 0),
+                                                                                                   picture(16, 8, 1)]))
+    assert [ids[s - 1:s + n + 1] for s, n in zip(shots.starts, shots.tokens)] == [[START, *[IMAGE] * n, END]
+                                                                                  for n in shots.tokens]
+
+
+def test_positions_follow_the_recorded_starts():
+    from phaserl.models.qwen_vl import ImageTokenIds
+
+    tokens = ImageTokenIds(IMAGE, 291, START, END)
+    segment = [START, *[IMAGE] * 6, END]
+    got, delta = mrope_positions([5] + segment + [6] + segment, [(1, 4, 6)], tokens=tokens, merge=2, starts=(11,))
+    text, text_delta = mrope_positions([5] + [9] * 8 + [6] + segment, [(1, 4, 6)], tokens=tokens, merge=2)
+    assert torch.equal(got, text) and delta == text_delta  # the first segment is text: the image is the second's
+    ordered, _ = mrope_positions([5] + segment + [6] + segment, [(1, 4, 6)], tokens=tokens, merge=2)
+    assert not torch.equal(got, ordered)  # placed in order, the image would take the first
+
+
 def test_a_sampled_marker_is_positioned_as_text():
     from phaserl.models.qwen_vl import ImageTokenIds
 
@@ -123,21 +202,46 @@ def test_fewer_placeholders_than_an_image_needs_is_still_an_error(model):  # noq
         model(torch.tensor([[5, START, IMAGE, END, START, *[IMAGE] * n, END]]), images=[a])
 
 
-def test_lost_pixels_and_a_sampled_segment_before_an_image_are_refused_in_training(model):  # noqa: F811
+def test_lost_pixels_are_refused_in_training_and_a_sampled_segment_only_without_recorded_starts(model):  # noqa: F811
     a, c = images((24, 32), (24, 16))
     prompt = [5, START, *[IMAGE] * a.num_tokens, END, 6]
     observation = [4, START, *[IMAGE] * c.num_tokens, END, 7]
+    a_at, c_at = with_starts(a, (2,)), with_starts(c, (2,))  # recorded in their own ids, as the processor calls do
 
     def check(turn: list, loss: list, pictures):
         ids = torch.tensor([prompt + turn])
         model.check_pixels(ids, torch.ones_like(ids), torch.tensor([loss]), pictures)
 
-    sampled = [START, IMAGE, END]  # a whole segment the policy wrote
-    check(sampled, [1, 1, 1], [a])  # after the row's last image: text
-    check([9] + observation + sampled, [1] + [0] * len(observation) + [1, 1, 1], [join_images([a, c])])
+    sampled = [START, *[IMAGE] * c.num_tokens, END]  # a whole segment the policy wrote, of the observation's size
+    check(sampled, [1] * len(sampled), [a])  # after the row's last image: text
+    check([9] + observation + sampled, [1] + [0] * len(observation) + [1] * len(sampled), [join_images([a, c])])
     with pytest.raises(ValueError, match="row 0: its prompt and observations hold 2 image segment.*its images give 1"):
         check([9] + observation, [1] + [0] * len(observation), [a])  # the observation's pixels lost
     with pytest.raises(ValueError, match="row 0: its prompt and observations hold 1 image segment.*give 0"):
         check([9], [1], None)  # the prompt's pixels lost
+    # before the observation's image: text where the images record their starts, refused where they are placed in order
+    turn, loss = sampled + observation, [1] * len(sampled) + [0] * len(observation)
+    check(turn, loss, [join_images([a_at, c_at], [0, len(prompt) + len(sampled)])])
     with pytest.raises(ValueError, match="row 0: the policy sampled a whole image segment"):
-        check(sampled + observation, [1, 1, 1] + [0] * len(observation), [join_images([a, c])])
+        check(turn, loss, [join_images([a, c])])
+    at, wrong = len(prompt) + len(sampled) + 2, len(prompt) + 2
+    with pytest.raises(ValueError, match=rf"row 0: its prompt and observations hold image segments at tokens "
+                                         rf"\[2, {at}\], its images are recorded at \[2, {wrong}\]"):
+        check(turn, loss, [join_images([a_at, c_at], [0, len(prompt)])])  # the observation's start not moved
+
+
+def test_a_recorded_start_off_its_images_segment_is_an_error(model):  # noqa: F811
+    a, c = images((24, 32), (24, 16))
+    n, m = a.num_tokens, c.num_tokens
+    ids = [5, START, *[IMAGE] * n, END, 6, START, *[IMAGE] * m, END]
+    both = join_images([with_starts(a, (2,)), with_starts(c, (2,))], [0, n + 3])  # c's ids from the 6 on
+    model(torch.tensor([ids]), images=[both])  # the right starts
+    with pytest.raises(ValueError, match=f"row 0 holds {n + m} image placeholder tokens, its images give {n + m} "
+                                         rf"\(image_grid_thw\): image 1 \(grid 1x6x4\) is recorded at token {n + 6}, "
+                                         f"where the ids hold no segment of {m} placeholders"):
+        model(torch.tensor([ids]), images=[with_starts(both, (2, n + 6))])  # one token late
+    with pytest.raises(ValueError, match="row 0 .* the images record 1 start.* for 2 image"):
+        model(torch.tensor([ids]), images=[with_starts(both, (2,))])
+    with pytest.raises(ValueError, match="a prompt holds .* image 0 .* is recorded at token 1"):
+        RolloutEngine(model).generate([ids], SamplingParams(max_new_tokens=2), eos_token_ids=[], pad_token_id=0,
+                                      images=[with_starts(both, (1, n + 5))])

@@ -13,7 +13,8 @@ template as the continuation of the conversation, e.g. a `tool` or `user` messag
 generation prompt), or, for a vision-language policy, an `ImageObservation`: such text or messages with one
 `<image>` placeholder per image plus the images (PIL images, encoded bytes or file paths), e.g. a screenshot.
 Its images go through the image processor in one call that decides their token counts; the placeholders are
-expanded to that many image tokens and the pixels travel with the episode to every training pass.
+expanded to that many image tokens and the pixels travel with the episode to every training pass, with where each
+image starts in the episode's ids (so a marker the model samples is never taken for an image's).
 The `Episode` keeps the ids the model sampled and the ids appended for
 observations, in order: training uses exactly these ids, never a re-tokenization of decoded text.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Literal, Optional, Union
 
 from phaserl.data.images import join_images
@@ -143,7 +145,7 @@ class Episode:
     def images(self):
         """The ImageInputs of every image in the episode's ids, in order (prompt, then observations: one object, as
         the training forward takes a row's images), or None when it has none."""
-        return join_images([s.images for s in self.segments])
+        return segment_images(self.segments)
 
     def response_versions(self) -> Optional[list]:
         """The policy version per response token (-1 on observation tokens), or None when no model segment records
@@ -161,3 +163,10 @@ class Episode:
         for s in self.segments[1:]:
             out += list(s.logprobs) if s.kind == "model" else [0.0] * len(s.token_ids)
         return out
+
+
+def segment_images(segments: list):
+    """The ImageInputs of the images in segments' ids, in order, each image's recorded start moved to where its
+    segment begins in the concatenated ids (data.images.join_images); None when no segment has any."""
+    offsets = list(accumulate((len(s.token_ids) for s in segments[:-1]), initial=0))
+    return join_images([s.images for s in segments], offsets)

@@ -36,11 +36,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from phaserl.agents.env import Episode, ImageObservation, Segment, as_step_result
+from phaserl.agents.env import Episode, ImageObservation, Segment, as_step_result, segment_images
 from phaserl.agents.loader import EnvironmentFactory
 from phaserl.agents.render import ObservationRenderer, ObservationVision
 from phaserl.agents.workers import Workers
-from phaserl.data.images import join_images
 from phaserl.data.prompts import decode_responses
 from phaserl.errors import AgentError
 
@@ -116,7 +115,7 @@ class _Run:
     @property
     def images(self):
         """The ImageInputs of the images in its ids so far, in order (None: none)."""
-        return join_images([s.images for s in self.segments])
+        return segment_images(self.segments)
 
 
 class EpisodeRunner:

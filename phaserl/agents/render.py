@@ -9,7 +9,8 @@ template writes. What the template writes after an assistant turn's end-of-turn 
 An environment with `tool_schemas` (ToolEnvironment) gets its prompt rendered with `tools=` them.
 An ImageObservation (a vision-language policy: `ObservationVision`) goes the way of a data row's images
 (data/images.py): each `<image>` becomes the family's vision markers before rendering, its images go through the
-processor in one call, and each image's one placeholder id is expanded to the processor's token count.
+processor in one call, and each image's one placeholder id is expanded to the processor's token count (where each
+image starts in the observation's ids is recorded with its pixels).
 Not here: parsing tool calls (tool_parsers.py), deciding what the observation is (the environment).
 """
 from __future__ import annotations
@@ -21,8 +22,10 @@ from phaserl.data.images import (
     PLACEHOLDER,
     count_placeholders,
     expand_placeholders,
+    image_starts,
     load_image,
     process_images,
+    with_starts,
     with_vision_markers,
 )
 from phaserl.errors import ConfigError
@@ -86,7 +89,8 @@ class ObservationRenderer:
         pictures = [load_image(v, source="the observation", index=i, base_dir=None) for i, v in enumerate(entries)]
         v = self.vision
         inputs = process_images(pictures, v.processor, merge_size=v.merge_size)  # one call: grids, token counts
-        return expand_placeholders(ids, v.image_token_id, inputs.tokens, source="the observation"), inputs
+        ids = expand_placeholders(ids, v.image_token_id, inputs.tokens, source="the observation")
+        return ids, with_starts(inputs, image_starts(ids, v.image_token_id, inputs.tokens))  # starts: in its ids
 
     def prompt_ids(self, prompt, tools: list) -> list[int]:
         """The prompt rendered again with `tools=` (the environment's tool schemas) in the chat template,

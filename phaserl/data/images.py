@@ -7,17 +7,18 @@ from the data file's directory: JSONL rows with paths). Its prompt messages hold
 in order. `process_vision_row` makes a row's model inputs in one call:
   1. each `<image>` becomes the family's `<|vision_start|><|image_pad|><|vision_end|>` before the chat template,
   2. the images go through the image processor once, which decides each image's grid and so its token count,
-  3. each `<|image_pad|>` id is expanded to that many ids.
-Its ids and its `ImageInputs` (pixel_values, grids) travel together from then on: the rollout engine, the reference,
-the old-policy pass and the update all read the same object, and the model checks that the ids hold exactly the
-processor's token count for each image. A missing file, an undecodable image, or placeholders that do not match the
-images is a DataError naming the file and row.
+  3. each `<|image_pad|>` id is expanded to that many ids, and where each image's run starts is recorded.
+Its ids and its `ImageInputs` (pixel_values, grids, starts) travel together from then on: the rollout engine, the
+reference, the old-policy pass and the update all read the same object, and the model checks that the ids hold
+exactly the processor's token count for each image at its recorded start. A missing file, an undecodable image,
+or placeholders that do not match the images is a DataError naming the file and row.
 Not here: the vision tower (models/vision.py), reading files (files.py), text-only prompts (prompts.py).
 
 Legend: N patches of a row's images, F features per patch.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ class ImageInputs:
     pixel_values: torch.Tensor      # [N, F] float32
     grids: tuple                    # ((t, h, w), ...) in patches, one per image, in prompt order
     tokens: tuple = field(default=())  # placeholder tokens per image (t * h * w / merge^2)
+    starts: tuple = field(default=())  # each image's first placeholder, as an index into the ids made with it (a
+    # prompt's, an observation's; an episode's joined object: its row's ids from the first real token); () where no
+    # one recorded them (the model then places the images on the ids' segments in order: models/mrope.place_images)
 
     @property
     def num_tokens(self) -> int:
@@ -47,14 +51,35 @@ class ImageInputs:
         return self.pixel_values.numel() * self.pixel_values.element_size()
 
 
-def join_images(parts: Sequence[Optional[ImageInputs]]) -> Optional[ImageInputs]:
+def join_images(parts: Sequence[Optional[ImageInputs]], offsets: Optional[Sequence[int]] = None
+                ) -> Optional[ImageInputs]:
     """The images of several pieces of one sequence as one ImageInputs, in order (a multi-turn episode: its prompt's
-    and its observations'); None when no piece has any, the piece itself when only one has."""
-    parts = [p for p in parts if p is not None]
-    if len(parts) <= 1:
-        return parts[0] if parts else None
-    return ImageInputs(pixel_values=torch.cat([p.pixel_values for p in parts]),   # [sum N, F]
-                       grids=tuple(g for p in parts for g in p.grids), tokens=tuple(t for p in parts for t in p.tokens))
+    and its observations'); None when no piece has any, the piece itself when only one has and it sits at 0.
+    offsets: where each piece's ids begin in the sequence (default 0 each); the pieces' recorded starts move by it,
+    and the joined object records none unless every piece with images does."""
+    offsets = [0] * len(parts) if offsets is None else list(offsets)
+    kept = [(p, at) for p, at in zip(parts, offsets) if p is not None]
+    if not kept:
+        return None
+    recorded = all(len(p.starts) == len(p.grids) for p, _ in kept)
+    starts = tuple(s + at for p, at in kept for s in p.starts) if recorded else ()
+    if len(kept) == 1 and (kept[0][1] == 0 or not recorded):
+        return kept[0][0]  # shared by identity (the n samples of a prompt share one tower pass)
+    pieces = [p for p, _ in kept]
+    return ImageInputs(pixel_values=torch.cat([p.pixel_values for p in pieces]),   # [sum N, F]
+                       grids=tuple(g for p in pieces for g in p.grids),
+                       tokens=tuple(t for p in pieces for t in p.tokens), starts=starts)
+
+
+def image_starts(ids: Sequence[int], image_token_id: int, tokens: Sequence[int]) -> tuple:
+    """The index of each image's first placeholder in ids whose k-th run of image_token_id is image k's tokens[k]
+    (what expand_placeholders made)."""
+    ids, starts, at = list(ids), [], 0
+    for n in tokens:
+        at = ids.index(image_token_id, at)
+        starts.append(at)
+        at += n
+    return tuple(starts)
 
 
 def image_processor(*, patch_size: int, merge_size: int, temporal_patch_size: int = 2, min_pixels: int = 56 * 56,
@@ -179,7 +204,13 @@ def process_vision_row(row, tokenizer, processor, *, merge_size: int, apply_chat
     pictures = [load_image(v, source=row.source, index=i, base_dir=base_dir) for i, v in enumerate(entries)]
     inputs = process_images(pictures, processor, merge_size=merge_size)
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    return expand_placeholders(ids, image_token_id, inputs.tokens, source=row.source), text, inputs
+    ids = expand_placeholders(ids, image_token_id, inputs.tokens, source=row.source)
+    return ids, text, with_starts(inputs, image_starts(ids, image_token_id, inputs.tokens))
+
+
+def with_starts(inputs: ImageInputs, starts: Sequence[int]) -> ImageInputs:
+    """inputs with its images' recorded starts (an index into the ids made with them), the same tensors."""
+    return dataclasses.replace(inputs, starts=tuple(int(s) for s in starts))
 
 
 def data_file_dir(source: str) -> str:

@@ -1,12 +1,16 @@
 """Multimodal rotary positions (M-RoPE, Qwen2.5-VL and Qwen3-VL): three position axes (time, row, column) per token.
 
 Which tokens are an image's is decided by position, not by id alone (`place_images`): an image segment is what the
-processor writes, `<|vision_start|>`, a run of `<|image_pad|>` ids, `<|vision_end|>`; a row's images fill its
-segments left to right, image k the k-th segment, whose run must hold exactly the image's t * h * w / merge^2
-tokens. Fewer segments than images, or a run of another length, is a ValueError (the ids and the pixels came from
-different processor calls). Every other marker id is text: a placeholder outside a segment, and any segment after
-the last image's (a policy can sample the marker ids; responses come after the images they follow), in a row
-without images too. Whether a row lost its pixels is decided where the ids' origin is known (VisionLM.check_pixels).
+processor writes, `<|vision_start|>`, a run of `<|image_pad|>` ids, `<|vision_end|>`, whose run must hold exactly
+the image's t * h * w / merge^2 tokens. Where the images' starts were recorded with the ids (data.images.ImageInputs
+.starts: the prompt's and each observation's processor call, moved to where they sit in an episode), image k is the
+segment at its recorded start, checked; every other marker is text, a whole segment the policy sampled before an
+image included. Without recorded starts (bare ImageInputs given to the model by hand), a row's images fill its
+segments left to right, image k the k-th segment (responses come after the images they follow, so a sampled
+segment after the last image is text; one before an image would take its place). Fewer segments or starts than
+images, or a run of another length, is a ValueError (the ids and the pixels came from different processor calls).
+Every other marker id is text: a placeholder outside a segment, a segment no image is placed on, in a row without
+images too. Whether a row lost its pixels is decided where the ids' origin is known (VisionLM.check_pixels).
 Text tokens sit at one position on all three axes, counting up as in plain RoPE; an image's placeholder tokens take
 (the image's start, start + row, start + column) of their merged patch, and the text after the image continues from
 the largest position so far + 1. The rotary frequencies of each head are shared out over the three axes by
@@ -15,7 +19,7 @@ the largest position so far + 1. The rotary frequencies of each head are shared 
 exactly plain RoPE, so decoding after the prompt is plain RoPE at the shifted position `slot position + delta`
 (delta = max position + 1 - prompt length).
   image_segments         one row's `<|vision_start|> <|image_pad|>* <|vision_end|>` runs, in order
-  place_images           which segment each image fills (checked) -> spans
+  place_images           which segment each image fills (recorded starts, else in order; checked) -> spans
   span_positions         [3, L] positions and the delta of a row with those spans
   mrope_positions        place_images + span_positions for one row's ids
   MRotaryEmbedding       cos/sin tables from [3, B, T] positions ([B, T] ones: plain RoPE)
@@ -47,12 +51,16 @@ def image_segments(ids: np.ndarray, tokens) -> list[tuple[int, int]]:
     return [(int(a), int(b - a)) for a, b in zip(starts[keep], ends[keep])]
 
 
-def place_images(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, tokens,
-                 merge: int) -> list[tuple[int, int, int, int, int]]:
-    """(first token, tokens, t, rows, columns) of each image of one row: image k fills the row's k-th image segment
-    (image_segments), which must hold exactly t * h * w / merge^2 placeholders. Segments after the last image's and
-    placeholders outside segments are text. ValueError: fewer segments than images, or a run of another length."""
+def place_images(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, tokens, merge: int,
+                 starts: Sequence[int] = ()) -> list[tuple[int, int, int, int, int]]:
+    """(first token, tokens, t, rows, columns) of each image of one row. starts (recorded where the ids were made:
+    data.images.ImageInputs.starts): image k's first placeholder is ids[starts[k]], a segment of exactly
+    t * h * w / merge^2 placeholders. Without them, image k fills the row's k-th image segment (image_segments).
+    Every other marker is text. ValueError: as many starts as images, each on a segment of its image's size, in
+    order; without starts, fewer segments than images, or a run of another length."""
     ids = np.asarray(ids, dtype=np.int64)
+    if len(starts):
+        return recorded_places(ids, grids, starts, tokens=tokens, merge=merge)
     segments = image_segments(ids, tokens) if len(grids) else []
     out = []
     for k, (t, h, w) in enumerate(grids):
@@ -67,6 +75,31 @@ def place_images(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, t
             raise ValueError(f"image {k} (grid {t}x{h}x{w}) needs {n} placeholder tokens, the ids hold a run of "
                              f"{run}: the ids and the images did not come from one processor call")
         out.append((first, n, t, hm, wm))
+    return out
+
+
+def recorded_places(ids: np.ndarray, grids: Sequence[tuple[int, int, int]], starts: Sequence[int], *, tokens,
+                    merge: int) -> list[tuple[int, int, int, int, int]]:
+    """place_images for images whose starts were recorded: each checked to be a whole segment of its size."""
+    if len(starts) != len(grids):
+        raise ValueError(f"the images record {len(starts)} start(s) for {len(grids)} image(s): the ids and the "
+                         "images did not come from one processor call")
+    out, end = [], 0
+    for k, ((t, h, w), first) in enumerate(zip(grids, starts)):
+        hm, wm = h // merge, w // merge
+        n = t * hm * wm
+        if k and first < end:
+            raise ValueError(f"image {k} is recorded at token {first}, before the end of image {k - 1}'s segment: "
+                             "the images' starts are out of order")
+        run = int(np.argmin(np.append(ids[max(first, 0):] == tokens.image_token_id, False)))  # from `first` on
+        whole = (first >= 1 and run == n and first + n < len(ids)
+                 and ids[first - 1] == tokens.vision_start_token_id and ids[first + n] == tokens.vision_end_token_id)
+        if not whole:
+            raise ValueError(f"image {k} (grid {t}x{h}x{w}) is recorded at token {first}, where the ids hold no "
+                             f"segment of {n} placeholders (<|vision_start|>, {n} x <|image_pad|>, <|vision_end|>) "
+                             f"but a run of {run}: the ids and the images did not come from one processor call")
+        out.append((int(first), n, t, hm, wm))
+        end = first + n + 1
     return out
 
 
@@ -88,13 +121,13 @@ def span_positions(L: int, spans: Sequence[tuple[int, int, int, int, int]]) -> t
     return torch.from_numpy(out), last - L
 
 
-def mrope_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, tokens,
-                    merge: int) -> tuple[torch.Tensor, int]:
+def mrope_positions(ids: Sequence[int], grids: Sequence[tuple[int, int, int]], *, tokens, merge: int,
+                    starts: Sequence[int] = ()) -> tuple[torch.Tensor, int]:
     """(positions [3, L] int64, delta) of one row's real tokens `ids` whose images have processor grids `grids`
-    (in order): place_images, then span_positions. A mismatch between the ids and the images is a ValueError, never
-    shifted positions."""
+    (in order) and, where recorded, first placeholders `starts`: place_images, then span_positions. A mismatch
+    between the ids and the images is a ValueError, never shifted positions."""
     ids = list(ids)
-    return span_positions(len(ids), place_images(ids, grids, tokens=tokens, merge=merge))
+    return span_positions(len(ids), place_images(ids, grids, tokens=tokens, merge=merge, starts=starts))
 
 
 def axis_of_frequency(sections: tuple, interleaved: bool) -> torch.Tensor:

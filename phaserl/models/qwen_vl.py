@@ -5,18 +5,22 @@ in and out.
 `VisionLM` is a CausalLM (the Qwen2 / Qwen3 decoder with `mrope_section` set, so the roles, LoRA, the rollout engine
 and checkpoints treat it as one) plus `visual`, the tower of vision.py. Its forward takes `images`: per row, None (a
 text row) or an object with `pixel_values` [N, F] and `grids` [(t, h, w), ...] (data.images.ImageInputs, one
-processor call per row). It places each row's images on the row's image segments (`<|vision_start|>`, a run of
-placeholders, `<|vision_end|>`) in order, each run checked against its image's token count (a ValueError naming the
-row, never a silent shift), embeds the tokens, writes the tower's output over those placeholder rows, and runs the
-decoder at the rows' M-RoPE positions.
-A sampled marker is text: a placeholder id outside a segment, or a segment after the row's last image, is embedded
-and positioned as an ordinary token, here and in the rollout engine (whose decode embeds every sampled id as text),
-so a policy that samples `<|image_pad|>` or `<|vision_start|>` gets the same log-prob on both sides. The checks keep
-what the ids can decide: fewer segments than images, or a segment whose run differs from its image's count, is the
-ids and pixels of different processor calls (the rule is mrope.place_images'). Whether a row lost its pixels needs
-the ids' origin, which the model does not see: `check_pixels` takes it from the training batch (the tokens the policy
-did not sample: the prompt and the observations), and the engine checks its prompts and appended ids
-(rollout/images.py).
+processor call per row, and `starts`: where each image's placeholders begin in the row's ids, recorded where the
+ids were made). It places each row's images on image segments (`<|vision_start|>`, a run of placeholders,
+`<|vision_end|>`): image k on the segment at its recorded start, or, for images that record no starts (bare
+ImageInputs given by hand), on the row's k-th segment; each run is checked against its image's token count (a
+ValueError naming the row, never a silent shift). It embeds the tokens, writes the tower's output over those
+placeholder rows, and runs the decoder at the rows' M-RoPE positions.
+A sampled marker is text: a placeholder id outside the images' segments, or a whole segment no image is placed on,
+is embedded and positioned as an ordinary token, here and in the rollout engine (whose decode embeds every sampled id
+as text), so a policy that samples `<|image_pad|>` or `<|vision_start|>` gets the same log-prob on both sides, a
+whole sampled segment before a later image observation included. The checks keep what the ids can decide: a recorded
+start that is not a segment of its image's size, fewer starts or segments than images, or a run that differs from
+its image's count, is the ids and pixels of different processor calls (the rule is mrope.place_images'). Whether a
+row lost its pixels needs the ids' origin, which the model does not see: `check_pixels` takes it from the training
+batch (the tokens the policy did not sample: the prompt and the observations), and the engine checks its prompts
+and appended ids (rollout/images.py). Without recorded starts a sampled segment before an image would take its
+place, which check_pixels refuses.
 A row object shared by several rows (the n samples of a prompt) goes through the tower once. Without images the
 model is its text decoder at plain RoPE positions (identical: mrope.py).
 Files: Qwen2.5-VL's (transformers 4.x and 5.x) store `model.*` (the language model), `visual.*` and `lm_head.*`, our
@@ -191,7 +195,7 @@ class VisionLM(CausalLM):
         want = 0 if image is None else self.image_tokens_of(image)
         try:
             return place_images(ids, [] if image is None else list(image.grids), tokens=self.image_tokens,
-                                merge=self.vision_config.spatial_merge_size)
+                                merge=self.vision_config.spatial_merge_size, starts=recorded_starts(image))
         except ValueError as e:
             held = int((ids == self.image_token_id).sum())
             raise ValueError(f"{label} holds {held} image placeholder tokens, its images give {want} "
@@ -203,9 +207,9 @@ class VisionLM(CausalLM):
         [b, S] (prompts left-padded, responses after), loss_mask [b, R] 1 on the tokens the policy sampled (the last
         R columns; observation tokens 0), images per row or None. The image segments of each row's prompt and
         observations must be exactly its images (more: the batch lost pixels on the way, a text forward would never
-        see them); a segment the policy sampled before one of them would take that image's place (the training
-        forward places images in order) and is refused, naming the row. Segments sampled after the last image are
-        text."""
+        see them), at their recorded starts where the images record them; a segment the policy sampled is text.
+        Images without recorded starts fill the segments in order, so there a segment the policy sampled before one
+        of them would take that image's place and is refused, naming the row."""
         if not bool((input_ids == self.image_token_id).any()):
             return
         ids, real = input_ids.cpu().numpy(), attention_mask.bool().cpu().numpy()  # [b, S]
@@ -215,17 +219,26 @@ class VisionLM(CausalLM):
         for row in range(ids.shape[0]):
             cols = np.flatnonzero(real[row])
             was = written[row, cols]  # [L]
-            origin = [bool(was[first - 1:first + n + 1].all()) for first, n in self.image_segments(ids[row, cols])]
+            segments = self.image_segments(ids[row, cols])
+            origin = [bool(was[first - 1:first + n + 1].all()) for first, n in segments]
             held = sum(origin)
-            want = 0 if images is None or images[row] is None else len(images[row].grids)
+            image = None if images is None else images[row]
+            want = 0 if image is None else len(image.grids)
             if held != want:
                 raise ValueError(f"row {row}: its prompt and observations hold {held} image segment(s) of image "
                                  f"placeholder tokens, its images give {want}: the batch lost the pixels of its "
                                  "images on the way, or its ids and pixels did not come from one processor call")
-            if held and not all(origin[:held]):
+            starts = recorded_starts(image)
+            theirs = [first for (first, _), ok in zip(segments, origin) if ok]  # the prompt's and observations'
+            if starts and theirs != list(starts):
+                raise ValueError(f"row {row}: its prompt and observations hold image segments at tokens {theirs}, "
+                                 f"its images are recorded at {list(starts)}: its ids and pixels did not come from "
+                                 "one processor call")
+            if held and not starts and not all(origin[:held]):
                 raise ValueError(f"row {row}: the policy sampled a whole image segment (<|vision_start|>, "
                                  "placeholders, <|vision_end|>) before one of the row's images, whose place the "
-                                 "training forward would give it (images fill the segments in order)")
+                                 "training forward would give it (images that record no starts fill the segments "
+                                 "in order; data.images.ImageInputs.starts)")
 
     def image_layout(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], images: Sequence,
                      seq_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +303,8 @@ class VisionLM(CausalLM):
     @torch.no_grad()
     def prefill_inputs(self, prompts: Sequence[Sequence[int]], images: Sequence) -> list:
         """For the rollout engine: per prompt with an image, (embeddings [L, H] with the image features in place
-        (placed as the training forward places them: a marker outside the images' segments is text),
+        (placed as the training forward places them: at the images' recorded starts, an index into the prompt, else
+        on its segments in order; every other marker is text),
         M-RoPE positions [3, L], delta: decode positions are slot position + delta, the deepstack additions [k, L, H]
         or None); None for a text prompt. The distinct images of the call go through the tower together, once
         each."""
@@ -317,6 +331,12 @@ class VisionLM(CausalLM):
             positions, delta = span_positions(len(host), spans)
             out.append((embeds, positions.to(ids.device), delta, deepstack))
         return out
+
+
+def recorded_starts(image) -> tuple:
+    """The first placeholder of each of a row's images, as recorded with its ids (data.images.ImageInputs.starts; its
+    real ids from the first); () for a text row or images that record none (placed in order)."""
+    return tuple(getattr(image, "starts", ()) or ()) if image is not None else ()
 
 
 def deepstack_adder(is_image: torch.Tensor, deepstack: torch.Tensor):

@@ -13,16 +13,19 @@ Multi-turn sessions append ids to a parked slot (an extend pass): an observation
 their M-RoPE positions are the observation's own (from prefill_inputs) moved to where the slot's text stands
 (`slot position + delta`), and the slot's delta then grows by the observation's: the positions equal those the
 training forward computes over the whole episode with all its images in order.
-Images are placed as the training forward places them (models/mrope.place_images): on the image segments
-(`<|vision_start|>`, placeholders, `<|vision_end|>`) of the ids, in order. A marker id the policy sampled is text on
-both sides: decode embeds every sampled id as text, and the last sampled id, fed again at the head of an extend
-pass, stands outside any segment. Ids without images may hold lone placeholders (text), never a segment.
+Images are placed as the training forward places them (models/mrope.place_images): at the starts recorded with
+them (data.images.ImageInputs.starts: an index into the prompt, or into the observation's ids, moved past the last
+sampled id an extend pass feeds first), or, for images that record none, on the image segments (`<|vision_start|>`,
+placeholders, `<|vision_end|>`) of the ids in order. A marker id the policy sampled is text on both sides: decode
+embeds every sampled id as text, and the last sampled id, fed again at the head of an extend pass, is never an
+image's. Ids without images may hold lone placeholders (text), never a segment.
 Not here: the tower and the positions (models/), the slot loop (engine.py, runner.py).
 
 Legend: L a prompt's tokens, H hidden, D head_dim, U prompts of a prefill pass, P their padded width.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -107,7 +110,8 @@ def extend_images(runner, items: list, M: int) -> list:
     rows = [r for r, item in enumerate(items) if item[4] is not None]
     if not rows:
         return []
-    made = model.prefill_inputs([items[r][1] for r in rows], [items[r][4] for r in rows])
+    # the images' recorded starts index the appended ids; tokens[0] is the last sampled id in front of them
+    made = model.prefill_inputs([items[r][1] for r in rows], [shifted(items[r][4], 1) for r in rows])
     out = []
     for r, (embeds, positions, delta, deepstack) in zip(rows, made):
         slot, _, start, _, _ = items[r]
@@ -115,6 +119,13 @@ def extend_images(runner, items: list, M: int) -> list:
         out.append((slice(r * M, r * M + embeds.shape[0]), embeds, positions + (start + shift), shift + delta,
                     deepstack, slot))
     return out
+
+
+def shifted(image, by: int):
+    """image with its recorded starts (data.images.ImageInputs.starts) moved by `by` ids, the same tensors; as it is
+    when it records none."""
+    starts = tuple(getattr(image, "starts", ()) or ())
+    return dataclasses.replace(image, starts=tuple(s + by for s in starts)) if starts else image
 
 
 def place_extend_images(runner, made: list, h: torch.Tensor, rope: list) -> None:

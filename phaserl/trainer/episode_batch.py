@@ -2,7 +2,8 @@
 
 A row's response is the episode after the prompt, model turns and observations in order, exactly the
 ids sampled and appended; `loss_mask` is 1 on the sampled ids only. A vision-language policy's row carries the
-episode's images (its prompt's and its observations', in order: Episode.images) to every training pass.
+episode's images (its prompt's and its observations', in order: Episode.images) to every training pass, each with
+its start in the row's ids counted from the prompt's first token (padding and packing leave it right).
 Each turn's reward lies on the last token of that turn, so GAE credits turns and GRPO/RLOO compare whole
 trajectories (the sum) within a prompt's group. Used by agent_phase.py and harness_phase.py alike.
 Not here: running episodes (phaserl.agents), choosing the phase (agent_phase.rollout_choice).
