@@ -111,8 +111,7 @@ class AgentStream(AsyncStream):
         session = trainer.actor.decode_session(run.sampling, slot_len=runner.limits.max_episode_tokens,
                                                eos_token_ids=eos, num_slots=self.slots,
                                                generator=run.sampling_generator)
-        # the episodes of the groups due within `lookahead` steps (the token stream's rule, trainer/stream.py)
-        runs = [r for g in self.groups[:(self.lookahead + 1) * self.prompts_per_rank] for r in g.runs]
+        runs = [r for g in self._startable() for r in g.runs]  # the token stream's lookahead (trainer/stream.py)
         with session as s:
             left = runner.run_phase(s, runs, version=version, enough=self._batch_ready)
         stats["async/cut_samples"] = float(left["cut"])

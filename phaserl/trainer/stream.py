@@ -165,8 +165,12 @@ class AsyncStream:
         response over lookahead + 1 phases; 0 before the first batch."""
         return -(-self.longest_response // (self.lookahead + 1))
 
+    def _startable(self) -> list:
+        """The groups whose samples a phase may decode: those due within `lookahead` steps (in stream order)."""
+        return self.groups[:(self.lookahead + 1) * self.prompts_per_rank]
+
     def _unfinished(self) -> bool:
-        return any(s.finish is None for g in self.groups for s in g.samples)
+        return any(s.finish is None for g in self._startable() for s in g.samples)
 
     def after_update(self, trainer) -> None:
         pass
@@ -209,8 +213,7 @@ class AsyncStream:
         kept for the next phase)."""
         run = trainer.run
         params = run.sampling
-        started = self.groups[:(self.lookahead + 1) * self.prompts_per_rank]  # due within `lookahead` steps
-        pending = deque(s for g in started for s in g.samples if s.finish is None)
+        pending = deque(s for g in self._startable() for s in g.samples if s.finish is None)
         owner = {id(s): g for g in self.groups for s in g.samples}
         by_key = {s.key: s for s in pending}
         # the dataset's longest prompt, not this phase's: one slot layout for the run, so decode graphs are kept
