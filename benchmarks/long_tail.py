@@ -223,7 +223,8 @@ def main(argv=None) -> None:
     trainer.actor.engine_generate_original = trainer.actor.engine.generate
     LengthTail(trainer, a.longest)
     emit(measure="setup", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
-         prompts=a.prompts, n=a.n, longest=a.longest, ks=a.ks, overrides=a.set)
+         prompts=a.prompts, n=a.n, longest=a.longest, ks=a.ks, overrides=a.set,
+         engine_memory_fraction=a.cfg.rollout.engine_memory_fraction, engine_max_slots=a.cfg.rollout.engine_max_slots)
     cases = [("sync", 0)] + [(f"async_k{k}", k) for k in a.ks] + ([] if a.sync_once else [("sync_again", 0)])
     results = [run_case(trainer, name, k, a) for name, k in cases]
     sync = statistics.mean(r["trained_tokens_per_s"] for r in results if r["max_staleness"] == 0)
