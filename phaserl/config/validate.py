@@ -528,3 +528,9 @@ def rollout_correction_mode(cfg) -> str:
     if mode == "auto":
         return "tis" if cfg.rollout.max_staleness > 0 else "none"
     return mode
+
+
+def async_lookahead(max_staleness: int) -> int:
+    """Steps before its batch is due that an asynchronous rollout starts a response: max(1, k - 1) (trainer/stream.py
+    says why: starting all k + 1 batches at once trains on staler tokens than the work needs)."""
+    return max(1, max_staleness - 1)

@@ -7,7 +7,7 @@ training than the measured runs of docs/async.md), or the asynchronous stream wi
 """
 from __future__ import annotations
 
-from ..config.validate import rollout_correction_mode
+from ..config.validate import async_lookahead, rollout_correction_mode
 from .checks import Context, check
 from .report import OK, WARN, CheckResult
 
@@ -27,7 +27,7 @@ def check_rollout_mode(ctx: Context) -> CheckResult:
                                                f"trains (rollout.max_staleness=0){correction}")
     per_rank = r.prompts_per_step // max(ctx.world_size, 1)
     kind = "agent episodes" if cfg.agent.env else "responses"
-    ahead = max(1, k - 1)  # trainer/stream.py's lookahead
+    ahead = async_lookahead(k)
     detail = (f"asynchronous: a batch may hold tokens up to {k} policy version(s) old; up to {per_rank * (k + 1)} "
               f"groups per rank in flight, those due within {ahead} step(s) decoding ({kind} cut at a batch "
               "continue after the update); a sample past the bound "

@@ -242,11 +242,7 @@ class DecodeSession:
         self._prefill()
         latest = None
         if self.decoding:
-            self._compact()
-            # Slots past the last decoding one are parked or free: not stepped at all (a parked slot's KV and
-            # state wait unchanged; its continuation re-writes its last token's KV, see extend()).
-            span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot))
-                                         if lv is not None and lv.decoding)
+            span = self._compact(self._span())
             rows = self.runner.bucket_for(span)
             self.runner.decode(rows)
             self.stats.stepped_rows += rows
@@ -319,19 +315,24 @@ class DecodeSession:
             return
         self._move_down(sorted((live for live in resumed if live.slot >= packed), key=lambda lv: lv.slot), packed)
 
-    def _compact(self) -> None:
+    def _span(self) -> int:
+        """One past the last decoding slot. Slots past it are parked or free: not stepped at all (a parked slot's KV
+        and state wait unchanged; its continuation re-writes its last token's KV, see extend())."""
+        return self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None and lv.decoding)
+
+    def _compact(self, span: int) -> int:
         """Move the highest decoding sequences down when fewer decode than the step covers: when sequences end
         turns or finish while others (a long response's tail) decode on in high slots, the step would keep running
         rows up to the highest of them. Same rule as _pack: only when that drops PACK_SHRINK of the rows.
 
         Moving a sequence that is still decoding is safe with the host one step behind: its state (finished flag,
         outputs) moves with it, and a turn the last snapshot saw end in its old slot is retired from the new slot
-        one step later (_retire takes a flag only from the slot the sequence holds now)."""
-        span = self.num_slots - next(i for i, lv in enumerate(reversed(self.by_slot)) if lv is not None and lv.decoding)
+        one step later (_retire takes a flag only from the slot the sequence holds now). Returns the span after."""
         now, packed = self.runner.bucket_for(span), self.runner.bucket_for(self.decoding)
         if now - packed < PACK_SHRINK * now:
-            return
+            return span
         self._move_down([live for live in self.by_slot[packed:span] if live is not None and live.decoding], packed)
+        return self._span()
 
     def _move_down(self, movers: list, packed: int) -> None:
         """Each mover (in slot order) into the lowest slot below `packed` that is not decoding; a parked sequence there

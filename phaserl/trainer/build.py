@@ -34,7 +34,14 @@ from ..compile_cache import enable_compile_cache
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
 from ..config.auto import SpeedChoices
 from ..config.load import with_overrides
-from ..config.validate import GROUP_ESTIMATORS, critic_enabled, policy_loss_range, ref_enabled, rollout_correction_mode
+from ..config.validate import (
+    GROUP_ESTIMATORS,
+    async_lookahead,
+    critic_enabled,
+    policy_loss_range,
+    ref_enabled,
+    rollout_correction_mode,
+)
 from ..cuda_allocator import configure_cuda_allocator
 from ..data import PromptDataset, build_prompt_dataset, load_prompt_rows
 from ..data.images import build_vision_dataset, check_no_images, processor_for
@@ -332,7 +339,7 @@ def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, m
     # lookahead), as far as engine_max_slots and the KV cache allow: the newer groups decode while the oldest ones'
     # tails finish or their episodes wait for tools (with one batch's slots, measured on an H100: agents 0.59 of
     # the single-turn rate, with two batches' 0.79)
-    in_flight = (max(1, r.max_staleness - 1) + 1) * prompts_per_rank * r.n
+    in_flight = (async_lookahead(r.max_staleness) + 1) * prompts_per_rank * r.n
     return kind(max_staleness=r.max_staleness, on_stale=r.on_stale, n=r.n, prompts_per_rank=prompts_per_rank,
                 slots=min(in_flight, r.engine_max_slots), noise_seed=cfg.trainer.seed * 7919 + 17,
                 dataset=dataset, **extra)

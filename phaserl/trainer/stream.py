@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from ..batch import ScoredBatch, right_padded
+from ..config.validate import async_lookahead
 from ..data.prompts import decode_responses
 from ..errors import ConfigError
 from ..parallel import rank_and_world
@@ -128,7 +129,7 @@ class AsyncStream:
         self.next_order = 0
         self.next_key = 0
         self.longest_response = 0   # tokens: the longest response of the last batch (sets the pace)
-        self.lookahead = max(1, max_staleness - 1)  # a response starts at most this many steps before its batch
+        self.lookahead = async_lookahead(max_staleness)  # a response starts at most this many steps before its batch
         self._saved_by_rank: Optional[list] = None
 
     # ----- the step's phases 1-3 ------------------------------------------------------------------
