@@ -2,9 +2,14 @@
 
 invariant.py's torch versions are exact by construction but memory-bound; on a GPU these kernels replace them
 (invariant.matmul, .attention, .rms_norm and .logsumexp call them when `available`). What keeps them batch-invariant:
-  matmul     one tile shape (BLOCK_M x BLOCK_N, K in BLOCK_K steps from 0, no split-K, no autotuning): an output
-             element is its row's and column's dot product accumulated in the same order whatever the row count or
-             the row's place in its tile (a tensor-core MMA computes each element alone);
+  matmul     one tile shape (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; no autotuning): an output element is its
+             row's and column's dot product accumulated in the same order whatever the row count or the row's place
+             in its tile (a tensor-core MMA computes each element alone). Split-K: the depth is cut into S splits of
+             KS, both a function of the weight's shape (k_splits(K, M)) and never of the row count; each split
+             accumulates its range in BLOCK_K steps from its own start, and the partials are added in split order,
+             0 + p0 + p1 + ..., in float32. Whether one program per tile adds its splits itself (many rows) or the
+             splits run as programs of their own into a float32 workspace that a second kernel adds in that order
+             (few rows: decode) changes the speed, not the bits;
   attention  one program per (sequence, block of BLOCK_Q queries, query head), key blocks of BLOCK_KEYS positions
              from position 0 in order, online softmax. A block past a query's position is an exact no-op for it
              (its weights are 0 and the running max does not move: the rescale is exp(0) = 1), so a decode step (one
@@ -29,6 +34,10 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: how the kernels are tested here
 BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
+SPLIT_K = True          # False: one split for every weight (the matmul's bits before split-K; benchmarks time it)
+FILL_PROGRAMS = 264     # the grid split-K aims at for few rows: two programs per SM of a 132-SM GPU
+MIN_SPLIT_STEPS = 4     # BLOCK_K steps a split covers at least: its loads still pipeline, the workspace stays small
+SUM_ROWS, SUM_COLS = 32, 128  # _sum_splits_kernel's block (elementwise: any block gives the same bits)
 BLOCK_Q, BLOCK_KEYS, ATTENTION_WARPS = 32, 32, 4
 WIDE_HEAD, WIDE_BLOCK = 256, 16  # heads wider than this (Gemma 4's 512) take 16 x 16 blocks: the tiles fit on chip
 
@@ -92,28 +101,66 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, M, K, x_sn, w_sm, o_sn, IEEE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """out [N, M] = x [N, K] @ w [M, K].T, one (BM, BN) tile per program, K from 0 in BK steps, accumulated in
-        float32 and rounded to out's dtype; with a bias, + b [M] after that rounding (rounded again)."""
-        rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-        cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-        r_ok, c_ok = rows < N, cols < M
+    def _split_dot(x_ptr, w_ptr, rows, cols, r_ok, c_ok, lo, hi, x_sn, w_sm, IEEE: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
+        """One split's partial [BM, BN] float32: x[rows, lo:hi] @ w[cols, lo:hi].T, BK steps from lo in order."""
         acc = tl.zeros([BM, BN], tl.float32)
-        for start in range(0, K, BK):
+        for start in range(lo, hi, BK):
             ks = start + tl.arange(0, BK)
-            k_ok = ks < K
+            k_ok = ks < hi
             a = tl.load(x_ptr + rows[:, None] * x_sn + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptr + cols[None, :] * w_sm + ks[:, None], mask=c_ok[None, :] & k_ok[:, None], other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        out = acc.to(out_ptr.dtype.element_ty)
+        return acc
+
+    @triton.jit
+    def _finish(total, b_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, HAS_BIAS: tl.constexpr):
+        """The epilogue both launches share: total [BM, BN] float32 rounded to out's dtype; a bias added after that
+        rounding (rounded again)."""
+        out = total.to(out_ptr.dtype.element_ty)
         if HAS_BIAS:
             b = tl.load(b_ptr + cols, mask=c_ok, other=0.0)
             out = (out.to(tl.float32) + b.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * o_sn + cols[None, :], out, mask=r_ok[:, None] & c_ok[None, :])
+
+    @triton.jit(do_not_specialize=["N"])
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, M, K, KS, S, x_sn, w_sm, o_sn, IEEE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr):
+        """out [N, M] = x [N, K] @ w [M, K].T with K in S splits of KS (the last may be shorter).
+        PARTIAL: program (i, j, s) writes split s's partial of tile (i, j) to out = the workspace [S, N, M] float32;
+        else program (i, j, 0) adds its tile's S partials in split order (0 + p0 + p1 + ..., as _sum_splits_kernel
+        does) and finishes the tile."""
+        rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+        r_ok, c_ok = rows < N, cols < M
+        if PARTIAL:
+            s = tl.program_id(2).to(tl.int64)
+            part = _split_dot(x_ptr, w_ptr, rows, cols, r_ok, c_ok, s * KS, tl.minimum(s * KS + KS, K), x_sn, w_sm,
+                              IEEE, BM, BN, BK)
+            tl.store(out_ptr + (s * N + rows[:, None]) * M + cols[None, :], part, mask=r_ok[:, None] & c_ok[None, :])
+        else:
+            total = tl.zeros([BM, BN], tl.float32)
+            for s in range(0, S):
+                total += _split_dot(x_ptr, w_ptr, rows, cols, r_ok, c_ok, s * KS, tl.minimum(s * KS + KS, K), x_sn,
+                                    w_sm, IEEE, BM, BN, BK)
+            _finish(total, b_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["N"])
+    def _sum_splits_kernel(ws_ptr, b_ptr, out_ptr, N, M, S, o_sn, HAS_BIAS: tl.constexpr, BR: tl.constexpr,
+                           BC: tl.constexpr):
+        """out [N, M] = the workspace [S, N, M]'s partials added in split order (0 + p0 + p1 + ...), finished."""
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+        r_ok, c_ok = rows < N, cols < M
+        total = tl.zeros([BR, BC], tl.float32)
+        for s in range(0, S):
+            total += tl.load(ws_ptr + (s * N + rows[:, None]) * M + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                             other=0.0)
+        _finish(total, b_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, HAS_BIAS)
 
     @triton.jit
     def _attention_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, out_ptr, T, L, scale, window,
@@ -194,10 +241,33 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
     return out.view(shape[:-1])
 
 
+def k_splits(K: int, M: int) -> tuple[int, int]:
+    """(S, KS): the matmul with a weight [M, K] sums its depth in S splits of KS (a multiple of BLOCK_K; the last may
+    be shorter). A function of the weight's shape alone, never of the row count, so every call with that weight adds
+    the same partials in the same order. S aims the row-count-1 grid, cdiv(M, BLOCK_N) x S programs, at
+    FILL_PROGRAMS, with at least MIN_SPLIT_STEPS BLOCK_K steps a split; SPLIT_K = False gives one split."""
+    steps = max(1, _cdiv(K, BLOCK_K))
+    want = _cdiv(FILL_PROGRAMS, _cdiv(max(M, 1), BLOCK_N)) if SPLIT_K else 1
+    splits = max(1, min(want, steps // MIN_SPLIT_STEPS))
+    per = _cdiv(steps, splits)  # BLOCK_K steps a split
+    return _cdiv(steps, per), per * BLOCK_K
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+LAUNCHES = ("auto", "splits", "tiles")
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.float32, launch: str = "auto") -> torch.Tensor:
     """x [N, K] @ w [M, K].T -> [N, M] in out_dtype (+ bias [M] after that rounding), batch-invariant (see the module
-    docstring): invariant.linear's `matmul(x, w).to(dtype) + bias` in one launch."""
+    docstring): invariant.linear's `matmul(x, w).to(dtype) + bias`. `launch` changes the speed, never the bits:
+    "splits" a program per (tile, split) into a float32 workspace [S, N, M], then _sum_splits_kernel; "tiles" a
+    program per tile adding its splits itself; "auto" splits while the tiles alone would not fill the GPU."""
+    if launch not in LAUNCHES:
+        raise ValueError(f"invariant_triton.matmul: launch={launch!r}; choose one of {LAUNCHES}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     N, K = x.shape
@@ -205,10 +275,21 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     out = torch.empty(N, M, dtype=out_dtype, device=x.device)
     if N == 0 or M == 0:
         return out
-    grid = (triton.cdiv(N, BLOCK_M), triton.cdiv(M, BLOCK_N))
-    _matmul_kernel[grid](x, w, x if bias is None else bias, out, N, M, K, x.stride(0), w.stride(0), out.stride(0),
-                         IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                         num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
+    S, KS = k_splits(K, M)
+    tiles = (triton.cdiv(N, BLOCK_M), triton.cdiv(M, BLOCK_N))
+    spread = S > 1 and (launch == "splits" or (launch == "auto" and tiles[0] * tiles[1] < FILL_PROGRAMS))
+    b = out if bias is None else bias
+    common = dict(IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=MATMUL_WARPS,
+                  num_stages=MATMUL_STAGES)
+    if not spread:
+        _matmul_kernel[(*tiles, 1)](x, w, b, out, N, M, K, KS, S, x.stride(0), w.stride(0), out.stride(0),
+                                    HAS_BIAS=bias is not None, PARTIAL=False, **common)
+        return out
+    partials = torch.empty(S, N, M, dtype=torch.float32, device=x.device)  # [S, N, M]
+    _matmul_kernel[(*tiles, S)](x, w, b, partials, N, M, K, KS, S, x.stride(0), w.stride(0), M, HAS_BIAS=False,
+                                PARTIAL=True, **common)
+    _sum_splits_kernel[(triton.cdiv(N, SUM_ROWS), triton.cdiv(M, SUM_COLS))](
+        partials, b, out, N, M, S, out.stride(0), HAS_BIAS=bias is not None, BR=SUM_ROWS, BC=SUM_COLS)
     return out
 
 

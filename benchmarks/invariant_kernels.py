@@ -1,0 +1,224 @@
+"""The bitwise mode's GPU kernels alone (models/invariant_triton.py) at Qwen2 shapes: what each costs against torch's,
+and whether each stays exact.
+
+For each model shape, projection (q, k/v, o, gate = up, gate_up, down, lm_head) and row count N, one JSON line per
+variant of the invariant matmul, bf16 in and out as invariant.linear calls it:
+  torch        F.linear (cuBLAS), the default mode's numbers
+  split_off    invariant_triton.SPLIT_K = False: one split, one program per 64 x 64 tile (the path before split-K)
+  split_auto   split-K as the product runs it (k_splits(K, M) splits; the launch chosen by the grid size)
+  split_splits / split_tiles   the two launches forced (same bits, other speed), when the weight has splits
+  min_steps_S  split_auto with MIN_SPLIT_STEPS = S (other splits, other bits): how the cap on splits pays off
+with `ms` (CUDA events, after warm-up), `x_torch` (ms / torch's ms) and the exactness checks: `rows_alone_equal`
+(rows 0, N/2 and N-1 each computed in a 1-row call equal the batched rows bit for bit), `equals_reference` (the
+first min(N, 64) rows equal a 64-row call's, whichever launch each took) and `max_abs_diff_vs_torch`. Then per N a
+`layer` line: one decoder layer's projections (q, k, v, o, gate, up, down: the bitwise engine's calls) summed.
+Then the attention kernel at decode shapes (one query per sequence at the end of L keys) against torch's SDPA,
+and the log-sum-exp over the vocabulary against torch.logsumexp.
+
+    python benchmarks/invariant_kernels.py                  # 0.5b and 1.5b on the GPU (well under two minutes)
+    python benchmarks/invariant_kernels.py --no-sweep --shapes 0.5b
+    TRITON_INTERPRET=1 python benchmarks/invariant_kernels.py --smoke   # CPU, Triton's interpreter: checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from phaserl.models import invariant_triton as it  # noqa: E402
+from qwen2_shapes import SHAPES  # noqa: E402
+
+ROWS = (1, 8, 32, 64, 256, 512, 4096, 16384)
+REFERENCE_ROWS = 64
+DIFF_ROWS = 1024      # max |Δ| vs torch over the first rows only (an lm_head output of 16384 rows is 5 GB)
+SWEEP_STEPS = (1, 2, 8)
+SWEEP_MAX_ROWS = 512
+LAYER_CALLS = {"q": 1, "kv": 2, "o": 1, "gate": 2, "down": 1}  # a bitwise layer's projections (gate and up alike)
+
+
+def projections(shape: str) -> dict:
+    """name -> (M, K, has_bias) of the weight [M, K] (Qwen2: q/k/v carry a bias)."""
+    s = SHAPES[shape]
+    H, inter, V = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
+    D = H // s["num_attention_heads"]
+    return {"q": (H, H, True), "kv": (s["num_key_value_heads"] * D, H, True), "o": (H, H, False),
+            "gate": (inter, H, False), "gate_up": (2 * inter, H, False), "down": (H, inter, False),
+            "lm_head": (V, H, False)}
+
+
+def timed_ms(fn, device, budget_ms: float = 40.0) -> float:
+    """Mean device milliseconds of one fn() call: warmed up (compiles), then replayed from a CUDA graph of several
+    calls, as the engine's decode step replays its graph (no Python launch cost in the number)."""
+    fn(), fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    calls = int(min(20, max(1, budget_ms / 4 / max(start.elapsed_time(end), 1e-3))))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    reps = int(min(50, max(2, budget_ms / max(start.elapsed_time(end), 1e-3))))
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del graph
+    return start.elapsed_time(end) / (reps * calls)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+class Settings:
+    """invariant_triton's module constants for the duration of a block (split-K off, another MIN_SPLIT_STEPS)."""
+
+    def __init__(self, **values):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        self.saved = {k: getattr(it, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(it, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(it, k, v)
+
+
+def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
+    """Yield the JSON dicts of one projection: every variant at every row count."""
+    M, K = w.shape
+    S, KS = it.k_splits(K, M)
+    variants = {"split_off": (dict(SPLIT_K=False), "auto"), "split_auto": ({}, "auto")}
+    if S > 1:
+        variants.update(split_splits=({}, "splits"), split_tiles=({}, "tiles"))
+    references = {}
+    for name, (settings, launch) in variants.items():
+        with Settings(**settings):
+            references[name] = bits(it.matmul(x_all[:REFERENCE_ROWS], w, b, x_all.dtype, launch=launch))
+    for N in rows_list:
+        x = x_all[:N]  # [N, K]
+        torch_ms = timed_ms(lambda: F.linear(x, w, b), device)
+        yield {**common, "rows": N, "variant": "torch", "ms": torch_ms}
+        expected = F.linear(x[:DIFF_ROWS], w, b).float()
+        runs = dict(variants)
+        if sweep and N <= SWEEP_MAX_ROWS:
+            runs.update({f"min_steps_{s}": (dict(MIN_SPLIT_STEPS=s), "auto") for s in SWEEP_STEPS})
+        for name, (settings, launch) in runs.items():
+            with Settings(**settings):
+                splits, per = it.k_splits(K, M)
+                ms = timed_ms(lambda: it.matmul(x, w, b, x.dtype, launch=launch), device)
+                out = it.matmul(x, w, b, x.dtype, launch=launch)  # [N, M]
+                alone = all(torch.equal(bits(it.matmul(x[i:i + 1], w, b, x.dtype, launch=launch)), bits(out[i:i + 1]))
+                            for i in sorted({0, N // 2, N - 1}))
+                line = {**common, "rows": N, "variant": name, "splits": splits, "split_depth": per, "ms": ms,
+                        "x_torch": ms / torch_ms, "rows_alone_equal": alone,
+                        "max_abs_diff_vs_torch": float((out[:DIFF_ROWS].float() - expected).abs().max())}
+                if name in references:
+                    n = min(N, REFERENCE_ROWS)
+                    line["equals_reference"] = torch.equal(bits(out[:n]), references[name][:n])
+                del out
+            yield line
+
+
+def attention_lines(common: dict, shape: str, device, smoke: bool):
+    """The invariant attention kernel at decode (n sequences, one query at position L - 1) against SDPA."""
+    s = SHAPES[shape]
+    Hq, Hkv = s["num_attention_heads"], s["num_key_value_heads"]
+    D = s["hidden_size"] // Hq
+    for n in ((1, 4) if smoke else (1, 8, 32, 64, 256)):
+        for L in ((40,) if smoke else (256, 1024, 4096)):
+            g = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(n, 1, Hq, D, generator=g, device=device, dtype=torch.bfloat16)  # [n, 1, Hq, D]
+            k, v = (torch.randn(n, L, Hkv, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+            qpos = torch.full((n, 1), L - 1, device=device, dtype=torch.int64)
+            mine = timed_ms(lambda: it.attention(q, qpos, k, v, D ** -0.5, None), device)
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+            try:  # [n, H, T, D]; the key/value heads shared by groups of query heads
+                sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), device)
+            except RuntimeError:
+                kr, vr = kt.repeat_interleave(Hq // Hkv, 1), vt.repeat_interleave(Hq // Hkv, 1)
+                sdpa = timed_ms(lambda: F.scaled_dot_product_attention(qt, kr, vr), device)
+            programs = n * Hq  # grid (n, cdiv(1, BLOCK_Q), Hq): one program per sequence and query head
+            yield {**common, "measure": "attention_decode", "sequences": n, "keys": L, "heads": Hq, "kv_heads": Hkv,
+                   "head_dim": D, "programs": programs, "invariant_ms": mine, "sdpa_ms": sdpa, "x_sdpa": mine / sdpa}
+
+
+def logsumexp_lines(common: dict, vocab: int, device, smoke: bool):
+    for N in ((1, 3) if smoke else (1, 32, 256, 1024)):
+        z = torch.randn(N, vocab, device=device) * 4  # [N, V] float32
+        mine = timed_ms(lambda: it.logsumexp(z), device)
+        ref = timed_ms(lambda: torch.logsumexp(z, -1), device)
+        yield {**common, "measure": "logsumexp", "rows": N, "vocab": vocab, "invariant_ms": mine, "torch_ms": ref,
+               "x_torch": mine / ref, "max_abs_diff": float((it.logsumexp(z) - torch.logsumexp(z, -1)).abs().max())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--no-sweep", action="store_true", help="skip the MIN_SPLIT_STEPS sweep lines")
+    parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, the tiny shape")
+    a = parser.parse_args()
+    if a.smoke:
+        a.shapes, a.rows = ["tiny"], [1, 8, 70]
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    if not it.available(device):
+        sys.exit("needs Triton on CUDA (or TRITON_INTERPRET=1 with Triton installed for --smoke)")
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # the interpreter's bf16 dot is unusable
+    began = time.perf_counter()
+    for shape in a.shapes:
+        base = {"bench": "invariant_kernels", "device": card, "shape": shape, "dtype": str(dtype).split(".")[-1]}
+        layer = {}  # (rows, variant) -> ms of one layer's projections
+        for proj, (M, K, has_bias) in projections(shape).items():
+            g = torch.Generator(device=device).manual_seed(0)
+            w = (torch.randn(M, K, generator=g, device=device) * K ** -0.5).to(dtype)  # [M, K]
+            b = (torch.randn(M, generator=g, device=device) * 0.1).to(dtype) if has_bias else None
+            x_all = torch.randn(max(max(a.rows), REFERENCE_ROWS), K, generator=g, device=device).to(dtype)  # [N, K]
+            common = {**base, "measure": "matmul", "proj": proj, "M": M, "K": K}
+            for line in matmul_lines(common, x_all, w, b, a.rows, device, not a.no_sweep):
+                print(json.dumps(line), flush=True)
+                key = (line["rows"], line["variant"])
+                layer[key] = layer.get(key, 0.0) + LAYER_CALLS.get(proj, 0) * line["ms"]
+            del w, b, x_all
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        for N in a.rows:
+            times = {v: layer[(N, v)] for v in ("torch", "split_off", "split_auto") if (N, v) in layer}
+            print(json.dumps({**base, "measure": "layer", "rows": N, **{f"{v}_ms": t for v, t in times.items()},
+                              "off_x_torch": times["split_off"] / times["torch"],
+                              "auto_x_torch": times["split_auto"] / times["torch"]}), flush=True)
+        for line in attention_lines(base, shape, device, a.smoke):
+            print(json.dumps(line), flush=True)
+        for line in logsumexp_lines(base, SHAPES[shape]["vocab_size"], device, a.smoke):
+            print(json.dumps(line), flush=True)
+    print(json.dumps({"bench": "invariant_kernels", "measure": "wall", "seconds": time.perf_counter() - began}))
+
+
+if __name__ == "__main__":
+    main()

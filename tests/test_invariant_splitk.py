@@ -1,0 +1,118 @@
+"""The bitwise mode's split-K matmul (models/invariant_triton.py): the number of K splits is a function of the
+weight's shape alone, so a row's bits do not depend on how many rows share the call, where the row sits, or whether
+the launch spreads the splits over programs (a float32 workspace summed in split order) or adds them inside one
+program per tile. The kernel checks run in Triton's CPU interpreter (in a fresh process: Triton reads
+TRITON_INTERPRET once) in float32 and float16 (the interpreter's bfloat16 dot is not usable); @pytest.mark.gpu runs
+the same checks in bfloat16 on CUDA and the engine-vs-trainer equality with every projection split.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from phaserl.models import invariant, invariant_triton
+
+
+@pytest.mark.parametrize("K, M, expected", [
+    (896, 896, (7, 128)),        # Qwen2-0.5B q/o: 14 column tiles x 7 splits of 4 BLOCK_K steps (the cap)
+    (4864, 896, (19, 256)),      # 0.5B down: 19 splits of 8 steps fill 14 x 19 = 266 programs
+    (896, 4864, (4, 224)),       # 0.5B gate/up: 76 column tiles x 4
+    (8960, 1536, (11, 832)),     # 1.5B down: 24 x 11 = 264
+    (896, 151936, (1, 896)),     # the vocabulary head: 2374 column tiles fill the GPU alone
+    (500, 80, (4, 128)),         # the interpreter's shape below: the last split 116 deep (a partial BLOCK_K step)
+    (32, 48, (1, 32)),           # a tiny model's depth: one split
+])
+def test_the_splits_are_a_function_of_the_weights_shape(K, M, expected):
+    """Hand-worked: S = min(cdiv(264, cdiv(M, 64)), cdiv(K, 32) // 4), then each split cdiv(steps, S) steps."""
+    assert invariant_triton.k_splits(K, M) == expected
+
+
+def test_without_split_k_every_weight_takes_one_split(monkeypatch):
+    monkeypatch.setattr(invariant_triton, "SPLIT_K", False)
+    assert invariant_triton.k_splits(4864, 896) == (1, 4864)
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (torch.equal would take -0.0 for +0.0)."""
+    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def check_rows_and_launches(device: str, dtypes, K: int = 500, M: int = 80, N: int = 200) -> None:
+    """A row's bits are the same alone, in batches of 3, 17, 64 and 200 rows, at several row offsets, with either
+    launch; the result is torch's within rounding; and one split (SPLIT_K = False) gives other bits, so the
+    comparisons above can fail."""
+    g = torch.Generator(device=device).manual_seed(0)
+    for dtype in dtypes:
+        x = torch.randn(N, K, generator=g, device=device).to(dtype)  # [N, K]
+        w = torch.randn(M, K, generator=g, device=device).to(dtype)  # [M, K]
+        b = torch.randn(M, generator=g, device=device).to(dtype)
+        assert invariant_triton.k_splits(K, M)[0] > 1
+        for bias, out_dtype in ((None, torch.float32), (b, dtype)):
+            whole = _as_bits(invariant_triton.matmul(x, w, bias, out_dtype, launch="tiles"))  # [N, M]
+            for launch in ("splits", "auto"):
+                assert torch.equal(_as_bits(invariant_triton.matmul(x, w, bias, out_dtype, launch=launch)), whole)
+            for rows in (1, 3, 17, 64, N):
+                for start in sorted({0, 5, 63, N - rows}):
+                    if start + rows <= N:
+                        part = invariant_triton.matmul(x[start:start + rows], w, bias, out_dtype, launch="splits")
+                        assert torch.equal(_as_bits(part), whole[start:start + rows]), (dtype, rows, start)
+        exact = invariant_triton.matmul(x, w)  # [N, M] float32
+        torch.testing.assert_close(exact, x.float() @ w.float().T, rtol=1e-4, atol=1e-3)
+        invariant_triton.SPLIT_K = False
+        try:
+            one = invariant_triton.matmul(x, w)
+        finally:
+            invariant_triton.SPLIT_K = True
+        assert not torch.equal(_as_bits(one), _as_bits(exact)), dtype  # the split order shows in the bits
+
+
+INTERPRETED = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import torch
+from test_invariant_splitk import check_rows_and_launches
+check_rows_and_launches("cpu", (torch.float32, torch.float16))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch and Triton, then ~100 interpreted launches
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
+def test_split_k_rows_are_batch_invariant_in_the_interpreter():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _needs_cuda_triton():
+    if not torch.cuda.is_available() or not invariant_triton.available(torch.device("cuda")):
+        pytest.skip("needs Triton on CUDA")
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_rows_are_batch_invariant():
+    _needs_cuda_triton()
+    check_rows_and_launches("cuda", (torch.bfloat16, torch.float16, torch.float32))
+    check_rows_and_launches("cuda", (torch.bfloat16,), K=4864, M=896, N=300)  # Qwen2-0.5B's down projection
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2", "gemma3-local-global"])
+def test_gpu_trainer_logprobs_equal_the_engines_with_every_projection_split(family, monkeypatch):
+    """The tiny models' depths (32, 48) take one split at the product's constants; 16-deep steps and one step a split
+    split every projection, so decode, prefill and the packed training forward all cross the split-K path."""
+    _needs_cuda_triton()
+    from test_bitwise import _families, _model, _trainer_vs_engine
+
+    monkeypatch.setattr(invariant_triton, "BLOCK_K", 16)
+    monkeypatch.setattr(invariant_triton, "MIN_SPLIT_STEPS", 1)
+    assert invariant_triton.k_splits(48, 32)[0] == 3
+    model = _model(_families()[family], dtype=torch.bfloat16, device="cuda")
+    try:
+        assert max(_trainer_vs_engine(model, device="cuda")) == 0.0
+    finally:
+        invariant.enable(False)
