@@ -145,7 +145,7 @@ def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
             yield line
 
 
-def attention_lines(common: dict, shape: str, device, smoke: bool):
+def attention_lines(common: dict, shape: str, device, dtype, smoke: bool):
     """The invariant attention kernel at decode (n sequences, one query at position L - 1) against SDPA."""
     s = SHAPES[shape]
     Hq, Hkv = s["num_attention_heads"], s["num_key_value_heads"]
@@ -153,8 +153,8 @@ def attention_lines(common: dict, shape: str, device, smoke: bool):
     for n in ((1, 4) if smoke else (1, 8, 32, 64, 256)):
         for L in ((40,) if smoke else (256, 1024, 4096)):
             g = torch.Generator(device=device).manual_seed(0)
-            q = torch.randn(n, 1, Hq, D, generator=g, device=device, dtype=torch.bfloat16)  # [n, 1, Hq, D]
-            k, v = (torch.randn(n, L, Hkv, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+            q = torch.randn(n, 1, Hq, D, generator=g, device=device).to(dtype)  # [n, 1, Hq, D]
+            k, v = (torch.randn(n, L, Hkv, D, generator=g, device=device).to(dtype) for _ in range(2))  # [n, L, Hkv, D]
             qpos = torch.full((n, 1), L - 1, device=device, dtype=torch.int64)
             mine = timed_ms(lambda: it.attention(q, qpos, k, v, D ** -0.5, None), device)
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
@@ -213,7 +213,7 @@ def main() -> None:
             print(json.dumps({**base, "measure": "layer", "rows": N, **{f"{v}_ms": t for v, t in times.items()},
                               "off_x_torch": times["split_off"] / times["torch"],
                               "auto_x_torch": times["split_auto"] / times["torch"]}), flush=True)
-        for line in attention_lines(base, shape, device, a.smoke):
+        for line in attention_lines(base, shape, device, dtype, a.smoke):
             print(json.dumps(line), flush=True)
         for line in logsumexp_lines(base, SHAPES[shape]["vocab_size"], device, a.smoke):
             print(json.dumps(line), flush=True)
