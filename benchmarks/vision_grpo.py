@@ -405,18 +405,16 @@ def trl_sevens(prompts, completions, **kwargs) -> list:
     return [sevens(None, c[-1]["content"] if isinstance(c, list) else c, None) for c in completions]
 
 
-def run_trl(a, paths: dict) -> dict:
+def run_trl(a, paths: dict) -> None:
     """TRL's GRPOTrainer on the world's model, processor and rows (this process runs nothing else): one line per
-    optimizer step, then its summary. An error becomes a line, so the other sides still report."""
+    optimizer step. An error becomes a line (its first line), so the other sides still report."""
     try:
-        return _run_trl(a, paths)
+        _run_trl(a, paths)
     except Exception as error:  # an OOM, or a TRL/transformers version that rejects this setup: report, go on
-        text = f"{type(error).__name__}: {str(error).strip()}".splitlines()[0][:500]
-        emit(measure="step", side="trl", error=text)
-        return {"error": text}
+        emit(measure="step", side="trl", error=f"{type(error).__name__}: {str(error).strip()}".splitlines()[0][:500])
 
 
-def _run_trl(a, paths: dict) -> dict:
+def _run_trl(a, paths: dict) -> None:
     import trl
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -478,11 +476,6 @@ def _run_trl(a, paths: dict) -> dict:
          micro_batch=a.micro_batch, accumulation=kwargs.get("gradient_accumulation_steps"), config_dropped=dropped,
          trainable_params=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad), **memory_gib())
     trainer.train()
-    timed = [s["seconds"] for s in steps if not s["warmup"]]
-    out = {"step_seconds_median": round(statistics.median(timed), 3) if timed else None,
-           "peak_allocated_gib": max((s["peak_allocated_gib"] or 0 for s in steps), default=None) or None}
-    emit(measure="side_summary", side="trl", **out)
-    return out
 
 
 def trl_side(a, argv: list, root: str) -> dict:
@@ -499,23 +492,26 @@ def trl_side(a, argv: list, root: str) -> dict:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     watchdog = threading.Timer(a.trl_timeout, process.kill)
     watchdog.start()
-    out: dict = {}
+    timed, peaks, error = [], [], None
     try:
         for line in process.stdout:
             record = json_or_none(line)
             print(line, end="", flush=True, file=sys.stdout if record else sys.stderr)  # TRL's own log dicts: aside
-            if record and record.get("side") == "trl" and record.get("measure") in ("side_summary", "step"):
-                if record["measure"] == "side_summary" or "error" in record:
-                    out = {k: v for k, v in record.items() if k not in ("bench", "measure", "side")}
+            if record and record.get("side") == "trl" and record.get("measure") == "step":
+                error = record.get("error", error)
+                if "seconds" in record and not record["warmup"]:
+                    timed.append(record["seconds"])
+                peaks.append(record.get("peak_allocated_gib") or 0.0)
         process.wait()
     finally:
         watchdog.cancel()
-    if process.returncode != 0:
-        killed = process.returncode == -9
-        out = {"error": f"killed after --trl-timeout {a.trl_timeout:.0f} s" if killed
-               else f"the TRL process exited with {process.returncode} (its stderr above)"}
-        emit(measure="step", side="trl", **out)
-    return out
+    if process.returncode != 0:  # the steps it finished still count
+        error = (f"killed after --trl-timeout {a.trl_timeout:.0f} s" if process.returncode == -9
+                 else f"the TRL process exited with {process.returncode} (its stderr above)")
+        emit(measure="step", side="trl", error=error)
+    out = {"step_seconds_median": round(statistics.median(timed), 3) if timed else None, "steps_timed": len(timed),
+           "peak_allocated_gib": max(peaks, default=0.0) or None}
+    return {**out, "error": error} if error else out
 
 
 def main(argv=None) -> None:

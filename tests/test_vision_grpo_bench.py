@@ -73,12 +73,14 @@ def test_a_trl_process_that_dies_becomes_an_error_line(monkeypatch, capsys):
 
     def dies(command, **kw):  # the TRL process prints a step, then dies as an out-of-memory kill would
         started.append(command)
-        step = json.dumps({"bench": "vision_grpo", "measure": "step", "side": "trl", "step": 0, "seconds": 1.0})
+        step = json.dumps({"bench": "vision_grpo", "measure": "step", "side": "trl", "step": 0, "warmup": False,
+                           "seconds": 1.5, "peak_allocated_gib": 30.0})
         return popen([sys.executable, "-c", f"print({step!r}); print('not json'); raise SystemExit(3)"], **kw)
 
     monkeypatch.setattr(subprocess, "Popen", dies)
     a = vision_grpo.parse_args(["--tiny"])
-    assert vision_grpo.trl_side(a, ["--tiny"], "/world") == {
+    assert vision_grpo.trl_side(a, ["--tiny"], "/world") == {  # the step it finished still counts
+        "step_seconds_median": 1.5, "steps_timed": 1, "peak_allocated_gib": 30.0,
         "error": "the TRL process exited with 3 (its stderr above)"}
     assert started[0][-3:] == ["--tiny", "--trl-world", "/world"]
     out = lines(capsys)
@@ -97,4 +99,5 @@ def test_the_tiny_run_with_trl_times_trls_grpo_trainer(capsys):
     assert "error" not in trl["step"] and trl["step"]["seconds"] > 0 and trl["step"]["response_length_mean"] == 4.0
     assert trl["build"]["prompt_tokens"] == 4 + 2 + 64 and trl["build"]["image_tokens_per_prompt"] == 4
     assert trl["build"]["accumulation"] == 2  # 2 prompts x 2 samples in micro-batches of 2: one optimizer step
-    assert out[-1]["trl"]["step_seconds_median"] == trl["step"]["seconds"]
+    assert out[-1]["trl"] == {"step_seconds_median": trl["step"]["seconds"], "steps_timed": 1,
+                              "peak_allocated_gib": None}
