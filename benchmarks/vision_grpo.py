@@ -293,7 +293,8 @@ def run_ours(a, paths: dict, log_dir: str) -> dict:
         yaml.safe_dump(ours_config(a, paths, log_dir), f, sort_keys=False)
     t0 = time.perf_counter()
     trainer = RLTrainer.from_config(load_config(cfg_path, a.ours_set))
-    emit(measure="build", side="ours", seconds=round(time.perf_counter() - t0, 2), config=cfg_path, **memory_gib())
+    emit(measure="build", side="ours", seconds=round(time.perf_counter() - t0, 2), config=cfg_path,
+         trainable_params=sum(p.numel() for p in trainer.actor.model.parameters() if p.requires_grad), **memory_gib())
     items = trainer.run.train_prompts.dataset.items[:a.prompts]
     prompts = [list(item.prompt_ids) for item in items for _ in range(a.n)]
     images = [item.images for item in items for _ in range(a.n)]

@@ -99,5 +99,7 @@ def test_the_tiny_run_with_trl_times_trls_grpo_trainer(capsys):
     assert "error" not in trl["step"] and trl["step"]["seconds"] > 0 and trl["step"]["response_length_mean"] == 4.0
     assert trl["build"]["prompt_tokens"] == 4 + 2 + 64 and trl["build"]["image_tokens_per_prompt"] == 4
     assert trl["build"]["accumulation"] == 2  # 2 prompts x 2 samples in micro-batches of 2: one optimizer step
+    ours = next(r for r in out if r["measure"] == "build" and r["side"] == "ours")
+    assert trl["build"]["trainable_params"] == ours["trainable_params"]  # the tower and merger frozen on both
     assert out[-1]["trl"] == {"step_seconds_median": trl["step"]["seconds"], "steps_timed": 1,
                               "peak_allocated_gib": None}
