@@ -69,6 +69,7 @@ def check_rows_and_launches(device: str, dtypes, K: int = 500, M: int = 80, N: i
         assert not torch.equal(_as_bits(one), _as_bits(exact)), dtype  # the split order shows in the bits
 
 
+NUMPY_TOO_NEW = "only 0-dimensional arrays can be converted to Python scalars"
 INTERPRETED = f"""
 import sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
@@ -85,6 +86,8 @@ def test_split_k_rows_are_batch_invariant_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    if NUMPY_TOO_NEW in done.stderr:
+        pytest.skip("this Triton's interpreter turns size-1 arrays into ints, which numpy >= 2.4 refuses")
     assert done.returncode == 0, done.stderr[-3000:]
 
 
