@@ -8,8 +8,8 @@ pixels with full attention at blocks 7/15/23/31, patch 14, 2 x 2 merge), bf16, r
 --prompt-len text tokens after one --image-side x --image-side noise picture (448: 32 x 32 patches, 256 image
 tokens); --prompts prompts x --n samples, --new-tokens new tokens, temperature 1.
 Everything is made locally (no hub): a word-level tokenizer with the vision tokens, the random model directory, a
-Qwen2.5-VL (Qwen3-VL) processor directory over that tokenizer for TRL, parquet rows in verl's multimodal schema (PNG
-bytes), and a cheap rule reward. One JSON line per measurement:
+Qwen2.5-VL (Qwen3-VL) processor directory over that tokenizer (made in TRL's process), parquet rows in verl's
+multimodal schema (PNG bytes), and a cheap rule reward. One JSON line per measurement:
   measure=step      side=trl: one optimizer step of TRL's GRPOTrainer (its generate, reference pass and update),
                     timed by a callback between optimizer steps, in its own process (run first, so its memory is
                     back before ours starts; killed after --trl-timeout); a skipped line where trl does not import,
@@ -213,9 +213,17 @@ def world_paths(root: str) -> dict:
             "processor": os.path.join(root, "processor"), "data": os.path.join(root, "train.parquet")}
 
 
+def write_processor(a, paths: dict) -> None:
+    """TRL's processor directory over the world's tokenizer (made in TRL's process: a transformers that cannot
+    build it fails TRL's side alone)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
+    build_processor(tokenizer, SHAPES[a.shape], a.image_side * a.image_side).save_pretrained(paths["processor"])
+
+
 def write_world(a, root: str) -> dict:
-    """The random model directory, its tokenizer, a processor directory for TRL and the prompt rows; returns
-    their paths."""
+    """The random model directory, its tokenizer and the prompt rows; returns their paths."""
     from phaserl.data import write_records
     from phaserl.models import save_pretrained
     from phaserl.models.config import DecoderConfig
@@ -233,7 +241,6 @@ def write_world(a, root: str) -> dict:
     paths = world_paths(root)
     save_pretrained(model, paths["model"], dtype=torch.bfloat16 if a.device == "cuda" else torch.float32)
     tokenizer.save_pretrained(paths["tokenizer"])
-    build_processor(tokenizer, shape, a.image_side * a.image_side).save_pretrained(paths["processor"])
     del model
     rng = np.random.default_rng(0)
     rows = []
@@ -426,8 +433,9 @@ def _run_trl(a, paths: dict) -> None:
     t0 = time.perf_counter()
     model = hf_model_class(a).from_pretrained(paths["model"], dtype=dtype)
     model.model.visual.requires_grad_(False)  # as ours: the tower and its merger frozen
-    family = SHAPES[a.shape]["vision"].get("family", "qwen2_5_vl")
-    processor = processor_class(family).from_pretrained(paths["processor"])
+    write_processor(a, paths)
+    processor = processor_class(SHAPES[a.shape]["vision"].get("family", "qwen2_5_vl")).from_pretrained(
+        paths["processor"])
     # trl_config reads grpo_step's names: the prompt is the words, the image's tokens and its two markers
     matched = argparse.Namespace(**{**vars(a), "prompt_len": image_tokens(a) + 2 + a.prompt_len,
                                     "gradient_checkpointing": False})

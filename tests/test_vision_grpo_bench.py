@@ -28,8 +28,10 @@ def test_trls_processor_makes_ours_prompt_ids_from_a_conversational_prompt_and_i
     a = vision_grpo.parse_args(["--tiny", "--image-side", "112"])  # 8 x 8 patches: 16 image tokens
     shape = vision_grpo.SHAPES[a.shape]
     tokenizer = vision_grpo.build_tokenizer(shape["text"]["vocab_size"])
-    vision_grpo.build_processor(tokenizer, shape, 112 * 112).save_pretrained(tmp_path / "processor")
-    processor = vision_grpo.processor_class("qwen2_5_vl").from_pretrained(tmp_path / "processor")
+    paths = vision_grpo.world_paths(str(tmp_path))
+    tokenizer.save_pretrained(paths["tokenizer"])
+    vision_grpo.write_processor(a, paths)  # as TRL's process makes it, over the saved tokenizer
+    processor = vision_grpo.processor_class("qwen2_5_vl").from_pretrained(paths["processor"])
     picture = np.random.default_rng(0).integers(0, 256, (112, 112, 3), dtype=np.uint8)
     message = [{"role": "user", "content": [{"type": "image", "image": Image.fromarray(picture)},
                                             {"type": "text", "text": "t7 t8 t9"}]}]
