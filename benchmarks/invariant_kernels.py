@@ -8,7 +8,7 @@ variant of the invariant matmul, bf16 in and out as invariant.linear calls it:
   split_auto   split-K as the product runs it (k_splits(K, M) splits; the launch chosen by the grid size)
   split_splits / split_tiles   the two launches forced (same bits, other speed), when the weight has splits
   min_steps_S, fill_P   split_auto with MIN_SPLIT_STEPS = S or FILL_PROGRAMS = P (other splits, other bits): how
-               the product's constants (4, 264) compare, for N <= 512
+               the product's constants (4, 264) compare (only those that split this weight otherwise)
 with `ms` (CUDA events, after warm-up), `x_torch` (ms / torch's ms) and the exactness checks: `rows_alone_equal`
 (rows 0, N/2 and N-1 each computed in a 1-row call equal the batched rows bit for bit), `equals_reference` (the
 first min(N, 64) rows equal a 64-row call's, whichever launch each took) and `max_abs_diff_vs_torch`. Then per N a
@@ -40,7 +40,6 @@ REFERENCE_ROWS = 64
 DIFF_ROWS = 1024      # max |Δ| vs torch over the first rows only (an lm_head output of 16384 rows is 5 GB)
 SWEEP = {f"min_steps_{n}": dict(MIN_SPLIT_STEPS=n) for n in (1, 2, 8)}  # other caps on the splits' depth
 SWEEP.update({f"fill_{n}": dict(FILL_PROGRAMS=n) for n in (132, 528)})     # other grid targets
-SWEEP_MAX_ROWS = 512
 LAYER_CALLS = {"q": 1, "kv": 2, "o": 1, "gate": 2, "down": 1}  # a bitwise layer's projections (gate and up alike)
 
 
@@ -133,6 +132,12 @@ def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
     variants = {"split_off": (dict(SPLIT_K=False), "auto"), "split_auto": ({}, "auto")}
     if S > 1:
         variants.update(split_splits=({}, "splits"), split_tiles=({}, "tiles"))
+    swept, seen = {}, {(S, KS)}  # the sweep's settings that split this weight otherwise (each once)
+    for name, settings in SWEEP.items():
+        with Settings(**settings):
+            if it.k_splits(K, M) not in seen:
+                swept[name] = (settings, "auto")
+                seen.add(it.k_splits(K, M))
     references = {}
     for name, (settings, launch) in variants.items():
         with Settings(**settings):
@@ -143,8 +148,8 @@ def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
         yield {**common, "rows": N, "variant": "torch", "ms": torch_ms}
         expected = F.linear(x[:DIFF_ROWS], w, b).float()
         runs = dict(variants)
-        if sweep and N <= SWEEP_MAX_ROWS:
-            runs.update({name: (settings, "auto") for name, settings in SWEEP.items()})
+        if sweep:
+            runs.update(swept)
         for name, (settings, launch) in runs.items():
             with Settings(**settings):
                 splits, per = it.k_splits(K, M)
