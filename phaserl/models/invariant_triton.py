@@ -138,10 +138,11 @@ if HAVE_TRITON:
         cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
         r_ok, c_ok = rows < N, cols < M
         if PARTIAL:
-            s = tl.program_id(2).to(tl.int64)
+            s = tl.program_id(2)  # the K loop's bounds as the other launch computes them (int32)
             part = _split_dot(x_ptr, w_ptr, rows, cols, r_ok, c_ok, s * KS, tl.minimum(s * KS + KS, K), x_sn, w_sm,
                               IEEE, BM, BN, BK)
-            tl.store(out_ptr + (s * N + rows[:, None]) * M + cols[None, :], part, mask=r_ok[:, None] & c_ok[None, :])
+            tl.store(out_ptr + (s.to(tl.int64) * N + rows[:, None]) * M + cols[None, :], part,
+                     mask=r_ok[:, None] & c_ok[None, :])
         else:
             total = tl.zeros([BM, BN], tl.float32)
             for s in range(0, S):
