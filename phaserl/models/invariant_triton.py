@@ -14,7 +14,10 @@ invariant.py's torch versions are exact by construction but memory-bound; on a G
              from position 0 in order, online softmax. A block past a query's position is an exact no-op for it
              (its weights are 0 and the running max does not move: the rescale is exp(0) = 1), so a decode step (one
              query, padded to BLOCK_Q rows) and the training forward (BLOCK_Q queries of a sequence) give a query
-             the same bits. The engine's slots are read in place through strides.
+             the same bits. The engine's slots are read in place through strides. At decode the grid is
+             n x 1 x Hq programs, each with one real query of its BLOCK_Q rows walking its key blocks alone: no
+             split over keys, which the training forward would have to share (chunks fixed by position, combined
+             in order) to keep the bits.
 Both sides of a run compute on the same device, so both take these kernels; the CPU keeps invariant.py's torch
 versions (their bits differ from these, which no run compares). float32 inputs multiply in IEEE float32 (no TF32).
   rms_norm, logsumexp  one program per row, a fixed reduction over the row (fewer launches than invariant.py's
