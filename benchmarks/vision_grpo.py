@@ -424,7 +424,6 @@ def run_trl(a, paths: dict) -> None:
 
 def _run_trl(a, paths: dict) -> None:
     import trl
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_step import trl_config
@@ -436,9 +435,10 @@ def _run_trl(a, paths: dict) -> None:
     write_processor(a, paths)
     processor = processor_class(SHAPES[a.shape]["vision"].get("family", "qwen2_5_vl")).from_pretrained(
         paths["processor"])
-    # trl_config reads grpo_step's names: the prompt is the words, the image's tokens and its two markers
-    matched = argparse.Namespace(**{**vars(a), "prompt_len": image_tokens(a) + 2 + a.prompt_len,
-                                    "gradient_checkpointing": False})
+    rows = trl_rows(paths["data"])
+    prompt_tokens = check_trl_prompt(a, processor, rows[0])
+    # trl_config reads grpo_step's names: the prompt is the image's tokens, its two markers and the words
+    matched = argparse.Namespace(**{**vars(a), "prompt_len": prompt_tokens, "gradient_checkpointing": False})
     kwargs, dropped = trl_config(matched, GRPOConfig, os.path.join(paths["root"], "trl"))
     done: list = []  # per generation batch: completion lengths (tokens) and the mean reward
 
@@ -448,43 +448,52 @@ def _run_trl(a, paths: dict) -> None:
         return scores
 
     reward.__name__ = "sevens"
-    steps: list = []
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=GRPOConfig(**kwargs), train_dataset=rows,
+                          processing_class=processor, callbacks=[trl_step_timer(a, done)])
+    emit(measure="build", side="trl", trl=trl.__version__, seconds=round(time.perf_counter() - t0, 2),
+         prompt_tokens=prompt_tokens, image_tokens_per_prompt=image_tokens(a), micro_batch=a.micro_batch,
+         accumulation=kwargs.get("gradient_accumulation_steps"), config_dropped=dropped,
+         trainable_params=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad), **memory_gib())
+    trainer.train()
+
+
+def check_trl_prompt(a, processor, row) -> int:
+    """Row 0's prompt length as TRL's processor tokenizes it; a ValueError unless it is ours' (the same image tokens
+    and words), since the sides would not be doing the same work."""
+    message = [{"role": "user", "content": [{"type": "image", "image": row["image"]},
+                                            {"type": "text", "text": row["prompt"][0]["content"]}]}]
+    first = processor.apply_chat_template(conversation=[message], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)
+    ids = [int(t) for t in first["input_ids"][0]]
+    ours = image_tokens(a) + 2 + a.prompt_len
+    if len(ids) != ours or ids.count(3) != image_tokens(a):
+        raise ValueError(f"TRL's processor made {len(ids)} prompt tokens ({ids.count(3)} image tokens) of row 0; "
+                         f"ours has {ours} ({image_tokens(a)})")
+    return len(ids)
+
+
+def trl_step_timer(a, done: list):
+    """A TrainerCallback that prints one step line per optimizer step: the seconds since the previous one (a
+    step's generation runs inside its first micro-step), its peak memory, and what the reward saw (`done`)."""
+    from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
-        """Seconds between optimizer steps (the generation of a step's batch runs inside its first micro-step)."""
-
         def on_train_begin(self, args, state, control, **kw):
             sync()
             reset_peak()
-            self.last = time.perf_counter()
+            self.last, self.step = time.perf_counter(), 0
 
         def on_step_end(self, args, state, control, **kw):
             sync()
-            now, i = time.perf_counter(), len(steps)
-            lengths, reward_mean = done[i] if i < len(done) else ([], None)
-            steps.append(dict(measure="step", side="trl", step=i, warmup=i < a.warmup_trl,
-                              seconds=round(now - self.last, 3),
-                              response_length_mean=sum(lengths) / len(lengths) if lengths else None,
-                              reward_mean=reward_mean, **memory_gib()))
-            emit(**steps[-1])
+            lengths, reward_mean = done[self.step] if self.step < len(done) else ([], None)
+            emit(measure="step", side="trl", step=self.step, warmup=self.step < a.warmup_trl,
+                 seconds=round(time.perf_counter() - self.last, 3),
+                 response_length_mean=sum(lengths) / len(lengths) if lengths else None, reward_mean=reward_mean,
+                 **memory_gib())
             reset_peak()
-            self.last = time.perf_counter()
+            self.last, self.step = time.perf_counter(), self.step + 1
 
-    rows = trl_rows(paths["data"])
-    first = processor.apply_chat_template(conversation=[[{"role": "user", "content": [
-        {"type": "image", "image": rows[0]["image"]}, {"type": "text", "text": rows[0]["prompt"][0]["content"]}]}]],
-        add_generation_prompt=True, tokenize=True, return_dict=True)
-    ids = [int(t) for t in first["input_ids"][0]]  # row 0's prompt as TRL will tokenize it
-    if len(ids) != matched.prompt_len or ids.count(3) != image_tokens(a):  # not the same work as ours
-        raise ValueError(f"TRL's processor made {len(ids)} prompt tokens ({ids.count(3)} image tokens) of row 0; "
-                         f"ours has {matched.prompt_len} ({image_tokens(a)})")
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=GRPOConfig(**kwargs), train_dataset=rows,
-                          processing_class=processor, callbacks=[StepTimer()])
-    emit(measure="build", side="trl", trl=trl.__version__, seconds=round(time.perf_counter() - t0, 2),
-         prompt_tokens=len(ids), image_tokens_per_prompt=ids.count(3),
-         micro_batch=a.micro_batch, accumulation=kwargs.get("gradient_accumulation_steps"), config_dropped=dropped,
-         trainable_params=sum(p.numel() for p in trainer.model.parameters() if p.requires_grad), **memory_gib())
-    trainer.train()
+    return StepTimer()
 
 
 def trl_side(a, argv: list, root: str) -> dict:

@@ -46,6 +46,12 @@ def test_trls_processor_makes_ours_prompt_ids_from_a_conversational_prompt_and_i
     assert vision_grpo.image_tokens(a) == 16 and theirs["image_grid_thw"].tolist() == [[1, 8, 8]]
     assert theirs["pixel_values"].shape == ours[0].images.pixel_values.shape
     assert (theirs["pixel_values"] - ours[0].images.pixel_values).abs().max() < 1e-5  # the same pixels
+    row = {"image": Image.fromarray(picture), "prompt": [{"role": "user", "content": "t7 t8 t9"}]}
+    a.prompt_len = 3
+    assert vision_grpo.check_trl_prompt(a, processor, row) == 16 + 2 + 3
+    a.prompt_len = 4  # ours would train on one more word than TRL's prompt holds
+    with pytest.raises(ValueError, match="made 21 prompt tokens .16 image tokens. of row 0; ours has 22"):
+        vision_grpo.check_trl_prompt(a, processor, row)
 
 
 def test_the_tiny_run_without_trl_prints_every_side_and_a_skipped_trl_line(monkeypatch, capsys):
