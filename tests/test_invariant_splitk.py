@@ -35,6 +35,11 @@ def test_without_split_k_every_weight_takes_one_split(monkeypatch):
     assert invariant_triton.k_splits(4864, 896) == (1, 4864)
 
 
+def test_an_unknown_launch_is_an_error_naming_the_choices():
+    with pytest.raises(ValueError, match="splits"):
+        invariant_triton.matmul(torch.ones(2, 4), torch.ones(3, 4), launch="split")
+
+
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bit patterns (torch.equal would take -0.0 for +0.0)."""
     return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
