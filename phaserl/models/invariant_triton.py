@@ -4,12 +4,12 @@ invariant.py's torch versions are exact by construction but memory-bound; on a G
 (invariant.matmul, .attention, .rms_norm and .logsumexp call them when `available`). What keeps them batch-invariant:
   matmul     one tile shape (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; no autotuning): an output element is its
              row's and column's dot product accumulated in the same order whatever the row count or the row's place
-             in its tile (a tensor-core MMA computes each element alone). Split-K: the depth is cut into S splits of
-             KS, both a function of the weight's shape (k_splits(K, M)) and never of the row count; each split
-             accumulates its range in BLOCK_K steps from its own start, and the partials are added in split order,
-             0 + p0 + p1 + ..., in float32. Whether one program per tile adds its splits itself (many rows) or the
-             splits run as programs of their own into a float32 workspace that a second kernel adds in that order
-             (few rows: decode) changes the speed, not the bits;
+             in its tile (a tensor-core MMA computes each element alone). Split-K: a deep weight's depth is cut into
+             S splits of KS, both a function of the weight's shape (k_splits(K, M)) and never of the row count (any
+             other weight takes one split); each split accumulates its range in BLOCK_K steps from its own start,
+             and the partials are added in split order, 0 + p0 + p1 + ..., in float32. Whether one program per tile
+             adds its splits itself (many rows) or the splits run as programs of their own into a float32 workspace
+             that a second kernel adds in that order (few rows: decode) changes the speed, not the bits;
   attention  one program per (sequence, block of BLOCK_Q queries, query head), key blocks of BLOCK_KEYS positions
              from position 0 in order, online softmax. A block past a query's position is an exact no-op for it
              (its weights are 0 and the running max does not move: the rescale is exp(0) = 1), so a decode step (one
@@ -37,8 +37,24 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: how the kernels are tested here
 BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
+# Split-K, measured on an H100 (2026-12-06, commit ea5b63f, `python benchmarks/invariant_kernels.py`, bf16, CUDA
+# graphs). Only deep weights split: K >= DEEP_RATIO x M and K >= DEEP_MIN_K. That is the down projections (K 5.4-5.8 M
+# at Qwen2 0.5B/1.5B/7B, 3.5 M at Llama-3 8B; K 4864 and more) and no q/o/gate/up or vocabulary head of the native
+# families. The k/v projections are deep by the ratio (0.5B: K 896 = 7 M) but short: a K loop of 28-48 steps does
+# not pay for the workspace and the second kernel, hence the floor (Llama-3 8B's k/v, K 4096 = 4 M, reach it: 16
+# column tiles of 128 steps, near 0.5B down's 14 of 152; not measured). A shallow or short weight's splits cost more
+# than the tiles they add: 0.5B q at 32 rows 0.0103 ms split 7 ways against 0.0055 in one split, k/v 0.0089 against
+# 0.0054 (1.5B k/v 0.0137 against 0.0082); one 0.5B layer's projections at 32 rows 0.0797 ms with every weight split
+# against 0.0559 unsplit (torch 0.0287). A deep weight gains where its few column tiles leave the GPU idle, most with
+# one program per SM: 0.5B down (10 splits) at 1/32/64/256 rows 0.0086/0.0148/0.0155/0.0216 ms against
+# 0.0239/0.0226/0.0239/0.0245 unsplit (512: 0.0327 vs 0.0258; 4096: 0.180 vs 0.152; 16384: 0.804 vs 0.982); 1.5B
+# down (6 splits) 0.0139/0.0187/0.0228/0.0364 against 0.0418/0.0405/0.043/0.0892 (512: 0.1035 vs 0.1014; 4096: 0.525
+# vs 0.509; 16384: 2.92 vs 3.40). Two programs per SM (264: 19 and 11 splits) lost at 0.5B from 32 rows on (0.0225
+# at 32 rows, 0.0667 at 512) and won or lost at 1.5B by row count (0.0116 at 1 row, 0.045 at 256, 0.0873 at 512).
 SPLIT_K = True          # False: one split for every weight (the matmul's bits before split-K; benchmarks time it)
-FILL_PROGRAMS = 264     # the grid split-K aims at for few rows: two programs per SM of a 132-SM GPU
+DEEP_RATIO = 2          # a weight [M, K] splits its depth only when K >= DEEP_RATIO * M ...
+DEEP_MIN_K = 4096       # ... and K >= DEEP_MIN_K (128 BLOCK_K steps)
+FILL_PROGRAMS = 132     # the grid split-K aims at for few rows: one program per SM of a 132-SM GPU
 MIN_SPLIT_STEPS = 4     # BLOCK_K steps a split covers at least: its loads still pipeline, the workspace stays small
 SUM_ROWS, SUM_COLS = 32, 128  # _sum_splits_kernel's block (elementwise: any block gives the same bits)
 BLOCK_Q, BLOCK_KEYS, ATTENTION_WARPS = 32, 32, 4
@@ -248,10 +264,12 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
 def k_splits(K: int, M: int) -> tuple[int, int]:
     """(S, KS): the matmul with a weight [M, K] sums its depth in S splits of KS (a multiple of BLOCK_K; the last may
     be shorter). A function of the weight's shape alone, never of the row count, so every call with that weight adds
-    the same partials in the same order. S aims the row-count-1 grid, cdiv(M, BLOCK_N) x S programs, at
-    FILL_PROGRAMS, with at least MIN_SPLIT_STEPS BLOCK_K steps a split; SPLIT_K = False gives one split."""
+    the same partials in the same order. Only a deep weight (K >= DEEP_RATIO * M and K >= DEEP_MIN_K) splits: S aims
+    the row-count-1 grid, cdiv(M, BLOCK_N) x S programs, at FILL_PROGRAMS, with at least MIN_SPLIT_STEPS BLOCK_K steps
+    a split. Any other weight, or SPLIT_K = False, takes one split."""
     steps = max(1, _cdiv(K, BLOCK_K))
-    want = _cdiv(FILL_PROGRAMS, _cdiv(max(M, 1), BLOCK_N)) if SPLIT_K else 1
+    deep = SPLIT_K and K >= DEEP_RATIO * M and K >= DEEP_MIN_K
+    want = _cdiv(FILL_PROGRAMS, _cdiv(max(M, 1), BLOCK_N)) if deep else 1
     splits = max(1, min(want, steps // MIN_SPLIT_STEPS))
     per = _cdiv(steps, splits)  # BLOCK_K steps a split
     return _cdiv(steps, per), per * BLOCK_K
