@@ -90,6 +90,36 @@ def test_fused_attention_splits_the_keys_by_itself_when_few_rows_leave_the_devic
     assert launched == [(4, 2)]
 
 
+def test_attention_splits_bound_a_run_only_when_asked():
+    pytest.importorskip("triton")
+    assert kernels.MAX_RUN_KEYS is None  # the engine's launch keeps the rule without a bound
+    # Without a bound: enough runs for 512 programs (185 rows x 2 kv heads: 2; 61 rows: 5), never under 128 keys.
+    assert kernels.attention_splits(185, 2, 4224) == 2
+    assert kernels.attention_splits(61, 2, 4224) == 5
+    assert kernels.attention_splits(512, 2, 384) == 1
+    # With one: at least slot_len / max_run_keys runs (4,224 / 1,024 -> 5) at any row count, still >= 128 keys each.
+    assert kernels.attention_splits(185, 2, 4224, max_run_keys=1024) == 5
+    assert kernels.attention_splits(512, 2, 4224, max_run_keys=1024) == 5
+    assert kernels.attention_splits(61, 2, 4224, max_run_keys=2048) == 5  # the programs' count is already more
+    assert kernels.attention_splits(512, 2, 384, max_run_keys=64) == 3  # 384 / 128
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_fused_attention_with_a_run_bound_splits_mixed_lengths_and_equals_the_torch_path(monkeypatch, window):
+    kernel_device()
+    monkeypatch.setattr(kernels, "MIN_CHUNK", 8)
+    monkeypatch.setattr(kernels, "SPLIT_PROGRAMS", 8)  # 4 rows x 2 heads fill it: one run without a bound
+    launched = []
+    monkeypatch.setattr(kernels, "_decode_attention_kernel", SpyKernel(kernels._decode_attention_kernel, launched))
+    pos = [0, 3, 17, 39]  # its own key only, one short block, a block and one key, a full slot
+    check_fused_attention((4, 2, 16), slots=4, S=40, pos=pos, window=window, dtype=torch.float32, splits=None,
+                          block_n=16)
+    monkeypatch.setattr(kernels, "MAX_RUN_KEYS", 16)  # 40 keys in runs of at most 16: 3 (short rows: some empty)
+    check_fused_attention((4, 2, 16), slots=4, S=40, pos=pos, window=window, dtype=torch.float32, splits=None,
+                          block_n=16)
+    assert launched == [(4, 2, 1), (4, 2, 3)]
+
+
 class SpyKernel:
     """A Triton kernel whose launches (grids) are recorded."""
     def __init__(self, kernel, grids):
@@ -230,5 +260,10 @@ def test_the_decode_attention_benchmark_smoke_runs(capsys):
 
     decode_attention.main(["--smoke"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    assert [(r["splits"], r["default_splits"]) for r in lines if r["launch"] is None] == [(1, True), (2, False)]
     assert not [r for r in lines if "error" in r]
+    assert [(r["splits"], r["rule"]) for r in lines if r["case"] == "tiny" and r["launch"] is None] == [
+        (1, "default"), (2, "forced"), (1, "max_run_keys=32")]  # 96-key slots: never a run under 128 keys
+    mixed = [r for r in lines if r["case"] == "tiny-mixed"]
+    assert [(r["context"], r["rule"]) for r in mixed] == [(mix, rule) for mix in ("mid-phase", "tail-end")
+                                                          for rule in ("default", "forced", "max_run_keys=32")]
+    assert all(r["longest"] < r["slot_len"] and r["chain_keys"] >= r["longest"] / r["splits"] for r in mixed)
