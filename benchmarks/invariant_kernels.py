@@ -4,15 +4,21 @@ and whether each stays exact.
 For each model shape, projection (q, k/v, o, gate = up, gate_up, down, lm_head) and row count N, one JSON line per
 variant of the invariant matmul, bf16 in and out as invariant.linear calls it:
   torch        F.linear (cuBLAS), the default mode's numbers
-  split_off    invariant_triton.SPLIT_K = False: one split, one program per 64 x 64 tile (the path before split-K)
-  split_auto   split-K as the product runs it (k_splits(K, M) splits; the launch chosen by the grid size)
+  split_off    invariant_triton.SPLIT_K = False: one split, one program per 64 x 64 tile
+  split_auto   split-K as the product runs it: k_splits(K, M) splits deep weights only (K >= DEEP_RATIO x M and
+               K >= DEEP_MIN_K), every other weight is split_off; the launch chosen by the grid size
   split_splits / split_tiles   the two launches forced (same bits, other speed), when the weight has splits
   min_steps_S, fill_P   split_auto with MIN_SPLIT_STEPS = S or FILL_PROGRAMS = P (other splits, other bits): how
-               the product's constants (4, 264) compare (only those that split this weight otherwise)
+               the product's constants (4, 132) compare on a deep weight
+  split_all, split_all_fill_264, split_all_min_steps_8   the depth rule off (DEEP_RATIO = DEEP_MIN_K = 0): a shallow
+               or short weight (q, k/v, o, gate) split as a deep one would, to re-check that the rule leaves it whole
+(each sweep variant only where it splits the weight otherwise than the product and the variants before it)
 with `ms` (CUDA events, after warm-up), `x_torch` (ms / torch's ms) and the exactness checks: `rows_alone_equal`
 (rows 0, N/2 and N-1 each computed in a 1-row call equal the batched rows bit for bit), `equals_reference` (the
 first min(N, 64) rows equal a 64-row call's, whichever launch each took) and `max_abs_diff_vs_torch`. Then per N a
-`layer` line: one decoder layer's projections (q, k, v, o, gate, up, down: the bitwise engine's calls) summed.
+`layer` line: one decoder layer's projections (q, k, v, o, gate, up, down: the bitwise engine's calls) summed for
+torch, split_off, split_auto (the product's rule; `splits` gives each projection's count under it) and split_all
+(every weight split; with the sweep).
 Then the attention kernel at decode shapes (one query per sequence at the end of L keys) against torch's SDPA,
 and the log-sum-exp over the vocabulary against torch.logsumexp.
 
@@ -39,8 +45,12 @@ ROWS = (1, 8, 32, 64, 256, 512, 4096, 16384)
 REFERENCE_ROWS = 64
 DIFF_ROWS = 1024      # max |Δ| vs torch over the first rows only (an lm_head output of 16384 rows is 5 GB)
 SWEEP = {f"min_steps_{n}": dict(MIN_SPLIT_STEPS=n) for n in (1, 2, 8)}  # other caps on the splits' depth
-SWEEP.update({f"fill_{n}": dict(FILL_PROGRAMS=n) for n in (132, 528)})     # other grid targets
+SWEEP.update({f"fill_{n}": dict(FILL_PROGRAMS=n) for n in (264, 528)})     # other grid targets
+EVERY = dict(DEEP_RATIO=0, DEEP_MIN_K=0)  # no depth rule: split_all first, so the layer line finds it on every weight
+SWEEP.update(split_all=EVERY, split_all_fill_264=dict(EVERY, FILL_PROGRAMS=264),
+             split_all_min_steps_8=dict(EVERY, MIN_SPLIT_STEPS=8))
 LAYER_CALLS = {"q": 1, "kv": 2, "o": 1, "gate": 2, "down": 1}  # a bitwise layer's projections (gate and up alike)
+LAYER_VARIANTS = ("torch", "split_off", "split_auto", "split_all")  # the layer line's sums (split_all: with the sweep)
 
 
 def projections(shape: str) -> dict:
@@ -167,6 +177,16 @@ def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
             yield line
 
 
+def add_to_layer(layer: dict, ms: dict, calls: int, rows_list, sweep: bool) -> None:
+    """Add `calls` times one projection's ms [(rows, variant)] to the layer's sums. split_all is absent where forcing
+    splits leaves this weight's splits as the product's (a deep weight): split_auto's number stands for it there."""
+    for N in rows_list:
+        for v in LAYER_VARIANTS:
+            t = ms.get((N, v), ms[(N, "split_auto")] if v == "split_all" and sweep else None)
+            if t is not None:
+                layer[(N, v)] = layer.get((N, v), 0.0) + calls * t
+
+
 def attention_lines(common: dict, shape: str, device, dtype, smoke: bool):
     """The invariant attention kernel at decode (n sequences, one query at position L - 1) against SDPA."""
     s = SHAPES[shape]
@@ -203,11 +223,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    parser.add_argument("--no-sweep", action="store_true", help="skip the MIN_SPLIT_STEPS sweep lines")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the split constants' sweep lines")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, the tiny shape")
     a = parser.parse_args()
-    if a.smoke:
+    if a.smoke:  # the tiny shape's depths (64, 128) split only without the floor and with 1-step splits
         a.shapes, a.rows = ["tiny"], [1, 8, 70]
+        it.DEEP_MIN_K, it.MIN_SPLIT_STEPS = 0, 1
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if not it.available(device):
         sys.exit("needs Triton on CUDA (or TRITON_INTERPRET=1 with Triton installed for --smoke)")
@@ -218,27 +239,30 @@ def main() -> None:
     for shape in a.shapes:
         base = {"bench": "invariant_kernels", "device": card, "shape": shape, "dtype": str(dtype).split(".")[-1]}
         layer = {}  # (rows, variant) -> ms of one layer's projections
+        splits = {proj: it.k_splits(K, M)[0] for proj, (M, K, _) in projections(shape).items() if proj in LAYER_CALLS}
         for proj, (M, K, has_bias) in projections(shape).items():
             g = torch.Generator(device=device).manual_seed(0)
             w = (torch.randn(M, K, generator=g, device=device) * K ** -0.5).to(dtype)  # [M, K]
             b = (torch.randn(M, generator=g, device=device) * 0.1).to(dtype) if has_bias else None
             x_all = torch.randn(max(max(a.rows), REFERENCE_ROWS), K, generator=g, device=device).to(dtype)  # [N, K]
             common = {**base, "measure": "matmul", "proj": proj, "M": M, "K": K}
+            ms = {}  # (rows, variant) -> ms of this projection
             for line in matmul_lines(common, x_all, w, b, a.rows, device, not a.no_sweep):
                 print(json.dumps(line), flush=True)
                 for check, seen in checks.items():
                     if check in line:
                         seen.append(line[check])
-                key = (line["rows"], line["variant"])
-                layer[key] = layer.get(key, 0.0) + LAYER_CALLS.get(proj, 0) * line["ms"]
+                ms[(line["rows"], line["variant"])] = line["ms"]
+            add_to_layer(layer, ms, LAYER_CALLS.get(proj, 0), a.rows, not a.no_sweep)
             del w, b, x_all
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         for N in a.rows:
-            times = {v: layer[(N, v)] for v in ("torch", "split_off", "split_auto") if (N, v) in layer}
-            print(json.dumps({**base, "measure": "layer", "rows": N, **{f"{v}_ms": t for v, t in times.items()},
-                              "off_x_torch": times["split_off"] / times["torch"],
-                              "auto_x_torch": times["split_auto"] / times["torch"]}), flush=True)
+            times = {v: layer[(N, v)] for v in LAYER_VARIANTS if (N, v) in layer}
+            print(json.dumps({**base, "measure": "layer", "rows": N, "splits": splits,
+                              **{f"{v}_ms": t for v, t in times.items()},
+                              **{f"{v}_x_torch": t / times["torch"] for v, t in times.items() if v != "torch"}}),
+                  flush=True)
         for line in attention_lines(base, shape, device, dtype, a.smoke):
             print(json.dumps(line), flush=True)
         for line in logsumexp_lines(base, SHAPES[shape]["vocab_size"], device, a.smoke):
