@@ -244,10 +244,14 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
 
 def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
     """The asynchronous stream's rollout (rollout.max_staleness 1): 2 x episodes in flight, phases back to back, each
-    ending when the oldest `episodes` episodes are complete (a step's batch); unfinished ones carry on into the next
+    ending when the oldest `episodes` episodes are complete (a step's batch) and the pace's decode steps are done
+    (turns x turn_tokens / 2, as trainer/agent_stream.py sets it); unfinished ones carry on into the next
     phase (EpisodeRunner.run_phase, as trainer/agent_stream.py drives it; no training between phases here, so a tool's
     call overlaps only decoding). tokens_per_s: the model tokens of the completed batches over the timed phases' wall
-    (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them."""
+    (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them.
+    device_s / device_busy: the engine's calls in the timed phases, as for the lock-step case; host_s["answers"]: the
+    host's time collecting the tools' answers; phase_records: each timed phase's wall, decode steps, rows stepped
+    per decode step, prefilled and extended tokens (a phase re-prefills the turns the last one cut), cut and parked."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
                          context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=2 * a.episodes,
@@ -257,22 +261,35 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
     total = a.episodes * (a.async_phases + 4)
     pool_ids = prompts(total, a.prompt, engine.model.config.vocab_size)
-    in_flight, next_i, batches, sampled = [], 0, [], 0
+    in_flight, next_i, batches, sampled, phases = [], 0, [], 0, []
 
     def phase(version: int):
         nonlocal next_i, in_flight, sampled
         while len(in_flight) < 2 * a.episodes:
             in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
             next_i += 1
+        t = time.perf_counter()
         with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=2 * a.episodes) as session:
             left = runner.run_phase(session, in_flight, version=version,  # the oldest episodes: a batch, in order
-                                    enough=lambda: all(r.finish_reason is not None for r in in_flight[:a.episodes]))
-        sampled += engine.last_stats["new_tokens"]
+                                    enough=lambda: all(r.finish_reason is not None for r in in_flight[:a.episodes])
+                                    and (session.stats.steps >= pace or all(r.finish_reason for r in in_flight)))
+        st = engine.last_stats
+        sampled += st["new_tokens"]
+        rows = round(st["stepped_rows"] / max(1, st["steps"]), 1)
+        phases.append(dict(seconds=round(time.perf_counter() - t, 4), decode_steps=st["steps"], rows_per_step=rows,
+                           new_tokens=st["new_tokens"], prefill_tokens=st["prefill_tokens"],
+                           extend_tokens=st["extend_tokens"], **left))
         done, in_flight = in_flight[:a.episodes], in_flight[a.episodes:]
         return done, left
 
+    pace = 0  # the product's pace (trainer/agent_stream.py): a batch's most model tokens over lookahead 1 + 1 phases
     phase(0)  # warm-up: the stream fills up (the first phase has nothing carried over)
+    pace = -(-a.turns * a.turn_tokens // 2)
     sync(a.device)
+    phases.clear()
+    clock = Clock(a.device)  # where the timed phases' wall goes: device calls, and the host's waits for the tools
+    wrap_runner(clock, engine.runner)
+    clock.wrap(runner, "_answers", "answers", device=False)
     t0, sampled = time.perf_counter(), 0
     cut = parked = 0
     for v in range(1, a.async_phases + 1):
@@ -281,12 +298,16 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
         cut, parked = cut + left["cut"], parked + left["released"]
     sync(a.device)
     seconds = time.perf_counter() - t0
+    spent = clock.device_seconds(DEVICE_KINDS)
+    host = {k: round(v, 4) for k, v in clock.host.items() if k == "answers"}
+    clock.close()
     assert all(r.finish_reason == "done" for b in batches for r in b), [r.finish_reason for r in batches[0][:4]]
     tokens = sum(len(s.token_ids) for b in batches for r in b for s in r.segments if s.kind == "model")
     carried = sum(len({v for s in r.segments if s.kind == "model" for v in s.versions}) > 1 for b in batches for r in b)
     return dict(seconds=seconds, phases=a.async_phases, trained_tokens=tokens, tokens_per_s=tokens / seconds,
                 sampled_tokens_per_s=sampled / seconds, cut_turns=cut, parked_released=parked,
-                episodes_across_phases=carried)
+                episodes_across_phases=carried, device_s=spent, device_busy=round(sum(spent.values()) / seconds, 3),
+                host_s=host, phase_records=phases)
 
 
 def single_turn(engine, ids, a) -> dict:

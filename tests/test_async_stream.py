@@ -212,6 +212,29 @@ def test_async_agent_episodes_carry_over_phases_and_their_observations_have_no_v
     assert carried > 0, "no episode was continued across an update"
 
 
+@pytest.mark.slow
+def test_agent_phases_keep_the_pace_so_episodes_do_not_fall_into_lock_step_cohorts(tmp_path):
+    """The agent world's episodes begun together mostly end together: without a pace the stream alternates a phase
+    that decodes two batches to the end with one that decodes nothing (11 / 0 steps), and every tool waits at
+    once. With the token stream's pace (the last batch's most model tokens over lookahead + 1 phases) every phase
+    decodes, and turns are cut and continued across the updates."""
+    from phaserl.cli import QUICKSTART_CONFIGS
+    from phaserl.config import load_config
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(QUICKSTART_CONFIGS["agent"], [
+        f"trainer.log_dir={tmp_path / 'logs'}", f"trainer.checkpoint_path={tmp_path / 'ckpt'}", "trainer.total_steps=5",
+        "trainer.val_interval=0", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
+        "rollout.prompts_per_step=8", "rollout.max_staleness=1"])
+    trainer = RLTrainer.from_config(cfg)
+    trainer.fit()
+    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert trainer.run.stream.pace_steps() > 0
+    assert all(m["async/phase_steps"] > 0 for m in lines), [m["async/phase_steps"] for m in lines]
+    assert sum(m["async/cut_samples"] for m in lines[1:]) > 0
+    assert all(m["async/staleness_max"] <= 1 for m in lines)
+
+
 @pytest.mark.parametrize("overrides, status, words", [
     ([], "OK", "synchronous"),
     (["rollout.max_staleness=1"], "OK", "correction: tis"),

@@ -8,6 +8,12 @@ environment keeps waiting (its call runs on while the trainer trains; only its K
 is used in the next phase. So a tool's latency never holds the GPU: other episodes decode meanwhile, in this
 phase or the next. Every sampled id records its policy version (Segment.versions).
 
+The lookahead and the pace are the token stream's: a phase begins the episodes of the groups due within
+max(1, k - 1) steps, and decodes at least ceil(L / (lookahead + 1)) steps, L the most model tokens an episode of
+the last batch sampled. Without the pace, episodes of one length begun together end together: the next phase
+finds its batch complete and decodes nothing, the groups added meanwhile begin together again, and the stream
+falls into lock-step cohorts whose tools all wait at once.
+
 Staleness: an episode whose oldest sampled id would be more than k versions behind is abandoned and begun again
 from its prompt (restart: a new environment, a new noise key), or its group dropped (drop). Checkpoints save
 which prompts were in flight; a resume begins their episodes again (environments cannot be saved; docs/async.md).
@@ -42,6 +48,11 @@ class EpisodeGroup:
         return self.runs
 
 
+def _sampled(run) -> int:
+    """Model tokens an episode sampled so far, a turn cut at a phase's end included."""
+    return sum(len(seg.token_ids) for seg in run.segments if seg.kind == "model") + len(run.cut[0])
+
+
 def _oldest(run):
     versions = [v for seg in run.segments if seg.versions for v in seg.versions] + list(run.cut[2])
     return min(versions, default=None)
@@ -58,10 +69,13 @@ class AgentStream(AsyncStream):
         self.runner = None            # made at the first phase (needs the run's tokenizer and sampling cap)
         self._resumed: list = []      # prompt indices in flight at the checkpoint: begun again first
 
-    def pace_steps(self) -> int:
-        """Episodes keep no pace: a phase ends when its batch's episodes are complete (their turns wait on tools, and
-        a decode step count says little about when an episode ends)."""
-        return 0
+    def _longest(self, groups: list) -> int:
+        """The pace's L for episodes: the most model tokens one episode of these groups sampled (all its turns). An
+        episode needs at least that many decode steps, plus its tools' waits, during which the others decode."""
+        return max((_sampled(r) for g in groups for r in g.runs), default=0)
+
+    def _unfinished(self) -> bool:
+        return any(r.finish_reason is None for g in self._startable() for r in g.runs)
 
     def _runner(self, trainer) -> EpisodeRunner:
         if self.runner is None:
@@ -112,8 +126,11 @@ class AgentStream(AsyncStream):
                                                eos_token_ids=eos, num_slots=self.slots,
                                                generator=run.sampling_generator)
         runs = [r for g in self._startable() for r in g.runs]  # the token stream's lookahead (trainer/stream.py)
+        pace = self.pace_steps()  # the token stream's pace, in decode steps, so batches do not run as cohorts
         with session as s:
-            left = runner.run_phase(s, runs, version=version, enough=self._batch_ready)
+            left = runner.run_phase(s, runs, version=version, enough=lambda: self._batch_ready() and (
+                s.stats.steps >= pace or not self._unfinished()))
+        stats["async/phase_steps"] = float(s.stats.steps)
         stats["async/cut_samples"] = float(left["cut"])
         stats["async/parked_episodes"] = float(left["released"])
 

@@ -146,7 +146,7 @@ class AsyncStream:
                     self._decode(trainer, version, stats)
         with clock("score"):
             batch_groups, self.groups = self.groups[:self.prompts_per_rank], self.groups[self.prompts_per_rank:]
-            self.longest_response = max((len(s.ids) for g in batch_groups for s in g.samples), default=0)
+            self.longest_response = self._longest(batch_groups)
             scored = self._scored(trainer, batch_groups)
         stats.update(self._version_stats(scored.batch, version))
         stats["async/in_flight_groups"] = float(len(self.groups))
@@ -165,6 +165,10 @@ class AsyncStream:
         """Decode steps every rollout phase runs at least (the module docstring's pace): the last batch's longest
         response over lookahead + 1 phases; 0 before the first batch."""
         return -(-self.longest_response // (self.lookahead + 1))
+
+    def _longest(self, groups: list) -> int:
+        """Tokens of the longest response in these groups (the pace's L)."""
+        return max((len(s.ids) for g in groups for s in g.samples), default=0)
 
     def _startable(self) -> list:
         """The groups whose samples a phase may decode: those due within `lookahead` steps (in stream order)."""
