@@ -20,6 +20,9 @@ Cost: a matmul holds its [rows, N, K] products (in chunks of CHUNK_ELEMENTS), a 
 GEMM: fine for the tiny CPU models. Where Triton runs (a GPU) the matmul, attention, RMSNorm and log-sum-exp are
 invariant_triton's fixed-configuration kernels instead (their own fixed orders: both sides of a run take them);
 benchmarks/numerics.py measures the cost against the default kernels.
+Vision-language models (models/vision.py, qwen_vl.py): the tower's LayerNorm (`layer_norm`) and erf GELU
+(`activation(x, "gelu")`) from tree sums and elementwise ops, its per-image attention through `attention`; the
+decoder's M-RoPE positions are rotary positions only, the keys laid out by each token's place (`Aligned.of`).
 LoRA projections multiply their merged weight W + s·BA (`merged_weight`, one fixed order): the engine computes it
 once per call, the trainer's forward again from the same parameters, the backward is the default LoRA forward's.
 Not here: which mode runs (`enable`/`enabled` hold it; the builder sets it from rollout.bitwise), where the decoder
@@ -255,18 +258,44 @@ GELU_C = (2.0 / torch.pi) ** 0.5
 
 
 def activation(gate: Tensor, act: str) -> Tensor:
-    """silu or gelu-tanh in float32 from exp / tanh / division, rounded to gate's dtype (layers.activation)."""
+    """silu, gelu-tanh or (act "gelu", the vision mergers') erf gelu in float32 from exp / tanh / erf / division,
+    rounded to gate's dtype (layers.activation)."""
     def exact(g):
         g32 = g.to(_acc_dtype(g.dtype))
         if act == "silu":
             return (g32 / (1.0 + torch.exp(-g32))).to(g.dtype)
+        if act == "gelu":
+            return (0.5 * g32 * (1.0 + torch.erf(g32 * SQRT_HALF))).to(g.dtype)
         inner = (g32 + 0.044715 * (g32 * g32 * g32)) * GELU_C
         return (0.5 * g32 * (1.0 + torch.tanh(inner))).to(g.dtype)
 
     def default(g):
-        return F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
+        if act == "silu":
+            return F.silu(g)
+        return F.gelu(g) if act == "gelu" else F.gelu(g, approximate="tanh")
 
     return _exact(exact, default, gate)
+
+
+SQRT_HALF = 0.5 ** 0.5
+
+
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+    """F.layer_norm over the last dim (the vision towers' LayerNorm), x [..., E] -> [..., E]: the mean and the
+    variance as tree sums in float32, (x - mean) / sqrt(variance + eps) * weight + bias, rounded once to x's dtype."""
+
+    def exact(x, weight, bias):
+        acc = _acc_dtype(x.dtype)
+        x32 = x.to(acc)
+        centered = x32 - (tree_sum(x32) / x.shape[-1])[..., None]
+        n = centered / torch.sqrt(tree_sum(centered * centered) / x.shape[-1] + eps)[..., None]
+        n = n if weight is None else n * weight.to(acc)
+        return (n if bias is None else n + bias.to(acc)).to(x.dtype)
+
+    def default(x, weight, bias):
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    return _exact(exact, default, x, weight, bias)
 
 
 # ----- the vocabulary head -------------------------------------------------------------------------
@@ -441,6 +470,17 @@ def attention(q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, scale: Optional[flo
                   lambda q, k, v: _attention_default(q, qpos, k, v, scale, window, causal), q, k, v)
 
 
+def places(real: Tensor, seq: Tensor) -> Tensor:
+    """Each token's place in its sequence: the real tokens of that sequence before it.  real [B, T] bool, seq [B, T]
+    (sequence ids numbered in row-major order, each sequence one run) -> [B, T] long (padding: any)."""
+    flat_real, flat_seq = real.reshape(-1).long(), seq.reshape(-1)  # [B * T]
+    count = flat_real.cumsum(0)  # real tokens up to and including each
+    first = torch.full((int(flat_seq.max()) + 1,), flat_seq.numel(), dtype=torch.long, device=seq.device)
+    first = first.scatter_reduce(0, flat_seq, torch.arange(flat_seq.numel(), device=seq.device), "amin")  # [n]
+    before = count[first] - flat_real[first]  # real tokens before each sequence's first token
+    return (count - 1 - before[flat_seq]).view(real.shape)
+
+
 @dataclass(frozen=True)
 class Aligned:
     """The training forward's tokens laid out by (sequence, position) for `attention`: token (b, t) is sequence
@@ -457,7 +497,9 @@ class Aligned:
     def of(cls, attention_mask: Tensor, position_ids: Tensor, seq_ids: Optional[Tensor],
            window: Optional[int] = None) -> "Aligned":
         """attention_mask [B, T] (1 = real), position_ids [B, T] (each sequence's real tokens at 0, 1, ...), seq_ids
-        [B, T] or None (packed rows: runs of equal ids are sequences; None: one sequence per row)."""
+        [B, T] or None (packed rows: runs of equal ids are sequences; None: one sequence per row). M-RoPE positions
+        [3, B, T] (vision-language models) are rotary positions, not places in the sequence: each real token's place
+        is then counted (`places`), where the engine writes its key."""
         B, T = attention_mask.shape
         real = attention_mask.bool()
         if seq_ids is None:
@@ -466,6 +508,8 @@ class Aligned:
             starts = torch.ones_like(seq_ids, dtype=torch.bool)
             starts[:, 1:] = seq_ids[:, 1:] != seq_ids[:, :-1]
             seq = starts.reshape(-1).long().cumsum(0).view(B, T) - 1  # a new row or id starts a sequence
+        if position_ids.dim() == 3:
+            position_ids = places(real, seq)
         pos = torch.where(real, position_ids.long(), torch.zeros_like(position_ids, dtype=torch.long))
         seq = torch.where(real, seq, torch.zeros_like(seq))
         return cls(seq, pos, real, int(seq.max()) + 1, int(pos.max()) + 1, window)

@@ -17,6 +17,10 @@ The math follows transformers' towers; where it is written differently the resul
     its own image frame), through one padded SDPA call per block.
   - the patch embedding is a Conv3d whose kernel equals its stride over one patch: a matmul of the flattened patch.
   - 2D RoPE: the first half of each head's rotary frequencies turn with the patch's row, the second with its column.
+In the bitwise numerics mode (rollout.bitwise, models/invariant.py) every piece takes the batch-invariant kernels:
+the linears, norms (LayerNorm too) and activations (the mergers' erf GELU too) as the decoder's do, and attention per
+group through invariant.attention, the group's patches in processor order, so that an image's features have the same
+bits whichever call computes them (the engine's prefill, the trainer's micro-batch) and whatever else it holds.
 Not here: the decoder (decoder.py), M-RoPE positions of the language model (mrope.py), loading (qwen_vl.py).
 
 Legend: N patches, E tower width, Hv heads, Dv head dim, F patch features (C * Tp * P * P), M merged tokens
@@ -32,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaserl.errors import ConfigError
-from phaserl.models.layers import activation, rope_tables, rotate
+from phaserl.models import invariant
+from phaserl.models.layers import activation, linear, rope_tables, rotate
 from phaserl.models.modules import RMSNorm
 
 VISION_EPS = 1e-6  # the tower's and the merger's norm epsilon (fixed in the architecture, not in config.json)
@@ -174,9 +179,35 @@ def groups_of(ids: torch.Tensor) -> Groups:
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Bidirectional attention of each patch over the patches of its group. q, k, v [N, Hv, Dv] -> [N, Hv * Dv]."""
+    if invariant.enabled():  # the bitwise numerics mode: a patch's bits do not depend on the call's other images
+        return invariant_grouped_attention(q, k, v, groups)
     qg, kg, vg = (x[groups.gather].transpose(1, 2) for x in (q, k, v))             # [G, Hv, L, Dv]
     out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=groups.valid[:, None, None, :])  # [G, Hv, L, Dv]
     return out.transpose(1, 2).flatten(-2).flatten(0, 1)[groups.cells]            # [N, Hv * Dv]
+
+
+def invariant_grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """grouped_attention through invariant.attention: group g's n_g patches sit at places 0..n_g - 1 (processor order,
+    whatever else the call holds) and every one of its queries stands at place n_g - 1, so it sees exactly its
+    group, summed in the fixed key-block order; the padding places weigh 0. [N, Hv, Dv] each -> [N, Hv * Dv]"""
+    qg, kg, vg = (x[groups.gather] for x in (q, k, v))                              # [G, L, Hv, Dv]
+    last = groups.valid.sum(-1, keepdim=True) - 1                                   # [G, 1]
+    out = invariant.attention(qg, last.expand(groups.valid.shape), kg, vg)          # [G, L, Hv, Dv]
+    return out.flatten(-2).flatten(0, 1)[groups.cells]                              # [N, Hv * Dv]
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """The mergers' erf GELU (nn.GELU's); the invariant kernel's in the bitwise mode."""
+    return invariant.activation(x, "gelu") if invariant.enabled() else F.gelu(x)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (its parameter names), through invariant.layer_norm in the bitwise mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.enabled():
+            return invariant.layer_norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
 
 
 class PatchEmbed(nn.Module):
@@ -188,7 +219,7 @@ class PatchEmbed(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, F] -> [N, E]: the Conv3d over one patch (kernel = stride) is a matmul of the flat patch."""
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.flatten(1), self.proj.bias)
+        return linear(pixels.to(w.dtype), w.flatten(1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -199,10 +230,10 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: Groups) -> torch.Tensor:
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(1)  # [N, Hv, Dv] each
+        q, k, v = linear(x, self.qkv).unflatten(-1, (3, self.heads, -1)).unbind(1)  # [N, Hv, Dv] each
         # RoPE in float32, then back (as transformers does for the tower)
         q, k = (rotate(t.float(), cos, sin).to(t.dtype) for t in (q, k))
-        return self.proj(grouped_attention(q, k, v, groups))
+        return linear(grouped_attention(q, k, v, groups), self.proj)
 
 
 class VisionMLP(nn.Module):
@@ -214,7 +245,7 @@ class VisionMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(activation(self.gate_proj(x), self.act) * self.up_proj(x))
+        return linear(activation(linear(x, self.gate_proj), self.act) * linear(x, self.up_proj), self.down_proj)
 
 
 class PlainMLP(nn.Module):
@@ -227,11 +258,11 @@ class PlainMLP(nn.Module):
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activation(self.linear_fc1(x), self.act))
+        return linear(activation(linear(x, self.linear_fc1), self.act), self.linear_fc2)
 
 
 def _norm(cfg: VisionConfig, width: int) -> nn.Module:
-    return nn.LayerNorm(width, eps=VISION_EPS) if cfg.qwen3 else RMSNorm(width, VISION_EPS)
+    return LayerNorm(width, eps=VISION_EPS) if cfg.qwen3 else RMSNorm(width, VISION_EPS)
 
 
 class VisionBlock(nn.Module):
@@ -257,7 +288,8 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, E] -> [M, O]"""
-        return self.mlp(self.ln_q(x).reshape(-1, self.mlp[0].in_features))
+        x = self.ln_q(x).reshape(-1, self.mlp[0].in_features)
+        return linear(gelu(linear(x, self.mlp[0])), self.mlp[2])
 
 
 class LayerNormMerger(nn.Module):
@@ -267,7 +299,7 @@ class LayerNormMerger(nn.Module):
         super().__init__()
         width = cfg.hidden_size * cfg.merge_unit
         self.postshuffle = postshuffle
-        self.norm = nn.LayerNorm(width if postshuffle else cfg.hidden_size, eps=VISION_EPS)
+        self.norm = LayerNorm(width if postshuffle else cfg.hidden_size, eps=VISION_EPS)
         self.linear_fc1 = nn.Linear(width, width)
         self.linear_fc2 = nn.Linear(width, cfg.out_hidden_size)
 
@@ -275,7 +307,7 @@ class LayerNormMerger(nn.Module):
         """x [N, E] -> [M, O]"""
         width = self.linear_fc1.in_features
         x = self.norm(x.reshape(-1, width) if self.postshuffle else x).reshape(-1, width)
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        return linear(gelu(linear(x, self.linear_fc1)), self.linear_fc2)
 
 
 class VisionTower(nn.Module):

@@ -422,8 +422,7 @@ def set_numerics(bitwise: bool, model: torch.nn.Module) -> None:
         cfg = getattr(model, "config", None)
         why = ("is not phaserl's decoder" if not isinstance(model, CausalLM) else
                "has mixture-of-experts layers" if cfg.num_experts else
-               "has Qwen3.5's linear-attention layers" if cfg.linear_attention is not None else
-               "has M-RoPE (vision-language) positions" if getattr(cfg, "mrope_section", None) is not None else "")
+               "has Qwen3.5's linear-attention layers" if cfg.linear_attention is not None else "")
         if why:
             raise ConfigError(f"rollout.bitwise = true covers the dense native families (docs/numerics.md); this "
                               f"actor ({getattr(cfg, 'model_type', type(model).__name__)}) {why}: set "
