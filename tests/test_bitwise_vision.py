@@ -122,11 +122,13 @@ def test_mrope_positions_lay_the_attention_out_by_place_in_the_sequence():
     assert packed.pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]] and packed.seq.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
 
 
-def test_trainer_logprobs_of_image_prompts_equal_the_engines_bit_for_bit(model):  # noqa: F811
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trainer_logprobs_of_image_prompts_equal_the_engines_bit_for_bit(model, dtype):  # noqa: F811
+    vlm = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
     with invariant.bitwise():
-        batch = sampled_batch(model)
+        batch = sampled_batch(vlm)
         assert sum(im is not None for im in batch.images) == 6
-        diffs = trainer_vs_engine(model, batch)
+        diffs = trainer_vs_engine(vlm, batch)
     assert max(diffs) == 0.0, diffs
 
 
