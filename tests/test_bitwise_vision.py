@@ -132,6 +132,23 @@ def test_trainer_logprobs_of_image_prompts_equal_the_engines_bit_for_bit(model, 
     assert max(diffs) == 0.0, diffs
 
 
+def test_lora_on_the_language_model_keeps_the_equality(model):  # noqa: F811
+    """Adapters on the decoder's projections (the tower has none): the engine multiplies the merged weights, the
+    trainer's forward computes them again, and image prompts still agree exactly."""
+    from phaserl.models.lora import LoRASettings, apply_lora
+
+    vlm = copy.deepcopy(model)
+    apply_lora(vlm, LoRASettings(rank=4, alpha=8.0))
+    with torch.no_grad():
+        for name, p in vlm.named_parameters():
+            if name.endswith("lora_B"):  # a zero B would merge to W exactly
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(7))
+    with invariant.bitwise():
+        batch = sampled_batch(vlm)
+        diffs = trainer_vs_engine(vlm, batch, sizes=(3, 8))
+    assert max(diffs) == 0.0, diffs
+
+
 def test_episodes_with_image_observations_extend_with_the_trainers_numbers(model):  # noqa: F811
     """Multi-turn episodes whose environment answers with a picture (the engine's extend pass places the
     observation's features and M-RoPE positions): every turn's log-probs equal the trainer's, bit for bit."""
