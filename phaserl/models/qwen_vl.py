@@ -28,6 +28,9 @@ parameter names; Qwen3-VL's store `model.language_model.*` and `model.visual.*` 
 ways). config.json is written in transformers 5's form (text_config, vision_config). Qwen3-VL adds its deepstack
 features (the tower's intermediate blocks, merged) to the hidden states of the image tokens after the decoder's
 first k layers: `after_layer` in the training forward, `rollout/images.py` in the engine's prefill.
+In the bitwise numerics mode (rollout.bitwise) the tower runs the invariant kernels (vision.py) and the decoder lays
+its keys out by each token's place in its row, not by its M-RoPE position (models/invariant.Aligned.of), as the
+engine's slots hold them.
 Not here: the tower (vision.py), M-RoPE math (mrope.py), the image processor (data/images.py).
 
 Legend: B rows, S tokens per row, H hidden, M image tokens of a call, L a prompt's tokens.

@@ -8,7 +8,9 @@ delta` (delta <= 0: an image of n tokens spans fewer positions). The runner keep
 (`ModelRunner.rope_shift`), moves it with the slot, and decodes through the layer functions that take RoPE tables
 (the fused decode kernels index RoPE by slot position themselves, so a vision model's decode does not use them).
 The features come from the same `VisionLM.prefill_inputs` (embed, tower, scatter, positions) as the training
-forward, so sampled and trained log-probs see the same inputs.
+forward, so sampled and trained log-probs see the same inputs; in the bitwise numerics mode the same bits (the
+tower's invariant kernels give an image's features whatever else the call holds, and the M-RoPE tables are one
+elementwise function of the positions on both sides), so nothing here changes with the mode.
 Multi-turn sessions append ids to a parked slot (an extend pass): an observation's images are placed the same way,
 their M-RoPE positions are the observation's own (from prefill_inputs) moved to where the slot's text stands
 (`slot position + delta`), and the slot's delta then grows by the observation's: the positions equal those the
