@@ -55,13 +55,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interprete
 # a tail of 233 programs), two fit all of them at once: 24.6 against 26.6 us a layer (2026-12-04, H200; 28.3 against
 # 30.2 in a second run). Wider heads keep four (head_dim 128 at the 1.5B and 7B shapes: 65.4 against 62.3 us and
 # 43.6 against 42.0 with two).
-# MAX_RUN_KEYS (None: off, the rule above alone) is a candidate for batches of mixed lengths and is not measured
-# yet. The split count is fixed when the graph is captured and each row's keys are cut into that many equal runs,
-# so at ~185 rows (2 runs) a row near a 4k context walks ~2k keys in one program per layer long after the short
-# rows are done: the step would wait for that chain, not for the bandwidth. With a bound, every row is cut into at
-# least slot_len / MAX_RUN_KEYS runs, so no program walks more than about MAX_RUN_KEYS keys, at the price of more
-# prologues and a merge for the short rows. `benchmarks/decode_attention.py --case 0.5b-mixed,1.5b-mixed` times
-# the bound against forced splits on such a batch; the uniform numbers above were taken without it.
+# MAX_RUN_KEYS (None: the rule above alone; unmeasured) is for mixed lengths: the split count is fixed per graph,
+# so at a 256-row bucket (1 run) a row near a 4k context walks all its keys in one program per layer after the
+# short rows are done. With a bound every row takes at least slot_len / MAX_RUN_KEYS runs (more prologues and a
+# merge for short rows). `benchmarks/decode_attention.py --case 0.5b-mixed` times it against forced splits.
 ATTENTION_BLOCK_N, ATTENTION_WARPS, ATTENTION_STAGES = 64, 4, 2
 NARROW_HEAD, NARROW_WARPS = 64, 2
 SPLIT_PROGRAMS, MIN_CHUNK = 512, 128
@@ -487,9 +484,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
 
 
 def attention_splits(rows: int, kv_heads: int, slot_len: int, max_run_keys: Optional[int] = None) -> int:
-    """How many runs each row's keys are split into (see SPLIT_PROGRAMS and MAX_RUN_KEYS above): enough to fill
-    SPLIT_PROGRAMS programs and, with max_run_keys, enough that a full slot's run holds at most that many keys;
-    never runs shorter than MIN_CHUNK keys of a full slot."""
+    """Runs each row's keys are split into (SPLIT_PROGRAMS, MAX_RUN_KEYS above): enough to fill SPLIT_PROGRAMS
+    programs and, with max_run_keys, to hold a full slot's run to that many keys; no run under MIN_CHUNK keys."""
     wanted = triton.cdiv(SPLIT_PROGRAMS, rows * kv_heads)
     if max_run_keys is not None:
         wanted = max(wanted, triton.cdiv(slot_len, max_run_keys))
