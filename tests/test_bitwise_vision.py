@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from phaserl.data.images import process_images, with_starts
+from phaserl.data.images import image_processor, process_images, with_starts
 from phaserl.data.prompts import PromptItem
 from phaserl.data.rows import PromptRow
 from phaserl.models import invariant
@@ -34,8 +34,6 @@ def default_numerics_after():
 
 def pictures(*sizes, seed=0):
     """One row's images, (height, width) each, through one processor call."""
-    from phaserl.data.images import image_processor
-
     processor = image_processor(patch_size=4, merge_size=2, min_pixels=8 * 8, max_pixels=64 * 64)
     rng = np.random.default_rng(seed)
     made = [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in sizes]
