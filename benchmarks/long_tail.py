@@ -17,6 +17,7 @@ torch.cuda.utilization() sampled every 50 ms during the timed steps; null where 
 
     python benchmarks/long_tail.py                       # GPU: 0.5b, sync vs async k = 1 and 3 (k = 2 decodes as 1)
     python benchmarks/long_tail.py --tiny --steps 2      # CPU smoke test
+    python benchmarks/long_tail.py --ks 3 --max-run-keys 1024   # the decode attention's run bound (one process each)
 """
 from __future__ import annotations
 
@@ -188,8 +189,14 @@ def main(argv=None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (every case)")
     p.add_argument("--sync-once", action="store_true", help="measure the synchronous case once (default: first and "
                    "last, to show a run-order effect)")
+    p.add_argument("--max-run-keys", type=int, default=None, help="rollout/kernels.py's MAX_RUN_KEYS for this run "
+                   "(the decode attention's bound on the keys one program walks; default: the product's)")
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    if a.max_run_keys is not None:
+        from phaserl.rollout import kernels
+
+        kernels.MAX_RUN_KEYS = a.max_run_keys
     a.longest = a.longest or (64 if a.tiny else 4096)
     prompts, n = a.prompts or (4 if a.tiny else 64), a.n or (4 if a.tiny else 8)
     args = ["--shape", "0.5b", "--prompts", str(prompts), "--n", str(n),
