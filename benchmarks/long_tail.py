@@ -64,17 +64,22 @@ class LengthTail:
         generate, session = actor.engine_generate_original, actor.decode_session
 
         def capped_generate(prompts, params, **kwargs):
-            caps = [draw_length(self.rng, self.longest) for _ in prompts]
-            return generate(prompts, params, max_new_tokens=caps, **kwargs)
+            return generate(prompts, params, max_new_tokens=[self.draw() for _ in prompts], **kwargs)
         actor.engine.generate = capped_generate
 
         def capped_session(*args, **kwargs):
-            return _CappedSession(session(*args, **kwargs), self)
+            return CappedSession(session(*args, **kwargs), self)
         actor.decode_session = capped_session
 
+    def draw(self) -> int:
+        return draw_length(self.rng, self.longest)
 
-class _CappedSession:
-    def __init__(self, inner, tail: LengthTail):
+
+class CappedSession:
+    """A decode session whose samples stop at their drawn length: `tail` has draw(), `longest` (the run's
+    max_new_tokens) and by_key (a sample's length, kept when it continues after a cut)."""
+
+    def __init__(self, inner, tail):
         self.inner, self.tail = inner, tail
 
     def __enter__(self):
@@ -82,7 +87,9 @@ class _CappedSession:
         start, tail = s.start, self.tail
 
         def capped_start(key, prompt_ids, cap, noise_key=None):
-            target = tail.by_key.setdefault(key, draw_length(tail.rng, tail.longest))
+            if key not in tail.by_key:  # drawn once: setdefault would draw (and advance the generator) every time
+                tail.by_key[key] = tail.draw()
+            target = tail.by_key[key]
             done = tail.longest - cap   # ids sampled before this phase (cap = max_new_tokens - done)
             return start(key, prompt_ids, max(1, min(cap, target - done)), noise_key=noise_key)
         s.start = capped_start

@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from long_tail import draw_length  # noqa: E402  (the heavy-tailed length distribution of the GPU benchmark)
+from long_tail import CappedSession, draw_length  # noqa: E402  (the GPU benchmark's lengths and session cap)
 
 
 class AnswerThenTail:
@@ -58,30 +58,10 @@ class AnswerThenTail:
             return self.generate(prompts, params, max_new_tokens=[self.draw() for _ in prompts], **kwargs)
 
         self.actor.engine.generate = capped_generate
-        self.actor.decode_session = lambda *args, **kwargs: _CappedSession(self.session(*args, **kwargs), self)
+        self.actor.decode_session = lambda *args, **kwargs: CappedSession(self.session(*args, **kwargs), self)
 
     def off(self) -> None:
         self.actor.engine.generate, self.actor.decode_session = self.generate, self.session
-
-
-class _CappedSession:
-    def __init__(self, inner, tail: AnswerThenTail):
-        self.inner, self.tail = inner, tail
-
-    def __enter__(self):
-        s = self.inner.__enter__()
-        start, tail = s.start, self.tail
-
-        def capped_start(key, prompt_ids, cap, noise_key=None):
-            if key not in tail.by_key:
-                tail.by_key[key] = tail.draw()
-            done = tail.longest - cap  # ids sampled before this phase (cap = max_new_tokens - done)
-            return start(key, prompt_ids, max(1, min(cap, tail.by_key[key] - done)), noise_key=noise_key)
-        s.start = capped_start
-        return s
-
-    def __exit__(self, *exc):
-        return self.inner.__exit__(*exc)
 
 
 @contextlib.contextmanager
