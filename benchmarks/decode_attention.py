@@ -154,7 +154,8 @@ def run_case(name: str, split_tokens: list, device: str) -> None:
                 except Exception as e:  # noqa: BLE001 - a setting the compiler refuses (shared memory) is a result
                     print(json.dumps({**base, "splits": splits, "launch": launch, "error": str(e)[:200]}), flush=True)
                     continue
-                used = splits or kernels.attention_splits(b, Hkv, S, kernels.MAX_RUN_KEYS)
+                bound = kernels.MAX_RUN_KEYS if S >= kernels.LONG_SLOT else None  # the engine's launch
+                used = splits or kernels.attention_splits(b, Hkv, S, bound)
                 record = {**base, "splits": used, "rule": rule, "default_splits": splits is None, "launch": launch,
                           **rates(ms, at, Hkv, D)}
                 if mixed:

@@ -74,7 +74,15 @@ def test_an_offloaded_optimizer_keeps_no_moments_on_the_device_and_matches_the_o
             differ += int((q != p).sum())
         assert differ <= (step + 1) * 1e-3 * total, (step, differ)
     assert all(v.device.type == "cpu" for st in b.opt.state.values() for v in st.values() if torch.is_tensor(v))
+    # The moments (kept in the weights' dtype, bf16) from the same gradients: m = b1 m' + (1 - b1) g and
+    # v = b2 v' + (1 - b2) g^2, each rounded to bf16. Where the two terms of m nearly cancel, a bf16 step of m' is a
+    # large share of m (measured on an H100: 2 of 524,288 moments 8% apart, 4.5e-7 absolute), so a moment may differ
+    # by a bf16 step of its terms' size, not of its own, one such step per step taken.
+    eps, (b1, b2) = torch.finfo(torch.bfloat16).eps, settings.betas
     for p, q in zip(a.opt.param_groups[0]["params"], b.opt.param_groups[0]["params"]):
-        for key in ("exp_avg", "exp_avg_sq"):  # the same gradients: the moments (kept in the weights' dtype, bf16)
-            torch.testing.assert_close(b.opt.state[q][key].cuda().float(), a.opt.state[p][key].float(),
-                                       rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-12)  # within a bf16 step
+        g = p.grad.float().abs()  # the last step's gradient, as both optimizers read it
+        for key, term in (("exp_avg", (1 - b1) * g), ("exp_avg_sq", (1 - b2) * g * g)):
+            mine, theirs = b.opt.state[q][key].cuda().float(), a.opt.state[p][key].float()
+            tol = 2 * 3 * eps * (theirs.abs() + term)
+            over = (mine - theirs).abs() > tol
+            assert not bool(over.any()), (key, int(over.sum()), float((mine - theirs).abs().max()))

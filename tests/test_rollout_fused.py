@@ -92,7 +92,7 @@ def test_fused_attention_splits_the_keys_by_itself_when_few_rows_leave_the_devic
 
 def test_attention_splits_bound_a_run_only_when_asked():
     pytest.importorskip("triton")
-    assert kernels.MAX_RUN_KEYS is None  # the engine's launch keeps the rule without a bound
+    assert (kernels.MAX_RUN_KEYS, kernels.LONG_SLOT) == (512, 4096)  # the engine's launch: bounded in long slots only
     # Without a bound: enough runs for 512 programs (185 rows x 2 kv heads: 2; 61 rows: 5), never under 128 keys.
     assert kernels.attention_splits(185, 2, 4224) == 2
     assert kernels.attention_splits(61, 2, 4224) == 5
@@ -115,9 +115,13 @@ def test_fused_attention_with_a_run_bound_splits_mixed_lengths_and_equals_the_to
     check_fused_attention((4, 2, 16), slots=4, S=40, pos=pos, window=window, dtype=torch.float32, splits=None,
                           block_n=16)
     monkeypatch.setattr(kernels, "MAX_RUN_KEYS", 16)  # 40 keys in runs of at most 16: 3 (short rows: some empty)
+    monkeypatch.setattr(kernels, "LONG_SLOT", 41)  # but only in slots of 41 keys or more: still one run
     check_fused_attention((4, 2, 16), slots=4, S=40, pos=pos, window=window, dtype=torch.float32, splits=None,
                           block_n=16)
-    assert launched == [(4, 2, 1), (4, 2, 3)]
+    monkeypatch.setattr(kernels, "LONG_SLOT", 40)
+    check_fused_attention((4, 2, 16), slots=4, S=40, pos=pos, window=window, dtype=torch.float32, splits=None,
+                          block_n=16)
+    assert launched == [(4, 2, 1), (4, 2, 1), (4, 2, 3)]
 
 
 class SpyKernel:

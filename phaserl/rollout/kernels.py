@@ -55,14 +55,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interprete
 # a tail of 233 programs), two fit all of them at once: 24.6 against 26.6 us a layer (2026-12-04, H200; 28.3 against
 # 30.2 in a second run). Wider heads keep four (head_dim 128 at the 1.5B and 7B shapes: 65.4 against 62.3 us and
 # 43.6 against 42.0 with two).
-# MAX_RUN_KEYS (None: the rule above alone; unmeasured) is for mixed lengths: the split count is fixed per graph,
-# so at a 256-row bucket (1 run) a row near a 4k context walks all its keys in one program per layer after the
-# short rows are done. With a bound every row takes at least slot_len / MAX_RUN_KEYS runs (more prologues and a
-# merge for short rows). `benchmarks/decode_attention.py --case 0.5b-mixed` times it against forced splits.
+# MAX_RUN_KEYS bounds a run in slots of LONG_SLOT keys or more (mixed lengths: the split count is fixed per graph, so
+# at a 256-row bucket, 1 run, a row near a 4k context walked all its keys after the short rows were done). 0.5B,
+# 4,224-key slots, mixed contexts, H100: 102 -> 53 us a layer at 256 rows, 60 -> 43 at 192 (decode_attention.py
+# --case 0.5b-mixed); the same bytes at one even context: 41 -> 51 us, so shorter slots keep the rule above alone.
 ATTENTION_BLOCK_N, ATTENTION_WARPS, ATTENTION_STAGES = 64, 4, 2
 NARROW_HEAD, NARROW_WARPS = 64, 2
 SPLIT_PROGRAMS, MIN_CHUNK = 512, 128
-MAX_RUN_KEYS: Optional[int] = None
+MAX_RUN_KEYS, LONG_SLOT = 512, 4096  # None: no bound
 GATED_BLOCK = 1024
 SAMPLE_BLOCK, SAMPLE_WARPS = 4096, 8
 SAMPLE_PROGRAMS = 2048  # the sampler splits each row's vocabulary until about this many programs run
@@ -461,7 +461,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     # Key/value tiles of BLOCK_N x BLOCK_D, pipelined in num_stages copies, must fit in shared memory: head_dim
     # 512 (Gemma 4's global layers) takes half as many keys per block as head_dim <= 256.
     block_n = block_n or min(ATTENTION_BLOCK_N, 16384 // BLOCK_D)
-    splits = splits or attention_splits(b, Hkv, S, MAX_RUN_KEYS)
+    splits = splits or attention_splits(b, Hkv, S, MAX_RUN_KEYS if S >= LONG_SLOT else None)
     max_chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n  # a split's most keys (the interpreter's loop)
     part = torch.empty(b, Hkv, splits, G, D if splits > 1 else 1, dtype=torch.float32, device=q.device)
     stat = torch.empty(b, Hkv, splits, G, 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
