@@ -43,7 +43,9 @@ device_s, device_busy, host_s, calls, gc.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import itertools
 import json
 import os
 import random
@@ -242,7 +244,8 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
                 extend_calls=per_call, **extra)
 
 
-def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False) -> dict:
+def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False,
+                     partial_kv: str = "keep") -> dict:
     """The asynchronous stream's rollout (rollout.max_staleness 1): 2 x episodes in flight, phases back to back, each
     ending when the oldest `episodes` episodes are complete (a step's batch) and the pace's decode steps are done
     (turns x turn_tokens / 2, as trainer/agent_stream.py sets it); unfinished ones carry on into the next
@@ -251,7 +254,10 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them.
     device_s / device_busy: the engine's calls in the timed phases, as for the lock-step case; host_s["answers"]: the
     host's time collecting the tools' answers; phase_records: each timed phase's wall, decode steps, rows stepped
-    per decode step, prefilled and extended tokens (a phase re-prefills the turns the last one cut), cut and parked."""
+    per decode step, prefilled and extended tokens, cut and parked. partial_kv (rollout.partial_kv): keep = one
+    session kept across the phases (RolloutEngine.open_session; a phase's end pauses the turns in progress and keeps
+    parked episodes' slots: nothing re-prefilled), prefill = a session per phase (the cut turns and the parked
+    episodes re-prefilled next phase). kept / reprefill_tokens count them per phase."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
                          context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=2 * a.episodes,
@@ -262,6 +268,9 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     total = a.episodes * (a.async_phases + 4)
     pool_ids = prompts(total, a.prompt, engine.model.config.vocab_size)
     in_flight, next_i, batches, sampled, phases = [], 0, [], 0, []
+    keep = partial_kv == "keep"
+    kept = engine.open_session(params, slot_len=episode_len, eos_token_ids=[], num_slots=2 * a.episodes) if keep \
+        else None
 
     def phase(version: int):
         nonlocal next_i, in_flight, sampled
@@ -269,11 +278,14 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
             in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
             next_i += 1
         t = time.perf_counter()
-        with engine.session(params, slot_len=episode_len, eos_token_ids=[], num_slots=2 * a.episodes) as session:
-            left = runner.run_phase(session, in_flight, version=version,  # the oldest episodes: a batch, in order
+        with (kept.phase() if keep else engine.session(params, slot_len=episode_len, eos_token_ids=[],
+                                                       num_slots=2 * a.episodes)) as session:
+            before = dataclasses.asdict(session.stats)  # a kept session counts every phase: this one's = after - before
+            left = runner.run_phase(session, in_flight, version=version, keep=keep,  # the oldest episodes: a batch
                                     enough=lambda: all(r.finish_reason is not None for r in in_flight[:a.episodes])
-                                    and (session.stats.steps >= pace or all(r.finish_reason for r in in_flight)))
-        st = engine.last_stats
+                                    and (session.stats.steps - before["steps"] >= pace
+                                         or all(r.finish_reason for r in in_flight)))
+        st = {k: v - before[k] for k, v in dataclasses.asdict(session.stats).items() if k != "extra"}
         sampled += st["new_tokens"]
         rows = round(st["stepped_rows"] / max(1, st["steps"]), 1)
         phases.append(dict(seconds=round(time.perf_counter() - t, 4), decode_steps=st["steps"], rows_per_step=rows,
@@ -291,13 +303,16 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     wrap_runner(clock, engine.runner)
     clock.wrap(runner, "_answers", "answers", device=False)
     t0, sampled = time.perf_counter(), 0
-    cut = parked = 0
+    cut = parked = kept_n = reprefill = 0
     for v in range(1, a.async_phases + 1):
         done, left = phase(v)
         batches.append(done)
         cut, parked = cut + left["cut"], parked + left["released"]
+        kept_n, reprefill = kept_n + left["kept"], reprefill + left["reprefill_tokens"]
     sync(a.device)
     seconds = time.perf_counter() - t0
+    if kept is not None:
+        kept.close()
     spent = clock.device_seconds(DEVICE_KINDS)
     host = {k: round(v, 4) for k, v in clock.host.items() if k == "answers"}
     clock.close()
@@ -305,7 +320,9 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     tokens = sum(len(s.token_ids) for b in batches for r in b for s in r.segments if s.kind == "model")
     carried = sum(len({v for s in r.segments if s.kind == "model" for v in s.versions}) > 1 for b in batches for r in b)
     return dict(seconds=seconds, phases=a.async_phases, trained_tokens=tokens, tokens_per_s=tokens / seconds,
-                sampled_tokens_per_s=sampled / seconds, cut_turns=cut, parked_released=parked,
+                sampled_tokens_per_s=sampled / seconds, cut_turns=cut, parked_released=parked, partial_kv=partial_kv,
+                kept_sequences=kept_n, reprefill_tokens=reprefill,
+                prefill_tokens=sum(ph["prefill_tokens"] for ph in phases),
                 episodes_across_phases=carried, device_s=spent, device_busy=round(sum(spent.values()) / seconds, 3),
                 host_s=host, phase_records=phases)
 
@@ -353,11 +370,11 @@ def run_variant(model, a, pool: Workers, common: dict, compile) -> list:
             lines.append(dict(case="multi_turn_jitter" if jitter else "multi_turn", latency_ms=latency, **common, **r,
                               vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"], lockstep_bound=bound))
             emit(**lines[-1])
-        for latency, jitter in ([(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms]
-                                if a.async_phases else []):
-            multi_turn_async(engine, a, latency / 1000, pool, jitter)  # warm-up
+        cases = [(ms, False) for ms in a.latency_ms] + [(ms, True) for ms in a.jitter_ms] if a.async_phases else []
+        for (latency, jitter), partial_kv in itertools.product(cases, a.partial_kv):
+            multi_turn_async(engine, a, latency / 1000, pool, jitter, partial_kv)  # warm-up
             for order in ("first", "second"):  # twice, apart in time: a run-order effect would show
-                r = multi_turn_async(engine, a, latency / 1000, pool, jitter)
+                r = multi_turn_async(engine, a, latency / 1000, pool, jitter, partial_kv)
                 lines.append(dict(case="async_jitter" if jitter else "async", measured=order, latency_ms=latency,
                                   **common, **r, vs_single_turn=r["tokens_per_s"] / base["tokens_per_s"],
                                   sampled_vs_single_turn=r["sampled_tokens_per_s"] / base["tokens_per_s"]))
@@ -438,11 +455,16 @@ def main(argv=None) -> None:
     p.add_argument("--async-phases", type=int, default=0,
                    help="also the asynchronous stream's rollout (max_staleness 1) per latency: this many timed phases "
                         "of `episodes` completed episodes each, measured twice (0 = off)")
+    p.add_argument("--partial-kv", nargs="+", choices=["auto", "keep", "prefill"], default=["auto"],
+                   help="the asynchronous cases' rollout.partial_kv, each in turn on the same engine (A/B: keep "
+                        "prefill); auto = what a user gets: keep on CUDA (an engine kept awake), prefill on the CPU")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 8 episodes x 2 turns")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: the host's own costs at a turn boundary (host_s) with a tiny model, e.g. --device cpu "
                         "--shape tiny --episodes 256 (the decode itself is not representative there)")
     a = p.parse_args(argv)
+    a.partial_kv = [("keep" if a.device == "cuda" and not a.smoke else "prefill") if m == "auto" else m
+                    for m in a.partial_kv]
     runner_module.EXTEND_KERNEL = a.extend_kernel == "on"
     if a.smoke:
         a.device, a.shape, a.episodes, a.turns, a.prompt, a.turn_tokens, a.obs_tokens = "cpu", "tiny", 8, 2, 16, 8, 4

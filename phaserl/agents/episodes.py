@@ -131,6 +131,7 @@ class EpisodeRunner:
         self._landed = 0     # environment calls that have ended (each call's done-callback counts, on its thread)
         self._submitted = 0  # calls submitted
         self._scan = None    # the last non-blocking look at the calls: _answers reuses it while nothing changed
+        self._reprefills = [0, 0]  # this phase's episodes under way started again by a re-prefill: (runs, ids)
 
     # ----- the engine path ------------------------------------------------------------------------
     def run_session(self, session, starts: list[EpisodeStart]) -> list[Episode]:
@@ -202,6 +203,9 @@ class EpisodeRunner:
         # its samples do not depend on timing or slots
         session.start(run.index, ids, cap, noise_key=key, **_pixels(run.images))
         run.in_session = True
+        if len(run.segments) > 1 or run.cut[0]:  # an episode under way: its ids so far prefilled again
+            self._reprefills[0] += 1
+            self._reprefills[1] += len(ids)
 
     def _apply(self, session, run: _Run, waiting: list) -> None:
         """An environment answered (or failed): start, continue or end the episode."""
@@ -236,31 +240,48 @@ class EpisodeRunner:
             self._submit(self.workers, run, "reset", self._reset, run)
         return runs
 
-    def run_phase(self, session, runs: list, *, version: int, enough: Callable[[], bool]) -> dict:
-        """Drive `runs` in `session` (a fresh DecodeSession of this phase's weights, tagged `version`) until
-        enough() or every run has ended; then end the phase: turns still decoding are cut (kept in run.cut, continued
-        next phase), parked episodes lose their slot (their environment call goes on: its answer is used next
-        phase), and nothing waits for an environment. Returns {cut, released}: what the phase left in flight."""
+    def run_phase(self, session, runs: list, *, version: int, enough: Callable[[], bool], keep: bool = False) -> dict:
+        """Drive `runs` in `session` (this phase's DecodeSession, its weights tagged `version`) until enough() or
+        every run has ended; then end the phase, nothing waiting for an environment. Turns still decoding keep
+        their ids so far in run.cut (their versions per id) and continue next phase; parked episodes' environment
+        calls go on, their answers used next phase.
+
+        keep=False (a fresh session per phase): the turns are cut and parked episodes lose their slot; next phase
+        both are prefilled again from their ids. keep=True (one session kept across phases, DecodeSession.pause):
+        both keep their slot and KV; the cut turn decodes on with no prefill and the answer is appended with
+        extend, as within a phase. Runs that hold no slot (a lost session's) restart by re-prefill either way.
+        Returns {cut, released, kept, kept_tokens, reprefilled, reprefill_tokens}: the phase's carry-over."""
         self._warned = 0
+        self._reprefills = [0, 0]
         by_key = {run.index: run for run in runs}
         # ready to (re)start: reset answered, a turn cut, or an observation that arrived after the last phase's end
         waiting = [r for r in runs if r.finish_reason is None and r.future is None and not r.in_session]
         self._drive(session, runs, waiting, self.workers, version=version, enough=enough)
-        ended, cut = session.suspend()  # their slots are free already
+        ended, cut = session.pause() if keep else session.suspend()  # suspend: their slots are free already
         for turn in ended:
-            by_key[turn.key].in_session = False
+            by_key[turn.key].in_session = keep  # kept: parked in its slot until the answer comes
         self._ended_turns(ended, by_key, self.workers, version)
         for turn in cut:
             run = by_key[turn.key]
             run.cut = ((*run.cut[0], *turn.token_ids), (*run.cut[1], *turn.logprobs),
                        (*run.cut[2], *[version] * len(turn.token_ids)))
-            run.in_session = False
-        released = 0
+            run.in_session = keep
+        released = kept = kept_tokens = 0
         for run in runs:
-            if run.in_session:  # parked, its environment still at work: the slot goes, the episode stays
+            if run.in_session and keep:
+                kept, kept_tokens = kept + 1, kept_tokens + session.held(run.index)
+            elif run.in_session:  # parked, its environment still at work: the slot goes, the episode stays
                 session.release(run.index)
                 run.in_session, released = False, released + 1
-        return {"cut": len(cut), "released": released}
+        return {"cut": len(cut), "released": released, "kept": kept, "kept_tokens": kept_tokens,
+                "reprefilled": self._reprefills[0], "reprefill_tokens": self._reprefills[1]}
+
+    def forget_slot(self, run: _Run, session) -> None:
+        """The run's slot in a kept session goes (it was abandoned, or the session was lost: `session` None or lost,
+        then only the run forgets it); the run restarts by re-prefill if it goes on."""
+        if run.in_session and session is not None and session.lost is None and run.index in session.live:
+            session.drop(run.index)
+        run.in_session = False
 
     def _ended_turns(self, ended: list, by_key: dict, workers: Workers, version: Optional[int]) -> None:
         """Hand turns that ended to their environments (their texts decoded in one batch call; none: no call)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from phaserl.errors import ConfigError
+
 GIB = 2**30
 COMPILE_MIN_PARAMS = 100_000_000   # smaller models stay eager: the compile costs more than it saves in a run
 KEEP_AWAKE_SHARE = 0.75            # a kept engine: the update's peak with it stays under this share of the device
@@ -37,6 +39,9 @@ AUTO_RULES = {
                                  "device memory, and for a LoRA actor the kept engine is at most "
                                  f"{LORA_KEEP_SHARE:.0%} of that peak (its merged weight copies are a second copy "
                                  "of the model); off otherwise (CPU, FSDP, tight memory, a large LoRA model)",
+    "rollout.partial_kv": "with rollout.max_staleness >= 1: keep (unfinished responses and waiting episodes keep "
+                          "their slots and KV through training, continued with no prefill) when the engine is kept "
+                          "awake (rollout.engine_keep_awake), else prefill (their ids prefilled again next phase)",
     "ppo.packing": "on where the varlen flash kernel runs (CUDA, bf16/fp16 compute); padded elsewhere",
     "ppo.micro_batch_tokens": f"on CUDA the fewest micro-batches of whole sequences, about {MICRO_BATCH_CAP} tokens "
                               "each (the sequences dealt evenly) and at most one mini-batch, whose activations (the "
@@ -146,6 +151,24 @@ def keep_awake_rule(*, engine_runs: bool, device_type: str, world_size: int, act
     if needed_bytes > KEEP_AWAKE_SHARE * budget_bytes:
         return False, f"{words} (more than {KEEP_AWAKE_SHARE:.0%}: tight memory)"
     return True, words
+
+
+def partial_kv_choice(asked: str, *, max_staleness: int, rollout_ranks: int, keep_awake: bool) -> Optional[Choice]:
+    """rollout.partial_kv as the asynchronous stream will run it (None: no stream on this process continues responses
+    across updates: max_staleness 0, or rollout ranks, which re-prefill). keep needs the engine kept awake through
+    training (rollout.engine_keep_awake, chosen before this): asked for without it, a ConfigError saying why."""
+    if max_staleness == 0 or rollout_ranks:
+        return None
+    key = "rollout.partial_kv"
+    if asked == "keep" and not keep_awake:
+        raise ConfigError(f"{key}=keep keeps responses' KV through training, but the engine is not kept awake "
+                          "(rollout.engine_keep_awake is off or chose off: the CPU, FSDP, tight memory): its KV cache "
+                          f"is freed at every update; set rollout.engine_keep_awake=true or {key}=auto / prefill")
+    if asked != "auto":
+        return Choice(key, asked, asked, "set in the config")
+    if keep_awake:
+        return Choice(key, None, "keep", "the engine is kept awake: unfinished responses keep their slots and KV")
+    return Choice(key, None, "prefill", "the engine sleeps through training: unfinished responses are re-prefilled")
 
 
 def micro_batch_rule(*, device_type: str, sequence_tokens: int, mini_batch_sequences: int, fixed_bytes: int,
@@ -277,6 +300,7 @@ class SpeedChoices:
     engine_compile: Choice
     engine_keep_awake: Choice
     packing: Optional[Choice] = None   # filled in by the builder once set_packing chose (per role; the actor's)
+    partial_kv: Optional[Choice] = None            # rollout.partial_kv (None: no asynchronous stream here)
     micro_batch_tokens: Optional[Choice] = None    # ppo.micro_batch_tokens (an int)
     keep_head_logits: Optional[Choice] = None      # ppo.keep_head_logits
     train_graphs: Optional[Choice] = None          # ppo.train_graphs
@@ -289,8 +313,9 @@ class SpeedChoices:
 
     def all(self) -> list[Choice]:
         return [c for c in (self.actor_compile, self.critic_compile, self.engine_compile, self.engine_keep_awake,
-                            self.packing, self.stream_reference, self.checkpoint_layers, self.offload_activations,
-                            self.optimizer_offload, self.micro_batch_tokens, self.keep_head_logits, self.train_graphs)
+                            self.partial_kv, self.packing, self.stream_reference, self.checkpoint_layers,
+                            self.offload_activations, self.optimizer_offload, self.micro_batch_tokens,
+                            self.keep_head_logits, self.train_graphs)
                 if c is not None]
 
     @property

@@ -185,7 +185,7 @@ def _auto_settings(cfg: Config) -> list[str]:
     lines = []
     for key, rule in AUTO_RULES.items():
         value, _ = _lookup(cfg, key)
-        shown = "auto" if value is None else f"{str(value).lower()} (set: the rule is not applied)"
+        shown = "auto" if value in (None, "auto") else f"{str(value).lower()} (set: the rule is not applied)"
         lines.append(f"#   {key:<26} = {shown}")
         lines.append(f"#   {'':<26}   rule: {rule}")
     lines.append("#   (`phaserl train` prints the choices and why at start; "

@@ -99,6 +99,12 @@ class RolloutConfig:
     on_stale: str = spec("restart", "asynchronous rollout: a response whose oldest token would pass max_staleness is "
                                     "started over (restart) or its whole group dropped (drop); counted either way",
                          choices=["restart", "drop"])
+    partial_kv: str = spec("auto", "asynchronous rollout: what a response still decoding (or an episode waiting for "
+                                   "its tool) keeps across an update: keep = its slot and KV in a decode session kept "
+                                   "through training (no prefill next phase; needs engine_keep_awake), prefill = its "
+                                   "ids prefilled again next phase; auto = keep when the engine is kept awake, else "
+                                   "prefill (docs/async.md)",
+                           choices=["auto", "keep", "prefill"])
     ranks: int = spec(0, "rollout ranks: under torchrun the last `ranks` ranks only generate and the others only "
                          "train, sending new weights to them after each optimizer step (docs/distributed.md, 'Rollout "
                          "ranks'). 0 = every rank both generates and trains (the hybrid actor)", min=0)

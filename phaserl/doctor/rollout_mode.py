@@ -32,7 +32,7 @@ def check_rollout_mode(ctx: Context) -> CheckResult:
               f"groups per rank in flight, those due within {ahead} step(s) decoding ({kind} cut at a batch "
               "continue after the update); a sample past the bound "
               f"is {'started over' if r.on_stale == 'restart' else 'dropped with its group'} (rollout.on_stale="
-              f"{r.on_stale}); correction: {mode}")
+              f"{r.on_stale}); correction: {mode}; {_partial_kv(r)}")
     warnings = []
     if mode == "none":
         warnings.append("algorithm.rollout_correction=none: the update treats tokens of older policies as its own "
@@ -41,6 +41,24 @@ def check_rollout_mode(ctx: Context) -> CheckResult:
         warnings.append(f"rollout.max_staleness={k} at actor.optim.lr={lr:g}: tokens up to {k} updates old at this "
                         f"learning rate (k x lr = {k * lr:.2g} > {DRIFT_WARN:g}); learning parity with the synchronous "
                         "step was measured at k <= 2 (docs/async.md): lower k or the learning rate")
+    if r.partial_kv == "keep" and r.engine_keep_awake is False and not r.ranks:
+        warnings.append("rollout.partial_kv=keep needs the engine kept awake, and rollout.engine_keep_awake=false: "
+                        "the run refuses to start; set engine_keep_awake=true or partial_kv=auto")
     if warnings:
         return CheckResult("rollout mode", WARN, detail, fix="; ".join(warnings))
     return CheckResult("rollout mode", OK, detail)
+
+
+def _partial_kv(r) -> str:
+    """What a response still decoding at an update keeps (rollout.partial_kv; config/auto.py partial_kv_choice). With
+    engine_keep_awake auto the run decides it (the memory line's count): both outcomes are named."""
+    if r.ranks:
+        return "partial rollouts re-prefilled on the rollout ranks"
+    kept = {True: "keep", False: "prefill", None: None}[r.engine_keep_awake]
+    if r.partial_kv == "prefill" or (r.partial_kv == "auto" and kept == "prefill"):
+        return f"partial rollouts re-prefilled after each update (rollout.partial_kv={r.partial_kv} -> prefill)"
+    if r.partial_kv == "keep" or kept == "keep":
+        return (f"partial rollouts keep their slots and KV through training (rollout.partial_kv={r.partial_kv} -> "
+                "keep)")
+    return ("partial rollouts keep their KV when the engine is kept awake, else are re-prefilled "
+            "(rollout.partial_kv=auto, rollout.engine_keep_awake=auto: see the memory check)")

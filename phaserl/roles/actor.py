@@ -163,15 +163,23 @@ class HybridActor(CheckpointedRole):
                         batch_size=batch_size, generator=generator)
 
     def decode_session(self, params: SamplingParams, *, slot_len: int, eos_token_ids: list, num_slots: int,
-                       generator: Optional[torch.Generator] = None):
+                       generator: Optional[torch.Generator] = None, keep: bool = False):
         """A multi-turn DecodeSession of the engine (a context manager: rollout/session.py), or None when the
-        model runs on the transformers fallback (the caller then re-prefills every turn through generate)."""
+        model runs on the transformers fallback (the caller then re-prefills every turn through generate).
+        keep: a session that outlives this rollout phase (RolloutEngine.open_session: the object itself, each phase
+        run inside `with session.phase():`); only an engine kept awake keeps its slots through training."""
         if self.mode != "rollout" and self.hybrid.enable_rollout_optimization_switch:
             raise RuntimeError("HybridActor.decode_session called in training mode: wrap it in "
                                "`with actor.rollout_mode():`")
         self._ensure_engine()
         if self.engine is None:
             return None
+        if keep:
+            if not self.engine.config.keep_awake:
+                raise ConfigError("a decode session kept across training needs the engine kept awake "
+                                  "(rollout.engine_keep_awake=true), or rollout.partial_kv=prefill")
+            return self.engine.open_session(params, slot_len=slot_len, eos_token_ids=eos_token_ids,
+                                            num_slots=num_slots, generator=generator)
         return self.engine.session(params, slot_len=slot_len, eos_token_ids=eos_token_ids, num_slots=num_slots,
                                    generator=generator)
 

@@ -227,6 +227,25 @@ class RolloutEngine:
         slot_len: the longest sequence (prompt + every turn and appended observation); params.max_new_tokens
         caps one turn. num_slots: most sequences held at once, decoding or parked (None: config.max_slots).
         """
+        start = time.perf_counter()
+        session = self.open_session(params, slot_len=slot_len, eos_token_ids=eos_token_ids, num_slots=num_slots,
+                                    generator=generator)
+        with session.phase():
+            yield session
+        st = session.stats
+        self.last_stats = {"steps": st.steps, "seconds": time.perf_counter() - start, "slots": session.num_slots,
+                           "slot_len": session.slot_len, "graphs": len(self.runner.graphs), "new_tokens": st.new_tokens,
+                           "turns": st.turns, "extend_tokens": st.extend_tokens, "prefill_tokens": st.prefill_tokens,
+                           "busy_slot_steps": st.busy_slot_steps, "stepped_rows": st.stepped_rows, "swaps": st.swaps,
+                           **st.extra}
+
+    def open_session(self, params: SamplingParams, *, slot_len: int, eos_token_ids: list[int],
+                     num_slots: Optional[int] = None, generator: Optional[torch.Generator] = None) -> DecodeSession:
+        """A DecodeSession that may outlive a rollout phase (session.py): its slots are laid out and its noise seed
+        drawn now; every use runs inside `with session.phase():` (inference mode, the weight copies refilled).
+        Between phases the engine must stay as it is (kept awake through training): any later generate(), session,
+        release or model move makes this one lost (DecodeSession.lost), never silently reused. Arguments as
+        session()'s."""
         weight = self._follow_model()
         slot_len = _round_slot(slot_len)
         slots = session_slots(num_slots, self.config.max_slots, self.pool.slots_that_fit(slot_len), slot_len,
@@ -236,17 +255,10 @@ class RolloutEngine:
         with torch.inference_mode(), _seeded(generator, self.device):
             self.runner.vision = {}  # the session sets its prompts' images at each prefill
             self.runner.begin(slots, slot_len, params.max_new_tokens, params, stop_ids)
-            session = DecodeSession(self.runner, num_slots=slots, slot_len=slot_len,
-                                    max_turn_tokens=params.max_new_tokens, stop_ids=stop_ids,
-                                    vocab_size=weight.shape[0])
-            session.stats.extra["begin_seconds"] = time.perf_counter() - start
-            yield session
-        st = session.stats
-        self.last_stats = {"steps": st.steps, "seconds": time.perf_counter() - start, "slots": slots,
-                           "slot_len": slot_len, "graphs": len(self.runner.graphs), "new_tokens": st.new_tokens,
-                           "turns": st.turns, "extend_tokens": st.extend_tokens, "prefill_tokens": st.prefill_tokens,
-                           "busy_slot_steps": st.busy_slot_steps, "stepped_rows": st.stepped_rows, "swaps": st.swaps,
-                           **st.extra}
+        session = DecodeSession(self.runner, num_slots=slots, slot_len=slot_len, max_turn_tokens=params.max_new_tokens,
+                                stop_ids=stop_ids, vocab_size=weight.shape[0])
+        session.stats.extra["begin_seconds"] = time.perf_counter() - start
+        return session
 
     def _follow_model(self) -> torch.Tensor:
         """The model's output weight, after rebuilding the pool and runner if the model moved or changed dtype

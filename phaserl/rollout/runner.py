@@ -191,6 +191,7 @@ class ModelRunner:
         self.vision: dict = {}
         self.rope_shift: Optional[Tensor] = None  # [slots]
         self.extending: list = []  # an extend pass's appended images (images.extend_images)
+        self.epoch = 0  # counts begin() and release() calls: a decode session knows its slots are still its own
         prepare_device(self.device)
 
     def release(self) -> None:
@@ -199,12 +200,14 @@ class ModelRunner:
         torch 2.11's allocator."""
         self.graphs, self.layout, self.keys, self.values, self.state = {}, None, None, None, None
         self.graph_pool, self.weights, self.pointers, self.routes = None, None, None, None
+        self.epoch += 1
 
     # ----- per call -------------------------------------------------------------------------------
     def begin(self, num_slots: int, slot_len: int, max_new: int, params: SamplingParams,
               stop_ids: list[int]) -> None:
         """Lay out slots (reusing the previous layout when it is large enough), refresh the fused weights,
         reset state. Graphs of the same layout and weight addresses stay valid; new ones are captured lazily."""
+        self.epoch += 1  # a session begun before reads state this call resets: it is lost (DecodeSession.lost)
         want = (num_slots, slot_len, max_new)
         grown = want if self.layout is None else tuple(map(max, self.layout, want))
         fit = self.pool.slots_that_fit(grown[1])

@@ -4,8 +4,10 @@ The same contract as stream.AsyncStream (read its docstring first): up to (k + 1
 flight, a rollout phase runs until the step's groups (the oldest in flight) are complete, what is unfinished
 carries on. Here a group is a prompt's n *episodes* (agents.episodes: EpisodeRunner.begin_runs / run_phase), and an
 episode outlives a phase whole: a turn cut mid-decode continues from its ids, an episode waiting for its
-environment keeps waiting (its call runs on while the trainer trains; only its KV slot is freed), and the answer
-is used in the next phase. So a tool's latency never holds the GPU: other episodes decode meanwhile, in this
+environment keeps waiting (its call runs on while the trainer trains), and the answer is used in the next phase.
+With rollout.partial_kv=keep both keep their slot and KV in the stream's kept session (the cut turn decodes on, the
+answer is appended with extend); with prefill, their slots are freed and their ids prefilled again next phase.
+So a tool's latency never holds the GPU: other episodes decode meanwhile, in this
 phase or the next. Every sampled id records its policy version (Segment.versions).
 
 The lookahead and the pace are the token stream's: a phase begins the episodes of the groups due within
@@ -62,6 +64,9 @@ class AgentStream(AsyncStream):
     """rollout.max_staleness >= 1 for agent.env runs."""
 
     PHASE_STATS = (*AsyncStream.PHASE_STATS, "async/parked_episodes")
+    LEFT_STATS = {"async/cut_samples": "cut", "async/parked_episodes": "released", "async/kept_sequences": "kept",
+                  "async/kept_tokens": "kept_tokens", "async/reprefilled_sequences": "reprefilled",
+                  "async/reprefill_tokens": "reprefill_tokens"}  # from EpisodeRunner.run_phase's counts
 
     def __init__(self, *, agent, **kwargs):
         super().__init__(**kwargs)
@@ -107,10 +112,12 @@ class AgentStream(AsyncStream):
             stale = [i for i, r in enumerate(group.runs) if (_oldest(r) is not None and _oldest(r) < floor)]
             if stale and self.on_stale == "drop":
                 for r in group.runs:
+                    self.runner.forget_slot(r, self.session)
                     self.runner.abandon(r)
                 stats["async/dropped_groups"] += 1
                 continue
             for i in stale:
+                self.runner.forget_slot(group.runs[i], self.session)
                 self.runner.abandon(group.runs[i])
                 group.runs[i] = self._begin(trainer, group.item, i)
                 stats["async/restarted_samples"] += 1
@@ -121,18 +128,18 @@ class AgentStream(AsyncStream):
         run = trainer.run
         runner = self._runner(trainer)
         eos = [] if run.ignore_eos else run.eos_token_ids
-        run.sampling_generator.manual_seed(self.noise_seed)
-        session = trainer.actor.decode_session(run.sampling, slot_len=runner.limits.max_episode_tokens,
-                                               eos_token_ids=eos, num_slots=self.slots,
-                                               generator=run.sampling_generator)
-        runs = [r for g in self._startable() for r in g.runs]  # the token stream's lookahead (trainer/stream.py)
+        # the token stream's lookahead (trainer/stream.py); the runs a kept session holds are among them (they were
+        # last phase, and the window only moves forward)
+        runs = [r for g in self._startable() for r in g.runs]
         pace = self.pace_steps()  # the token stream's pace, in decode steps, so batches do not run as cohorts
-        with session as s:
-            left = runner.run_phase(s, runs, version=version, enough=lambda: self._batch_ready() and (
-                s.stats.steps >= pace or not self._unfinished()))
-        stats["async/phase_steps"] = float(s.stats.steps)
-        stats["async/cut_samples"] = float(left["cut"])
-        stats["async/parked_episodes"] = float(left["released"])
+        with self._open(trainer, run.sampling, slot_len=runner.limits.max_episode_tokens, eos=eos, stats=stats) as s:
+            begun = s.stats.steps  # a kept session counts every phase's steps
+            left = runner.run_phase(s, runs, version=version, keep=self.session is not None,
+                                    enough=lambda: self._batch_ready() and (
+                                        s.stats.steps - begun >= pace or not self._unfinished()))
+        stats["async/phase_steps"] = float(s.stats.steps - begun)
+        for key, name in self.LEFT_STATS.items():
+            stats[key] = float(left[name])
 
     def _scored(self, trainer, groups: list) -> ScoredBatch:
         run = trainer.run
@@ -149,6 +156,7 @@ class AgentStream(AsyncStream):
     def load_state_dict(self, state: dict) -> None:
         if int(state["n"]) != self.n:
             raise ValueError(f"the checkpoint's stream has rollout.n={state['n']}, this run {self.n}")
+        self._forget_session()  # its episodes are replaced: the saved prompts begin again
         rank, world = rank_and_world()
         saved = state["ranks"]
         groups = saved[rank]["episode_groups"] if len(saved) == world else sorted(

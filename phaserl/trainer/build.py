@@ -32,7 +32,7 @@ from ..algo import (
 )
 from ..compile_cache import enable_compile_cache
 from ..config import Config, Derived, check_context_length, derive, load_config, to_dict
-from ..config.auto import SpeedChoices
+from ..config.auto import SpeedChoices, partial_kv_choice
 from ..config.load import with_overrides
 from ..config.validate import (
     GROUP_ESTIMATORS,
@@ -210,6 +210,8 @@ def prepare_roles(cfg: Config, roles: Roles, d: Derived, *, world_size: int) -> 
     if a.sequence_parallel > 1:  # after FSDP: the groups' all-to-alls run inside the sharded layers
         sequence_groups(a.sequence_parallel, actor, ref, r.bitwise)
     speed = choose_speed(cfg, roles, d, world_size=world_size)  # auto compile / keep_awake, before optimizer state
+    speed = dataclasses.replace(speed, partial_kv=partial_kv_choice(  # after keep_awake: keep needs it
+        r.partial_kv, max_staleness=r.max_staleness, rollout_ranks=r.ranks, keep_awake=speed.engine_keep_awake.value))
     if speed.compiles:  # before the first compile: torch's caches persist in phaserl's cache directory
         enable_compile_cache(resolve_compile_cache_dir())
     total_optim_steps = cfg.trainer.total_steps * d.optimizer_steps_per_rl_step
@@ -297,7 +299,8 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
         else single_round,
         rollout_phase=phases.phase, agent=phases.agent, harness=phases.harness,
         stream=rollout_stream(cfg, phases.train_prompts.dataset, prompts_per_rank=d.prompts_per_rank,
-                              agent=phases.agent, model=roles.actor.model),
+                              agent=phases.agent, model=roles.actor.model,
+                              partial_kv=speed.partial_kv.value if speed.partial_kv else "prefill"),
         reward=phases.reward,  # 3. score
         shape_scores=(OverlongShaping(r.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
                       if alg.overlong_buffer else no_shaping),
@@ -316,9 +319,11 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
         speed=speed, compile_watch=compile_watch(speed, roles, rank=rank))
 
 
-def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, model=None):
+def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, model=None,
+                   partial_kv: str = "prefill"):
     """Phases 1-3's source (trainer/stream.py): the synchronous step, the asynchronous stream (max_staleness >= 1),
-    or the groups rollout ranks send (rollout.ranks >= 1, trainer/remote_stream.py)."""
+    or the groups rollout ranks send (rollout.ranks >= 1, trainer/remote_stream.py). partial_kv: rollout.partial_kv
+    as chosen (config/auto.py partial_kv_choice)."""
     r, alg = cfg.rollout, cfg.algorithm
     if r.max_staleness == 0 and not r.ranks:
         return SyncStream()
@@ -342,7 +347,7 @@ def rollout_stream(cfg: Config, dataset, *, prompts_per_rank: int, agent=None, m
     in_flight = (async_lookahead(r.max_staleness) + 1) * prompts_per_rank * r.n
     return kind(max_staleness=r.max_staleness, on_stale=r.on_stale, n=r.n, prompts_per_rank=prompts_per_rank,
                 slots=min(in_flight, r.engine_max_slots), noise_seed=cfg.trainer.seed * 7919 + 17,
-                dataset=dataset, **extra)
+                dataset=dataset, partial_kv=partial_kv, **extra)
 
 
 def policy_loss_fn(a) -> functools.partial:

@@ -7,9 +7,13 @@
     k >= 1  AsyncStream: responses are produced by a rollout that outlives the step. Up to (k + 1) steps'
             worth of groups (a prompt and its n responses) are in flight; a rollout phase decodes until
             the step's groups (the oldest in flight) are complete, then hands them to training. The
-            responses still decoding are not thrown away: they are cut (DecodeSession.suspend), and the
-            next rollout phase continues them under the updated weights, their KV re-prefilled from the ids
-            so far. Every sampled token keeps the policy version (optimizer steps before it) that sampled
+            responses still decoding are not thrown away: the next rollout phase continues them under the
+            updated weights. rollout.partial_kv says how: `keep` (an engine kept awake through training)
+            pauses them in one DecodeSession that outlives the phases (DecodeSession.pause: slots and KV kept,
+            no prefill next phase); `prefill` cuts them (DecodeSession.suspend) and re-prefills their KV from
+            the ids so far. A kept session that was lost in between (a validation generate(), a reloaded
+            model) falls back to the re-prefill for its samples. Every sampled token keeps the policy version
+            (optimizer steps before it) that sampled
             it and its behaviour log-prob; a group enters a batch only while its oldest token is at most k
             versions behind the weights being trained. A sample that would break the bound is started over
             (rollout.on_stale: restart) or its group dropped (drop), counted either way.
@@ -54,6 +58,7 @@ from .rollout_phase import build_rollout_batch, group_offset
 
 log = logging.getLogger("phaserl")
 STALE_ACTIONS = ("restart", "drop")
+PARTIAL_KV = ("keep", "prefill")  # rollout.partial_kv once resolved (config/auto.py partial_kv_rule)
 KEY_RANKS = 1 << 16  # noise keys leave room for this many ranks
 
 
@@ -85,6 +90,7 @@ class Sample:
     versions: list = field(default_factory=list)   # the policy version that sampled each
     finish: Optional[str] = None                   # "stop" | "length" once complete
     cuts: int = 0                                  # rollout phases that ended before it did
+    in_session: bool = False                       # its sequence holds a slot of the stream's kept session
 
     def start_over(self, key: int) -> None:
         self.key, self.ids, self.logprobs, self.versions, self.finish, self.cuts = key, [], [], [], None, 0
@@ -111,15 +117,22 @@ class Group:
 class AsyncStream:
     """rollout.max_staleness = k >= 1 (the module docstring). State: the groups in flight, saved in checkpoints."""
 
-    PHASE_STATS = ("async/restarted_samples", "async/dropped_groups", "async/cut_samples", "async/phase_steps")
+    PHASE_STATS = ("async/restarted_samples", "async/dropped_groups", "async/cut_samples", "async/phase_steps",
+                   "async/kept_sequences", "async/kept_tokens", "async/reprefilled_sequences",
+                   "async/reprefill_tokens", "async/lost_sessions")
 
     def __init__(self, *, max_staleness: int, on_stale: str, n: int, prompts_per_rank: int, slots: int,
-                 noise_seed: int, dataset):
+                 noise_seed: int, dataset, partial_kv: str = "prefill"):
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 1:
             raise ConfigError(f"rollout.max_staleness={max_staleness!r}: AsyncStream needs an integer >= 1 "
                               "(0 is the synchronous step)")
         if on_stale not in STALE_ACTIONS:
             raise ConfigError(f"rollout.on_stale={on_stale!r}: choose one of {', '.join(STALE_ACTIONS)}")
+        if partial_kv not in PARTIAL_KV:
+            raise ConfigError(f"rollout.partial_kv={partial_kv!r} reached the stream unresolved: choose one of "
+                              f"{', '.join(PARTIAL_KV)} (auto is resolved by the builder)")
+        self.partial_kv = partial_kv
+        self.session = None         # partial_kv=keep: the DecodeSession kept across phases (None: none open)
         self.max_staleness, self.on_stale, self.n = max_staleness, on_stale, n
         self.prompts_per_rank, self.slots, self.noise_seed = prompts_per_rank, slots, noise_seed
         self.dataset = dataset      # the training PromptDataset: a checkpoint names its prompts by index
@@ -181,7 +194,48 @@ class AsyncStream:
         pass
 
     def close(self) -> None:
-        pass
+        self._forget_session()
+
+    # ----- the kept session (partial_kv=keep) ------------------------------------------------------
+    def _open(self, trainer, params, *, slot_len: int, eos: list, stats: dict):
+        """This phase's session and the context to run it in: the kept one (opened at the first phase; a lost one
+        is forgotten first, its samples re-prefilled like cut ones) or, with prefill, a fresh one."""
+        run = trainer.run
+        keep = self.partial_kv == "keep"
+        if keep and self.session is not None and self.session.lost is not None:
+            log.info(f"async rollout: the kept decode session was lost ({self.session.lost}); its samples are "
+                     "re-prefilled from their ids")
+            stats["async/lost_sessions"] += 1
+            self._forget_session()
+        if self.session is None:
+            run.sampling_generator.manual_seed(self.noise_seed)  # one seed for the stream: noise keyed by sample
+            session = trainer.actor.decode_session(params, slot_len=slot_len, eos_token_ids=eos,
+                                                   num_slots=self.slots,  # one layout every phase: graphs kept
+                                                   generator=run.sampling_generator, keep=keep)
+            if session is None:
+                raise ConfigError("rollout.max_staleness >= 1 continues responses across updates in the built-in "
+                                  "engine; this model runs on the transformers fallback (rollout.engine=hf or a "
+                                  "non-native family): set rollout.max_staleness=0")
+            if not keep:
+                return session
+            self.session = session
+        return self.session.phase()
+
+    def _forget_session(self) -> None:
+        """Close the kept session (lost or not): every sample it held continues by a re-prefill of its ids."""
+        if self.session is None:
+            return
+        for group in self.groups:
+            for sample in group.samples:
+                sample.in_session = False
+        if self.session.lost is None:
+            self.session.close()
+        self.session = None
+
+    def _free_kept(self, key) -> None:
+        """A sample given up (restarted, its group dropped) gives its kept slot back."""
+        if self.session is not None and self.session.lost is None and key in self.session.live:
+            self.session.drop(key)
 
     def _add_groups(self, indexed: list, trainer) -> None:
         rank, world = rank_and_world()
@@ -204,9 +258,13 @@ class AsyncStream:
         for group in self.groups:
             stale = [s for s in group.samples if s.versions and s.versions[0] < floor]
             if stale and self.on_stale == "drop":
+                for sample in group.samples:
+                    self._free_kept(sample.key)
                 stats["async/dropped_groups"] += 1
                 continue
             for sample in stale:
+                self._free_kept(sample.key)
+                sample.in_session = False
                 sample.start_over(self._new_key(rank, world))
                 stats["async/restarted_samples"] += 1
             kept.append(group)
@@ -218,51 +276,61 @@ class AsyncStream:
         kept for the next phase)."""
         run = trainer.run
         params = run.sampling
-        pending = deque(s for g in self._startable() for s in g.samples if s.finish is None)
+        unfinished = [s for g in self._startable() for s in g.samples if s.finish is None]
         owner = {id(s): g for g in self.groups for s in g.samples}
-        by_key = {s.key: s for s in pending}
+        by_key = {s.key: s for g in self.groups for s in g.samples if s.finish is None}
         # the dataset's longest prompt, not this phase's: one slot layout for the run, so decode graphs are kept
-        longest = self.longest_prompt or max(len(owner[id(s)].item.prompt_ids) for s in pending)
+        longest = self.longest_prompt or max(len(owner[id(s)].item.prompt_ids) for s in unfinished)
         slot_len = longest + params.max_new_tokens
         eos = [] if run.ignore_eos else run.eos_token_ids
-        # one seed for the stream: noise keyed by sample and position
-        run.sampling_generator.manual_seed(self.noise_seed)
-        session = trainer.actor.decode_session(params, slot_len=slot_len, eos_token_ids=eos,
-                                               num_slots=self.slots,  # one layout every phase: graphs kept
-                                               generator=run.sampling_generator)
-        if session is None:
-            raise ConfigError("rollout.max_staleness >= 1 continues responses across updates in the built-in engine; "
-                              "this model runs on the transformers fallback (rollout.engine=hf or a non-native "
-                              "family): set rollout.max_staleness=0")
         due = {id(g) for g in self.groups[:self.prompts_per_rank] if not g.complete}  # the batch's, incomplete
         admit_at = max(1, self.slots // 16)  # prefill several sequences per pass
         pace, steps = self.pace_steps(), 0
-        with session as s:
+        with self._open(trainer, params, slot_len=slot_len, eos=eos, stats=stats) as s:
+            pending = deque(s for s in unfinished if not s.in_session)  # kept ones continue in their slots
             while due or (steps < pace and (pending or s.decoding)):
                 if pending and s.free_slots and (s.free_slots >= min(admit_at, len(pending)) or not s.decoding):
                     while pending and s.free_slots:
-                        sample = pending.popleft()
-                        prompt = list(owner[id(sample)].item.prompt_ids)
-                        s.start(sample.key, prompt + sample.ids, params.max_new_tokens - len(sample.ids),
-                                noise_key=sample.key)
+                        self._start(s, pending.popleft(), owner, params, stats)
                 assert not s.idle, "async rollout stalled with groups incomplete"
                 steps += 1
                 for turn in s.step():
                     sample = by_key[turn.key]
                     self._append(sample, turn, version)
                     s.release(turn.key)
+                    sample.in_session = False
                     if owner[id(sample)].complete:
                         due.discard(id(owner[id(sample)]))
                         self._submit_scores(run, owner[id(sample)])  # scored by the reward workers meanwhile
-            ended, cut = s.suspend()
-        for turn in ended + cut:
+            ended, left = s.pause() if self.partial_kv == "keep" else s.suspend()
+        for turn in ended + left:
             self._append(by_key[turn.key], turn, version)
             if owner[id(by_key[turn.key])].complete:
                 self._submit_scores(run, owner[id(by_key[turn.key])])
-        for turn in cut:
-            by_key[turn.key].cuts += 1
-        stats["async/cut_samples"] = float(len(cut))
+        for turn in ended:
+            if self.session is not None:  # kept: an ended turn parks its sequence; the sample is complete
+                s.release(turn.key)
+            by_key[turn.key].in_session = False
+        for turn in left:
+            sample = by_key[turn.key]
+            sample.cuts += 1
+            if self.session is not None:  # paused in its slot: the next phase continues it with no prefill
+                stats["async/kept_sequences"] += 1
+                stats["async/kept_tokens"] += s.held(turn.key)
+            else:
+                sample.in_session = False
+        stats["async/cut_samples"] = float(len(left))
         stats["async/phase_steps"] = float(steps)
+
+    def _start(self, s, sample: Sample, owner: dict, params, stats: dict) -> None:
+        """Start a sample in a free slot: from its prompt, or (a response cut by an earlier phase, or held by a kept
+        session that was lost) from its prompt and the ids sampled so far, re-prefilled."""
+        prompt = list(owner[id(sample)].item.prompt_ids)
+        s.start(sample.key, prompt + sample.ids, params.max_new_tokens - len(sample.ids), noise_key=sample.key)
+        sample.in_session = True
+        if sample.ids:
+            stats["async/reprefilled_sequences"] += 1
+            stats["async/reprefill_tokens"] += len(prompt) + len(sample.ids)
 
     def _append(self, sample: Sample, turn, version: int) -> None:
         sample.ids += turn.token_ids
@@ -340,6 +408,7 @@ class AsyncStream:
         in turn (another number: each group whole, so nothing is lost or trained twice)."""
         if int(state["n"]) != self.n:
             raise ValueError(f"the checkpoint's stream has rollout.n={state['n']}, this run {self.n}")
+        self._forget_session()  # the samples it held are replaced: theirs continue by re-prefill from the saved ids
         rank, world = rank_and_world()
         saved = state["ranks"]
         if len(saved) == world:
