@@ -18,6 +18,11 @@ torch.cuda.utilization() sampled every 50 ms during the timed steps; null where 
     python benchmarks/long_tail.py                       # GPU: 0.5b, sync vs async k = 1 and 3 (k = 2 decodes as 1)
     python benchmarks/long_tail.py --tiny --steps 2      # CPU smoke test
     python benchmarks/long_tail.py --ks 3 --max-run-keys 1024   # the decode attention's run bound (one process each)
+    python benchmarks/long_tail.py --ks 1 --partial-kv keep prefill   # partial responses kept vs re-prefilled
+
+--partial-kv: the async cases' rollout.partial_kv (default auto: keep when the engine is kept awake, as a user's run
+chooses); keep needs rollout.engine_keep_awake on (`--set rollout.engine_keep_awake=true` on the CPU). Each case's
+line counts kept_sequences, reprefill_tokens and lost_sessions (a kept session lost between steps).
 """
 from __future__ import annotations
 
@@ -68,6 +73,8 @@ class LengthTail:
         actor.engine.generate = capped_generate
 
         def capped_session(*args, **kwargs):
+            if kwargs.get("keep"):  # a session kept across phases (rollout.partial_kv=keep): the object itself
+                return cap_starts(session(*args, **kwargs), self)
             return CappedSession(session(*args, **kwargs), self)
         actor.decode_session = capped_session
 
@@ -83,20 +90,25 @@ class CappedSession:
         self.inner, self.tail = inner, tail
 
     def __enter__(self):
-        s = self.inner.__enter__()
-        start, tail = s.start, self.tail
-
-        def capped_start(key, prompt_ids, cap, noise_key=None):
-            if key not in tail.by_key:  # drawn once: setdefault would draw (and advance the generator) every time
-                tail.by_key[key] = tail.draw()
-            target = tail.by_key[key]
-            done = tail.longest - cap   # ids sampled before this phase (cap = max_new_tokens - done)
-            return start(key, prompt_ids, max(1, min(cap, target - done)), noise_key=noise_key)
-        s.start = capped_start
-        return s
+        return cap_starts(self.inner.__enter__(), self.tail)
 
     def __exit__(self, *exc):
         return self.inner.__exit__(*exc)
+
+
+def cap_starts(s, tail):
+    """Session `s` with its start() capping each sample at its drawn length (a kept session's paused samples are not
+    started again: they keep the cap they started with)."""
+    start = s.start
+
+    def capped_start(key, prompt_ids, cap, noise_key=None):
+        if key not in tail.by_key:  # drawn once: setdefault would draw (and advance the generator) every time
+            tail.by_key[key] = tail.draw()
+        target = tail.by_key[key]
+        done = tail.longest - cap   # ids sampled before this phase (cap = max_new_tokens - done)
+        return start(key, prompt_ids, max(1, min(cap, target - done)), noise_key=noise_key)
+    s.start = capped_start
+    return s
 
 
 class BusySampler:
@@ -129,13 +141,14 @@ class BusySampler:
         return round(statistics.mean(self.values) / 100, 3) if self.values else None
 
 
-def run_case(trainer, name: str, k: int, a) -> dict:
+def run_case(trainer, name: str, k: int, a, partial_kv: str = "prefill") -> dict:
     from phaserl.trainer.build import rollout_stream
 
     cfg = dataclasses.replace(a.cfg, rollout=dataclasses.replace(a.cfg.rollout, max_staleness=k))
+    trainer.run.stream.close()  # the last case's kept session (if any) gives its slots back
     trainer.run = dataclasses.replace(trainer.run, stream=rollout_stream(
-        cfg, trainer.run.train_prompts.dataset, prompts_per_rank=a.prompts))
-    steps = []
+        cfg, trainer.run.train_prompts.dataset, prompts_per_rank=a.prompts, partial_kv=partial_kv))
+    steps, phases_seen = [], 0
     for i in range(a.warmup + a.steps):
         timed = i >= a.warmup
         if timed and i == a.warmup:
@@ -153,6 +166,9 @@ def run_case(trainer, name: str, k: int, a) -> dict:
         # async: the tokens this step's rollout phase decoded (a step whose batch was ready decodes none); sync: all
         # sampled tokens are the trained ones
         after = trainer.actor.engine.last_stats
+        kept = getattr(trainer.run.stream, "session", None)  # partial_kv=keep: one session, its per-phase counts
+        if kept is not None:
+            after, phases_seen = (kept.last_phase if kept.phases != phases_seen else before), kept.phases
         sampled = trained if not k else (after.get("new_tokens", 0) if after is not before else 0)
         step = dict(measure="step", case=name, step=i, warmup=not timed, seconds=round(seconds, 3),
                     trained_tokens=round(trained), sampled_tokens=round(sampled),
@@ -168,7 +184,11 @@ def run_case(trainer, name: str, k: int, a) -> dict:
     timed = [s for s in steps if not s["warmup"]]
     wall = sum(s["seconds"] for s in timed)
     tokens = sum(s["trained_tokens"] for s in timed)
-    summary = dict(measure="case", case=name, max_staleness=k, steps_timed=len(timed),
+    summary = dict(measure="case", case=name, max_staleness=k, partial_kv=partial_kv if k else None,
+                   steps_timed=len(timed),
+                   kept_sequences=sum(s.get("async/kept_sequences", 0) for s in timed),
+                   reprefill_tokens=sum(s.get("async/reprefill_tokens", 0) for s in timed),
+                   lost_sessions=sum(s.get("async/lost_sessions", 0) for s in timed),
                    trained_tokens_per_s=round(tokens / wall), s_per_step=round(wall / len(timed), 3),
                    sampled_tokens_per_s=round(sum(s["sampled_tokens"] for s in timed) / wall),
                    gpu_busy=busy.mean,
@@ -196,6 +216,9 @@ def main(argv=None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (every case)")
     p.add_argument("--sync-once", action="store_true", help="measure the synchronous case once (default: first and "
                    "last, to show a run-order effect)")
+    p.add_argument("--partial-kv", nargs="+", choices=["auto", "keep", "prefill"], default=["auto"],
+                   help="each async case with these rollout.partial_kv modes in turn (A/B: keep prefill); auto = what "
+                        "a user gets: keep when the engine is kept awake (rollout.engine_keep_awake), else prefill")
     p.add_argument("--max-run-keys", type=int, default=None, help="rollout/kernels.py's MAX_RUN_KEYS for this run "
                    "(the decode attention's bound on the keys one program walks; default: the product's)")
     a = p.parse_args(argv)
@@ -239,8 +262,14 @@ def main(argv=None) -> None:
     emit(measure="setup", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
          prompts=a.prompts, n=a.n, longest=a.longest, ks=a.ks, overrides=a.set,
          engine_memory_fraction=a.cfg.rollout.engine_memory_fraction, engine_max_slots=a.cfg.rollout.engine_max_slots)
-    cases = [("sync", 0)] + [(f"async_k{k}", k) for k in a.ks] + ([] if a.sync_once else [("sync_again", 0)])
-    results = [run_case(trainer, name, k, a) for name, k in cases]
+    from phaserl.config.auto import partial_kv_choice
+
+    kept_awake = trainer.actor.engine.config.keep_awake
+    modes = [partial_kv_choice(m, max_staleness=1, rollout_ranks=0, keep_awake=kept_awake).value for m in a.partial_kv]
+    named = len(modes) > 1  # several modes: each async case's name says which
+    cases = [("sync", 0, "prefill")] + [(f"async_k{k}" + (f"_{m}" if named else ""), k, m) for k in a.ks for m in modes]
+    cases += [] if a.sync_once else [("sync_again", 0, "prefill")]
+    results = [run_case(trainer, name, k, a, mode) for name, k, mode in cases]
     sync = statistics.mean(r["trained_tokens_per_s"] for r in results if r["max_staleness"] == 0)
     emit(measure="summary", sync_trained_tokens_per_s=round(sync),
          speedup={r["case"]: round(r["trained_tokens_per_s"] / sync, 3) for r in results if r["max_staleness"]},

@@ -274,3 +274,64 @@ def test_the_doctor_names_what_partial_rollouts_keep(overrides, status, words):
 
     result = check_rollout_mode(Context(cfg=load_doctor_config(None, overrides), world_size=1))
     assert result.status == status and words in result.message + result.fix, (result.message, result.fix)
+
+
+# ----- whole runs (the CPU engine kept awake by the setting) ---------------------------------------------------------
+def _versions_ok(seen: list) -> None:
+    for step, versions, mask in seen:
+        sampled = versions[mask.bool()]
+        assert (versions[~mask.bool()] == -1).all() and (sampled >= step - 1).all() and (sampled <= step).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("val_interval", [0, 2])
+def test_a_kept_token_stream_trains_valid_batches_and_a_validation_falls_back_to_re_prefill(tmp_path, val_interval):
+    """k = 1 with the engine kept awake on the CPU: partial responses stay in their slots (nothing re-prefilled, every
+    token's version recorded). A validation generate() between steps loses the kept session: the next phase says so
+    and re-prefills its responses, then keeps again."""
+    import json
+
+    from phaserl.trainer import RLTrainer
+    from tests.test_async_stream import _tiny_cfg
+
+    trainer = RLTrainer.from_config(_tiny_cfg(
+        tmp_path, "rollout.max_staleness=1", "rollout.max_new_tokens=6", "rollout.engine_keep_awake=true",
+        f"trainer.val_interval={val_interval}", "trainer.total_steps=5"))
+    assert trainer.run.speed.partial_kv.line() == ("rollout.partial_kv=auto -> keep: the engine is kept awake: "
+                                                   "unfinished responses keep their slots and KV")
+    seen, update = [], trainer.update
+    trainer.update = lambda train: (seen.append((trainer.step_num, train.rollout.token_versions.clone(),
+                                                 train.rollout.loss_mask.clone())), update(train))[1]
+    trainer.fit()
+    _versions_ok(seen)
+    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert sum(m["async/kept_sequences"] for m in lines) > 0 and any(m["async/staleness_max"] == 1 for m in lines)
+    lost = [m["async/lost_sessions"] for m in lines]
+    if val_interval:
+        assert lost == [0, 0, 1, 0, 1] and lines[2]["async/reprefill_tokens"] > 0  # validated after steps 2 and 4
+    else:
+        assert lost == [0] * 5 and all(m["async/reprefill_tokens"] == 0 for m in lines)
+    assert trainer.run.stream.session is None  # closed at the end of fit
+
+
+@pytest.mark.slow
+def test_kept_agent_episodes_train_with_their_versions_and_nothing_re_prefilled(tmp_path):
+    import json
+
+    from phaserl.cli import QUICKSTART_CONFIGS
+    from phaserl.config import load_config
+    from phaserl.trainer import RLTrainer
+
+    cfg = load_config(QUICKSTART_CONFIGS["agent"], [
+        f"trainer.log_dir={tmp_path / 'logs'}", f"trainer.checkpoint_path={tmp_path / 'ckpt'}", "trainer.total_steps=4",
+        "trainer.val_interval=0", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
+        "rollout.prompts_per_step=8", "rollout.max_staleness=1", "rollout.engine_keep_awake=true"])
+    trainer = RLTrainer.from_config(cfg)
+    seen, update = [], trainer.update
+    trainer.update = lambda train: (seen.append((trainer.step_num, train.rollout.token_versions.clone(),
+                                                 train.rollout.loss_mask.clone())), update(train))[1]
+    trainer.fit()
+    _versions_ok(seen)
+    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert sum(m["async/kept_sequences"] for m in lines) > 0
+    assert all(m["async/reprefill_tokens"] == 0 and m["async/parked_episodes"] == 0 for m in lines)

@@ -24,6 +24,7 @@ phase's end `pause()` reports what the turns in progress sampled so far and leav
 weight copies from the updated model and continues them with no prefill. The session is *lost* (`lost` names why)
 once anything lays out or frees the engine's slots in between (a generate() call, another session, release, the
 model's parameters moved); a lost session must not decode again: its callers re-prefill from the ids they recorded.
+Those phase methods live in session_phases.py (PhasedSession, this class's base).
 Made by `RolloutEngine.session(...)` / `open_session(...)`. Host-side bookkeeping plus calls into the runner; no
 threads, no environments, no tokenizer (phaserl.agents drives it).
 """
@@ -32,7 +33,6 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
@@ -41,21 +41,11 @@ import torch
 from phaserl.errors import DataError
 from phaserl.rollout.images import vision_prefills
 from phaserl.rollout.kv_pool import slot_index
-from phaserl.rollout.runner import ModelRunner, module_tensors
+from phaserl.rollout.runner import ModelRunner
+from phaserl.rollout.session_phases import PhasedSession, Turn
 
 FIRST_GATHER_S = 0.01  # before the first step: resets answering within this of the first one prefill together
 PACK_SHRINK = 0.25  # resumed sequences move down only when the decode step loses at least this share of its rows
-
-
-@dataclass
-class Turn:
-    """One ended model turn of a sequence."""
-
-    key: Hashable
-    token_ids: list      # the sampled ids, in order (a stop token included when one ended the turn)
-    logprobs: list       # the sampler's log-prob of each id
-    stopped: bool        # True: a stop token ended it; False: its cap did
-    partial: bool = False  # True: suspend() cut it short (neither a stop token nor its cap ended it)
 
 
 @dataclass(eq=False)
@@ -86,7 +76,7 @@ class SessionStats:
     extra: dict = field(default_factory=dict)
 
 
-class DecodeSession:
+class DecodeSession(PhasedSession):
     def __init__(self, runner: ModelRunner, *, num_slots: int, slot_len: int, max_turn_tokens: int,
                  stop_ids: list[int], vocab_size: int):
         self.runner, self.num_slots, self.slot_len = runner, num_slots, slot_len
@@ -107,95 +97,7 @@ class DecodeSession:
         self._pass_seconds = 0.0                 # host wall of the last prefill or extend call (eager: its launches)
         self.stats = SessionStats()
         self._t0 = time.perf_counter()
-        self._epoch = runner.epoch               # the runner's layout this session was begun in (runner.begin)
-        self._marks = weight_marks(runner)       # where the weights it reads sit: moved = lost
-        self._fresh = True                       # begun just now: the first phase needs no weight refill
-        self.closed = False
-
-    # ----- a session that outlives a phase -------------------------------------------------------
-    @property
-    def lost(self) -> Optional[str]:
-        """Why this session's slots can no longer be decoded (None: they can). Its sequences' KV and decode state
-        are gone or reused once the runner was laid out again or released (a generate() call, another session,
-        engine.release / a sleep that frees, a model moved or cast: RolloutEngine._follow_model), or the weights
-        its graphs and copies read moved (a checkpoint loaded into new tensors)."""
-        if self.closed:
-            return "the session was closed"
-        if self.runner.epoch != self._epoch:
-            return ("the engine laid out or freed its slots since (a generate() call, another session, a release, "
-                    "or the model moved)")
-        if weight_marks(self.runner) != self._marks:
-            return "the model's parameters moved (new tensors, another dtype or device)"
-        return None
-
-    @contextmanager
-    def phase(self):
-        """One rollout phase: the runner's calls run in inference mode, after the engine's weight copies (fused
-        projections, merged LoRA) are refilled from the model's parameters, which an update changed in place
-        (captured graphs read the same buffers). A lost session raises: its KV must not be read."""
-        reason = self.lost
-        if reason is not None:
-            raise RuntimeError(f"DecodeSession.phase: the session is lost: {reason}; start a new one")
-        with torch.inference_mode():
-            if not self._fresh:
-                self.runner.refresh_weights()
-            self._fresh, self._last_decode = False, None  # the gap across training is no decode step's time
-            yield self
-
-    def pause(self) -> tuple[list[Turn], list[Turn]]:
-        """End a phase without losing what decodes: (turns that had ended, turns in progress so far).
-
-        As in suspend() the device is synchronised once and a sequence whose last step ended its turn comes back as
-        an ended Turn (then parked, as after any step). Every other decoding sequence comes back as a `partial` Turn
-        with the ids sampled since its last report, and keeps its slot, KV and decode state: the next phase's steps
-        continue it where it was, no prefill (the next step feeds its last sampled id; its noise is keyed by sequence
-        and position, so its draws are those of an uncut turn), and the Turn that ends it holds the ids after those
-        reported here. Queued prefills and extends stay queued. Parked sequences stay."""
-        queued = {id(live) for live in self._starts} | {id(item[0]) for item in self._extends}
-        running = [live for live in self.by_slot if live is not None and live.decoding and id(live) not in queued]
-        ended, paused = [], []
-        if running:
-            for live, (toks, lps, done) in zip(running, self._outputs([live.slot for live in running], flags=True)):
-                new, new_lps = toks[live.reported:], lps[live.reported:]
-                if done:
-                    ended.append(self._end_turn(live, toks, lps))
-                else:
-                    live.reported = len(toks)
-                    paused.append(Turn(live.key, new, new_lps, stopped=False, partial=True))
-                self.stats.new_tokens += len(new)
-        self._known = None  # every running slot was read just now
-        self.stats.turns += len(ended)
-        return ended, paused
-
-    def held(self, key: Hashable) -> int:
-        """Ids of the sequence whose KV its slot holds or is computing (a turn in progress: those reported so far):
-        what a re-prefill of it would cost."""
-        live = self.live[key]
-        return live.length + live.reported
-
-    def drop(self, key: Hashable) -> None:
-        """Free a sequence's slot whatever it is doing (decoding, queued or parked): for a sample given up between
-        phases (restarted for staleness, its group dropped). A decoding slot is stopped on the device."""
-        live = self.live.pop(key)
-        self._prompts.pop(key, None)
-        self._starts = [lv for lv in self._starts if lv is not live]
-        extends = [item for item in self._extends if item[0] is not live]
-        queued_extend = len(extends) != len(self._extends)
-        self._extends = extends
-        if live.decoding:  # a queued start is not decoding yet; a queued extend is, and is not on the device yet
-            self._decoding -= 1
-        if live.decoding and not queued_extend and self.lost is None:
-            with torch.inference_mode():
-                self.runner.state.finished[live.slot] = True  # its steps write nothing but its trash column now
-        live.decoding = False
-        self.by_slot[live.slot] = None
-        heapq.heappush(self.free, live.slot)
-
-    def close(self) -> None:
-        """Give every slot back (host bookkeeping only) and mark the session lost."""
-        for key in list(self.live):
-            self.drop(key)
-        self.closed = True
+        self._begin_phases(runner)               # a session may outlive a phase (session_phases.py)
 
     # ----- what the caller asks -------------------------------------------------------------------
     @property
@@ -540,14 +442,6 @@ class DecodeSession:
         if bad:
             raise DataError(f"sequence {key!r}: token ids {bad[:5]} are outside the model's vocabulary "
                             f"[0, {self.vocab_size})")
-
-
-def weight_marks(runner: ModelRunner) -> tuple:
-    """Where the weights a session's copies and graphs read sit now: every layer parameter's address, and the output
-    head's address, dtype and device. Training changes them in place (the same marks); new tensors do not."""
-    out = runner.model.output_weight
-    layers = runner.model.model.layers
-    return tuple(t.data_ptr() for layer in layers for t in module_tensors(layer)), out.data_ptr(), out.dtype, out.device
 
 
 def session_slots(requested: Optional[int], max_slots: int, fit: Optional[int], slot_len: int, capacity: int) -> int:
