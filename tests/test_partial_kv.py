@@ -137,6 +137,10 @@ def _stream_phases(engine, partial_kv: str, expected: dict, between=None) -> tup
         done.update({s.key: (s.ids, s.logprobs, s.versions) for s in batch.samples})
         if between is not None:
             between(version)
+        if stream.session is not None and stream.session.lost is None:  # no slot leaked: the held ones are in flight
+            held = [s.key for g in stream.groups for s in g.samples if s.in_session]
+            assert sorted(stream.session.live) == sorted(held)
+            assert stream.session.free_slots == stream.session.num_slots - len(held)
     stream.close()
     return done, phases, stream
 

@@ -203,7 +203,7 @@ class EpisodeRunner:
         # its samples do not depend on timing or slots
         session.start(run.index, ids, cap, noise_key=key, **_pixels(run.images))
         run.in_session = True
-        if len(run.segments) > 1 or run.cut[0]:  # an episode under way: its ids so far prefilled again
+        if run.num_turns or run.cut[0]:  # an episode under way (a turn sampled): its ids so far prefilled again
             self._reprefills[0] += 1
             self._reprefills[1] += len(ids)
 
