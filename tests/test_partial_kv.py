@@ -339,3 +339,43 @@ def test_kept_agent_episodes_train_with_their_versions_and_nothing_re_prefilled(
     lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
     assert sum(m["async/kept_sequences"] for m in lines) > 0
     assert all(m["async/reprefill_tokens"] == 0 and m["async/parked_episodes"] == 0 for m in lines)
+
+
+def test_a_kept_qwen35_session_refills_its_merged_lora_copies_after_an_update(tmp_path_factory):
+    """The hybrid runner's own copies (the DeltaNet projections' merged LoRA weights) are refilled at a kept
+    session's next phase, as the attention layers' are: the update changed the adapters in place."""
+    from _qwen35_pair import make_pair
+    from phaserl.models import CausalLM
+    from phaserl.models.linear_attention import decode_weights
+    from phaserl.models.lora import LoRASettings, apply_lora, resolve_targets
+
+    _, ours, _ = make_pair(tmp_path_factory)
+    model = CausalLM(ours.config)
+    model.load_state_dict(ours.state_dict())
+    apply_lora(model, LoRASettings(rank=4, alpha=8.0, target_modules=resolve_targets(["all-linear"])))
+    model.eval()
+    engine = RolloutEngine(model, EngineConfig(max_slots=2, keep_awake=True))
+    s = engine.open_session(SamplingParams(max_new_tokens=8, temperature=1.0), slot_len=64, eos_token_ids=[],
+                            generator=torch.Generator().manual_seed(0))
+    with s.phase():
+        s.start(0, [5, 6, 7, 8], 8, noise_key=0)
+        s.step(), s.step()
+        _, paused = s.pause()
+    assert paused and paused[0].partial
+    with torch.no_grad():  # the update: adapters change in place
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    runner = engine.runner
+    linear = [m for m in model.model.layers if m.linear]
+    first = [m.linear for m in model.model.layers].index(True)
+    with torch.no_grad():
+        fresh = {i: decode_weights(m.linear_attn).qkv for i, m in enumerate(model.model.layers) if m.linear}
+    assert linear and not torch.equal(runner.linear_weights[first].qkv, fresh[first])  # stale until the next phase
+    with s.phase():  # refilled before anything decodes
+        for i, qkv in fresh.items():
+            torch.testing.assert_close(runner.linear_weights[i].qkv, qkv, atol=0, rtol=0)
+        while not s.idle:
+            for turn in s.step():
+                s.release(turn.key)
+    assert s.free_slots == 2

@@ -123,6 +123,17 @@ class HybridRunner(ModelRunner):
         super().release()
         self.recurrent, self.linear_weights = None, []
 
+    def refresh_weights(self) -> None:
+        """ModelRunner.refresh_weights, and the linear layers' decode tensors (merged LoRA copies refilled in place)
+        and post_attention's view of the attention weights: what begin() refills, for an open session."""
+        super().refresh_weights()
+        if self.weights is None:
+            return
+        with torch.inference_mode():
+            self.post_weights = [w._replace(q=None, k=None, v=None) for w in self.weights]
+            self.linear_weights = [decode_weights(m.linear_attn, old) if m.linear else None
+                                   for m, old in zip(self.layer_modules, self.linear_weights)]
+
     def begin(self, num_slots, slot_len, max_new, params, stop_ids) -> None:
         graphs, self.use_graphs = self.use_graphs, False  # capture only once the recurrent state exists
         try:
