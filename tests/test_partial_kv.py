@@ -379,3 +379,50 @@ def test_a_kept_qwen35_session_refills_its_merged_lora_copies_after_an_update(tm
             for turn in s.step():
                 s.release(turn.key)
     assert s.free_slots == 2
+
+
+@pytest.mark.gpu
+def test_gpu_a_kept_session_replays_its_graphs_with_the_weights_of_the_update():
+    """CUDA graphs and fused weight copies: after an in-place update between two phases, the next phase refills the
+    copies the graphs read (equal to fresh ones), replays the graphs captured in the first phase (none captured
+    again), ends every paused turn at its cap, and a generate() afterwards loses the session."""
+    from phaserl.models import CausalLM, DecoderConfig
+    from phaserl.rollout.runner import fused_weights
+
+    torch.manual_seed(0)
+    cfg = DecoderConfig(model_type="qwen2", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
+                        max_position_embeddings=1024)
+    model = CausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    engine = RolloutEngine(model, EngineConfig(max_slots=8, keep_awake=True))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    s = engine.open_session(params, slot_len=128, eos_token_ids=[], generator=torch.Generator().manual_seed(0))
+    got = {k: [] for k in range(8)}
+    with s.phase():
+        for k in range(8):
+            s.start(k, [k + 1] * (5 + k), params.max_new_tokens, noise_key=k)
+        for _ in range(6):
+            s.step()
+        ended, paused = s.pause()
+    assert not ended and len(paused) == 8
+    for turn in paused:
+        got[turn.key] += turn.token_ids
+    graphs = dict(engine.runner.graphs)
+    with torch.no_grad():  # the update, in place
+        for p in model.parameters():
+            p.mul_(1.01)
+    with s.phase():
+        for layer, w in zip(model.model.layers, engine.runner.weights):
+            with torch.no_grad():
+                fresh = fused_weights(layer)
+            for a, b in zip(w, fresh):
+                if isinstance(a, torch.Tensor):
+                    assert torch.equal(a, b)
+        while not s.idle:
+            for turn in s.step():
+                got[turn.key] += turn.token_ids
+                s.release(turn.key)
+    assert all(len(ids) == params.max_new_tokens for ids in got.values())
+    assert all(engine.runner.graphs.get(key) is graph for key, graph in graphs.items())
+    engine.generate([[1, 2, 3]], params, eos_token_ids=[], pad_token_id=0)
+    assert s.lost is not None
