@@ -183,9 +183,10 @@ def test_a_kept_session_lost_to_a_validation_generate_falls_back_to_re_prefill_a
         assert ids == expected[key][0], key
 
 
-def test_a_sample_restarted_for_staleness_gives_its_kept_slot_back():
+@pytest.mark.parametrize("on_stale", ["restart", "drop"])
+def test_a_sample_restarted_or_dropped_for_staleness_gives_its_kept_slot_back(on_stale):
     engine = _engine(slots=3)
-    stream = AsyncStream(max_staleness=1, on_stale="restart", n=2, prompts_per_rank=1, slots=3, noise_seed=SEED,
+    stream = AsyncStream(max_staleness=1, on_stale=on_stale, n=2, prompts_per_rank=1, slots=3, noise_seed=SEED,
                          dataset=None, partial_kv="keep")
     stream.groups = [_group(0, [0, 6]), _group(1, [1, 7])]
     head = stream.groups[0].samples[0]  # staggered lengths: the phase ends with sample 7 part-way
@@ -195,7 +196,8 @@ def test_a_sample_restarted_for_staleness_gives_its_kept_slot_back():
     assert [s.key for s in held] == [7] and stream.session.free_slots == 2
     stats = {"async/restarted_samples": 0.0, "async/dropped_groups": 0.0}
     stream._enforce_bound(2, stats)  # version 2, k = 1: tokens of version 0 are past the bound
-    assert stats["async/restarted_samples"] >= 1 and stream.session.free_slots == 3
+    assert stats["async/restarted_samples" if on_stale == "restart" else "async/dropped_groups"] >= 1
+    assert stream.session.free_slots == 3 and not stream.session.live and stream.session.idle
     assert not any(s.in_session for g in stream.groups for s in g.samples)
     stream.close()
 
