@@ -428,3 +428,32 @@ def test_gpu_a_kept_session_replays_its_graphs_with_the_weights_of_the_update():
     assert all(engine.runner.graphs.get(key) is graph for key, graph in graphs.items())
     engine.generate([[1, 2, 3]], params, eos_token_ids=[], pad_token_id=0)
     assert s.lost is not None
+
+
+@pytest.mark.slow
+def test_a_kept_run_resumed_from_a_checkpoint_is_the_run_that_went_on(tmp_path):
+    """A checkpoint ends the kept session (the responses in flight are saved as ids; a resume re-prefills them), so
+    the run that goes on re-prefills them at its next phase too: a run resumed from step 2 trains steps 3-4 with
+    the same metrics and ends with the same weights as the run that never stopped."""
+    import json
+
+    from phaserl.trainer import RLTrainer
+    from tests.test_async_stream import _tiny_cfg
+
+    def run(name: str, steps: int):
+        extra = ["rollout.max_staleness=1", "rollout.max_new_tokens=6", "rollout.engine_keep_awake=true",
+                 "trainer.save_interval=2", f"trainer.total_steps={steps}"]
+        trainer = RLTrainer.from_config(_tiny_cfg(tmp_path / name, *extra))
+        trainer.fit()
+        lines = [json.loads(line) for line in open(tmp_path / name / "logs" / "metrics.jsonl")]
+        kept = [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "hybrid/to_"))} for m in lines]
+        return trainer, kept
+
+    straight, expected = run("straight", 4)
+    run("resumed", 2)
+    resumed, got = run("resumed", 4)  # the same directory: resumes from its step_2
+    assert [m["step"] for m in got] == [1, 2, 3, 4] and got[2:] == expected[2:]
+    assert expected[2]["async/reprefill_tokens"] > 0 and expected[2]["async/lost_sessions"] == 0  # the save's end
+    assert sum(m["async/kept_sequences"] for m in expected) > 0
+    for (name, a), b in zip(straight.actor.model.state_dict().items(), resumed.actor.model.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -149,6 +149,10 @@ class AgentStream(AsyncStream):
         return ScoredBatch(batch, run.shape_scores(run.reward.score(batch), batch))
 
     # ----- checkpoints: which prompts were in flight (their episodes begin again on resume) ------------
+    def _end_kept_for_checkpoint(self) -> None:
+        """Nothing: a resume begins the episodes in flight again from their prompts (not exact in any case), so the
+        run that goes on keeps its episodes' slots."""
+
     def _own_state(self) -> dict:
         return {"next_order": self.next_order, "next_key": self.next_key,
                 "episode_groups": [{"order": g.order, "index": g.index} for g in self.groups]}

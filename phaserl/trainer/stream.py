@@ -232,6 +232,12 @@ class AsyncStream:
             self.session.close()
         self.session = None
 
+    def _end_kept_for_checkpoint(self) -> None:
+        """A checkpoint ends the kept session. The checkpoint holds the responses in flight as ids (their KV cannot be
+        saved), so a run resumed from it re-prefills them; the run that goes on re-prefills them too, at its next
+        phase, and the two stay one run (docs/checkpoints.md's exact resume). One re-prefill per checkpoint."""
+        self._forget_session()
+
     def _free_kept(self, key) -> None:
         """A sample given up (restarted, its group dropped) gives its kept slot back."""
         if self.session is not None and self.session.lost is None and key in self.session.live:
@@ -381,6 +387,7 @@ class AsyncStream:
     # ----- checkpoints ------------------------------------------------------------------------------
     def gather_for_save(self) -> None:
         """Collective (every rank, before a checkpoint is written): rank 0 gets every rank's groups."""
+        self._end_kept_for_checkpoint()
         mine = self._own_state()
         rank, world = rank_and_world()
         if world == 1:
