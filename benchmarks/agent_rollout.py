@@ -28,10 +28,15 @@ tools.
     python benchmarks/agent_rollout.py --latency-ms 0 --profile-extend --extend-kernel off   # the torch attention
     python benchmarks/agent_rollout.py --latency-ms 0 50 --jitter-ms 50 \
         --engine-compile off on             # H200: both variants, one engine each, in one run
+    python benchmarks/agent_rollout.py --latency-ms 50 --jitter-ms 50 --async-phases 3 \
+        --partial-kv keep prefill           # the async cases with kept slots vs re-prefilled ones, same engine
 
 Variants (--engine-compile: off / on / auto each): each gets its own engine (EngineConfig.compile) and its own
 single-turn baseline; every line names it. The last line (case=variants) sets them side by side per latency:
 tokens/s and the ratio to single turn.
+
+Async cases (--async-phases) also give partial_kv, kept_sequences (slots kept across phase ends), reprefill_tokens
+(ids prefilled again for episodes under way) and prefill_tokens (all prefilled ids of the timed phases).
 
 Fields: tokens_per_s (sampled tokens / median wall), vs_single_turn (that over the same engine's single-turn
 tokens/s), extend_passes and extend_pass_ms (device ms per extend pass),
