@@ -457,3 +457,10 @@ def test_a_kept_run_resumed_from_a_checkpoint_is_the_run_that_went_on(tmp_path):
     assert sum(m["async/kept_sequences"] for m in expected) > 0
     for (name, a), b in zip(straight.actor.model.state_dict().items(), resumed.actor.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_partial_kv_set_where_nothing_continues_is_warned_as_ignored(tmp_path):
+    from tests.test_async_stream import _tiny_cfg
+
+    with pytest.warns(UserWarning, match=r"rollout\.partial_kv = keep is ignored with rollout\.max_staleness = 0"):
+        _tiny_cfg(tmp_path, "rollout.partial_kv=keep")

@@ -331,6 +331,11 @@ def _warnings(cfg: Config, world_size: int) -> list[str]:
                    f"{cfg.actor.fsdp.sharding_strategy} on {world_size} ranks: the weights gathered for each "
                    "rollout land at new addresses, so the engine re-captures its graphs every step anyway while "
                    "its KV cache stays taken through the update; set rollout.engine_keep_awake = false")
+    r = cfg.rollout
+    if r.partial_kv != "auto" and (r.max_staleness == 0 or r.ranks):
+        why = "max_staleness = 0: no response continues across an update" if r.max_staleness == 0 else \
+            f"ranks = {r.ranks}: the rollout ranks re-prefill what they continue"
+        out.append(f"rollout.partial_kv = {r.partial_kv} is ignored with rollout.{why}; delete the key")
     if cfg.critic.enable is True and a.adv_estimator != "gae":
         out.append(f"critic.enable = true but algorithm.adv_estimator = {a.adv_estimator} does not use values: the "
                    "critic is trained every step and its values are ignored; set critic.enable = null")
