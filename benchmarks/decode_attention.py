@@ -17,7 +17,8 @@ Mixed cases are `long_tail.py`'s batch as the asynchronous stream holds it mid-p
 of 128, 192 and 256 rows (that stream steps ~185 rows on average) in 4,224-token slots (128-token prompt,
 responses up to 4,096), each row's context drawn with a fixed seed (MIXES; `-flat`: every row at the draw's mean
 context, the same bytes without the long rows, for the rate a split could reach at best). They sweep
-forced split counts and `attention_splits`' run bound (`keys:N` = max_run_keys N) with the kernel's launch, and
+forced split counts, `attention_splits`' run bound (`keys:N` = max_run_keys N) and runs of N keys, as many as each
+row needs (`rows:N`: kernels.ROW_RUNS) with the kernel's launch, and
 add per line: the longest row's context, `chain_keys` (the keys one program of that row walks), `kv_mb` from the
 sum of the rows' contexts, and `step_ms` (the layer's time x the model's layers: attention's share of one step).
 """
@@ -36,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from phaserl.models.layers import rope_tables  # noqa: E402
 from phaserl.rollout import kernels  # noqa: E402
 from qwen2_shapes import SHAPES  # noqa: E402
+
+MAX_RUN_KEYS = kernels.MAX_RUN_KEYS  # the engine's bound, restored after each rows:N setting
 from rollout import graph_ms  # noqa: E402
 
 # name: (model shape, rows, slot length, contexts); mixed cases: rows are decode buckets, contexts MIXES names
@@ -50,7 +53,7 @@ CASES = {
     "tiny-mixed": ("tiny", (8,), 96, ("mid-phase", "tail-end")),
 }
 UNIFORM_SPLITS = "default,1,2,3,4,6,8"
-MIXED_SPLITS = "default,1,2,3,4,6,8,12,16,keys:512,keys:1024,keys:2048"
+MIXED_SPLITS = "default,1,2,3,4,6,8,12,16,keys:512,keys:1024,keys:2048,rows:512,rows:1024"
 PROMPT, LONGEST, FULL_SLOT = 128, 4096, 4224  # long_tail.py's prompt and longest response; MIXES are drawn at this
 
 
@@ -109,9 +112,10 @@ def cdiv(a: int, b: int) -> int:
 
 def split_setting(token: str, rows: int, kv_heads: int, S: int) -> tuple:
     """--splits token -> (splits for decode_attention, its label): default (None: the kernel's own rule), an int
-    (forced), keys:N (attention_splits with max_run_keys N)."""
-    if token == "default":
-        return None, "default"
+    (forced), keys:N (attention_splits with max_run_keys N), rows:N (the kernel's rule with kernels.ROW_RUNS and
+    MAX_RUN_KEYS N: runs of N keys, as many as each row needs; long slots only)."""
+    if token == "default" or token.startswith("rows:"):
+        return None, token if token != "default" else "default"
     if token.startswith("keys:"):
         bound = int(token[len("keys:"):])
         return kernels.attention_splits(rows, kv_heads, S, bound), f"max_run_keys={bound}"
@@ -141,6 +145,8 @@ def run_case(name: str, split_tokens: list, device: str) -> None:
         base = {"case": name, "rows": b, "heads": [Hq, Hkv, D], "slot_len": S, "context": label}
         for token in split_tokens:
             splits, rule = split_setting(token, b, Hkv, S)
+            row_runs = token.startswith("rows:")
+            kernels.ROW_RUNS, kernels.MAX_RUN_KEYS = row_runs, int(token[5:]) if row_runs else MAX_RUN_KEYS
             for launch in LAUNCHES if not mixed else [None]:
                 block_n, warps, stages = launch or (None, None, None)
                 if splits is not None and block_n is not None and block_n * splits > 2 * S:
@@ -161,7 +167,8 @@ def run_case(name: str, split_tokens: list, device: str) -> None:
                 if mixed:
                     run = block_n or kernels.ATTENTION_BLOCK_N
                     record.update(longest=max(at), mean_context=round(sum(at) / b),
-                                  chain_keys=cdiv(cdiv(max(at), used), run) * run,
+                                  chain_keys=(cdiv(kernels.MAX_RUN_KEYS, run) * run if rule.startswith("rows:")
+                                              and S >= kernels.LONG_SLOT else cdiv(cdiv(max(at), used), run) * run),
                                   step_ms=round(ms * cfg["num_hidden_layers"], 3))
                 print(json.dumps(record), flush=True)
 
@@ -177,13 +184,14 @@ def main(argv=None) -> None:
     parser.add_argument("--case", default="0.5b-ref,1.5b-ref,1.5b-grpo,7b-grpo", help="comma-separated CASES")
     parser.add_argument("--splits", default=None,
                         help=f"comma-separated: default (the kernel's rule), N (forced), keys:N (the rule with "
-                             f"max_run_keys N); unset: {UNIFORM_SPLITS} (uniform cases), {MIXED_SPLITS} (mixed)")
+                             f"max_run_keys N), rows:N (runs of N keys as a row needs); unset: {UNIFORM_SPLITS} ("
+                             f"uniform cases), {MIXED_SPLITS} (mixed)")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, the tiny cases")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         global LAUNCHES
-        args.case, args.splits, LAUNCHES = "tiny,tiny-mixed", "default,2,keys:32", [None, (32, 4, 2)]
+        args.case, args.splits, LAUNCHES = "tiny,tiny-mixed", "default,2,keys:32,rows:32", [None, (32, 4, 2)]
     elif device != "cuda":
         sys.exit("decode_attention.py needs CUDA (or --smoke with TRITON_INTERPRET=1)")
     started = time.perf_counter()

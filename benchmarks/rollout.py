@@ -34,6 +34,7 @@ from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa:
 from phaserl.rollout import fused as rollout_fused  # noqa: E402
 from phaserl.rollout import kernels as rollout_kernels  # noqa: E402
 from phaserl.rollout import runner as rollout_runner  # noqa: E402
+from phaserl.rollout import sample_kernel as rollout_sampler  # noqa: E402
 from phaserl.rollout.torch_path import decode_attention  # noqa: E402
 from qwen2_shapes import SHAPES, decoder_config  # noqa: E402
 
@@ -289,9 +290,9 @@ def profile_step(model: CausalLM, engine: RolloutEngine, b: int, args) -> None:
             logits, torch.empty_like(logits, dtype=torch.float32).exponential_(), False, 1.0, 0, 1.0)),
             "torch_keyed_noise_ms": timer(lambda: runner.fns.noise(runner.seed, slots, at, cfg.vocab_size))}
         if rollout_kernels.available(keys.device):
-            times["triton_fused_ms"] = timer(lambda: rollout_kernels.sample(logits, runner.seed, slots, at, False, 1.0))
+            times["triton_fused_ms"] = timer(lambda: rollout_sampler.sample(logits, runner.seed, slots, at, False, 1.0))
             times["triton_fused_greedy_ms"] = timer(
-                lambda: rollout_kernels.sample(logits, runner.seed, slots, at, True, 1.0))
+                lambda: rollout_sampler.sample(logits, runner.seed, slots, at, True, 1.0))
     emit(case="sampling", shape=args.shape, rows=b, vocab=cfg.vocab_size, logits_gb=logits.numel() * 2 / 1e9, **times)
     if DEVICE == "cuda":
         gemm_times(runner, b, args)
@@ -379,9 +380,9 @@ def sweep_kernels(q, k, v, keys, values, pos, logits, seed, args, runner) -> Non
             emit(case="sweep_attention", shape=args.shape, rows=rows, block_n=block_n, splits=splits, num_warps=warps,
                  num_stages=stages, ms=ms)
         for block, warps in ((2048, 4), (4096, 4), (4096, 8)):
-            rollout_kernels.SAMPLE_BLOCK, rollout_kernels.SAMPLE_WARPS = block, warps
+            rollout_sampler.SAMPLE_BLOCK, rollout_sampler.SAMPLE_WARPS = block, warps
             emit(case="sweep_sampling", shape=args.shape, block=block, num_warps=warps,
-                 ms=graph_ms(lambda: rollout_kernels.sample(logits, *seed, False, 1.0)))
+                 ms=graph_ms(lambda: rollout_sampler.sample(logits, *seed, False, 1.0)))
 
 
 # ----- Hugging Face -------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from phaserl.algo import token_logprobs_from_hidden
 from phaserl.errors import ConfigError, DataError
 from phaserl.models import CausalLM, DecoderConfig
 from phaserl.roles import HybridActor
-from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels, sample_kernel
 from phaserl.rollout.runner import fused_weights
 from phaserl.rollout.scheduler import Scheduler, Sequence
 from phaserl.rollout.torch_path import cached_attention
@@ -259,24 +259,24 @@ def test_triton_decode_attention_equals_the_torch_path(dtype, heads):
 @pytest.mark.parametrize("programs", [1, 10**6])  # one program per row; or a program per block and a merge
 def test_triton_sampler_draws_from_softmax_over_temperature_with_exact_logprobs(block, programs, monkeypatch):
     device = kernel_device()
-    monkeypatch.setattr(kernels, "SAMPLE_BLOCK", block)
-    monkeypatch.setattr(kernels, "SAMPLE_PROGRAMS", programs)
+    monkeypatch.setattr(sample_kernel, "SAMPLE_BLOCK", block)
+    monkeypatch.setattr(sample_kernel, "SAMPLE_PROGRAMS", programs)
     z = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -30.0])
     rows, T = 3000, 1.5
     logits = z.repeat(rows, 1).to(device)  # [rows, 7]: many independent draws from one distribution
     seed = torch.tensor([1234], device=device)
     keys, at = torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device)  # one per row
-    tokens, logprobs = kernels.sample(logits, seed, keys, at, False, T)
+    tokens, logprobs = sample_kernel.sample(logits, seed, keys, at, False, T)
     probs = (z / T).softmax(-1)
     freq = torch.bincount(tokens.cpu(), minlength=7).float() / rows
     assert (freq - probs).abs().max() < 4 * (0.25 / rows) ** 0.5  # 4 sigma of a binomial at p = 0.5
     torch.testing.assert_close(logprobs.cpu(), probs.log()[tokens.cpu()], atol=1e-5, rtol=0)
-    again, _ = kernels.sample(logits, seed, keys, at, False, T)
+    again, _ = sample_kernel.sample(logits, seed, keys, at, False, T)
     assert torch.equal(again, tokens)  # same seed, same draws
     seed += 1
-    assert not torch.equal(kernels.sample(logits, seed, keys, at, False, T)[0], tokens)
+    assert not torch.equal(sample_kernel.sample(logits, seed, keys, at, False, T)[0], tokens)
     wide = torch.randn(4, 10000, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
-    greedy, greedy_lp = kernels.sample(wide, seed, keys[:4], at[:4], True, 1.0)  # several blocks per row
+    greedy, greedy_lp = sample_kernel.sample(wide, seed, keys[:4], at[:4], True, 1.0)  # several blocks per row
     assert torch.equal(greedy.cpu(), wide.float().argmax(-1).cpu())
     torch.testing.assert_close(greedy_lp.cpu(), wide.float().log_softmax(-1).amax(-1).cpu(), atol=1e-5, rtol=0)
 
@@ -284,7 +284,7 @@ def test_triton_sampler_draws_from_softmax_over_temperature_with_exact_logprobs(
 @pytest.mark.parametrize("greedy", [False, True])
 def test_the_split_sampler_draws_what_the_one_program_sampler_draws(greedy, monkeypatch):
     device = kernel_device()
-    monkeypatch.setattr(kernels, "SAMPLE_BLOCK", 64)  # 1000 columns: 16 blocks, the last one partial
+    monkeypatch.setattr(sample_kernel, "SAMPLE_BLOCK", 64)  # 1000 columns: 16 blocks, the last one partial
     g = torch.Generator().manual_seed(3)
     logits = (3 * torch.randn(6, 1000, generator=g)).to(device)
     logits[2, 130] = logits[2, 900] = logits[2].max() + 5  # a tie across splits: the first column wins greedily
@@ -292,8 +292,8 @@ def test_the_split_sampler_draws_what_the_one_program_sampler_draws(greedy, monk
     keys, at = torch.arange(6, device=device) * 11, torch.arange(6, device=device)
     draws = {}
     for programs in (1, 6 * 3, 6 * 5, 6 * 16):  # 1 split; 3 (spans of 6, the last of 4); 5 asked: 4 spans of 4; 16
-        monkeypatch.setattr(kernels, "SAMPLE_PROGRAMS", programs)
-        draws[kernels.sample_splits(6, 16)] = kernels.sample(logits, seed, keys, at, greedy, 0.8)
+        monkeypatch.setattr(sample_kernel, "SAMPLE_PROGRAMS", programs)
+        draws[sample_kernel.sample_splits(6, 16)] = sample_kernel.sample(logits, seed, keys, at, greedy, 0.8)
     assert sorted(draws) == [1, 3, 5, 16]
     tokens, logprobs = draws[1]
     for splits, (t, lp) in draws.items():

@@ -122,6 +122,15 @@ def test_fused_attention_with_a_run_bound_splits_mixed_lengths_and_equals_the_to
     check_fused_attention((4, 2, 16), slots=4, S=40, pos=pos, window=window, dtype=torch.float32, splits=None,
                           block_n=16)
     assert launched == [(4, 2, 1), (4, 2, 1), (4, 2, 3)]
+    # Runs of at least 16 keys, as many as each row needs (1, 1, 2 and 3 of the 3 programs): the others leave at once
+    # and the merge reads the used runs only; with 32 (2 programs), the rows at 3 and 17 keys take one run.
+    monkeypatch.setattr(kernels, "ROW_RUNS", True)
+    for bound in (16, 32):
+        monkeypatch.setattr(kernels, "MAX_RUN_KEYS", bound)
+        for p in (pos, [39, 0, 38, 16]):
+            check_fused_attention((4, 2, 16), slots=4, S=40, pos=p, window=window, dtype=torch.float32, splits=None,
+                                  block_n=16)
+    assert launched[3:] == [(4, 2, 3)] * 2 + [(4, 2, 2)] * 2
 
 
 class SpyKernel:
@@ -266,8 +275,9 @@ def test_the_decode_attention_benchmark_smoke_runs(capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert not [r for r in lines if "error" in r]
     assert [(r["splits"], r["rule"]) for r in lines if r["case"] == "tiny" and r["launch"] is None] == [
-        (1, "default"), (2, "forced"), (1, "max_run_keys=32")]  # 96-key slots: never a run under 128 keys
+        (1, "default"), (2, "forced"), (1, "max_run_keys=32"), (1, "rows:32")]  # 96-key slots: no run under 128 keys
     mixed = [r for r in lines if r["case"] == "tiny-mixed"]
     assert [(r["context"], r["rule"]) for r in mixed] == [(mix, rule) for mix in ("mid-phase", "tail-end")
-                                                          for rule in ("default", "forced", "max_run_keys=32")]
+                                                          for rule in ("default", "forced", "max_run_keys=32",
+                                                                       "rows:32")]
     assert all(r["longest"] < r["slot_len"] and r["chain_keys"] >= r["longest"] / r["splits"] for r in mixed)

@@ -4,7 +4,7 @@ The noise itself (sampling.keyed_noise: splitmix64 against its published test ve
 twin), the sampler it feeds (frequencies over many keys against softmax(z / T), with and without top-k),
 and what it buys: generate() gives the same samples whatever batch_size or refill do with the slots, and a
 DecodeSession gives the same turns when its sequences take other slots, decode beside others and resume in
-another order than a lock-step schedule. The Triton twins (kernels.sample, kernels.keyed_noise) run under
+another order than a lock-step schedule. The Triton twins (sample_kernel.sample, sample_kernel.keyed_noise) run under
 TRITON_INTERPRET=1 (or on CUDA).
 """
 import random
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels
+from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams, kernels, sample_kernel
 from phaserl.rollout.sampling import GAMMA, keyed_noise, mix64
 from phaserl.rollout.torch_path import sample_tokens
 from tests.test_rollout_engine import PROMPTS, tiny_model
@@ -195,21 +195,22 @@ def kernel_device() -> str:
 @pytest.mark.parametrize("block", [4096, 2])  # 2: four vocabulary blocks, the two-level draw at work
 def test_the_triton_sampler_draws_by_key_and_position_not_by_row(block, monkeypatch):
     device = kernel_device()
-    monkeypatch.setattr(kernels, "SAMPLE_BLOCK", block)
+    monkeypatch.setattr(sample_kernel, "SAMPLE_BLOCK", block)
     z = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5, 3.0, -30.0])
     rows, T = (3000 if device == "cuda" else 800), 1.5  # the interpreter runs each row's program in Python
     logits = z.repeat(rows, 1).to(device)
     seed, keys, at = (torch.tensor([77], device=device), torch.arange(rows, device=device),
                       torch.full((rows,), 5, device=device))
-    tokens, logprobs = kernels.sample(logits, seed, keys, at, False, T)
+    tokens, logprobs = sample_kernel.sample(logits, seed, keys, at, False, T)
     probs = (z / T).softmax(-1)
     freq = torch.bincount(tokens.cpu(), minlength=7).float() / rows
     assert (freq - probs).abs().max() < 4 * (0.25 / rows) ** 0.5  # over keys, a draw from softmax(z / T)
     torch.testing.assert_close(logprobs.cpu(), probs.log()[tokens.cpu()], atol=1e-5, rtol=0)
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(0)).to(device)
-    moved, _ = kernels.sample(logits, seed, keys[order].contiguous(), at[order].contiguous(), False, T)
+    moved, _ = sample_kernel.sample(logits, seed, keys[order].contiguous(), at[order].contiguous(), False, T)
     assert torch.equal(moved, tokens[order])  # each (key, position) draws the same token in any row
-    assert not torch.equal(kernels.sample(logits, seed, keys, at + 1, False, T)[0], tokens)
-    noise = kernels.keyed_noise(seed, keys, at, 7)  # the torch sampler's noise (top-k / top-p) on CUDA
+    assert not torch.equal(sample_kernel.sample(logits, seed, keys, at + 1, False, T)[0], tokens)
+    noise = sample_kernel.keyed_noise(seed, keys, at, 7)  # the torch sampler's noise (top-k / top-p) on CUDA
     assert (noise > 0).all() and abs(noise.mean().item() - 1) < 0.03
-    assert torch.equal(kernels.keyed_noise(seed, keys[order].contiguous(), at[order].contiguous(), 7), noise[order])
+    moved = sample_kernel.keyed_noise(seed, keys[order].contiguous(), at[order].contiguous(), 7)
+    assert torch.equal(moved, noise[order])

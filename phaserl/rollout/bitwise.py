@@ -25,7 +25,7 @@ import torch
 
 from phaserl.models import invariant
 from phaserl.models.layers import LayerWeights, post_attention, pre_attention, rms_norm
-from phaserl.rollout import kernels, torch_path
+from phaserl.rollout import kernels, sample_kernel, torch_path
 from phaserl.rollout.layer_fns import LayerFns
 
 Tensor = torch.Tensor
@@ -78,8 +78,8 @@ def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, tempera
 
 def fast_sample(logits: Tensor, seed: Tensor, keys: Tensor, at: Tensor, greedy: bool,
                 temperature: float) -> tuple[Tensor, Tensor]:
-    """kernels.sample's draw (no top-k/top-p; where Triton runs), the log-prob as sample_tokens gives it."""
-    tokens, _ = kernels.sample(logits, seed, keys, at, greedy, temperature)
+    """sample_kernel.sample's draw (no top-k/top-p; where Triton runs), the log-prob as sample_tokens gives it."""
+    tokens, _ = sample_kernel.sample(logits, seed, keys, at, greedy, temperature)
     return tokens, invariant.logprobs_of(invariant.scaled(logits, temperature), tokens)
 
 
@@ -111,5 +111,5 @@ FNS = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample
 def on_device(device) -> LayerFns:
     """FNS for a runner on `device`."""
     if kernels.available(device):
-        return FNS._replace(fast_sample=fast_sample, noise=kernels.keyed_noise)
+        return FNS._replace(fast_sample=fast_sample, noise=sample_kernel.keyed_noise)
     return FNS

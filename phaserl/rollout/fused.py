@@ -13,7 +13,7 @@ after the GEMM's rounding instead of inside its epilogue); tests/test_rollout_fu
 The extend pass (multi-turn continuation: M new tokens per row) runs the same layer with extend_kernel.py's
 prepare + extend_attention in place of the decode attention (fused_extend_layer): 9 launches a layer instead of
 the ~35 of layers.py's functions with the torch attention (an eager extend pass is bound by its launches).
-Not here: prefill (runner.py, SDPA), sampling (kernels.sample).
+Not here: prefill (runner.py, SDPA), sampling (sample_kernel.sample).
 
 Legend: b decode rows, N tokens (b, or C rows x M tokens of an extend pass), H hidden, Hq/Hkv heads, D head_dim,
 S slot_len.

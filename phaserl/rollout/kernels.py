@@ -1,5 +1,5 @@
-"""Triton kernels for the decode step: attention over each row's used context, norms, the gated activation,
-the slot-state update and one-pass sampling.
+"""Triton kernels for the decode step: attention over each row's used context, norms, the gated activation and
+the slot-state update (the sampler's: sample_kernel.py).
 
   decode_attention  one query token per row against its slot's cached keys/values [0, pos) (a sliding
                     layer's: the window before pos), plus the row's own new key/value, which the
@@ -12,21 +12,10 @@ the slot-state update and one-pass sampling.
   rms_norm          layers.rms_norm (every rounding style) in one kernel; add_rms_norm adds a residual first.
   gated             layers.activation(gate) * up from the [gate; up] GEMM output.
   record            kv_pool.SlotState.record: the step's tokens and log-probs into the slot state.
-  sample            per row, one pass over the logits: max and log-sum-exp (online), and a draw from
-                    softmax(z / T) by two-level Gumbel-max (a vocabulary block by its mass, then a token
-                    in that block, re-read), with noise from Philox keyed by the row's own seed, derived
-                    in the kernel from (the call's seed, the row's sequence key, the position it draws
-                    after) as sampling.row_states derives it; greedy = argmax z. Returns the token and its
-                    log-prob under log_softmax(z / T), like torch_path.sample_tokens. With fewer rows than
-                    SAMPLE_PROGRAMS, each row's blocks are split over programs and a second kernel merges
-                    their statistics and best blocks (the block keys depend on the block index only, so
-                    the draws do not change with the split).
-  keyed_noise       Exp(1) noise [b, V] for torch_path.sample_tokens (top-k / top-p), Philox under the same
-                    per-row seeds: the CUDA twin of sampling.keyed_noise (other numbers, the same law).
-All run inside CUDA graphs (no host sync; the seed, keys and positions live in device tensors).
+All run inside CUDA graphs (no host sync; the positions live in device tensors).
 The pure-torch versions of the same math live in layers.py, runner.py and kv_pool.py and are used on the CPU
 and without Triton; tests/test_rollout_fused.py compares each kernel with its twin.
-Not here: top-k / top-p filtering (the torch path does it), prefill attention (SDPA).
+Not here: sampling (sample_kernel.py), prefill attention (SDPA).
 
 Legend: b rows, Hq/Hkv heads, G = Hq / Hkv, D head_dim, S slot_len, V vocab.
 """
@@ -37,8 +26,6 @@ import os
 from typing import Optional
 
 import torch
-
-from phaserl.rollout.sampling import MIX1, MIX2
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: how the kernels are tested here
@@ -63,9 +50,8 @@ ATTENTION_BLOCK_N, ATTENTION_WARPS, ATTENTION_STAGES = 64, 4, 2
 NARROW_HEAD, NARROW_WARPS = 64, 2
 SPLIT_PROGRAMS, MIN_CHUNK = 512, 128
 MAX_RUN_KEYS, LONG_SLOT = 512, 4096  # None: no bound
+ROW_RUNS = False  # long slots: runs of MAX_RUN_KEYS, as many as a row needs (unmeasured)
 GATED_BLOCK = 1024
-SAMPLE_BLOCK, SAMPLE_WARPS = 4096, 8
-SAMPLE_PROGRAMS = 2048  # the sampler splits each row's vocabulary until about this many programs run
 
 if HAVE_TRITON:
     import triton
@@ -155,16 +141,22 @@ if HAVE_TRITON:
                                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_CHUNK: tl.constexpr,
                                  SPLITS: tl.constexpr, IEEE: tl.constexpr, PER_ROW_BOUND: tl.constexpr,
                                  HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, STYLE: tl.constexpr,
-                                 ROPE: tl.constexpr):
+                                 ROPE: tl.constexpr, MIN_RUN: tl.constexpr):
         """Program (row, kv head, split): the split-th of SPLITS equal runs of whole BLOCK_N blocks over the row's
         visible cached keys [lo, pos), sized from this row's own length, so every split has the same work at any
         context. Split 0 also takes the row's own key and writes the new k/v into the cache. One split: the
-        output directly; several: (max, sum, acc) per split into part/stat, for _combine_kernel."""
+        output directly; several: (max, sum, acc) per split into part/stat, for _combine_kernel. MIN_RUN > 0:
+        runs of at least MIN_RUN keys, so a short row needs fewer than SPLITS; its other programs leave at once."""
         row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         pos = tl.load(pos_ptr + row)  # this row's new token sits at `pos`; keys [0, pos) are cached
         lo = tl.maximum(pos - window + 1, 0)  # the first key a sliding layer sees (window >= slot_len: 0)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(pos - lo, SPLITS), BLOCK_N) * BLOCK_N, MIN_RUN)  # this row's keys a split
+        first = lo + split * chunk
+        if MIN_RUN > 0:
+            if (split > 0) & (first >= pos):  # a run this row does not need: the merge skips it too
+                return
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < GROUP, d < HEAD_DIM
@@ -188,8 +180,6 @@ if HAVE_TRITON:
         m = tl.where(own, s_own, float("-inf"))
         total = tl.where(own, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
         acc = tl.where(own, v_new.to(tl.float32), 0.0) + tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        chunk = tl.cdiv(tl.cdiv(pos - lo, SPLITS), BLOCK_N) * BLOCK_N  # this row's keys per split (<= MAX_CHUNK)
-        first = lo + split * chunk
         hi = tl.minimum(pos, first + chunk)
         if PER_ROW_BOUND:
             for start in range(first, hi, BLOCK_N):
@@ -211,11 +201,19 @@ if HAVE_TRITON:
             tl.store(stat_ptr + at * 2 + 1, total, mask=g_ok)
 
     @triton.jit
-    def _combine_kernel(part_ptr, stat_ptr, out_ptr, o_sb, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-        """Program (row, kv head): merge the splits' softmax partials (flash-decoding's second pass)."""
+    def _combine_kernel(part_ptr, stat_ptr, out_ptr, pos_ptr, window, o_sb, GROUP: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        SPLITS: tl.constexpr, MIN_RUN: tl.constexpr):
+        """Program (row, kv head): merge the splits' softmax partials (flash-decoding's second pass), the runs the
+        row used only (MIN_RUN > 0: the attention kernel's rule)."""
         row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
+        pos = tl.load(pos_ptr + row)
+        lo = tl.maximum(pos - window + 1, 0)
+        runs = SPLITS
+        if MIN_RUN > 0:
+            runs = tl.maximum(tl.cdiv(pos - lo, tl.maximum(tl.cdiv(tl.cdiv(pos - lo, SPLITS), BLOCK_N) * BLOCK_N,
+                                                           MIN_RUN)), 1)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < GROUP, d < HEAD_DIM
@@ -223,14 +221,17 @@ if HAVE_TRITON:
         base = (row * tl.num_programs(1) + kv_head) * SPLITS * GROUP
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         for s in range(0, SPLITS):
-            m = tl.maximum(m, tl.load(stat_ptr + (base + s * GROUP + g) * 2, mask=g_ok, other=0.0))
+            m_s = tl.load(stat_ptr + (base + s * GROUP + g) * 2, mask=g_ok & (s < runs), other=0.0)
+            m = tl.maximum(m, tl.where(s < runs, m_s, float("-inf")))
         total = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for s in range(0, SPLITS):
-            at = base + s * GROUP + g
-            weight = tl.exp(tl.load(stat_ptr + at * 2, mask=g_ok, other=0.0) - m)  # empty split: exp(-inf) = 0
-            total += weight * tl.load(stat_ptr + at * 2 + 1, mask=g_ok, other=1.0)  # padding rows: no 0 / 0
-            acc += weight[:, None] * tl.load(part_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=gd_ok, other=0.0)
+            at, used = base + s * GROUP + g, s < runs
+            weight = tl.exp(tl.load(stat_ptr + at * 2, mask=g_ok & used, other=0.0) - m)  # empty: exp(-inf) = 0
+            weight = tl.where(used, weight, 0.0)
+            total += weight * tl.load(stat_ptr + at * 2 + 1, mask=g_ok & used, other=1.0)  # padding rows: no 0 / 0
+            acc += weight[:, None] * tl.load(part_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=gd_ok & used,
+                                             other=0.0)
         heads = kv_head * GROUP + g
         tl.store(out_ptr + row * o_sb + heads[:, None] * HEAD_DIM + d[None, :],
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=gd_ok)
@@ -294,137 +295,6 @@ if HAVE_TRITON:
         tl.store(tokens_ptr + rows, new, mask=ok & active)
         tl.store(pos_ptr + rows, tl.load(pos_ptr + rows, mask=ok, other=0) + active.to(tl.int64), mask=ok & active)
 
-    _MIX1, _MIX2 = tl.constexpr(MIX1), tl.constexpr(MIX2)
-
-    @triton.jit
-    def _mix64(x):
-        """sampling.mix64 on an int64 scalar: >> is arithmetic here too, so the masks make it logical."""
-        x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * _MIX1
-        x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * _MIX2
-        return x ^ ((x >> 31) & 0x1FFFFFFFF)
-
-    @triton.jit
-    def _row_seed(seed_ptr, key_ptr, at_ptr, row):
-        """The row's Philox seed: sampling.row_states(seed, key[row], at[row]), a few scalar loads and int ops."""
-        return _mix64(_mix64(_mix64(tl.load(seed_ptr)) + tl.load(key_ptr + row)) + tl.load(at_ptr + row))
-
-    @triton.jit
-    def _noise_kernel(seed_ptr, key_ptr, at_ptr, out_ptr, o_sb, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (row, block): E = -log(U), U ~ Uniform[0, 1) from Philox under the row's seed (U = 0: E = inf,
-        a token that is never drawn)."""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        seed = _row_seed(seed_ptr, key_ptr, at_ptr, row)
-        tl.store(out_ptr + row * o_sb + cols, -tl.log(tl.rand(seed, cols)), mask=cols < VOCAB)
-
-    @triton.jit
-    def _scan_blocks(base, seed, first_block, n_blocks, temperature, VOCAB: tl.constexpr, GREEDY: tl.constexpr,
-                     BLOCK: tl.constexpr, SPAN_POW2: tl.constexpr):
-        """Vocabulary blocks [first_block, first_block + n_blocks) of one row: (running max m of z, sum of exp(z - m),
-        the best block key, that block's first column). A block's key is its max (greedy) or the log of its mass
-        plus its Gumbel noise, keyed by the block's index, so any split of the blocks gives the same keys."""
-        lanes = tl.arange(0, BLOCK)
-        local = tl.arange(0, SPAN_POW2)
-        # Two-level Gumbel-max: pick a vocabulary block with probability (its mass) / (all mass), then a
-        # token inside it with probability exp(z) / (block mass); the product is softmax(z). Noise for
-        # one key per block and for one block's tokens, not for all V (Philox is the costly part).
-        block_gumbel = -tl.log(-tl.log(tl.rand(seed, (1 << 30) + first_block + local)))  # [SPAN_POW2]
-        zero = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)  # loop-carried scalars start as typed tensors
-        m = zero - float("inf")  # running max of z
-        total = zero             # running sum of exp(z - m)
-        best = zero - float("inf")
-        best_start = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
-        for j in range(0, n_blocks):
-            start = (first_block + j) * BLOCK
-            cols = start + lanes
-            z = tl.load(base + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32) / temperature  # [BLOCK]
-            block_max = tl.max(z, axis=0)
-            block_sum = tl.sum(tl.exp(z - block_max), axis=0)  # >= 1
-            m_new = tl.maximum(m, block_max)
-            total = total * tl.exp(m - m_new) + block_sum * tl.exp(block_max - m_new)
-            m = m_new
-            if GREEDY:  # the block holding the first maximum
-                key = block_max
-            else:
-                key = block_max + tl.log(block_sum) + tl.sum(tl.where(local == j, block_gumbel, 0.0))
-            better = key > best  # strict: the first maximum wins, as torch.argmax
-            best = tl.where(better, key, best)
-            best_start = tl.where(better, start, best_start)
-        return m, total, best, best_start
-
-    @triton.jit
-    def _draw_in_block(base, seed, row, best_start, m, total, tokens_ptr, logprobs_ptr, temperature,
-                       VOCAB: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
-        """The token inside the chosen block (Gumbel-max over its columns) and its log-prob under softmax(z)."""
-        lanes = tl.arange(0, BLOCK)
-        cols = best_start + lanes
-        ok = cols < VOCAB
-        z = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32) / temperature
-        if GREEDY:
-            key = z
-        else:  # z - log(E), E = -log(U) ~ Exp(1); U = 0 gives -inf (never drawn)
-            key = tl.where(ok, z - tl.log(-tl.log(tl.rand(seed, lanes))), float("-inf"))
-        index = tl.argmax(key, axis=0)
-        chosen_z = tl.sum(tl.where(lanes == index, z, 0.0), axis=0)
-        tl.store(tokens_ptr + row, (best_start + index).to(tl.int64))
-        tl.store(logprobs_ptr + row, chosen_z - m - tl.log(total))
-
-    @triton.jit
-    def _sample_kernel(logits_ptr, stride, seed_ptr, key_ptr, at_ptr, tokens_ptr, logprobs_ptr, temperature,
-                       VOCAB: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_POW2: tl.constexpr):
-        """One program per row over all of its blocks."""
-        row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * stride
-        # Keyed noise: the row's draw depends on (seed, its sequence's key, its position), not on the row index
-        # or the step, so a sequence samples alike in any slot and batch (rollout/sampling.py).
-        seed = _row_seed(seed_ptr, key_ptr, at_ptr, row)
-        m, total, best, best_start = _scan_blocks(base, seed, 0, tl.cdiv(VOCAB, BLOCK), temperature, VOCAB=VOCAB,
-                                                  GREEDY=GREEDY, BLOCK=BLOCK, SPAN_POW2=BLOCKS_POW2)
-        _draw_in_block(base, seed, row, best_start, m, total, tokens_ptr, logprobs_ptr, temperature, VOCAB=VOCAB,
-                       GREEDY=GREEDY, BLOCK=BLOCK)
-
-    @triton.jit
-    def _sample_split_kernel(logits_ptr, stride, seed_ptr, key_ptr, at_ptr, part_ptr, start_ptr, temperature,
-                             VOCAB: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr,
-                             SPAN_POW2: tl.constexpr, SPLITS: tl.constexpr):
-        """Program (row, split): `_scan_blocks` over the split's SPAN blocks; its (m, total, best key) go to
-        part [row, split, 3] and the best block's first column to start [row, split]."""
-        row, split = tl.program_id(0), tl.program_id(1)
-        base = logits_ptr + row.to(tl.int64) * stride
-        seed = _row_seed(seed_ptr, key_ptr, at_ptr, row)
-        first = split * SPAN
-        n_blocks = tl.minimum(SPAN, tl.cdiv(VOCAB, BLOCK) - first)
-        m, total, best, best_start = _scan_blocks(base, seed, first, n_blocks, temperature, VOCAB=VOCAB,
-                                                  GREEDY=GREEDY, BLOCK=BLOCK, SPAN_POW2=SPAN_POW2)
-        out = part_ptr + (row * SPLITS + split) * 3
-        tl.store(out, m)
-        tl.store(out + 1, total)
-        tl.store(out + 2, best)
-        tl.store(start_ptr + row * SPLITS + split, best_start)
-
-    @triton.jit
-    def _sample_merge_kernel(logits_ptr, stride, seed_ptr, key_ptr, at_ptr, part_ptr, start_ptr, tokens_ptr,
-                             logprobs_ptr, temperature, VOCAB: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr,
-                             SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):
-        """One program per row: the splits' softmax statistics merged, the best block over all splits (the first
-        on ties, as the one-program scan), then the draw inside it."""
-        row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * stride
-        seed = _row_seed(seed_ptr, key_ptr, at_ptr, row)
-        s = tl.arange(0, SPLITS_POW2)
-        ok = s < SPLITS
-        at = part_ptr + (row * SPLITS + s) * 3
-        m_s = tl.load(at, mask=ok, other=float("-inf"))
-        total_s = tl.load(at + 1, mask=ok, other=0.0)
-        best_s = tl.load(at + 2, mask=ok, other=float("-inf"))
-        m = tl.max(m_s, axis=0)
-        total = tl.sum(tl.where(ok, total_s * tl.exp(m_s - m), 0.0), axis=0)
-        winner = tl.argmax(best_s, axis=0)  # the first maximum: the lowest split, so the lowest block
-        best_start = tl.sum(tl.where(s == winner, tl.load(start_ptr + row * SPLITS + s, mask=ok, other=0), 0), axis=0)
-        _draw_in_block(base, seed, row, best_start, m, total, tokens_ptr, logprobs_ptr, temperature, VOCAB=VOCAB,
-                       GREEDY=GREEDY, BLOCK=BLOCK)
-
-
 def available(device: torch.device) -> bool:
     """The kernels run on CUDA when Triton is installed (and on the CPU under TRITON_INTERPRET=1)."""
     return HAVE_TRITON and (device.type == "cuda" or INTERPRET)
@@ -461,8 +331,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
     # Key/value tiles of BLOCK_N x BLOCK_D, pipelined in num_stages copies, must fit in shared memory: head_dim
     # 512 (Gemma 4's global layers) takes half as many keys per block as head_dim <= 256.
     block_n = block_n or min(ATTENTION_BLOCK_N, 16384 // BLOCK_D)
-    splits = splits or attention_splits(b, Hkv, S, MAX_RUN_KEYS if S >= LONG_SLOT else None)
-    max_chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n  # a split's most keys (the interpreter's loop)
+    long = S >= LONG_SLOT and MAX_RUN_KEYS is not None
+    splits = splits or attention_splits(b, Hkv, S, MAX_RUN_KEYS if long else None)
+    min_run = triton.cdiv(MAX_RUN_KEYS, block_n) * block_n if long and ROW_RUNS and splits > 1 else 0
+    max_chunk = max(triton.cdiv(triton.cdiv(S, splits), block_n) * block_n, min_run)  # the interpreter's loop
     part = torch.empty(b, Hkv, splits, G, D if splits > 1 else 1, dtype=torch.float32, device=q.device)
     stat = torch.empty(b, Hkv, splits, G, 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
     qb, kb, vb = bias if bias is not None else (q, q, q)  # unread without HAS_BIAS
@@ -475,11 +347,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
         cos.stride(0) if rope is not None else 0, keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0),
         GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, MAX_CHUNK=max_chunk, SPLITS=splits,
         IEEE=q.dtype == torch.float32, PER_ROW_BOUND=not INTERPRET, HAS_BIAS=bias is not None,
-        QK_NORM=qk_norm is not None, STYLE=NORM_STYLES[style], ROPE=rope is not None,
+        QK_NORM=qk_norm is not None, STYLE=NORM_STYLES[style], ROPE=rope is not None, MIN_RUN=min_run,
         num_warps=num_warps or attention_warps(BLOCK_D, splits), num_stages=num_stages or ATTENTION_STAGES)
     if splits > 1:
-        _combine_kernel[(b, Hkv)](part, stat, out, out.stride(0), GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G,
-                                  BLOCK_D=BLOCK_D, SPLITS=splits, num_warps=4)
+        _combine_kernel[(b, Hkv)](part, stat, out, pos, S + 1 if window is None else int(window), out.stride(0),
+                                  GROUP=G, HEAD_DIM=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n,
+                                  SPLITS=splits, MIN_RUN=min_run, num_warps=4)
     return out.view(b, Hq * D)
 
 
@@ -545,56 +418,3 @@ def record(state, b: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         tokens, logprobs, st.tokens, st.pos, st.n_gen, st.max_new, st.finished, st.out_tokens, st.out_logprobs,
         st.stop_ids, b, st.out_tokens.stride(0), st.max_new_tokens, STOPS=st.stop_ids.numel(), BLOCK=block,
         num_warps=4)
-
-
-def sample_splits(rows: int, blocks: int) -> int:
-    """Programs per row of the sampler: enough for SAMPLE_PROGRAMS in all (each row's vocabulary blocks split into
-    that many runs, merged by a second launch), one when the rows alone are that many."""
-    return max(1, min(blocks, triton.cdiv(SAMPLE_PROGRAMS, max(rows, 1))))
-
-
-def sample(logits: torch.Tensor, seed: torch.Tensor, keys: torch.Tensor, at: torch.Tensor, greedy: bool,
-           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [b, V] -> (tokens [b] int64, logprobs [b] float32 under log_softmax(logits / T)).
-
-    seed: int64 [1] on the device; keys, at: int64 [b], row i's sequence key and the position it draws after.
-    Row i's draw is a function of (seed, keys[i], at[i], logits[i]) alone: equal triples give equal draws, however
-    the row's vocabulary is split over programs (sample_splits).
-    """
-    b, V = logits.shape
-    assert logits.stride(-1) == 1 and keys.is_contiguous() and at.is_contiguous()
-    assert keys.dtype == at.dtype == seed.dtype == torch.long
-    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
-    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
-    block = min(SAMPLE_BLOCK, triton.next_power_of_2(V))
-    blocks = triton.cdiv(V, block)
-    temperature = 1.0 if greedy else float(temperature)
-    splits = sample_splits(b, blocks)
-    if splits == 1:
-        _sample_kernel[(b,)](logits, logits.stride(0), seed, keys, at, tokens, logprobs, temperature,
-                             VOCAB=V, GREEDY=greedy, BLOCK=block, BLOCKS_POW2=triton.next_power_of_2(blocks),
-                             num_warps=SAMPLE_WARPS)
-        return tokens, logprobs
-    span = triton.cdiv(blocks, splits)
-    splits = triton.cdiv(blocks, span)  # no empty split
-    part = torch.empty(b, splits, 3, dtype=torch.float32, device=logits.device)  # m, total, best key
-    starts = torch.empty(b, splits, dtype=torch.int32, device=logits.device)
-    _sample_split_kernel[(b, splits)](logits, logits.stride(0), seed, keys, at, part, starts, temperature,
-                                      VOCAB=V, GREEDY=greedy, BLOCK=block, SPAN=span,
-                                      SPAN_POW2=triton.next_power_of_2(span), SPLITS=splits, num_warps=SAMPLE_WARPS)
-    _sample_merge_kernel[(b,)](logits, logits.stride(0), seed, keys, at, part, starts, tokens, logprobs, temperature,
-                               VOCAB=V, GREEDY=greedy, BLOCK=block, SPLITS=splits,
-                               SPLITS_POW2=triton.next_power_of_2(splits), num_warps=SAMPLE_WARPS)
-    return tokens, logprobs
-
-
-def keyed_noise(seed: torch.Tensor, keys: torch.Tensor, at: torch.Tensor, vocab: int) -> torch.Tensor:
-    """sampling.keyed_noise's contract in one kernel: Exp(1) [b, V] float32, row i a function of (seed, keys[i],
-    at[i]) alone (Philox numbers, not splitmix64's: the two paths draw other noise from the same law)."""
-    b = keys.shape[0]
-    keys, at = keys.contiguous(), at.contiguous()
-    out = torch.empty(b, vocab, dtype=torch.float32, device=keys.device)
-    block = min(SAMPLE_BLOCK, triton.next_power_of_2(vocab))
-    _noise_kernel[(b, triton.cdiv(vocab, block))](seed, keys, at, out, out.stride(0), VOCAB=vocab, BLOCK=block,
-                                                   num_warps=4)
-    return out

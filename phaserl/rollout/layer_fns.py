@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from phaserl.compile_cache import specialize_floats
 from phaserl.models.layers import post_attention, pre_attention, rms_norm
-from phaserl.rollout import kernels
+from phaserl.rollout import kernels, sample_kernel
 from phaserl.rollout.sampling import keyed_noise
 from phaserl.rollout.torch_path import cached_attention, sample_tokens
 
@@ -27,8 +27,8 @@ class LayerFns(NamedTuple):
     norm: callable      # layers.rms_norm
     attend: callable    # (q, k, v, keys, values, pos, scale, window) -> [b, Hq * D], writes k/v into the cache
     sample: callable    # sample_tokens (every setting; needs noise)
-    fast_sample: Optional[callable]  # kernels.sample (no top-k/top-p): one pass, in-kernel keyed noise
-    noise: callable = keyed_noise  # (seed, keys, at, V) -> Exp(1) [b, V] for `sample`; kernels.keyed_noise on CUDA
+    fast_sample: Optional[callable]  # sample_kernel.sample (no top-k/top-p): one pass, in-kernel keyed noise
+    noise: callable = keyed_noise  # (seed, keys, at, V) -> Exp(1) [b, V] for `sample`; on CUDA sample_kernel's
     prefill: callable = F.scaled_dot_product_attention  # the prefill pass's attention (SDPA's signature)
 
 
@@ -63,5 +63,6 @@ def default_fns(device: torch.device, compile: bool) -> LayerFns:
     """Compiled or eager, with the Triton kernels wherever they run."""
     fns = compiled_fns() if compile else EAGER
     if kernels.available(device):
-        fns = fns._replace(attend=kernels.decode_attention, fast_sample=kernels.sample, noise=kernels.keyed_noise)
+        fns = fns._replace(attend=kernels.decode_attention, fast_sample=sample_kernel.sample,
+                           noise=sample_kernel.keyed_noise)
     return fns
