@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from long_tail import CappedSession, draw_length  # noqa: E402  (the GPU benchmark's lengths and session cap)
+from long_tail import CappedSession, cap_starts, draw_length  # noqa: E402  (the GPU benchmark's lengths and session cap)
 
 
 class AnswerThenTail:
@@ -58,7 +58,12 @@ class AnswerThenTail:
             return self.generate(prompts, params, max_new_tokens=[self.draw() for _ in prompts], **kwargs)
 
         self.actor.engine.generate = capped_generate
-        self.actor.decode_session = lambda *args, **kwargs: CappedSession(self.session(*args, **kwargs), self)
+        def capped_session(*args, **kwargs):
+            if kwargs.get("keep"):  # a session kept across phases (rollout.partial_kv=keep): the object itself
+                return cap_starts(self.session(*args, **kwargs), self)
+            return CappedSession(self.session(*args, **kwargs), self)
+
+        self.actor.decode_session = capped_session
 
     def off(self) -> None:
         self.actor.engine.generate, self.actor.decode_session = self.generate, self.session
