@@ -17,7 +17,8 @@ torch.cuda.utilization() sampled every 50 ms during the timed steps; null where 
 
     python benchmarks/long_tail.py                       # GPU: 0.5b, sync vs async k = 1 and 3 (k = 2 decodes as 1)
     python benchmarks/long_tail.py --tiny --steps 2      # CPU smoke test
-    python benchmarks/long_tail.py --ks 3 --max-run-keys 1024   # the decode attention's run bound (one process each)
+    python benchmarks/long_tail.py --ks 3 --max-run-keys 0      # no decode-attention run bound (one process each)
+    python benchmarks/long_tail.py --ks 3 --row-runs            # runs of that many keys, as many as each row needs
     python benchmarks/long_tail.py --ks 1 --partial-kv keep prefill   # partial responses kept vs re-prefilled
 
 --partial-kv: the async cases' rollout.partial_kv (default auto: keep when the engine is kept awake, as a user's run
@@ -220,13 +221,17 @@ def main(argv=None) -> None:
                    help="each async case with these rollout.partial_kv modes in turn (A/B: keep prefill); auto = what "
                         "a user gets: keep when the engine is kept awake (rollout.engine_keep_awake), else prefill")
     p.add_argument("--max-run-keys", type=int, default=None, help="rollout/kernels.py's MAX_RUN_KEYS for this run "
-                   "(the decode attention's bound on the keys one program walks; default: the product's)")
+                   "(the decode attention's bound on the keys one program walks in long slots; 0: no bound; "
+                   "default: the product's)")
+    p.add_argument("--row-runs", action="store_true", help="rollout/kernels.py's ROW_RUNS on: runs of MAX_RUN_KEYS "
+                   "keys, as many as each row needs")
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
-    if a.max_run_keys is not None:
-        from phaserl.rollout import kernels
+    from phaserl.rollout import kernels
 
-        kernels.MAX_RUN_KEYS = a.max_run_keys
+    if a.max_run_keys is not None:
+        kernels.MAX_RUN_KEYS = a.max_run_keys or None
+    kernels.ROW_RUNS = a.row_runs
     a.longest = a.longest or (64 if a.tiny else 4096)
     prompts, n = a.prompts or (4 if a.tiny else 64), a.n or (4 if a.tiny else 8)
     args = ["--shape", "0.5b", "--prompts", str(prompts), "--n", str(n),
@@ -261,7 +266,8 @@ def main(argv=None) -> None:
     LengthTail(trainer, a.longest)
     emit(measure="setup", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", torch=torch.__version__,
          prompts=a.prompts, n=a.n, longest=a.longest, ks=a.ks, overrides=a.set,
-         engine_memory_fraction=a.cfg.rollout.engine_memory_fraction, engine_max_slots=a.cfg.rollout.engine_max_slots)
+         engine_memory_fraction=a.cfg.rollout.engine_memory_fraction, engine_max_slots=a.cfg.rollout.engine_max_slots,
+         max_run_keys=kernels.MAX_RUN_KEYS, row_runs=kernels.ROW_RUNS)
     from phaserl.config.auto import partial_kv_choice
 
     kept_awake = trainer.actor.engine.config.keep_awake
