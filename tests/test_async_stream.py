@@ -23,14 +23,15 @@ from tests.test_rollout_engine import PROMPTS, tiny_model
 torch.set_num_threads(1)
 
 
-def _finish(s, params, starts: dict, got: dict) -> None:
-    """Run sequences {key: ids to start from} to their end in session s, slots refilled; their turns into got."""
+def _finish(s, params, starts: dict, got: dict, prompts: dict = None) -> None:
+    """Run sequences {key: ids to start from} to their end in session s, slots refilled; their turns into got.
+    prompts: {key: its prompt} (default PROMPTS[key % 3]), what of the start ids is not sampled."""
     waiting = list(starts)
     while waiting or not s.idle:
         while waiting and s.free_slots:
             key = waiting.pop(0)
-            s.start(key, starts[key], params.max_new_tokens - (len(starts[key]) - len(PROMPTS[key % 3])),
-                    noise_key=key)
+            prompt = prompts[key] if prompts is not None else PROMPTS[key % 3]
+            s.start(key, starts[key], params.max_new_tokens - (len(starts[key]) - len(prompt)), noise_key=key)
         for turn in s.step():
             got[turn.key][0].extend(turn.token_ids), got[turn.key][1].extend(turn.logprobs)
             s.release(turn.key)

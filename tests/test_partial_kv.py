@@ -20,6 +20,7 @@ from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from phaserl.trainer.stream import AsyncStream, Group, Sample
 from tests import _agent_envs as envs
 from tests.test_agents_episodes import EOS, SAMPLE, TOK, limits, starts
+from tests.test_async_stream import _finish
 from tests.test_rollout_engine import PROMPTS, tiny_model
 
 torch.set_num_threads(1)
@@ -33,16 +34,9 @@ def _engine(model=None, slots: int = 4) -> RolloutEngine:
 
 def _uncut(engine, keys: list) -> dict:
     """Each key's response decoded start to end in one session (the reference)."""
-    got = {k: ([], []) for k in keys}
+    got, prompts = {k: ([], []) for k in keys}, {k: PROMPTS[k % 6] for k in keys}
     with engine.session(PARAMS, slot_len=40, eos_token_ids=[], generator=torch.Generator().manual_seed(SEED)) as s:
-        waiting = list(keys)
-        while waiting or not s.idle:
-            while waiting and s.free_slots:
-                key = waiting.pop(0)
-                s.start(key, PROMPTS[key % 6], PARAMS.max_new_tokens, noise_key=key)
-            for turn in s.step():
-                got[turn.key][0].extend(turn.token_ids), got[turn.key][1].extend(turn.logprobs)
-                s.release(turn.key)
+        _finish(s, PARAMS, prompts, got, prompts)
     return got
 
 
@@ -289,13 +283,24 @@ def _versions_ok(seen: list) -> None:
         assert (versions[~mask.bool()] == -1).all() and (sampled >= step - 1).all() and (sampled <= step).all()
 
 
+def _fit_checking_versions(trainer, log_dir) -> list:
+    """Train to the end, every update's batch checked by _versions_ok; the metrics lines."""
+    import json
+
+    seen, update = [], trainer.update
+    trainer.update = lambda train: (seen.append((trainer.step_num, train.rollout.token_versions.clone(),
+                                                 train.rollout.loss_mask.clone())), update(train))[1]
+    trainer.fit()
+    _versions_ok(seen)
+    return [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("val_interval", [0, 2])
 def test_a_kept_token_stream_trains_valid_batches_and_a_validation_falls_back_to_re_prefill(tmp_path, val_interval):
     """k = 1 with the engine kept awake on the CPU: partial responses stay in their slots (nothing re-prefilled, every
     token's version recorded). A validation generate() between steps loses the kept session: the next phase says so
     and re-prefills its responses, then keeps again."""
-    import json
 
     from phaserl.trainer import RLTrainer
     from tests.test_async_stream import _tiny_cfg
@@ -305,12 +310,7 @@ def test_a_kept_token_stream_trains_valid_batches_and_a_validation_falls_back_to
         f"trainer.val_interval={val_interval}", "trainer.total_steps=5"))
     assert trainer.run.speed.partial_kv.line() == ("rollout.partial_kv=auto -> keep: the engine is kept awake: "
                                                    "unfinished responses keep their slots and KV")
-    seen, update = [], trainer.update
-    trainer.update = lambda train: (seen.append((trainer.step_num, train.rollout.token_versions.clone(),
-                                                 train.rollout.loss_mask.clone())), update(train))[1]
-    trainer.fit()
-    _versions_ok(seen)
-    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    lines = _fit_checking_versions(trainer, tmp_path / "logs")
     assert sum(m["async/kept_sequences"] for m in lines) > 0 and any(m["async/staleness_max"] == 1 for m in lines)
     lost = [m["async/lost_sessions"] for m in lines]
     if val_interval:
@@ -322,7 +322,6 @@ def test_a_kept_token_stream_trains_valid_batches_and_a_validation_falls_back_to
 
 @pytest.mark.slow
 def test_kept_agent_episodes_train_with_their_versions_and_nothing_re_prefilled(tmp_path):
-    import json
 
     from phaserl.cli import QUICKSTART_CONFIGS
     from phaserl.config import load_config
@@ -333,12 +332,7 @@ def test_kept_agent_episodes_train_with_their_versions_and_nothing_re_prefilled(
         "trainer.val_interval=0", "trainer.val_before_train=false", "trainer.loggers=[jsonl]",
         "rollout.prompts_per_step=8", "rollout.max_staleness=1", "rollout.engine_keep_awake=true"])
     trainer = RLTrainer.from_config(cfg)
-    seen, update = [], trainer.update
-    trainer.update = lambda train: (seen.append((trainer.step_num, train.rollout.token_versions.clone(),
-                                                 train.rollout.loss_mask.clone())), update(train))[1]
-    trainer.fit()
-    _versions_ok(seen)
-    lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    lines = _fit_checking_versions(trainer, tmp_path / "logs")
     assert sum(m["async/kept_sequences"] for m in lines) > 0
     assert all(m["async/reprefill_tokens"] == 0 and m["async/parked_episodes"] == 0 for m in lines)
 
