@@ -17,8 +17,8 @@ Mixed cases are `long_tail.py`'s batch as the asynchronous stream holds it mid-p
 of 128, 192 and 256 rows (that stream steps ~185 rows on average) in 4,224-token slots (128-token prompt,
 responses up to 4,096), each row's context drawn with a fixed seed (MIXES; `-flat`: every row at the draw's mean
 context, the same bytes without the long rows, for the rate a split could reach at best). They sweep
-forced split counts, `attention_splits`' run bound (`keys:N` = max_run_keys N) and runs of N keys, as many as each
-row needs (`rows:N`: kernels.ROW_RUNS) with the kernel's launch, and
+forced split counts, `attention_splits`' run bound alone (`keys:N` = max_run_keys N, no row runs) and runs of N keys,
+as many as each row needs (`rows:N`: kernels.ROW_RUNS, the default's rule at N = 512) with the kernel's launch, and
 add per line: the longest row's context, `chain_keys` (the keys one program of that row walks), `kv_mb` from the
 sum of the rows' contexts, and `step_ms` (the layer's time x the model's layers: attention's share of one step).
 """
@@ -38,7 +38,7 @@ from phaserl.models.layers import rope_tables  # noqa: E402
 from phaserl.rollout import kernels  # noqa: E402
 from qwen2_shapes import SHAPES  # noqa: E402
 
-MAX_RUN_KEYS = kernels.MAX_RUN_KEYS  # the engine's bound, restored after each rows:N setting
+MAX_RUN_KEYS, ROW_RUNS = kernels.MAX_RUN_KEYS, kernels.ROW_RUNS  # the engine's rule, restored after each setting
 from rollout import graph_ms  # noqa: E402
 
 # name: (model shape, rows, slot length, contexts); mixed cases: rows are decode buckets, contexts MIXES names
@@ -146,7 +146,8 @@ def run_case(name: str, split_tokens: list, device: str) -> None:
         for token in split_tokens:
             splits, rule = split_setting(token, b, Hkv, S)
             row_runs = token.startswith("rows:")
-            kernels.ROW_RUNS, kernels.MAX_RUN_KEYS = row_runs, int(token[5:]) if row_runs else MAX_RUN_KEYS
+            kernels.ROW_RUNS = row_runs or (ROW_RUNS and token == "default")  # keys:N and forced counts: no row runs
+            kernels.MAX_RUN_KEYS = int(token[5:]) if row_runs else MAX_RUN_KEYS
             for launch in LAUNCHES if not mixed else [None]:
                 block_n, warps, stages = launch or (None, None, None)
                 if splits is not None and block_n is not None and block_n * splits > 2 * S:
@@ -167,7 +168,7 @@ def run_case(name: str, split_tokens: list, device: str) -> None:
                 if mixed:
                     run = block_n or kernels.ATTENTION_BLOCK_N
                     record.update(longest=max(at), mean_context=round(sum(at) / b),
-                                  chain_keys=(cdiv(kernels.MAX_RUN_KEYS, run) * run if rule.startswith("rows:")
+                                  chain_keys=(cdiv(kernels.MAX_RUN_KEYS, run) * run if kernels.ROW_RUNS and used > 1
                                               and S >= kernels.LONG_SLOT else cdiv(cdiv(max(at), used), run) * run),
                                   step_ms=round(ms * cfg["num_hidden_layers"], 3))
                 print(json.dumps(record), flush=True)

@@ -18,7 +18,7 @@ torch.cuda.utilization() sampled every 50 ms during the timed steps; null where 
     python benchmarks/long_tail.py                       # GPU: 0.5b, sync vs async k = 1 and 3 (k = 2 decodes as 1)
     python benchmarks/long_tail.py --tiny --steps 2      # CPU smoke test
     python benchmarks/long_tail.py --ks 3 --max-run-keys 0      # no decode-attention run bound (one process each)
-    python benchmarks/long_tail.py --ks 3 --row-runs            # runs of that many keys, as many as each row needs
+    python benchmarks/long_tail.py --ks 3 --no-row-runs         # one bounded run count for every row (no row runs)
     python benchmarks/long_tail.py --ks 1 --partial-kv keep prefill   # partial responses kept vs re-prefilled
 
 --partial-kv: the async cases' rollout.partial_kv (default auto: keep when the engine is kept awake, as a user's run
@@ -223,8 +223,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-run-keys", type=int, default=None, help="rollout/kernels.py's MAX_RUN_KEYS for this run "
                    "(the decode attention's bound on the keys one program walks in long slots; 0: no bound; "
                    "default: the product's)")
-    p.add_argument("--row-runs", action="store_true", help="rollout/kernels.py's ROW_RUNS on: runs of MAX_RUN_KEYS "
-                   "keys, as many as each row needs")
+    p.add_argument("--no-row-runs", dest="row_runs", action="store_false", help="rollout/kernels.py's ROW_RUNS off "
+                   "(default on: runs of MAX_RUN_KEYS keys, as many as each row needs)")
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     from phaserl.rollout import kernels

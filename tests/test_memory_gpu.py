@@ -56,6 +56,7 @@ def test_an_offloaded_optimizer_keeps_no_moments_on_the_device_and_matches_the_o
         a_model.logits(a_model(ids)).float().logsumexp(-1).mean().backward()
         for p, q in zip(a_model.parameters(), b_model.parameters()):
             q.grad = p.grad.clone()
+        last = {p: p.grad.float().abs() for p in a_model.parameters()}  # the step clears .grad
         a.step()
         b.step()
         # The fused CPU and CUDA AdamW kernels both do float32 math, but not in the same order, and keep the moments
@@ -79,8 +80,9 @@ def test_an_offloaded_optimizer_keeps_no_moments_on_the_device_and_matches_the_o
     # large share of m (measured on an H100: 2 of 524,288 moments 8% apart, 4.5e-7 absolute), so a moment may differ
     # by a bf16 step of its terms' size, not of its own, one such step per step taken.
     eps, (b1, b2) = torch.finfo(torch.bfloat16).eps, settings.betas
-    for p, q in zip(a.opt.param_groups[0]["params"], b.opt.param_groups[0]["params"]):
-        g = p.grad.float().abs()  # the last step's gradient, as both optimizers read it
+    pairs = [pq for ga, gb in zip(a.opt.param_groups, b.opt.param_groups) for pq in zip(ga["params"], gb["params"])]
+    for p, q in pairs:
+        g = last[p]  # the last step's gradient, as both optimizers read it
         for key, term in (("exp_avg", (1 - b1) * g), ("exp_avg_sq", (1 - b2) * g * g)):
             mine, theirs = b.opt.state[q][key].cuda().float(), a.opt.state[p][key].float()
             tol = 2 * 3 * eps * (theirs.abs() + term)
