@@ -177,6 +177,21 @@ class Clock:
         ms = [round(b.elapsed_time(e), 3) for b, e in self.events.get(kind, [])]
         return list(zip(self.rows.get(kind, []), ms))
 
+    def marks(self) -> dict:
+        """Where every kind's calls and the collector's pauses stand now, for `between`."""
+        return {"gc": self.gc["seconds"], **{k: len(v) for k, v in self.events.items()},
+                **({} if self.cuda else {f"host:{k}": v for k, v in self.host.items()})}
+
+    def between(self, start: dict, end: dict, kinds) -> dict:
+        """{device_s: per kind, gc_s} of the calls made between two `marks()`."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            spent = {k: sum(b.elapsed_time(e) for b, e in self.events.get(k, [])[start.get(k, 0):end.get(k, 0)]) / 1000
+                     for k in kinds}
+        else:
+            spent = {k: end.get(f"host:{k}", 0.0) - start.get(f"host:{k}", 0.0) for k in kinds}
+        return {"device_s": {k: round(v, 4) for k, v in spent.items() if v}, "gc_s": round(end["gc"] - start["gc"], 4)}
+
     def device_seconds(self, kinds) -> dict:
         if not self.cuda:
             return {k: round(self.host.get(k, 0.0), 4) for k in kinds}
@@ -259,7 +274,9 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them.
     device_s / device_busy: the engine's calls in the timed phases, as for the lock-step case; host_s["answers"]: the
     host's time collecting the tools' answers; phase_records: each timed phase's wall, decode steps, rows stepped
-    per decode step, prefilled and extended tokens, cut and parked. partial_kv (rollout.partial_kv): keep = one
+    per decode step, prefilled and extended tokens, cut and parked, its device_s and gc_s (collector pauses). Two
+    untimed phases come first: one fills the stream, one paced sets its episodes half a batch apart.
+    partial_kv (rollout.partial_kv): keep = one
     session kept across the phases (RolloutEngine.open_session; a phase's end pauses the turns in progress and keeps
     parked episodes' slots: nothing re-prefilled), prefill = a session per phase (the cut turns and the parked
     episodes re-prefilled next phase). kept / reprefill_tokens count them per phase."""
@@ -272,7 +289,7 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
     total = a.episodes * (a.async_phases + 4)
     pool_ids = prompts(total, a.prompt, engine.model.config.vocab_size)
-    in_flight, next_i, batches, sampled, phases = [], 0, [], 0, []
+    in_flight, next_i, batches, sampled, phases, timing = [], 0, [], 0, [], {}
     keep = partial_kv == "keep"
     kept = engine.open_session(params, slot_len=episode_len, eos_token_ids=[], num_slots=2 * a.episodes) if keep \
         else None
@@ -282,6 +299,8 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
         while len(in_flight) < 2 * a.episodes:
             in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
             next_i += 1
+        clock = timing.get("clock")
+        marks = clock.marks() if clock else None
         t = time.perf_counter()
         with (kept.phase() if keep else engine.session(params, slot_len=episode_len, eos_token_ids=[],
                                                        num_slots=2 * a.episodes)) as session:
@@ -295,16 +314,19 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
         rows = round(st["stepped_rows"] / max(1, st["steps"]), 1)
         phases.append(dict(seconds=round(time.perf_counter() - t, 4), decode_steps=st["steps"], rows_per_step=rows,
                            new_tokens=st["new_tokens"], prefill_tokens=st["prefill_tokens"],
-                           extend_tokens=st["extend_tokens"], **left))
+                           extend_tokens=st["extend_tokens"], **left, **({"_marks": marks, "_ends": clock.marks()}
+                                                                            if clock else {})))
         done, in_flight = in_flight[:a.episodes], in_flight[a.episodes:]
         return done, left
 
     pace = 0  # the product's pace (trainer/agent_stream.py): a batch's most model tokens over lookahead 1 + 1 phases
     phase(0)  # warm-up: the stream fills up (the first phase has nothing carried over)
     pace = -(-a.turns * a.turn_tokens // 2)
+    phase(0)  # and its episodes fall into step: half a batch's turns behind the other half, as in the timed phases
     sync(a.device)
     phases.clear()
     clock = Clock(a.device)  # where the timed phases' wall goes: device calls, and the host's waits for the tools
+    timing["clock"] = clock
     wrap_runner(clock, engine.runner)
     clock.wrap(runner, "_answers", "answers", device=False)
     t0, sampled = time.perf_counter(), 0
@@ -319,6 +341,8 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     if kept is not None:
         kept.close()
     spent = clock.device_seconds(DEVICE_KINDS)
+    for ph in phases:  # each phase's own device time and collector pauses, to tell a slow phase's cause
+        ph.update(clock.between(ph.pop("_marks"), ph.pop("_ends"), DEVICE_KINDS))
     host = {k: round(v, 4) for k, v in clock.host.items() if k == "answers"}
     clock.close()
     assert all(r.finish_reason == "done" for b in batches for r in b), [r.finish_reason for r in batches[0][:4]]
