@@ -274,12 +274,12 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them.
     device_s / device_busy: the engine's calls in the timed phases, as for the lock-step case; host_s["answers"]: the
     host's time collecting the tools' answers; phase_records: each timed phase's wall, decode steps, rows stepped
-    per decode step, prefilled and extended tokens, cut and parked, its device_s and gc_s (collector pauses). Two
-    untimed phases come first: one fills the stream, one paced sets its episodes half a batch apart.
-    partial_kv (rollout.partial_kv): keep = one
-    session kept across the phases (RolloutEngine.open_session; a phase's end pauses the turns in progress and keeps
-    parked episodes' slots: nothing re-prefilled), prefill = a session per phase (the cut turns and the parked
-    episodes re-prefilled next phase). kept / reprefill_tokens count them per phase."""
+    per decode step, prefilled and extended tokens, decode graphs captured, cut and parked, its device_s and gc_s
+    (collector pauses). Two untimed phases come first: one fills the stream, one paced sets its episodes half a
+    batch apart. partial_kv (rollout.partial_kv): keep = one session kept across the phases
+    (RolloutEngine.open_session; a phase's end pauses the turns in progress and keeps parked episodes' slots:
+    nothing re-prefilled), prefill = a session per phase (the cut turns and the parked episodes re-prefilled next
+    phase). kept / reprefill_tokens count them per phase."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
                          context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=2 * a.episodes,
@@ -300,7 +300,7 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
             in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
             next_i += 1
         clock = timing.get("clock")
-        marks = clock.marks() if clock else None
+        marks, captured = clock.marks() if clock else None, engine.runner.captures
         t = time.perf_counter()
         with (kept.phase() if keep else engine.session(params, slot_len=episode_len, eos_token_ids=[],
                                                        num_slots=2 * a.episodes)) as session:
@@ -314,8 +314,8 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
         rows = round(st["stepped_rows"] / max(1, st["steps"]), 1)
         phases.append(dict(seconds=round(time.perf_counter() - t, 4), decode_steps=st["steps"], rows_per_step=rows,
                            new_tokens=st["new_tokens"], prefill_tokens=st["prefill_tokens"],
-                           extend_tokens=st["extend_tokens"], **left, **({"_marks": marks, "_ends": clock.marks()}
-                                                                            if clock else {})))
+                           extend_tokens=st["extend_tokens"], captures=engine.runner.captures - captured, **left,
+                           **({"_marks": marks, "_ends": clock.marks()} if clock else {})))
         done, in_flight = in_flight[:a.episodes], in_flight[a.episodes:]
         return done, left
 

@@ -192,6 +192,7 @@ class ModelRunner:
         self.rope_shift: Optional[Tensor] = None  # [slots]
         self.extending: list = []  # an extend pass's appended images (images.extend_images)
         self.epoch = 0  # counts begin() and release() calls: a decode session knows its slots are still its own
+        self.captures = 0  # decode graphs captured so far (each one also ran its step eagerly first)
         prepare_device(self.device)
 
     def release(self) -> None:
@@ -526,6 +527,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 step()
         self.graphs[key] = graph
+        self.captures += 1
         gc.freeze()
 
     # ----- slot bookkeeping -----------------------------------------------------------------------
