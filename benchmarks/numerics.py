@@ -12,6 +12,11 @@ One JSON line per measurement; `ratio` = bitwise / default time.
     python benchmarks/numerics.py                       # 0.5b and 1.5b on the GPU
     python benchmarks/numerics.py --smoke               # CPU, tiny shape: checks the script
     python benchmarks/numerics.py --cpu --shapes tiny --prompts 16 --new-tokens 32   # the CPU's own numbers
+    python benchmarks/numerics.py --shapes 0.5b --profile 15   # and where each mode's time goes, by kernel
+
+--profile N: one more generate (CUDA graphs off, so the profiler sees every kernel; the kernels are the graphs')
+and one more update forward + backward per mode under torch.profiler; a `profile` line per (mode, part) with the
+N kernels of most device time (ms over the whole part, calls) and the part's total kernel time.
 """
 from __future__ import annotations
 
@@ -95,6 +100,43 @@ def _step_parts(model, batch, micro_tokens: int) -> tuple[float, float]:
     return old_s, time.perf_counter() - start
 
 
+def profile_parts(model, prompts, batch, new_tokens: int, micro_tokens: int, top: int) -> dict:
+    """{part: {total_ms, kernels: [[name, ms, calls]]}} for decode (a generate without graphs: prefill included,
+    64 prompt tokens against new_tokens decode steps) and update (forward + backward over the batch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = model.output_weight.device
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    engine = RolloutEngine(model, EngineConfig(max_slots=len(prompts), keep_awake=True, cuda_graphs=False))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+    engine.wake()
+    engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True)  # compiles outside
+    parts = {}
+    with profile(activities=activities) as prof:
+        engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True)
+        sync(device)
+    parts["decode"] = prof
+    engine.release()
+    model.train()
+    with profile(activities=activities) as prof:
+        for idx in split_rows(batch, micro_tokens, packing=True):
+            logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False)
+            (logp * mask).sum().backward()
+        sync(device)
+    model.zero_grad(set_to_none=True)
+    parts["update"] = prof
+    out = {}
+    for part, prof in parts.items():
+        rows = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+        ms = [(e.key[:90], (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000, e.count)
+              for e in rows]
+        ms.sort(key=lambda r: -r[1])
+        out[part] = {"total_ms": round(sum(r[1] for r in ms), 3),
+                     "kernels": [[k, round(t, 3), n] for k, t, n in ms[:top]]}
+    return out
+
+
 def mismatch(model, prompts, result, device) -> dict:
     batch = rollout_batch(prompts, result, device)
     model.eval()
@@ -111,6 +153,8 @@ def main() -> None:
     parser.add_argument("--micro-tokens", type=int, default=8192)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, few tokens")
     parser.add_argument("--cpu", action="store_true", help="on the CPU (with --shapes tiny: the CPU's own numbers)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="also the N kernels of most device time "
+                        "in each mode's decode and update (torch.profiler)")
     a = parser.parse_args()
     if a.smoke:
         a.shapes, a.prompts, a.prompt_tokens, a.new_tokens, a.micro_tokens, a.cpu = ["tiny"], 4, 8, 4, 256, True
@@ -139,6 +183,11 @@ def main() -> None:
                 if mode == "bitwise":
                     print(json.dumps({**common, "measure": "mismatch", "mode": "bitwise",
                                       **mismatch(model, prompts, result, device)}), flush=True)
+                if a.profile:
+                    for part, spent in profile_parts(model, prompts, batch, a.new_tokens, a.micro_tokens,
+                                                     a.profile).items():
+                        print(json.dumps({**common, "measure": "profile", "mode": mode, "part": part, **spent}),
+                              flush=True)
         print(json.dumps({**common, "measure": "ratio", **{k: times["bitwise"][k] / times["default"][k]
                                                            for k in ("decode_step_s", "step_s")}}), flush=True)
         for half in ([torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32]):
