@@ -17,6 +17,7 @@ the median step time, the update's measured peak, predicted / measured and wheth
     python benchmarks/memory_plan.py --shape 7b --long --synthetic-rollout --set actor.offload_activations=true
                                   # the same with the checkpointed layers' inputs in host memory: its cost in step
                                   # time and what it frees of the update's peak, against the line above
+    python benchmarks/memory_plan.py --shape 1.5b --synthetic-rollout --costs   # what each measure costs in speed
     python benchmarks/memory_plan.py --tiny              # a CPU smoke run (seconds)
     python benchmarks/memory_plan.py --shape 7b --card-gib 79.6   # on an H200: an H100 80 GB's memory
 
@@ -26,7 +27,11 @@ length in the place of the rollout phase, so that the phases the plan shapes (th
 old log-probs when there are, and the update) run as in a real step in a few minutes. --ab-plan off runs the same
 step with the memory keys off (ref.stream_weights=false actor.checkpoint_layers=0 actor.optimizer_offload=false
 actor.offload_activations=false) in a second process, for each measure's cost: where the plan was needed that side
-is expected to run out of memory (its summary line then holds the error). Speed is never asserted: this prints.
+is expected to run out of memory (its summary line then holds the error). --costs runs the step once per measure,
+each in its own process at a shape where everything fits (1.5B on 80 GB): every memory key off, then each measure
+alone forced on (COSTS: the reference streamed, all layers checkpointed, all checkpointed with their inputs offloaded,
+AdamW on the CPU), and ends with a `costs` line: each one's step seconds, update peak and time against all-off.
+Speed is never asserted: this prints.
 """
 from __future__ import annotations
 
@@ -56,6 +61,11 @@ STEP_SHAPES = {"0.5b": (64, 8, 128, 256), "1.5b": (32, 8, 256, 1024), "7b": (16,
 LONG_SHAPES = {"1.5b": (8, 8, 256, 32768), "7b": (4, 8, 256, 16384), "tiny": (2, 2, 16, 96)}
 OFF = ["ref.stream_weights=false", "actor.checkpoint_layers=0", "actor.optimizer_offload=false",
        "actor.offload_activations=false"]
+# --costs: each measure of the plan alone, the others off ("all": every layer of the shape, filled in per run)
+COSTS = {"none": {}, "ref_streamed": {"ref.stream_weights": "true"},
+         "all_checkpointed": {"actor.checkpoint_layers": "all"},
+         "all_checkpointed_offloaded": {"actor.checkpoint_layers": "all", "actor.offload_activations": "true"},
+         "optimizer_offloaded": {"actor.optimizer_offload": "true"}}
 
 
 def emit(**record) -> None:
@@ -77,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
     p.add_argument("--ab-plan", choices=["off"], default=None,
                    help="off: then the same step with the plan's keys off, in a second process")
+    p.add_argument("--costs", action="store_true", help="each measure of the plan alone, in its own process, "
+                   "against all of them off: its cost in step time (COSTS)")
     p.add_argument("--world", default=None, help="reuse this synthetic world directory")
     p.add_argument("--side-timeout", type=float, default=290.0, help="--ab-plan: seconds for the second process")
     p.add_argument("--card-gib", type=float, default=None,
@@ -262,8 +274,45 @@ def _without_card(args: list) -> list:
     return out
 
 
+def cost_overrides(name: str, layers: int) -> list:
+    """OFF with COSTS[name]'s keys set instead (checkpoint_layers "all" = the shape's layer count)."""
+    keys = dict(x.split("=", 1) for x in OFF)
+    keys.update({k: str(layers) if v == "all" else v for k, v in COSTS[name].items()})
+    return [f"{k}={v}" for k, v in keys.items()]
+
+
+def measure_costs(a, argv: list, root: str) -> None:
+    """One process per COSTS entry (a fresh allocator each), their summaries in one `costs` line."""
+    layers = SHAPES[a.shape]["num_hidden_layers"]
+    base = [sys.executable, os.path.abspath(__file__), *[x for x in argv if x != "--costs"], "--world", root]
+    costs = {}
+    for name in COSTS:
+        args = base + [f"--set={o}" for o in cost_overrides(name, layers)]
+        try:
+            done = subprocess.run(args, timeout=a.side_timeout, check=False, capture_output=True, text=True)
+            out = done.stdout
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            out += json.dumps({"measure": "summary", "error": f"timed out after {a.side_timeout:.0f} s"}) + "\n"
+        print(out, end="", flush=True)
+        summary = [json.loads(x) for x in out.splitlines() if x.startswith("{") and '"summary"' in x]
+        summary = summary[-1] if summary else {"error": f"no summary (exit {done.returncode}): "
+                                                        f"{done.stderr.strip().splitlines()[-1:]}"}
+        costs[name] = {k: summary.get(k) for k in ("s_per_step_median", "measured_update_peak_gib",
+                                                   "step_peak_allocated_gib", "error") if summary.get(k) is not None}
+    none = costs["none"].get("s_per_step_median")
+    for name, c in costs.items():
+        if none and c.get("s_per_step_median"):
+            c["vs_none"] = round(c["s_per_step_median"] / none, 3)
+    emit(measure="costs", shape=a.shape, long=a.long, synthetic_rollout=a.synthetic_rollout, costs=costs,
+         device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+
+
 def _main(a, argv) -> None:
     root = make_world(a)
+    if a.costs:
+        measure_costs(a, list(argv or sys.argv[1:]), root)
+        return
     if a.ab_plan:
         run(a, root, [])
         args = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--world", root]

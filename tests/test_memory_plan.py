@@ -252,3 +252,25 @@ def test_the_benchmark_runs_a_long_synthetic_step_on_the_cpu(capsys):
     summary = lines[-1]
     assert summary["measure"] == "summary" and summary["long"] and summary["s_per_step_median"] > 0
     assert next(x for x in lines if x["measure"] == "plan")["plan"].startswith("memory plan: nothing planned off CUDA")
+
+
+@pytest.mark.slow
+def test_the_benchmark_times_each_measure_alone_in_its_own_process(capsys):
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import memory_plan
+
+    assert memory_plan.cost_overrides("all_checkpointed_offloaded", 28) == [
+        "ref.stream_weights=false", "actor.checkpoint_layers=28", "actor.optimizer_offload=false",
+        "actor.offload_activations=true"]
+    memory_plan.main(["--tiny", "--synthetic-rollout", "--costs"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    plans = [x for x in lines if x["measure"] == "plan"]
+    assert [p["overrides"] for p in plans] == [memory_plan.cost_overrides(name, 2) for name in memory_plan.COSTS]
+    costs = lines[-1]
+    assert costs["measure"] == "costs" and list(costs["costs"]) == list(memory_plan.COSTS)
+    assert all(c["s_per_step_median"] > 0 and "error" not in c for c in costs["costs"].values())
+    assert costs["costs"]["none"]["vs_none"] == 1.0
