@@ -64,6 +64,7 @@ from phaserl.agents import Environment, StepResult  # noqa: E402
 from phaserl.agents.episodes import AgentLimits, EpisodeRunner, EpisodeStart  # noqa: E402
 from phaserl.agents.loader import EnvironmentFactory  # noqa: E402
 from phaserl.agents.workers import Workers  # noqa: E402
+from phaserl.config.validate import async_lookahead  # noqa: E402
 from phaserl.data.prompts import PromptItem  # noqa: E402
 from phaserl.data.rows import PromptRow  # noqa: E402
 from phaserl.models import CausalLM  # noqa: E402
@@ -264,46 +265,58 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
                 extend_calls=per_call, **extra)
 
 
+def lookahead(a) -> int:
+    """Steps ahead that the async stream starts a batch's episodes at --max-staleness (the product's rule)."""
+    return async_lookahead(a.max_staleness)
+
+
+def held(a) -> int:
+    """Episodes the async stream holds at once: the batches of the lookahead and the one due."""
+    return (lookahead(a) + 1) * a.episodes
+
+
 def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = False,
                      partial_kv: str = "keep") -> dict:
-    """The asynchronous stream's rollout (rollout.max_staleness 1): 2 x episodes in flight, phases back to back, each
-    ending when the oldest `episodes` episodes are complete (a step's batch) and the pace's decode steps are done
-    (turns x turn_tokens / 2, as trainer/agent_stream.py sets it); unfinished ones carry on into the next
-    phase (EpisodeRunner.run_phase, as trainer/agent_stream.py drives it; no training between phases here, so a tool's
-    call overlaps only decoding). tokens_per_s: the model tokens of the completed batches over the timed phases' wall
-    (the trained tokens/s of a run whose update took no time); sampled_tokens_per_s: every token sampled in them.
+    """The asynchronous stream's rollout (rollout.max_staleness --max-staleness, default 1): (lookahead + 1) x
+    episodes in flight (lookahead = max(1, k - 1), config.validate.async_lookahead: 2 x episodes at k <= 2, 3 x at
+    k = 3), phases back to back, each ending when the oldest `episodes` episodes are complete (a step's batch) and the
+    pace's decode steps are done (turns x turn_tokens / (lookahead + 1), as trainer/agent_stream.py sets it);
+    unfinished ones carry on into the next phase (EpisodeRunner.run_phase, as trainer/agent_stream.py drives it; no
+    training between phases here, so a tool's call overlaps only decoding). tokens_per_s: the model tokens of the
+    completed batches over the timed phases' wall (the trained tokens/s of a run whose update took no time);
+    sampled_tokens_per_s: every token sampled in them.
     device_s / device_busy: the engine's calls in the timed phases, as for the lock-step case; host_s["answers"]: the
     host's time collecting the tools' answers; phase_records: each timed phase's wall, decode steps, rows stepped
     per decode step, prefilled and extended tokens, decode graphs captured, cut and parked, its device_s and gc_s
-    (collector pauses). Two untimed phases come first: one fills the stream, one paced sets its episodes half a
-    batch apart. partial_kv (rollout.partial_kv): keep = one session kept across the phases
+    (collector pauses). Untimed phases come first: one fills the stream, `lookahead` paced ones set its batches a
+    phase's turns apart. partial_kv (rollout.partial_kv): keep = one session kept across the phases
     (RolloutEngine.open_session; a phase's end pauses the turns in progress and keeps parked episodes' slots:
     nothing re-prefilled), prefill = a session per phase (the cut turns and the parked episodes re-prefilled next
     phase). kept / reprefill_tokens count them per phase."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
-                         context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=2 * a.episodes,
+                         context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=held(a),
                          overlap=True)
     env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter)
     runner = EpisodeRunner(EnvironmentFactory(SimulatedTool, env_kwargs), IdsTokenizer(), limits, workers=pool)
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
-    total = a.episodes * (a.async_phases + 4)
+    total = a.episodes * (a.async_phases + lookahead(a) + 4)
     pool_ids = prompts(total, a.prompt, engine.model.config.vocab_size)
     in_flight, next_i, batches, sampled, phases, timing = [], 0, [], 0, [], {}
     keep = partial_kv == "keep"
-    kept = engine.open_session(params, slot_len=episode_len, eos_token_ids=[], num_slots=2 * a.episodes) if keep \
+    kept = engine.open_session(params, slot_len=episode_len, eos_token_ids=[], num_slots=held(a)) if keep \
         else None
 
     def phase(version: int):
         nonlocal next_i, in_flight, sampled
-        while len(in_flight) < 2 * a.episodes:
+        while len(in_flight) < held(a):
             in_flight += runner.begin_runs(starts(pool_ids[next_i:next_i + 1]), first_index=next_i)
             next_i += 1
         clock = timing.get("clock")
         marks, captured = clock.marks() if clock else None, engine.runner.captures
         t = time.perf_counter()
         with (kept.phase() if keep else engine.session(params, slot_len=episode_len, eos_token_ids=[],
-                                                       num_slots=2 * a.episodes)) as session:
+                                                       num_slots=held(a))) as session:
             before = dataclasses.asdict(session.stats)  # a kept session counts every phase: this one's = after - before
             left = runner.run_phase(session, in_flight, version=version, keep=keep,  # the oldest episodes: a batch
                                     enough=lambda: all(r.finish_reason is not None for r in in_flight[:a.episodes])
@@ -319,10 +332,11 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
         done, in_flight = in_flight[:a.episodes], in_flight[a.episodes:]
         return done, left
 
-    pace = 0  # the product's pace (trainer/agent_stream.py): a batch's most model tokens over lookahead 1 + 1 phases
+    pace = 0  # the product's pace (trainer/agent_stream.py): a batch's most model tokens over lookahead + 1 phases
     phase(0)  # warm-up: the stream fills up (the first phase has nothing carried over)
-    pace = -(-a.turns * a.turn_tokens // 2)
-    phase(0)  # and its episodes fall into step: half a batch's turns behind the other half, as in the timed phases
+    pace = -(-a.turns * a.turn_tokens // (lookahead(a) + 1))
+    for _ in range(lookahead(a)):  # and its batches fall into step, each a phase's turns behind the one before
+        phase(0)
     sync(a.device)
     phases.clear()
     clock = Clock(a.device)  # where the timed phases' wall goes: device calls, and the host's waits for the tools
@@ -348,7 +362,8 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     assert all(r.finish_reason == "done" for b in batches for r in b), [r.finish_reason for r in batches[0][:4]]
     tokens = sum(len(s.token_ids) for b in batches for r in b for s in r.segments if s.kind == "model")
     carried = sum(len({v for s in r.segments if s.kind == "model" for v in s.versions}) > 1 for b in batches for r in b)
-    return dict(seconds=seconds, phases=a.async_phases, trained_tokens=tokens, tokens_per_s=tokens / seconds,
+    return dict(seconds=seconds, phases=a.async_phases, max_staleness=a.max_staleness, in_flight=held(a),
+                trained_tokens=tokens, tokens_per_s=tokens / seconds,
                 sampled_tokens_per_s=sampled / seconds, cut_turns=cut, parked_released=parked, partial_kv=partial_kv,
                 kept_sequences=kept_n, reprefill_tokens=reprefill,
                 prefill_tokens=sum(ph["prefill_tokens"] for ph in phases),
@@ -382,9 +397,9 @@ def capture_buckets(engine, a) -> dict:
     whichever timed phase first stepped that many rows: a run-order effect of the benchmark, not of the stream."""
     if not engine.runner.use_graphs:
         return {"buckets": 0, "captures": 0, "seconds": 0.0}
-    many = prompts(2 * a.episodes, a.prompt, engine.model.config.vocab_size)
+    many = prompts(held(a), a.prompt, engine.model.config.vocab_size)
     params = SamplingParams(max_new_tokens=2, temperature=1.0)  # the async cases' sampling: the same graphs
-    buckets, before = runner_module.decode_buckets(2 * a.episodes), engine.runner.captures
+    buckets, before = runner_module.decode_buckets(held(a)), engine.runner.captures
     sync(a.device)
     t = time.perf_counter()
     for b in buckets:
@@ -397,7 +412,7 @@ def capture_buckets(engine, a) -> dict:
 def run_variant(model, a, pool: Workers, common: dict, compile) -> list:
     """One engine with these settings: warm-ups, the single-turn baseline, every latency; its JSON lines."""
     episode_len = a.prompt + a.turns * a.turn_tokens + (a.turns - 1) * a.obs_tokens
-    engine = RolloutEngine(model, EngineConfig(max_slots=2 * a.episodes if a.async_phases else a.episodes,
+    engine = RolloutEngine(model, EngineConfig(max_slots=held(a) if a.async_phases else a.episodes,
                                                max_seq_tokens=episode_len,
                                                compile=SWITCH[compile]))
     engine.wake()
@@ -504,8 +519,10 @@ def main(argv=None) -> None:
                    help="runner.EXTEND_KERNEL: extend passes' attention through rollout/extend_kernel.py (Triton) "
                         "or the torch path (a gathered copy of the slots, a [rows, tokens, context] mask)")
     p.add_argument("--async-phases", type=int, default=0,
-                   help="also the asynchronous stream's rollout (max_staleness 1) per latency: this many timed phases "
+                   help="also the asynchronous stream's rollout (--max-staleness) per latency: this many timed phases "
                         "of `episodes` completed episodes each, measured twice (0 = off)")
+    p.add_argument("--max-staleness", type=int, default=1, help="the async cases' rollout.max_staleness k: "
+                   "(max(1, k - 1) + 1) x episodes in flight and that pace, as the product's stream")
     p.add_argument("--partial-kv", nargs="+", choices=["auto", "keep", "prefill"], default=["auto"],
                    help="the asynchronous cases' rollout.partial_kv, each in turn on the same engine (A/B: keep "
                         "prefill); auto = what a user gets: keep on CUDA (an engine kept awake), prefill on the CPU")
@@ -525,7 +542,7 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     with torch.device(a.device):
         model = CausalLM(decoder_config(a.shape)).to(dtype).eval()
-    pool = Workers(2 * a.episodes, name="bench-env")  # the asynchronous case holds twice the episodes
+    pool = Workers(held(a), name="bench-env")  # the asynchronous case holds (lookahead + 1) x the episodes
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
                   obs_tokens=a.obs_tokens, repeats=a.repeats, extend_kernel=a.extend_kernel)
