@@ -391,7 +391,7 @@ SWITCH = {"off": False, "on": True, "auto": None}
 
 
 def capture_buckets(engine, a) -> dict:
-    """Every decode bucket's CUDA graph for the async cases' 2 x episodes slots, captured before they are timed
+    """Every decode bucket's CUDA graph for the async cases' slots (held(a)), captured before they are timed
     (a one-token generate() per bucket). A run captures each bucket the first time one of its steps needs it (the
     step runs eagerly first: 0.3-0.35 s a bucket on an H100 in a phase's device time), which would otherwise land in
     whichever timed phase first stepped that many rows: a run-order effect of the benchmark, not of the stream."""

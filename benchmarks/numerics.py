@@ -15,8 +15,9 @@ One JSON line per measurement; `ratio` = bitwise / default time.
     python benchmarks/numerics.py --shapes 0.5b --profile 15   # and where each mode's time goes, by kernel
 
 --profile N: one more generate (CUDA graphs off, so the profiler sees every kernel; the kernels are the graphs')
-and one more update forward + backward per mode under torch.profiler; a `profile` line per (mode, part) with the
-N kernels of most device time (ms over the whole part, calls) and the part's total kernel time.
+and one more update forward + backward per mode under torch.profiler (profiling.profile_call); a `profile` line
+per (mode, part): wall and device ms, the device's busy share, kernel groups and the N kernels of most device time
+(CUDA only: on the CPU the kernel lists are empty).
 """
 from __future__ import annotations
 
@@ -91,9 +92,7 @@ def _step_parts(model, batch, micro_tokens: int) -> tuple[float, float]:
     old_s = time.perf_counter() - start
     model.train()
     start = time.perf_counter()
-    for idx in split_rows(batch, micro_tokens, packing=True):
-        logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False)
-        (logp * mask).sum().backward()
+    update_pass(model, batch, micro_tokens)
     sync(device)
     model.zero_grad(set_to_none=True)
     del old
@@ -101,40 +100,32 @@ def _step_parts(model, batch, micro_tokens: int) -> tuple[float, float]:
 
 
 def profile_parts(model, prompts, batch, new_tokens: int, micro_tokens: int, top: int) -> dict:
-    """{part: {total_ms, kernels: [[name, ms, calls]]}} for decode (a generate without graphs: prefill included,
-    64 prompt tokens against new_tokens decode steps) and update (forward + backward over the batch)."""
-    from torch.profiler import ProfilerActivity, profile
+    """{part: profiling.profile_call's record (wall, device ms and busy share, kernel groups, the `top` kernels)} for
+    decode (a generate without graphs, its prefill included) and update (forward + backward over the batch)."""
+    from profiling import profile_call
 
     device = model.output_weight.device
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     engine = RolloutEngine(model, EngineConfig(max_slots=len(prompts), keep_awake=True, cuda_graphs=False))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
     engine.wake()
-    engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True)  # compiles outside
-    parts = {}
-    with profile(activities=activities) as prof:
+
+    def generate():
         engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True)
-        sync(device)
-    parts["decode"] = prof
+
+    generate()  # compiles outside the profile
+    parts = {"decode": profile_call(generate, device.type, top=top)}
     engine.release()
     model.train()
-    with profile(activities=activities) as prof:
-        for idx in split_rows(batch, micro_tokens, packing=True):
-            logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False)
-            (logp * mask).sum().backward()
-        sync(device)
+    parts["update"] = profile_call(lambda: update_pass(model, batch, micro_tokens), device.type, top=top)
     model.zero_grad(set_to_none=True)
-    parts["update"] = prof
-    out = {}
-    for part, prof in parts.items():
-        rows = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
-        ms = [(e.key[:90], (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000, e.count)
-              for e in rows]
-        ms.sort(key=lambda r: -r[1])
-        out[part] = {"total_ms": round(sum(r[1] for r in ms), 3),
-                     "kernels": [[k, round(t, 3), n] for k, t, n in ms[:top]]}
-    return out
+    return parts
+
+
+def update_pass(model, batch, micro_tokens: int) -> None:
+    """The update's forward + backward over the batch, packed in micro-batches of micro_tokens (no optimizer step)."""
+    for idx in split_rows(batch, micro_tokens, packing=True):
+        logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False)
+        (logp * mask).sum().backward()
 
 
 def mismatch(model, prompts, result, device) -> dict:

@@ -137,6 +137,14 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _row_runs(pos, window, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_RUN: tl.constexpr):
+        """(lo, chunk) of a row at `pos`: the first key it sees (a sliding layer's window; window >= slot_len: 0)
+        and the keys one run takes, whole BLOCK_N blocks, at least MIN_RUN: what the attention kernel splits and
+        the merge reads alike."""
+        lo = tl.maximum(pos - window + 1, 0)
+        return lo, tl.maximum(tl.cdiv(tl.cdiv(pos - lo, SPLITS), BLOCK_N) * BLOCK_N, MIN_RUN)
+
+    @triton.jit
     def _decode_attention_kernel(q_ptr, kn_ptr, vn_ptr, qb_ptr, kb_ptr, vb_ptr, qn_ptr, kn_norm_ptr, eps, cos_ptr,
                                  sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, part_ptr, stat_ptr, scale, window,
                                  q_sb, kn_sb, vn_sb, cos_ss, c_sb, c_sh, c_ss, o_sb,
@@ -154,8 +162,7 @@ if HAVE_TRITON:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         pos = tl.load(pos_ptr + row)  # this row's new token sits at `pos`; keys [0, pos) are cached
-        lo = tl.maximum(pos - window + 1, 0)  # the first key a sliding layer sees (window >= slot_len: 0)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(pos - lo, SPLITS), BLOCK_N) * BLOCK_N, MIN_RUN)  # this row's keys a split
+        lo, chunk = _row_runs(pos, window, SPLITS, BLOCK_N, MIN_RUN)
         first = lo + split * chunk
         if MIN_RUN > 0:
             if (split > 0) & (first >= pos):  # a run this row does not need: the merge skips it too
@@ -212,11 +219,10 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         pos = tl.load(pos_ptr + row)
-        lo = tl.maximum(pos - window + 1, 0)
         runs = SPLITS
         if MIN_RUN > 0:
-            runs = tl.maximum(tl.cdiv(pos - lo, tl.maximum(tl.cdiv(tl.cdiv(pos - lo, SPLITS), BLOCK_N) * BLOCK_N,
-                                                           MIN_RUN)), 1)
+            lo, chunk = _row_runs(pos, window, SPLITS, BLOCK_N, MIN_RUN)
+            runs = tl.maximum(tl.cdiv(pos - lo, chunk), 1)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         g_ok, d_ok = g < GROUP, d < HEAD_DIM
