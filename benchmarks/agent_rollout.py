@@ -56,6 +56,7 @@ import os
 import random
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -90,10 +91,13 @@ class IdsTokenizer:
 class SimulatedTool(Environment):
     """Each step sleeps `latency_s` (a tool call), then answers with `obs_tokens` token ids.
 
-    jitter: each step sleeps uniformly in [0, 2 x latency_s] instead (the mean kept), drawn from the episode's seed."""
+    jitter: each step sleeps uniformly in [latency_s - spread_s, latency_s + spread_s] instead (the mean kept;
+    spread_s None: the whole latency, [0, 2 x latency_s]), drawn from the episode's seed."""
 
-    def __init__(self, latency_s: float, obs_tokens: int, turns: int, jitter: bool = False):
+    def __init__(self, latency_s: float, obs_tokens: int, turns: int, jitter: bool = False,
+                 spread_s: Optional[float] = None):
         self.latency_s, self.obs_tokens, self.turns, self.steps, self.jitter = latency_s, obs_tokens, turns, 0, jitter
+        self.spread_s = latency_s if spread_s is None else min(spread_s, latency_s)
 
     def reset(self, row, *, seed):
         self.base = 100 + seed % 1000
@@ -101,7 +105,7 @@ class SimulatedTool(Environment):
         return ""
 
     def step(self, action):
-        time.sleep(self.latency_s * (2 * self.rng.random() if self.jitter else 1.0))
+        time.sleep(self.latency_s + (self.spread_s * (2 * self.rng.random() - 1) if self.jitter else 0.0))
         self.steps += 1
         obs = " ".join(str(self.base + i) for i in range(self.obs_tokens))
         return StepResult(obs, 0.0, self.steps >= self.turns)
@@ -224,9 +228,10 @@ def measured(fn, clock: Clock, device: str) -> tuple:
 
 
 def median_run(cases: list) -> dict:
-    """The run of median wall time among repeats (its breakdown), with every repeat's seconds."""
+    """The run of median wall time among repeats (its breakdown), with every repeat's seconds. Of an even number,
+    the faster of the middle two: a slow repeat of the single-turn baseline never flatters the ratios over it."""
     ordered = sorted(cases, key=lambda c: c["seconds"])
-    mid = dict(ordered[len(ordered) // 2])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
     mid["seconds_all"] = [round(c["seconds"], 4) for c in cases]
     return mid
 
@@ -236,7 +241,8 @@ def multi_turn(engine, ids, a, latency_s: float, pool: Workers, jitter: bool = F
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
                          context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=len(ids),
                          overlap=True)
-    env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter)
+    env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter,
+                      spread_s=None if a.spread_ms is None else a.spread_ms / 1000)
     runner = EpisodeRunner(EnvironmentFactory(SimulatedTool, env_kwargs), IdsTokenizer(), limits, workers=pool)
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
     clock = Clock(a.device)
@@ -297,7 +303,8 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
     limits = AgentLimits(max_turns=a.turns, max_turn_tokens=a.turn_tokens, max_episode_tokens=episode_len,
                          context_limited=False, step_timeout_s=60.0, on_env_error="stop", workers=held(a),
                          overlap=True)
-    env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter)
+    env_kwargs = dict(latency_s=latency_s, obs_tokens=a.obs_tokens, turns=a.turns, jitter=jitter,
+                      spread_s=None if a.spread_ms is None else a.spread_ms / 1000)
     runner = EpisodeRunner(EnvironmentFactory(SimulatedTool, env_kwargs), IdsTokenizer(), limits, workers=pool)
     params = SamplingParams(max_new_tokens=a.turn_tokens, temperature=1.0)
     total = a.episodes * (a.async_phases + lookahead(a) + 4)
@@ -334,7 +341,7 @@ def multi_turn_async(engine, a, latency_s: float, pool: Workers, jitter: bool = 
 
     pace = 0  # the product's pace (trainer/agent_stream.py): a batch's most model tokens over lookahead + 1 phases
     phase(0)  # warm-up: the stream fills up (the first phase has nothing carried over)
-    pace = -(-a.turns * a.turn_tokens // (lookahead(a) + 1))
+    pace = -(-a.turns * a.turn_tokens // (lookahead(a) + 1)) + a.stagger_steps
     for _ in range(lookahead(a)):  # and its batches fall into step, each a phase's turns behind the one before
         phase(0)
     sync(a.device)
@@ -509,7 +516,9 @@ def main(argv=None) -> None:
     p.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 50.0, 500.0])
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     p.add_argument("--jitter-ms", type=float, nargs="*", default=[],
-                   help="also these mean latencies with each step's drawn uniformly in [0, 2 x mean]")
+                   help="also these mean latencies with each step's drawn uniformly in [mean - spread, mean + spread]")
+    p.add_argument("--spread-ms", type=float, default=None,
+                   help="the jitter cases' spread (default: the mean itself, [0, 2 x mean]; e.g. 25 for 50 +- 25 ms)")
     p.add_argument("--engine-compile", nargs="+", choices=sorted(SWITCH), default=["auto"],
                    help="EngineConfig.compile of each variant (auto: the engine's rule)")
     p.add_argument("--profile-extend", action="store_true",
@@ -523,6 +532,9 @@ def main(argv=None) -> None:
                         "of `episodes` completed episodes each, measured twice (0 = off)")
     p.add_argument("--max-staleness", type=int, default=1, help="the async cases' rollout.max_staleness k: "
                    "(max(1, k - 1) + 1) x episodes in flight and that pace, as the product's stream")
+    p.add_argument("--stagger-steps", type=int, default=0,
+                   help="an experiment, not the product's rule: this many decode steps added to the async pace, so "
+                        "that the batches' turn boundaries fall apart (e.g. turn_tokens / 2)")
     p.add_argument("--partial-kv", nargs="+", choices=["auto", "keep", "prefill"], default=["auto"],
                    help="the asynchronous cases' rollout.partial_kv, each in turn on the same engine (A/B: keep "
                         "prefill); auto = what a user gets: keep on CUDA (an engine kept awake), prefill on the CPU")
@@ -545,7 +557,8 @@ def main(argv=None) -> None:
     pool = Workers(held(a), name="bench-env")  # the asynchronous case holds (lookahead + 1) x the episodes
     common = dict(shape=a.shape, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                   episodes=a.episodes, turns=a.turns, prompt=a.prompt, turn_tokens=a.turn_tokens,
-                  obs_tokens=a.obs_tokens, repeats=a.repeats, extend_kernel=a.extend_kernel)
+                  obs_tokens=a.obs_tokens, repeats=a.repeats, extend_kernel=a.extend_kernel,
+                  **({"spread_ms": a.spread_ms} if a.spread_ms is not None else {}))
     lines = []
     for compile in a.engine_compile:
         lines += run_variant(model, a, pool, common, compile)
