@@ -22,9 +22,18 @@ torch, split_off, split_auto (the product's rule; `splits` gives each projection
 Then the attention kernel at decode shapes (one query per sequence at the end of L keys) against torch's SDPA,
 and the log-sum-exp over the vocabulary against torch.logsumexp.
 
+--tiles: instead of all that, the few-row tile experiment: for each projection (q, kv, o, gate, down) and row count
+(TILE_ROWS), each candidate matmul configuration (TILES: BLOCK_M x BLOCK_N, warps, stages; BLOCK_K and the split
+rule unchanged) timed against torch and against the product's tile at the same rows, and `bits_equal`: its output
+rows (the first N, and N rows from offset TILE_OFFSET) equal bit for bit the product's tile's output for the same rows
+computed within one TILE_REFERENCE-row call (the invariant: a row's bits never depend on the row count or the tile).
+A candidate with bits_equal everywhere can serve few-row calls (invariant_triton.FEW_ROWS_TILE / FEW_ROWS).
+
     python benchmarks/invariant_kernels.py                  # 0.5b and 1.5b on the GPU (well under two minutes)
     python benchmarks/invariant_kernels.py --no-sweep --shapes 0.5b
+    python benchmarks/invariant_kernels.py --tiles          # the tile experiment, 0.5b and 1.5b
     TRITON_INTERPRET=1 python benchmarks/invariant_kernels.py --smoke   # CPU, Triton's interpreter: checks the script
+    TRITON_INTERPRET=1 python benchmarks/invariant_kernels.py --smoke --tiles
 """
 from __future__ import annotations
 
@@ -219,13 +228,84 @@ def logsumexp_lines(common: dict, vocab: int, device, smoke: bool):
                "x_torch": mine / ref, "max_abs_diff": float((it.logsumexp(z) - torch.logsumexp(z, -1)).abs().max())}
 
 
+TILE_ROWS = (1, 8, 32, 64, 256, 2048)
+TILE_REFERENCE, TILE_OFFSET = 2048 + 96, 77  # the big call's rows; the offset puts rows at other places in a tile
+TILE_PROJECTIONS = ("q", "kv", "o", "gate", "down")
+TILES = [it.Tile(*t) for t in ((64, 64, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3), (32, 32, 4, 3), (16, 32, 4, 3),
+                               (16, 64, 2, 4), (32, 128, 4, 3), (64, 32, 4, 3))]  # the first: the product's
+
+
+def tile_lines(base: dict, shape: str, device, dtype, rows_list, tiles):
+    """The few-row tile experiment's lines for one shape (see the module docstring)."""
+    product = it.Tile(it.BLOCK_M, it.BLOCK_N, it.MATMUL_WARPS, it.MATMUL_STAGES)
+    for proj, (M, K, has_bias) in projections(shape).items():
+        if proj not in TILE_PROJECTIONS:
+            continue
+        g = torch.Generator(device=device).manual_seed(0)
+        w = (torch.randn(M, K, generator=g, device=device) * K ** -0.5).to(dtype)  # [M, K]
+        b = (torch.randn(M, generator=g, device=device) * 0.1).to(dtype) if has_bias else None
+        big = max(TILE_REFERENCE, max(rows_list) + TILE_OFFSET)
+        x_all = torch.randn(big, K, generator=g, device=device).to(dtype)  # [R, K]
+        reference = bits(it.matmul(x_all, w, b, dtype, tile=product))  # [R, M]: every row inside one big call
+        common = {**base, "measure": "tile", "proj": proj, "M": M, "K": K, "splits": it.k_splits(K, M)[0]}
+        for N in rows_list:
+            x = x_all[:N]
+            torch_ms = timed_ms(lambda: F.linear(x, w, b), device)
+            product_ms = None
+            for tile in tiles:
+                try:
+                    ms = timed_ms(lambda: it.matmul(x, w, b, dtype, tile=tile), device)
+                    first = torch.equal(bits(it.matmul(x, w, b, dtype, tile=tile)), reference[:N])
+                    shifted = x_all[TILE_OFFSET:TILE_OFFSET + N]
+                    later = torch.equal(bits(it.matmul(shifted, w, b, dtype, tile=tile)),
+                                        reference[TILE_OFFSET:TILE_OFFSET + N])
+                except Exception as e:  # a configuration this Triton cannot build: say so, go on
+                    yield {**common, "rows": N, "tile": list(tile), "error": repr(e)[:300]}
+                    continue
+                product_ms = ms if tile == product else product_ms
+                yield {**common, "rows": N, "tile": list(tile), "product_tile": tile == product, "ms": ms,
+                       "torch_ms": torch_ms, "x_torch": ms / torch_ms,
+                       "x_product": None if product_ms is None else ms / product_ms,
+                       "bits_equal": first and later, "bits_equal_first_rows": first, "bits_equal_offset_rows": later}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def tiles_main(a, device, dtype, card: str) -> None:
+    """--tiles: the experiment's lines, then a summary line per tile (equal everywhere, mean x_product at <= 64
+    rows)."""
+    began = time.perf_counter()
+    rows_list = [1, 8] if a.smoke else a.rows
+    tiles = TILES[:2] + [it.Tile(16, 32, 4, 1)] if a.smoke else TILES
+    seen = {}
+    for shape in a.shapes:
+        base = {"bench": "invariant_kernels", "device": card, "shape": shape, "dtype": str(dtype).split(".")[-1]}
+        for line in tile_lines(base, shape, device, dtype, rows_list, tiles):
+            print(json.dumps(line), flush=True)
+            s = seen.setdefault(tuple(line["tile"]), {"equal": True, "few": [], "errors": 0})
+            if "error" in line:
+                s["errors"] += 1
+                continue
+            s["equal"] &= line["bits_equal"]
+            if line["rows"] <= 64 and line["x_product"] is not None:
+                s["few"].append(line["x_product"])
+    for tile, s in seen.items():
+        print(json.dumps({"bench": "invariant_kernels", "measure": "tile_summary", "device": card, "tile": list(tile),
+                          "bits_equal_everywhere": s["equal"] and not s["errors"], "errors": s["errors"],
+                          "mean_x_product_rows_le_64": sum(s["few"]) / len(s["few"]) if s["few"] else None}))
+    print(json.dumps({"bench": "invariant_kernels", "measure": "summary", "seconds": time.perf_counter() - began}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--no-sweep", action="store_true", help="skip the split constants' sweep lines")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, the tiny shape")
+    parser.add_argument("--tiles", action="store_true", help="only the few-row tile experiment (rows: TILE_ROWS)")
     a = parser.parse_args()
+    if a.tiles and a.rows == list(ROWS):
+        a.rows = list(TILE_ROWS)
     if a.smoke:  # the tiny shape's depths (64, 128) split only without the floor and with 1-step splits
         a.shapes, a.rows = ["tiny"], [1, 8, 70]
         it.DEEP_MIN_K, it.MIN_SPLIT_STEPS = 0, 1
@@ -234,6 +314,8 @@ def main() -> None:
         sys.exit("needs Triton on CUDA (or TRITON_INTERPRET=1 with Triton installed for --smoke)")
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # the interpreter's bf16 dot is unusable
+    if a.tiles:
+        return tiles_main(a, device, dtype, card)
     began = time.perf_counter()
     checks = {"rows_alone_equal": [], "equals_reference": []}
     for shape in a.shapes:

@@ -180,14 +180,30 @@ def _linear_exact(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return y if bias is None else y + bias
 
 
+def _linear_residual_exact(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
+    """residual + (x @ weight.T rounded, + bias) in the matmul's epilogue (invariant_triton.matmul): torch's adds."""
+    rows = x.reshape(-1, x.shape[-1])  # [N, K]
+    out = invariant_triton.matmul(rows, weight.to(x.dtype), bias, x.dtype, residual=residual.reshape(rows.shape[0], -1))
+    return out.view(*x.shape[:-1], -1)
+
+
+def _linear_residual_default(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor) -> Tensor:
+    return residual + F.linear(x, weight, bias)
+
+
 def linear(x: Tensor, w, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
     """layers.linear's contract, x [..., K] -> [..., N]: the matmul rounded to x's dtype, then + bias, then
-    + residual (each add rounded on its own). A LoRA projection multiplies its merged weight (`lora_linear`)."""
+    + residual (each add rounded on its own; where Triton runs, in the matmul's epilogue, the same bits). A LoRA
+    projection multiplies its merged weight (`lora_linear`)."""
     if is_adapter(w):
         y = lora_linear(x, w, bias)
     else:
         weight, own_bias = _weights_of(w)
-        y = _exact(_linear_exact, F.linear, x, weight, own_bias if bias is None else bias)
+        bias = own_bias if bias is None else bias
+        if residual is not None and _fused(x, residual) and residual.shape[-1] == weight.shape[0] and (
+                residual.shape[:-1] == x.shape[:-1]):
+            return _exact(_linear_residual_exact, _linear_residual_default, x, weight, bias, residual)
+        y = _exact(_linear_exact, F.linear, x, weight, bias)
     return y if residual is None else residual + y
 
 
@@ -248,10 +264,35 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, style: str, defaul
     return _exact(exact, default_fn, x, weight)
 
 
+def _rotate_torch(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    return x * cos[..., None, :] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[..., None, :]
+
+
+def _fused(*tensors: Tensor) -> bool:
+    """invariant_triton's elementwise kernels take these: Triton runs on their device, one 16/32-bit float dtype."""
+    t = tensors[0]
+    return invariant_triton.available(t.device) and t.dtype != torch.float64 and all(
+        u.dtype == t.dtype for u in tensors)
+
+
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """RoPE as layers.rotate: x * cos + roll(x) * signed_sin, two products and a sum, each rounded alone
-    (addcmul's fused multiply-add may round differently in its vectorized and scalar loops)."""
-    return x * cos[..., None, :] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[..., None, :]
+    (addcmul's fused multiply-add may round differently in its vectorized and scalar loops). Where Triton runs, one
+    kernel with those roundings (invariant_triton.rotate: the same bits)."""
+    if not _fused(x, cos, signed_sin):
+        return _rotate_torch(x, cos, signed_sin)
+    return _exact(lambda x: invariant_triton.rotate([x], cos, signed_sin)[0],
+                  lambda x: _rotate_torch(x, cos, signed_sin), x)
+
+
+def rotate_pair(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(rotate(q), rotate(k)) for q [..., Hq, D], k [..., Hkv, D] of the same leading dims: one launch where Triton
+    runs and no gradient is wanted (the engine's decode and prefill, the trainer's scoring); the same bits either
+    way."""
+    if _fused(q, k, cos, signed_sin) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        q, k = invariant_triton.rotate([q, k], cos, signed_sin)
+        return q, k
+    return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
 
 
 GELU_C = (2.0 / torch.pi) ** 0.5
@@ -278,6 +319,18 @@ def activation(gate: Tensor, act: str) -> Tensor:
 
 
 SQRT_HALF = 0.5 ** 0.5
+
+
+def gated(gate: Tensor, up: Tensor, act: str) -> Tensor:
+    """The gated MLP's activation(gate, act) * up [..., I], act rounded to the dtype, then the product: one kernel
+    where Triton runs (invariant_triton.gated, the same roundings), the torch ops elsewhere."""
+    if not (_fused(gate, up) and act in invariant_triton.ACTS):
+        return activation(gate, act) * up
+
+    def default(g, u):
+        return (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
+
+    return _exact(lambda g, u: invariant_triton.gated(g, u, act), default, gate, up)
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:

@@ -22,7 +22,10 @@ Both sides of a run compute on the same device, so both take these kernels; the 
 versions (their bits differ from these, which no run compares). float32 inputs multiply in IEEE float32 (no TF32).
   rms_norm, logsumexp  one program per row, a fixed reduction over the row (fewer launches than invariant.py's
              elementwise trees, which are exact on any device too).
-Not here: activations and RoPE (elementwise: invariant.py's run on any device).
+  rotate, gated  RoPE of the queries and keys in one launch, act(gate) * up in one: elementwise, so invariant by
+             nature; they round as invariant.rotate's and .gated's torch ops do (no fused multiply-adds), the rotation
+             bit for bit (products and sums), the activation through CUDA's libdevice exp/tanh (torch's on the GPU).
+  residual   the matmul's epilogue adds a residual after its rounding (o and down projections): torch's add's bits.
 
 Legend: N rows, M columns, K depth; n sequences (slots), T queries, L key positions, Hq/Hkv heads, D head_dim.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -51,6 +54,11 @@ BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
 # down (6 splits) 0.0139/0.0187/0.0228/0.0364 against 0.0418/0.0405/0.043/0.0892 (512: 0.1035 vs 0.1014; 4096: 0.525
 # vs 0.509; 16384: 2.92 vs 3.40). Two programs per SM (264: 19 and 11 splits) lost at 0.5B from 32 rows on (0.0225
 # at 32 rows, 0.0667 at 512) and won or lost at 1.5B by row count (0.0116 at 1 row, 0.045 at 256, 0.0873 at 512).
+# A smaller tile for calls of few rows (decode: 32 rows fill half of a 64-row tile) keeps a row's bits only if the
+# GPU's MMA sums each element's K products the same way in both tiles: `benchmarks/invariant_kernels.py --tiles`
+# measures each candidate's time and that equality. None: every call takes the one tile above.
+FEW_ROWS_TILE = None    # e.g. Tile(32, 64, 4, 3), set only where --tiles found its bits equal to the 64-row tile's
+FEW_ROWS = 64           # ... for calls of at most this many rows
 SPLIT_K = True          # False: one split for every weight (the matmul's bits before split-K; benchmarks time it)
 DEEP_RATIO = 2          # a weight [M, K] splits its depth only when K >= DEEP_RATIO * M ...
 DEEP_MIN_K = 4096       # ... and K >= DEEP_MIN_K (128 BLOCK_K steps)
@@ -75,6 +83,7 @@ def available(device: torch.device) -> bool:
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_sn, o_sn, eps, H: tl.constexpr, BLOCK: tl.constexpr,
@@ -136,19 +145,24 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _finish(total, b_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, HAS_BIAS: tl.constexpr):
+    def _finish(total, b_ptr, r_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, r_sn, HAS_BIAS: tl.constexpr,
+                HAS_RES: tl.constexpr):
         """The epilogue both launches share: total [BM, BN] float32 rounded to out's dtype; a bias added after that
-        rounding (rounded again)."""
+        rounding (rounded again); then a residual of out's dtype (rounded again: torch's `residual + y`)."""
         out = total.to(out_ptr.dtype.element_ty)
+        ok = r_ok[:, None] & c_ok[None, :]
         if HAS_BIAS:
             b = tl.load(b_ptr + cols, mask=c_ok, other=0.0)
             out = (out.to(tl.float32) + b.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * o_sn + cols[None, :], out, mask=r_ok[:, None] & c_ok[None, :])
+        if HAS_RES:
+            res = tl.load(r_ptr + rows[:, None] * r_sn + cols[None, :], mask=ok, other=0.0)
+            out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * o_sn + cols[None, :], out, mask=ok)
 
     @triton.jit(do_not_specialize=["N"])
-    def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, M, K, KS, S, x_sn, w_sm, o_sn, IEEE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr):
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, r_ptr, out_ptr, N, M, K, KS, S, x_sn, w_sm, o_sn, r_sn,
+                       IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PARTIAL: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """out [N, M] = x [N, K] @ w [M, K].T with K in S splits of KS (the last may be shorter).
         PARTIAL: program (i, j, s) writes split s's partial of tile (i, j) to out = the workspace [S, N, M] float32;
         else program (i, j, 0) adds its tile's S partials in split order (0 + p0 + p1 + ..., as _sum_splits_kernel
@@ -167,20 +181,22 @@ if HAVE_TRITON:
             for s in range(0, S):
                 total += _split_dot(x_ptr, w_ptr, rows, cols, r_ok, c_ok, s * KS, tl.minimum(s * KS + KS, K), x_sn,
                                     w_sm, IEEE, BM, BN, BK)
-            _finish(total, b_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, HAS_BIAS)
+            _finish(total, b_ptr, r_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, r_sn, HAS_BIAS, HAS_RES)
 
     @triton.jit(do_not_specialize=["N"])
-    def _sum_splits_kernel(ws_ptr, b_ptr, out_ptr, N, M, S, o_sn, HAS_BIAS: tl.constexpr, BR: tl.constexpr,
-                           BC: tl.constexpr):
-        """out [N, M] = the workspace [S, N, M]'s partials added in split order (0 + p0 + p1 + ...), finished."""
+    def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, out_ptr, N, M, o_sn, r_sn, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           HAS_RES: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        """out [N, M] = the workspace [S, N, M]'s partials added in split order (0 + p0 + p1 + ...), finished. S is a
+        constant of the weight's shape: the loop unrolls, so the S loads are in flight together (the adds keep their
+        order)."""
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
         r_ok, c_ok = rows < N, cols < M
         total = tl.zeros([BR, BC], tl.float32)
-        for s in range(0, S):
+        for s in tl.static_range(S):
             total += tl.load(ws_ptr + (s * N + rows[:, None]) * M + cols[None, :], mask=r_ok[:, None] & c_ok[None, :],
                              other=0.0)
-        _finish(total, b_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, HAS_BIAS)
+        _finish(total, b_ptr, r_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, r_sn, HAS_BIAS, HAS_RES)
 
     @triton.jit
     def _attention_kernel(q_ptr, pos_ptr, k_ptr, v_ptr, out_ptr, T, L, scale, window,
@@ -229,6 +245,62 @@ if HAVE_TRITON:
         out = acc / total[:, None]
         tl.store(out_ptr + seq * o_sn + t[:, None] * o_st + head * o_sh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & d_ok[None, :])
+
+
+    @triton.jit
+    def _rope_heads(x_ptr, o_ptr, row, heads, x_sn, x_sh, o_sn, o_sh, c, s, d, rolled, d_ok, BH: tl.constexpr):
+        """One row's heads [BH, D] of x: x * cos + roll(x, D/2) * signed_sin, each product and the sum rounded to
+        x's dtype (invariant.rotate's three torch ops)."""
+        h = tl.arange(0, BH)
+        ok = (h < heads)[:, None] & d_ok[None, :]
+        base = x_ptr + row * x_sn + h[:, None] * x_sh
+        x = tl.load(base + d[None, :], mask=ok, other=0.0)
+        xr = tl.load(base + rolled[None, :], mask=ok, other=0.0)
+        dtype = x.dtype
+        a = (x.to(tl.float32) * c[None, :]).to(dtype)
+        b = (xr.to(tl.float32) * s[None, :]).to(dtype)
+        out = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+        tl.store(o_ptr + row * o_sn + h[:, None] * o_sh + d[None, :], out, mask=ok)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, hq, hk, q_sn, q_sh, k_sn, k_sh, c_sn, s_sn,
+                     qo_sn, qo_sh, ko_sn, ko_sh, D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+        """Program (row, 0) rotates the row's query heads, (row, 1) its key heads, with the row's tables [D]."""
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BD)
+        d_ok = d < D
+        rolled = (d + (D - D // 2)) % D  # torch.roll(x, D // 2)[d] = x[(d - D // 2) mod D]
+        c = tl.load(cos_ptr + row * c_sn + d, mask=d_ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + row * s_sn + d, mask=d_ok, other=0.0).to(tl.float32)
+        if tl.program_id(1) == 0:
+            _rope_heads(q_ptr, qo_ptr, row, hq, q_sn, q_sh, qo_sn, qo_sh, c, s, d, rolled, d_ok, BH)
+        else:
+            _rope_heads(k_ptr, ko_ptr, row, hk, k_sn, k_sh, ko_sn, ko_sh, c, s, d, rolled, d_ok, BH)
+
+    @triton.jit
+    def _gated_kernel(g_ptr, u_ptr, out_ptr, width, g_sn, u_sn, o_sn, ACT: tl.constexpr, ACCURATE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """act(gate) * up as invariant.gated's torch ops round it: act in float32 rounded to the dtype, then the
+        product rounded. ACT 0 silu g / (1 + exp(-g)); 1 tanh gelu 0.5 g (1 + tanh((g + 0.044715 g^3) C)).
+        ACCURATE: CUDA's libdevice exp / tanh (torch's own functions on the GPU); the interpreter has none (tl.exp)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < width
+        gate = tl.load(g_ptr + row * g_sn + cols, mask=ok, other=0.0)
+        dtype = gate.dtype
+        g = gate.to(tl.float32)
+        up = tl.load(u_ptr + row * u_sn + cols, mask=ok, other=0.0).to(tl.float32)
+        if ACT == 0:
+            e = libdevice.exp(-g) if ACCURATE else tl.exp(-g)
+            act = tl.div_rn(g, 1.0 + e)
+        else:
+            inner = (g + 0.044715 * (g * g * g)) * 0.7978845608028654
+            if ACCURATE:
+                t = libdevice.tanh(inner)
+            else:
+                t = 1.0 - tl.div_rn(2.0, tl.exp(2.0 * inner) + 1.0)
+            act = 0.5 * g * (1.0 + t)
+        tl.store(out_ptr + row * o_sn + cols, (act.to(dtype).to(tl.float32) * up).to(dtype), mask=ok)
 
 
 STYLES = {"llama": 0, "gemma": 1, "olmo2": 2}
@@ -282,12 +354,31 @@ def _cdiv(a: int, b: int) -> int:
 LAUNCHES = ("auto", "splits", "tiles")
 
 
+class Tile(NamedTuple):
+    """One matmul configuration: BLOCK_M x BLOCK_N output tiles, warps, pipeline stages (BLOCK_K is BLOCK_K always:
+    the K loop's steps are part of the bits)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+def tile_for(rows: int) -> Tile:
+    """The product's tile for a call of `rows` rows: FEW_ROWS_TILE up to FEW_ROWS (where set), else the one tile."""
+    if FEW_ROWS_TILE is not None and rows <= FEW_ROWS:
+        return FEW_ROWS_TILE
+    return Tile(BLOCK_M, BLOCK_N, MATMUL_WARPS, MATMUL_STAGES)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           out_dtype: torch.dtype = torch.float32, launch: str = "auto") -> torch.Tensor:
-    """x [N, K] @ w [M, K].T -> [N, M] in out_dtype (+ bias [M] after that rounding), batch-invariant (see the module
-    docstring): invariant.linear's `matmul(x, w).to(dtype) + bias`. `launch` changes the speed, never the bits:
-    "splits" a program per (tile, split) into a float32 workspace [S, N, M], then _sum_splits_kernel; "tiles" a
-    program per tile adding its splits itself; "auto" splits while the tiles alone would not fill the GPU."""
+           out_dtype: torch.dtype = torch.float32, launch: str = "auto", residual: Optional[torch.Tensor] = None,
+           tile: Optional[Tile] = None) -> torch.Tensor:
+    """x [N, K] @ w [M, K].T -> [N, M] in out_dtype (+ bias [M] after that rounding, + residual [N, M] of out_dtype
+    after that), batch-invariant (see the module docstring): invariant.linear's `residual + (matmul(x, w).to(dtype)
+    + bias)`. `launch` changes the speed, never the bits: "splits" a program per (tile, split) into a float32
+    workspace [S, N, M], then _sum_splits_kernel; "tiles" a program per tile adding its splits itself; "auto" splits
+    while the tiles alone would not fill the GPU. tile: another configuration than tile_for(N) (benchmarks: whether
+    it keeps the bits)."""
     if launch not in LAUNCHES:
         raise ValueError(f"invariant_triton.matmul: launch={launch!r}; choose one of {LAUNCHES}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -297,21 +388,27 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     out = torch.empty(N, M, dtype=out_dtype, device=x.device)
     if N == 0 or M == 0:
         return out
+    if residual is not None:
+        assert residual.shape == (N, M) and residual.dtype == out_dtype, (residual.shape, residual.dtype)
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     S, KS = k_splits(K, M)
-    tiles = (triton.cdiv(N, BLOCK_M), triton.cdiv(M, BLOCK_N))
+    tile = tile_for(N) if tile is None else tile
+    tiles = (triton.cdiv(N, tile.block_m), triton.cdiv(M, tile.block_n))
     spread = S > 1 and (launch == "splits" or (launch == "auto" and tiles[0] * tiles[1] < FILL_PROGRAMS))
     b = out if bias is None else bias
-    common = dict(IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=MATMUL_WARPS,
-                  num_stages=MATMUL_STAGES)
+    r, r_sn = (out, 0) if residual is None else (residual, residual.stride(0))
+    ends = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None)
+    common = dict(IEEE=x.dtype == torch.float32, BM=tile.block_m, BN=tile.block_n, BK=BLOCK_K, num_warps=tile.warps,
+                  num_stages=tile.stages)
     if not spread:
-        _matmul_kernel[(*tiles, 1)](x, w, b, out, N, M, K, KS, S, x.stride(0), w.stride(0), out.stride(0),
-                                    HAS_BIAS=bias is not None, PARTIAL=False, **common)
+        _matmul_kernel[(*tiles, 1)](x, w, b, r, out, N, M, K, KS, S, x.stride(0), w.stride(0), out.stride(0), r_sn,
+                                    PARTIAL=False, **ends, **common)
         return out
     partials = torch.empty(S, N, M, dtype=torch.float32, device=x.device)  # [S, N, M]
-    _matmul_kernel[(*tiles, S)](x, w, b, partials, N, M, K, KS, S, x.stride(0), w.stride(0), M, HAS_BIAS=False,
-                                PARTIAL=True, **common)
+    _matmul_kernel[(*tiles, S)](x, w, b, r, partials, N, M, K, KS, S, x.stride(0), w.stride(0), M, 0, HAS_BIAS=False,
+                                HAS_RES=False, PARTIAL=True, **common)
     _sum_splits_kernel[(triton.cdiv(N, SUM_ROWS), triton.cdiv(M, SUM_COLS))](
-        partials, b, out, N, M, S, out.stride(0), HAS_BIAS=bias is not None, BR=SUM_ROWS, BC=SUM_COLS)
+        partials, b, r, out, N, M, out.stride(0), r_sn, S=S, BR=SUM_ROWS, BC=SUM_COLS, **ends)
     return out
 
 
@@ -338,3 +435,47 @@ def attention(q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v: torch.Ten
                             GROUP=Hq // Hkv, D=D, BD=BD, BQ=block_q, BKEYS=block_keys, WINDOW=window is not None,
                             IEEE=q.dtype == torch.float32, num_warps=ATTENTION_WARPS)
     return out
+
+
+NO_FMA = dict(enable_fp_fusion=False)  # elementwise kernels: a product and a sum stay two roundings, as torch's
+GATED_BLOCK = 1024
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., width] as rows [N, width] with a unit last stride (a view where one exists)."""
+    x = x.reshape(-1, width)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rotate(xs: Sequence[torch.Tensor], cos: torch.Tensor, signed_sin: torch.Tensor) -> list[torch.Tensor]:
+    """invariant.rotate of one or two tensors x [..., heads, D] (queries and keys, the same leading dims) with tables
+    [..., D] broadcast over them, in one launch; the same dtype throughout (the caller checks)."""
+    lead, D = xs[0].shape[:-2], xs[0].shape[-1]
+    heads = [x.shape[-2] for x in xs]
+    rows = [x.reshape(-1, h, D) for x, h in zip(xs, heads)]  # [N, h, D], views where the leading dims merge
+    rows = [r if r.stride(-1) == 1 else r.contiguous() for r in rows]
+    c, s = (_rows(t.expand(*lead, D), D) for t in (cos, signed_sin))  # [N, D]
+    outs = [torch.empty(r.shape, dtype=r.dtype, device=r.device) for r in rows]
+    N = rows[0].shape[0]
+    if N:
+        q, k = rows[0], rows[-1]
+        qo, ko = outs[0], outs[-1]
+        _rope_kernel[(N, len(xs))](q, k, c, s, qo, ko, heads[0], heads[-1], q.stride(0), q.stride(1), k.stride(0),
+                                   k.stride(1), c.stride(0), s.stride(0), qo.stride(0), qo.stride(1), ko.stride(0),
+                                   ko.stride(1), D=D, BD=triton.next_power_of_2(D),
+                                   BH=triton.next_power_of_2(max(heads)), num_warps=4, **NO_FMA)
+    return [o.view(x.shape) for o, x in zip(outs, xs)]
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """invariant.gated's numbers, gate/up [..., I] of one dtype -> [..., I], one launch (act: ACTS)."""
+    width = gate.shape[-1]
+    g, u = _rows(gate, width), _rows(up, width)
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    if g.shape[0]:
+        block = min(GATED_BLOCK, triton.next_power_of_2(width))
+        _gated_kernel[(g.shape[0], triton.cdiv(width, block))](
+            g, u, out, width, g.stride(0), u.stride(0), out.stride(0), ACT=ACTS[act], ACCURATE=not INTERPRET,
+            BLOCK=block, num_warps=4, **NO_FMA)
+    return out.view(gate.shape)

@@ -169,6 +169,8 @@ def pre_attention(h: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin:
         q, k = rms_norm(q, w.q_norm, spec.eps, spec.norm_style), rms_norm(k, w.k_norm, spec.eps, spec.norm_style)
     if spec.v_norm:
         v = rms_norm(v, None, spec.eps)
+    if invariant.enabled():  # the bitwise mode: queries and keys in one launch where Triton runs (same bits)
+        return (*invariant.rotate_pair(q, k, cos, sin), v)
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
@@ -206,7 +208,7 @@ def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, ro
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [N, I] each
     else:
         gate, up = linear(x, w.gate), linear(x, w.up)
-    a = activation(gate, spec.act) * up
+    a = invariant.gated(gate, up, spec.act) if invariant.enabled() else activation(gate, spec.act) * up
     if w.mlp_out is None:
         h = linear(a, w.down, residual=h)
     else:

@@ -1,0 +1,178 @@
+"""The bitwise mode's fused elementwise launches (models/invariant_triton.py): RoPE of the queries and keys in one
+kernel, act(gate) * up in one, and the residual add in the matmul's epilogue. Each must give a row the same bits
+whatever shares the call (a decode step's rows and the training forward's [B, T] tokens alike), and the rotation and
+the residual add must give exactly the bits of the torch ops they replace (products and sums rounded one by one).
+The kernel checks run in Triton's CPU interpreter (a fresh process: Triton reads TRITON_INTERPRET once) in float32
+and float16: the interpreter truncates float32 to bfloat16 instead of rounding it, so bfloat16 is checked on CUDA
+only (@pytest.mark.gpu), where the activation must also equal torch's bits (CUDA's libdevice exp/tanh are torch's).
+"""
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from phaserl.models import invariant, invariant_triton
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (torch.equal would take -0.0 for +0.0)."""
+    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
+
+
+def check_rotate(device: str, dtypes) -> None:
+    """Queries and keys of a [B, T] training batch rotated in one launch equal torch's ops bit for bit, and so do
+    the same tokens rotated as decode rows [b, heads, D] (any subset, any order) and a strided query view."""
+    g = torch.Generator(device=device).manual_seed(0)
+    B, T, Hq, Hkv, D = 3, 5, 6, 2, 16
+    for dtype in dtypes:
+        q = torch.randn(B, T, Hq, D, generator=g, device=device).to(dtype)
+        k = torch.randn(B, T, Hkv, D, generator=g, device=device).to(dtype)
+        cos, sin = (torch.randn(B, T, D, generator=g, device=device).to(dtype) for _ in range(2))
+        qo, ko = invariant_triton.rotate([q, k], cos, sin)
+        assert _same(qo, invariant._rotate_torch(q, cos, sin)) and _same(ko, invariant._rotate_torch(k, cos, sin))
+        flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731  [B T, ...] decode rows
+        for idx in ([0], [7], [3, 11], [14, 0, 5]):
+            dq, dk = invariant_triton.rotate([flat(q)[idx], flat(k)[idx]], flat(cos)[idx], flat(sin)[idx])
+            assert _same(dq, flat(qo)[idx]) and _same(dk, flat(ko)[idx]), (dtype, idx)
+        fused = torch.randn(B * T, (Hq + 2 * Hkv) * D, generator=g, device=device).to(dtype)  # a [q; k; v] output
+        qv = fused[:, :Hq * D].unflatten(-1, (Hq, D))  # strided rows
+        assert _same(invariant_triton.rotate([qv], flat(cos), flat(sin))[0],
+                     invariant._rotate_torch(qv, flat(cos), flat(sin)))
+        pq, pk = invariant.rotate_pair(q, k, cos, sin)
+        assert _same(pq, qo) and _same(pk, ko)
+
+
+def check_rotate_gradient(device: str) -> None:
+    """With a gradient wanted, rotate_pair's outputs are the same bits and the gradient is torch's ops'."""
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(4, 3, 8, generator=g, device=device, requires_grad=True)
+    k = torch.randn(4, 1, 8, generator=g, device=device, requires_grad=True)
+    cos, sin = torch.randn(4, 8, generator=g, device=device), torch.randn(4, 8, generator=g, device=device)
+    pq, pk = invariant.rotate_pair(q, k, cos, sin)
+    (pq.sum() * 2 + pk.sum()).backward()
+    got = q.grad.clone(), k.grad.clone()
+    q.grad, k.grad = None, None
+    (invariant._rotate_torch(q, cos, sin).sum() * 2 + invariant._rotate_torch(k, cos, sin).sum()).backward()
+    assert torch.equal(got[0], q.grad) and torch.equal(got[1], k.grad)
+    with torch.no_grad():
+        assert _same(pq, invariant._rotate_torch(q, cos, sin))
+
+
+def check_gated(device: str, dtypes, exact_torch: bool) -> None:
+    """act(gate) * up: a row's bits whatever shares the call ([N, I] rows, [B, T, I] tokens, subsets); torch's
+    numbers within an ulp of the activation (exact_torch: bit for bit, CUDA's libdevice)."""
+    g = torch.Generator(device=device).manual_seed(2)
+    for dtype in dtypes:
+        gate = (torch.randn(6, 7, 300, generator=g, device=device) * 4).to(dtype)  # [B, T, I]
+        up = torch.randn(6, 7, 300, generator=g, device=device).to(dtype)
+        for act in ("silu", "gelu_pytorch_tanh"):
+            whole = invariant.gated(gate, up, act)  # [B, T, I]
+            rows, ups = gate.reshape(42, 300), up.reshape(42, 300)
+            for idx in ([0], [41], [3, 17], [40, 2, 9]):
+                assert _same(invariant_triton.gated(rows[idx], ups[idx], act), whole.reshape(42, 300)[idx]), act
+            ref = invariant.activation(gate, act) * up
+            if exact_torch:
+                assert _same(whole, ref), (dtype, act)
+            else:
+                torch.testing.assert_close(whole.float(), ref.float(), rtol=2e-3, atol=1e-5)
+
+
+@contextlib.contextmanager
+def _constants(**values):
+    saved = {name: getattr(invariant_triton, name) for name in values}
+    for name, value in values.items():
+        setattr(invariant_triton, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(invariant_triton, name, value)
+
+
+def check_residual(device: str, dtypes, K: int = 200, M: int = 80, N: int = 70) -> None:
+    """The matmul with a residual in its epilogue equals `residual + matmul(...)` bit for bit, with one split and
+    with forced splits (either launch), and a row's bits do not depend on the rows beside it."""
+    g = torch.Generator(device=device).manual_seed(3)
+    for dtype in dtypes:
+        x = torch.randn(N, K, generator=g, device=device).to(dtype)
+        w = (torch.randn(M, K, generator=g, device=device) * K ** -0.5).to(dtype)
+        b = torch.randn(M, generator=g, device=device).to(dtype)
+        r = torch.randn(N, M, generator=g, device=device).to(dtype)
+        for force in (False, True):
+            with _constants(DEEP_MIN_K=0, DEEP_RATIO=0, MIN_SPLIT_STEPS=1) if force else contextlib.nullcontext():
+                assert invariant_triton.k_splits(K, M)[0] > 1 or not force
+                for bias in (None, b):
+                    for launch in ("tiles", "splits"):
+                        fused = invariant_triton.matmul(x, w, bias, dtype, launch=launch, residual=r)
+                        assert _same(fused, r + invariant_triton.matmul(x, w, bias, dtype, launch=launch)), launch
+                        part = invariant_triton.matmul(x[5:9], w, bias, dtype, launch=launch, residual=r[5:9])
+                        assert _same(part, fused[5:9])
+        y = invariant.linear(x, w, b, residual=r)
+        assert _same(y, r + invariant.linear(x, w, b))
+
+
+NUMPY_TOO_NEW = "only 0-dimensional arrays can be converted to Python scalars"
+INTERPRETED = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import torch
+from test_invariant_fused import check_gated, check_residual, check_rotate, check_rotate_gradient
+dtypes = (torch.float32, torch.float16)
+check_rotate("cpu", dtypes)
+check_rotate_gradient("cpu")
+check_gated("cpu", dtypes, exact_torch=False)
+check_residual("cpu", dtypes)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
+def test_fused_elementwise_and_residual_in_the_interpreter():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    if NUMPY_TOO_NEW in done.stderr:
+        pytest.skip("this Triton's interpreter turns size-1 arrays into ints, which numpy >= 2.4 refuses")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_without_triton_the_torch_ops_run_on_the_cpu():
+    """The CPU (no interpreter) keeps the torch ops: rotate_pair is two rotations, gated is activation * up."""
+    if invariant_triton.available(torch.device("cpu")):
+        pytest.skip("the interpreter is on")
+    g = torch.Generator().manual_seed(4)
+    q, k, cos, sin = (torch.randn(3, h, 8, generator=g) for h in (2, 1, 1, 1))
+    pq, pk = invariant.rotate_pair(q, k, cos[:, 0], sin[:, 0])
+    assert _same(pq, invariant._rotate_torch(q, cos[:, 0], sin[:, 0]))
+    assert _same(pk, invariant._rotate_torch(k, cos[:, 0], sin[:, 0]))
+    gate, up = torch.randn(5, 9, generator=g).bfloat16(), torch.randn(5, 9, generator=g).bfloat16()
+    assert _same(invariant.gated(gate, up, "silu"), invariant.activation(gate, "silu") * up)
+
+
+def _needs_cuda_triton():
+    if not torch.cuda.is_available() or not invariant_triton.available(torch.device("cuda")):
+        pytest.skip("needs Triton on CUDA")
+
+
+@pytest.mark.gpu
+def test_gpu_fused_elementwise_and_residual_keep_the_bits():
+    _needs_cuda_triton()
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    check_rotate("cuda", dtypes)
+    check_rotate_gradient("cuda")
+    check_residual("cuda", dtypes)
+    check_residual("cuda", (torch.bfloat16,), K=4864, M=896, N=40)  # 0.5B down: deep, split by the product's rule
+
+
+@pytest.mark.gpu
+def test_gpu_gated_rows_are_invariant_and_equal_torchs_bits():
+    _needs_cuda_triton()
+    check_gated("cuda", (torch.bfloat16, torch.float16, torch.float32), exact_torch=True)
