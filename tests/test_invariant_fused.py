@@ -1,7 +1,8 @@
-"""The bitwise mode's fused elementwise launches (models/invariant_triton.py): RoPE of the queries and keys in one
-kernel, act(gate) * up in one, and the residual add in the matmul's epilogue. Each must give a row the same bits
-whatever shares the call (a decode step's rows and the training forward's [B, T] tokens alike), and the rotation and
-the residual add must give exactly the bits of the torch ops they replace (products and sums rounded one by one).
+"""The bitwise mode's fused launches (models/invariant_triton.py): RoPE of the queries and keys in one kernel,
+act(gate) * up in one, the residual add in the matmul's epilogue, and q/k/v (gate/up) in one matmul launch. Each
+must give a row the same bits whatever shares the call (a decode step's rows and the training forward's [B, T] tokens
+alike), and must give exactly the bits of the torch ops or separate calls they replace (the rotation's products and
+sums rounded one by one; each projection's own call, which the trainer's update takes with a gradient wanted).
 The kernel checks run in Triton's CPU interpreter (a fresh process: Triton reads TRITON_INTERPRET once) in float32
 and float16: the interpreter truncates float32 to bfloat16 instead of rounding it, so bfloat16 is checked on CUDA
 only (@pytest.mark.gpu), where the activation must also equal torch's bits (CUDA's libdevice exp/tanh are torch's).
@@ -119,13 +120,39 @@ def check_residual(device: str, dtypes, K: int = 200, M: int = 80, N: int = 70) 
         assert _same(y, r + invariant.linear(x, w, b))
 
 
+def check_group(device: str, dtypes, K: int = 96, sizes=(80, 16, 16), N: int = 70) -> None:
+    """q/k/v (with biases) and gate/up (without) in one launch: each output equals its own invariant.linear call
+    bit for bit (with a gradient wanted, the calls are separate: the trainer's update sees the same bits), and a
+    row's bits do not depend on the rows beside it."""
+    g = torch.Generator(device=device).manual_seed(5)
+    for dtype in dtypes:
+        x = torch.randn(N, K, generator=g, device=device).to(dtype)
+        for biased, ms in ((True, sizes), (False, sizes[:2])):
+            ws = [(torch.randn(m, K, generator=g, device=device) * K ** -0.5).to(dtype) for m in ms]
+            layers = [torch.nn.Linear(K, m, bias=biased, device=device, dtype=dtype) for m in ms]
+            with torch.no_grad():
+                for layer, w in zip(layers, ws):
+                    layer.weight.copy_(w)
+                    if biased:
+                        layer.bias.copy_(torch.randn(layer.bias.shape, generator=g, device=device).to(dtype))
+                grouped = invariant.linears(x, layers)
+                for y, layer in zip(grouped, layers):
+                    assert _same(y, invariant.linear(x, layer)), (dtype, biased)
+                for y, part in zip(grouped, invariant.linears(x[9:12], layers)):
+                    assert _same(part, y[9:12])
+            with_grad = invariant.linears(x, layers)  # the weights want a gradient: separate calls
+            for y, z in zip(grouped, with_grad):
+                assert _same(y, z.detach())
+
+
 NUMPY_TOO_NEW = "only 0-dimensional arrays can be converted to Python scalars"
 INTERPRETED = f"""
 import sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import torch
-from test_invariant_fused import check_gated, check_residual, check_rotate, check_rotate_gradient
+from test_invariant_fused import check_gated, check_group, check_residual, check_rotate, check_rotate_gradient
 dtypes = (torch.float32, torch.float16)
+check_group("cpu", dtypes)
 check_rotate("cpu", dtypes)
 check_rotate_gradient("cpu")
 check_gated("cpu", dtypes, exact_torch=False)
@@ -170,6 +197,9 @@ def test_gpu_fused_elementwise_and_residual_keep_the_bits():
     check_rotate_gradient("cuda")
     check_residual("cuda", dtypes)
     check_residual("cuda", (torch.bfloat16,), K=4864, M=896, N=40)  # 0.5B down: deep, split by the product's rule
+    check_group("cuda", dtypes)
+    check_group("cuda", (torch.bfloat16,), K=896, sizes=(896, 128, 128), N=40)  # 0.5B q/k/v at decode rows
+    check_group("cuda", (torch.bfloat16,), K=896, sizes=(4864, 4864), N=300)  # 0.5B gate/up
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ recomputed at the same inputs (`_exact`). Matmul inputs of 16-bit floats multipl
 accumulates in float32 and rounds to the input dtype where the default kernel does.
 Cost: a matmul holds its [rows, N, K] products (in chunks of CHUNK_ELEMENTS), a memory-bound pass instead of a
 GEMM: fine for the tiny CPU models. Where Triton runs (a GPU) the matmul, attention, RMSNorm and log-sum-exp are
-invariant_triton's fixed-configuration kernels instead (their own fixed orders: both sides of a run take them);
-benchmarks/numerics.py measures the cost against the default kernels.
+invariant_triton's fixed-configuration kernels instead (their own fixed orders: both sides of a run take them), and
+RoPE, act(gate) * up, residual adds and grouped q/k/v or gate/up matmuls are fewer launches with the same bits.
 Vision-language models (models/vision.py, qwen_vl.py): the tower's LayerNorm (`layer_norm`) and erf GELU
 (`activation(x, "gelu")`) from tree sums and elementwise ops, its per-image attention through `attention`; the
 decoder's M-RoPE positions are rotary positions only, the keys laid out by each token's place (`Aligned.of`).
@@ -205,6 +205,20 @@ def linear(x: Tensor, w, bias: Optional[Tensor] = None, residual: Optional[Tenso
             return _exact(_linear_residual_exact, _linear_residual_default, x, weight, bias, residual)
         y = _exact(_linear_exact, F.linear, x, weight, bias)
     return y if residual is None else residual + y
+
+
+def linears(x: Tensor, ws) -> list[Tensor]:
+    """[linear(x, w) for w in ws] (q/k/v, gate/up): one launch where Triton runs, no gradient is wanted and each is a
+    plain one-split weight of x's dtype (invariant_triton.matmul_group: every output the bits of its own call)."""
+    if _fused(x) and not any(is_adapter(w) for w in ws):
+        weights, biases = zip(*[_weights_of(w) for w in ws])
+        tensors = [x, *weights, *[b for b in biases if b is not None]]
+        if (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)) and len(
+                {b is None for b in biases}) == 1 and _fused(x, *weights) and invariant_triton.groupable(
+                x.shape[-1], weights):
+            outs = invariant_triton.matmul_group(x.reshape(-1, x.shape[-1]), weights, biases, x.dtype)
+            return [y.view(*x.shape[:-1], -1) for y in outs]
+    return [linear(x, w) for w in ws]
 
 
 def merged_weight(weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float) -> Tensor:

@@ -183,6 +183,31 @@ if HAVE_TRITON:
                                     w_sm, IEEE, BM, BN, BK)
             _finish(total, b_ptr, r_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, r_sn, HAS_BIAS, HAS_RES)
 
+    @triton.jit
+    def _group_tile(x_ptr, w_ptr, b_ptr, out_ptr, rows, col_tile, N, M, K, x_sn, w_sm, o_sn, IEEE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """One weight's tile as _matmul_kernel's one-split program computes it (0 + the split's sum, finished)."""
+        cols = col_tile.to(tl.int64) * BN + tl.arange(0, BN)
+        r_ok, c_ok = rows < N, cols < M
+        total = tl.zeros([BM, BN], tl.float32)
+        total += _split_dot(x_ptr, w_ptr, rows, cols, r_ok, c_ok, 0, K, x_sn, w_sm, IEEE, BM, BN, BK)
+        _finish(total, b_ptr, out_ptr, out_ptr, rows, cols, r_ok, c_ok, o_sn, 0, HAS_BIAS, False)
+
+    @triton.jit(do_not_specialize=["N"])
+    def _group_kernel(x_ptr, w0, w1, w2, b0, b1, b2, o0, o1, o2, N, M0, M1, M2, T0, T1, K, x_sn, s0, s1, s2, os0,
+                      os1, os2, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):
+        """x [N, K] times two or three one-split weights in one launch: column tiles 0..T0-1 are w0's, the next T1
+        w1's, the rest w2's; each tile computed as a call with that weight alone computes it."""
+        rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        j = tl.program_id(1)
+        if j < T0:
+            _group_tile(x_ptr, w0, b0, o0, rows, j, N, M0, K, x_sn, s0, os0, IEEE, HAS_BIAS, BM, BN, BK)
+        elif j < T0 + T1:
+            _group_tile(x_ptr, w1, b1, o1, rows, j - T0, N, M1, K, x_sn, s1, os1, IEEE, HAS_BIAS, BM, BN, BK)
+        else:
+            _group_tile(x_ptr, w2, b2, o2, rows, j - T0 - T1, N, M2, K, x_sn, s2, os2, IEEE, HAS_BIAS, BM, BN, BK)
+
     @triton.jit(do_not_specialize=["N"])
     def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, out_ptr, N, M, o_sn, r_sn, S: tl.constexpr, HAS_BIAS: tl.constexpr,
                            HAS_RES: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
@@ -410,6 +435,34 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     _sum_splits_kernel[(triton.cdiv(N, SUM_ROWS), triton.cdiv(M, SUM_COLS))](
         partials, b, r, out, N, M, out.stride(0), r_sn, S=S, BR=SUM_ROWS, BC=SUM_COLS, **ends)
     return out
+
+
+def groupable(K: int, weights: Sequence[torch.Tensor]) -> bool:
+    """matmul_group takes these weights [M_j, K]: two or three of them, each one split (k_splits)."""
+    return len(weights) in (2, 3) and all(w.shape[1] == K and k_splits(K, w.shape[0])[0] == 1 for w in weights)
+
+
+def matmul_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+                 out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[matmul(x, w_j, b_j, out_dtype) for each weight] in one launch (q/k/v, gate/up): x [N, K], weights [M_j, K]
+    (groupable), biases all tensors or all None -> [N, M_j] each, every element the bits of its own call's."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ws = [w if w.stride(-1) == 1 else w.contiguous() for w in weights]
+    N, K = x.shape
+    outs = [torch.empty(N, w.shape[0], dtype=out_dtype, device=x.device) for w in ws]
+    if N == 0:
+        return outs
+    tile = tile_for(N)
+    counts = [triton.cdiv(w.shape[0], tile.block_n) for w in ws]
+    has_bias = biases[0] is not None
+    pad = lambda items: list(items) + [items[-1]] * (3 - len(items))  # noqa: E731  a third slot never reached
+    w3, o3 = pad(ws), pad(outs)
+    b3 = pad(list(biases)) if has_bias else o3
+    _group_kernel[(triton.cdiv(N, tile.block_m), sum(counts))](
+        x, *w3, *b3, *o3, N, *[w.shape[0] for w in w3], counts[0], counts[1], K, x.stride(0),
+        *[w.stride(0) for w in w3], *[o.stride(0) for o in o3], IEEE=x.dtype == torch.float32, HAS_BIAS=has_bias,
+        BM=tile.block_m, BN=tile.block_n, BK=BLOCK_K, num_warps=tile.warps, num_stages=tile.stages)
+    return outs
 
 
 def attention(q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -159,6 +159,8 @@ def pre_attention(h: Tensor, w: LayerWeights, spec: LayerSpec, cos: Tensor, sin:
         return query_only(x, w, spec, cos, sin), None, None
     if w.qkv is not None:
         q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # [N, heads * D] each
+    elif invariant.enabled() and w.v is not None:  # the bitwise mode: one launch where Triton runs (same bits)
+        q, k, v = invariant.linears(x, (w.q, w.k, w.v))
     else:
         q, k = linear(x, w.q), linear(x, w.k)
         v = k if w.v is None else linear(x, w.v)  # Gemma 4's k_eq_v layers: the values are the raw keys
@@ -206,6 +208,8 @@ def post_attention(h: Tensor, attn: Tensor, w: LayerWeights, spec: LayerSpec, ro
         return h + (y if w.mlp_out is None else rms_norm(y, w.mlp_out, spec.eps, spec.norm_style))
     if w.gate_up is not None:
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [N, I] each
+    elif invariant.enabled():  # the bitwise mode: one launch where Triton runs (same bits)
+        gate, up = invariant.linears(x, (w.gate, w.up))
     else:
         gate, up = linear(x, w.gate), linear(x, w.up)
     a = invariant.gated(gate, up, spec.act) if invariant.enabled() else activation(gate, spec.act) * up
