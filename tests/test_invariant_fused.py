@@ -145,14 +145,30 @@ def check_group(device: str, dtypes, K: int = 96, sizes=(80, 16, 16), N: int = 7
                 assert _same(y, z.detach())
 
 
+def check_write_kv(device: str, dtypes) -> None:
+    """write_kv equals the decode step's index_put: each row's key and value at its own slot and position."""
+    g = torch.Generator(device=device).manual_seed(6)
+    for dtype in dtypes:
+        keys, values = (torch.randn(6, 2, 40, 16, generator=g, device=device).to(dtype) for _ in range(2))
+        k, v = (torch.randn(4, 2, 16, generator=g, device=device).to(dtype) for _ in range(2))
+        pos = torch.tensor([3, 0, 39, 17], device=device)
+        want_k, want_v = keys.clone(), values.clone()
+        rows = torch.arange(4, device=device)
+        want_k[rows, :, pos], want_v[rows, :, pos] = k, v
+        invariant_triton.write_kv(k, v, keys, values, pos)
+        assert _same(keys, want_k) and _same(values, want_v)
+
+
 NUMPY_TOO_NEW = "only 0-dimensional arrays can be converted to Python scalars"
 INTERPRETED = f"""
 import sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import torch
-from test_invariant_fused import check_gated, check_group, check_residual, check_rotate, check_rotate_gradient
+from test_invariant_fused import (check_gated, check_group, check_residual, check_rotate, check_rotate_gradient,
+                                  check_write_kv)
 dtypes = (torch.float32, torch.float16)
 check_group("cpu", dtypes)
+check_write_kv("cpu", dtypes)
 check_rotate("cpu", dtypes)
 check_rotate_gradient("cpu")
 check_gated("cpu", dtypes, exact_torch=False)
@@ -198,6 +214,7 @@ def test_gpu_fused_elementwise_and_residual_keep_the_bits():
     check_residual("cuda", dtypes)
     check_residual("cuda", (torch.bfloat16,), K=4864, M=896, N=40)  # 0.5B down: deep, split by the product's rule
     check_group("cuda", dtypes)
+    check_write_kv("cuda", dtypes)
     check_group("cuda", (torch.bfloat16,), K=896, sizes=(896, 128, 128), N=40)  # 0.5B q/k/v at decode rows
     check_group("cuda", (torch.bfloat16,), K=896, sizes=(4864, 4864), N=300)  # 0.5B gate/up
 

@@ -328,6 +328,19 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * o_sn + cols, (act.to(dtype).to(tl.float32) * up).to(dtype), mask=ok)
 
 
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, keys_ptr, values_ptr, pos_ptr, heads, k_sb, k_sh, v_sb, v_sh, c_ss, c_sh,
+                         c_sp, e_ss, e_sh, e_sp, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+        """Row r's new key and value [heads, D] into slot r at position pos[r] (copies: the bits unchanged)."""
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.load(pos_ptr + row).to(tl.int64)
+        h, d = tl.arange(0, BH), tl.arange(0, BD)
+        ok = (h < heads)[:, None] & (d < D)[None, :]
+        key = tl.load(k_ptr + row * k_sb + h[:, None] * k_sh + d[None, :], mask=ok)
+        tl.store(keys_ptr + row * c_ss + h[:, None] * c_sh + p * c_sp + d[None, :], key, mask=ok)
+        value = tl.load(v_ptr + row * v_sb + h[:, None] * v_sh + d[None, :], mask=ok)
+        tl.store(values_ptr + row * e_ss + h[:, None] * e_sh + p * e_sp + d[None, :], value, mask=ok)
+
 STYLES = {"llama": 0, "gemma": 1, "olmo2": 2}
 LSE_BLOCK = 2048
 
@@ -532,3 +545,21 @@ def gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
             g, u, out, width, g.stride(0), u.stride(0), out.stride(0), ACT=ACTS[act], ACCURATE=not INTERPRET,
             BLOCK=block, num_warps=4, **NO_FMA)
     return out.view(gate.shape)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
+    """The decode step's `keys[r, :, pos[r]] = k[r]` and the same for values, rows r < b, in one launch where these
+    kernels run (two index_put launches and an arange elsewhere): k/v [b, Hkv, D], keys/values [slots, Hkv, S, D],
+    pos [b]."""
+    b, heads, D = k.shape
+    if not available(k.device) or b == 0 or keys.stride(-1) != 1 or values.stride(-1) != 1 or (
+            keys.dtype, values.dtype) != (k.dtype, v.dtype):
+        rows = torch.arange(b, device=k.device)
+        keys[rows, :, pos] = k
+        values[rows, :, pos] = v
+        return
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    pos = pos if pos.is_contiguous() else pos.contiguous()
+    _write_kv_kernel[(b,)](k, v, keys, values, pos, heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           *keys.stride()[:3], *values.stride()[:3], D=D, BH=triton.next_power_of_2(heads),
+                           BD=triton.next_power_of_2(D), num_warps=1)
