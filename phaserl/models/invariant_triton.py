@@ -26,6 +26,8 @@ versions (their bits differ from these, which no run compares). float32 inputs m
              nature; they round as invariant.rotate's and .gated's torch ops do (no fused multiply-adds), the rotation
              bit for bit (products and sums), the activation through CUDA's libdevice exp/tanh (torch's on the GPU).
   residual   the matmul's epilogue adds a residual after its rounding (o and down projections): torch's add's bits.
+  matmul_group  two or three one-split weights (q/k/v, gate/up) in one launch, each tile computed as its own call's.
+  write_kv   the decode step's new keys and values into their slots, one launch for both (copies).
 
 Legend: N rows, M columns, K depth; n sequences (slots), T queries, L key positions, Hq/Hkv heads, D head_dim.
 """
@@ -59,6 +61,7 @@ BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
 # measures each candidate's time and that equality. None: every call takes the one tile above.
 FEW_ROWS_TILE = None    # e.g. Tile(32, 64, 4, 3), set only where --tiles found its bits equal to the 64-row tile's
 FEW_ROWS = 64           # ... for calls of at most this many rows
+GROUP = True            # q/k/v and gate/up in one launch (matmul_group) where no gradient is wanted; False: a call each
 SPLIT_K = True          # False: one split for every weight (the matmul's bits before split-K; benchmarks time it)
 DEEP_RATIO = 2          # a weight [M, K] splits its depth only when K >= DEEP_RATIO * M ...
 DEEP_MIN_K = 4096       # ... and K >= DEEP_MIN_K (128 BLOCK_K steps)
@@ -451,8 +454,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
 
 
 def groupable(K: int, weights: Sequence[torch.Tensor]) -> bool:
-    """matmul_group takes these weights [M_j, K]: two or three of them, each one split (k_splits)."""
-    return len(weights) in (2, 3) and all(w.shape[1] == K and k_splits(K, w.shape[0])[0] == 1 for w in weights)
+    """matmul_group takes these weights [M_j, K]: two or three of them, each one split (k_splits); GROUP on."""
+    return GROUP and len(weights) in (2, 3) and all(w.shape[1] == K and k_splits(K, w.shape[0])[0] == 1
+                                                    for w in weights)
 
 
 def matmul_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
