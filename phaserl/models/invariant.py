@@ -285,7 +285,7 @@ def _rotate_torch(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 def _fused(*tensors: Tensor) -> bool:
     """invariant_triton's elementwise kernels take these: Triton runs on their device, one 16/32-bit float dtype."""
     t = tensors[0]
-    return invariant_triton.available(t.device) and t.dtype != torch.float64 and all(
+    return invariant_triton.FUSED and invariant_triton.available(t.device) and t.dtype != torch.float64 and all(
         u.dtype == t.dtype for u in tensors)
 
 

@@ -62,6 +62,7 @@ BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
 FEW_ROWS_TILE = None    # e.g. Tile(32, 64, 4, 3), set only where --tiles found its bits equal to the 64-row tile's
 FEW_ROWS = 64           # ... for calls of at most this many rows
 GROUP = True            # q/k/v and gate/up in one launch (matmul_group) where no gradient is wanted; False: a call each
+FUSED = True            # RoPE, act(gate) * up, residual adds and KV writes in one launch each; False: torch's ops
 SPLIT_K = True          # False: one split for every weight (the matmul's bits before split-K; benchmarks time it)
 DEEP_RATIO = 2          # a weight [M, K] splits its depth only when K >= DEEP_RATIO * M ...
 DEEP_MIN_K = 4096       # ... and K >= DEEP_MIN_K (128 BLOCK_K steps)
@@ -556,7 +557,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch
     kernels run (two index_put launches and an arange elsewhere): k/v [b, Hkv, D], keys/values [slots, Hkv, S, D],
     pos [b]."""
     b, heads, D = k.shape
-    if not available(k.device) or b == 0 or keys.stride(-1) != 1 or values.stride(-1) != 1 or (
+    if not (FUSED and available(k.device)) or b == 0 or keys.stride(-1) != 1 or values.stride(-1) != 1 or (
             keys.dtype, values.dtype) != (k.dtype, v.dtype):
         rows = torch.arange(b, device=k.device)
         keys[rows, :, pos] = k
