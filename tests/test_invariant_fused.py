@@ -166,6 +166,8 @@ sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import torch
 from test_invariant_fused import (check_gated, check_group, check_residual, check_rotate, check_rotate_gradient,
                                   check_write_kv)
+from phaserl.models import invariant_triton
+invariant_triton.FUSED = invariant_triton.GROUP = True  # the launches under test, whatever the defaults
 dtypes = (torch.float32, torch.float16)
 check_group("cpu", dtypes)
 check_write_kv("cpu", dtypes)
@@ -200,14 +202,16 @@ def test_without_triton_the_torch_ops_run_on_the_cpu():
     assert _same(invariant.gated(gate, up, "silu"), invariant.activation(gate, "silu") * up)
 
 
-def _needs_cuda_triton():
+def _needs_cuda_triton(monkeypatch):
     if not torch.cuda.is_available() or not invariant_triton.available(torch.device("cuda")):
         pytest.skip("needs Triton on CUDA")
+    monkeypatch.setattr(invariant_triton, "FUSED", True)  # the launches under test, whatever the defaults
+    monkeypatch.setattr(invariant_triton, "GROUP", True)
 
 
 @pytest.mark.gpu
-def test_gpu_fused_elementwise_and_residual_keep_the_bits():
-    _needs_cuda_triton()
+def test_gpu_fused_elementwise_and_residual_keep_the_bits(monkeypatch):
+    _needs_cuda_triton(monkeypatch)
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     check_rotate("cuda", dtypes)
     check_rotate_gradient("cuda")
@@ -220,6 +224,6 @@ def test_gpu_fused_elementwise_and_residual_keep_the_bits():
 
 
 @pytest.mark.gpu
-def test_gpu_gated_rows_are_invariant_and_equal_torchs_bits():
-    _needs_cuda_triton()
+def test_gpu_gated_rows_are_invariant_and_equal_torchs_bits(monkeypatch):
+    _needs_cuda_triton(monkeypatch)
     check_gated("cuda", (torch.bfloat16, torch.float16, torch.float32), exact_torch=True)
