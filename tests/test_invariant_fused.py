@@ -10,12 +10,11 @@ only (@pytest.mark.gpu), where the activation must also equal torch's bits (CUDA
 import contextlib
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _interpreted import run_interpreted
 from phaserl.models import invariant, invariant_triton
 
 
@@ -159,7 +158,6 @@ def check_write_kv(device: str, dtypes) -> None:
         assert _same(keys, want_k) and _same(values, want_v)
 
 
-NUMPY_TOO_NEW = "only 0-dimensional arrays can be converted to Python scalars"
 INTERPRETED = f"""
 import sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
@@ -180,13 +178,7 @@ check_residual("cpu", dtypes)
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
 def test_fused_elementwise_and_residual_in_the_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    if NUMPY_TOO_NEW in done.stderr:
-        pytest.skip("this Triton's interpreter turns size-1 arrays into ints, which numpy >= 2.4 refuses")
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted(INTERPRETED)
 
 
 def test_without_triton_the_torch_ops_run_on_the_cpu():

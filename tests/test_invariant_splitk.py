@@ -9,12 +9,11 @@ at the product's rule, and the engine-vs-trainer equality with every projection 
 import contextlib
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _interpreted import run_interpreted
 from phaserl.models import invariant, invariant_triton
 
 
@@ -105,7 +104,6 @@ def _check_rows_and_launches(device: str, dtypes, K: int, M: int, N: int) -> Non
         assert not torch.equal(_as_bits(one), _as_bits(exact)), dtype  # the split order shows in the bits
 
 
-NUMPY_TOO_NEW = "only 0-dimensional arrays can be converted to Python scalars"
 INTERPRETED = f"""
 import sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
@@ -118,13 +116,7 @@ check_rows_and_launches("cpu", (torch.float32, torch.float16))
 @pytest.mark.slow  # a fresh interpreter that imports torch and Triton, then ~100 interpreted launches
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its CPU interpreter)")
 def test_split_k_rows_are_batch_invariant_in_the_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    if NUMPY_TOO_NEW in done.stderr:
-        pytest.skip("this Triton's interpreter turns size-1 arrays into ints, which numpy >= 2.4 refuses")
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted(INTERPRETED)
 
 
 def _needs_cuda_triton():
