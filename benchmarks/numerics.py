@@ -3,8 +3,10 @@
 On a Qwen2-shaped model with random weights, for each shape, the same process measures
   decode      the engine's seconds per decode step (`--prompts` sequences, `--new-tokens` each, EOS ignored), default
               kernels vs bitwise ones
-  step        a GRPO step's model work on those sequences: the rollout, the old log-prob pass and one update
-              forward + backward over the batch (packed micro-batches of `--micro-tokens`), default vs bitwise
+  step        a GRPO step's model work on those sequences as the default configuration runs it (one optimizer step
+              a batch: the update's own log-probs are the old ones, no old log-prob pass): the rollout and one
+              update forward + backward over the batch (packed micro-batches of `--micro-tokens`), default vs
+              bitwise; step_old_pass_s adds the old log-prob pass that more mini-batches or epochs take
   mismatch    the trainer's log-probs against the sampler's for the same tokens (`mismatch/*`, as logged every
               step) in bfloat16, float16 and bfloat16 bitwise
 One JSON line per measurement; `ratio` = bitwise / default time.
@@ -169,7 +171,8 @@ def main() -> None:
                 batch = rollout_batch(prompts, result, device)
                 old_s, update_s = step_parts(model, batch, a.micro_tokens)
                 times[mode] = {"decode_step_s": seconds / max(steps, 1), "rollout_s": seconds, "old_logprob_s": old_s,
-                               "update_s": update_s, "step_s": seconds + old_s + update_s}
+                               "update_s": update_s, "step_s": seconds + update_s,
+                               "step_old_pass_s": seconds + old_s + update_s}
                 print(json.dumps({**common, "measure": "time", "mode": mode, **times[mode]}), flush=True)
                 if mode == "bitwise":
                     print(json.dumps({**common, "measure": "mismatch", "mode": "bitwise",
@@ -180,7 +183,8 @@ def main() -> None:
                         print(json.dumps({**common, "measure": "profile", "mode": mode, "part": part, **spent}),
                               flush=True)
         print(json.dumps({**common, "measure": "ratio", **{k: times["bitwise"][k] / times["default"][k]
-                                                           for k in ("decode_step_s", "step_s")}}), flush=True)
+                                                           for k in ("decode_step_s", "update_s", "step_s", "step_old_pass_s")}}),
+              flush=True)
         for half in ([torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32]):
             model = base.to(half)
             result, _, _ = sample(model, prompts, a.new_tokens)

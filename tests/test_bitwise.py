@@ -192,6 +192,32 @@ def test_trainer_logprobs_equal_the_engines_bit_for_bit(family):
     assert max(diffs) == 0.0, diffs
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_training_forward_takes_the_default_kernels_gradient_at_the_exact_values(packing):
+    """With autograd the bitwise mode's log-probs and entropies are the exact kernels' bits, and the parameters'
+    gradient of a loss linear in them is the default mode's, bit for bit (the graph is the default forward's)."""
+    model = _model(_families()["qwen2"]).train()
+    with invariant.bitwise():
+        prompts, result = _sample(model)
+    batch = _batch(prompts, result, "cpu")
+    idx = torch.arange(5)
+    runs = {}
+    for on in (True, False):
+        with invariant.bitwise(on):
+            logp, ent, mask = rows_logprobs(model, batch, idx, packing=packing, temperature=0.8, with_entropy=True)
+            ((logp - 0.1 * ent) * mask).sum().backward()
+            with torch.no_grad():
+                plain = rows_logprobs(model, batch, idx, packing=packing, temperature=0.8, with_entropy=True)
+        runs[on] = (logp.detach(), ent.detach(), plain, [p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    (logp, ent, plain, grads), (d_logp, _, _, d_grads) = runs[True], runs[False]
+    assert torch.equal(logp, plain[0]) and torch.equal(ent, plain[1])  # the no-grad exact values, bit for bit
+    R = mask.shape[1]
+    assert float(((logp - batch.rollout_logprobs[idx, :R]).abs() * mask).max()) == 0.0
+    assert not torch.equal(logp, d_logp)  # the default kernels' values differ: the check above could fail
+    assert all(torch.equal(a, b) for a, b in zip(grads, d_grads))
+
+
 @pytest.mark.slow
 def test_every_native_family_loaded_from_a_transformers_checkpoint_is_exact(tmp_path):
     """The model-coverage configs (tests/test_model_families.py: sliding windows, Gemma 3/4 local and global layers,

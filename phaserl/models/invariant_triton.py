@@ -61,10 +61,10 @@ BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
 # measures each candidate's time and that equality. None: every call takes the one tile above.
 FEW_ROWS_TILE = None    # e.g. Tile(32, 64, 4, 3), set only where --tiles found its bits equal to the 64-row tile's
 FEW_ROWS = 64           # ... for calls of at most this many rows
-# Fewer launches per layer at decode, the same bits (tested in Triton's interpreter; off until the GPU tests and
-# `benchmarks/numerics.py` have run with them on a GPU):
-GROUP = False           # q/k/v and gate/up in one launch (matmul_group) where no gradient is wanted; False: a call each
-FUSED = False           # RoPE, act(gate) * up, residual adds and KV writes in one launch each; False: torch's ops
+# Fewer launches per layer, the same bits (tests/test_invariant_fused.py, in Triton's interpreter and on an H100; the
+# 0.5B decode step 3.94 -> 2.27 ms, H100, 2026-12-06, benchmarks/numerics.py; BENCHMARKS.md):
+GROUP = True            # q/k/v and gate/up in one launch (matmul_group) where no gradient is wanted; False: a call each
+FUSED = True            # RoPE, act(gate) * up, residual adds and KV writes in one launch each; False: torch's ops
 SPLIT_K = True          # False: one split for every weight (the matmul's bits before split-K; benchmarks time it)
 DEEP_RATIO = 2          # a weight [M, K] splits its depth only when K >= DEEP_RATIO * M ...
 DEEP_MIN_K = 4096       # ... and K >= DEEP_MIN_K (128 BLOCK_K steps)

@@ -228,7 +228,44 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
                   graphs: Optional[TrainGraphs] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
-    batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs."""
+    batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs.
+    In the bitwise numerics mode a forward with autograd runs twice: the batch-invariant kernels without a graph
+    give the values (the engine's bits, and their fused, grouped launches), the default kernels give the graph
+    (`exact_values`): one plain forward and backward instead of an exact forward whose every op recomputes its
+    default self in the backward."""
+    args = dict(packing=packing, temperature=temperature, with_entropy=with_entropy, routing=routing,
+                keep_logits=keep_logits, graphs=graphs)
+    if invariant.enabled() and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+        with torch.no_grad():
+            exact = _rows_logprobs(model, batch, idx, **args)
+        with invariant.bitwise(False):
+            default = _rows_logprobs(model, batch, idx, **args)
+        logp, ent = (None if e is None else exact_values(d, e) for d, e in zip(default[:2], exact[:2]))
+        return logp, ent, exact[2]
+    return _rows_logprobs(model, batch, idx, **args)
+
+
+class _ExactValues(torch.autograd.Function):
+    """forward: the exact tensor, as it is; backward: the gradient goes to the default tensor unchanged."""
+
+    @staticmethod
+    def forward(ctx, default: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        return exact.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def exact_values(default: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """`exact`'s values bit for bit (d + (e - d).detach() would round), differentiable as `default`: the bitwise
+    mode's loss sees the engine's numbers and takes the default kernels' gradient at them."""
+    return _ExactValues.apply(default, exact.detach())
+
+
+def _rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: bool, temperature: float,
+                   with_entropy: bool, routing: Optional[Routing], keep_logits: bool,
+                   graphs: Optional[TrainGraphs]) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     if getattr(model, "takes_images", False):  # sampled markers are text; lost pixels are not (models/qwen_vl.py)
         rows = batch.select(idx)
         model.check_pixels(rows.input_ids, rows.attention_mask, rows.loss_mask, rows.images)
