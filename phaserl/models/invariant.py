@@ -13,8 +13,8 @@ the KV slots or the trainer's whole-sequence forward. The rules that make it so,
     slot of S positions adds the same numbers in the same order as the training forward over the sequence;
   - activations that torch computes differently in its vectorized and scalar CPU loops (silu, sigmoid, gelu) are
     written from ones that do not (exp, tanh, division), checked in tests/test_bitwise.py.
-Gradients need no bitwise equality: each kernel is an autograd Function whose backward is the default kernel's,
-recomputed at the same inputs (`_exact`). Matmul inputs of 16-bit floats multiply exactly in float32; every kernel
+Gradients need no bitwise equality: the trainer's forward takes its values from these kernels and its graph from a
+default forward (roles/forward.py, exact_values); elsewhere a kernel's backward is the default one's (`_exact`). Matmul inputs of 16-bit floats multiply exactly in float32; every kernel
 accumulates in float32 and rounds to the input dtype where the default kernel does.
 Cost: a matmul holds its [rows, N, K] products (in chunks of CHUNK_ELEMENTS), a memory-bound pass instead of a
 GEMM: fine for the tiny CPU models. Where Triton runs (a GPU) the matmul, attention, RMSNorm and log-sum-exp are
