@@ -182,9 +182,9 @@ def main() -> None:
                                                      a.profile).items():
                         print(json.dumps({**common, "measure": "profile", "mode": mode, "part": part, **spent}),
                               flush=True)
-        print(json.dumps({**common, "measure": "ratio", **{k: times["bitwise"][k] / times["default"][k]
-                                                           for k in ("decode_step_s", "update_s", "step_s", "step_old_pass_s")}}),
-              flush=True)
+        parts = ("decode_step_s", "update_s", "step_s", "step_old_pass_s")
+        ratio = {k: times["bitwise"][k] / times["default"][k] for k in parts}
+        print(json.dumps({**common, "measure": "ratio", **ratio}), flush=True)
         for half in ([torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32]):
             model = base.to(half)
             result, _, _ = sample(model, prompts, a.new_tokens)

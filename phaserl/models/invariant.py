@@ -14,12 +14,12 @@ the KV slots or the trainer's whole-sequence forward. The rules that make it so,
   - activations that torch computes differently in its vectorized and scalar CPU loops (silu, sigmoid, gelu) are
     written from ones that do not (exp, tanh, division), checked in tests/test_bitwise.py.
 Gradients need no bitwise equality: the trainer's forward takes its values from these kernels and its graph from a
-default forward (roles/forward.py, exact_values); elsewhere a kernel's backward is the default one's (`_exact`). Matmul inputs of 16-bit floats multiply exactly in float32; every kernel
-accumulates in float32 and rounds to the input dtype where the default kernel does.
-Cost: a matmul holds its [rows, N, K] products (in chunks of CHUNK_ELEMENTS), a memory-bound pass instead of a
-GEMM: fine for the tiny CPU models. Where Triton runs (a GPU) the matmul, attention, RMSNorm and log-sum-exp are
-invariant_triton's fixed-configuration kernels instead (their own fixed orders: both sides of a run take them), and
-RoPE, act(gate) * up, residual adds and grouped q/k/v or gate/up matmuls are fewer launches with the same bits.
+default forward (roles/forward.py, exact_values); elsewhere a kernel's backward is the default one's (`_exact`).
+Matmul inputs of 16-bit floats multiply exactly in float32; every kernel accumulates in float32 and rounds to the
+input dtype where the default kernel does. Cost: a matmul holds its [rows, N, K] products (in chunks of
+CHUNK_ELEMENTS), a memory-bound pass instead of a GEMM: fine for the tiny CPU models. Where Triton runs (a GPU)
+the matmul, attention, RMSNorm and log-sum-exp are invariant_triton's fixed-configuration kernels instead (their own
+fixed orders: both sides of a run take them), and RoPE, act(gate) * up, residual adds and grouped q/k/v or gate/up matmuls are fewer launches with the same bits.
 Vision-language models (models/vision.py, qwen_vl.py): the tower's LayerNorm (`layer_norm`) and erf GELU
 (`activation(x, "gelu")`) from tree sums and elementwise ops, its per-image attention through `attention`; the
 decoder's M-RoPE positions are rotary positions only, the keys laid out by each token's place (`Aligned.of`).
