@@ -337,6 +337,23 @@ def test_a_grpo_run_in_bitwise_mode_logs_zero_mismatch_every_step(tmp_path, mini
         assert line["mismatch/correction_weight_mean"] == 1.0 and line["mismatch/correction_rejected_frac"] == 0.0
 
 
+@pytest.mark.slow
+def test_between_its_checks_the_update_takes_the_engines_logprobs_and_trains_the_same(tmp_path):
+    """rollout.bitwise_check_every = 2: steps 1 and 3 recompute the exact log-probs (mismatch 0.0), steps 2 and 4
+    take the engine's as the values, and every step's loss and gradient equal those of a run that checks every step
+    (the engine's numbers are the exact ones, the graph is the default forward's in both)."""
+    every = {k: _grpo(tmp_path / str(k), "trainer.total_steps=4", f"rollout.bitwise_check_every={k}",
+                      "actor.entropy_coef=0.01") for k in (1, 2)}  # a gradient even where a group's rewards tie
+    for line in every[1]:
+        assert line["mismatch/abs_diff_max"] == 0.0, line
+    checked = [line["step"] for line in every[2] if "mismatch/abs_diff_max" in line]
+    assert checked == [1, 3], checked
+    assert all(line["mismatch/abs_diff_max"] == 0.0 for line in every[2] if line["step"] in checked)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "critic/score_mean"):
+        assert [line.get(key) for line in every[1]] == [line.get(key) for line in every[2]], key
+    assert sum(line["actor/grad_norm"] > 0 for line in every[2] if line["step"] not in checked) >= 1  # trained
+
+
 @pytest.mark.parametrize("setting, key", [
     ("model.implementation=transformers", "model.implementation"), ("rollout.engine=hf", "rollout.engine"),
     ("actor.compile=true", "actor.compile"), ("rollout.engine_compile=true", "rollout.engine_compile"),

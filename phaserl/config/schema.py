@@ -87,6 +87,10 @@ class RolloutConfig:
                                 "kernels, so the trainer's log-prob of each sampled token equals the sampler's bit for "
                                 "bit (mismatch/abs_diff_max = 0; corrections become no-ops). Native dense families on "
                                 "the builtin engine; slower (docs/numerics.md)")
+    bitwise_check_every: int = spec(1, "bitwise mode, synchronous one-optimizer-step updates: the update recomputes "
+                                       "the exact log-probs and logs mismatch/* every this many steps; on the steps "
+                                       "between, its loss takes the engine's log-probs as the values (equal to the "
+                                       "bit by the mode) and skips that forward (docs/numerics.md)", min=1)
     val_temperature: float = spec(0.0, "temperature for validation (0 = greedy)", min=0.0)
     val_n: int = spec(1, "responses per held-out prompt during validation", min=1)
     ignore_eos: bool = spec(False, "EOS does not end a response: every response runs to max_new_tokens (fixed-length "

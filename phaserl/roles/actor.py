@@ -26,7 +26,7 @@ from ..models.moe import Routing
 from ..parallel import gather_full_params, mark_memory, rank_and_world, reshard_params
 from ..rollout import EngineConfig, GenerationResult, RolloutEngine, SamplingParams, generate
 from .checkpointed import CheckpointedRole
-from .forward import batch_logprobs, group_rows, rows_logprobs, split_rows
+from .forward import batch_logprobs, exact_values, group_rows, rows_logprobs, split_rows
 from .models import as_causal_lm
 from .optim import Optimizer, OptimSettings
 from .parallel_settings import FSDPSettings, HybridSettings, device_memory_gb
@@ -217,16 +217,20 @@ class HybridActor(CheckpointedRole):
 
     # ----- update -----------------------------------------------------------------------------
     def update_mini_batch(self, mb: TrainBatch, *, token_budget: int, global_tokens: float,
-                          global_seqs: float) -> dict:
-        """One optimizer step on mini-batch `mb` (this rank's share).  Returns summed stats."""
+                          global_seqs: float, engine_values: bool = False) -> dict:
+        """One optimizer step on mini-batch `mb` (this rank's share).  Returns summed stats.
+        engine_values (the bitwise mode between its checks, rollout.bitwise_check_every; on-policy only): the loss
+        takes the engine's log-probs of the sampled tokens as the values (the exact kernels' bits, which the checks
+        compare), so only the default forward runs, and no mismatch is measured."""
         if self.optimizer is None:
             raise ConfigError("HybridActor.setup_training(...) must be called before update (RLTrainer does it)")
         on_policy = mb.old_logprobs is None  # the trainer skipped the old log-prob pass (one optimizer step)
+        engine_values = engine_values and on_policy
         aux_coef = self.router_aux[0]
         names = ["actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl"]
         if on_policy and mb.ref_logprobs is not None:
             names.append("train/kl")  # what the skipped pass would have given: token mean to the reference
-        if on_policy:  # the trainer has no pre-update log-probs of its own: the mismatch is measured here
+        if on_policy and not engine_values:  # no pre-update log-probs of the trainer's: the mismatch is measured here
             names += ["mismatch/k3", "mismatch/abs_diff_mean", "mismatch/ratio_out_frac", "mismatch/abs_diff_max"]
         if self.loss.correction is not None:
             names += ["mismatch/correction_rejected_frac", "mismatch/correction_weight_mean"]
@@ -236,7 +240,8 @@ class HybridActor(CheckpointedRole):
         for idx in split_rows(mb.rollout, token_budget, packing=self.packing):
             for rows, index, own in group_rows(self.model, mb, idx):  # sequence-parallel: each member's in turn
                 loss = self.micro_batch_loss(rows, index, stats if own else StepStats(names, self.device),
-                                             on_policy=on_policy, global_tokens=global_tokens, global_seqs=global_seqs)
+                                             on_policy=on_policy, global_tokens=global_tokens, global_seqs=global_seqs,
+                                             engine_values=engine_values)
                 self.optimizer.scaled(loss).backward()  # float16 weights: times the loss scale (roles/loss_scale.py)
         stats = stats.read()
         stats["actor/grad_norm"] = self.optimizer.step()
@@ -245,7 +250,7 @@ class HybridActor(CheckpointedRole):
         return stats
 
     def micro_batch_loss(self, mb: TrainBatch, idx, stats: "StepStats", *, on_policy: bool, global_tokens: float,
-                         global_seqs: float) -> torch.Tensor:
+                         global_seqs: float, engine_values: bool = False) -> torch.Tensor:
         """The loss of micro-batch `idx` of `mb`, normalized by the mini-batch's global counts so the split never
         changes the gradient; its stats are added to `stats` (detached, as shares of the mini-batch)."""
         s, (aux_coef, top_k) = self.loss, self.router_aux
@@ -255,11 +260,14 @@ class HybridActor(CheckpointedRole):
         routing = Routing() if aux_coef > 0 or (self.routing_replay and mb.rollout.routed_experts is not None) else None
         logp, ent, resp_mask = rows_logprobs(self.model, mb.rollout, idx, packing=self.packing,
                                              temperature=s.temperature, with_entropy=True, routing=routing,
-                                             keep_logits=self.keep_head_logits, graphs=self.train_graphs)  # [b, R] each
+                                             keep_logits=self.keep_head_logits, graphs=self.train_graphs,
+                                             exact=not engine_values)  # [b, R] each
         R = resp_mask.shape[1]
         mask = micro.rollout.loss_mask[:, :R].float()  # [b, R] sampled tokens only (observations are 0)
-        old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
         rollout_logp = micro.rollout.rollout_logprobs[:, :R]              # [b, R] the sampler's
+        if engine_values:  # the bitwise mode's values are the engine's; the graph is the default forward's
+            logp = exact_values(logp, torch.where(mask.bool(), rollout_logp, logp.detach()))
+        old = logp.detach() if on_policy else micro.old_logprobs[:, :R]  # on-policy: ratio exactly 1
         pg_mat, pg_stats = s.loss_fn(logp, old, micro.advantages[:, :R], mask)  # [b, R]
         if s.correction is not None:  # rollout/training mismatch: weight each token's loss (0 = rejected)
             weights, fix = s.correction(old, rollout_logp, mask)          # [b, R] detached
@@ -281,7 +289,7 @@ class HybridActor(CheckpointedRole):
         if "train/kl" in stats:
             kl = kl_penalty(logp.detach(), micro.ref_logprobs[:, :R], TRAIN_KL_ESTIMATOR)  # [b, R]
             stats.add({"train/kl": (kl * mask).sum() / global_tokens})
-        if on_policy:
+        if "mismatch/k3" in stats:
             sums = mismatch_sums(old, rollout_logp, mask)
             stats.add({"mismatch/k3": sums["k3"] / global_tokens,
                        "mismatch/abs_diff_mean": sums["abs_diff"] / global_tokens,

@@ -225,17 +225,21 @@ def packed_micro_values(value_model, packed: Packed) -> torch.Tensor:
 
 def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: bool, temperature: float,
                   with_entropy: bool, routing: Optional[Routing] = None, keep_logits: bool = False,
-                  graphs: Optional[TrainGraphs] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                  graphs: Optional[TrainGraphs] = None, exact: bool = True
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Log-probs, entropies (or None) and response mask of rows `idx`, packed or trimmed.  [b, R] each.
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
     batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs.
     In the bitwise numerics mode a forward with autograd runs twice: the batch-invariant kernels without a graph
     give the values (the engine's bits, and their fused, grouped launches), the default kernels give the graph
     (`exact_values`): one plain forward and backward instead of an exact forward whose every op recomputes its
-    default self in the backward."""
+    default self in the backward. exact=False: the default forward only (the caller has the exact values)."""
     args = dict(packing=packing, temperature=temperature, with_entropy=with_entropy, routing=routing,
                 keep_logits=keep_logits, graphs=graphs)
     if invariant.enabled() and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+        if not exact:
+            with invariant.bitwise(False):
+                return _rows_logprobs(model, batch, idx, **args)
         with torch.no_grad():
             exact = _rows_logprobs(model, batch, idx, **args)
         with invariant.bitwise(False):

@@ -315,6 +315,7 @@ def run_settings(cfg: Config, roles: Roles, d: Derived, speed: SpeedChoices, *, 
         keep_checkpoint_num=t.keep_checkpoint_num,
         metrics_logger=MetricsLogger(t.log_dir, t.loggers, rank=rank, config=to_dict(cfg)),
         checkpointer=build_checkpointer(cfg, rank, world_size), save_on_signal=t.save_on_signal,
+        bitwise_check_every=r.bitwise_check_every if r.bitwise else 0,
         show_progress=rank == 0 and "console" in t.loggers,
         speed=speed, compile_watch=compile_watch(speed, roles, rank=rank))
 

@@ -203,6 +203,14 @@ class RLTrainer:
         one_step = run.epochs == 1 and batch.num_responses // run.mini_batch_per_rank == 1
         return run.reuse_update_logprobs and one_step and not run.advantage.kl_in_reward
 
+    def _engine_values(self, train: TrainBatch) -> bool:
+        """The bitwise mode between its checks (rollout.bitwise_check_every): a synchronous step of one optimizer
+        step trains the weights that sampled the batch, so the engine's log-probs are the exact ones to the bit
+        and the update's loss takes them instead of an exact forward. Steps 1, 1 + every, ... check it."""
+        every = self.run.bitwise_check_every  # self.step_num: the steps done before this one
+        return (every > 1 and self.step_num % every != 0 and train.old_logprobs is None
+                and self.run.stream.max_staleness == 0)
+
     def update(self, train: TrainBatch) -> dict:
         """ppo.epochs × ppo.num_mini_batches optimizer steps for the actor (and the critic).
 
@@ -228,7 +236,7 @@ class RLTrainer:
                 global_tokens = float(all_reduce_sum(mb.rollout.loss_mask.sum().float()))  # tokens trained on
                 global_seqs = float(all_reduce_sum(torch.tensor(float(len(idx)))))
                 norm = dict(token_budget=run.train_tokens, global_tokens=global_tokens, global_seqs=global_seqs)
-                stats = self.actor.update_mini_batch(mb, **norm)
+                stats = self.actor.update_mini_batch(mb, **norm, engine_values=self._engine_values(train))
                 if self.critic is not None:
                     stats.update(self.critic.update_mini_batch(mb, **norm))
                 # grad_norm and lr are global already; a _max is this rank's (reduce_metrics takes the max)

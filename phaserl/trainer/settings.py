@@ -103,6 +103,7 @@ class RunSettings:
     compile_watch: Optional["CompileWatch"]
     reuse_update_logprobs: bool = True  # skip the old log-prob pass when the step is one optimizer step
     save_on_signal: bool = True         # trainer.save_on_signal: SIGINT/SIGTERM save before stopping
+    bitwise_check_every: int = 0        # rollout.bitwise_check_every in the bitwise mode; 0: not that mode
 
     def progress_bar(self, start: int):
         return tqdm(total=self.total_steps, initial=start, desc="phaserl", unit="step",
