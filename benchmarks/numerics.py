@@ -6,7 +6,9 @@ On a Qwen2-shaped model with random weights, for each shape, the same process me
   step        a GRPO step's model work on those sequences as the default configuration runs it (one optimizer step
               a batch: the update's own log-probs are the old ones, no old log-prob pass): the rollout and one
               update forward + backward over the batch (packed micro-batches of `--micro-tokens`), default vs
-              bitwise; step_old_pass_s adds the old log-prob pass that more mini-batches or epochs take
+              bitwise; step_old_pass_s adds the old log-prob pass that more mini-batches or epochs take, and
+              step_between_checks_s is the bitwise step between its checks (rollout.bitwise_check_every > 1: the
+              update's loss takes the engine's log-probs, so only the default forward and backward run)
   mismatch    the trainer's log-probs against the sampler's for the same tokens (`mismatch/*`, as logged every
               step) in bfloat16, float16 and bfloat16 bitwise
 One JSON line per measurement; `ratio` = bitwise / default time.
@@ -123,11 +125,27 @@ def profile_parts(model, prompts, batch, new_tokens: int, micro_tokens: int, top
     return parts
 
 
-def update_pass(model, batch, micro_tokens: int) -> None:
-    """The update's forward + backward over the batch, packed in micro-batches of micro_tokens (no optimizer step)."""
+def update_pass(model, batch, micro_tokens: int, exact: bool = True) -> None:
+    """The update's forward + backward over the batch, packed in micro-batches of micro_tokens (no optimizer step).
+    exact=False: the bitwise mode between its checks (rollout.bitwise_check_every), the default forward only."""
     for idx in split_rows(batch, micro_tokens, packing=True):
-        logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False)
+        logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False,
+                                      exact=exact)
         (logp * mask).sum().backward()
+
+
+def between_checks_s(model, batch, micro_tokens: int) -> float:
+    """Seconds of the bitwise update between its checks, after one untimed round."""
+    device = model.output_weight.device
+    model.train()
+    for _ in range(2):
+        sync(device)
+        start = time.perf_counter()
+        update_pass(model, batch, micro_tokens, exact=False)
+        sync(device)
+        seconds = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+    return seconds
 
 
 def mismatch(model, prompts, result, device) -> dict:
@@ -173,6 +191,9 @@ def main() -> None:
                 times[mode] = {"decode_step_s": seconds / max(steps, 1), "rollout_s": seconds, "old_logprob_s": old_s,
                                "update_s": update_s, "step_s": seconds + update_s,
                                "step_old_pass_s": seconds + old_s + update_s}
+                if mode == "bitwise":  # rollout.bitwise_check_every > 1: the steps between the checks
+                    between = between_checks_s(model, batch, a.micro_tokens)
+                    times[mode].update(update_between_checks_s=between, step_between_checks_s=seconds + between)
                 print(json.dumps({**common, "measure": "time", "mode": mode, **times[mode]}), flush=True)
                 if mode == "bitwise":
                     print(json.dumps({**common, "measure": "mismatch", "mode": "bitwise",
@@ -184,6 +205,7 @@ def main() -> None:
                               flush=True)
         parts = ("decode_step_s", "update_s", "step_s", "step_old_pass_s")
         ratio = {k: times["bitwise"][k] / times["default"][k] for k in parts}
+        ratio["step_between_checks_s"] = times["bitwise"]["step_between_checks_s"] / times["default"]["step_s"]
         print(json.dumps({**common, "measure": "ratio", **ratio}), flush=True)
         for half in ([torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32]):
             model = base.to(half)
