@@ -363,6 +363,12 @@ def test_settings_that_would_run_other_kernels_are_config_errors_naming_the_key(
         load_config(None, ["rollout.bitwise=true", setting])
 
 
+def test_a_check_interval_without_the_mode_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"rollout\.bitwise_check_every = 4 .* rollout\.bitwise = true"):
+        load_config(None, ["rollout.bitwise_check_every=4"])
+    assert load_config(None, ["rollout.bitwise=true", "rollout.bitwise_check_every=4"]).rollout.bitwise_check_every == 4
+
+
 def test_a_family_the_kernels_do_not_cover_is_a_config_error(tmp_path):
     from phaserl.trainer.build import set_numerics
 

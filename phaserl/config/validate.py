@@ -201,7 +201,9 @@ def _bitwise_errors(cfg: Config) -> list[str]:
     transformers classes or generate(), compiled code (it may fuse a product and a sum into one rounding), the
     training graphs (padded shapes), LoRA dropout (the merged weight both sides multiply has none)."""
     if not cfg.rollout.bitwise:
-        return []
+        return [] if cfg.rollout.bitwise_check_every == 1 else [
+            f"rollout.bitwise_check_every = {cfg.rollout.bitwise_check_every} checks the bitwise mode, which is off: "
+            "set rollout.bitwise = true, or leave rollout.bitwise_check_every at 1"]
     why = "rollout.bitwise = true (phaserl's batch-invariant kernels on both sides)"
     refused = [(cfg.model.implementation == "transformers", "model.implementation = transformers",
                 "model.implementation = auto or native"),
