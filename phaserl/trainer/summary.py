@@ -75,7 +75,7 @@ def run_summary(trainer) -> str:
         f"({per_rank} prompts per rank, ≤ {run.generate_batch_size} per generate call), ≤ "
         f"{run.sampling.max_new_tokens} new tokens, temperature {run.sampling.temperature:g}",
         f"forward    ≤ {run.forward_tokens} tokens per micro-batch (old log-probs: "
-        f"{'reused from the update' if reused else 'own pass'})",
+        f"{'reused from the update' if reused else 'own pass'})" + _bitwise_checks(run, reused),
         f"update     {run.epochs} epoch(s) × {mini_steps} optimizer step(s) of {run.mini_batch_per_rank * world} "
         f"responses, ≤ {run.train_tokens} tokens per micro-batch",
         f"speed      rollout: {engine}; micro-batches: {'packed' if actor.packing else 'padded'}; gradient "
@@ -114,3 +114,14 @@ def _engine_supported(actor) -> bool:
 
 def _compiled(model) -> bool:
     return any(getattr(m, "compiled", None) for m in model.modules())
+
+
+def _bitwise_checks(run, reused: bool) -> str:
+    """The bitwise mode's checks (rollout.bitwise_check_every), or nothing outside that mode."""
+    every = run.bitwise_check_every
+    if not every:
+        return ""
+    if every == 1 or not reused or run.stream.max_staleness:
+        return "; bitwise: the update's exact log-probs checked every step"
+    return (f"; bitwise: the update's exact log-probs checked every {every} steps, the engine's taken between "
+            "(rollout.bitwise_check_every)")
