@@ -390,5 +390,8 @@ def test_the_doctor_says_which_numerics_run_and_that_corrections_are_no_ops(tmp_
     assert result.status == OK and result.message.startswith("numerics: bitwise (rollout.bitwise)"), result
     assert "mismatch 0.0" in result.message and "rollout_correction = icepop is a no-op" in result.message
     assert not invariant.enabled()  # the probe's mode ends with it
+    spaced = {r.name: r for r in run_doctor(load_doctor_config(None, overrides + [
+        "rollout.bitwise=true", "rollout.bitwise_check_every=5"]))}["rollout/training mismatch"]
+    assert spaced.status == OK and "every 5 steps" in spaced.message, spaced
     default = {r.name: r for r in run_doctor(load_doctor_config(None, overrides))}["rollout/training mismatch"]
     assert "numerics: default kernels" in default.message

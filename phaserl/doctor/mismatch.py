@@ -94,9 +94,16 @@ def _bitwise_result(cfg, m: dict, tokens: int) -> CheckResult:
     if m["mismatch/abs_diff_max"] == 0.0:
         return CheckResult("rollout/training mismatch", OK, f"numerics: bitwise (rollout.bitwise): the trainer's "
                            f"log-probs of {tokens} sampled tokens equal the sampler's bit for bit, mismatch 0.0; "
-                           f"rollout corrections are no-ops{noop}")
+                           f"rollout corrections are no-ops{noop}{_checks(cfg)}")
     return CheckResult("rollout/training mismatch", WARN, f"numerics: bitwise (rollout.bitwise), yet the trainer's "
                        f"log-probs differ from the sampler's (max |Δ log p| {m['mismatch/abs_diff_max']:.2e} over "
                        f"{tokens} tokens): some kernel on one side is not the batch-invariant one",
                        fix="report it with this config; meanwhile rollout.bitwise = false and a correction "
                            "(algorithm.rollout_correction) keep training")
+
+
+def _checks(cfg) -> str:
+    """How often the run itself checks it (rollout.bitwise_check_every)."""
+    every = cfg.rollout.bitwise_check_every
+    return "" if every == 1 else (f"; the run recomputes the exact log-probs every {every} steps and takes the "
+                                  "engine's between (rollout.bitwise_check_every)")
