@@ -23,7 +23,8 @@ the median step time, the update's measured peak, predicted / measured and wheth
 
 --long sets the long-response shapes (responses of exactly --new-tokens tokens: rollout.ignore_eos). Sampling 16k-32k
 tokens one decode step at a time takes minutes per step; --synthetic-rollout puts random responses of the full
-length in the place of the rollout phase, so that the phases the plan shapes (the reference's forward-only pass, the
+length in the place of the rollout phase (its two switches still run, so a kept engine's KV pool is there through
+the update as in a real step), so that the phases the plan shapes (the reference's forward-only pass, the
 old log-probs when there are, and the update) run as in a real step in a few minutes. --ab-plan off runs the same
 step with the memory keys off (ref.stream_weights=false actor.checkpoint_layers=0 actor.optimizer_offload=false
 actor.offload_activations=false) in a second process, for each measure's cost: where the plan was needed that side
@@ -182,6 +183,10 @@ def synthetic_step(trainer, a) -> dict:
     run, batch = trainer.run, synthetic_rollout(trainer, a)
     timings = {}
     t = time.perf_counter()
+    set_phase("rollout", trainer.step_num)
+    with trainer.actor.rollout_mode():  # the rollout phase's two switches, no sampling: a kept engine (auto: on where
+        pass                            # it fits) holds its KV pool through the update, as in a real step
+    timings["rollout_switches"], t = time.perf_counter() - t, time.perf_counter()
     set_phase("forward", trainer.step_num)
     old = None if trainer._on_policy(batch) else trainer.actor.compute_logprobs(batch, token_budget=run.forward_tokens)
     ref = None if trainer.ref_policy is None else trainer.ref_policy.compute_logprobs(
