@@ -218,6 +218,32 @@ def test_the_training_forward_takes_the_default_kernels_gradient_at_the_exact_va
     assert all(torch.equal(a, b) for a, b in zip(grads, d_grads))
 
 
+def test_the_critics_training_forward_takes_the_default_kernels_gradient_at_the_exact_values():
+    """rows_values as rows_logprobs: with autograd the bitwise mode's values are the no-grad exact ones, and the
+    gradient of a loss linear in them is the default mode's, bit for bit."""
+    from phaserl.models import ValueModel
+    from phaserl.roles.forward import rows_values
+
+    critic = ValueModel(_model(_families()["llama"])).train()
+    with torch.no_grad():
+        critic.score.weight.normal_(generator=torch.Generator().manual_seed(1))  # not the zero init: values differ
+    with invariant.bitwise():
+        prompts, result = _sample(_model(_families()["llama"]))
+    batch = _batch(prompts, result, "cpu")
+    idx, runs = torch.arange(4), {}
+    for on in (True, False):
+        with invariant.bitwise(on):
+            values, mask = rows_values(critic, batch, idx, packing=True)
+            (values * mask).sum().backward()
+            with torch.no_grad():
+                plain = rows_values(critic, batch, idx, packing=True)[0]
+        runs[on] = (values.detach(), plain, [p.grad.clone() for p in critic.parameters()])
+        critic.zero_grad(set_to_none=True)
+    (values, plain, grads), (d_values, _, d_grads) = runs[True], runs[False]
+    assert torch.equal(values, plain) and not torch.equal(values, d_values)
+    assert all(torch.equal(a, b) for a, b in zip(grads, d_grads))
+
+
 @pytest.mark.slow
 def test_every_native_family_loaded_from_a_transformers_checkpoint_is_exact(tmp_path):
     """The model-coverage configs (tests/test_model_families.py: sliding windows, Gemma 3/4 local and global layers,

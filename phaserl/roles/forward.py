@@ -236,17 +236,29 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
     default self in the backward. exact=False: the default forward only (the caller has the exact values)."""
     args = dict(packing=packing, temperature=temperature, with_entropy=with_entropy, routing=routing,
                 keep_logits=keep_logits, graphs=graphs)
-    if invariant.enabled() and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+    if bitwise_training(model):
         if not exact:
             with invariant.bitwise(False):
                 return _rows_logprobs(model, batch, idx, **args)
-        with torch.no_grad():
-            exact = _rows_logprobs(model, batch, idx, **args)
-        with invariant.bitwise(False):
-            default = _rows_logprobs(model, batch, idx, **args)
+        exact, default = values_and_graph(lambda: _rows_logprobs(model, batch, idx, **args))
         logp, ent = (None if e is None else exact_values(d, e) for d, e in zip(default[:2], exact[:2]))
         return logp, ent, exact[2]
     return _rows_logprobs(model, batch, idx, **args)
+
+
+def bitwise_training(model) -> bool:
+    """A forward with autograd of a model with trainable parameters, in the bitwise numerics mode."""
+    return invariant.enabled() and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+
+
+def values_and_graph(forward):
+    """(exact, default): forward() without autograd on the batch-invariant kernels (the values), and forward() on
+    the default kernels (the graph); `exact_values` joins each pair."""
+    with torch.no_grad():
+        exact = forward()
+    with invariant.bitwise(False):
+        default = forward()
+    return exact, default
 
 
 class _ExactValues(torch.autograd.Function):
@@ -286,7 +298,16 @@ def _rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: bo
 
 def rows_values(value_model, batch: RolloutBatch, idx: torch.Tensor, *,
                 packing: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values and response mask of rows `idx`, packed or trimmed.  [b, R] each."""
+    """Values and response mask of rows `idx`, packed or trimmed.  [b, R] each. In the bitwise mode with autograd,
+    as rows_logprobs: the exact kernels' values, the default forward's graph."""
+    if bitwise_training(value_model):
+        (values, mask), (default, _) = values_and_graph(lambda: _rows_values(value_model, batch, idx, packing=packing))
+        return exact_values(default, values), mask
+    return _rows_values(value_model, batch, idx, packing=packing)
+
+
+def _rows_values(value_model, batch: RolloutBatch, idx: torch.Tensor, *,
+                 packing: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if packing:
         packed = pack_rows(batch, idx)
         return packed_micro_values(value_model, packed), packed.response_mask
