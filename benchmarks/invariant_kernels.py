@@ -13,7 +13,9 @@ variant of the invariant matmul, bf16 in and out as invariant.linear calls it:
   split_all, split_all_fill_264, split_all_min_steps_8   the depth rule off (DEEP_RATIO = DEEP_MIN_K = 0): a shallow
                or short weight (q, k/v, o, gate) split as a deep one would, to re-check that the rule leaves it whole
 (each sweep variant only where it splits the weight otherwise than the product and the variants before it)
-with `ms` (CUDA events, after warm-up), `x_torch` (ms / torch's ms) and the exactness checks: `rows_alone_equal`
+with `ms` (CUDA events, after warm-up; each call of a replay takes another copy of the weight, enough copies to
+exceed twice the L2 (`weight_copies`), so the weight comes from device memory as in a decode step; --hot: one
+weight, L2-resident where it fits), `x_torch` (ms / torch's ms) and the exactness checks: `rows_alone_equal`
 (rows 0, N/2 and N-1 each computed in a 1-row call equal the batched rows bit for bit), `equals_reference` (the
 first min(N, 64) rows equal a 64-row call's, whichever launch each took) and `max_abs_diff_vs_torch`. Then per N a
 `layer` line: one decoder layer's projections (q, k, v, o, gate, up, down: the bitwise engine's calls) summed for
@@ -72,9 +74,29 @@ def projections(shape: str) -> dict:
             "lm_head": (V, H, False)}
 
 
-def timed_ms(fn, device, budget_ms: float = 40.0) -> float:
+L2_BYTES = 50 << 20   # an H100's L2 cache: the copies a cold timing cycles through hold at least twice this
+COLD_MAX = 128        # ... and at most this many copies of one weight
+
+
+class Cold:
+    """Copies of a weight that the timed calls take in turn (`next()`), so each call reads its weight from device
+    memory, as a decode step does (every layer's weights pass once per step, far more than the L2 holds). One
+    weight timed over and over stays in the L2 when it fits (a 0.5B q projection is 1.6 MB): faster than it ever
+    runs in the engine. hot=True (--hot) or off CUDA: the one weight."""
+
+    def __init__(self, w: torch.Tensor, hot: bool = False):
+        n = 1 if hot or w.device.type != "cuda" else min(COLD_MAX, max(1, -(-2 * L2_BYTES // w.nbytes)))
+        self.items, self.i = [w] + [w.clone() for _ in range(n - 1)], 0
+
+    def next(self) -> torch.Tensor:
+        self.i += 1
+        return self.items[(self.i - 1) % len(self.items)]
+
+
+def timed_ms(fn, device, budget_ms: float = 40.0, min_calls: int = 1) -> float:
     """Mean device milliseconds of one fn() call: warmed up (compiles), then replayed from a CUDA graph of several
-    calls, as the engine's decode step replays its graph (no Python launch cost in the number)."""
+    calls (at least min_calls: a Cold weight's copies, each taken once a replay), as the engine's decode step replays
+    its graph (no Python launch cost in the number)."""
     fn(), fn()
     if device.type != "cuda":
         start = time.perf_counter()
@@ -85,7 +107,7 @@ def timed_ms(fn, device, budget_ms: float = 40.0) -> float:
     fn()
     end.record()
     end.synchronize()
-    calls = int(min(20, max(1, budget_ms / 4 / max(start.elapsed_time(end), 1e-3))))
+    calls = max(min_calls, int(min(20, max(1, budget_ms / 4 / max(start.elapsed_time(end), 1e-3)))))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -144,9 +166,12 @@ class Settings:
             setattr(it, k, v)
 
 
-def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
-    """Yield the JSON dicts of one projection: every variant at every row count."""
+def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool, hot: bool = False):
+    """Yield the JSON dicts of one projection: every variant at every row count (timed on Cold copies of w)."""
     M, K = w.shape
+    cold = Cold(w, hot)
+    n = len(cold.items)
+    common = {**common, "weight_copies": n}
     S, KS = it.k_splits(K, M)
     variants = {"split_off": (dict(SPLIT_K=False), "auto"), "split_auto": ({}, "auto")}
     if S > 1:
@@ -163,7 +188,7 @@ def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
             references[name] = bits(it.matmul(x_all[:REFERENCE_ROWS], w, b, x_all.dtype, launch=launch))
     for N in rows_list:
         x = x_all[:N]  # [N, K]
-        torch_ms = timed_ms(lambda: F.linear(x, w, b), device)
+        torch_ms = timed_ms(lambda: F.linear(x, cold.next(), b), device, min_calls=n)
         yield {**common, "rows": N, "variant": "torch", "ms": torch_ms}
         expected = F.linear(x[:DIFF_ROWS], w, b).float()
         runs = dict(variants)
@@ -172,7 +197,7 @@ def matmul_lines(common: dict, x_all, w, b, rows_list, device, sweep: bool):
         for name, (settings, launch) in runs.items():
             with Settings(**settings):
                 splits, per = it.k_splits(K, M)
-                ms = timed_ms(lambda: it.matmul(x, w, b, x.dtype, launch=launch), device)
+                ms = timed_ms(lambda: it.matmul(x, cold.next(), b, x.dtype, launch=launch), device, min_calls=n)
                 out = it.matmul(x, w, b, x.dtype, launch=launch)  # [N, M]
                 alone = all(torch.equal(bits(it.matmul(x[i:i + 1], w, b, x.dtype, launch=launch)), bits(out[i:i + 1]))
                             for i in sorted({0, N // 2, N - 1}))
@@ -236,8 +261,8 @@ TILES = [it.Tile(*t) for t in ((64, 64, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3), (
 TILE_BUDGET_MS = 15.0  # timed_ms's budget per measurement (the experiment stays near a minute per shape)
 
 
-def tile_lines(base: dict, shape: str, device, dtype, rows_list, tiles):
-    """The few-row tile experiment's lines for one shape (see the module docstring)."""
+def tile_lines(base: dict, shape: str, device, dtype, rows_list, tiles, hot: bool = False):
+    """The few-row tile experiment's lines for one shape (see the module docstring; timed on Cold copies)."""
     product = it.Tile(it.BLOCK_M, it.BLOCK_N, it.MATMUL_WARPS, it.MATMUL_STAGES)
     for proj, (M, K, has_bias) in projections(shape).items():
         if proj not in TILE_PROJECTIONS:
@@ -248,14 +273,17 @@ def tile_lines(base: dict, shape: str, device, dtype, rows_list, tiles):
         big = max(TILE_REFERENCE, max(rows_list) + TILE_OFFSET)
         x_all = torch.randn(big, K, generator=g, device=device).to(dtype)  # [R, K]
         reference = bits(it.matmul(x_all, w, b, dtype, tile=product))  # [R, M]: every row inside one big call
-        common = {**base, "measure": "tile", "proj": proj, "M": M, "K": K, "splits": it.k_splits(K, M)[0]}
+        cold = Cold(w, hot)
+        n = len(cold.items)
+        common = {**base, "measure": "tile", "proj": proj, "M": M, "K": K, "splits": it.k_splits(K, M)[0],
+                  "weight_copies": n}
         for N in rows_list:
             x = x_all[:N]
-            torch_ms = timed_ms(lambda: F.linear(x, w, b), device, TILE_BUDGET_MS)
+            torch_ms = timed_ms(lambda: F.linear(x, cold.next(), b), device, TILE_BUDGET_MS, n)
             product_ms = None
             for tile in tiles:
                 try:
-                    ms = timed_ms(lambda: it.matmul(x, w, b, dtype, tile=tile), device, TILE_BUDGET_MS)
+                    ms = timed_ms(lambda: it.matmul(x, cold.next(), b, dtype, tile=tile), device, TILE_BUDGET_MS, n)
                     first = torch.equal(bits(it.matmul(x, w, b, dtype, tile=tile)), reference[:N])
                     shifted = x_all[TILE_OFFSET:TILE_OFFSET + N]
                     later = torch.equal(bits(it.matmul(shifted, w, b, dtype, tile=tile)),
@@ -281,7 +309,7 @@ def tiles_main(a, device, dtype, card: str) -> None:
     seen = {}
     for shape in a.shapes:
         base = {"bench": "invariant_kernels", "device": card, "shape": shape, "dtype": str(dtype).split(".")[-1]}
-        for line in tile_lines(base, shape, device, dtype, rows_list, tiles):
+        for line in tile_lines(base, shape, device, dtype, rows_list, tiles, a.hot):
             print(json.dumps(line), flush=True)
             s = seen.setdefault(tuple(line["tile"]), {"equal": True, "few": [], "errors": 0})
             if "error" in line:
@@ -304,6 +332,8 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the split constants' sweep lines")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, the tiny shape")
     parser.add_argument("--tiles", action="store_true", help="only the few-row tile experiment (rows: TILE_ROWS)")
+    parser.add_argument("--hot", action="store_true", help="time each matmul on one weight, over and over (it stays "
+                        "in the L2 where it fits), instead of copies that each call reads from device memory")
     a = parser.parse_args()
     if a.tiles and a.rows == list(ROWS):
         a.rows = list(TILE_ROWS)
@@ -330,7 +360,7 @@ def main() -> None:
             x_all = torch.randn(max(max(a.rows), REFERENCE_ROWS), K, generator=g, device=device).to(dtype)  # [N, K]
             common = {**base, "measure": "matmul", "proj": proj, "M": M, "K": K}
             ms = {}  # (rows, variant) -> ms of this projection
-            for line in matmul_lines(common, x_all, w, b, a.rows, device, not a.no_sweep):
+            for line in matmul_lines(common, x_all, w, b, a.rows, device, not a.no_sweep, a.hot):
                 print(json.dumps(line), flush=True)
                 for check, seen in checks.items():
                     if check in line:

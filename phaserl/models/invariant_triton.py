@@ -56,6 +56,8 @@ BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
 # down (6 splits) 0.0139/0.0187/0.0228/0.0364 against 0.0418/0.0405/0.043/0.0892 (512: 0.1035 vs 0.1014; 4096: 0.525
 # vs 0.509; 16384: 2.92 vs 3.40). Two programs per SM (264: 19 and 11 splits) lost at 0.5B from 32 rows on (0.0225
 # at 32 rows, 0.0667 at 512) and won or lost at 1.5B by row count (0.0116 at 1 row, 0.045 at 256, 0.0873 at 512).
+# Those timings called one weight over and over (L2-resident where it fits); a decode step reads its weights from
+# device memory. The benchmark now times cold copies: the rule is to be re-measured that way (docs/numerics.md).
 # A smaller tile for calls of few rows (decode: 32 rows fill half of a 64-row tile) keeps a row's bits only if the
 # GPU's MMA sums each element's K products the same way in both tiles: `benchmarks/invariant_kernels.py --tiles`
 # measures each candidate's time and that equality. None: every call takes the one tile above.
