@@ -192,11 +192,13 @@ def test_trainer_logprobs_equal_the_engines_bit_for_bit(family):
     assert max(diffs) == 0.0, diffs
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_the_training_forward_takes_the_default_kernels_gradient_at_the_exact_values(packing):
+@pytest.mark.parametrize("packing, checkpointed", [(False, 0), (True, 0), (True, 2)])
+def test_the_training_forward_takes_the_default_kernels_gradient_at_the_exact_values(packing, checkpointed):
     """With autograd the bitwise mode's log-probs and entropies are the exact kernels' bits, and the parameters'
-    gradient of a loss linear in them is the default mode's, bit for bit (the graph is the default forward's)."""
+    gradient of a loss linear in them is the default mode's, bit for bit (the graph is the default forward's; a
+    checkpointed layer recomputes in its forward's mode)."""
     model = _model(_families()["qwen2"]).train()
+    model.model.checkpoint_layers = checkpointed
     with invariant.bitwise():
         prompts, result = _sample(model)
     batch = _batch(prompts, result, "cpu")
@@ -369,7 +371,8 @@ def test_between_its_checks_the_update_takes_the_engines_logprobs_and_trains_the
     take the engine's as the values, and every step's loss and gradient equal those of a run that checks every step
     (the engine's numbers are the exact ones, the graph is the default forward's in both)."""
     every = {k: _grpo(tmp_path / str(k), "trainer.total_steps=4", f"rollout.bitwise_check_every={k}",
-                      "actor.entropy_coef=0.01") for k in (1, 2)}  # a gradient even where a group's rewards tie
+                      "actor.entropy_coef=0.01",  # a gradient even where a group's rewards tie
+                      "actor.checkpoint_layers=1") for k in (1, 2)}  # and a recomputed layer
     for line in every[1]:
         assert line["mismatch/abs_diff_max"] == 0.0, line
     checked = [line["step"] for line in every[2] if "mismatch/abs_diff_max" in line]

@@ -412,7 +412,8 @@ class DecoderModel(nn.Module):
             if i < recompute:
                 offload = self.activation_offload.layer(i) if self.activation_offload else contextlib.nullcontext()
                 with offload:
-                    h = checkpoint(layer, h, cos, sin, a, None, route, use_reentrant=False, **gemma4)
+                    h = checkpoint(_in_mode(layer, invariant.enabled()), h, cos, sin, a, None, route,
+                                   use_reentrant=False, **gemma4)
             else:
                 h = layer(h, cos, sin, a, kv_cache, route, **gemma4)
             if getattr(layer, "kv_store", False):  # Gemma 4: later layers attend with this layer's keys/values
@@ -492,3 +493,13 @@ class CausalLM(DecoderWrapper):
         """input_ids [B, T] -> hidden [B, T, H]; see DecoderModel.forward for the arguments."""
         return self.model(input_ids, position_ids, attention_mask, kv_cache, seq_ids=seq_ids, boundaries=boundaries,
                           routing=routing)
+
+
+def _in_mode(layer: nn.Module, bitwise: bool):
+    """The layer run in the numerics mode of its forward whenever it is called: a checkpointed layer's recompute runs
+    in the backward, after the bitwise mode's training forward has left the default kernels' block (roles/forward.py),
+    and must save what the forward saved."""
+    def run(*args, **kwargs):
+        with invariant.bitwise(bitwise):
+            return layer(*args, **kwargs)
+    return run
