@@ -240,9 +240,9 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
         if not exact:
             with invariant.bitwise(False):
                 return _rows_logprobs(model, batch, idx, **args)
-        exact, default = values_and_graph(lambda: _rows_logprobs(model, batch, idx, **args))
-        logp, ent = (None if e is None else exact_values(d, e) for d, e in zip(default[:2], exact[:2]))
-        return logp, ent, exact[2]
+        values, default = values_and_graph(lambda: _rows_logprobs(model, batch, idx, **args))
+        logp, ent = (None if v is None else exact_values(d, v) for d, v in zip(default[:2], values[:2]))
+        return logp, ent, values[2]
     return _rows_logprobs(model, batch, idx, **args)
 
 
