@@ -11,7 +11,8 @@ On a Qwen2-shaped model with random weights, for each shape, the same process me
               update's loss takes the engine's log-probs, so only the default forward and backward run)
   mismatch    the trainer's log-probs against the sampler's for the same tokens (`mismatch/*`, as logged every
               step) in bfloat16, float16 and bfloat16 bitwise
-One JSON line per measurement; `ratio` = bitwise / default time.
+One JSON line per measurement; `ratio` = bitwise / default time. Each time is the median of `--repeats` timed rounds
+(3) after an untimed one: the default step's own time varies ~20% between single runs on one GPU.
 
     python benchmarks/numerics.py                       # 0.5b and 1.5b on the GPU
     python benchmarks/numerics.py --smoke               # CPU, tiny shape: checks the script
@@ -47,23 +48,32 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+REPEATS = 3  # timed rounds of each measure (--repeats): the median is reported; one untimed round goes first
+
+
+def median(values: list) -> float:
+    """The middle value (the lower middle of an even count)."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
 def sample(model, prompts, new_tokens: int, seed: int = 0):
-    """(result, seconds of the second of two identical calls, its decode steps): the engine as a run makes it
-    (CUDA graphs; the first call captures them and compiles the kernels)."""
+    """(result, median seconds of REPEATS identical calls after an untimed one, its decode steps): the engine as a
+    run makes it (CUDA graphs; the first call captures them and compiles the kernels)."""
     engine = RolloutEngine(model, EngineConfig(max_slots=len(prompts), keep_awake=True))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
     device = model.output_weight.device
     engine.wake()
-    for _ in range(2):
+    times = []
+    for _ in range(1 + REPEATS):
         sync(device)
         start = time.perf_counter()
         result = engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True,
                                  generator=torch.Generator(device=device).manual_seed(seed))
         sync(device)
-        seconds = time.perf_counter() - start
+        times.append(time.perf_counter() - start)
     steps = engine.last_stats["steps"]
     engine.release()
-    return result, seconds, steps
+    return result, median(times[1:]), steps
 
 
 def rollout_batch(prompts, result, device) -> RolloutBatch:
@@ -80,10 +90,11 @@ def rollout_batch(prompts, result, device) -> RolloutBatch:
 
 
 def step_parts(model, batch, micro_tokens: int) -> tuple[float, float]:
-    """(old log-prob pass seconds, update forward + backward seconds) over the whole batch, packed; after one
-    untimed round (kernel compiles)."""
+    """(old log-prob pass seconds, update forward + backward seconds) over the whole batch, packed: medians of
+    REPEATS rounds after one untimed round (kernel compiles)."""
     _step_parts(model, batch, micro_tokens)
-    return _step_parts(model, batch, micro_tokens)
+    rounds = [_step_parts(model, batch, micro_tokens) for _ in range(REPEATS)]
+    return median([r[0] for r in rounds]), median([r[1] for r in rounds])
 
 
 def _step_parts(model, batch, micro_tokens: int) -> tuple[float, float]:
@@ -135,17 +146,18 @@ def update_pass(model, batch, micro_tokens: int, exact: bool = True) -> None:
 
 
 def between_checks_s(model, batch, micro_tokens: int) -> float:
-    """Seconds of the bitwise update between its checks, after one untimed round."""
+    """Median seconds of the bitwise update between its checks over REPEATS rounds, after one untimed round."""
     device = model.output_weight.device
     model.train()
-    for _ in range(2):
+    times = []
+    for _ in range(1 + REPEATS):
         sync(device)
         start = time.perf_counter()
         update_pass(model, batch, micro_tokens, exact=False)
         sync(device)
-        seconds = time.perf_counter() - start
+        times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    return seconds
+    return median(times[1:])
 
 
 def mismatch(model, prompts, result, device) -> dict:
@@ -156,6 +168,7 @@ def mismatch(model, prompts, result, device) -> dict:
 
 
 def main() -> None:
+    global REPEATS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b"])
     parser.add_argument("--prompts", type=int, default=32)
@@ -166,7 +179,9 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="on the CPU (with --shapes tiny: the CPU's own numbers)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="also the N kernels of most device time "
                         "in each mode's decode and update (torch.profiler)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed rounds of each measure (their median)")
     a = parser.parse_args()
+    REPEATS = max(1, a.repeats)
     if a.smoke:
         a.shapes, a.prompts, a.prompt_tokens, a.new_tokens, a.micro_tokens, a.cpu = ["tiny"], 4, 8, 4, 256, True
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
