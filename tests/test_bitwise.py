@@ -424,3 +424,22 @@ def test_the_doctor_says_which_numerics_run_and_that_corrections_are_no_ops(tmp_
     assert spaced.status == OK and "every 5 steps" in spaced.message, spaced
     default = {r.name: r for r in run_doctor(load_doctor_config(None, overrides))}["rollout/training mismatch"]
     assert "numerics: default kernels" in default.message
+
+
+def test_the_numerics_benchmark_measures_both_modes_and_a_zero_bitwise_mismatch():
+    """benchmarks/numerics.py --smoke (CPU, tiny shape): a time line per mode, the bitwise mismatch exactly 0.0, the
+    default one not, and the ratios of every part it reports."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "numerics.py"), "--smoke", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=root, check=True).stdout
+    lines = [json.loads(raw) for raw in out.splitlines() if raw.startswith("{")]
+    times = {line["mode"]: line for line in lines if line["measure"] == "time"}
+    assert set(times) == {"default", "bitwise"} and "step_between_checks_s" in times["bitwise"]
+    mismatch = {line["mode"]: line["mismatch/abs_diff_max"] for line in lines if line["measure"] == "mismatch"}
+    assert mismatch["bitwise"] == 0.0 and mismatch["default"] > 0.0
+    ratio = next(line for line in lines if line["measure"] == "ratio")
+    parts = ("decode_step_s", "update_s", "step_s", "step_old_pass_s", "step_between_checks_s")
+    assert all(ratio[k] > 0 for k in parts)
