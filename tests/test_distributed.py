@@ -40,8 +40,11 @@ AGENT = GRPO[:3] + [f"agent.env={os.path.join(os.path.dirname(os.path.abspath(__
 # Ulysses: the two ranks form one sequence-parallel group (each holds half of every micro-batch's tokens, its own
 # rows run by both in turn), with every layer checkpointed (the recompute runs the all-to-alls again)
 ULYSSES = GRPO + ["actor.sequence_parallel=2"]
+# the bitwise numerics mode on FSDP2 ranks: the old log-prob pass (2 mini-batches) and the update's double forward
+# (exact values, default graph) over gathered shards, with every layer checkpointed (recomputed in its forward's mode)
+BITWISE = GRPO + ["rollout.bitwise=true"]
 SCENARIOS = {"grpo": GRPO, "ppo": PPO, "families": FAMILIES, "dapo": DAPO, "grpo_lora": LORA, "moe_replay": MOE,
-             "mistral": MISTRAL, "agent": AGENT, "ulysses": ULYSSES}
+             "mistral": MISTRAL, "agent": AGENT, "ulysses": ULYSSES, "bitwise": BITWISE}
 ONE_RANK_ONLY = ("actor.sequence_parallel",)  # settings the 1-rank reference run leaves out
 COMMON = ["trainer.loggers=[]", "data.val_files=[]", "trainer.total_steps=1", "ppo.num_mini_batches=2",
           "rollout.batch_size=1"]  # 1 prompt per generate call divides the prompts per rank on 1 and 2 ranks
@@ -60,7 +63,8 @@ EXACT_METRICS = {
     "mistral": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss"),
     "agent": ("train/reward_mean", "train/response_length_mean", "agent/turns_mean", "actor/pg_loss",
               "actor/grad_norm"),  # noise keyed by the global episode index: the 1-rank episodes
-    "ulysses": ("train/reward_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/kl_loss")}
+    "ulysses": ("train/reward_mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/kl_loss"),
+    "bitwise": ("train/reward_mean", "actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "mismatch/abs_diff_max")}
 TIMEOUT_S = 300
 
 
@@ -283,6 +287,16 @@ def test_sequence_parallel_ranks_train_as_one_rank(runs):
     assert _max_weight_diff(two[0]["weights"]["actor"], single["ulysses"]["weights"]["actor"]) < 1e-5
     assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
     assert two[0]["metrics"]["actor/kl_loss"] > 0  # the reference's log-probs (sequence-parallel too) differ
+
+
+def test_the_bitwise_mode_on_two_ranks_logs_zero_mismatch_and_trains_as_one_rank(runs):
+    single, ranks = runs
+    two = _two(ranks, "bitwise")
+    assert two[0]["metrics"]["mismatch/abs_diff_max"] == single["bitwise"]["metrics"]["mismatch/abs_diff_max"] == 0.0
+    assert two[0]["responses"] + two[1]["responses"] == single["bitwise"]["responses"]
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[1]["weights"]["actor"]) == 0.0
+    assert _max_weight_diff(two[0]["weights"]["actor"], single["bitwise"]["weights"]["actor"]) < 1e-5
+    assert _max_weight_diff(two[0]["weights"]["actor"], two[0]["weights"]["ref"]) > 1e-4
 
 
 def test_moe_with_routing_replay_on_two_ranks_equals_one_rank(runs):
