@@ -71,16 +71,20 @@ TIMEOUT_S = 300
 def _one_step(overrides: list) -> dict:
     """One RL step; returns the responses, the metrics, every role's full weights and its parameter placements."""
     from phaserl.config import load_config
+    from phaserl.models import invariant
     from phaserl.parallel import rank_and_world
     from phaserl.parallel.fsdp import full_state_dict
     from phaserl.trainer import RLTrainer
 
     torch.manual_seed(0)
     cfg = load_config(None, overrides, world_size=rank_and_world()[1])
-    trainer = RLTrainer.from_config(cfg)
-    responses, generate = [], trainer._generate
-    trainer._generate = lambda *args: _keep(responses, generate(*args))
-    metrics = trainer.train_step()
+    try:
+        trainer = RLTrainer.from_config(cfg)
+        responses, generate = [], trainer._generate
+        trainer._generate = lambda *args: _keep(responses, generate(*args))
+        metrics = trainer.train_step()
+    finally:
+        invariant.enable(False)  # a bitwise run sets the process's kernels: the next scenarios and tests take the default
     ref_root = trainer.ref_policy.model.model.embed_tokens.weight  # the root unit: FSDP2 keeps it after forward
     roles = {"actor": trainer.actor, "critic": trainer.critic, "ref": trainer.ref_policy}
     split = getattr(trainer.actor.model.model, "sequence_parallel", None)  # actor.sequence_parallel's group
