@@ -84,7 +84,7 @@ def _one_step(overrides: list) -> dict:
         trainer._generate = lambda *args: _keep(responses, generate(*args))
         metrics = trainer.train_step()
     finally:
-        invariant.enable(False)  # a bitwise run sets the process's kernels: the next scenarios and tests take the default
+        invariant.enable(False)  # a bitwise run set the kernels of the process: the next ones take the default
     ref_root = trainer.ref_policy.model.model.embed_tokens.weight  # the root unit: FSDP2 keeps it after forward
     roles = {"actor": trainer.actor, "critic": trainer.critic, "ref": trainer.ref_policy}
     split = getattr(trainer.actor.model.model, "sequence_parallel", None)  # actor.sequence_parallel's group
