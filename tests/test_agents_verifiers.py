@@ -318,7 +318,7 @@ def test_a_multi_turn_tool_environment_trains_with_its_tool_results_masked(tmp_p
     assert {e.reward for e in episodes} <= {0.0, 1.0} and all(e.metrics["vf_errors"] == 0.0 for e in episodes)
 
 
-@pytest.mark.slow  # a learning check: 6 steps of 16 tasks x 8 episodes on 2 cores (about 60 s)
+@pytest.mark.slow  # a learning check: 10 steps of 16 tasks x 8 episodes on 2 cores (about 30 s)
 def test_training_on_the_verifiers_environment_raises_its_held_out_score(tmp_path):
     from phaserl.trainer import RLTrainer
 
@@ -326,13 +326,15 @@ def test_training_on_the_verifiers_environment_raises_its_held_out_score(tmp_pat
                   {"taskset": {"split": "val", "num_tasks": 64}},
                   "rollout.prompts_per_step=16", "rollout.batch_size=16", "rollout.n=8", "actor.optim.lr=1e-3",
                   "algorithm.kl_placement=loss", "algorithm.kl_estimator=k3", "algorithm.kl_coef=0.001",
-                  "trainer.total_steps=6", "trainer.val_interval=6", "agent.harness_workers=16")
+                  "trainer.total_steps=10", "trainer.val_interval=10", "agent.harness_workers=16")
     torch.manual_seed(0)
     RLTrainer.from_config(cfg).fit()
     lines = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
     vals = [(m["step"], m["val/score_mean"]) for m in lines if "val/score_mean" in m]
-    assert [step for step, _ in vals] == [0, 6]
-    assert vals[-1][1] - vals[0][1] >= 0.2, vals  # measured: 0.39 -> 0.83 (plain GRPO on these sizes: 0.75-0.83)
+    assert [step for step, _ in vals] == [0, 10]
+    # measured on 2 cores: 0.39 -> 0.77-0.88 in four runs (16 concurrent episodes arrive in varying order, so runs
+    # differ); after 6 steps it was 0.58-0.86, too near this bar
+    assert vals[-1][1] - vals[0][1] >= 0.2, vals
 
 
 def test_the_preflight_does_not_fail_a_verifiers_run_it_cannot_probe():
