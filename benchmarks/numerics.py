@@ -56,6 +56,18 @@ def median(values: list) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
+def timed(fn, device) -> tuple:
+    """(fn()'s last result, the median seconds of REPEATS timed calls after an untimed one)."""
+    times = []
+    for _ in range(1 + REPEATS):
+        sync(device)
+        start = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return result, median(times[1:])
+
+
 def sample(model, prompts, new_tokens: int, seed: int = 0):
     """(result, median seconds of REPEATS identical calls after an untimed one, its decode steps): the engine as a
     run makes it (CUDA graphs; the first call captures them and compiles the kernels)."""
@@ -63,17 +75,11 @@ def sample(model, prompts, new_tokens: int, seed: int = 0):
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
     device = model.output_weight.device
     engine.wake()
-    times = []
-    for _ in range(1 + REPEATS):
-        sync(device)
-        start = time.perf_counter()
-        result = engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True,
-                                 generator=torch.Generator(device=device).manual_seed(seed))
-        sync(device)
-        times.append(time.perf_counter() - start)
+    result, seconds = timed(lambda: engine.generate(prompts, params, eos_token_ids=[], pad_token_id=0, ignore_eos=True,
+                                                    generator=torch.Generator(device=device).manual_seed(seed)), device)
     steps = engine.last_stats["steps"]
     engine.release()
-    return result, median(times[1:]), steps
+    return result, seconds, steps
 
 
 def rollout_batch(prompts, result, device) -> RolloutBatch:
@@ -147,17 +153,12 @@ def update_pass(model, batch, micro_tokens: int, exact: bool = True) -> None:
 
 def between_checks_s(model, batch, micro_tokens: int) -> float:
     """Median seconds of the bitwise update between its checks over REPEATS rounds, after one untimed round."""
-    device = model.output_weight.device
     model.train()
-    times = []
-    for _ in range(1 + REPEATS):
-        sync(device)
-        start = time.perf_counter()
+
+    def update():
         update_pass(model, batch, micro_tokens, exact=False)
-        sync(device)
-        times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    return median(times[1:])
+    return timed(update, model.output_weight.device)[1]
 
 
 def mismatch(model, prompts, result, device) -> dict:
