@@ -24,12 +24,12 @@ torch, split_off, split_auto (the product's rule; `splits` gives each projection
 Then the attention kernel at decode shapes (one query per sequence at the end of L keys) against torch's SDPA,
 and the log-sum-exp over the vocabulary against torch.logsumexp.
 
---tiles: instead of all that, the few-row tile experiment: for each projection (q, kv, o, gate, down) and row count
-(TILE_ROWS), each candidate matmul configuration (TILES: BLOCK_M x BLOCK_N, warps, stages; BLOCK_K and the split
-rule unchanged) timed against torch and against the product's tile at the same rows, and `bits_equal`: its output
-rows (the first N, and N rows from offset TILE_OFFSET) equal bit for bit the product's tile's output for the same rows
-computed within one TILE_REFERENCE-row call (the invariant: a row's bits never depend on the row count or the tile).
-A candidate with bits_equal everywhere can serve few-row calls (invariant_triton.FEW_ROWS_TILE / FEW_ROWS).
+--tiles: instead of all that, the tile experiment: for each projection (q, kv, o, gate, gate_up, down) and row count
+(TILE_ROWS), each matmul configuration (TILES: BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; the split rule unchanged)
+timed against torch and against invariant_tiles.BASE at the same rows, and `bits_equal`: its output rows (the first
+N, and N rows from offset TILE_OFFSET) equal bit for bit BASE's output for the same rows computed within one
+TILE_REFERENCE-row call (the invariant: a row's bits never depend on the row count or the tile). `picked`: the tile
+the product takes for that call here (invariant_triton.tile_for: invariant_tiles.candidate where it agrees).
 
     python benchmarks/invariant_kernels.py                  # 0.5b and 1.5b on the GPU (well under two minutes)
     python benchmarks/invariant_kernels.py --no-sweep --shapes 0.5b
@@ -255,15 +255,17 @@ def logsumexp_lines(common: dict, vocab: int, device, smoke: bool):
 
 TILE_ROWS = (1, 8, 32, 64, 256, 2048)
 TILE_REFERENCE, TILE_OFFSET = 2048 + 96, 77  # the big call's rows; the offset puts rows at other places in a tile
-TILE_PROJECTIONS = ("q", "kv", "o", "gate", "down")
-TILES = [it.Tile(*t) for t in ((64, 64, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3), (32, 32, 4, 3), (16, 32, 4, 3),
-                               (64, 32, 4, 3))]  # the first: the product's
+TILE_PROJECTIONS = ("q", "kv", "o", "gate", "gate_up", "down")
+TILES = [it.Tile(*t) for t in ((64, 64, 32, 4, 3), (64, 64, 64, 4, 3), (64, 64, 64, 4, 5), (64, 64, 128, 4, 3),
+                               (64, 64, 32, 4, 8), (64, 32, 128, 4, 4), (64, 128, 64, 4, 4), (32, 64, 128, 4, 4),
+                               (16, 64, 128, 4, 4), (16, 32, 128, 4, 5), (16, 32, 256, 4, 3), (128, 128, 32, 8, 3),
+                               (128, 128, 64, 8, 3), (128, 64, 64, 4, 4))]  # the first: BASE
 TILE_BUDGET_MS = 15.0  # timed_ms's budget per measurement (the experiment stays near a minute per shape)
 
 
 def tile_lines(base: dict, shape: str, device, dtype, rows_list, tiles, hot: bool = False):
     """The few-row tile experiment's lines for one shape (see the module docstring; timed on Cold copies)."""
-    product = it.Tile(it.BLOCK_M, it.BLOCK_N, it.MATMUL_WARPS, it.MATMUL_STAGES)
+    product = it.BASE
     for proj, (M, K, has_bias) in projections(shape).items():
         if proj not in TILE_PROJECTIONS:
             continue
@@ -292,20 +294,21 @@ def tile_lines(base: dict, shape: str, device, dtype, rows_list, tiles, hot: boo
                     yield {**common, "rows": N, "tile": list(tile), "error": repr(e)[:300]}
                     continue
                 product_ms = ms if tile == product else product_ms
-                yield {**common, "rows": N, "tile": list(tile), "product_tile": tile == product, "ms": ms,
+                yield {**common, "rows": N, "tile": list(tile), "base_tile": tile == product,
+                       "picked": tile == it.tile_for(N, M, device, dtype), "ms": ms,
                        "torch_ms": torch_ms, "x_torch": ms / torch_ms,
-                       "x_product": None if product_ms is None else ms / product_ms,
+                       "x_base": None if product_ms is None else ms / product_ms,
                        "bits_equal": first and later, "bits_equal_first_rows": first, "bits_equal_offset_rows": later}
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
 def tiles_main(a, device, dtype, card: str) -> None:
-    """--tiles: the experiment's lines, then a summary line per tile (equal everywhere, mean x_product at <= 64
+    """--tiles: the experiment's lines, then a summary line per tile (equal everywhere, mean x_base at <= 64
     rows)."""
     began = time.perf_counter()
     rows_list = [1, 8] if a.smoke else a.rows
-    tiles = TILES[:2] + [it.Tile(16, 32, 4, 1)] if a.smoke else TILES
+    tiles = TILES[:2] + [it.Tile(16, 32, 64, 4, 1)] if a.smoke else TILES
     seen = {}
     for shape in a.shapes:
         base = {"bench": "invariant_kernels", "device": card, "shape": shape, "dtype": str(dtype).split(".")[-1]}
@@ -316,12 +319,12 @@ def tiles_main(a, device, dtype, card: str) -> None:
                 s["errors"] += 1
                 continue
             s["equal"] &= line["bits_equal"]
-            if line["rows"] <= 64 and line["x_product"] is not None:
-                s["few"].append(line["x_product"])
+            if line["rows"] <= 64 and line["x_base"] is not None:
+                s["few"].append(line["x_base"])
     for tile, s in seen.items():
         print(json.dumps({"bench": "invariant_kernels", "measure": "tile_summary", "device": card, "tile": list(tile),
                           "bits_equal_everywhere": s["equal"] and not s["errors"], "errors": s["errors"],
-                          "mean_x_product_rows_le_64": sum(s["few"]) / len(s["few"]) if s["few"] else None}))
+                          "mean_x_base_rows_le_64": sum(s["few"]) / len(s["few"]) if s["few"] else None}))
     print(json.dumps({"bench": "invariant_kernels", "measure": "summary", "seconds": time.perf_counter() - began}))
 
 

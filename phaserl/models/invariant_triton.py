@@ -1,15 +1,16 @@
-"""The bitwise mode's matmul, attention, RMSNorm and log-sum-exp as Triton kernels of one fixed configuration.
+"""The bitwise mode's matmul, attention, RMSNorm and log-sum-exp as Triton kernels of fixed configurations.
 
 invariant.py's torch versions are exact by construction but memory-bound; on a GPU these kernels replace them
 (invariant.matmul, .attention, .rms_norm and .logsumexp call them when `available`). What keeps them batch-invariant:
-  matmul     one tile shape (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages; no autotuning): an output element is its
-             row's and column's dot product accumulated in the same order whatever the row count or the row's place
-             in its tile (a tensor-core MMA computes each element alone). Split-K: a deep weight's depth is cut into
-             S splits of KS, both a function of the weight's shape (k_splits(K, M)) and never of the row count (any
-             other weight takes one split); each split accumulates its range in BLOCK_K steps from its own start,
-             and the partials are added in split order, 0 + p0 + p1 + ..., in float32. Whether one program per tile
-             adds its splits itself (many rows) or the splits run as programs of their own into a float32 workspace
-             that a second kernel adds in that order (few rows: decode) changes the speed, not the bits;
+  matmul     invariant_tiles' tiles (no autotuning): an output element is its row's and column's dot product
+             accumulated in the same order whatever the row count or the row's place in its tile (a tensor-core MMA
+             computes each element alone); a call of few rows takes a tile of its own only where that tile's sums
+             are BASE's on this GPU (agrees: checked once, else BASE everywhere). Split-K: a deep weight's depth is
+             cut into S splits of KS, both a function of the weight's shape (k_splits(K, M)) and never of the row
+             count (any other weight takes one split); each split accumulates its range in K steps from its own
+             start, and the partials are added in split order, 0 + p0 + p1 + ..., in float32. Whether one program
+             per tile adds its splits itself (many rows) or the splits run as programs of their own into a float32
+             workspace that a second kernel adds in that order (few rows: decode) changes the speed, not the bits;
   attention  one program per (sequence, block of BLOCK_Q queries, query head), key blocks of BLOCK_KEYS positions
              from position 0 in order, online softmax. A block past a query's position is an exact no-op for it
              (its weights are 0 and the running max does not move: the rescale is exp(0) = 1), so a decode step (one
@@ -35,34 +36,23 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import NamedTuple, Optional, Sequence
+import warnings
+from typing import Optional, Sequence
 
 import torch
 
+from phaserl.models.invariant_tiles import BASE, Tile, candidate
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: how the kernels are tested here
-BLOCK_M, BLOCK_N, BLOCK_K, MATMUL_WARPS, MATMUL_STAGES = 64, 64, 32, 4, 3
-# Split-K, measured on an H100 (2026-12-06, commit ea5b63f, `python benchmarks/invariant_kernels.py`, bf16, CUDA
-# graphs). Only deep weights split: K >= DEEP_RATIO x M and K >= DEEP_MIN_K. That is the down projections (K 5.4-5.8 M
-# at Qwen2 0.5B/1.5B/7B, 3.5 M at Llama-3 8B; K 4864 and more) and no q/o/gate/up or vocabulary head of the native
-# families. The k/v projections are deep by the ratio (0.5B: K 896 = 7 M) but short: a K loop of 28-48 steps does
-# not pay for the workspace and the second kernel, hence the floor (Llama-3 8B's k/v, K 4096 = 4 M, reach it: 16
-# column tiles of 128 steps, near 0.5B down's 14 of 152; not measured). A shallow or short weight's splits cost more
-# than the tiles they add: 0.5B q at 32 rows 0.0103 ms split 7 ways against 0.0055 in one split, k/v 0.0089 against
-# 0.0054 (1.5B k/v 0.0137 against 0.0082); one 0.5B layer's projections at 32 rows 0.0797 ms with every weight split
-# against 0.0559 unsplit (torch 0.0287). A deep weight gains where its few column tiles leave the GPU idle, most with
-# one program per SM: 0.5B down (10 splits) at 1/32/64/256 rows 0.0086/0.0148/0.0155/0.0216 ms against
-# 0.0239/0.0226/0.0239/0.0245 unsplit (512: 0.0327 vs 0.0258; 4096: 0.180 vs 0.152; 16384: 0.804 vs 0.982); 1.5B
-# down (6 splits) 0.0139/0.0187/0.0228/0.0364 against 0.0418/0.0405/0.043/0.0892 (512: 0.1035 vs 0.1014; 4096: 0.525
-# vs 0.509; 16384: 2.92 vs 3.40). Two programs per SM (264: 19 and 11 splits) lost at 0.5B from 32 rows on (0.0225
-# at 32 rows, 0.0667 at 512) and won or lost at 1.5B by row count (0.0116 at 1 row, 0.045 at 256, 0.0873 at 512).
-# Those timings called one weight over and over (L2-resident where it fits); a decode step reads its weights from
-# device memory. The benchmark now times cold copies: the rule is to be re-measured that way (docs/numerics.md).
-# A smaller tile for calls of few rows (decode: 32 rows fill half of a 64-row tile) keeps a row's bits only if the
-# GPU's MMA sums each element's K products the same way in both tiles: `benchmarks/invariant_kernels.py --tiles`
-# measures each candidate's time and that equality. None: every call takes the one tile above.
-FEW_ROWS_TILE = None    # e.g. Tile(32, 64, 4, 3), set only where --tiles found its bits equal to the 64-row tile's
-FEW_ROWS = 64           # ... for calls of at most this many rows
+BLOCK_N, BLOCK_K = BASE.block_n, BASE.block_k  # the split-K layout's units (k_splits): the weight's, any tile
+# Split-K: only deep weights split, K >= DEEP_RATIO x M and K >= DEEP_MIN_K: the down projections (K 3.5-5.8 M, 4864
+# and more at the native families' sizes), no q/k/v/o/gate/up or vocabulary head. A deep weight's few column tiles
+# leave the GPU idle at few rows (0.5B down at 32 rows: 10 splits 0.0148 ms against 0.0226 unsplit); a shallow or
+# short one pays more for the workspace and the second launch than its splits gain. End to end: the 0.5B bitwise
+# decode step 2.29 ms with this rule, 2.67 with every weight split, 2.61 split for 264 programs (H200, 2026-12-06,
+# commit 3556c5c, benchmarks/numerics.py; a split q/k/v or gate/up also loses its group launch). BENCHMARKS.md has
+# the per-call timings at 1-16384 rows.
 # Fewer launches per layer, the same bits (tests/test_invariant_fused.py, in Triton's interpreter and on an H100; the
 # 0.5B decode step 3.94 -> 2.27 ms, H100, 2026-12-06, benchmarks/numerics.py; BENCHMARKS.md):
 GROUP = True            # q/k/v and gate/up in one launch (matmul_group) where no gradient is wanted; False: a call each
@@ -72,7 +62,8 @@ DEEP_RATIO = 2          # a weight [M, K] splits its depth only when K >= DEEP_R
 DEEP_MIN_K = 4096       # ... and K >= DEEP_MIN_K (128 BLOCK_K steps)
 FILL_PROGRAMS = 132     # the grid split-K aims at for few rows: one program per SM of a 132-SM GPU
 MIN_SPLIT_STEPS = 4     # BLOCK_K steps a split covers at least: its loads still pipeline, the workspace stays small
-SUM_ROWS, SUM_COLS = 32, 128  # _sum_splits_kernel's block (elementwise: any block gives the same bits)
+SUM_ROWS, SUM_COLS = 8, 64  # _sum_splits_kernel's block (elementwise: any block gives the same bits; 32 x 128
+# left 7 programs for a 0.5B down projection's 32 x 896 at decode: 13.5 us against 10.7, H100, 2026-12-06)
 BLOCK_Q, BLOCK_KEYS, ATTENTION_WARPS = 32, 32, 4
 WIDE_HEAD, WIDE_BLOCK = 256, 16  # heads wider than this (Gemma 4's 512) take 16 x 16 blocks: the tiles fit on chip
 
@@ -398,22 +389,46 @@ def _cdiv(a: int, b: int) -> int:
 
 
 LAUNCHES = ("auto", "splits", "tiles")
+_AGREES: dict = {}  # (tile, device, dtype) -> whether its float32 sums are BASE's (agrees)
+CHECK_ROWS, CHECK_COLS, CHECK_DEPTHS = 40, 80, (1008, 4112)  # agrees()'s problem: ragged rows, one split / 26
 
 
-class Tile(NamedTuple):
-    """One matmul configuration: BLOCK_M x BLOCK_N output tiles, warps, pipeline stages (BLOCK_K is BLOCK_K always:
-    the K loop's steps are part of the bits)."""
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
+def tile_for(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> Tile:
+    """The tile a call of `rows` rows and `cols` output columns takes: invariant_tiles.candidate's where it agrees
+    with BASE on this device and dtype, else BASE (invariant_tiles' docstring)."""
+    tile = candidate(rows, cols)
+    return tile if tile == BASE or agrees(tile, device, dtype) else BASE
 
 
-def tile_for(rows: int) -> Tile:
-    """The product's tile for a call of `rows` rows: FEW_ROWS_TILE up to FEW_ROWS (where set), else the one tile."""
-    if FEW_ROWS_TILE is not None and rows <= FEW_ROWS:
-        return FEW_ROWS_TILE
-    return Tile(BLOCK_M, BLOCK_N, MATMUL_WARPS, MATMUL_STAGES)
+def agrees(tile: Tile, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `tile` sums as BASE does here, bit for bit in float32: checked on the first call (rows 40 of 64- and
+    16-row tiles, 80 columns; K 1008 in one split and K 4112 in 26 splits of 160, which end inside a 64- or
+    128-deep K step; both launches), remembered for the process. A call during a CUDA graph's capture cannot run
+    the check: it takes BASE and remembers nothing (the engine's eager step before each capture runs it)."""
+    key = (tile, device, dtype)
+    if key not in _AGREES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        _AGREES[key] = _same_sums(tile, device, dtype)
+        if not _AGREES[key] and device.type == "cuda":
+            warnings.warn(f"bitwise mode: the {tile} matmul tile sums differently from {BASE} on "
+                          f"{torch.cuda.get_device_name(device)} ({dtype}); every call takes {BASE} (slower decode, "
+                          "the same exactness)", RuntimeWarning, stacklevel=3)
+    return _AGREES[key]
+
+
+def _same_sums(tile: Tile, device: torch.device, dtype: torch.dtype) -> bool:
+    g = torch.Generator().manual_seed(0)
+    for K in CHECK_DEPTHS:
+        x = torch.randn(CHECK_ROWS, K, generator=g).to(device, dtype)
+        w = (torch.randn(CHECK_COLS, K, generator=g) / K ** 0.5).to(device, dtype)
+        try:
+            want = matmul(x, w, launch="tiles", tile=BASE)
+            if not all(torch.equal(matmul(x, w, launch=launch, tile=tile), want) for launch in ("splits", "tiles")):
+                return False
+        except triton.runtime.errors.OutOfResources:  # a tile too big for this GPU's shared memory
+            return False
+    return True
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -423,8 +438,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     after that), batch-invariant (see the module docstring): invariant.linear's `residual + (matmul(x, w).to(dtype)
     + bias)`. `launch` changes the speed, never the bits: "splits" a program per (tile, split) into a float32
     workspace [S, N, M], then _sum_splits_kernel; "tiles" a program per tile adding its splits itself; "auto" splits
-    while the tiles alone would not fill the GPU. tile: another configuration than tile_for(N) (benchmarks: whether
-    it keeps the bits)."""
+    while the tiles alone would not fill the GPU. tile: another configuration than tile_for's (agrees, benchmarks)."""
     if launch not in LAUNCHES:
         raise ValueError(f"invariant_triton.matmul: launch={launch!r}; choose one of {LAUNCHES}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -438,14 +452,14 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
         assert residual.shape == (N, M) and residual.dtype == out_dtype, (residual.shape, residual.dtype)
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     S, KS = k_splits(K, M)
-    tile = tile_for(N) if tile is None else tile
+    tile = tile_for(N, M, x.device, x.dtype) if tile is None else tile
     tiles = (triton.cdiv(N, tile.block_m), triton.cdiv(M, tile.block_n))
     spread = S > 1 and (launch == "splits" or (launch == "auto" and tiles[0] * tiles[1] < FILL_PROGRAMS))
     b = out if bias is None else bias
     r, r_sn = (out, 0) if residual is None else (residual, residual.stride(0))
     ends = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None)
-    common = dict(IEEE=x.dtype == torch.float32, BM=tile.block_m, BN=tile.block_n, BK=BLOCK_K, num_warps=tile.warps,
-                  num_stages=tile.stages)
+    common = dict(IEEE=x.dtype == torch.float32, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
+                  num_warps=tile.warps, num_stages=tile.stages)
     if not spread:
         _matmul_kernel[(*tiles, 1)](x, w, b, r, out, N, M, K, KS, S, x.stride(0), w.stride(0), out.stride(0), r_sn,
                                     PARTIAL=False, **ends, **common)
@@ -474,7 +488,7 @@ def matmul_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seque
     outs = [torch.empty(N, w.shape[0], dtype=out_dtype, device=x.device) for w in ws]
     if N == 0:
         return outs
-    tile = tile_for(N)
+    tile = tile_for(N, sum(w.shape[0] for w in ws), x.device, x.dtype)
     counts = [triton.cdiv(w.shape[0], tile.block_n) for w in ws]
     has_bias = biases[0] is not None
     pad = lambda items: list(items) + [items[-1]] * (3 - len(items))  # noqa: E731  a third slot never reached
@@ -483,7 +497,7 @@ def matmul_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seque
     _group_kernel[(triton.cdiv(N, tile.block_m), sum(counts))](
         x, *w3, *b3, *o3, N, *[w.shape[0] for w in w3], counts[0], counts[1], K, x.stride(0),
         *[w.stride(0) for w in w3], *[o.stride(0) for o in o3], IEEE=x.dtype == torch.float32, HAS_BIAS=has_bias,
-        BM=tile.block_m, BN=tile.block_n, BK=BLOCK_K, num_warps=tile.warps, num_stages=tile.stages)
+        BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
     return outs
 
 
