@@ -295,7 +295,7 @@ def tile_lines(base: dict, shape: str, device, dtype, rows_list, tiles, hot: boo
                     continue
                 product_ms = ms if tile == product else product_ms
                 yield {**common, "rows": N, "tile": list(tile), "base_tile": tile == product,
-                       "picked": tile == it.tile_for(N, M, device, dtype), "ms": ms,
+                       "picked": tile == it.tile_for(N, M, device, dtype, common["splits"]), "ms": ms,
                        "torch_ms": torch_ms, "x_torch": ms / torch_ms,
                        "x_base": None if product_ms is None else ms / product_ms,
                        "bits_equal": first and later, "bits_equal_first_rows": first, "bits_equal_offset_rows": later}

@@ -13,16 +13,18 @@ import torch
 
 from _interpreted import run_interpreted
 from phaserl.models import invariant_tiles
-from phaserl.models.invariant_tiles import BASE, NARROW, WIDE, candidate
+from phaserl.models.invariant_tiles import BASE, FEW_NARROW, FEW_WIDE, SOME_NARROW, SOME_WIDE, candidate
 
 
-@pytest.mark.parametrize("rows, cols, tile", [
-    (1, 896, NARROW), (32, 1152, NARROW), (64, 2048, NARROW),   # q/k/v/o, down at decode
-    (32, 9728, WIDE), (8, 151936, WIDE),                       # gate/up, the vocabulary head
-    (65, 896, BASE), (4096, 9728, BASE),                        # prefill and the training forward
+@pytest.mark.parametrize("rows, cols, splits, tile", [
+    (1, 896, 1, FEW_NARROW), (32, 1152, 1, FEW_NARROW), (64, 2048, 1, FEW_NARROW),  # q/k/v/o at decode
+    (32, 9728, 1, FEW_WIDE), (8, 151936, 1, FEW_WIDE), (32, 896, 10, FEW_WIDE),     # gate/up, vocabulary, down
+    (65, 896, 1, SOME_NARROW), (256, 1152, 1, SOME_NARROW),                         # a larger decode batch
+    (128, 9728, 1, SOME_WIDE), (256, 896, 10, SOME_WIDE),
+    (257, 896, 1, BASE), (4096, 9728, 1, BASE), (4096, 896, 10, BASE),              # prefill, the training forward
 ])
-def test_the_candidate_is_a_function_of_the_calls_rows_and_columns(rows, cols, tile):
-    assert candidate(rows, cols) == tile
+def test_the_candidate_is_a_function_of_the_calls_rows_columns_and_splits(rows, cols, splits, tile):
+    assert candidate(rows, cols, splits) == tile
 
 
 def test_every_candidate_differs_from_base_and_keeps_the_split_layouts_unit():
@@ -41,15 +43,15 @@ def check_base_everywhere_in_the_interpreter() -> None:
     from phaserl.models import invariant_triton as it
 
     cpu, f32 = torch.device("cpu"), torch.float32
-    assert not it.agrees(NARROW, cpu, f32) and not it.agrees(WIDE, cpu, f32)
-    assert it.tile_for(32, 896, cpu, f32) == BASE and it.tile_for(32, 9728, cpu, f32) == BASE
+    assert not any(it.agrees(tile, cpu, f32) for tile in invariant_tiles.CANDIDATES)
+    assert it.tile_for(32, 896, cpu, f32) == BASE and it.tile_for(128, 9728, cpu, f32) == BASE
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(150, 1008, generator=g), torch.randn(96, 1008, generator=g)
     whole = _as_bits(it.matmul(x, w))
     for rows, start in ((1, 0), (32, 7), (64, 80)):
         assert torch.equal(_as_bits(it.matmul(x[start:start + rows], w)), whole[start:start + rows]), (rows, start)
-    it._AGREES[(NARROW, cpu, f32)] = True  # the check's answer forced: the few-row call takes NARROW ...
-    assert it.tile_for(32, 96, cpu, f32) == NARROW
+    it._AGREES[(FEW_NARROW, cpu, f32)] = True  # the check's answer forced: the few-row call takes its tile ...
+    assert it.tile_for(32, 96, cpu, f32) == FEW_NARROW
     assert not torch.equal(_as_bits(it.matmul(x[:32], w)), whole[:32])  # ... and its bits are not the big call's
 
 
@@ -85,8 +87,8 @@ def test_gpu_every_candidate_sums_as_base_in_every_dtype():
 
 @pytest.mark.gpu
 def test_gpu_decode_calls_at_qwen2_shapes_equal_the_rows_of_one_big_call():
-    """0.5B: q with bias, o with a residual, q/k/v and gate/up as group launches, down in splits; rows 1-64 (the
-    candidates) at two offsets against a 300-row call (BASE)."""
+    """0.5B: q with bias, o with a residual, q/k/v and gate/up as group launches, down in splits; rows 1-256 (the
+    candidates) at two offsets against a 400-row call (BASE)."""
     it, device = _cuda()
     g = torch.Generator(device=device).manual_seed(0)
     H, D, inter, dtype = 896, 128, 4864, torch.bfloat16
@@ -94,11 +96,11 @@ def test_gpu_decode_calls_at_qwen2_shapes_equal_the_rows_of_one_big_call():
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
-    x, xi = rand(300, H), rand(300, inter)
+    x, xi = rand(400, H), rand(400, inter)
     wq, wk, wv, wo = rand(H, H, scale=H ** -0.5), rand(D, H, scale=H ** -0.5), rand(D, H, scale=H ** -0.5), rand(
         H, H, scale=H ** -0.5)
     wg, wu, wd = rand(inter, H, scale=H ** -0.5), rand(inter, H, scale=H ** -0.5), rand(H, inter, scale=inter ** -0.5)
-    bq, bk, bv, res = rand(H), rand(D), rand(D), rand(300, H)
+    bq, bk, bv, res = rand(H), rand(D), rand(D), rand(400, H)
     calls = {
         "q": lambda r: [it.matmul(x[r], wq, bq, dtype)],
         "o": lambda r: [it.matmul(x[r], wo, None, dtype, residual=res[r])],
@@ -106,11 +108,11 @@ def test_gpu_decode_calls_at_qwen2_shapes_equal_the_rows_of_one_big_call():
         "gate_up": lambda r: it.matmul_group(x[r], [wg, wu], [None, None], dtype),
         "down": lambda r: [it.matmul(xi[r], wd, None, dtype)],
     }
-    assert it.tile_for(32, H, device, dtype) == NARROW and it.tile_for(32, 2 * inter, device, dtype) == WIDE
+    assert it.tile_for(32, H, device, dtype) == FEW_NARROW and it.tile_for(200, 2 * inter, device, dtype) == SOME_WIDE
     assert it.k_splits(inter, H)[0] > 1
     for name, call in calls.items():
-        whole = [_as_bits(t) for t in call(slice(0, 300))]
-        for rows in (1, 8, 32, 64):
+        whole = [_as_bits(t) for t in call(slice(0, 400))]
+        for rows in (1, 8, 32, 64, 65, 128, 256):
             for start in (0, 77):
                 part = [_as_bits(t) for t in call(slice(start, start + rows))]
                 assert all(torch.equal(p, w[start:start + rows]) for p, w in zip(part, whole)), (name, rows, start)

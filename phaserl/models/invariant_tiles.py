@@ -11,14 +11,12 @@ its row's and column's products summed in 16-deep chunks, from the split's first
 accumulator, in order. Neither the tile's rows and columns nor how many chunks one K step holds (BLOCK_K), nor the
 warps, the pipeline's stages or the instruction (Hopper's wgmma for 64-row tiles, mma.sync for 16) change that
 order, so every tile gives the same float32 sums. Measured on an H100: all 14 tiles tried gave BASE's bits at every
-0.5B projection (tests/test_invariant_tiles.py checks it on the GPU at Qwen2 shapes). That is a property of the
-hardware and of Triton's code generation, not a promise: invariant_triton.agrees() checks it once per device, dtype
-and tile on a ragged problem (a short K and a deep one in splits that end inside a K step) and a call takes a
-tile of CANDIDATES only where the float32 sums are BASE's bit for bit; elsewhere (another GPU, a compiler that
-orders the chunks otherwise, Triton's CPU interpreter, whose numpy dot sums a whole K step at once) every call
-takes BASE, the speed of one fixed tile and the same guarantee.
-
-Legend: N rows of the call, M its output columns (the weights' total in a group launch).
+0.5B and 1.5B projection at 1-256 rows (tests/test_invariant_tiles.py checks it on the GPU at Qwen2 shapes).
+That is a property of the hardware and of Triton's code generation, not a promise: invariant_triton.agrees() checks
+it once per device, dtype and tile on a ragged problem (a short K and a deep one in splits that end inside a K step)
+and a call takes a tile of CANDIDATES only where the float32 sums are BASE's bit for bit; elsewhere (another GPU, a
+compiler that orders the chunks otherwise, Triton's CPU interpreter, whose numpy dot sums a whole K step at once)
+every call takes BASE: the speed of one fixed tile and the same guarantee.
 """
 from __future__ import annotations
 
@@ -37,19 +35,27 @@ class Tile(NamedTuple):
 
 
 BASE = Tile(64, 64, 32, 4, 3)
-# Few rows (a decode step's call, at most FEW_ROWS): memory-bound, so more programs and deeper loads in flight.
-# H100, 0.5B, 32 rows, weights from device memory (us a call; BASE / this tile / cuBLAS):
-#   NARROW  q 10.43 / 4.02 / 4.12, o + residual 10.81 / 4.03 / 5.64, q/k/v in one launch 11.70 / 4.05 / 12.04
-#   WIDE    gate/up in one launch 14.84 / 10.34 / 11.55
-FEW_ROWS = 64
-NARROW = Tile(16, 32, 128, 4, 5)   # ... M <= NARROW_COLS: q/k/v/o and down projections
-WIDE = Tile(64, 128, 64, 4, 4)     # ... wider: gate/up, the vocabulary head
+# Calls of few rows (a decode step's: memory-bound) take tiles with more programs and deeper loads in flight; which
+# by the call's rows (up to FEW_ROWS, up to SOME_ROWS) and its weights: narrow (at most NARROW_COLS output columns
+# and one K split: q, k/v, o, q/k/v in one launch) or not (gate/up, the vocabulary head, the split down projections).
+# H100, weights read from device memory, 2026-12-06, `benchmarks/invariant_kernels.py --tiles`, us a call at 32 / 256
+# rows, BASE -> this tile (cuBLAS):
+#   0.5B q 10.7 -> 4.0 (4.4) / 10.9 -> 4.4 (4.9); o 10.7 -> 3.9 / 10.8 -> 4.3; gate/up 13.8 -> 9.3 (8.8) / 17.9 -> 16.6
+#   (11.3); down 10.7 -> 8.0 (8.6) / 14.3 -> 13.7 (10.0); 1.5B q 17.4 -> 5.4 (5.6) / 17.6 -> 7.6 (6.2); gate/up 29.5
+#   -> 23.6 (24.4); down 24.3 -> 16.1 (14.8) / 32.4 -> 33.9 (18.4). Every tile tried gave BASE's bits (rows 1-256).
+FEW_ROWS, SOME_ROWS = 64, 256
 NARROW_COLS = 2048
-CANDIDATES = (NARROW, WIDE)
+FEW_NARROW, FEW_WIDE = Tile(16, 32, 128, 4, 5), Tile(64, 64, 64, 4, 5)
+SOME_NARROW, SOME_WIDE = Tile(64, 32, 128, 4, 4), Tile(64, 64, 64, 4, 3)
+CANDIDATES = (FEW_NARROW, FEW_WIDE, SOME_NARROW, SOME_WIDE)
 
 
-def candidate(rows: int, cols: int) -> Tile:
-    """The tile a call of `rows` rows and `cols` output columns takes if it agrees with BASE on this device."""
-    if rows > FEW_ROWS:
+def candidate(rows: int, cols: int, splits: int = 1) -> Tile:
+    """The tile a call of `rows` rows, `cols` output columns and `splits` K splits takes if that tile agrees with
+    BASE on this device (more rows: BASE, the training forward's tile)."""
+    if rows > SOME_ROWS:
         return BASE
-    return NARROW if cols <= NARROW_COLS else WIDE
+    narrow = cols <= NARROW_COLS and splits == 1
+    if rows <= FEW_ROWS:
+        return FEW_NARROW if narrow else FEW_WIDE
+    return SOME_NARROW if narrow else SOME_WIDE

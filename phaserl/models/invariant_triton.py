@@ -109,19 +109,19 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * o_sn + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _logsumexp_kernel(z_ptr, out_ptr, z_sn, V, BLOCK: tl.constexpr):
+    def _logsumexp_kernel(z_ptr, out_ptr, z_sn, V, BLOCK: tl.constexpr, STAGES: tl.constexpr):
         """One row of z [N, V] float32: its max, then exp(z - max) summed lane-wise over BLOCK-wide chunks in order
-        and the lanes summed once: log of that + max."""
+        and the lanes summed once: log of that + max. STAGES chunks' loads in flight (the order stays)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         top = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=STAGES):
             top = tl.maximum(top, tl.load(z_ptr + row * z_sn + start + cols, mask=start + cols < V,
                                           other=float("-inf")))
         m = tl.max(top, axis=0)
         m = tl.where(m == float("-inf"), 0.0, m)
         acc = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=STAGES):
             z = tl.load(z_ptr + row * z_sn + start + cols, mask=start + cols < V, other=float("-inf"))
             acc += tl.exp(z - m)
         tl.store(out_ptr + row, tl.log(tl.sum(acc, axis=0)) + m)
@@ -341,7 +341,9 @@ if HAVE_TRITON:
         tl.store(values_ptr + row * e_ss + h[:, None] * e_sh + p * e_sp + d[None, :], value, mask=ok)
 
 STYLES = {"llama": 0, "gemma": 1, "olmo2": 2}
-LSE_BLOCK = 2048
+# The log-sum-exp's chunk, loads in flight and warps: one row of a 151,936-word vocabulary 65 us -> 30 with three
+# 4096-wide chunks in flight and 8 warps (32 rows; 256 rows 163 -> 104; H100, 2026-12-06)
+LSE_BLOCK, LSE_STAGES, LSE_WARPS = 4096, 3, 8
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, style: str) -> torch.Tensor:
@@ -366,7 +368,8 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
     z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
     out = torch.empty(z2.shape[0], dtype=torch.float32, device=z.device)
     if z2.shape[0]:
-        _logsumexp_kernel[(z2.shape[0],)](z2, out, z2.stride(0), shape[-1], BLOCK=LSE_BLOCK)
+        _logsumexp_kernel[(z2.shape[0],)](z2, out, z2.stride(0), shape[-1], BLOCK=LSE_BLOCK, STAGES=LSE_STAGES,
+                                          num_warps=LSE_WARPS)
     return out.view(shape[:-1])
 
 
@@ -393,10 +396,10 @@ _AGREES: dict = {}  # (tile, device, dtype) -> whether its float32 sums are BASE
 CHECK_ROWS, CHECK_COLS, CHECK_DEPTHS = 40, 80, (1008, 4112)  # agrees()'s problem: ragged rows, one split / 26
 
 
-def tile_for(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> Tile:
-    """The tile a call of `rows` rows and `cols` output columns takes: invariant_tiles.candidate's where it agrees
-    with BASE on this device and dtype, else BASE (invariant_tiles' docstring)."""
-    tile = candidate(rows, cols)
+def tile_for(rows: int, cols: int, device: torch.device, dtype: torch.dtype, splits: int = 1) -> Tile:
+    """The tile a call of `rows` rows, `cols` output columns (a group launch: its weights' total) and `splits` K
+    splits takes: invariant_tiles.candidate's where it agrees with BASE on this device and dtype, else BASE."""
+    tile = candidate(rows, cols, splits)
     return tile if tile == BASE or agrees(tile, device, dtype) else BASE
 
 
@@ -452,7 +455,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
         assert residual.shape == (N, M) and residual.dtype == out_dtype, (residual.shape, residual.dtype)
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     S, KS = k_splits(K, M)
-    tile = tile_for(N, M, x.device, x.dtype) if tile is None else tile
+    tile = tile_for(N, M, x.device, x.dtype, S) if tile is None else tile
     tiles = (triton.cdiv(N, tile.block_m), triton.cdiv(M, tile.block_n))
     spread = S > 1 and (launch == "splits" or (launch == "auto" and tiles[0] * tiles[1] < FILL_PROGRAMS))
     b = out if bias is None else bias
