@@ -42,7 +42,8 @@ BASE = Tile(64, 64, 32, 4, 3)
 # rows, BASE -> this tile (cuBLAS):
 #   0.5B q 10.7 -> 4.0 (4.4) / 10.9 -> 4.4 (4.9); o 10.7 -> 3.9 / 10.8 -> 4.3; gate/up 13.8 -> 9.3 (8.8) / 17.9 -> 16.6
 #   (11.3); down 10.7 -> 8.0 (8.6) / 14.3 -> 13.7 (10.0); 1.5B q 17.4 -> 5.4 (5.6) / 17.6 -> 7.6 (6.2); gate/up 29.5
-#   -> 23.6 (24.4); down 24.3 -> 16.1 (14.8) / 32.4 -> 33.9 (18.4). Every tile tried gave BASE's bits (rows 1-256).
+#   -> 27.2 (24.4) / 62.8 -> 48.0 (26.5); down 24.3 -> 16.1 (14.8) / 32.4 -> 33.9 (18.4). Every tile tried gave BASE's
+#   bits (rows 1-256). The wide tiles trade: 64 x 64 x 64 with 3 stages was 23.6 on 1.5B gate/up but 10.3 on 0.5B's.
 FEW_ROWS, SOME_ROWS = 64, 256
 NARROW_COLS = 2048
 FEW_NARROW, FEW_WIDE = Tile(16, 32, 128, 4, 5), Tile(64, 64, 64, 4, 5)
