@@ -1,8 +1,9 @@
-"""The bitwise mode's fused launches (models/invariant_triton.py): RoPE of the queries and keys in one kernel,
-act(gate) * up in one, the residual add in the matmul's epilogue, and q/k/v (gate/up) in one matmul launch. Each
-must give a row the same bits whatever shares the call (a decode step's rows and the training forward's [B, T] tokens
-alike), and must give exactly the bits of the torch ops or separate calls they replace (the rotation's products and
-sums rounded one by one; each projection's own call, which the trainer's update takes with a gradient wanted).
+"""The bitwise mode's fused launches (models/invariant_fused.py, models/invariant_triton.py): RoPE of the queries and
+keys in one kernel, act(gate) * up in one, the residual add in the matmul's epilogue, and q/k/v (gate/up) in one
+matmul launch. Each must give a row the same bits whatever shares the call (a decode step's rows and the training
+forward's [B, T] tokens alike), and must give exactly the bits of the torch ops or separate calls they replace (the
+rotation's products and sums rounded one by one; each projection's own call, which the trainer's update takes with a
+gradient wanted).
 The kernel checks run in Triton's CPU interpreter (a fresh process: Triton reads TRITON_INTERPRET once) in float32
 and float16: the interpreter truncates float32 to bfloat16 instead of rounding it, so bfloat16 is checked on CUDA
 only (@pytest.mark.gpu), where the activation must also equal torch's bits (CUDA's libdevice exp/tanh are torch's).
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from _interpreted import run_interpreted
-from phaserl.models import invariant, invariant_triton
+from phaserl.models import invariant, invariant_fused, invariant_triton
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -36,15 +37,15 @@ def check_rotate(device: str, dtypes) -> None:
         q = torch.randn(B, T, Hq, D, generator=g, device=device).to(dtype)
         k = torch.randn(B, T, Hkv, D, generator=g, device=device).to(dtype)
         cos, sin = (torch.randn(B, T, D, generator=g, device=device).to(dtype) for _ in range(2))
-        qo, ko = invariant_triton.rotate([q, k], cos, sin)
+        qo, ko = invariant_fused.rotate([q, k], cos, sin)
         assert _same(qo, invariant._rotate_torch(q, cos, sin)) and _same(ko, invariant._rotate_torch(k, cos, sin))
         flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731  [B T, ...] decode rows
         for idx in ([0], [7], [3, 11], [14, 0, 5]):
-            dq, dk = invariant_triton.rotate([flat(q)[idx], flat(k)[idx]], flat(cos)[idx], flat(sin)[idx])
+            dq, dk = invariant_fused.rotate([flat(q)[idx], flat(k)[idx]], flat(cos)[idx], flat(sin)[idx])
             assert _same(dq, flat(qo)[idx]) and _same(dk, flat(ko)[idx]), (dtype, idx)
         fused = torch.randn(B * T, (Hq + 2 * Hkv) * D, generator=g, device=device).to(dtype)  # a [q; k; v] output
         qv = fused[:, :Hq * D].unflatten(-1, (Hq, D))  # strided rows
-        assert _same(invariant_triton.rotate([qv], flat(cos), flat(sin))[0],
+        assert _same(invariant_fused.rotate([qv], flat(cos), flat(sin))[0],
                      invariant._rotate_torch(qv, flat(cos), flat(sin)))
         pq, pk = invariant.rotate_pair(q, k, cos, sin)
         assert _same(pq, qo) and _same(pk, ko)
@@ -77,7 +78,7 @@ def check_gated(device: str, dtypes, exact_torch: bool) -> None:
             whole = invariant.gated(gate, up, act)  # [B, T, I]
             rows, ups = gate.reshape(42, 300), up.reshape(42, 300)
             for idx in ([0], [41], [3, 17], [40, 2, 9]):
-                assert _same(invariant_triton.gated(rows[idx], ups[idx], act), whole.reshape(42, 300)[idx]), act
+                assert _same(invariant_fused.gated(rows[idx], ups[idx], act), whole.reshape(42, 300)[idx]), act
             ref = invariant.activation(gate, act) * up
             if exact_torch:
                 assert _same(whole, ref), (dtype, act)
@@ -154,7 +155,7 @@ def check_write_kv(device: str, dtypes) -> None:
         want_k, want_v = keys.clone(), values.clone()
         rows = torch.arange(4, device=device)
         want_k[rows, :, pos], want_v[rows, :, pos] = k, v
-        invariant_triton.write_kv(k, v, keys, values, pos)
+        invariant_fused.write_kv(k, v, keys, values, pos)
         assert _same(keys, want_k) and _same(values, want_v)
 
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phaserl.models import invariant_triton
+from phaserl.models import invariant_fused, invariant_triton
 
 Tensor = torch.Tensor
 KEY_BLOCK = 32                # attention: key positions per block (the engine's 64-token slots hold whole blocks)
@@ -293,10 +293,10 @@ def _fused(*tensors: Tensor) -> bool:
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """RoPE as layers.rotate: x * cos + roll(x) * signed_sin, two products and a sum, each rounded alone
     (addcmul's fused multiply-add may round differently in its vectorized and scalar loops). Where Triton runs, one
-    kernel with those roundings (invariant_triton.rotate: the same bits)."""
+    kernel with those roundings (invariant_fused.rotate: the same bits)."""
     if not _fused(x, cos, signed_sin):
         return _rotate_torch(x, cos, signed_sin)
-    return _exact(lambda x: invariant_triton.rotate([x], cos, signed_sin)[0],
+    return _exact(lambda x: invariant_fused.rotate([x], cos, signed_sin)[0],
                   lambda x: _rotate_torch(x, cos, signed_sin), x)
 
 
@@ -305,7 +305,7 @@ def rotate_pair(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor) -> tuple[
     runs and no gradient is wanted (the engine's decode and prefill, the trainer's scoring); the same bits either
     way."""
     if _fused(q, k, cos, signed_sin) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        q, k = invariant_triton.rotate([q, k], cos, signed_sin)
+        q, k = invariant_fused.rotate([q, k], cos, signed_sin)
         return q, k
     return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
 
@@ -338,14 +338,14 @@ SQRT_HALF = 0.5 ** 0.5
 
 def gated(gate: Tensor, up: Tensor, act: str) -> Tensor:
     """The gated MLP's activation(gate, act) * up [..., I], act rounded to the dtype, then the product: one kernel
-    where Triton runs (invariant_triton.gated, the same roundings), the torch ops elsewhere."""
-    if not (_fused(gate, up) and act in invariant_triton.ACTS):
+    where Triton runs (invariant_fused.gated, the same roundings), the torch ops elsewhere."""
+    if not (_fused(gate, up) and act in invariant_fused.ACTS):
         return activation(gate, act) * up
 
     def default(g, u):
         return (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
 
-    return _exact(lambda g, u: invariant_triton.gated(g, u, act), default, gate, up)
+    return _exact(lambda g, u: invariant_fused.gated(g, u, act), default, gate, up)
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:

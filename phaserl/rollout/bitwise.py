@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from phaserl.models import invariant, invariant_triton
+from phaserl.models import invariant, invariant_fused
 from phaserl.models.layers import LayerWeights, post_attention, pre_attention, rms_norm
 from phaserl.rollout import kernels, sample_kernel, torch_path
 from phaserl.rollout.layer_fns import LayerFns
@@ -35,7 +35,7 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tens
                      scale: Optional[float] = None, window: Optional[int] = None) -> Tensor:
     """q [b, Hq, D], k/v [b, Hkv, D] at positions pos [b]; keys/values [slots, Hkv, S, D] -> [b, Hq * D]."""
     b = q.shape[0]
-    invariant_triton.write_kv(k, v, keys, values, pos)  # one launch where Triton runs (index_put elsewhere)
+    invariant_fused.write_kv(k, v, keys, values, pos)  # one launch where Triton runs (index_put elsewhere)
     out = invariant.attention(q[:, None], pos[:, None], keys[:b].transpose(1, 2), values[:b].transpose(1, 2),
                               scale, window)  # [b, 1, Hq, D]
     return out.reshape(b, -1)
