@@ -48,8 +48,8 @@ BLOCK_N, BLOCK_K = BASE.block_n, BASE.block_k  # the split-K layout's units (k_s
 # leave the GPU idle at few rows (0.5B down at 32 rows: 10 splits 0.0148 ms against 0.0226 unsplit); a shallow or
 # short one pays more for the workspace and the second launch than its splits gain. End to end: the 0.5B bitwise
 # decode step 2.29 ms with this rule, 2.67 with every weight split, 2.61 split for 264 programs (H200, 2026-12-06,
-# commit 3556c5c, benchmarks/numerics.py; a split q/k/v or gate/up also loses its group launch). BENCHMARKS.md has
-# the per-call timings at 1-16384 rows.
+# commit 3556c5c, benchmarks/numerics.py; a split q/k/v or gate/up also loses its group launch). docs/numerics.md
+# has the per-call timings at 1-16384 rows.
 # Fewer launches per layer, the same bits (tests/test_invariant_fused.py, in Triton's interpreter and on an H100; the
 # 0.5B decode step 3.94 -> 2.27 ms, H100, 2026-12-06, benchmarks/numerics.py; BENCHMARKS.md):
 GROUP = True            # q/k/v and gate/up in one launch (matmul_group) where no gradient is wanted; False: a call each
