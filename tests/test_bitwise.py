@@ -12,7 +12,7 @@ from _tiny_run import make_run_dir
 from phaserl.batch import RolloutBatch, layout_ids, right_padded
 from phaserl.config import load_config
 from phaserl.errors import ConfigError
-from phaserl.models import CausalLM, DecoderConfig, invariant, layers
+from phaserl.models import CausalLM, DecoderConfig, invariant, invariant_head, layers
 from phaserl.roles.forward import rows_logprobs
 from phaserl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
@@ -43,7 +43,7 @@ def test_each_kernel_gives_a_row_the_same_bits_whatever_shares_the_call(dtype):
         _rows_alike(lambda t: invariant.rms_norm(t, norm, 1e-6, style, default=layers.rms_norm), x)
     for act in ("silu", "gelu_pytorch_tanh"):
         _rows_alike(lambda t: invariant.activation(t, act), x * 4)
-    _rows_alike(lambda t: invariant.logsumexp(t.float()), x)
+    _rows_alike(lambda t: invariant_head.logsumexp(t.float()), x)
     heads = x.view(37, 6, 16)
     whole = invariant.rotate(heads, table[:, :16], table[:, 16:32])
     assert torch.equal(invariant.rotate(heads[5:9], table[5:9, :16], table[5:9, 16:32]), whole[5:9])
@@ -89,7 +89,7 @@ def test_gradients_are_the_default_kernels_gradients():
     h, w.grad = torch.randn(7, 16, generator=g, requires_grad=True), None
     targets = torch.randint(0, 8, (7,), generator=g)
     grads = []
-    for head in (invariant.token_logprobs, token_logprobs_from_hidden):
+    for head in (invariant_head.token_logprobs, token_logprobs_from_hidden):
         logp, ent = head(h, w, targets, temperature=0.7, with_entropy=True)
         (logp.square().sum() + ent.sum()).backward()
         grads.append((logp.detach(), ent.detach(), h.grad, w.grad))

@@ -23,7 +23,7 @@ from ..algo import token_logprobs_from_hidden
 from ..algo.logprobs import can_save_logits
 from ..batch import RolloutBatch, send
 from ..batching import pad_response_tensor, split_by_tokens, trim_padding
-from ..models import CausalLM, ValueModel, invariant
+from ..models import CausalLM, ValueModel, invariant, invariant_head
 from ..models.moe import Routing
 from ..packing import Packed, pack_rows, split_packed_by_tokens
 from ..parallel import all_reduce_sum, rank_and_world
@@ -58,9 +58,9 @@ def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, tempera
     soft-capping, logit scaling), so log-probs are always the model's. keep_logits: under autograd with the
     Triton kernels, the logits stay from forward to backward (N x V in the weight's dtype) instead of being
     recomputed there; elsewhere it changes nothing. In the bitwise numerics mode: the engine sampler's numbers
-    exactly (models/invariant.py)."""
+    exactly (models/invariant_head.py)."""
     if invariant.enabled():
-        return invariant.token_logprobs(hidden, model.output_weight, targets, temperature=temperature,
+        return invariant_head.token_logprobs(hidden, model.output_weight, targets, temperature=temperature,
                                         cap=model.config.final_logit_softcapping, with_entropy=with_entropy)
     if getattr(model, "plain_head", True):
         fused = _fused(model)

@@ -5,7 +5,7 @@ log-prob equals the one the trainer's forward computes, bit for bit.
   cached_attention    the decode step's: write each row's new k/v at its position, attend over its slot
   prefill_attention   torch's scaled_dot_product_attention's signature, for the prefill pass's call
   extend_attention    an extend pass's: write the new tokens' k/v, attend over each row's slot
-  sample_tokens       torch_path.sample_tokens' draw, its log-prob from invariant.logprobs_of (fast_sample: the
+  sample_tokens       torch_path.sample_tokens' draw, its log-prob from invariant_head.logprobs_of (fast_sample: the
                       Triton sampler's draw where it runs)
   engine_weights      a layer's weights: its projections as the trainer's modules, a LoRA projection as its merged
                       weight (invariant.merged_weight, computed once per call where the trainer computes it per
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from phaserl.models import invariant, invariant_fused
+from phaserl.models import invariant, invariant_fused, invariant_head
 from phaserl.models.layers import LayerWeights, post_attention, pre_attention, rms_norm
 from phaserl.rollout import kernels, sample_kernel, torch_path
 from phaserl.rollout.layer_fns import LayerFns
@@ -71,14 +71,14 @@ def sample_tokens(logits: Tensor, noise: Optional[Tensor], greedy: bool, tempera
     """logits [b, V] -> (tokens [b], log-probs [b]): torch_path.sample_tokens' draw; the log-prob under
     log_softmax(logits / T) as the trainer's bitwise head computes it."""
     tokens, _ = torch_path.sample_tokens(logits, noise, greedy, temperature, top_k, top_p)
-    return tokens, invariant.logprobs_of(invariant.scaled(logits, temperature), tokens)
+    return tokens, invariant_head.logprobs_of(invariant_head.scaled(logits, temperature), tokens)
 
 
 def fast_sample(logits: Tensor, seed: Tensor, keys: Tensor, at: Tensor, greedy: bool,
                 temperature: float) -> tuple[Tensor, Tensor]:
     """sample_kernel.sample's draw (no top-k/top-p; where Triton runs), the log-prob as sample_tokens gives it."""
     tokens, _ = sample_kernel.sample(logits, seed, keys, at, greedy, temperature)
-    return tokens, invariant.logprobs_of(invariant.scaled(logits, temperature), tokens)
+    return tokens, invariant_head.logprobs_of(invariant_head.scaled(logits, temperature), tokens)
 
 
 def engine_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeights:
@@ -101,7 +101,7 @@ def engine_weights(layer, previous: Optional[LayerWeights] = None) -> LayerWeigh
 
 # The runner's functions in bitwise mode: the layer math dispatches to the invariant kernels itself (layers.py);
 # no compile (it may fuse a product into an FMA). Where Triton runs, the draws and their noise are the Triton
-# sampler's (`on_device`), the log-probs always invariant.logprobs_of's.
+# sampler's (`on_device`), the log-probs always invariant_head.logprobs_of's.
 FNS = LayerFns(pre_attention, post_attention, rms_norm, cached_attention, sample_tokens, None,
                prefill=prefill_attention)
 
