@@ -19,8 +19,8 @@ Matmul inputs of 16-bit floats multiply exactly in float32; every kernel accumul
 input dtype where the default kernel does. Cost: a matmul holds its [rows, N, K] products (in chunks of
 CHUNK_ELEMENTS), a memory-bound pass instead of a GEMM: fine for the tiny CPU models. Where Triton runs (a GPU)
 the matmul, attention, RMSNorm and log-sum-exp are invariant_triton's fixed-configuration kernels instead (their own
-fixed orders: both sides of a run take them), and RoPE, act(gate) * up, residual adds and grouped q/k/v or gate/up
-matmuls are fewer launches with the same bits.
+fixed orders: both sides of a run take them), and RoPE, act(gate) * up (invariant_fused), residual adds and grouped
+q/k/v or gate/up matmuls are fewer launches with the same bits.
 Vision-language models (models/vision.py, qwen_vl.py): the tower's LayerNorm (`layer_norm`) and erf GELU
 (`activation(x, "gelu")`) from tree sums and elementwise ops, its per-image attention through `attention`; the
 decoder's M-RoPE positions are rotary positions only, the keys laid out by each token's place (`Aligned.of`).

@@ -61,7 +61,7 @@ def head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, *, tempera
     exactly (models/invariant_head.py)."""
     if invariant.enabled():
         return invariant_head.token_logprobs(hidden, model.output_weight, targets, temperature=temperature,
-                                        cap=model.config.final_logit_softcapping, with_entropy=with_entropy)
+                                              cap=model.config.final_logit_softcapping, with_entropy=with_entropy)
     if getattr(model, "plain_head", True):
         fused = _fused(model)
         save = keep_logits and torch.is_grad_enabled() and can_save_logits(fused, hidden)
