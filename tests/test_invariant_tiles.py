@@ -2,8 +2,8 @@
 tile's float32 sums are BASE's on the device (invariant_triton.agrees), so the row's bits never depend on the call.
 In Triton's CPU interpreter the candidates do not agree (its dot sums a whole K step at once, in numpy's order): the
 check sees it and every call takes BASE; with the check's answer forced, a few-row call's bits would differ, which is
-what the check is for. @pytest.mark.gpu: on the GPU every candidate agrees in every dtype, and decode-sized calls at
-Qwen2 0.5B shapes (taking the candidates) equal the rows of one big call (BASE) bit for bit.
+what the check is for. @pytest.mark.gpu: on the GPU every candidate agrees in every dtype, and calls of 1-1,024 rows
+at Qwen2 0.5B shapes (taking the candidates) equal the rows of one big call on BASE bit for bit.
 """
 import importlib.util
 import os
@@ -13,7 +13,16 @@ import torch
 
 from _interpreted import run_interpreted
 from phaserl.models import invariant_tiles
-from phaserl.models.invariant_tiles import BASE, FEW_NARROW, FEW_WIDE, SOME_NARROW, SOME_WIDE, candidate
+from phaserl.models.invariant_tiles import (
+    BASE,
+    FEW_NARROW,
+    FEW_WIDE,
+    MANY,
+    MANY_WIDE,
+    SOME_NARROW,
+    SOME_WIDE,
+    candidate,
+)
 
 
 @pytest.mark.parametrize("rows, cols, splits, tile", [
@@ -21,7 +30,8 @@ from phaserl.models.invariant_tiles import BASE, FEW_NARROW, FEW_WIDE, SOME_NARR
     (32, 9728, 1, FEW_WIDE), (8, 151936, 1, FEW_WIDE), (32, 896, 10, FEW_WIDE),     # gate/up, vocabulary, down
     (65, 896, 1, SOME_NARROW), (256, 1152, 1, SOME_NARROW),                         # a larger decode batch
     (128, 9728, 1, SOME_WIDE), (256, 896, 10, SOME_WIDE),
-    (257, 896, 1, BASE), (4096, 9728, 1, BASE), (4096, 896, 10, BASE),              # prefill, the training forward
+    (257, 896, 1, MANY), (4096, 1152, 1, MANY), (4096, 896, 10, MANY),             # prefill, the training forward
+    (257, 9728, 1, MANY_WIDE), (8192, 9728, 1, MANY_WIDE), (1024, 151936, 1, MANY_WIDE),
 ])
 def test_the_candidate_is_a_function_of_the_calls_rows_columns_and_splits(rows, cols, splits, tile):
     assert candidate(rows, cols, splits) == tile
@@ -86,9 +96,9 @@ def test_gpu_every_candidate_sums_as_base_in_every_dtype():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_calls_at_qwen2_shapes_equal_the_rows_of_one_big_call():
-    """0.5B: q with bias, o with a residual, q/k/v and gate/up as group launches, down in splits; rows 1-256 (the
-    candidates) at two offsets against a 400-row call (BASE)."""
+def test_gpu_calls_at_qwen2_shapes_equal_the_rows_of_one_big_call_on_base(monkeypatch):
+    """0.5B: q with bias, o with a residual, q/k/v and gate/up as group launches, down in splits; rows 1-1,024 (every
+    band's candidates) at two offsets, and the whole call on its own candidate, against a 1,200-row call on BASE."""
     it, device = _cuda()
     g = torch.Generator(device=device).manual_seed(0)
     H, D, inter, dtype = 896, 128, 4864, torch.bfloat16
@@ -96,11 +106,12 @@ def test_gpu_decode_calls_at_qwen2_shapes_equal_the_rows_of_one_big_call():
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
-    x, xi = rand(400, H), rand(400, inter)
+    R = 1200
+    x, xi = rand(R, H), rand(R, inter)
     wq, wk, wv, wo = rand(H, H, scale=H ** -0.5), rand(D, H, scale=H ** -0.5), rand(D, H, scale=H ** -0.5), rand(
         H, H, scale=H ** -0.5)
     wg, wu, wd = rand(inter, H, scale=H ** -0.5), rand(inter, H, scale=H ** -0.5), rand(H, inter, scale=inter ** -0.5)
-    bq, bk, bv, res = rand(H), rand(D), rand(D), rand(400, H)
+    bq, bk, bv, res = rand(H), rand(D), rand(D), rand(R, H)
     calls = {
         "q": lambda r: [it.matmul(x[r], wq, bq, dtype)],
         "o": lambda r: [it.matmul(x[r], wo, None, dtype, residual=res[r])],
@@ -109,10 +120,15 @@ def test_gpu_decode_calls_at_qwen2_shapes_equal_the_rows_of_one_big_call():
         "down": lambda r: [it.matmul(xi[r], wd, None, dtype)],
     }
     assert it.tile_for(32, H, device, dtype) == FEW_NARROW and it.tile_for(200, 2 * inter, device, dtype) == SOME_WIDE
+    assert it.tile_for(R, 2 * inter, device, dtype) == MANY_WIDE and it.tile_for(R, H, device, dtype) == MANY
     assert it.k_splits(inter, H)[0] > 1
+    product_tile = it.tile_for
     for name, call in calls.items():
-        whole = [_as_bits(t) for t in call(slice(0, 400))]
-        for rows in (1, 8, 32, 64, 65, 128, 256):
+        monkeypatch.setattr(it, "tile_for", lambda *args: BASE)
+        whole = [_as_bits(t) for t in call(slice(0, R))]
+        monkeypatch.setattr(it, "tile_for", product_tile)
+        assert all(torch.equal(p, w) for p, w in zip([_as_bits(t) for t in call(slice(0, R))], whole)), name
+        for rows in (1, 8, 32, 64, 65, 128, 256, 257, 1024):
             for start in (0, 77):
                 part = [_as_bits(t) for t in call(slice(start, start + rows))]
                 assert all(torch.equal(p, w[start:start + rows]) for p, w in zip(part, whole)), (name, rows, start)

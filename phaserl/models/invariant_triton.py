@@ -331,8 +331,8 @@ def tile_for(rows: int, cols: int, device: torch.device, dtype: torch.dtype, spl
 
 
 def agrees(tile: Tile, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `tile` sums as BASE does here, bit for bit in float32: checked on the first call (rows 40 of 64- and
-    16-row tiles, 80 columns; K 1008 in one split and K 4112 in 26 splits of 160, which end inside a 64- or
+    """Whether `tile` sums as BASE does here, bit for bit in float32: checked on the first call (rows 40 of 16-, 64- and
+    128-row tiles, 80 columns; K 1008 in one split and K 4112 in 26 splits of 160, which end inside a 64- or
     128-deep K step; both launches), remembered for the process. A call during a CUDA graph's capture cannot run
     the check: it takes BASE and remembers nothing (the engine's eager step before each capture runs it)."""
     key = (tile, device, dtype)
@@ -342,7 +342,7 @@ def agrees(tile: Tile, device: torch.device, dtype: torch.dtype) -> bool:
         _AGREES[key] = _same_sums(tile, device, dtype)
         if not _AGREES[key] and device.type == "cuda":
             warnings.warn(f"bitwise mode: the {tile} matmul tile sums differently from {BASE} on "
-                          f"{torch.cuda.get_device_name(device)} ({dtype}); every call takes {BASE} (slower decode, "
+                          f"{torch.cuda.get_device_name(device)} ({dtype}); every call takes {BASE} (slower, "
                           "the same exactness)", RuntimeWarning, stacklevel=3)
     return _AGREES[key]
 
