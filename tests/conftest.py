@@ -18,6 +18,16 @@ TEST_CACHE = os.path.join(tempfile.gettempdir(), f"phaserl-test-cache-{os.getuid
 os.environ["PHASERL_CACHE_DIR"] = TEST_CACHE
 os.environ["MPLCONFIGDIR"] = os.path.join(TEST_CACHE, "matplotlib")
 
+# A session run under Triton's CPU interpreter (TRITON_INTERPRET=1) gets the fixed-order dot that the interpreted
+# scripts get (tests/_interpreted.py says why).
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
+        from _interpreted import FIXED_ORDER_DOT
+
+        exec(FIXED_ORDER_DOT, {})
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

@@ -38,7 +38,8 @@ def check_rotate(device: str, dtypes) -> None:
         k = torch.randn(B, T, Hkv, D, generator=g, device=device).to(dtype)
         cos, sin = (torch.randn(B, T, D, generator=g, device=device).to(dtype) for _ in range(2))
         qo, ko = invariant_fused.rotate([q, k], cos, sin)
-        assert _same(qo, invariant._rotate_torch(q, cos, sin)) and _same(ko, invariant._rotate_torch(k, cos, sin))
+        assert _same(qo, invariant._rotate_torch(q, cos, sin)), dtype
+        assert _same(ko, invariant._rotate_torch(k, cos, sin)), dtype
         flat = lambda t: t.reshape(B * T, *t.shape[2:])  # noqa: E731  [B T, ...] decode rows
         for idx in ([0], [7], [3, 11], [14, 0, 5]):
             dq, dk = invariant_fused.rotate([flat(q)[idx], flat(k)[idx]], flat(cos)[idx], flat(sin)[idx])
@@ -46,9 +47,9 @@ def check_rotate(device: str, dtypes) -> None:
         fused = torch.randn(B * T, (Hq + 2 * Hkv) * D, generator=g, device=device).to(dtype)  # a [q; k; v] output
         qv = fused[:, :Hq * D].unflatten(-1, (Hq, D))  # strided rows
         assert _same(invariant_fused.rotate([qv], flat(cos), flat(sin))[0],
-                     invariant._rotate_torch(qv, flat(cos), flat(sin)))
+                     invariant._rotate_torch(qv, flat(cos), flat(sin))), ("strided query view", dtype)
         pq, pk = invariant.rotate_pair(q, k, cos, sin)
-        assert _same(pq, qo) and _same(pk, ko)
+        assert _same(pq, qo) and _same(pk, ko), ("rotate_pair", dtype)
 
 
 def check_rotate_gradient(device: str) -> None:
@@ -113,11 +114,12 @@ def check_residual(device: str, dtypes, K: int = 200, M: int = 80, N: int = 70) 
                 for bias in (None, b):
                     for launch in ("tiles", "splits"):
                         fused = invariant_triton.matmul(x, w, bias, dtype, launch=launch, residual=r)
-                        assert _same(fused, r + invariant_triton.matmul(x, w, bias, dtype, launch=launch)), launch
+                        where = (dtype, force, bias is not None, launch)
+                        assert _same(fused, r + invariant_triton.matmul(x, w, bias, dtype, launch=launch)), where
                         part = invariant_triton.matmul(x[5:9], w, bias, dtype, launch=launch, residual=r[5:9])
-                        assert _same(part, fused[5:9])
+                        assert _same(part, fused[5:9]), ("rows 5-8 alone", *where)
         y = invariant.linear(x, w, b, residual=r)
-        assert _same(y, r + invariant.linear(x, w, b))
+        assert _same(y, r + invariant.linear(x, w, b)), ("invariant.linear", dtype)
 
 
 def check_group(device: str, dtypes, K: int = 96, sizes=(80, 16, 16), N: int = 70) -> None:
@@ -139,10 +141,10 @@ def check_group(device: str, dtypes, K: int = 96, sizes=(80, 16, 16), N: int = 7
                 for y, layer in zip(grouped, layers):
                     assert _same(y, invariant.linear(x, layer)), (dtype, biased)
                 for y, part in zip(grouped, invariant.linears(x[9:12], layers)):
-                    assert _same(part, y[9:12])
+                    assert _same(part, y[9:12]), ("rows 9-11 alone", dtype, biased)
             with_grad = invariant.linears(x, layers)  # the weights want a gradient: separate calls
             for y, z in zip(grouped, with_grad):
-                assert _same(y, z.detach())
+                assert _same(y, z.detach()), ("with a gradient wanted", dtype, biased)
 
 
 def check_write_kv(device: str, dtypes) -> None:
@@ -156,7 +158,7 @@ def check_write_kv(device: str, dtypes) -> None:
         rows = torch.arange(4, device=device)
         want_k[rows, :, pos], want_v[rows, :, pos] = k, v
         invariant_fused.write_kv(k, v, keys, values, pos)
-        assert _same(keys, want_k) and _same(values, want_v)
+        assert _same(keys, want_k) and _same(values, want_v), dtype
 
 
 INTERPRETED = f"""
@@ -202,18 +204,24 @@ def _needs_cuda_triton(monkeypatch):
     monkeypatch.setattr(invariant_triton, "GROUP", True)
 
 
+GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GPU_CHECKS = {  # one test each, so a failure names its check
+    "rotate": lambda: check_rotate("cuda", GPU_DTYPES),
+    "rotate_gradient": lambda: check_rotate_gradient("cuda"),
+    "residual": lambda: check_residual("cuda", GPU_DTYPES),
+    "residual_0.5b_down": lambda: check_residual("cuda", (torch.bfloat16,), K=4864, M=896, N=40),  # deep: split
+    "group": lambda: check_group("cuda", GPU_DTYPES),
+    "group_0.5b_qkv_decode": lambda: check_group("cuda", (torch.bfloat16,), K=896, sizes=(896, 128, 128), N=40),
+    "group_0.5b_gate_up": lambda: check_group("cuda", (torch.bfloat16,), K=896, sizes=(4864, 4864), N=300),
+    "write_kv": lambda: check_write_kv("cuda", GPU_DTYPES),
+}
+
+
 @pytest.mark.gpu
-def test_gpu_fused_elementwise_and_residual_keep_the_bits(monkeypatch):
+@pytest.mark.parametrize("check", list(GPU_CHECKS))
+def test_gpu_fused_elementwise_and_residual_keep_the_bits(check, monkeypatch):
     _needs_cuda_triton(monkeypatch)
-    dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    check_rotate("cuda", dtypes)
-    check_rotate_gradient("cuda")
-    check_residual("cuda", dtypes)
-    check_residual("cuda", (torch.bfloat16,), K=4864, M=896, N=40)  # 0.5B down: deep, split by the product's rule
-    check_group("cuda", dtypes)
-    check_write_kv("cuda", dtypes)
-    check_group("cuda", (torch.bfloat16,), K=896, sizes=(896, 128, 128), N=40)  # 0.5B q/k/v at decode rows
-    check_group("cuda", (torch.bfloat16,), K=896, sizes=(4864, 4864), N=300)  # 0.5B gate/up
+    GPU_CHECKS[check]()
 
 
 @pytest.mark.gpu
