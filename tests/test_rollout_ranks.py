@@ -5,6 +5,7 @@ Every multi-process case forks its ranks once and runs its scenarios in turn (ea
 the test functions then check what each rank saved. The failure cases use a 1.5 s timeout.
 """
 import os
+import re
 import time
 import traceback
 import warnings
@@ -403,11 +404,14 @@ def test_a_stalled_peer_gives_a_one_line_error_within_the_timeout(tmp_path):
 def test_a_dead_rollout_rank_gives_a_one_line_error_at_once(tmp_path):
     trainer, rollout = _spawn(tmp_path, "rollout_dies", world=2)
     assert rollout is None  # killed before saving anything
+    # A send to a dead peer can succeed into the socket's buffer before the peer's reset arrives: the weights' failure
+    # is named at the header or at a later bucket of the same version, whichever send first sees the closed socket.
+    weights = r"sending (weight version 1's header|bucket \d+ of \d+ of weight version 1) to rollout rank 1"
     for case, action in (("samples_from_a_dead_rank", "waiting for samples from rollout rank 1"),
-                         ("weights_to_a_dead_rank", "sending weight version 1's header to rollout rank 1")):
+                         ("weights_to_a_dead_rank", weights)):
         message, seconds = trainer[case]
         assert message.startswith("rank 0 of 2 (trainer) in phase "), message
-        assert action in message and "the connection closed: the peer's process is gone" in message, message
+        assert re.search(action, message) and "the connection closed: the peer's process is gone" in message, message
         assert "\n" not in message and seconds < 5, (case, seconds)
 
 
