@@ -24,9 +24,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     import importlib.util
 
     if importlib.util.find_spec("triton") is not None:
-        from _interpreted import FIXED_ORDER_DOT
+        from _interpreted import fix_dot_order
 
-        exec(FIXED_ORDER_DOT, {})
+        fix_dot_order()
 
 
 def pytest_collection_modifyitems(config, items):
