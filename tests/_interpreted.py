@@ -1,12 +1,16 @@
-"""Run a test script in a fresh Python under Triton's CPU interpreter (TRITON_INTERPRET is read once, at Triton's
-import: a session that has imported Triton already cannot switch it on)."""
+"""What the bitwise kernels' tests share: run a test script in a fresh Python under Triton's CPU interpreter
+(TRITON_INTERPRET is read once, at Triton's import: a session that has imported Triton already cannot switch it on),
+compare tensors bit for bit, and set invariant_triton's module constants for a block (the interpreter's subprocess
+has no monkeypatch)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 # this Triton's interpreter turns size-1 arrays into ints, which numpy >= 2.4 refuses with this message
 NUMPY_TOO_NEW = "only 0-dimensional arrays can be converted to Python scalars"
@@ -46,3 +50,27 @@ def run_interpreted(script: str, timeout: int = 300) -> None:
     if NUMPY_TOO_NEW in done.stderr:
         pytest.skip("this Triton's interpreter turns size-1 arrays into ints, which numpy >= 2.4 refuses")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (torch.equal would take -0.0 for +0.0)."""
+    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(bits(a.contiguous()), bits(b.contiguous()))
+
+
+@contextlib.contextmanager
+def triton_constants(**values):
+    """invariant_triton's module constants (SPLIT_K, DEEP_MIN_K, ...) set to `values` for the block."""
+    from phaserl.models import invariant_triton
+
+    saved = {name: getattr(invariant_triton, name) for name in values}
+    for name, value in values.items():
+        setattr(invariant_triton, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(invariant_triton, name, value)

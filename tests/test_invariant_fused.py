@@ -15,17 +15,9 @@ import os
 import pytest
 import torch
 
-from _interpreted import run_interpreted
+from _interpreted import run_interpreted, triton_constants
+from _interpreted import same_bits as _same
 from phaserl.models import invariant, invariant_fused, invariant_triton
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns (torch.equal would take -0.0 for +0.0)."""
-    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
 
 
 def check_rotate(device: str, dtypes) -> None:
@@ -87,18 +79,6 @@ def check_gated(device: str, dtypes, exact_torch: bool) -> None:
                 torch.testing.assert_close(whole.float(), ref.float(), rtol=2e-3, atol=1e-5)
 
 
-@contextlib.contextmanager
-def _constants(**values):
-    saved = {name: getattr(invariant_triton, name) for name in values}
-    for name, value in values.items():
-        setattr(invariant_triton, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(invariant_triton, name, value)
-
-
 def check_residual(device: str, dtypes, K: int = 200, M: int = 80, N: int = 70) -> None:
     """The matmul with a residual in its epilogue equals `residual + matmul(...)` bit for bit, with one split and
     with forced splits (either launch), and a row's bits do not depend on the rows beside it."""
@@ -109,7 +89,7 @@ def check_residual(device: str, dtypes, K: int = 200, M: int = 80, N: int = 70) 
         b = torch.randn(M, generator=g, device=device).to(dtype)
         r = torch.randn(N, M, generator=g, device=device).to(dtype)
         for force in (False, True):
-            with _constants(DEEP_MIN_K=0, DEEP_RATIO=0, MIN_SPLIT_STEPS=1) if force else contextlib.nullcontext():
+            with triton_constants(DEEP_MIN_K=0, DEEP_RATIO=0, MIN_SPLIT_STEPS=1) if force else contextlib.nullcontext():
                 assert invariant_triton.k_splits(K, M)[0] > 1 or not force
                 for bias in (None, b):
                     for launch in ("tiles", "splits"):

@@ -13,7 +13,9 @@ import os
 import pytest
 import torch
 
+from _interpreted import bits as _as_bits
 from _interpreted import run_interpreted
+from _interpreted import triton_constants as _constants
 from phaserl.models import invariant, invariant_triton
 
 
@@ -53,24 +55,6 @@ def test_without_split_k_every_weight_takes_one_split(monkeypatch):
 def test_an_unknown_launch_is_an_error_naming_the_choices():
     with pytest.raises(ValueError, match="splits"):
         invariant_triton.matmul(torch.ones(2, 4), torch.ones(3, 4), launch="split")
-
-
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns (torch.equal would take -0.0 for +0.0)."""
-    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
-
-
-@contextlib.contextmanager
-def _constants(**values):
-    """invariant_triton's module constants set for the block (the interpreter's subprocess has no monkeypatch)."""
-    saved = {name: getattr(invariant_triton, name) for name in values}
-    for name, value in values.items():
-        setattr(invariant_triton, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(invariant_triton, name, value)
 
 
 def check_rows_and_launches(device: str, dtypes, K: int = 500, M: int = 80, N: int = 200, force: bool = True) -> None:

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from _interpreted import bits as _as_bits
 from _interpreted import run_interpreted
 from phaserl.models import invariant_tiles
 from phaserl.models.invariant_tiles import (
@@ -43,10 +44,6 @@ def test_every_candidate_differs_from_base_and_keeps_the_split_layouts_unit():
     for tile in invariant_tiles.CANDIDATES:
         assert tile != BASE
         assert tile.block_k % BASE.block_k == 0 or BASE.block_k % tile.block_k == 0, tile
-
-
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
 
 
 def check_base_everywhere_in_the_interpreter() -> None:
