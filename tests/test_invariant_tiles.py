@@ -76,6 +76,37 @@ def test_in_the_interpreter_the_check_refuses_the_candidates_and_every_call_take
     run_interpreted(INTERPRETED)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its error type)")
+def test_a_tile_whose_launch_does_not_fit_the_gpu_falls_back_to_base_once(monkeypatch):
+    """A chosen tile whose compiled kernel wants more shared memory than the GPU has (a float32 group launch on an
+    H100) runs as BASE instead, with one warning, and later calls of that kernel skip it; a tile the caller names
+    (agrees' own check) gets the error."""
+    from triton.runtime.errors import OutOfResources
+
+    from phaserl.models import invariant_triton as it
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    monkeypatch.setattr(it, "_TOO_BIG", set())
+    monkeypatch.setitem(it._AGREES, (SOME_NARROW, cpu, f32), True)
+    tried = []
+
+    def launch(tile):
+        tried.append(tile)
+        if tile != BASE:
+            raise OutOfResources(294912, 232448, "shared memory")
+        return "ran on BASE"
+
+    tile = it.tile_for(70, 112, cpu, f32, kernel="group")
+    assert tile == SOME_NARROW
+    with pytest.warns(RuntimeWarning, match="does not fit this GPU"):
+        assert it._fitting(launch, "group", tile, True, cpu, f32) == "ran on BASE"
+    assert tried == [SOME_NARROW, BASE]
+    assert it.tile_for(70, 112, cpu, f32, kernel="group") == BASE     # remembered for that kernel ...
+    assert it.tile_for(70, 112, cpu, f32, kernel="matmul") == SOME_NARROW  # ... only
+    with pytest.raises(OutOfResources):
+        it._fitting(launch, "matmul", SOME_NARROW, False, cpu, f32)
+
+
 def _cuda():
     from phaserl.models import invariant_triton as it
 

@@ -5,7 +5,8 @@ invariant.py's torch versions are exact by construction but memory-bound; on a G
   matmul     invariant_tiles' tiles (no autotuning): an output element is its row's and column's dot product
              accumulated in the same order whatever the row count or the row's place in its tile (a tensor-core MMA
              computes each element alone); a call of few rows takes a tile of its own only where that tile's sums
-             are BASE's on this GPU (agrees: checked once, else BASE everywhere). Split-K: a deep weight's depth is
+             are BASE's on this GPU (agrees: checked once, else BASE everywhere), and runs BASE where its launch
+             does not fit the GPU's shared memory (_fitting: the same bits). Split-K: a deep weight's depth is
              cut into S splits of KS, both a function of the weight's shape (k_splits(K, M)) and never of the row
              count (any other weight takes one split); each split accumulates its range in K steps from its own
              start, and the partials are added in split order, 0 + p0 + p1 + ..., in float32. Whether one program
@@ -323,11 +324,33 @@ _AGREES: dict = {}  # (tile, device, dtype) -> whether its float32 sums are BASE
 CHECK_ROWS, CHECK_COLS, CHECK_DEPTHS = 40, 80, (1008, 4112)  # agrees()'s problem: ragged rows, one split / 26
 
 
-def tile_for(rows: int, cols: int, device: torch.device, dtype: torch.dtype, splits: int = 1) -> Tile:
+_TOO_BIG: set = set()  # (kernel, tile, device, dtype) whose launch needs more shared memory than this GPU has
+
+
+def tile_for(rows: int, cols: int, device: torch.device, dtype: torch.dtype, splits: int = 1,
+             kernel: str = "matmul") -> Tile:
     """The tile a call of `rows` rows, `cols` output columns (a group launch: its weights' total) and `splits` K
-    splits takes: invariant_tiles.candidate's where it agrees with BASE on this device and dtype, else BASE."""
+    splits takes: invariant_tiles.candidate's where it agrees with BASE on this device and dtype and its `kernel`'s
+    launch fits the GPU's shared memory (_fitting), else BASE."""
     tile = candidate(rows, cols, splits)
-    return tile if tile == BASE or agrees(tile, device, dtype) else BASE
+    if tile == BASE or (kernel, tile, device, dtype) in _TOO_BIG:
+        return BASE
+    return tile if agrees(tile, device, dtype) else BASE
+
+
+def _fitting(launch, kernel: str, tile: Tile, chosen: bool, device: torch.device, dtype: torch.dtype):
+    """launch(tile)'s result; where the tile was tile_for's choice (`chosen`) and its compiled kernel needs more shared
+    memory than this GPU has (a float32 group launch on an H100: 288 KiB of 227), launch(BASE) instead: the same
+    bits (agrees), BASE's speed, remembered for the process (tile_for skips the tile for that kernel)."""
+    try:
+        return launch(tile)
+    except triton.runtime.errors.OutOfResources as error:
+        if not chosen or tile == BASE:
+            raise
+        _TOO_BIG.add((kernel, tile, device, dtype))
+        warnings.warn(f"bitwise mode: the {kernel} kernel's {tile} launch does not fit this GPU ({error}); those calls "
+                      f"take {BASE} (slower, the same bits)", RuntimeWarning, stacklevel=3)
+        return launch(BASE)
 
 
 def agrees(tile: Tile, device: torch.device, dtype: torch.dtype) -> bool:
@@ -382,24 +405,29 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
         assert residual.shape == (N, M) and residual.dtype == out_dtype, (residual.shape, residual.dtype)
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     S, KS = k_splits(K, M)
-    tile = tile_for(N, M, x.device, x.dtype, S) if tile is None else tile
-    tiles = (triton.cdiv(N, tile.block_m), triton.cdiv(M, tile.block_n))
-    spread = S > 1 and (launch == "splits" or (launch == "auto" and tiles[0] * tiles[1] < FILL_PROGRAMS))
     b = out if bias is None else bias
     r, r_sn = (out, 0) if residual is None else (residual, residual.stride(0))
     ends = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None)
-    common = dict(IEEE=x.dtype == torch.float32, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
-                  num_warps=tile.warps, num_stages=tile.stages)
-    if not spread:
-        _matmul_kernel[(*tiles, 1)](x, w, b, r, out, N, M, K, KS, S, x.stride(0), w.stride(0), out.stride(0), r_sn,
-                                    PARTIAL=False, **ends, **common)
+
+    def run(tile: Tile) -> torch.Tensor:
+        tiles = (triton.cdiv(N, tile.block_m), triton.cdiv(M, tile.block_n))
+        spread = S > 1 and (launch == "splits" or (launch == "auto" and tiles[0] * tiles[1] < FILL_PROGRAMS))
+        common = dict(IEEE=x.dtype == torch.float32, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
+                      num_warps=tile.warps, num_stages=tile.stages)
+        if not spread:
+            _matmul_kernel[(*tiles, 1)](x, w, b, r, out, N, M, K, KS, S, x.stride(0), w.stride(0), out.stride(0),
+                                        r_sn, PARTIAL=False, **ends, **common)
+            return out
+        partials = torch.empty(S, N, M, dtype=torch.float32, device=x.device)  # [S, N, M]
+        _matmul_kernel[(*tiles, S)](x, w, b, r, partials, N, M, K, KS, S, x.stride(0), w.stride(0), M, 0,
+                                    HAS_BIAS=False, HAS_RES=False, PARTIAL=True, **common)
+        _sum_splits_kernel[(triton.cdiv(N, SUM_ROWS), triton.cdiv(M, SUM_COLS))](
+            partials, b, r, out, N, M, out.stride(0), r_sn, S=S, BR=SUM_ROWS, BC=SUM_COLS, **ends)
         return out
-    partials = torch.empty(S, N, M, dtype=torch.float32, device=x.device)  # [S, N, M]
-    _matmul_kernel[(*tiles, S)](x, w, b, r, partials, N, M, K, KS, S, x.stride(0), w.stride(0), M, 0, HAS_BIAS=False,
-                                HAS_RES=False, PARTIAL=True, **common)
-    _sum_splits_kernel[(triton.cdiv(N, SUM_ROWS), triton.cdiv(M, SUM_COLS))](
-        partials, b, r, out, N, M, out.stride(0), r_sn, S=S, BR=SUM_ROWS, BC=SUM_COLS, **ends)
-    return out
+
+    chosen = tile is None
+    tile = tile_for(N, M, x.device, x.dtype, S) if chosen else tile
+    return _fitting(run, "matmul", tile, chosen, x.device, x.dtype)
 
 
 def groupable(K: int, weights: Sequence[torch.Tensor]) -> bool:
@@ -418,17 +446,21 @@ def matmul_group(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seque
     outs = [torch.empty(N, w.shape[0], dtype=out_dtype, device=x.device) for w in ws]
     if N == 0:
         return outs
-    tile = tile_for(N, sum(w.shape[0] for w in ws), x.device, x.dtype)
-    counts = [triton.cdiv(w.shape[0], tile.block_n) for w in ws]
     has_bias = biases[0] is not None
     pad = lambda items: list(items) + [items[-1]] * (3 - len(items))  # noqa: E731  a third slot never reached
     w3, o3 = pad(ws), pad(outs)
     b3 = pad(list(biases)) if has_bias else o3
-    _group_kernel[(triton.cdiv(N, tile.block_m), sum(counts))](
-        x, *w3, *b3, *o3, N, *[w.shape[0] for w in w3], counts[0], counts[1], K, x.stride(0),
-        *[w.stride(0) for w in w3], *[o.stride(0) for o in o3], IEEE=x.dtype == torch.float32, HAS_BIAS=has_bias,
-        BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
-    return outs
+
+    def run(tile: Tile) -> list[torch.Tensor]:
+        counts = [triton.cdiv(w.shape[0], tile.block_n) for w in ws]
+        _group_kernel[(triton.cdiv(N, tile.block_m), sum(counts))](
+            x, *w3, *b3, *o3, N, *[w.shape[0] for w in w3], counts[0], counts[1], K, x.stride(0),
+            *[w.stride(0) for w in w3], *[o.stride(0) for o in o3], IEEE=x.dtype == torch.float32, HAS_BIAS=has_bias,
+            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages)
+        return outs
+
+    tile = tile_for(N, sum(w.shape[0] for w in ws), x.device, x.dtype, kernel="group")
+    return _fitting(run, "group", tile, True, x.device, x.dtype)
 
 
 def attention(q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
