@@ -143,10 +143,11 @@ def profile_parts(model, prompts, batch, new_tokens: int, micro_tokens: int, top
 
 
 def update_pass(model, batch, micro_tokens: int, exact: bool = True) -> None:
-    """The update's forward + backward over the batch, packed in micro-batches of micro_tokens (no optimizer step).
-    exact=False: the bitwise mode between its checks (rollout.bitwise_check_every), the default forward only."""
+    """The update's forward + backward over the batch, packed in micro-batches of micro_tokens (no optimizer step),
+    with the entropies the actor takes for its metrics. exact=False: the bitwise mode between its checks
+    (rollout.bitwise_check_every), the default forward only."""
     for idx in split_rows(batch, micro_tokens, packing=True):
-        logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=False,
+        logp, _, mask = rows_logprobs(model, batch, idx, packing=True, temperature=1.0, with_entropy=True,
                                       exact=exact)
         (logp * mask).sum().backward()
 

@@ -194,9 +194,10 @@ def test_trainer_logprobs_equal_the_engines_bit_for_bit(family):
 
 @pytest.mark.parametrize("packing, checkpointed", [(False, 0), (True, 0), (True, 2)])
 def test_the_training_forward_takes_the_default_kernels_gradient_at_the_exact_values(packing, checkpointed):
-    """With autograd the bitwise mode's log-probs and entropies are the exact kernels' bits, and the parameters'
-    gradient of a loss linear in them is the default mode's, bit for bit (the graph is the default forward's; a
-    checkpointed layer recomputes in its forward's mode)."""
+    """With autograd the bitwise mode's log-probs are the exact kernels' bits and its entropies the default mode's
+    (nothing compares them with the engine: the exact pass skips them), and the parameters' gradient of a loss
+    linear in both is the default mode's, bit for bit (the graph is the default forward's; a checkpointed layer
+    recomputes in its forward's mode)."""
     model = _model(_families()["qwen2"]).train()
     model.model.checkpoint_layers = checkpointed
     with invariant.bitwise():
@@ -212,8 +213,9 @@ def test_the_training_forward_takes_the_default_kernels_gradient_at_the_exact_va
                 plain = rows_logprobs(model, batch, idx, packing=packing, temperature=0.8, with_entropy=True)
         runs[on] = (logp.detach(), ent.detach(), plain, [p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
-    (logp, ent, plain, grads), (d_logp, _, _, d_grads) = runs[True], runs[False]
-    assert torch.equal(logp, plain[0]) and torch.equal(ent, plain[1])  # the no-grad exact values, bit for bit
+    (logp, ent, plain, grads), (d_logp, d_ent, _, d_grads) = runs[True], runs[False]
+    assert torch.equal(logp, plain[0])  # the no-grad exact values, bit for bit
+    assert torch.equal(ent, d_ent)  # the default forward's entropy
     R = mask.shape[1]
     assert float(((logp - batch.rollout_logprobs[idx, :R]).abs() * mask).max()) == 0.0
     assert not torch.equal(logp, d_logp)  # the default kernels' values differ: the check above could fail

@@ -231,18 +231,20 @@ def rows_logprobs(model, batch: RolloutBatch, idx: torch.Tensor, *, packing: boo
     routing (MoE models, moe.Routing): filled with every MoE layer's router logits and experts; it replays the
     batch's routed_experts where the batch has them (routing replay). graphs: see packed_micro_logprobs.
     In the bitwise numerics mode a forward with autograd runs twice: the batch-invariant kernels without a graph
-    give the values (the engine's bits, and their fused, grouped launches), the default kernels give the graph
-    (`exact_values`): one plain forward and backward instead of an exact forward whose every op recomputes its
-    default self in the backward. exact=False: the default forward only (the caller has the exact values)."""
+    give the log-probs' values (the engine's bits, and their fused, grouped launches), the default kernels give the
+    graph (`exact_values`): one plain forward and backward instead of an exact forward whose every op recomputes its
+    default self in the backward. The entropy, which nothing compares with the engine, is the default forward's,
+    values and graph: the exact pass skips it (a softmax over the vocabulary per token). exact=False: the default
+    forward only (the caller has the exact values)."""
     args = dict(packing=packing, temperature=temperature, with_entropy=with_entropy, routing=routing,
                 keep_logits=keep_logits, graphs=graphs)
     if bitwise_training(model):
         if not exact:
             with invariant.bitwise(False):
                 return _rows_logprobs(model, batch, idx, **args)
-        values, default = values_and_graph(lambda: _rows_logprobs(model, batch, idx, **args))
-        logp, ent = (None if v is None else exact_values(d, v) for d, v in zip(default[:2], values[:2]))
-        return logp, ent, values[2]
+        values, default = values_and_graph(lambda: _rows_logprobs(model, batch, idx, **{**args, "with_entropy": False}),
+                                           lambda: _rows_logprobs(model, batch, idx, **args))
+        return exact_values(default[0], values[0]), default[1], values[2]
     return _rows_logprobs(model, batch, idx, **args)
 
 
@@ -251,13 +253,13 @@ def bitwise_training(model) -> bool:
     return invariant.enabled() and torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
 
 
-def values_and_graph(forward):
-    """(exact, default): forward() without autograd on the batch-invariant kernels (the values), and forward() on
-    the default kernels (the graph); `exact_values` joins each pair."""
+def values_and_graph(exact_forward, default_forward=None):
+    """(exact, default): exact_forward() without autograd on the batch-invariant kernels (the values), and
+    default_forward() (the same function if None) on the default kernels (the graph); `exact_values` joins them."""
     with torch.no_grad():
-        exact = forward()
+        exact = exact_forward()
     with invariant.bitwise(False):
-        default = forward()
+        default = (default_forward or exact_forward)()
     return exact, default
 
 
